@@ -1,0 +1,105 @@
+"""`make_loader`: a drop-in for `torch.utils.data.DataLoader` in training code."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from loadopt.config import Config, PipelineConfig, config_from_dict, expand_settings, load_config
+from loadopt.device import resolve_device
+from loadopt.errors import BackendUnavailable, ConfigError
+from loadopt.loaders.base import Loader, backend_class, backend_names
+from loadopt.storage.imagefolder import ImageDataset, open_dataset
+
+log = logging.getLogger(__name__)
+
+# `auto` without a recorded decision: the first available of these (fastest first, by design:
+# native engines, then pre-packed formats, then the DataLoader everyone has).
+FALLBACK_ORDER = ("dali", "arrow", "kvikio", "posix", "torch")
+
+
+def _as_config(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]) -> Config:
+    if isinstance(config_or_path, dict):
+        return config_from_dict(config_or_path, "<dict>")
+    return load_config(config_or_path)
+
+
+def _distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any], str]:
+    """(backend, settings, why) for `auto`: the recorded decision if it applies, else the fallback order."""
+    from loadopt.bench.results import machine_fingerprint, machine_info
+    from loadopt.bench.runner import decision_path
+
+    path = decision_path(dataset.fingerprint)
+    try:
+        decision = json.loads(path.read_text())
+    except (OSError, ValueError):
+        decision = None
+    if decision is not None:
+        if decision.get("machine_fingerprint") != machine_fingerprint(machine_info()):
+            log.warning("make_loader: the decision in %s was made on another machine; not using it", path)
+        else:
+            if decision.get("pipeline") != config.pipeline.model_dump(mode="json"):
+                log.warning("make_loader: the decision in %s was measured with other pipeline settings", path)
+            why = f"fastest in the last bench on this machine ({decision.get('samples_per_s', 0):,.0f} samples/s)"
+            return decision["backend"], decision.get("settings") or {}, why
+    for name in FALLBACK_ORDER:
+        if name in backend_names() and backend_class(name).available()[0]:
+            return name, dict(config.loaders.get(name) or {}), "no bench decision for this dataset and machine; " \
+                f"first available in the fallback order {', '.join(FALLBACK_ORDER)}"
+    raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
+
+
+def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], split: str = "train",
+                backend: str = "auto", *, device: str | torch.device | None = None, rank: int | None = None,
+                world_size: int | None = None, seed: int | None = None, epoch: int = 0,
+                **overrides: Any) -> Loader:
+    """A loader for `split` of the configured dataset, iterating `(inputs, labels)` on `device`.
+
+    `backend="auto"` uses the setting the last `loadopt bench` found fastest for this dataset on this
+    machine, else the first available backend of `FALLBACK_ORDER`. Keyword overrides name pipeline
+    keys (`batch_size=32`) or the backend's settings (`num_workers=4`) and always win. Under
+    `torchrun` rank and world size come from `torch.distributed`. Where the config sweeps a knob
+    (a list), the first value is used.
+    """
+    config = _as_config(config_or_path)
+    dataset = open_dataset(config, split)
+    if backend == "auto":
+        backend, settings_raw, why = _choose(config, dataset)
+    else:
+        settings_raw, why = dict(config.loaders.get(backend) or {}), "asked for by name"
+    try:
+        cls = backend_class(backend)
+    except KeyError as exc:
+        raise ConfigError(f"make_loader: backend={backend!r}: {exc.args[0]}") from None
+    available, reason = cls.available()
+    if not available:
+        raise BackendUnavailable(f"backend {backend}: {reason}")
+
+    pipeline_raw = config.pipeline.model_dump()
+    for key, value in overrides.items():
+        if key in PipelineConfig.model_fields:
+            pipeline_raw[key] = value
+        elif key in cls.Settings.model_fields:
+            settings_raw[key] = value
+        else:
+            raise ConfigError(f"make_loader: unknown keyword {key!r} (pipeline keys: "
+                              f"{', '.join(PipelineConfig.model_fields)}; {backend} settings: "
+                              f"{', '.join(cls.Settings.model_fields)})")
+    pipeline = config_from_dict({"pipeline": pipeline_raw}, "make_loader").pipeline
+    settings = expand_settings(cls.Settings, settings_raw, f"loaders.{backend}", "make_loader")[0]
+    dist_rank, dist_world = _distributed()
+    loader = cls(dataset, pipeline, settings, device=resolve_device(device or config.workload.device),
+                 rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
+                 seed=config.seed if seed is None else seed, epoch=epoch, on_error=config.dataset.on_error)
+    log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
+    return loader

@@ -1,0 +1,1 @@
+"""The measuring harness, its metrics, the emulated accelerator and results files."""

@@ -1,0 +1,142 @@
+"""The consumer's step: an emulated accelerator (as MLPerf Storage and DLIO do) or a real model.
+
+Emulated, on CUDA: a device-side busy kernel (`torch.cuda._sleep`) of the step time, so the host is
+free to fetch the next batch, exactly as with a real model. On the CPU: `time.sleep`, which releases
+the GIL so the loader's threads keep working. A step returns the compute time it took, either as
+seconds or, on CUDA, as an event pair read back later (never a synchronisation per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from loadopt.device import Elapsed
+
+
+class Accelerator:
+    """Runs one step per batch; `drain()` waits for outstanding device work."""
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Wait for every step launched so far (a no-op on the CPU)."""
+
+
+class EmulatedAccelerator(Accelerator):
+    def __init__(self, step_time_s: float, device: torch.device) -> None:
+        self.step_time_s = step_time_s
+        self.device = device
+        self._pending: deque[torch.cuda.Event] = deque()
+        self._cycles_per_s = _calibrate_sleep(device) if device.type == "cuda" else 0.0
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            if self.step_time_s > 0:
+                time.sleep(self.step_time_s)
+            return Elapsed(time.perf_counter() - start)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if self.step_time_s > 0:
+            torch.cuda._sleep(int(self.step_time_s * self._cycles_per_s))
+        end.record()
+        _bound_queue(self._pending, end)
+        return Elapsed(events=(start, end))
+
+    def drain(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _bound_queue(pending: deque, event: torch.cuda.Event, depth: int = 2) -> None:
+    """Let the host run at most `depth` steps ahead of the device, as a training loop's optimiser
+    step and loss read-back would; an unbounded queue would hide stalls in the backlog."""
+    pending.append(event)
+    while len(pending) > depth:
+        pending.popleft().synchronize()
+
+
+def _calibrate_sleep(device: torch.device) -> float:
+    """Clock cycles per second of `torch.cuda._sleep` on this GPU, measured with events."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1_000)  # warm up the kernel
+        cycles = 50_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) / 1000.0)
+
+
+class SmallCNN(torch.nn.Module):
+    """loadopt's own stand-in model for a real step without torchvision."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        channels = 3
+        for width in (32, 64, 128):
+            layers += [torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.BatchNorm2d(width),
+                       torch.nn.ReLU(inplace=True)]
+            channels = width
+        self.features = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.head = torch.nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class ModelStep(Accelerator):
+    """A real forward + backward + SGD step of `model_name` on each batch."""
+
+    def __init__(self, model_name: str, num_classes: int, device: torch.device) -> None:
+        from loadopt.errors import BackendUnavailable
+
+        if model_name == "resnet50":
+            try:
+                import torchvision
+            except Exception as exc:  # noqa: BLE001 - torchvision fails to import in several ways
+                raise BackendUnavailable(f"workload.model: resnet50 needs torchvision, which does not import "
+                                         f"here ({type(exc).__name__}: {exc}); use small_cnn") from None
+            model = torchvision.models.resnet50(num_classes=num_classes)
+        else:
+            model = SmallCNN(num_classes)
+        self.device = device
+        self.model = model.to(device).train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self._pending: deque[torch.cuda.Event] = deque()
+
+    def _run(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        if inputs.dtype == torch.uint8:
+            inputs = inputs.float().div_(255.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(self.model(inputs), labels)
+        loss.backward()
+        self.optimizer.step()
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            self._run(inputs, labels)
+            return Elapsed(time.perf_counter() - start)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._run(inputs, labels)
+        end.record()
+        _bound_queue(self._pending, end)
+        return Elapsed(events=(start, end))
+
+    def drain(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def make_accelerator(model: str, step_time_ms: float, num_classes: int, device: torch.device) -> Accelerator:
+    if model == "none":
+        return EmulatedAccelerator(step_time_ms / 1000.0, device)
+    return ModelStep(model, num_classes, device)

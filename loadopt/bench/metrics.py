@@ -1,0 +1,108 @@
+"""The metrics of DESIGN.md, computed from the per-batch probes of one measured window.
+
+Definitions (warm-up batches excluded):
+- `samples_per_s`, `mb_per_s`: samples and stored (encoded) sample bytes delivered per wall second.
+- `accelerator_utilisation` = sum(compute_i) / wall; `stall_fraction` = 1 - accelerator_utilisation.
+- `wait_*_ms`: percentiles of wait_i, the time from asking for batch i to holding it.
+- `h2d_gb_per_s` = bytes moved / sum(h2d_i); `h2d_pinned` says whether the source was pinned.
+- `storage_bytes_read` (/proc io read_bytes of the process tree), `bytes_read` (the loader's own
+  count), `goodput_ratio` = bytes of samples delivered / bytes_read.
+- `cpu_seconds_per_1k_samples` over the process tree, `peak_rss_mb` of the tree.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadopt.bench.monitor import TreeUsage
+from loadopt.device import Elapsed
+
+# Metrics that describe the run rather than vary with it are not aggregated over repeats.
+NOT_AGGREGATED = ("h2d_pinned", "h2d_emulated")
+
+
+@dataclass
+class BatchProbe:
+    """What the harness saw of one batch."""
+
+    index: int
+    measured: bool
+    start_s: float  # when the batch was asked for, from the run's start
+    wait_s: float
+    h2d: Elapsed
+    h2d_bytes: int
+    finish_s: float  # host time of the copy and the on-device finishing (layout, normalisation)
+    compute: Elapsed
+    samples: int
+    sample_bytes: int  # stored (encoded) bytes of the batch's samples
+
+
+def percentile_ms(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q) * 1000.0) if len(values) else 0.0
+
+
+def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, loader_bytes_read: int,
+                   h2d_pinned: bool, h2d_emulated: bool, device_idle_s: float | None = None) -> dict[str, Any]:
+    """The metrics of one repeat from the probes of its measured batches."""
+    measured = [p for p in probes if p.measured]
+    samples = sum(p.samples for p in measured)
+    sample_bytes = sum(p.sample_bytes for p in measured)
+    waits = np.array([p.wait_s for p in measured])
+    compute_s = sum(p.compute.seconds() for p in measured)
+    h2d_s = sum(p.h2d.seconds() for p in measured)
+    h2d_bytes = sum(p.h2d_bytes for p in measured)
+    utilisation = min(1.0, compute_s / wall_s) if wall_s > 0 else 0.0
+    metrics: dict[str, Any] = {
+        "samples": samples,
+        "batches": len(measured),
+        "wall_s": wall_s,
+        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+        "mb_per_s": sample_bytes / wall_s / 1e6 if wall_s > 0 else 0.0,
+        "accelerator_utilisation": utilisation,
+        "stall_fraction": 1.0 - utilisation,
+        "compute_s": compute_s,
+        "wait_s": float(waits.sum()),
+        "wait_p50_ms": percentile_ms(waits, 50),
+        "wait_p95_ms": percentile_ms(waits, 95),
+        "wait_p99_ms": percentile_ms(waits, 99),
+        "wait_max_ms": float(waits.max() * 1000.0) if len(waits) else 0.0,
+        "h2d_s": h2d_s,
+        "finish_s": sum(p.finish_s for p in measured),
+        "h2d_gb_per_s": h2d_bytes / h2d_s / 1e9 if h2d_s > 0 else None,
+        "h2d_pinned": h2d_pinned,
+        "h2d_emulated": h2d_emulated,
+        "sample_bytes_delivered": sample_bytes,
+        "bytes_read": loader_bytes_read,
+        "storage_bytes_read": usage.storage_bytes_read,
+        "goodput_ratio": sample_bytes / loader_bytes_read if loader_bytes_read > 0 else None,
+        "cpu_seconds": usage.cpu_seconds,
+        "cpu_seconds_per_1k_samples": usage.cpu_seconds / samples * 1000.0 if samples else None,
+        "peak_rss_mb": usage.peak_rss_bytes / 2**20,
+    }
+    if device_idle_s is not None:
+        metrics["device_idle_fraction"] = min(1.0, device_idle_s / wall_s) if wall_s > 0 else None
+    return metrics
+
+
+def aggregate(repeats: list[dict[str, Any]]) -> dict[str, dict[str, float] | Any]:
+    """Median and min-max spread of every numeric metric over the repeats."""
+    out: dict[str, Any] = {}
+    for key in repeats[0]:
+        values = [r[key] for r in repeats if r.get(key) is not None]
+        if key in NOT_AGGREGATED or not values or not all(isinstance(v, (int, float)) for v in values):
+            out[key] = repeats[0][key]
+            continue
+        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def median(metrics: dict[str, Any], key: str) -> float | None:
+    """The median of an aggregated metric (None when it was not measured)."""
+    value = metrics.get(key)
+    if isinstance(value, dict):
+        return value["median"]
+    return value

@@ -1,0 +1,130 @@
+"""CPU time, storage reads and resident memory of this process and all its descendants.
+
+Loader workers come and go (a plain DataLoader forks new ones every epoch), so the tree is sampled
+from a background thread and every process seen is remembered with its first and last counters.
+CPU time is exact besides: `os.times()` adds the CPU of children already reaped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass
+class TreeUsage:
+    cpu_seconds: float
+    storage_bytes_read: int  # /proc/<pid>/io read_bytes: what came from the block device
+    chars_read: int  # /proc/<pid>/io rchar: bytes returned by read calls, page cache included
+    peak_rss_bytes: int
+    processes_seen: int
+
+
+@dataclass
+class _Seen:
+    first_io: tuple[int, int]
+    last_io: tuple[int, int]
+    first_cpu: float
+    last_cpu: float
+
+
+def _io(proc: psutil.Process) -> tuple[int, int]:
+    try:
+        counters = proc.io_counters()
+        return counters.read_bytes, getattr(counters, "read_chars", 0)
+    except (psutil.Error, AttributeError):
+        return 0, 0
+
+
+def _cpu(proc: psutil.Process) -> float:
+    try:
+        times = proc.cpu_times()
+        return times.user + times.system
+    except psutil.Error:
+        return 0.0
+
+
+class ProcessTreeMonitor:
+    """`start()` and `stop()` (or `with`) around the measured window; then `usage` holds the result."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.usage: TreeUsage | None = None
+        self._root = psutil.Process(os.getpid())
+        self._children: dict[int, tuple[psutil.Process, _Seen]] = {}
+        self._root_io = (0, 0)
+        self._peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loadopt-monitor", daemon=True)
+
+    def _reaped_cpu(self) -> float:
+        times = os.times()
+        return times.children_user + times.children_system
+
+    def _sample(self) -> None:
+        rss = self._root.memory_info().rss
+        try:
+            children = self._root.children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            io, cpu = _io(child), _cpu(child)
+            try:
+                rss += child.memory_info().rss
+            except psutil.Error:
+                continue
+            known = self._children.get(child.pid)
+            if known is None:
+                self._children[child.pid] = (child, _Seen(io, io, cpu, cpu))
+            else:
+                known[1].last_io, known[1].last_cpu = io, cpu
+        self._peak_rss = max(self._peak_rss, rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> ProcessTreeMonitor:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> ProcessTreeMonitor:
+        self._root_io = _io(self._root)
+        self._root_cpu = sum(os.times()[:2])
+        self._start_reaped = self._reaped_cpu()
+        self._sample()
+        # Children alive at the start count only their CPU from now on.
+        self._live_at_start = {pid: seen.first_cpu for pid, (_, seen) in self._children.items()}
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        root_io = _io(self._root)
+        storage = root_io[0] - self._root_io[0]
+        chars = root_io[1] - self._root_io[1]
+        cpu = sum(os.times()[:2]) - self._root_cpu
+        # Reaped children: exact from os.times (includes the CPU they used before the window began,
+        # which is subtracted below for those that were alive at the start).
+        cpu += self._reaped_cpu() - self._start_reaped
+        for pid, (proc, seen) in self._children.items():
+            storage += seen.last_io[0] - seen.first_io[0]
+            chars += seen.last_io[1] - seen.first_io[1]
+            alive = proc.is_running()
+            if alive:
+                cpu += seen.last_cpu - self._live_at_start.get(pid, 0.0)
+            else:
+                cpu -= self._live_at_start.get(pid, 0.0)
+        self.usage = TreeUsage(cpu, storage, chars, self._peak_rss, 1 + len(self._children))

@@ -1,0 +1,126 @@
+"""Results files: `results.json` (schema-versioned) and the raw per-batch timings as Parquet.
+
+Files are written to a temporary name in the same folder and renamed, so a reader never sees half a
+file and an interrupted bench never destroys the previous results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from loadopt.errors import OutputError
+
+SCHEMA_VERSION = 1
+LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simplejpeg", "nvidia-dali-cuda120",
+             "kvikio-cu12", "torchvision")
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Call `write(tmp_path)`, then rename the temporary file onto `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def prepare_output(out: str | os.PathLike[str]) -> Path:
+    """Create the output folder and check it can be written, before any work is done."""
+    folder = Path(out).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".loadopt-write-check.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"{folder}: cannot write the output folder ({exc.strerror or exc})") from None
+    return folder
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"name": props.name, "count": torch.cuda.device_count(), "memory_gb": props.total_memory / 2**30,
+               "cuda": torch.version.cuda}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": cores,
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": gpu,
+        "libraries": library_versions(),
+    }
+
+
+def machine_fingerprint(machine: dict[str, Any]) -> str:
+    """What makes two machines comparable for a decision: CPU, cores, RAM, GPU."""
+    gpu = machine.get("gpu") or {}
+    key = json.dumps([machine["cpu_model"], machine["cpu_count"], round(machine["ram_gb"]), gpu.get("name"),
+                      gpu.get("count")])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def write_results(folder: Path, results: dict[str, Any], timing_rows: dict[str, list]) -> tuple[Path, Path]:
+    """Write `results.json` and `timings.parquet` into `folder`; returns their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    json_path, parquet_path = folder / "results.json", folder / "timings.parquet"
+    try:
+        table = pa.table(timing_rows)
+        atomic_write(parquet_path, lambda tmp: pq.write_table(table, tmp))
+        atomic_write_text(json_path, json.dumps(results, indent=2, default=_jsonable) + "\n")
+    except OSError as exc:
+        raise OutputError(f"{folder}: cannot write results ({exc.strerror or exc})") from None
+    return json_path, parquet_path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,242 @@
+"""`run_bench`: every configured loader setting through the harness, ranked, written to disk.
+
+Repeats are interleaved (repeat 1 of every setting, then repeat 2, ...) so that a slow phase of a
+shared, noisy machine does not land on one setting only. A backend that cannot run here is listed
+with its reason; a backend that fails at run time is listed with its error and the bench goes on;
+Ctrl-C stops the bench and keeps the runs already finished.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from loadopt.bench.accelerator import make_accelerator
+from loadopt.bench.harness import RepeatResult, run_repeat
+from loadopt.bench.metrics import aggregate, median
+from loadopt.bench.results import (SCHEMA_VERSION, atomic_write_text, machine_fingerprint, machine_info,
+                                   prepare_output, write_results)
+from loadopt.config import Config, WorkloadConfig, backend_settings, cache_dir
+from loadopt.device import DeviceTransfer, resolve_device
+from loadopt.errors import ConfigError, LoadoptError
+from loadopt.loaders.base import backend_class
+from loadopt.storage.imagefolder import ImageDataset, open_dataset
+from loadopt.storage.pagecache import evict
+
+log = logging.getLogger(__name__)
+
+
+class Reporter:
+    """Progress callbacks of a bench; the CLI draws them with rich, the library ignores them."""
+
+    def dataset_progress(self, done: int, total: int) -> None: ...
+
+    def run_started(self, label: str, total_batches: int) -> None: ...
+
+    def batch_done(self, done: int) -> None: ...
+
+    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None: ...
+
+
+@dataclass
+class _Setting:
+    backend: str
+    settings: BaseModel | None
+    label: str
+    status: str = "ok"  # ok | unavailable | error
+    reason: str = ""
+    repeats: list[RepeatResult] = field(default_factory=list)
+
+
+@dataclass
+class BenchOutcome:
+    results: dict[str, Any]
+    json_path: Path
+    parquet_path: Path
+    interrupted: bool
+
+
+def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
+    """`--quick`: one short repeat per setting, for a first look in well under two minutes."""
+    if not quick:
+        return workload
+    return workload.model_copy(update={"warmup_batches": min(workload.warmup_batches, 2),
+                                       "measure_batches": min(workload.measure_batches, 20), "repeats": 1})
+
+
+def _plan(config: Config, names: list[str], dataset: ImageDataset, device) -> list[_Setting]:
+    plan: list[_Setting] = []
+    for name in names:
+        try:
+            cls = backend_class(name)
+        except KeyError as exc:
+            raise ConfigError(f"--loaders {name}: {exc.args[0]}") from None
+        available, reason = cls.available()
+        if not available:
+            plan.append(_Setting(name, None, name, "unavailable", reason))
+            continue
+        for settings in backend_settings(config, name):
+            probe = cls(dataset, config.pipeline, settings, device=device, seed=config.seed)
+            plan.append(_Setting(name, settings, f"{name} {probe.describe()}"))
+            probe.close()
+    return plan
+
+
+def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
+              reporter: Reporter | None = None) -> BenchOutcome:
+    """Measure every configured loader setting; write results.json and timings.parquet into `out`."""
+    reporter = reporter or Reporter()
+    folder = prepare_output(out or config.report.out)
+    device = resolve_device(config.workload.device)
+    workload = effective_workload(config.workload, quick)
+    dataset = open_dataset(config, progress=reporter.dataset_progress)
+    plan = _plan(config, loaders or list(config.loaders), dataset, device)
+    accelerator = make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), device)
+    cache_note = "warm: the page cache was left as it was"
+    interrupted = False
+    user_error: LoadoptError | None = None
+    try:
+        for repeat in range(workload.repeats):
+            for setting in plan:
+                if setting.status != "ok":
+                    continue
+                if config.storage.cache == "cold":
+                    cache_note = _evict(dataset)
+                _run_one(setting, repeat, config, dataset, device, accelerator, workload, reporter)
+    except KeyboardInterrupt:
+        interrupted = True
+    except LoadoptError as exc:
+        user_error = exc
+    results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+    json_path, parquet_path = write_results(folder, results, _timing_rows(plan))
+    if user_error is not None:
+        raise user_error
+    if not interrupted:
+        _record_decision(results, dataset)
+    return BenchOutcome(results, json_path, parquet_path, interrupted)
+
+
+def _evict(dataset: ImageDataset) -> str:
+    files = dataset.local_files()
+    if not files:
+        return "cold requested, but the dataset is not on a local disk: its cache could not be evicted"
+    count = evict(files)
+    return f"cold: {count} of {len(files)} files evicted from the page cache (posix_fadvise DONTNEED) before each run"
+
+
+def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDataset, device, accelerator,
+             workload: WorkloadConfig, reporter: Reporter) -> None:
+    cls = backend_class(setting.backend)
+    reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
+                         workload.warmup_batches + workload.measure_batches)
+    loader = None
+    try:
+        loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
+                     on_error=config.dataset.on_error)
+        result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), workload.warmup_batches,
+                            workload.measure_batches, on_batch=reporter.batch_done)
+    except (LoadoptError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one failing backend must not take the others down
+        log.debug("run %s failed", setting.label, exc_info=True)
+        setting.status, setting.reason = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
+        reporter.run_finished(setting.label, None, setting.reason)
+        return
+    finally:
+        if loader is not None:
+            loader.close()
+    setting.repeats.append(result)
+    reporter.run_finished(setting.label, result.metrics, None)
+
+
+def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
+             quick: bool, interrupted: bool, cache_note: str) -> dict[str, Any]:
+    machine = machine_info()
+    runs = []
+    for setting in plan:
+        run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
+                               "settings": setting.settings.model_dump() if setting.settings else None,
+                               "status": setting.status, "reason": setting.reason}
+        if setting.repeats and setting.status == "ok":
+            run["metrics"] = aggregate([r.metrics for r in setting.repeats])
+            run["repeats"] = [r.metrics for r in setting.repeats]
+            run["skipped_files"] = [{"path": p, "reason": why} for r in setting.repeats for p, why in r.skipped]
+        elif setting.status == "ok":
+            run["status"], run["reason"] = "not run", "the bench was interrupted first"
+        runs.append(run)
+    measured = sorted((r for r in runs if "metrics" in r), key=lambda r: -median(r["metrics"], "samples_per_s"))
+    summary = _summary(measured)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "loadopt bench",
+        "config_source": config.source,
+        "config": config.model_dump(mode="json"),
+        "quick": quick,
+        "interrupted": interrupted,
+        "device": str(device),
+        "machine": machine,
+        "machine_fingerprint": machine_fingerprint(machine),
+        "dataset": {"root": dataset.root, "fingerprint": dataset.fingerprint, "synthetic": dataset.synthetic,
+                    "num_samples": len(dataset), "num_classes": len(dataset.classes),
+                    "total_bytes": int(dataset.sizes.sum()), "mean_sample_bytes": float(dataset.sizes.mean())},
+        "workload": workload.model_dump(),
+        "cache": {"mode": config.storage.cache, "note": cache_note},
+        "runs": runs,
+        "ranking": [r["label"] for r in measured],
+        "summary": summary,
+    }
+
+
+def _summary(measured: list[dict[str, Any]]) -> str:
+    if not measured:
+        return "no loader setting was measured"
+    best = measured[0]
+    rate = median(best["metrics"], "samples_per_s")
+    text = f"fastest: {best['label']} at {rate:,.0f} samples/s"
+    if len(measured) > 1:
+        second = measured[1]
+        other = median(second["metrics"], "samples_per_s")
+        text += f", {rate / other:.2f}x the next ({second['label']}, {other:,.0f} samples/s)" if other else ""
+    return text
+
+
+def _timing_rows(plan: list[_Setting]) -> dict[str, list]:
+    columns = ("run", "backend", "label", "repeat", "batch", "measured", "start_s", "wait_s", "h2d_s",
+               "finish_s", "compute_s", "samples", "sample_bytes")
+    rows: dict[str, list] = {c: [] for c in columns}
+    for run_index, setting in enumerate(plan):
+        for repeat, result in enumerate(setting.repeats):
+            for p in result.probes:
+                values = (run_index, setting.backend, setting.label, repeat, p.index, p.measured, p.start_s,
+                          p.wait_s, p.h2d.seconds(), p.finish_s, p.compute.seconds(), p.samples, p.sample_bytes)
+                for column, value in zip(columns, values):
+                    rows[column].append(value)
+    return rows
+
+
+def decision_path(dataset_fingerprint: str) -> Path:
+    return cache_dir() / "decisions" / f"{dataset_fingerprint}.json"
+
+
+def _record_decision(results: dict[str, Any], dataset: ImageDataset) -> None:
+    """Remember the fastest setting for `make_loader(backend="auto")` on this dataset and machine."""
+    best = next((r for r in results["runs"] if results["ranking"] and r["label"] == results["ranking"][0]), None)
+    if best is None:
+        return
+    decision = {"backend": best["backend"], "settings": best["settings"], "label": best["label"],
+                "samples_per_s": median(best["metrics"], "samples_per_s"),
+                "machine_fingerprint": results["machine_fingerprint"], "pipeline": results["config"]["pipeline"],
+                "device": results["device"], "created": results["created"]}
+    path = decision_path(dataset.fingerprint)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(decision, indent=2) + "\n")
+    except OSError as exc:  # the results are written; a missing decision only costs `auto` its memory
+        log.warning("could not record the decision in %s: %s", path, exc)

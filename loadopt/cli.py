@@ -1,0 +1,181 @@
+"""The `loadopt` command: thin typer commands over the library, rich progress and tables.
+
+User errors (`LoadoptError`) print one line on stderr and exit non-zero; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from loadopt.errors import LoadoptError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Measure and pick the fastest input path for a deep-learning job.")
+console = Console()
+err_console = Console(stderr=True)
+
+SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set workload.step_time_ms=40 "
+                                             "(repeatable; the value is parsed as YAML).")
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    try:
+        yield
+    except LoadoptError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            err_console.print(f"[bold red]error:[/] {line}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+
+
+class _RichReporter:
+    """Draws the bench's progress: the dataset generation, then one bar per run."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self._task: Any = None
+        self._dataset_task: Any = None
+
+    def dataset_progress(self, done: int, total: int) -> None:
+        if self._dataset_task is None:
+            self._dataset_task = self.progress.add_task("generating the synthetic dataset", total=total)
+        self.progress.update(self._dataset_task, completed=done)
+
+    def run_started(self, label: str, total_batches: int) -> None:
+        self._task = self.progress.add_task(label, total=total_batches)
+
+    def batch_done(self, done: int) -> None:
+        self.progress.update(self._task, completed=done)
+
+    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None:
+        if error is not None:
+            self.progress.console.print(f"[red]{label}: failed: {error}[/]", highlight=False)
+        elif metrics is not None:
+            self.progress.console.print(
+                f"  {label}: {metrics['samples_per_s']:,.0f} samples/s, stall {metrics['stall_fraction']:.0%}",
+                highlight=False)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=False)
+
+
+def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    from loadopt.bench.metrics import median
+
+    value = median(metrics, key)
+    return "-" if value is None else format(value * scale, spec)
+
+
+def results_table(results: dict[str, Any]) -> Table:
+    """One row per loader setting, ranked by throughput; settings that did not run at the end."""
+    from loadopt.bench.metrics import median
+
+    table = Table(title=f"loadopt bench: {results['config']['name']} on {results['device']}"
+                        f" ({results['dataset']['num_samples']} samples)", title_justify="left")
+    for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
+                            ("spread", "right"), ("MB/s", "right"), ("stall", "right"), ("wait p99 ms", "right"),
+                            ("CPU s/1k", "right"), ("peak RSS MB", "right")):
+        table.add_column(column, justify=justify)
+    by_label = {r["label"]: r for r in results["runs"]}
+    for rank, label in enumerate(results["ranking"], start=1):
+        m = by_label[label]["metrics"]
+        rate = m["samples_per_s"]
+        spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
+        table.add_row(str(rank), label, f"{median(m, 'samples_per_s'):,.0f}", spread, _fmt(m, "mb_per_s", ",.1f"),
+                      _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
+                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_rss_mb", ",.0f"))
+    for run in results["runs"]:
+        if run["label"] not in results["ranking"]:
+            table.add_row("-", run["label"], f"[yellow]{run['status']}[/]: {run['reason']}", *[""] * 6)
+    return table
+
+
+@app.command()
+def bench(
+    config: str = typer.Argument(..., help="The config YAML, e.g. configs/imagenet.yaml."),
+    loaders: str = typer.Option(None, "--loaders", help="Comma-separated backends to run (default: all configured)."),
+    out: str = typer.Option(None, "--out", help="Output folder (default: report.out of the config)."),
+    quick: bool = typer.Option(False, "--quick", help="One short repeat per setting: a first look in < 2 minutes."),
+    set_: list[str] = SetOption,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log what loadopt decides and why."),
+) -> None:
+    """Run every configured loader setting through the harness and rank them."""
+    from loadopt.bench.runner import run_bench
+    from loadopt.config import load_config
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    with _user_errors():
+        cfg = load_config(config, set_ or [])
+        names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
+        with _progress() as progress:
+            outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress))
+    results = outcome.results
+    console.print(results_table(results))
+    console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
+                  f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
+    console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
+    skipped = sum(len(r.get("skipped_files", [])) for r in results["runs"])
+    if skipped:
+        console.print(f"[yellow]{skipped} unreadable samples were skipped (dataset.on_error: skip); "
+                      f"their files are listed in results.json[/]")
+    if outcome.interrupted:
+        err_console.print("interrupted: the results of the runs that finished were kept")
+        raise typer.Exit(130)
+    console.print(f"[bold]{results['summary']}[/]", highlight=False)
+
+
+@app.command()
+def doctor() -> None:
+    """What this machine offers: torch/CUDA, pinned memory, DALI, kvikio/GDS, shared memory, CPU, RAM."""
+    from loadopt.doctor import run_checks
+
+    table = Table(title="loadopt doctor", title_justify="left")
+    table.add_column("item")
+    table.add_column("status")
+    table.add_column("detail")
+    for check in run_checks():
+        status = {True: "[green]ok[/]", False: "[yellow]unusable[/]", None: "[dim]info[/]"}[check.ok]
+        table.add_row(check.item, status, check.detail)
+    console.print(table)
+
+
+@app.command("make-dataset")
+def make_dataset(
+    config: str = typer.Argument(..., help="The config YAML whose dataset to prepare."),
+    set_: list[str] = SetOption,
+) -> None:
+    """Generate (or check) the config's dataset, and nothing else."""
+    from loadopt.config import load_config
+    from loadopt.storage.imagefolder import open_dataset
+
+    with _user_errors():
+        cfg = load_config(config, set_ or [])
+        with _progress() as progress:
+            reporter = _RichReporter(progress)
+            dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+    console.print(f"{dataset.root}: {len(dataset):,} images in {len(dataset.classes)} classes, "
+                  f"mean {dataset.sizes.mean() / 1e3:,.1f} KB, {dataset.sizes.sum() / 1e6:,.1f} MB in all",
+                  highlight=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

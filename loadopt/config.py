@@ -1,0 +1,273 @@
+"""The validated config: pydantic models, YAML loading, `--set` overrides and one-line errors.
+
+Every validation problem becomes `ConfigError("<file>: <key.path>: <what is wrong>")`, so a user sees
+which file and which key to fix. Backend settings under `loaders:` are validated by the model that
+each backend declares (`Loader.Settings`); a list value there is a sweep over that knob.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from loadopt.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SyntheticSpec(_Strict):
+    """Parameters of the generated ImageNet-shaped dataset (used when `dataset.path` is null)."""
+
+    num_samples: int = Field(4000, gt=0)
+    num_classes: int = Field(100, gt=0)
+    mean_width: int = Field(400, ge=16)
+    mean_height: int = Field(350, ge=16)
+    jpeg_quality: int = Field(90, ge=1, le=100)
+    seed: int = 0
+
+
+class DatasetConfig(_Strict):
+    kind: Literal["images"] = "images"
+    path: str | None = None
+    synthetic: SyntheticSpec = SyntheticSpec()
+    on_error: Literal["raise", "skip"] = "raise"
+
+
+class PipelineConfig(_Strict):
+    batch_size: int = Field(64, gt=0)
+    image_size: int = Field(224, ge=8)
+    augment: Literal["train", "eval"] = "train"
+    dtype: Literal["float32", "uint8"] = "float32"
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    shuffle: bool = True
+    drop_last: bool = False
+
+
+class WorkloadConfig(_Strict):
+    step_time_ms: float = Field(25.0, ge=0)
+    warmup_batches: int = Field(5, ge=0)
+    measure_batches: int = Field(200, gt=0)
+    repeats: int = Field(3, ge=1)
+    # "none": the emulated accelerator (a step of step_time_ms per batch); otherwise a real
+    # forward+backward of this model on every batch.
+    model: Literal["none", "small_cnn", "resnet50"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class StorageConfig(_Strict):
+    tier: Literal["local"] = "local"
+    cache: Literal["warm", "cold"] = "warm"
+
+
+class ReportConfig(_Strict):
+    out: str = "results/default"
+
+
+class Config(_Strict):
+    name: str = "default"
+    seed: int = 0
+    dataset: DatasetConfig = DatasetConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    # backend name -> raw settings; validated against the backend's own model by `backend_settings`.
+    loaders: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"torch": {}})
+    storage: StorageConfig = StorageConfig()
+    report: ReportConfig = ReportConfig()
+    # Where the config came from, for error messages and results; not a YAML key.
+    source: str = Field("<defaults>", exclude=True)
+
+
+def cache_dir() -> Path:
+    """The folder for generated datasets and decisions: `$LOADOPT_CACHE`, default ~/.cache/loadopt."""
+    return Path(os.environ.get("LOADOPT_CACHE") or Path.home() / ".cache" / "loadopt").expanduser()
+
+
+# ---------------------------------------------------------------------------------------------
+# Error messages
+
+
+def _key_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _describe(error: dict[str, Any]) -> str:
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind in ("float_parsing", "float_type"):
+        return f"expected a number, got {value!r}"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"expected an integer, got {value!r}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"expected true or false, got {value!r}"
+    if kind == "string_type":
+        return f"expected a string, got {value!r}"
+    if kind == "literal_error":
+        return f"expected one of {ctx.get('expected')}, got {value!r}"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"expected a mapping of keys, got {value!r}"
+    message = error["msg"]
+    message = message[0].lower() + message[1:]
+    return f"{message}, got {value!r}"
+
+
+def _raise_validation(exc: ValidationError, source: str, prefix: tuple[Any, ...] = (), overrides=()) -> None:
+    lines = []
+    for error in exc.errors():
+        loc = prefix + tuple(error["loc"])
+        path = _key_path(loc)
+        lines.append(f"{_source_for(path, source, overrides)}: {path}: {_describe(error)}")
+    raise ConfigError("\n".join(lines)) from None
+
+
+def _source_for(path: str, source: str, overrides) -> str:
+    for expr in overrides:
+        key = expr.split("=", 1)[0]
+        if path == key or path.startswith(key + ".") or path.startswith(key + "["):
+            return f"{source} (--set {expr})"
+    return source
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def apply_override(raw: dict[str, Any], expr: str, source: str = "--set") -> None:
+    """Apply one `dotted.key=value` override in place; the value is parsed as YAML (`40`, `[1,2]`)."""
+    if "=" not in expr:
+        raise ConfigError(f"--set {expr}: expected KEY=VALUE, e.g. workload.step_time_ms=40")
+    key, text = expr.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {expr}: empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source} (--set {expr}): {part}: is not a mapping, cannot set a key inside it")
+        node = child
+    node[parts[-1]] = value
+
+
+def config_from_dict(raw: Any, source: str = "<dict>", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Validate a raw mapping (e.g. parsed YAML) plus `--set` overrides into a `Config`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(raw).__name__}")
+    raw = _deep_copy(raw)
+    for expr in overrides:
+        apply_override(raw, expr, source)
+    try:
+        config = Config(**raw, source=source)
+    except ValidationError as exc:
+        _raise_validation(exc, source, overrides=overrides)
+    except TypeError as exc:  # a non-string top-level key
+        raise ConfigError(f"{source}: {exc}") from None
+    for name in config.loaders:
+        backend_settings(config, name, overrides=overrides)  # validates every sweep point
+    return config
+
+
+def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read and validate a YAML config file; errors name the file and the key."""
+    if isinstance(path, Config):
+        if not overrides:
+            return path
+        return config_from_dict(path.model_dump(), path.source, overrides)
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a folder, expected a YAML config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot read config file ({exc})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{source}: {where}invalid YAML: {problem}") from None
+    return config_from_dict(raw, source, overrides)
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend settings and sweeps
+
+
+def expand_settings(model: type[BaseModel], raw: dict[str, Any], where: str, source: str,
+                    overrides: list[str] | tuple[str, ...] = ()) -> list[BaseModel]:
+    """Validate a backend's raw settings; a list value sweeps that knob (the cartesian product).
+
+    `where` is the key path of the settings (`loaders.torch`) for error messages.
+    """
+    choices: dict[str, list[Any]] = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}"
+        field = model.model_fields.get(key)
+        if field is None:
+            known = ", ".join(model.model_fields)
+            raise ConfigError(f"{_source_for(path, source, overrides)}: {path}: unknown key (known: {known})")
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ConfigError(f"{_source_for(path, source, overrides)}: {path}: empty list, nothing to sweep")
+        adapter = TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
+        checked = []
+        for index, item in enumerate(values):
+            try:
+                checked.append(adapter.validate_python(item))
+            except ValidationError as exc:
+                loc = (*where.split("."), key, index) if isinstance(value, list) else (*where.split("."), key)
+                _raise_validation(exc, source, prefix=loc, overrides=overrides)
+        choices[key] = checked
+    keys = list(choices)
+    points = []
+    for combo in itertools.product(*(choices[k] for k in keys)):
+        try:
+            points.append(model(**dict(zip(keys, combo))))
+        except ValidationError as exc:
+            _raise_validation(exc, source, prefix=tuple(where.split(".")), overrides=overrides)
+    return points
+
+
+def backend_settings(config: Config, name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[BaseModel]:
+    """The validated sweep points of backend `name` as configured (one point when nothing is a list)."""
+    from loadopt.loaders.base import backend_class  # import here: the registry imports this module
+
+    try:
+        cls = backend_class(name)
+    except KeyError as exc:
+        path = f"loaders.{name}"
+        raise ConfigError(f"{_source_for(path, config.source, overrides)}: {path}: {exc.args[0]}") from None
+    return expand_settings(cls.Settings, config.loaders.get(name) or {}, f"loaders.{name}", config.source,
+                           overrides)

@@ -1,0 +1,123 @@
+"""Moving batches to the device, and finishing them there.
+
+On a GPU the copy runs on a side stream from (ideally pinned) host memory, timed with CUDA events
+that are read back later, so timing never forces a synchronisation per step. On a CPU-only machine
+the "device" is emulated for the harness: the copy goes into a preallocated destination buffer, which
+costs what a host-to-device copy costs the host (a memory copy), and nothing is faked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loadopt.config import PipelineConfig
+
+
+def resolve_device(requested: str | torch.device | None) -> torch.device:
+    """`auto`/None: CUDA when there is one, else CPU. Asking for CUDA without one is a user error."""
+    from loadopt.errors import BackendUnavailable
+
+    if requested is None or str(requested) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable(f"device {device}: CUDA is not available on this machine "
+                                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+    return device
+
+
+@dataclass
+class Elapsed:
+    """A duration known now (host clock), or a CUDA event pair resolved only when asked."""
+
+    value: float = 0.0
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.value
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
+@dataclass
+class TransferTiming:
+    """One batch's host-to-device copy."""
+
+    nbytes: int
+    pinned: bool
+    elapsed: Elapsed
+
+
+class DeviceTransfer:
+    """Copies batches to `device`; keeps the timing of the last copy in `last`.
+
+    `emulate=True` on a CPU device copies into preallocated buffers (the harness's emulated device);
+    `emulate=False` on a CPU device hands the tensors through untouched (training on the CPU).
+    """
+
+    def __init__(self, device: torch.device, emulate: bool = False) -> None:
+        self.device = device
+        self.emulate = emulate and device.type == "cpu"
+        self.last = TransferTiming(0, False, Elapsed())
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        self._flip = 0
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def to_device(self, *tensors: torch.Tensor) -> Sequence[torch.Tensor]:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors if t.device != self.device or self.emulate)
+        pinned = all(_is_pinned(t) for t in tensors)
+        if self._stream is not None:
+            return self._to_cuda(tensors, nbytes, pinned)
+        if not self.emulate:
+            self.last = TransferTiming(0, pinned, Elapsed())
+            return tensors
+        start = time.perf_counter()
+        # Two buffers per shape: the consumer may still hold the previous batch.
+        self._flip ^= 1
+        out = [self._buffer(t, self._flip).copy_(t) for t in tensors]
+        self.last = TransferTiming(nbytes, pinned, Elapsed(time.perf_counter() - start))
+        return out
+
+    def _buffer(self, like: torch.Tensor, slot: int) -> torch.Tensor:
+        key = (tuple(like.shape), like.dtype, slot)
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            # Reuse only by exact shape; a different (e.g. last, shorter) batch gets its own pair.
+            buffers = self._buffers[key] = [torch.empty_like(like, memory_format=torch.contiguous_format)]
+        return buffers[0]
+
+    def _to_cuda(self, tensors, nbytes: int, pinned: bool):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        consumer = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            start.record()
+            out = [t.to(self.device, non_blocking=True) for t in tensors]
+            end.record()
+        consumer.wait_stream(self._stream)
+        for t in out:
+            t.record_stream(consumer)  # the caching allocator must not reuse them under the consumer
+        self.last = TransferTiming(nbytes, pinned, Elapsed(events=(start, end)))
+        return out
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    if tensor.device.type != "cpu" or not torch.cuda.is_available():
+        return False
+    return tensor.is_pinned()
+
+
+def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline: PipelineConfig) -> torch.Tensor:
+    """NHWC -> NCHW (a view: channels-last memory) and, for float output, normalisation on the device."""
+    if layout == "NHWC":
+        inputs = inputs.permute(0, 3, 1, 2)
+    if pipeline.dtype == "uint8" or normalised:
+        return inputs
+    mean = torch.tensor(pipeline.mean, device=inputs.device).view(1, 3, 1, 1) * 255.0
+    inv_std = 1.0 / (torch.tensor(pipeline.std, device=inputs.device).view(1, 3, 1, 1) * 255.0)
+    return inputs.float().sub_(mean).mul_(inv_std)

@@ -1,0 +1,106 @@
+"""`loadopt doctor`: what this machine offers each input path, and why an item is unusable."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import psutil
+
+
+@dataclass
+class Check:
+    item: str
+    ok: bool | None  # None: information only
+    detail: str
+
+
+def _torch_checks() -> list[Check]:
+    import torch
+
+    checks = [Check("torch", True, f"{torch.__version__} (built with CUDA {torch.version.cuda or 'none'})")]
+    if not torch.cuda.is_available():
+        reason = "no CUDA device or driver" if torch.version.cuda else "this torch build has no CUDA"
+        checks.append(Check("CUDA", False, f"unavailable: {reason}"))
+        return checks
+    props = torch.cuda.get_device_properties(0)
+    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: None)()
+    checks.append(Check("CUDA", True, f"{torch.cuda.device_count()} x {props.name}, "
+                                      f"{props.total_memory / 2**30:.0f} GiB, driver API {driver}"))
+    try:
+        torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+        checks.append(Check("pinned memory", True, "1 MiB pinned allocation works"))
+    except RuntimeError as exc:
+        checks.append(Check("pinned memory", False, str(exc).splitlines()[0]))
+    return checks
+
+
+def _package(name: str, dist: str) -> Check:
+    try:
+        module = __import__(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to show
+        return Check(dist, False, f"not usable: {type(exc).__name__}: {exc}".splitlines()[0])
+    try:
+        found = version(dist)
+    except PackageNotFoundError:
+        found = getattr(module, "__version__", "installed")
+    return Check(dist, True, found)
+
+
+def _kvikio_checks() -> list[Check]:
+    checks = [_package("kvikio", "kvikio-cu12")]
+    if not checks[0].ok:
+        checks[0].detail += " (pip install 'loadopt[gds]')"
+        return checks
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        checks.append(Check("libcuda.so.1", False, "not found: kvikio imports, but every read needs the CUDA driver"))
+        return checks
+    checks.append(Check("libcuda.so.1", True, "loaded"))
+    try:
+        import kvikio.defaults
+
+        compat = kvikio.defaults.compat_mode() if hasattr(kvikio.defaults, "compat_mode") else \
+            kvikio.defaults.get("compat_mode")
+        compat_name = getattr(compat, "name", str(compat))
+        true_gds = compat_name in ("OFF", "False", "0")
+        checks.append(Check("cuFile / GDS", true_gds, "true GDS mode" if true_gds else
+                            f"compat mode ({compat_name}): reads go through a POSIX bounce buffer"))
+    except Exception as exc:  # noqa: BLE001
+        checks.append(Check("cuFile / GDS", False, f"cannot query: {type(exc).__name__}: {exc}"))
+    return checks
+
+
+def run_checks() -> list[Check]:
+    from loadopt.config import cache_dir
+    from loadopt.loaders.transforms import simplejpeg
+
+    checks = [Check("python", None, f"{platform.python_version()} on {platform.platform()}")]
+    checks += _torch_checks()
+    checks.append(Check("JPEG decoder", True, "simplejpeg (libjpeg-turbo)" if simplejpeg is not None
+                        else "PIL only (pip install simplejpeg for ~1.3x faster decode)"))
+    dali = _package("nvidia.dali", "nvidia-dali-cuda120")
+    if not dali.ok:
+        dali.detail += " (pip install 'loadopt[dali]')"
+    checks.append(dali)
+    checks += _kvikio_checks()
+    try:
+        shm = shutil.disk_usage("/dev/shm")
+        checks.append(Check("/dev/shm", shm.free > 1 << 30,
+                            f"{shm.total / 2**30:.1f} GiB, {shm.free / 2**30:.1f} GiB free"
+                            + ("" if shm.free > 1 << 30 else ": DataLoader workers may run out of shared memory")))
+    except OSError as exc:
+        checks.append(Check("/dev/shm", False, f"unavailable: {exc}"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    checks.append(Check("CPU cores", None, f"{cores} usable"))
+    memory = psutil.virtual_memory()
+    checks.append(Check("RAM", None, f"{memory.available / 2**30:.1f} GiB free of {memory.total / 2**30:.1f} GiB"))
+    folder = cache_dir()
+    writable = os.access(folder if folder.exists() else folder.parent if folder.parent.exists() else "/", os.W_OK)
+    checks.append(Check("cache folder", writable, f"{folder}" + ("" if writable else ": not writable; set LOADOPT_CACHE")))
+    return checks

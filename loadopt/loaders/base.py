@@ -1,0 +1,242 @@
+"""The Loader protocol every backend implements, and the registry of backends by name.
+
+A backend subclasses `Loader`, declares its knobs as a pydantic `Settings` model and implements
+`_produce(batches)`: turn the given batches of sample indices into `HostBatch`es, in order. The base
+class owns everything that must be the same for every backend: the shared sample order, epochs,
+mid-epoch resumption, the `on_error` policy, the counters, and finishing a batch on the device
+(copy, NHWC->NCHW, normalisation). Backends are registered by name through the `loadopt.loaders`
+entry-point group, so an outside package can add one without touching loadopt.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from loadopt.config import PipelineConfig
+from loadopt.device import DeviceTransfer, finish_inputs
+from loadopt.errors import DatasetError
+from loadopt.loaders.sampler import EpochOrder
+from loadopt.storage.imagefolder import ImageDataset
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "loadopt.loaders"
+
+
+class NoSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class HostBatch:
+    """One batch as a backend produced it, before it is finished on the device."""
+
+    inputs: torch.Tensor  # NCHW float (normalised) or uint8 in `layout`
+    labels: torch.Tensor
+    indices: np.ndarray  # the dataset indices actually in the batch, in order
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    normalised: bool = True
+    # (index, reason) of samples that could not be read or decoded; not in `inputs`.
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    bytes_read: int | None = None  # bytes the backend read from storage; None: the samples' file sizes
+
+
+@dataclass
+class LoaderCounters:
+    """What a loader did, as counted by the loader itself (in the consumer process)."""
+
+    batches: int = 0
+    samples: int = 0
+    bytes_delivered: int = 0  # stored (encoded) size of the delivered samples
+    bytes_read: int = 0  # bytes read from storage, re-reads and amplification included
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) under on_error=skip
+
+    def snapshot(self) -> dict[str, int]:
+        return {"batches": self.batches, "samples": self.samples, "bytes_delivered": self.bytes_delivered,
+                "bytes_read": self.bytes_read, "skipped": len(self.skipped)}
+
+
+class Loader(ABC):
+    """A data-loading backend. Iterating yields `(inputs, labels)` on `device`.
+
+    Iteration starts at the current position of the current epoch and, when it runs to the end,
+    moves to the next epoch, so `state_dict()` taken at any point resumes exactly there.
+    """
+
+    name: ClassVar[str] = "base"
+    Settings: ClassVar[type[BaseModel]] = NoSettings
+
+    def __init__(self, dataset: ImageDataset, pipeline: PipelineConfig, settings: BaseModel | None = None, *,
+                 device: str | torch.device = "cpu", rank: int = 0, world_size: int = 1, seed: int = 0,
+                 epoch: int = 0, on_error: Literal["raise", "skip"] = "raise") -> None:
+        if len(dataset) == 0:
+            raise DatasetError(f"{dataset.root}: the dataset has no samples")
+        self.dataset = dataset
+        self.pipeline = pipeline
+        self.settings = settings if settings is not None else self.Settings()
+        self.device = torch.device(device)
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.on_error = on_error
+        self.counters = LoaderCounters()
+        self._epoch, self._position = epoch, 0
+        self._transfer = DeviceTransfer(self.device, emulate=False)
+        self.order()  # validates rank/world_size/batch_size now rather than at first iteration
+
+    # -- what a backend provides -----------------------------------------------------------------
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """Whether this backend can run here, and why not. Never raises."""
+        return True, ""
+
+    @abstractmethod
+    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        """Yield one `HostBatch` per entry of `batches`, in order."""
+
+    def describe(self) -> str:
+        """A short label of this setting for tables (e.g. `plain num_workers=2`)."""
+        return " ".join(f"{k}={v}" for k, v in self.settings.model_dump().items())
+
+    def close(self) -> None:
+        """Release workers, threads and buffers."""
+
+    # -- the shared protocol ---------------------------------------------------------------------
+
+    def order(self) -> EpochOrder:
+        return EpochOrder(len(self.dataset), self.pipeline.batch_size, self.seed, self._epoch, self.rank,
+                          self.world_size, self.pipeline.shuffle, self.pipeline.drop_last)
+
+    def __len__(self) -> int:
+        return len(self.order())
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` from its first batch (a no-op for the epoch already under way)."""
+        if epoch != self._epoch:
+            self._epoch, self._position = epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"backend": self.name, "epoch": self._epoch, "batches_done": self._position, "seed": self.seed,
+                "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.dataset),
+                "batch_size": self.pipeline.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where `state` was taken: the next batch is the first one not yet delivered."""
+        for key in ("seed", "rank", "world_size", "num_samples", "batch_size"):
+            mine = self.state_dict()[key]
+            if key in state and state[key] != mine:
+                raise ValueError(f"loader state was taken with {key}={state[key]}, this loader has {key}={mine}")
+        self._epoch, self._position = int(state["epoch"]), int(state["batches_done"])
+
+    def host_batches(self) -> Iterator[HostBatch]:
+        """Batches as produced (host tensors, or device tensors for device backends), position kept."""
+        order = self.order()
+        batches = order.batches(self._position)
+        for batch in self._produce(batches):
+            self._account(batch)
+            self._position += 1
+            yield batch
+        if self._position >= len(order):
+            self._epoch, self._position = self._epoch + 1, 0
+
+    def finish(self, batch: HostBatch, transfer: DeviceTransfer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move a host batch to the device and finish it there (layout, normalisation)."""
+        transfer = transfer or self._transfer
+        inputs, labels = transfer.to_device(batch.inputs, batch.labels)
+        return finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline), labels
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.host_batches():
+            yield self.finish(batch)
+
+    def _account(self, batch: HostBatch) -> None:
+        sizes = self.dataset.sizes
+        failed = np.asarray([i for i, _ in batch.failures], dtype=np.int64)
+        if batch.failures:
+            if self.on_error == "raise":
+                index, reason = batch.failures[0]
+                raise DatasetError(f"{self.dataset.path(index)}: {reason} (set dataset.on_error: skip to skip it)")
+            for index, reason in batch.failures:
+                log.warning("skipped %s: %s", self.dataset.path(index), reason)
+                self.counters.skipped.append((self.dataset.path(index), reason))
+        self.counters.batches += 1
+        self.counters.samples += len(batch.indices)
+        self.counters.bytes_delivered += int(sizes[batch.indices].sum())
+        read = batch.bytes_read
+        if read is None:
+            read = int(sizes[batch.indices].sum()) + int(sizes[failed].sum())
+        self.counters.bytes_read += read
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+
+_BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader"}
+_registered: dict[str, type[Loader]] = {}
+
+
+def register(name: str):
+    """Class decorator registering a backend in this process (entry points do it across packages)."""
+
+    def decorate(cls: type[Loader]) -> type[Loader]:
+        cls.name = name
+        _registered[name] = cls
+        return cls
+
+    return decorate
+
+
+def _targets() -> dict[str, str]:
+    targets = dict(_BUILTINS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        targets.setdefault(ep.name, ep.value)
+    return targets
+
+
+def backend_names() -> list[str]:
+    """Every backend known here, installed or not, built-ins first."""
+    names = list(_targets())
+    return names + [n for n in _registered if n not in names]
+
+
+def backend_class(name: str) -> type[Loader]:
+    """The backend registered as `name`. A backend whose module fails to import comes back as a
+    class whose `available()` gives the import error, so listing backends never crashes."""
+    if name in _registered:
+        return _registered[name]
+    target = _targets().get(name)
+    if target is None:
+        raise KeyError(f"unknown backend {name!r} (known: {', '.join(backend_names())})")
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except Exception as exc:  # an outside package may fail in any way; report, don't crash
+        reason = f"cannot import {target}: {type(exc).__name__}: {exc}"
+        cls = type(f"Broken_{name}", (_BrokenLoader,), {"_reason": reason})
+    cls.name = name
+    _registered[name] = cls
+    return cls
+
+
+class _BrokenLoader(Loader):
+    _reason = ""
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return False, cls._reason
+
+    def _produce(self, batches):  # pragma: no cover - never built: available() is false
+        raise RuntimeError(self._reason)

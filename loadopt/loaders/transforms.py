@@ -1,0 +1,108 @@
+"""The image pipeline every CPU backend shares: decode, crop box, resize, flip, normalise.
+
+loadopt's own equivalents of torchvision's RandomResizedCrop / Resize+CenterCrop / flip /
+ToTensor+Normalize (torchvision is optional). Random choices come from a generator seeded by
+(seed, epoch, sample index), so a sample gets the same crop whichever worker or backend decodes it.
+Crop and resize are one PIL call (`resize(box=...)`): one resampling pass over just the crop.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+try:  # the faster libjpeg-turbo binding, GIL released while decoding
+    import simplejpeg
+except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay usable without it
+    simplejpeg = None
+
+Box = tuple[float, float, float, float]
+EVAL_CROP_FRACTION = 0.875  # resize to size/0.875, centre-crop size: the usual ImageNet eval recipe
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64([seed, epoch, int(index)]))
+
+
+def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
+                            scale: tuple[float, float] = (0.08, 1.0),
+                            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
+    """torchvision's RandomResizedCrop parameters: ten tries at a random area and aspect ratio,
+    then a centre crop clamped to the allowed ratios."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return (left, top, left + w, top + h)
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return (left, top, left + w, top + h)
+
+
+def center_crop_box(width: int, height: int) -> Box:
+    side = min(width, height) * EVAL_CROP_FRACTION
+    left, top = (width - side) / 2, (height - side) / 2
+    return (left, top, left + side, top + side)
+
+
+def plan(width: int, height: int, augment: Literal["train", "eval"], seed: int, epoch: int,
+         index: int) -> tuple[Box, bool]:
+    """The crop box (in source pixels) and whether to flip, for one sample."""
+    if augment == "eval":
+        return center_crop_box(width, height), False
+    rng = sample_rng(seed, epoch, index)
+    box = random_resized_crop_box(width, height, rng)
+    return box, bool(rng.random() < 0.5)
+
+
+def decode_pil(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()  # decode errors surface here, not later
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def decode_fast(data: bytes) -> Image.Image:
+    """simplejpeg for JPEGs when installed (about 1.3x PIL here), PIL for anything else."""
+    if simplejpeg is not None and data[:2] == b"\xff\xd8":
+        return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="RGB"))
+    return decode_pil(data)
+
+
+def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.ndarray:
+    """The crop, resized to size x size (bilinear, antialiased) and flipped: HWC uint8."""
+    out = image.resize((size, size), Image.BILINEAR, box=box)
+    if flip:
+        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(out)
+
+
+def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """HWC uint8 -> CHW float32, (x/255 - mean) / std: what ToTensor + Normalize do."""
+    tensor = torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
+    mean_t = torch.tensor(mean).view(3, 1, 1)
+    std_t = torch.tensor(std).view(3, 1, 1)
+    return tensor.sub_(mean_t).div_(std_t)
+
+
+def decoder_name(choice: str) -> str:
+    """The decoder `choice` (auto|pil|simplejpeg) resolves to here."""
+    if choice == "auto":
+        return "simplejpeg" if simplejpeg is not None else "pil"
+    return choice

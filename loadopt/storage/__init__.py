@@ -1,0 +1,1 @@
+"""Datasets: where samples live (local or fsspec), synthetic generation, page-cache control."""

@@ -1,0 +1,264 @@
+"""A synthetic ImageNet-shaped JPEG dataset, generated deterministically into the cache.
+
+Image `i` depends only on `(seed, i)`, so the bytes are the same across runs and worker counts. The
+dataset is written into `<root>.tmp-<pid>-<random>` and renamed to `<root>` once its manifest is
+written: only a root holding `manifest.json` counts as finished, an interrupted one is never used.
+The images mimic ImageNet's: sizes around `mean_width x mean_height` with varied aspect ratios, and
+content with structure (gradients, shapes with their own textures) plus the fine texture it takes to
+reach ImageNet's ~110 KB mean file size (and decode cost) at quality 90.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import multiprocessing
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+GENERATOR_VERSION = 1  # bump whenever the image recipe or the layout changes
+MANIFEST = "manifest.json"
+STALE_SECONDS = 24 * 3600  # leftover tmp folders older than this are removed
+_PARAMS = ("num_samples", "num_classes", "mean_width", "mean_height", "jpeg_quality", "seed")
+_AREA_SIGMA = 0.35  # lognormal spread of the image area
+_ASPECT_SPAN = math.log(1.5)  # aspect ratio: log-uniform within [2/3, 3/2] x mean_width / mean_height
+
+
+class SyntheticSpecLike(Protocol):
+    """What this module needs of `loadopt.config.SyntheticSpec`."""
+
+    num_samples: int
+    num_classes: int
+    mean_width: int
+    mean_height: int
+    jpeg_quality: int
+    seed: int
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]: ...
+
+
+def synthetic_key(spec: SyntheticSpecLike) -> str:
+    """A 16-hex-digit digest of the generation parameters and `GENERATOR_VERSION`."""
+    blob = json.dumps({"generator_version": GENERATOR_VERSION, "spec": spec.model_dump(mode="json")},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def synthetic_root(spec: SyntheticSpecLike, cache_dir: Path) -> Path:
+    """Where the finished dataset lives: `<cache_dir>/datasets/synthetic-<key>`."""
+    return Path(cache_dir) / "datasets" / f"synthetic-{synthetic_key(spec)}"
+
+
+def ensure_synthetic(spec: SyntheticSpecLike, cache_dir: Path,
+                     progress: Callable[[int, int], None] | None = None,
+                     workers: int | None = None) -> Path:
+    """The finished dataset root (`train/<class>/<n>.JPEG` + `manifest.json`), generated if missing.
+
+    `progress(done, total)` is called as images complete (not at all when the dataset exists);
+    `workers` processes generate it (default: one per CPU). Raises `OSError` naming the path when the
+    cache folder cannot be written.
+    """
+    root = synthetic_root(spec, cache_dir)
+    if _finished(root):
+        return root
+    params = {name: int(getattr(spec, name)) for name in _PARAMS}
+    _remove_stale(root.parent)
+    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        error = OSError(f"cannot create the synthetic dataset folder {tmp}: {exc}")
+        error.errno = exc.errno
+        raise error from exc
+    try:
+        sizes = _generate(params, tmp, progress, workers)
+        files = [[_relpath(params, i), sizes[i], i % params["num_classes"]] for i in range(len(sizes))]
+        manifest = {"generator_version": GENERATOR_VERSION, "spec": spec.model_dump(mode="json"),
+                    "num_samples": len(files), "total_bytes": sum(sizes), "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        _publish(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def _finished(root: Path) -> bool:
+    return (root / MANIFEST).is_file()
+
+
+def _relpath(params: dict[str, int], index: int) -> str:
+    class_digits = max(3, len(str(params["num_classes"] - 1)))
+    sample_digits = max(6, len(str(params["num_samples"] - 1)))
+    return f"train/class_{index % params['num_classes']:0{class_digits}d}/{index:0{sample_digits}d}.JPEG"
+
+
+def _remove_stale(datasets: Path) -> None:
+    """Best effort: drop tmp/stale folders that interrupted generations left over a day ago."""
+    cutoff = time.time() - STALE_SECONDS
+    try:
+        for entry in datasets.glob("synthetic-*.*-*"):
+            if (".tmp-" in entry.name or ".stale-" in entry.name) and entry.stat().st_mtime < cutoff:
+                _remove(entry)
+    except OSError:
+        pass
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _publish(tmp: Path, root: Path) -> None:
+    """Rename `tmp` to `root`; keep a dataset another process finished first, replace a broken one."""
+    for _ in range(5):
+        try:
+            os.rename(tmp, root)
+            return
+        except OSError:
+            if _finished(root):  # finished concurrently by someone else: theirs is identical
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            if not os.path.lexists(root):
+                continue
+        # `root` exists but is not a finished dataset (an old interrupted run): move it aside, drop it.
+        trash = root.with_name(f"{root.name}.stale-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.rename(root, trash)
+        except FileNotFoundError:
+            continue
+        _remove(trash)
+    raise OSError(f"cannot move the synthetic dataset {tmp} into place at {root}")
+
+
+def _generate(params: dict[str, int], tmp: Path, progress: Callable[[int, int], None] | None,
+              workers: int | None) -> list[int]:
+    """Write every image into `tmp`; returns the file sizes by sample index."""
+    total = params["num_samples"]
+    for label in range(min(total, params["num_classes"])):
+        (tmp / _relpath(params, label)).parent.mkdir(parents=True)
+    workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
+    step = max(1, min(32, math.ceil(total / (workers * 8))))
+    jobs = [(params, str(tmp), range(start, min(start + step, total))) for start in range(0, total, step)]
+    sizes = [0] * total
+    done = 0
+
+    def collect(chunk: list[tuple[int, int]]) -> None:
+        nonlocal done
+        for index, size in chunk:
+            sizes[index] = size
+        done += len(chunk)
+        if progress is not None:
+            progress(done, total)
+
+    if workers == 1 or len(jobs) == 1:
+        for job in jobs:
+            collect(_write_chunk(job))
+    else:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with context.Pool(min(workers, len(jobs))) as pool:
+            for chunk in pool.imap_unordered(_write_chunk, jobs):
+                collect(chunk)
+    return sizes
+
+
+def _write_chunk(job: tuple[dict[str, int], str, range]) -> list[tuple[int, int]]:
+    params, tmp, indices = job
+    out = []
+    for index in indices:
+        data = _render_jpeg(params, index)
+        with open(os.path.join(tmp, _relpath(params, index)), "wb") as handle:
+            handle.write(data)
+        out.append((index, len(data)))
+    return out
+
+
+def _render_jpeg(params: dict[str, int], index: int) -> bytes:
+    """The JPEG bytes of sample `index`; depends only on `params` and `index` (RNG seeded by both)."""
+    rng = np.random.default_rng([params["seed"], index])
+    width, height = _image_size(rng, params["mean_width"], params["mean_height"])
+    buffer = io.BytesIO()
+    Image.fromarray(_render(rng, width, height), "RGB").save(
+        buffer, format="JPEG", quality=params["jpeg_quality"])
+    return buffer.getvalue()
+
+
+def _image_size(rng: np.random.Generator, mean_w: int, mean_h: int) -> tuple[int, int]:
+    """Area lognormal, aspect log-uniform around mean_w/mean_h; the sides average about the means."""
+    span = _ASPECT_SPAN
+    mu = -_AREA_SIGMA**2 / 4 - 2 * math.log(math.sinh(span / 2) / (span / 2))
+    area = mean_w * mean_h * rng.lognormal(mu, _AREA_SIGMA)
+    aspect = mean_w / mean_h * math.exp(rng.uniform(-span, span))
+    width = min(max(round(math.sqrt(area * aspect)), 64), max(64, 3 * mean_w))
+    height = min(max(round(math.sqrt(area / aspect)), 64), max(64, 3 * mean_h))
+    return width, height
+
+
+def _noise(rng: np.random.Generator, width: int, height: int, scale: float, channels: int = 1) -> np.ndarray:
+    """Smooth noise of about unit std with features of about `scale` pixels, shape (h, w, channels)."""
+    grid = rng.integers(0, 256, (math.ceil(height / scale) + 2, math.ceil(width / scale) + 2, channels),
+                        dtype=np.uint8)
+    small = Image.fromarray(grid if channels == 3 else grid[:, :, 0])
+    out = np.asarray(small.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
+    out = (out - 127.5) * (1 / 60)
+    return out if channels == 3 else out[:, :, None]
+
+
+def _render(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
+    """An (h, w, 3) uint8 image: gradient + blotches, shapes, and a texture mix per region."""
+    x = np.arange(width, dtype=np.float32)[None, :, None]  # pixel coordinates
+    y = np.arange(height, dtype=np.float32)[:, None, None]
+    slopes = rng.uniform(-80, 80, (2, 3)).astype(np.float32)
+    base = rng.uniform(50, 205, 3).astype(np.float32)
+    base = base + slopes[0] * (x / width - 0.5) + slopes[1] * (y / height - 0.5)
+    base = base + _noise(rng, width, height, rng.uniform(24, 64), 3) * rng.uniform(15, 35)
+    image = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8), "RGB")
+    regions = Image.new("L", (width, height), 0)  # which shape covers each pixel (0: background)
+    draw, draw_regions = ImageDraw.Draw(image), ImageDraw.Draw(regions)
+    num_shapes = int(rng.integers(3, 9))
+    for region in range(1, num_shapes + 1):
+        kind = int(rng.integers(0, 3))
+        colour = tuple(int(c) for c in rng.integers(30, 226, 3))
+        cx, cy = rng.uniform(0, width), rng.uniform(0, height)
+        rx, ry = rng.uniform(0.05, 0.35) * width, rng.uniform(0.05, 0.35) * height
+        if kind == 2:
+            angles = np.sort(rng.uniform(0, 2 * np.pi, int(rng.integers(3, 8))))
+            radii = rng.uniform(0.4, 1.0, len(angles))
+            corners = np.stack([cx + rx * radii * np.cos(angles), cy + ry * radii * np.sin(angles)], 1)
+            draw.polygon(corners.ravel().tolist(), fill=colour)
+            draw_regions.polygon(corners.ravel().tolist(), fill=region)
+        else:
+            box = (cx - rx, cy - ry, cx + rx, cy + ry)
+            shape = "ellipse" if kind == 0 else "rectangle"
+            getattr(draw, shape)(box, fill=colour)
+            getattr(draw_regions, shape)(box, fill=region)
+    # Texture layers (luma): white noise, fine and medium noise, an oriented grating; each region mixes
+    # them with its own weights, so surfaces differ the way fur, foliage or fabric do.
+    period, theta = rng.uniform(2.5, 6.0), rng.uniform(0, np.pi)
+    phase = (2 * np.pi / period) * (math.cos(theta) * x[:, :, 0] + math.sin(theta) * y[:, :, 0])
+    layers = [rng.standard_normal((height, width, 1), dtype=np.float32),
+              _noise(rng, width, height, rng.uniform(1.3, 2.0)),
+              _noise(rng, width, height, rng.uniform(2.5, 5.0)),
+              np.sin(phase + rng.uniform(0, 2 * np.pi))[:, :, None]]
+    weights = rng.uniform((10, 28, 8, 0), (30, 72, 40, 36), (num_shapes + 1, 4)).astype(np.float32)
+    weights[:, 3] *= rng.random(num_shapes + 1) < 0.4  # a grating on some regions only
+    labels = np.asarray(regions)
+    pixels = np.asarray(image, dtype=np.float32)
+    for j, layer in enumerate(layers):
+        pixels += weights[labels, j][:, :, None] * layer
+    pixels += _noise(rng, width, height, rng.uniform(1.5, 3.0), 3) * 12  # fine colour texture
+    return np.clip(pixels, 0, 255).astype(np.uint8)
