@@ -68,7 +68,7 @@ class _RichReporter:
 
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err_console, transient=False)
+                    console=err_console, transient=False, disable=not err_console.is_terminal)
 
 
 def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:

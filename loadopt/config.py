@@ -254,7 +254,7 @@ def expand_settings(model: type[BaseModel], raw: dict[str, Any], where: str, sou
     points = []
     for combo in itertools.product(*(choices[k] for k in keys)):
         try:
-            points.append(model(**dict(zip(keys, combo))))
+            points.append(model(**dict(zip(keys, combo, strict=True))))
         except ValidationError as exc:
             _raise_validation(exc, source, prefix=tuple(where.split(".")), overrides=overrides)
     return points

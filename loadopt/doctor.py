@@ -102,5 +102,6 @@ def run_checks() -> list[Check]:
     checks.append(Check("RAM", None, f"{memory.available / 2**30:.1f} GiB free of {memory.total / 2**30:.1f} GiB"))
     folder = cache_dir()
     writable = os.access(folder if folder.exists() else folder.parent if folder.parent.exists() else "/", os.W_OK)
-    checks.append(Check("cache folder", writable, f"{folder}" + ("" if writable else ": not writable; set LOADOPT_CACHE")))
+    detail = f"{folder}" + ("" if writable else ": not writable; set LOADOPT_CACHE")
+    checks.append(Check("cache folder", writable, detail))
     return checks

@@ -125,8 +125,8 @@ def test_unwritable_cache_dir_raises_oserror_naming_it(tmp_path: Path) -> None:
 
 
 def test_default_spec_sizes_and_bytes_resemble_imagenet() -> None:
-    """Default spec (400x350, q90): over 4000 samples the sides average about 400 x 352 (clipped to
-    [64, 3x mean]); a full generation measured a mean file of about 105 KB."""
+    """Default spec (400x350, q90): over its 4000 samples the sides average 400.9 x 352.0 (clipped to
+    [64, 3x mean]); the full generation measured a mean file of 111.6 KB (median 105, p5 59, p95 184)."""
     spec = Spec(num_samples=4000, num_classes=100, mean_width=400, mean_height=350)
     sides = np.array([synthetic._image_size(np.random.default_rng([0, i]), 400, 350) for i in range(4000)])
     width, height = sides.mean(axis=0)

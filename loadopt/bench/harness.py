@@ -86,6 +86,6 @@ def _device_idle(probes: list[BatchProbe]) -> float | None:
     if len(measured) < 2 or measured[0].compute.events is None:
         return None
     idle_ms = 0.0
-    for before, after in zip(measured, measured[1:]):
+    for before, after in zip(measured, measured[1:], strict=False):
         idle_ms += max(0.0, before.compute.events[1].elapsed_time(after.compute.events[0]))
     return idle_ms / 1000.0

@@ -20,8 +20,14 @@ from pydantic import BaseModel
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import aggregate, median
-from loadopt.bench.results import (SCHEMA_VERSION, atomic_write_text, machine_fingerprint, machine_info,
-                                   prepare_output, write_results)
+from loadopt.bench.results import (
+    SCHEMA_VERSION,
+    atomic_write_text,
+    machine_fingerprint,
+    machine_info,
+    prepare_output,
+    write_results,
+)
 from loadopt.config import Config, WorkloadConfig, backend_settings, cache_dir
 from loadopt.device import DeviceTransfer, resolve_device
 from loadopt.errors import ConfigError, LoadoptError
@@ -216,7 +222,7 @@ def _timing_rows(plan: list[_Setting]) -> dict[str, list]:
             for p in result.probes:
                 values = (run_index, setting.backend, setting.label, repeat, p.index, p.measured, p.start_s,
                           p.wait_s, p.h2d.seconds(), p.finish_s, p.compute.seconds(), p.samples, p.sample_bytes)
-                for column, value in zip(columns, values):
+                for column, value in zip(columns, values, strict=True):
                     rows[column].append(value)
     return rows
 

@@ -107,7 +107,7 @@ class Loader(ABC):
         """A short label of this setting for tables (e.g. `plain num_workers=2`)."""
         return " ".join(f"{k}={v}" for k, v in self.settings.model_dump().items())
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
         """Release workers, threads and buffers."""
 
     # -- the shared protocol ---------------------------------------------------------------------

@@ -78,7 +78,8 @@ class _Samples(torch.utils.data.Dataset):
         except Exception as exc:  # noqa: BLE001 - a bad sample is reported, by policy, in the consumer
             return None, int(self.dataset.labels[item[1]]), item[1], _describe_error(exc)
         if self.pipeline.dtype == "uint8":
-            return torch.from_numpy(pixels).permute(2, 0, 1).contiguous(), int(self.dataset.labels[item[1]]), item[1], None
+            chw = torch.from_numpy(pixels.transpose(2, 0, 1).copy())
+            return chw, int(self.dataset.labels[item[1]]), item[1], None
         tensor = transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std)
         return tensor, int(self.dataset.labels[item[1]]), item[1], None
 
@@ -86,11 +87,12 @@ class _Samples(torch.utils.data.Dataset):
         """The tuned path: decode each sample straight into its slot of one uint8 NHWC batch."""
         size = self.pipeline.image_size
         out = _empty_uint8((len(items), size, size, 3))
+        slots = out.numpy()
         kept: list[int] = []
         failures: list[tuple[int, str]] = []
         for epoch, index in items:
             try:
-                out[len(kept)] = torch.from_numpy(self._pixels((epoch, index)))
+                slots[len(kept)] = self._pixels((epoch, index))
                 kept.append(index)
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                 failures.append((index, _describe_error(exc)))

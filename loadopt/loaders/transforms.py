@@ -95,7 +95,7 @@ def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.
 
 def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """HWC uint8 -> CHW float32, (x/255 - mean) / std: what ToTensor + Normalize do."""
-    tensor = torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
+    tensor = torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32)).div_(255.0)
     mean_t = torch.tensor(mean).view(3, 1, 1)
     std_t = torch.tensor(std).view(3, 1, 1)
     return tensor.sub_(mean_t).div_(std_t)

@@ -94,7 +94,7 @@ def scan_image_folder(root_url: str, split: str = "train") -> ImageDataset:
     classes = sorted({c for c, _, _ in entries})
     class_index = {c: i for i, c in enumerate(classes)}
     digest = hashlib.sha256(fs.unstrip_protocol(root).encode())
-    for cls, name, size in entries:
+    for _, name, size in entries:
         digest.update(f"{name[len(prefix):]}\0{size}\n".encode())
     return ImageDataset(
         root=fs.unstrip_protocol(root) if "file" not in _protocols(fs) else root,

@@ -32,6 +32,8 @@ STALE_SECONDS = 24 * 3600  # leftover tmp folders older than this are removed
 _PARAMS = ("num_samples", "num_classes", "mean_width", "mean_height", "jpeg_quality", "seed")
 _AREA_SIGMA = 0.35  # lognormal spread of the image area
 _ASPECT_SPAN = math.log(1.5)  # aspect ratio: log-uniform within [2/3, 3/2] x mean_width / mean_height
+# A sine table from the C library (not numpy's CPU-dispatched SIMD sin) keeps the bytes the same on any CPU.
+_SINE = np.array([math.sin(2 * math.pi * k / 1024) for k in range(1024)], dtype=np.float32)
 
 
 class SyntheticSpecLike(Protocol):
@@ -178,22 +180,19 @@ def _generate(params: dict[str, int], tmp: Path, progress: Callable[[int, int], 
 
 def _write_chunk(job: tuple[dict[str, int], str, range]) -> list[tuple[int, int]]:
     params, tmp, indices = job
-    out = []
+    sizes = []
     for index in indices:
-        data = _render_jpeg(params, index)
         with open(os.path.join(tmp, _relpath(params, index)), "wb") as handle:
-            handle.write(data)
-        out.append((index, len(data)))
-    return out
+            sizes.append((index, handle.write(_render_jpeg(params, index))))
+    return sizes
 
 
 def _render_jpeg(params: dict[str, int], index: int) -> bytes:
     """The JPEG bytes of sample `index`; depends only on `params` and `index` (RNG seeded by both)."""
     rng = np.random.default_rng([params["seed"], index])
     width, height = _image_size(rng, params["mean_width"], params["mean_height"])
-    buffer = io.BytesIO()
-    Image.fromarray(_render(rng, width, height), "RGB").save(
-        buffer, format="JPEG", quality=params["jpeg_quality"])
+    buffer, pixels = io.BytesIO(), _render(rng, width, height)
+    Image.fromarray(pixels, "RGB").save(buffer, format="JPEG", quality=params["jpeg_quality"])
     return buffer.getvalue()
 
 
@@ -213,8 +212,7 @@ def _noise(rng: np.random.Generator, width: int, height: int, scale: float, chan
     grid = rng.integers(0, 256, (math.ceil(height / scale) + 2, math.ceil(width / scale) + 2, channels),
                         dtype=np.uint8)
     small = Image.fromarray(grid if channels == 3 else grid[:, :, 0])
-    out = np.asarray(small.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
-    out = (out - 127.5) * (1 / 60)
+    out = (np.asarray(small.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32) - 127.5) / 60
     return out if channels == 3 else out[:, :, None]
 
 
@@ -249,11 +247,11 @@ def _render(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     # Texture layers (luma): white noise, fine and medium noise, an oriented grating; each region mixes
     # them with its own weights, so surfaces differ the way fur, foliage or fabric do.
     period, theta = rng.uniform(2.5, 6.0), rng.uniform(0, np.pi)
-    phase = (2 * np.pi / period) * (math.cos(theta) * x[:, :, 0] + math.sin(theta) * y[:, :, 0])
+    turns = (math.cos(theta) / period) * x[:, :, 0] + (math.sin(theta) / period) * y[:, :, 0]
     layers = [rng.standard_normal((height, width, 1), dtype=np.float32),
               _noise(rng, width, height, rng.uniform(1.3, 2.0)),
               _noise(rng, width, height, rng.uniform(2.5, 5.0)),
-              np.sin(phase + rng.uniform(0, 2 * np.pi))[:, :, None]]
+              _SINE[((turns + rng.uniform(0, 1)) * 1024).astype(np.int64) & 1023][:, :, None]]
     weights = rng.uniform((10, 28, 8, 0), (30, 72, 40, 36), (num_shapes + 1, 4)).astype(np.float32)
     weights[:, 3] *= rng.random(num_shapes + 1) < 0.4  # a grating on some regions only
     labels = np.asarray(regions)

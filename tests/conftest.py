@@ -1,0 +1,78 @@
+"""Shared fixtures: a private cache, tiny synthetic configs, small real ImageFolder trees."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: none here (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("loadopt-cache")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(cache_dir, monkeypatch):
+    """Every test uses one session-wide cache, never the user's ~/.cache/loadopt."""
+    monkeypatch.setenv("LOADOPT_CACHE", str(cache_dir))
+
+
+def tiny_config_dict(out: Path, **sections) -> dict:
+    config = {
+        "name": "tiny",
+        "dataset": {"synthetic": {"num_samples": 48, "num_classes": 4, "mean_width": 96, "mean_height": 80}},
+        "pipeline": {"batch_size": 8, "image_size": 48},
+        "workload": {"step_time_ms": 2, "warmup_batches": 1, "measure_batches": 6, "repeats": 1},
+        "loaders": {"torch": {"variant": ["plain", "tuned"], "num_workers": [0, 1]}},
+        "report": {"out": str(out)},
+    }
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    return config
+
+
+@pytest.fixture
+def tiny_config(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "results")))
+    return path
+
+
+def jpeg_bytes(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+def make_image_folder(root: Path, classes: int = 3, per_class: int = 4, corrupt: int = 0) -> list[Path]:
+    """A real ImageFolder tree `root/train/<class>/<n>.jpg`; returns the corrupt files it wrote."""
+    bad = []
+    for c in range(classes):
+        folder = root / "train" / f"c{c}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for n in range(per_class):
+            (folder / f"{n}.jpg").write_bytes(jpeg_bytes(40 + 3 * n, 32 + 2 * c, seed=c * 100 + n))
+    for n in range(corrupt):
+        path = root / "train" / "c0" / f"corrupt{n}.jpg"
+        path.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 4)
+        bad.append(path)
+    return bad

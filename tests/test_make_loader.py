@@ -1,0 +1,94 @@
+import json
+import logging
+
+import pytest
+import torch
+import yaml
+
+from loadopt import make_loader
+from loadopt.bench.results import machine_fingerprint, machine_info
+from loadopt.bench.runner import decision_path
+from loadopt.errors import ConfigError
+
+from .conftest import tiny_config_dict
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(
+        tmp_path / "r", loaders={"torch": {"num_workers": [1, 2]}},
+        # a dataset of its own: the CLI tests record bench decisions for the shared tiny one
+        dataset={"synthetic": {"num_samples": 48, "num_classes": 4, "mean_width": 96, "mean_height": 80, "seed": 7}})))
+    return path
+
+
+def test_drop_in_training_loop_with_resume(config_path):
+    loader = make_loader(config_path, backend="torch", num_workers=1, batch_size=12)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(4))
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    checkpoint = None
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for step, (images, labels) in enumerate(loader):
+            assert images.shape[1:] == (3, 48, 48) and images.dtype == torch.float32
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            seen.append(labels.tolist())
+            if epoch == 1 and step == 1:
+                checkpoint = loader.state_dict()
+    assert len(loader) == 4 and len(seen) == 8
+    resumed = make_loader(config_path, backend="torch", num_workers=1, batch_size=12)
+    resumed.load_state_dict(checkpoint)
+    rest = [labels.tolist() for _, labels in resumed]
+    assert rest == seen[6:]
+
+
+def test_unknown_keyword_is_a_config_error(config_path):
+    with pytest.raises(ConfigError, match="unknown keyword 'workers'"):
+        make_loader(config_path, backend="torch", workers=3)
+
+
+def test_auto_falls_back_and_says_why(config_path, caplog):
+    with caplog.at_level(logging.INFO, logger="loadopt"):
+        loader = make_loader(config_path)
+    assert loader.name == "torch" and loader.settings.num_workers == 1
+    assert "no bench decision" in caplog.text
+
+
+def write_decision(config_path, **changes):
+    loader = make_loader(config_path, backend="torch")
+    machine = machine_info()
+    decision = {"backend": "torch", "settings": {"variant": "plain", "num_workers": 2}, "samples_per_s": 123.0,
+                "machine_fingerprint": machine_fingerprint(machine),
+                "pipeline": loader.pipeline.model_dump(mode="json"), **changes}
+    path = decision_path(loader.dataset.fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(decision))
+    return path
+
+
+def test_auto_uses_the_recorded_decision(config_path, caplog):
+    path = write_decision(config_path)
+    try:
+        with caplog.at_level(logging.INFO, logger="loadopt"):
+            loader = make_loader(config_path)
+        assert loader.settings.variant == "plain" and loader.settings.num_workers == 2
+        assert "fastest in the last bench" in caplog.text
+        assert make_loader(config_path, num_workers=0).settings.num_workers == 0  # overrides win
+    finally:
+        path.unlink()
+
+
+def test_auto_ignores_a_decision_from_another_machine(config_path, caplog):
+    path = write_decision(config_path, machine_fingerprint="someone-else")
+    try:
+        with caplog.at_level(logging.INFO, logger="loadopt"):
+            loader = make_loader(config_path)
+        assert loader.settings.num_workers == 1
+        assert "another machine" in caplog.text
+    finally:
+        path.unlink()

@@ -1,0 +1,52 @@
+"""The harness's metrics against loaders whose per-batch delays are known."""
+
+import pytest
+import torch
+
+from loadopt.bench.accelerator import EmulatedAccelerator
+from loadopt.bench.harness import run_repeat
+from loadopt.device import DeviceTransfer
+
+from .backends import delay_loader
+
+CPU = torch.device("cpu")
+BATCH = 16
+
+
+def measure(delay_s, step_s, background, batches=40):
+    loader = delay_loader(4096, batch_size=BATCH, delay_s=delay_s, background=background)
+    result = run_repeat(loader, EmulatedAccelerator(step_s, CPU), DeviceTransfer(CPU, emulate=True),
+                        warmup_batches=3, measure_batches=batches)
+    return result.metrics
+
+
+@pytest.mark.parametrize(("delay_s", "step_s", "background"), [
+    (0.020, 0.008, True),  # loader-bound, prefetching producer: one batch per delay
+    (0.004, 0.016, True),  # compute-bound: the producer keeps ahead, no stall
+    (0.010, 0.010, False),  # synchronous loader: every batch costs delay + step
+])
+def test_stall_fraction_and_throughput_match_the_truth(delay_s, step_s, background):
+    m = measure(delay_s, step_s, background)
+    period = (delay_s + step_s) if not background else max(delay_s, step_s)
+    true_stall = 1.0 - step_s / period
+    assert m["stall_fraction"] == pytest.approx(true_stall, abs=0.03)
+    assert m["samples_per_s"] == pytest.approx(BATCH / period, rel=0.05)
+    assert m["accelerator_utilisation"] + m["stall_fraction"] == pytest.approx(1.0)
+
+
+def test_counts_bytes_percentiles_and_emulated_h2d():
+    m = measure(0.002, 0.001, True, batches=20)
+    assert m["samples"] == 20 * BATCH and m["batches"] == 20
+    assert m["sample_bytes_delivered"] == 20 * BATCH * 1000
+    assert m["goodput_ratio"] == pytest.approx(1.0)
+    assert m["wait_p50_ms"] <= m["wait_p95_ms"] <= m["wait_p99_ms"] <= m["wait_max_ms"]
+    assert m["h2d_emulated"] and m["h2d_gb_per_s"] > 0
+    assert m["cpu_seconds_per_1k_samples"] is not None and m["peak_rss_mb"] > 10
+
+
+def test_measurement_spans_epochs():
+    loader = delay_loader(40, batch_size=8, delay_s=0.0, background=False)  # 5 batches per epoch
+    result = run_repeat(loader, EmulatedAccelerator(0.0, CPU), DeviceTransfer(CPU, emulate=True),
+                        warmup_batches=2, measure_batches=12)
+    assert result.metrics["batches"] == 12
+    assert loader.epoch == 2

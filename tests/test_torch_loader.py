@@ -1,0 +1,126 @@
+import numpy as np
+import pytest
+import torch
+
+from loadopt.config import PipelineConfig
+from loadopt.errors import DatasetError
+from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+from loadopt.storage.imagefolder import scan_image_folder
+
+from .conftest import make_image_folder
+
+
+@pytest.fixture
+def folder(tmp_path):
+    make_image_folder(tmp_path, classes=3, per_class=5)
+    return tmp_path
+
+
+def loader(folder, variant="tuned", workers=0, augment="train", dtype="float32", **kw):
+    dataset = scan_image_folder(str(folder))
+    pipeline = PipelineConfig(batch_size=4, image_size=24, augment=augment, dtype=dtype)
+    return TorchLoader(dataset, pipeline, TorchSettings(variant=variant, num_workers=workers, decoder="pil"),
+                       seed=3, **kw)
+
+
+def collect(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_shapes_labels_and_len(folder):
+    ld = loader(folder)
+    batches = collect(ld)
+    assert len(ld) == 4 and len(batches) == 4  # 15 samples, batches of 4
+    x, y = batches[0]
+    assert x.shape == (4, 3, 24, 24) and x.dtype == torch.float32 and y.dtype == torch.int64
+    labels = torch.cat([y for _, y in batches]).tolist()
+    assert sorted(labels) == sorted([0] * 5 + [1] * 5 + [2] * 5)
+
+
+@pytest.mark.parametrize("augment", ["eval", "train"])
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_plain_and_tuned_deliver_equal_tensors(folder, augment, dtype):
+    plain = collect(loader(folder, "plain", augment=augment, dtype=dtype))
+    tuned = collect(loader(folder, "tuned", workers=2, augment=augment, dtype=dtype))
+    for (xp, yp), (xt, yt) in zip(plain, tuned, strict=True):
+        assert torch.equal(yp, yt)
+        assert xp.dtype == xt.dtype and xp.shape == xt.shape
+        assert torch.allclose(xp.float(), xt.float(), atol=1e-5)
+
+
+def test_workers_give_the_same_batches_as_the_main_process(folder):
+    a = collect(loader(folder, "plain", workers=0))
+    b = collect(loader(folder, "plain", workers=2))
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_resume_mid_epoch_with_workers(folder, persistent):
+    def make():
+        ld = loader(folder, "tuned", workers=2)
+        ld.settings = TorchSettings(variant="tuned", num_workers=2, persistent_workers=persistent, decoder="pil")
+        return ld
+
+    full = [b.indices.tolist() for b in make().host_batches()]
+    first = make()
+    head = []
+    for batch in first.host_batches():
+        head.append(batch.indices.tolist())
+        if len(head) == 2:
+            break
+    state = first.state_dict()
+    first.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = [b.indices.tolist() for b in resumed.host_batches()]
+    assert head + tail == full
+    assert sorted(np.concatenate(full).tolist()) == list(range(15))
+
+
+def test_two_ranks_share_the_epoch(folder):
+    seen = []
+    for rank in range(2):
+        ld = loader(folder, world_size=2, rank=rank)
+        seen += [i for b in ld.host_batches() for i in b.indices.tolist()]
+    assert sorted(seen) == list(range(15))
+
+
+@pytest.mark.parametrize("variant", ["plain", "tuned"])
+def test_corrupt_jpeg_raise_names_the_file(tmp_path, variant):
+    bad = make_image_folder(tmp_path, corrupt=1)[0]
+    with pytest.raises(DatasetError, match=str(bad)):
+        collect(loader(tmp_path, variant, workers=1))
+
+
+@pytest.mark.parametrize("variant", ["plain", "tuned"])
+def test_corrupt_jpeg_skip_counts_and_names(tmp_path, variant):
+    bad = make_image_folder(tmp_path, corrupt=1)[0]
+    ld = loader(tmp_path, variant, workers=1, on_error="skip")
+    batches = collect(ld)
+    assert sum(len(y) for _, y in batches) == 12
+    assert [p for p, _ in ld.counters.skipped] == [str(bad)]
+    assert ld.counters.bytes_read > ld.counters.bytes_delivered  # the bad file was read, not delivered
+
+
+def test_empty_and_missing_folders(tmp_path):
+    (tmp_path / "train" / "c0").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="no images found"):
+        scan_image_folder(str(tmp_path))
+    with pytest.raises(DatasetError, match="dataset folder not found"):
+        scan_image_folder(str(tmp_path / "missing"))
+
+
+def test_reads_through_fsspec_memory_filesystem(folder):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for path in sorted((folder / "train").rglob("*.jpg")):
+        fs.pipe(f"/data/train/{path.parent.name}/{path.name}", path.read_bytes())
+    remote = scan_image_folder("memory://data")
+    assert len(remote) == 15
+    ld = TorchLoader(remote, PipelineConfig(batch_size=4, image_size=24, augment="eval"),
+                     TorchSettings(num_workers=0, decoder="pil"), seed=3)
+    local = collect(loader(folder, "tuned", augment="eval"))
+    for (xr, yr), (xl, yl) in zip(collect(ld), local, strict=True):
+        assert torch.equal(yr, yl) and torch.allclose(xr, xl)
