@@ -16,11 +16,11 @@ def folder(tmp_path):
     return tmp_path
 
 
-def loader(folder, variant="tuned", workers=0, augment="train", dtype="float32", **kw):
+def loader(folder, variant="tuned", workers=0, augment="train", dtype="float32", resize="pil", **kw):
     dataset = scan_image_folder(str(folder))
     pipeline = PipelineConfig(batch_size=4, image_size=24, augment=augment, dtype=dtype)
-    return TorchLoader(dataset, pipeline, TorchSettings(variant=variant, num_workers=workers, decoder="pil"),
-                       seed=3, **kw)
+    settings = TorchSettings(variant=variant, num_workers=workers, decoder="pil", resize=resize)
+    return TorchLoader(dataset, pipeline, settings, seed=3, **kw)
 
 
 def collect(loader):
@@ -46,6 +46,19 @@ def test_plain_and_tuned_deliver_equal_tensors(folder, augment, dtype):
         assert torch.equal(yp, yt)
         assert xp.dtype == xt.dtype and xp.shape == xt.shape
         assert torch.allclose(xp.float(), xt.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["plain", "tuned"])
+def test_torch_resize_kernel_is_close_to_pils(folder, variant):
+    """The tuned default (torch's uint8 kernel) differs from PIL's by rounding inside the crop; at its
+    border PIL's filter also reads the pixels just outside the box, torch's clamps to the crop."""
+    reference = collect(loader(folder, "plain", augment="train", dtype="uint8"))
+    fast = collect(loader(folder, variant, augment="train", dtype="uint8", resize="torch", workers=1))
+    for (xr, yr), (xf, yf) in zip(reference, fast, strict=True):
+        assert torch.equal(yr, yf)
+        diff = (xr.int() - xf.int()).abs().float()
+        assert diff.mean() < 1.0
+        assert diff[..., 2:-2, 2:-2].max() <= 2
 
 
 def test_workers_give_the_same_batches_as_the_main_process(folder):
@@ -120,7 +133,7 @@ def test_reads_through_fsspec_memory_filesystem(folder):
     remote = scan_image_folder("memory://data")
     assert len(remote) == 15
     ld = TorchLoader(remote, PipelineConfig(batch_size=4, image_size=24, augment="eval"),
-                     TorchSettings(num_workers=0, decoder="pil"), seed=3)
+                     TorchSettings(num_workers=0, decoder="pil", resize="pil"), seed=3)
     local = collect(loader(folder, "tuned", augment="eval"))
     for (xr, yr), (xl, yl) in zip(collect(ld), local, strict=True):
         assert torch.equal(yr, yl) and torch.allclose(xr, xl)

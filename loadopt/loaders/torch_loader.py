@@ -2,9 +2,10 @@
 
 - `plain`: what most training scripts do: PIL decode, crop/resize/flip, float normalisation per
   sample in the workers, `default_collate` stacking float32 batches (4 bytes a channel through IPC).
-- `tuned`: what an expert does: the fastest installed JPEG decoder, batch assembly in the worker
-  (`__getitems__` decodes straight into one uint8 NHWC batch in shared memory, so nothing is copied
-  again on the way out), a quarter of the bytes through IPC and pinning, normalisation on the device.
+- `tuned`: what an expert does: the fastest installed JPEG decoder, torch's uint8 resize kernel on a
+  view of the decoded array, batch assembly in the worker (`__getitems__` decodes straight into one
+  uint8 NCHW batch in shared memory, so nothing is copied again on the way out), a quarter of the
+  bytes through IPC and pinning, normalisation on the device.
 
 Workers receive `(epoch, index)` pairs, so per-sample augmentation follows the shared seed even with
 persistent workers, which never see the consumer's state after they start.
@@ -37,15 +38,20 @@ class TorchSettings(BaseModel):
     persistent_workers: bool = False
     # auto: PIL for `plain` (what most scripts use), the fastest installed decoder for `tuned`.
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"
+    # auto: PIL's kernel for `plain`, torch's uint8 kernel for `tuned` (see loaders/transforms.py).
+    resize: Literal["auto", "pil", "torch"] = "auto"
 
+    def resolved_decoder(self) -> str:
+        if self.decoder == "auto":
+            return "pil" if self.variant == "plain" else transforms.decoder_name("auto")
+        if self.decoder == "simplejpeg" and transforms.simplejpeg is None:
+            raise ValueError("decoder simplejpeg is not installed (pip install simplejpeg)")
+        return self.decoder
 
-def _decode_fn(settings: TorchSettings):
-    choice = settings.decoder
-    if choice == "auto":
-        choice = "pil" if settings.variant == "plain" else transforms.decoder_name("auto")
-    if choice == "simplejpeg" and transforms.simplejpeg is None:
-        raise ValueError("decoder simplejpeg is not installed (pip install simplejpeg)")
-    return transforms.decode_fast if choice == "simplejpeg" else transforms.decode_pil
+    def resolved_resize(self) -> str:
+        if self.resize == "auto":
+            return "pil" if self.variant == "plain" else "torch"
+        return self.resize
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -59,46 +65,63 @@ class _Samples(torch.utils.data.Dataset):
         self.dataset = loader.dataset
         self.pipeline: PipelineConfig = loader.pipeline
         self.seed = loader.seed
-        self.decode = _decode_fn(loader.settings)
+        self.decoder = loader.settings.resolved_decoder()
+        self.resize = loader.settings.resolved_resize()
         self.batched = loader.settings.variant == "tuned"
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _pixels(self, item: Item) -> np.ndarray:
+    def _write(self, item: Item, slot: torch.Tensor) -> None:
+        """Decode, crop, resize and flip one sample into `slot` (CHW uint8)."""
         epoch, index = item
-        image = self.decode(self.dataset.read(index))
+        data = self.dataset.read(index)
+        if self.resize == "torch":
+            pixels = transforms.decode_array(data, self.decoder)
+            box, flip = transforms.plan(pixels.shape[1], pixels.shape[0], self.pipeline.augment, self.seed, epoch,
+                                        index)
+            transforms.crop_resize_flip_into(pixels, box, flip, slot)
+        else:
+            slot.numpy()[...] = self._pil_pixels(data, epoch, index).transpose(2, 0, 1)
+
+    def _pil_pixels(self, data: bytes, epoch: int, index: int):
+        image = transforms.decode_pil(data) if self.decoder == "pil" else transforms.decode_fast(data)
         box, flip = transforms.plan(image.width, image.height, self.pipeline.augment, self.seed, epoch, index)
         return transforms.crop_resize_flip(image, box, flip, self.pipeline.image_size)
 
     def __getitem__(self, item: Item):
         """The plain path: one sample, CHW float normalised (or uint8 CHW when so configured)."""
+        label = int(self.dataset.labels[item[1]])
+        size = self.pipeline.image_size
         try:
-            pixels = self._pixels(item)
+            if self.resize == "pil":  # as torchvision's PIL transforms + ToTensor + Normalize do
+                pixels = self._pil_pixels(self.dataset.read(item[1]), *item)
+                if self.pipeline.dtype == "uint8":
+                    return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), label, item[1], None
+                return transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std), label, item[1], None
+            chw = torch.empty((3, size, size), dtype=torch.uint8)
+            self._write(item, chw)
         except Exception as exc:  # noqa: BLE001 - a bad sample is reported, by policy, in the consumer
-            return None, int(self.dataset.labels[item[1]]), item[1], _describe_error(exc)
+            return None, label, item[1], _describe_error(exc)
         if self.pipeline.dtype == "uint8":
-            chw = torch.from_numpy(pixels.transpose(2, 0, 1).copy())
-            return chw, int(self.dataset.labels[item[1]]), item[1], None
-        tensor = transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std)
-        return tensor, int(self.dataset.labels[item[1]]), item[1], None
+            return chw, label, item[1], None
+        return transforms.normalise_chw(chw, self.pipeline.mean, self.pipeline.std), label, item[1], None
 
     def tuned_batch(self, items: list[Item]) -> dict:
-        """The tuned path: decode each sample straight into its slot of one uint8 NHWC batch."""
+        """The tuned path: decode each sample straight into its slot of one uint8 NCHW batch."""
         size = self.pipeline.image_size
-        out = _empty_uint8((len(items), size, size, 3))
-        slots = out.numpy()
+        out = _empty_uint8((len(items), 3, size, size))
         kept: list[int] = []
         failures: list[tuple[int, str]] = []
         for epoch, index in items:
             try:
-                slots[len(kept)] = self._pixels((epoch, index))
+                self._write((epoch, index), out[len(kept)])
                 kept.append(index)
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                 failures.append((index, _describe_error(exc)))
         indices = np.asarray(kept, dtype=np.int64)
         return {"inputs": out[: len(kept)], "labels": torch.from_numpy(self.dataset.labels[indices]),
-                "indices": indices, "failures": failures, "layout": "NHWC", "normalised": False}
+                "indices": indices, "failures": failures, "layout": "NCHW", "normalised": False}
 
     def __getitems__(self, items: list[Item]):
         # DataLoader calls this for a whole batch when present; the plain variant keeps per-sample calls.
@@ -152,7 +175,7 @@ class TorchLoader(Loader):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        _decode_fn(self.settings)  # an unusable decoder fails at build time, not in a worker
+        self.settings.resolved_decoder()  # an unusable decoder fails at build time, not in a worker
         self._plan = _BatchPlan()
         self._dataloader: DataLoader | None = None
 
@@ -165,6 +188,8 @@ class TorchLoader(Loader):
             text += " persistent"
         if s.decoder != "auto":
             text += f" decoder={s.decoder}"
+        if s.resize != "auto":
+            text += f" resize={s.resize}"
         return text
 
     def _make_dataloader(self) -> DataLoader:

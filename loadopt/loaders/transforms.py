@@ -3,7 +3,10 @@
 loadopt's own equivalents of torchvision's RandomResizedCrop / Resize+CenterCrop / flip /
 ToTensor+Normalize (torchvision is optional). Random choices come from a generator seeded by
 (seed, epoch, sample index), so a sample gets the same crop whichever worker or backend decodes it.
-Crop and resize are one PIL call (`resize(box=...)`): one resampling pass over just the crop.
+Crop boxes are whole pixels. Two resize kernels, both bilinear with antialiasing: PIL's
+(`resize(box=...)`, what torchvision does on PIL images) and torch's uint8 kernel on a view of the
+decoded array (what torchvision v2 does on tensors: about 3x cheaper here, no PIL<->numpy copies;
+pixels differ from PIL's by rounding, mean |diff| < 0.1 of a level).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 try:  # the faster libjpeg-turbo binding, GIL released while decoding
@@ -21,7 +25,7 @@ try:  # the faster libjpeg-turbo binding, GIL released while decoding
 except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay usable without it
     simplejpeg = None
 
-Box = tuple[float, float, float, float]
+Box = tuple[int, int, int, int]  # left, top, right, bottom
 EVAL_CROP_FRACTION = 0.875  # resize to size/0.875, centre-crop size: the usual ImageNet eval recipe
 
 
@@ -57,8 +61,8 @@ def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
 
 
 def center_crop_box(width: int, height: int) -> Box:
-    side = min(width, height) * EVAL_CROP_FRACTION
-    left, top = (width - side) / 2, (height - side) / 2
+    side = max(1, int(round(min(width, height) * EVAL_CROP_FRACTION)))
+    left, top = (width - side) // 2, (height - side) // 2
     return (left, top, left + side, top + side)
 
 
@@ -78,11 +82,16 @@ def decode_pil(data: bytes) -> Image.Image:
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
+def decode_array(data: bytes, decoder: Literal["pil", "simplejpeg"]) -> np.ndarray:
+    """Decode to a writable HWC uint8 array: simplejpeg for JPEGs when asked, PIL otherwise."""
+    if decoder == "simplejpeg" and simplejpeg is not None and data[:2] == b"\xff\xd8":
+        return simplejpeg.decode_jpeg(data, colorspace="RGB")
+    return np.array(decode_pil(data))
+
+
 def decode_fast(data: bytes) -> Image.Image:
-    """simplejpeg for JPEGs when installed (about 1.3x PIL here), PIL for anything else."""
-    if simplejpeg is not None and data[:2] == b"\xff\xd8":
-        return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="RGB"))
-    return decode_pil(data)
+    """simplejpeg for JPEGs when installed, PIL for anything else; as a PIL image."""
+    return Image.fromarray(decode_array(data, "simplejpeg"))
 
 
 def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.ndarray:
@@ -93,12 +102,27 @@ def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.
     return np.asarray(out)
 
 
+def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor) -> None:
+    """The crop of an HWC uint8 array, resized with torch's uint8 antialiased bilinear kernel and
+    flipped, written into `out` (CHW uint8, e.g. one slot of a batch)."""
+    left, top, right, bottom = box
+    crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
+    resized = F.interpolate(crop, size=tuple(out.shape[-2:]), mode="bilinear", antialias=True,
+                            align_corners=False)[0]
+    out.copy_(resized.flip(-1) if flip else resized)
+
+
 def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """HWC uint8 -> CHW float32, (x/255 - mean) / std: what ToTensor + Normalize do."""
     tensor = torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32)).div_(255.0)
     mean_t = torch.tensor(mean).view(3, 1, 1)
     std_t = torch.tensor(std).view(3, 1, 1)
     return tensor.sub_(mean_t).div_(std_t)
+
+
+def normalise_chw(chw: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """CHW uint8 -> CHW float32 normalised, as `to_normalised_chw` does for HWC arrays."""
+    return chw.float().div_(255.0).sub_(torch.tensor(mean).view(3, 1, 1)).div_(torch.tensor(std).view(3, 1, 1))
 
 
 def decoder_name(choice: str) -> str:

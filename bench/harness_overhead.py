@@ -1,0 +1,73 @@
+"""Harness overhead: the same loader iterated bare and through the harness (step time 0).
+
+Rounds alternate bare / harness so that drift on a shared machine hits both alike; the ratio is
+median bare throughput over median harness throughput (1.0 = no overhead).
+
+    python bench/harness_overhead.py [--config configs/imagenet.yaml] [--batches 40] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from _common import REPO, build_loader, result_line
+
+
+def bare(loader, batches: int) -> float:
+    """Samples/s of a plain `for images, labels in loader` loop, after one warm-up batch."""
+    iterator = iter(loader)
+    next(iterator)
+    start, samples = time.perf_counter(), 0
+    for _ in range(batches):
+        try:
+            images, labels = next(iterator)
+        except StopIteration:
+            iterator = iter(loader)
+            images, labels = next(iterator)
+        samples += len(labels)
+    return samples / (time.perf_counter() - start)
+
+
+def through_harness(loader, batches: int) -> float:
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device), DeviceTransfer(loader.device, emulate=True),
+                        warmup_batches=1, measure_batches=batches)
+    return result.metrics["samples_per_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+
+    from loadopt.config import load_config
+
+    config = load_config(args.config)
+    settings = {"variant": "tuned", "num_workers": args.workers, "persistent_workers": True}
+    rates: dict[str, list[float]] = {"bare": [], "harness": []}
+    for round_index in range(args.rounds):
+        for mode, measure in (("bare", bare), ("harness", through_harness)):
+            loader = build_loader(config, "torch", **settings)
+            loader.set_epoch(round_index)
+            rates[mode].append(measure(loader, args.batches))
+            loader.close()
+            print(f"round {round_index + 1}: {mode:8s} {rates[mode][-1]:8.1f} samples/s", flush=True)
+    bare_rate, harness_rate = statistics.median(rates["bare"]), statistics.median(rates["harness"])
+    print(f"\nloader: torch tuned num_workers={args.workers}, {args.batches} batches x {args.rounds} rounds each")
+    print(f"{'mode':10s} {'median samples/s':>18s} {'min':>8s} {'max':>8s}")
+    for mode, values in rates.items():
+        print(f"{mode:10s} {statistics.median(values):18.1f} {min(values):8.1f} {max(values):8.1f}")
+    print(result_line("harness_overhead", bare_rate / harness_rate, "<=", 1.03))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""`tuned` against `plain` torch DataLoader, each at its best worker count, on the synthetic ImageNet.
+
+Both variants run loader-bound (step time 0) through the harness; worker counts are swept and the
+rounds interleaved so that drift hits all settings alike. The ratio is the best tuned median over the
+best plain median. Each is also shown as a fraction of the decode ceiling measured in the same run
+(JPEG decode alone, one core, times the cores).
+
+    python bench/torch_variants.py [--config configs/imagenet.yaml] [--workers 1,2,4] [--batches 30] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from _common import REPO, build_loader, result_line
+
+
+def loader_rate(config, variant: str, workers: int, batches: int, epoch: int) -> dict:
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    loader = build_loader(config, "torch", variant=variant, num_workers=workers)
+    loader.set_epoch(epoch)
+    try:
+        result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device),
+                            DeviceTransfer(loader.device, emulate=True), warmup_batches=3, measure_batches=batches)
+    finally:
+        loader.close()
+    return result.metrics
+
+
+def decode_ceiling(config, decoder: str, samples: int = 300) -> float:
+    """Images/s one core decodes (decode alone, files already in memory), times the usable cores."""
+    from loadopt.loaders import transforms
+    from loadopt.storage.imagefolder import open_dataset
+
+    dataset = open_dataset(config)
+    blobs = [dataset.read(i) for i in range(min(samples, len(dataset)))]
+    decode = transforms.decode_fast if decoder == "simplejpeg" else transforms.decode_pil
+    start = time.perf_counter()
+    for blob in blobs:
+        decode(blob)
+    per_core = len(blobs) / (time.perf_counter() - start)
+    return per_core * len(os.sched_getaffinity(0))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    from loadopt.config import load_config
+    from loadopt.loaders.transforms import decoder_name
+
+    config = load_config(args.config)
+    workers = [int(w) for w in args.workers.split(",")]
+    rates: dict[tuple[str, int], list[float]] = {}
+    for round_index in range(args.rounds):
+        for variant in ("plain", "tuned"):
+            for count in workers:
+                metrics = loader_rate(config, variant, count, args.batches, epoch=round_index)
+                rates.setdefault((variant, count), []).append(metrics["samples_per_s"])
+                print(f"round {round_index + 1}: {variant} num_workers={count}: {metrics['samples_per_s']:7.1f} "
+                      f"samples/s, CPU {metrics['cpu_seconds_per_1k_samples']:.2f} s/1k", flush=True)
+    ceilings = {"pil": decode_ceiling(config, "pil"), "simplejpeg": decode_ceiling(config, decoder_name("auto"))}
+    print(f"\ndecode ceiling (decode alone x {len(os.sched_getaffinity(0))} cores): "
+          f"PIL {ceilings['pil']:.0f} img/s, {decoder_name('auto')} {ceilings['simplejpeg']:.0f} img/s")
+    print(f"{'variant':8s} {'workers':>7s} {'median samples/s':>17s} {'of decode ceiling':>18s}")
+    best: dict[str, tuple[int, float]] = {}
+    for (variant, count), values in rates.items():
+        rate = statistics.median(values)
+        ceiling = ceilings["pil" if variant == "plain" else "simplejpeg"]
+        print(f"{variant:8s} {count:7d} {rate:17.1f} {rate / ceiling:18.1%}")
+        if rate > best.get(variant, (0, 0.0))[1]:
+            best[variant] = (count, rate)
+    print(f"best: plain num_workers={best['plain'][0]} {best['plain'][1]:.1f}/s, "
+          f"tuned num_workers={best['tuned'][0]} {best['tuned'][1]:.1f}/s")
+    print(result_line("torch_tuned_vs_plain", best["tuned"][1] / best["plain"][1], ">=", 1.8))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
