@@ -137,3 +137,25 @@ def test_reads_through_fsspec_memory_filesystem(folder):
     local = collect(loader(folder, "tuned", augment="eval"))
     for (xr, yr), (xl, yl) in zip(collect(ld), local, strict=True):
         assert torch.equal(yr, yl) and torch.allclose(xr, xl)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_batches_kept_by_the_caller_are_not_overwritten_by_the_ring(folder, dtype):
+    """tuned batches live in reused shared-memory slots; what the caller keeps must stay intact."""
+    reference = collect(loader(folder, "tuned", workers=0, dtype=dtype))
+    kept = list(loader(folder, "tuned", workers=2, dtype=dtype))  # no clone: the loader must protect them
+    assert len(kept) == len(reference)
+    for (xk, yk), (xr, yr) in zip(kept, reference, strict=True):
+        assert torch.equal(yk, yr) and torch.equal(xk, xr)
+
+
+def test_ring_survives_epochs_and_persistent_workers(folder):
+    ld = loader(folder, "tuned", workers=2)
+    ld.settings = TorchSettings(variant="tuned", num_workers=2, persistent_workers=True, decoder="pil", resize="pil")
+    fresh = loader(folder, "tuned", workers=0)
+    for epoch in range(3):
+        ld.set_epoch(epoch)
+        fresh.set_epoch(epoch)
+        for (xa, ya), (xb, yb) in zip(collect(ld), collect(fresh), strict=True):
+            assert torch.equal(ya, yb) and torch.equal(xa, xb)
+    ld.close()

@@ -49,6 +49,9 @@ class HostBatch:
     # (index, reason) of samples that could not be read or decoded; not in `inputs`.
     failures: list[tuple[int, str]] = field(default_factory=list)
     bytes_read: int | None = None  # bytes the backend read from storage; None: the samples' file sizes
+    # True when `inputs` is a view of a buffer the backend reuses (a ring slot): finishing copies it
+    # out whenever the finished batch would otherwise still share that memory.
+    borrowed: bool = False
 
 
 @dataclass
@@ -156,7 +159,10 @@ class Loader(ABC):
         """Move a host batch to the device and finish it there (layout, normalisation)."""
         transfer = transfer or self._transfer
         inputs, labels = transfer.to_device(batch.inputs, batch.labels)
-        return finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline), labels
+        out = finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline, transfer.scratch)
+        if batch.borrowed and out.untyped_storage().data_ptr() == batch.inputs.untyped_storage().data_ptr():
+            out = out.clone()
+        return out, labels
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in self.host_batches():

@@ -3,9 +3,13 @@
 - `plain`: what most training scripts do: PIL decode, crop/resize/flip, float normalisation per
   sample in the workers, `default_collate` stacking float32 batches (4 bytes a channel through IPC).
 - `tuned`: what an expert does: the fastest installed JPEG decoder, torch's uint8 resize kernel on a
-  view of the decoded array, batch assembly in the worker (`__getitems__` decodes straight into one
-  uint8 NCHW batch in shared memory, so nothing is copied again on the way out), a quarter of the
-  bytes through IPC and pinning, normalisation on the device.
+  view of the decoded array, and batch assembly in the worker: `__getitems__` decodes straight into
+  a slot of a ring of uint8 NCHW batches in shared memory allocated once (pinned with
+  cudaHostRegister on CUDA), so no batch is allocated, page-faulted, pickled or copied on its way
+  to the consumer; only indices and labels travel through the queue. Normalisation on the device.
+
+Ring slots are reused safely: at most `num_workers * prefetch_factor` batches are in flight beyond
+the last one yielded, the consumer holds one, and the ring has two more slots than that.
 
 Workers receive `(epoch, index)` pairs, so per-sample augmentation follows the shared seed even with
 persistent workers, which never see the consumer's state after they start.
@@ -19,13 +23,13 @@ from typing import Literal
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch.utils.data import DataLoader, default_collate, get_worker_info
+from torch.utils.data import DataLoader, default_collate
 
 from loadopt.config import PipelineConfig
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
 
-Item = tuple[int, int]  # (epoch, dataset index)
+Item = tuple[int, int, int]  # (epoch, dataset index, ring slot of its batch; -1 for plain)
 
 
 class TorchSettings(BaseModel):
@@ -68,13 +72,14 @@ class _Samples(torch.utils.data.Dataset):
         self.decoder = loader.settings.resolved_decoder()
         self.resize = loader.settings.resolved_resize()
         self.batched = loader.settings.variant == "tuned"
+        self.ring = loader._ring  # shared memory: inherited by forked workers, passed by handle otherwise
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def _write(self, item: Item, slot: torch.Tensor) -> None:
         """Decode, crop, resize and flip one sample into `slot` (CHW uint8)."""
-        epoch, index = item
+        epoch, index, _ = item
         data = self.dataset.read(index)
         if self.resize == "torch":
             pixels = transforms.decode_array(data, self.decoder)
@@ -95,7 +100,7 @@ class _Samples(torch.utils.data.Dataset):
         size = self.pipeline.image_size
         try:
             if self.resize == "pil":  # as torchvision's PIL transforms + ToTensor + Normalize do
-                pixels = self._pil_pixels(self.dataset.read(item[1]), *item)
+                pixels = self._pil_pixels(self.dataset.read(item[1]), item[0], item[1])
                 if self.pipeline.dtype == "uint8":
                     return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), label, item[1], None
                 return transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std), label, item[1], None
@@ -108,34 +113,25 @@ class _Samples(torch.utils.data.Dataset):
         return transforms.normalise_chw(chw, self.pipeline.mean, self.pipeline.std), label, item[1], None
 
     def tuned_batch(self, items: list[Item]) -> dict:
-        """The tuned path: decode each sample straight into its slot of one uint8 NCHW batch."""
-        size = self.pipeline.image_size
-        out = _empty_uint8((len(items), 3, size, size))
+        """The tuned path: decode each sample straight into the batch's ring slot (uint8 NCHW)."""
+        out = self.ring[items[0][2]]
         kept: list[int] = []
         failures: list[tuple[int, str]] = []
-        for epoch, index in items:
+        for item in items:
             try:
-                self._write((epoch, index), out[len(kept)])
-                kept.append(index)
+                self._write(item, out[len(kept)])
+                kept.append(item[1])
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-                failures.append((index, _describe_error(exc)))
+                failures.append((item[1], _describe_error(exc)))
         indices = np.asarray(kept, dtype=np.int64)
-        return {"inputs": out[: len(kept)], "labels": torch.from_numpy(self.dataset.labels[indices]),
-                "indices": indices, "failures": failures, "layout": "NCHW", "normalised": False}
+        return {"slot": items[0][2], "labels": torch.from_numpy(self.dataset.labels[indices]), "indices": indices,
+                "failures": failures}
 
     def __getitems__(self, items: list[Item]):
         # DataLoader calls this for a whole batch when present; the plain variant keeps per-sample calls.
         if self.batched:
             return self.tuned_batch(items)
         return [self[item] for item in items]
-
-
-def _empty_uint8(shape: tuple[int, ...]) -> torch.Tensor:
-    """A uint8 tensor, allocated in shared memory inside a worker so that sending it costs no copy."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape)
 
 
 def _collate_plain(samples: list) -> dict:
@@ -178,6 +174,8 @@ class TorchLoader(Loader):
         self.settings.resolved_decoder()  # an unusable decoder fails at build time, not in a worker
         self._plan = _BatchPlan()
         self._dataloader: DataLoader | None = None
+        self._ring: torch.Tensor | None = None
+        self._ring_cursor = 0  # the slot of the next batch to be yielded
 
     def describe(self) -> str:
         s = self.settings
@@ -205,16 +203,44 @@ class TorchLoader(Loader):
             persistent_workers=s.persistent_workers and workers > 0,
         )
 
+    def _ring_slots(self) -> int:
+        s = self.settings
+        return (s.num_workers * s.prefetch_factor if s.num_workers else 0) + 2
+
+    def _make_ring(self) -> torch.Tensor:
+        size = self.pipeline.image_size
+        ring = torch.empty((self._ring_slots(), self.pipeline.batch_size, 3, size, size), dtype=torch.uint8)
+        ring.share_memory_()  # before the workers fork: they write, the consumer reads, same pages
+        if self.settings.pin_memory and self.device.type == "cuda":
+            # Page-lock the shared ring in place, so the copy to the device is a DMA from pinned memory.
+            error = torch.cuda.cudart().cudaHostRegister(ring.data_ptr(), ring.numel(), 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of the batch ring failed with CUDA error {int(error)}")
+        return ring
+
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         epoch = self.epoch
-        self._plan.items = [[(epoch, int(i)) for i in batch] for batch in batches]
+        tuned = self.settings.variant == "tuned"
+        if tuned and self._ring is None:
+            self._ring = self._make_ring()
+            self._dataloader = None  # workers must see the ring
+        slots = self._ring_slots()
+        start = self._ring_cursor
+        self._plan.items = [[(epoch, int(i), (start + k) % slots if tuned else -1) for i in batch]
+                            for k, batch in enumerate(batches)]
         if self._dataloader is None or not self.settings.persistent_workers:
             self._dataloader = self._make_dataloader()
         iterator = iter(self._dataloader)
         try:
             for out in iterator:
-                yield HostBatch(out["inputs"], out["labels"], out["indices"], out["layout"], out["normalised"],
-                                out["failures"])
+                if tuned:
+                    self._ring_cursor = (self._ring_cursor + 1) % slots
+                    inputs = self._ring[out["slot"]][: len(out["indices"])]
+                    yield HostBatch(inputs, out["labels"], out["indices"], "NCHW", normalised=False,
+                                    failures=out["failures"], borrowed=True)
+                else:
+                    yield HostBatch(out["inputs"], out["labels"], out["indices"], out["layout"], out["normalised"],
+                                    out["failures"])
         finally:
             if not self.settings.persistent_workers:
                 shutdown = getattr(iterator, "_shutdown_workers", None)
