@@ -7,6 +7,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +22,10 @@ from loadopt.errors import LoadoptError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure and pick the fastest input path for a deep-learning job.")
-console = Console()
-err_console = Console(stderr=True)
+# Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
+_WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
 
 SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set workload.step_time_ms=40 "
                                              "(repeatable; the value is parsed as YAML).")

@@ -43,8 +43,9 @@ def tiny_config_dict(out: Path, **sections) -> dict:
         "loaders": {"torch": {"variant": ["plain", "tuned"], "num_workers": [0, 1]}},
         "report": {"out": str(out)},
     }
-    for key, value in sections.items():
-        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    for key, value in sections.items():  # sections merge into the defaults; `loaders` replaces them
+        merge = isinstance(value, dict) and key != "loaders"
+        config[key] = {**config.get(key, {}), **value} if merge else value
     return config
 
 

@@ -52,6 +52,9 @@ class HostBatch:
     # True when `inputs` is a view of a buffer the backend reuses (a ring slot): finishing copies it
     # out whenever the finished batch would otherwise still share that memory.
     borrowed: bool = False
+    # Set by `finish` for a borrowed batch copied asynchronously (CUDA): the copy's end event, which
+    # the backend waits on before it lets the buffer be reused.
+    copy_done: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -160,8 +163,11 @@ class Loader(ABC):
         transfer = transfer or self._transfer
         inputs, labels = transfer.to_device(batch.inputs, batch.labels)
         out = finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline, transfer.scratch)
-        if batch.borrowed and out.untyped_storage().data_ptr() == batch.inputs.untyped_storage().data_ptr():
-            out = out.clone()
+        if batch.borrowed:
+            if out.untyped_storage().data_ptr() == batch.inputs.untyped_storage().data_ptr():
+                out = out.clone()
+            elif transfer.last.elapsed.events is not None:
+                batch.copy_done = transfer.last.elapsed.events[1]
         return out, labels
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

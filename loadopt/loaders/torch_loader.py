@@ -231,13 +231,23 @@ class TorchLoader(Loader):
         if self._dataloader is None or not self.settings.persistent_workers:
             self._dataloader = self._make_dataloader()
         iterator = iter(self._dataloader)
+        previous: HostBatch | None = None
         try:
-            for out in iterator:
+            while True:
+                if previous is not None and previous.copy_done is not None:
+                    # Taking the next batch lets the DataLoader hand a ring slot out again: the
+                    # asynchronous device copies from the slots (in order on one stream) must be done.
+                    previous.copy_done.synchronize()
+                try:
+                    out = next(iterator)
+                except StopIteration:
+                    break
                 if tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
                     inputs = self._ring[out["slot"]][: len(out["indices"])]
-                    yield HostBatch(inputs, out["labels"], out["indices"], "NCHW", normalised=False,
-                                    failures=out["failures"], borrowed=True)
+                    previous = HostBatch(inputs, out["labels"], out["indices"], "NCHW", normalised=False,
+                                         failures=out["failures"], borrowed=True)
+                    yield previous
                 else:
                     yield HostBatch(out["inputs"], out["labels"], out["indices"], out["layout"], out["normalised"],
                                     out["failures"])

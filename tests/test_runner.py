@@ -1,0 +1,90 @@
+"""run_bench with backends that are unavailable, fail, or get interrupted."""
+
+import json
+
+import pytest
+
+from loadopt.bench.runner import run_bench
+from loadopt.config import config_from_dict
+from loadopt.loaders.base import _registered, register
+
+from .backends import DelayLoader
+from .conftest import tiny_config_dict
+
+
+class Unavailable(DelayLoader):
+    @classmethod
+    def available(cls):
+        return False, "needs the frobnicator driver, not installed here"
+
+
+class FailsAtRunTime(DelayLoader):
+    def _produce(self, batches):
+        raise RuntimeError("the device fell over")
+        yield
+
+
+class InterruptedOnSecondRun(DelayLoader):
+    """Ctrl-C arrives while the second measured run is under way."""
+
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        type(self).built += 1
+        self.interrupt = type(self).built == 4  # two built to describe the settings, then the runs
+
+    def _produce(self, batches):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        yield from super()._produce(batches)
+
+
+@pytest.fixture
+def backends():
+    register("t_delay")(type("TDelay", (DelayLoader,), {}))
+    register("t_unavailable")(Unavailable)
+    register("t_fails")(FailsAtRunTime)
+    register("t_interrupted")(InterruptedOnSecondRun)
+    yield
+    for name in ("t_delay", "t_unavailable", "t_fails", "t_interrupted"):
+        _registered.pop(name, None)
+
+
+def config(tmp_path, loaders, repeats=1):
+    raw = tiny_config_dict(tmp_path / "out", loaders=loaders, workload={"repeats": repeats, "step_time_ms": 1})
+    return config_from_dict(raw, "test.yaml")
+
+
+def test_unavailable_and_failing_backends_are_listed_and_the_rest_runs(tmp_path, backends):
+    cfg = config(tmp_path, {"t_delay": {"delay_s": [0.001, 0.002]}, "t_unavailable": {}, "t_fails": {}})
+    outcome = run_bench(cfg)
+    runs = {r["backend"]: r for r in outcome.results["runs"]}
+    assert runs["t_unavailable"]["status"] == "unavailable"
+    assert "frobnicator" in runs["t_unavailable"]["reason"]
+    assert runs["t_fails"]["status"] == "error" and "the device fell over" in runs["t_fails"]["reason"]
+    measured = [r for r in outcome.results["runs"] if r["status"] == "ok"]
+    assert len(measured) == 2 and len(outcome.results["ranking"]) == 2
+    assert outcome.results["summary"].startswith("fastest: t_delay delay_s=0.001")
+    on_disk = json.loads(outcome.json_path.read_text())
+    assert on_disk["runs"] == json.loads(json.dumps(outcome.results["runs"]))
+
+
+def test_ctrl_c_keeps_the_finished_runs(tmp_path, backends):
+    InterruptedOnSecondRun.built = 0
+    cfg = config(tmp_path, {"t_interrupted": {"delay_s": [0.001, 0.002]}}, repeats=2)
+    outcome = run_bench(cfg)
+    assert outcome.interrupted
+    results = json.loads(outcome.json_path.read_text())
+    assert results["interrupted"] is True
+    statuses = [r["status"] for r in results["runs"]]
+    assert statuses == ["ok", "not run"]
+    assert len(results["runs"][0]["repeats"]) == 1
+
+
+def test_cold_cache_is_stated(tmp_path, backends):
+    raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}},
+                           storage={"cache": "cold"})
+    outcome = run_bench(config_from_dict(raw, "cold.yaml"))
+    assert outcome.results["cache"]["mode"] == "cold"
+    assert "evicted from the page cache (posix_fadvise DONTNEED)" in outcome.results["cache"]["note"]
