@@ -89,7 +89,7 @@ def results_table(results: dict[str, Any]) -> Table:
                         f" ({results['dataset']['num_samples']} samples)", title_justify="left")
     for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
                             ("spread", "right"), ("MB/s", "right"), ("stall", "right"), ("wait p99 ms", "right"),
-                            ("CPU s/1k", "right"), ("peak RSS MB", "right")):
+                            ("CPU s/1k", "right"), ("peak mem MB", "right")):
         table.add_column(column, justify=justify)
     by_label = {r["label"]: r for r in results["runs"]}
     for rank, label in enumerate(results["ranking"], start=1):
@@ -98,7 +98,7 @@ def results_table(results: dict[str, Any]) -> Table:
         spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
         table.add_row(str(rank), label, f"{median(m, 'samples_per_s'):,.0f}", spread, _fmt(m, "mb_per_s", ",.1f"),
                       _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
-                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_rss_mb", ",.0f"))
+                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"))
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:
             table.add_row("-", run["label"], f"[yellow]{run['status']}[/]: {run['reason']}", *[""] * 6)
@@ -126,6 +126,7 @@ def bench(
             outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress))
     results = outcome.results
     console.print(results_table(results))
+    console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
     console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
                   f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
     console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)

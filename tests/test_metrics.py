@@ -41,7 +41,8 @@ def test_counts_bytes_percentiles_and_emulated_h2d():
     assert m["goodput_ratio"] == pytest.approx(1.0)
     assert m["wait_p50_ms"] <= m["wait_p95_ms"] <= m["wait_p99_ms"] <= m["wait_max_ms"]
     assert m["h2d_emulated"] and m["h2d_gb_per_s"] > 0
-    assert m["cpu_seconds_per_1k_samples"] is not None and m["peak_rss_mb"] > 10
+    assert m["cpu_seconds_per_1k_samples"] is not None
+    assert m["peak_rss_mb"] > 10 and 0 < m["peak_pss_mb"] <= m["peak_rss_mb"]
 
 
 def test_measurement_spans_epochs():
@@ -50,3 +51,25 @@ def test_measurement_spans_epochs():
                         warmup_batches=2, measure_batches=12)
     assert result.metrics["batches"] == 12
     assert loader.epoch == 2
+
+
+def _burn(seconds):
+    import time as t
+
+    end = t.process_time() + seconds
+    while t.process_time() < end:
+        pass
+
+
+def test_process_tree_monitor_counts_children_that_exit_inside_the_window():
+    import multiprocessing
+
+    from loadopt.bench.monitor import ProcessTreeMonitor
+
+    with ProcessTreeMonitor(interval_s=0.05) as monitor:
+        child = multiprocessing.get_context("fork").Process(target=_burn, args=(0.4,))
+        child.start()
+        child.join()
+    usage = monitor.usage
+    assert usage.cpu_seconds >= 0.35  # the child's CPU, though it exited before the window closed
+    assert 0 < usage.peak_pss_bytes <= usage.peak_rss_bytes

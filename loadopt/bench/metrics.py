@@ -7,7 +7,8 @@ Definitions (warm-up batches excluded):
 - `h2d_gb_per_s` = bytes moved / sum(h2d_i); `h2d_pinned` says whether the source was pinned.
 - `storage_bytes_read` (/proc io read_bytes of the process tree), `bytes_read` (the loader's own
   count), `goodput_ratio` = bytes of samples delivered / bytes_read.
-- `cpu_seconds_per_1k_samples` over the process tree, `peak_rss_mb` of the tree.
+- `cpu_seconds_per_1k_samples` over the process tree, `peak_rss_mb` of the tree (shared pages
+  counted in every process that maps them) and `peak_pss_mb` (shared pages counted once).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
         "cpu_seconds": usage.cpu_seconds,
         "cpu_seconds_per_1k_samples": usage.cpu_seconds / samples * 1000.0 if samples else None,
         "peak_rss_mb": usage.peak_rss_bytes / 2**20,
+        "peak_pss_mb": usage.peak_pss_bytes / 2**20,
     }
     if device_idle_s is not None:
         metrics["device_idle_fraction"] = min(1.0, device_idle_s / wall_s) if wall_s > 0 else None

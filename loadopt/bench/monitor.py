@@ -19,7 +19,8 @@ class TreeUsage:
     cpu_seconds: float
     storage_bytes_read: int  # /proc/<pid>/io read_bytes: what came from the block device
     chars_read: int  # /proc/<pid>/io rchar: bytes returned by read calls, page cache included
-    peak_rss_bytes: int
+    peak_rss_bytes: int  # sum of RSS: pages shared between processes (a worker ring) count once per process
+    peak_pss_bytes: int  # sum of PSS: shared pages split between the processes mapping them
     processes_seen: int
 
 
@@ -37,6 +38,16 @@ def _io(proc: psutil.Process) -> tuple[int, int]:
         return counters.read_bytes, getattr(counters, "read_chars", 0)
     except (psutil.Error, AttributeError):
         return 0, 0
+
+
+def _memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS); PSS from smaps_rollup (~0.2 ms a call), RSS where PSS cannot be read."""
+    try:
+        full = proc.memory_full_info()
+        return full.rss, getattr(full, "pss", full.rss)
+    except psutil.AccessDenied:
+        rss = proc.memory_info().rss
+        return rss, rss
 
 
 def _cpu(proc: psutil.Process) -> float:
@@ -57,6 +68,7 @@ class ProcessTreeMonitor:
         self._children: dict[int, tuple[psutil.Process, _Seen]] = {}
         self._root_io = (0, 0)
         self._peak_rss = 0
+        self._peak_pss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loadopt-monitor", daemon=True)
 
@@ -65,7 +77,7 @@ class ProcessTreeMonitor:
         return times.children_user + times.children_system
 
     def _sample(self) -> None:
-        rss = self._root.memory_info().rss
+        rss, pss = _memory(self._root)
         try:
             children = self._root.children(recursive=True)
         except psutil.Error:
@@ -73,15 +85,17 @@ class ProcessTreeMonitor:
         for child in children:
             io, cpu = _io(child), _cpu(child)
             try:
-                rss += child.memory_info().rss
+                child_rss, child_pss = _memory(child)
             except psutil.Error:
                 continue
+            rss, pss = rss + child_rss, pss + child_pss
             known = self._children.get(child.pid)
             if known is None:
                 self._children[child.pid] = (child, _Seen(io, io, cpu, cpu))
             else:
                 known[1].last_io, known[1].last_cpu = io, cpu
         self._peak_rss = max(self._peak_rss, rss)
+        self._peak_pss = max(self._peak_pss, pss)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -126,4 +140,4 @@ class ProcessTreeMonitor:
                 cpu += seen.last_cpu - self._live_at_start.get(pid, 0.0)
             else:
                 cpu -= self._live_at_start.get(pid, 0.0)
-        self.usage = TreeUsage(cpu, storage, chars, self._peak_rss, 1 + len(self._children))
+        self.usage = TreeUsage(cpu, storage, chars, self._peak_rss, self._peak_pss, 1 + len(self._children))

@@ -17,6 +17,7 @@ persistent workers, which never see the consumer's state after they start.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Literal
 
@@ -193,6 +194,8 @@ class TorchLoader(Loader):
     def _make_dataloader(self) -> DataLoader:
         s = self.settings
         workers = s.num_workers
+        # More workers than cores is a setting a sweep tries on purpose; torch's warning adds nothing.
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         return DataLoader(
             _Samples(self),
             batch_sampler=self._plan,
