@@ -67,8 +67,6 @@ class DeviceTransfer:
         self.last = TransferTiming(0, False, Elapsed())
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._flip = 0
-        # Reusable device memory for finishing batches: only where this object owns it (emulated).
-        self.scratch = self._scratch if self.emulate else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def to_device(self, *tensors: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -86,7 +84,8 @@ class DeviceTransfer:
         self.last = TransferTiming(nbytes, pinned, Elapsed(time.perf_counter() - start))
         return out
 
-    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A reusable output buffer on the emulated device, paired with the current copy buffers."""
         return self._buffer(shape, dtype, "scratch")
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype, purpose: str) -> torch.Tensor:

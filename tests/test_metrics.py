@@ -73,3 +73,21 @@ def test_process_tree_monitor_counts_children_that_exit_inside_the_window():
     usage = monitor.usage
     assert usage.cpu_seconds >= 0.35  # the child's CPU, though it exited before the window closed
     assert 0 < usage.peak_pss_bytes <= usage.peak_rss_bytes
+
+
+def test_emulated_device_buffers_are_freed_without_the_cycle_collector():
+    """A bench builds one emulated device per run: its buffers (~100 MB at ImageNet sizes) must go
+    when the run ends, not at some later cyclic garbage collection."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        loader = delay_loader(64, batch_size=8, delay_s=0.0, background=False)
+        transfer = DeviceTransfer(CPU, emulate=True)
+        run_repeat(loader, EmulatedAccelerator(0.0, CPU), transfer, warmup_batches=1, measure_batches=3)
+        refs = [weakref.ref(transfer), weakref.ref(loader)]
+        del transfer, loader
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
