@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -37,7 +38,7 @@ def _user_errors() -> Iterator[None]:
         yield
     except LoadoptError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
-            err_console.print(f"[bold red]error:[/] {line}", highlight=False, markup=True, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
 
 
@@ -62,7 +63,7 @@ class _RichReporter:
 
     def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None:
         if error is not None:
-            self.progress.console.print(f"[red]{label}: failed: {error}[/]", highlight=False)
+            self.progress.console.print(f"[red]{escape(label)}: failed: {escape(error)}[/]", highlight=False)
         elif metrics is not None:
             self.progress.console.print(
                 f"  {label}: {metrics['samples_per_s']:,.0f} samples/s, stall {metrics['stall_fraction']:.0%}",
@@ -96,12 +97,12 @@ def results_table(results: dict[str, Any]) -> Table:
         m = by_label[label]["metrics"]
         rate = m["samples_per_s"]
         spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
-        table.add_row(str(rank), label, f"{median(m, 'samples_per_s'):,.0f}", spread, _fmt(m, "mb_per_s", ",.1f"),
-                      _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
+        table.add_row(str(rank), escape(label), f"{median(m, 'samples_per_s'):,.0f}", spread,
+                      _fmt(m, "mb_per_s", ",.1f"), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
                       _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"))
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:
-            table.add_row("-", run["label"], f"[yellow]{run['status']}[/]: {run['reason']}", *[""] * 6)
+            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]: {escape(run['reason'])}", *[""] * 6)
     return table
 
 
@@ -151,7 +152,7 @@ def doctor() -> None:
     table.add_column("detail")
     for check in run_checks():
         status = {True: "[green]ok[/]", False: "[yellow]unusable[/]", None: "[dim]info[/]"}[check.ok]
-        table.add_row(check.item, status, check.detail)
+        table.add_row(escape(check.item), status, escape(check.detail))
     console.print(table)
 
 
