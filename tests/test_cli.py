@@ -150,3 +150,12 @@ def test_previous_results_survive_a_failed_run(tiny_config, tmp_path):
     assert loadopt("bench", tiny_config, "--out", out, "--set", "pipeline.batch_size=0").returncode == 2
     assert (out / "results.json").read_text() == good
     assert not [p for p in Path(out).iterdir() if p.name.endswith(".tmp")]
+
+
+def test_cuda_requested_without_a_gpu(tiny_config):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = one_line_error(loadopt("bench", tiny_config, "--set", "workload.device=cuda"))
+    assert "device cuda: CUDA is not available on this machine" in line

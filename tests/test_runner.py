@@ -88,3 +88,25 @@ def test_cold_cache_is_stated(tmp_path, backends):
     outcome = run_bench(config_from_dict(raw, "cold.yaml"))
     assert outcome.results["cache"]["mode"] == "cold"
     assert "evicted from the page cache (posix_fadvise DONTNEED)" in outcome.results["cache"]["note"]
+
+
+def test_real_model_step(tmp_path, backends):
+    raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}},
+                           workload={"model": "small_cnn"})
+    outcome = run_bench(config_from_dict(raw, "model.yaml"))
+    metrics = outcome.results["runs"][0]["metrics"]
+    assert metrics["compute_s"]["median"] > 0 and 0 < metrics["accelerator_utilisation"]["median"] <= 1
+
+
+def test_resnet50_without_torchvision_is_a_clear_error(tmp_path, backends):
+    pytest.importorskip("torch")
+    try:
+        import torchvision  # noqa: F401
+        pytest.skip("torchvision imports here: resnet50 is available")
+    except Exception:  # noqa: BLE001 - any import failure means resnet50 cannot be built
+        pass
+    from loadopt.errors import BackendUnavailable
+
+    raw = tiny_config_dict(tmp_path / "out", workload={"model": "resnet50"})
+    with pytest.raises(BackendUnavailable, match="workload.model: resnet50 needs torchvision"):
+        run_bench(config_from_dict(raw, "model.yaml"))
