@@ -101,5 +101,6 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     loader = cls(dataset, pipeline, settings, device=resolve_device(device or config.workload.device),
                  rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
                  seed=config.seed if seed is None else seed, epoch=epoch, on_error=config.dataset.on_error)
+    loader.prepare()  # e.g. converts the dataset to the backend's format on first use
     log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
     return loader

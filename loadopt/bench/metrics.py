@@ -1,7 +1,8 @@
 """The metrics of DESIGN.md, computed from the per-batch probes of one measured window.
 
 Definitions (warm-up batches excluded):
-- `samples_per_s`, `mb_per_s`: samples and stored (encoded) sample bytes delivered per wall second.
+- `samples_per_s`, `mb_per_s`: samples and stored (encoded) sample bytes delivered per wall second;
+  `tokens_per_s` (token workloads) = samples_per_s x seq_len.
 - `accelerator_utilisation` = sum(compute_i) / wall; `stall_fraction` = 1 - accelerator_utilisation.
 - `wait_*_ms`: percentiles of wait_i, the time from asking for batch i to holding it.
 - `h2d_gb_per_s` = bytes moved / sum(h2d_i); `h2d_pinned` says whether the source was pinned.
@@ -47,7 +48,8 @@ def percentile_ms(values: np.ndarray, q: float) -> float:
 
 
 def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, loader_bytes_read: int,
-                   h2d_pinned: bool, h2d_emulated: bool, device_idle_s: float | None = None) -> dict[str, Any]:
+                   h2d_pinned: bool, h2d_emulated: bool, device_idle_s: float | None = None,
+                   tokens_per_sample: int | None = None) -> dict[str, Any]:
     """The metrics of one repeat from the probes of its measured batches."""
     measured = [p for p in probes if p.measured]
     samples = sum(p.samples for p in measured)
@@ -85,6 +87,8 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
         "peak_rss_mb": usage.peak_rss_bytes / 2**20,
         "peak_pss_mb": usage.peak_pss_bytes / 2**20,
     }
+    if tokens_per_sample is not None:
+        metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample
     if device_idle_s is not None:
         metrics["device_idle_fraction"] = min(1.0, device_idle_s / wall_s) if wall_s > 0 else None
     return metrics

@@ -43,6 +43,8 @@ class Reporter:
 
     def dataset_progress(self, done: int, total: int) -> None: ...
 
+    def conversion_progress(self, label: str, done: int, total: int) -> None: ...
+
     def run_started(self, label: str, total_batches: int) -> None: ...
 
     def batch_done(self, done: int) -> None: ...
@@ -76,7 +78,8 @@ def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
                                        "measure_batches": min(workload.measure_batches, 20), "repeats": 1})
 
 
-def _plan(config: Config, names: list[str], dataset: ImageDataset, device) -> list[_Setting]:
+def _plan(config: Config, names: list[str], dataset: ImageDataset, device, reporter: Reporter,
+          convert: bool) -> list[_Setting]:
     plan: list[_Setting] = []
     for name in names:
         try:
@@ -89,20 +92,25 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device) -> li
             continue
         for settings in backend_settings(config, name):
             probe = cls(dataset, config.pipeline, settings, device=device, seed=config.seed)
-            plan.append(_Setting(name, settings, f"{name} {probe.describe()}"))
+            label = f"{name} {probe.describe()}"
+            probe.prepare(lambda done, total, label=label: reporter.conversion_progress(label, done, total), convert)
+            plan.append(_Setting(name, settings, label))
             probe.close()
     return plan
 
 
 def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
-              reporter: Reporter | None = None) -> BenchOutcome:
-    """Measure every configured loader setting; write results.json and timings.parquet into `out`."""
+              reporter: Reporter | None = None, convert: bool = True) -> BenchOutcome:
+    """Measure every configured loader setting; write results.json and timings.parquet into `out`.
+
+    A backend that reads its own format converts the dataset first (once, cached) unless `convert`
+    is false, in which case a missing conversion is an error."""
     reporter = reporter or Reporter()
     folder = prepare_output(out or config.report.out)
     device = resolve_device(config.workload.device)
     workload = effective_workload(config.workload, quick)
     dataset = open_dataset(config, progress=reporter.dataset_progress)
-    plan = _plan(config, loaders or list(config.loaders), dataset, device)
+    plan = _plan(config, loaders or list(config.loaders), dataset, device, reporter, convert)
     accelerator = make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), device)
     cache_note = "warm: the page cache was left as it was"
     interrupted = False
@@ -145,6 +153,7 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
     try:
         loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
                      on_error=config.dataset.on_error)
+        loader.prepare(convert_missing=False)  # converted when planned; opening it is not timed
         result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), workload.warmup_batches,
                             workload.measure_batches, on_batch=reporter.batch_done)
     except (LoadoptError, KeyboardInterrupt):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Literal
@@ -27,6 +27,7 @@ from loadopt.device import DeviceTransfer, finish_inputs
 from loadopt.errors import DatasetError
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.imagefolder import ImageDataset
+from loadopt.storage.tokens import TokenDataset
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,10 @@ class NoSettings(BaseModel):
 class HostBatch:
     """One batch as a backend produced it, before it is finished on the device."""
 
-    inputs: torch.Tensor  # NCHW float (normalised) or uint8 in `layout`
-    labels: torch.Tensor
+    inputs: torch.Tensor  # NCHW float (normalised) or uint8 in `layout`; token ids (B, seq_len) for tokens
+    labels: torch.Tensor  # class ids; the shifted token ids for tokens
     indices: np.ndarray  # the dataset indices actually in the batch, in order
-    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    layout: Literal["NCHW", "NHWC", "tokens"] = "NCHW"
     normalised: bool = True
     # (index, reason) of samples that could not be read or decoded; not in `inputs`.
     failures: list[tuple[int, str]] = field(default_factory=list)
@@ -82,7 +83,8 @@ class Loader(ABC):
     name: ClassVar[str] = "base"
     Settings: ClassVar[type[BaseModel]] = NoSettings
 
-    def __init__(self, dataset: ImageDataset, pipeline: PipelineConfig, settings: BaseModel | None = None, *,
+    def __init__(self, dataset: ImageDataset | TokenDataset, pipeline: PipelineConfig,
+                 settings: BaseModel | None = None, *,
                  device: str | torch.device = "cpu", rank: int = 0, world_size: int = 1, seed: int = 0,
                  epoch: int = 0, on_error: Literal["raise", "skip"] = "raise") -> None:
         if len(dataset) == 0:
@@ -108,6 +110,11 @@ class Loader(ABC):
     @abstractmethod
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         """Yield one `HostBatch` per entry of `batches`, in order."""
+
+    def prepare(self, progress: Callable[[int, int], None] | None = None,  # noqa: B027 - optional hook
+                convert_missing: bool = True) -> None:
+        """Make ready what this backend reads (e.g. convert the dataset to its format), before any
+        timing starts; `convert_missing=False` makes a missing conversion an error instead."""
 
     def describe(self) -> str:
         """A short label of this setting for tables (e.g. `plain num_workers=2`)."""
@@ -198,7 +205,8 @@ class Loader(ABC):
 # ---------------------------------------------------------------------------------------------
 # Registry
 
-_BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader"}
+_BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
+                             "arrow": "loadopt.loaders.arrow_loader:ArrowLoader"}
 _registered: dict[str, type[Loader]] = {}
 
 

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, default_collate
 from loadopt.config import PipelineConfig
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.storage.tokens import TokenDataset
 
 Item = tuple[int, int, int]  # (epoch, dataset index, ring slot of its batch; -1 for plain)
 
@@ -81,19 +82,8 @@ class _Samples(torch.utils.data.Dataset):
     def _write(self, item: Item, slot: torch.Tensor) -> None:
         """Decode, crop, resize and flip one sample into `slot` (CHW uint8)."""
         epoch, index, _ = item
-        data = self.dataset.read(index)
-        if self.resize == "torch":
-            pixels = transforms.decode_array(data, self.decoder)
-            box, flip = transforms.plan(pixels.shape[1], pixels.shape[0], self.pipeline.augment, self.seed, epoch,
-                                        index)
-            transforms.crop_resize_flip_into(pixels, box, flip, slot)
-        else:
-            slot.numpy()[...] = self._pil_pixels(data, epoch, index).transpose(2, 0, 1)
-
-    def _pil_pixels(self, data: bytes, epoch: int, index: int):
-        image = transforms.decode_pil(data) if self.decoder == "pil" else transforms.decode_fast(data)
-        box, flip = transforms.plan(image.width, image.height, self.pipeline.augment, self.seed, epoch, index)
-        return transforms.crop_resize_flip(image, box, flip, self.pipeline.image_size)
+        transforms.write_sample(self.dataset.read(index), slot, self.decoder, self.resize, self.pipeline.augment,
+                                self.seed, epoch, index)
 
     def __getitem__(self, item: Item):
         """The plain path: one sample, CHW float normalised (or uint8 CHW when so configured)."""
@@ -101,7 +91,8 @@ class _Samples(torch.utils.data.Dataset):
         size = self.pipeline.image_size
         try:
             if self.resize == "pil":  # as torchvision's PIL transforms + ToTensor + Normalize do
-                pixels = self._pil_pixels(self.dataset.read(item[1]), item[0], item[1])
+                pixels = transforms.pil_pixels(self.dataset.read(item[1]), self.decoder, self.pipeline.augment,
+                                               self.seed, item[0], item[1], size)
                 if self.pipeline.dtype == "uint8":
                     return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), label, item[1], None
                 return transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std), label, item[1], None
@@ -152,6 +143,26 @@ def _collate_tuned(batch: dict) -> dict:
     return batch
 
 
+class _Windows(torch.utils.data.Dataset):
+    """Token windows sliced from the memory-mapped corpus, one per call: what nanoGPT-style loaders do."""
+
+    def __init__(self, dataset: TokenDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: Item):
+        window = torch.from_numpy(self.dataset.window(item[1]).astype(np.int64))
+        return window[:-1], window[1:], item[1]
+
+
+def _collate_windows(samples: list) -> dict:
+    return {"inputs": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples]),
+            "indices": np.asarray([s[2] for s in samples], dtype=np.int64), "failures": [], "layout": "tokens",
+            "normalised": True}
+
+
 class _BatchPlan:
     """The batch sampler: replays the batches the base class planned (replaced every epoch)."""
 
@@ -176,11 +187,12 @@ class TorchLoader(Loader):
         self._plan = _BatchPlan()
         self._dataloader: DataLoader | None = None
         self._ring: torch.Tensor | None = None
+        self._tokens = isinstance(self.dataset, TokenDataset)  # token windows: `variant` does not apply
         self._ring_cursor = 0  # the slot of the next batch to be yielded
 
     def describe(self) -> str:
         s = self.settings
-        text = f"{s.variant} num_workers={s.num_workers}"
+        text = f"{'memmap' if self._tokens else s.variant} num_workers={s.num_workers}"
         if s.num_workers:
             text += f" prefetch={s.prefetch_factor}"
         if s.persistent_workers:
@@ -196,11 +208,15 @@ class TorchLoader(Loader):
         workers = s.num_workers
         # More workers than cores is a setting a sweep tries on purpose; torch's warning adds nothing.
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        if self._tokens:
+            samples, collate = _Windows(self.dataset), _collate_windows
+        else:
+            samples, collate = _Samples(self), _collate_tuned if s.variant == "tuned" else _collate_plain
         return DataLoader(
-            _Samples(self),
+            samples,
             batch_sampler=self._plan,
             num_workers=workers,
-            collate_fn=_collate_tuned if s.variant == "tuned" else _collate_plain,
+            collate_fn=collate,
             pin_memory=s.pin_memory and self.device.type == "cuda",
             prefetch_factor=s.prefetch_factor if workers else None,
             persistent_workers=s.persistent_workers and workers > 0,
@@ -223,7 +239,7 @@ class TorchLoader(Loader):
 
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         epoch = self.epoch
-        tuned = self.settings.variant == "tuned"
+        tuned = self.settings.variant == "tuned" and not self._tokens
         if tuned and self._ring is None:
             self._ring = self._make_ring()
             self._dataloader = None  # workers must see the ring

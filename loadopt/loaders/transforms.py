@@ -3,7 +3,7 @@
 loadopt's own equivalents of torchvision's RandomResizedCrop / Resize+CenterCrop / flip /
 ToTensor+Normalize (torchvision is optional). Random choices come from a generator seeded by
 (seed, epoch, sample index), so a sample gets the same crop whichever worker or backend decodes it.
-Crop boxes are whole pixels. Two resize kernels, both bilinear with antialiasing: PIL's
+Two resize kernels, both bilinear with antialiasing: PIL's
 (`resize(box=...)`, what torchvision does on PIL images) and torch's uint8 kernel on a view of the
 decoded array (what torchvision v2 does on tensors: about 3x cheaper here, no PIL<->numpy copies;
 pixels differ from PIL's by rounding, mean |diff| < 0.1 of a level).
@@ -25,12 +25,23 @@ try:  # the faster libjpeg-turbo binding, GIL released while decoding
 except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay usable without it
     simplejpeg = None
 
-Box = tuple[int, int, int, int]  # left, top, right, bottom
+Box = tuple[float, float, float, float]  # left, top, right, bottom in source pixels
 EVAL_CROP_FRACTION = 0.875  # resize to size/0.875, centre-crop size: the usual ImageNet eval recipe
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, epoch, int(index)]))
+
+
+def sample_hash(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """64 random bits per sample from (seed, epoch, index), for a whole batch at once (splitmix64):
+    per-sample randomness that does not depend on which batch or thread handles the sample."""
+    with np.errstate(over="ignore"):
+        x = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(epoch) * np.uint64(0xD1B54A32D192ED03))
+        x = x ^ indices.astype(np.uint64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
@@ -60,9 +71,12 @@ def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
     return (left, top, left + w, top + h)
 
 
-def center_crop_box(width: int, height: int) -> Box:
-    side = max(1, int(round(min(width, height) * EVAL_CROP_FRACTION)))
-    left, top = (width - side) // 2, (height - side) // 2
+def center_crop_box(width: int, height: int, fraction: float = EVAL_CROP_FRACTION) -> Box:
+    """The centred square of `fraction` of the shorter side, in exact (fractional) source pixels:
+    resampling it to the output size equals resizing the shorter side to size/fraction, then
+    centre-cropping, as torchvision's Resize + CenterCrop do."""
+    side = min(width, height) * fraction
+    left, top = (width - side) / 2, (height - side) / 2
     return (left, top, left + side, top + side)
 
 
@@ -105,11 +119,30 @@ def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.
 def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor) -> None:
     """The crop of an HWC uint8 array, resized with torch's uint8 antialiased bilinear kernel and
     flipped, written into `out` (CHW uint8, e.g. one slot of a batch)."""
-    left, top, right, bottom = box
+    left, top, right, bottom = (int(round(v)) for v in box)  # torch's kernel takes whole-pixel crops
     crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
     resized = F.interpolate(crop, size=tuple(out.shape[-2:]), mode="bilinear", antialias=True,
                             align_corners=False)[0]
     out.copy_(resized.flip(-1) if flip else resized)
+
+
+def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, index: int,
+               size: int) -> np.ndarray:
+    """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8."""
+    image = decode_pil(data) if decoder == "pil" else decode_fast(data)
+    box, flip = plan(image.width, image.height, augment, seed, epoch, index)
+    return crop_resize_flip(image, box, flip, size)
+
+
+def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
+                 seed: int, epoch: int, index: int) -> None:
+    """Decode one sample, crop/resize/flip it and write it into `slot` (CHW uint8, e.g. of a batch)."""
+    if resize == "torch":
+        pixels = decode_array(data, decoder)
+        box, flip = plan(pixels.shape[1], pixels.shape[0], augment, seed, epoch, index)
+        crop_resize_flip_into(pixels, box, flip, slot)
+    else:
+        slot.numpy()[...] = pil_pixels(data, decoder, augment, seed, epoch, index, slot.shape[-1]).transpose(2, 0, 1)
 
 
 def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:

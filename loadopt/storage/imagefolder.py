@@ -129,9 +129,13 @@ def _from_manifest(root: Path, split: str) -> ImageDataset | None:
     )
 
 
-def open_dataset(config: Config, split: str = "train",
-                 progress: Callable[[int, int], None] | None = None) -> ImageDataset:
-    """The dataset a config names: its `dataset.path`, or the synthetic one (generated if missing)."""
+def open_dataset(config: Config, split: str = "train", progress: Callable[[int, int], None] | None = None):
+    """The dataset a config names: its `dataset.path`, or the synthetic one (generated if missing).
+
+    Images give an `ImageDataset`; `dataset.kind: tokens` a `TokenDataset` (one split: the file).
+    """
+    if config.dataset.kind == "tokens":
+        return _open_tokens(config, progress)
     if config.dataset.path is not None:
         return scan_image_folder(os.path.expanduser(config.dataset.path), split)
     from loadopt.storage.synthetic import ensure_synthetic
@@ -145,3 +149,20 @@ def open_dataset(config: Config, split: str = "train",
     if dataset is None:
         raise DatasetError(f"{root}: the synthetic dataset has no split {split!r}")
     return dataset
+
+
+def _open_tokens(config: Config, progress: Callable[[int, int], None] | None):
+    from loadopt.storage.tokens import ensure_tokens, open_tokens
+
+    spec, seq_len = config.dataset.tokens, config.pipeline.seq_len
+    if config.dataset.path is not None:
+        path = os.path.expanduser(config.dataset.path)
+        if "://" in path and not path.startswith("file://"):
+            raise DatasetError(f"{path}: token files are memory-mapped and must be on a local file system")
+        return open_tokens(path.removeprefix("file://"), spec, seq_len)
+    try:
+        path = ensure_tokens(spec, cache_dir(), progress=progress)
+    except OSError as exc:
+        raise DatasetError(f"{cache_dir()}: cannot write the synthetic token corpus into the cache ({exc}); "
+                           "set LOADOPT_CACHE to a writable folder") from None
+    return open_tokens(path, spec, seq_len, synthetic=True)
