@@ -94,17 +94,19 @@ def results_table(results: dict[str, Any]) -> Table:
 
     table = Table(title=f"loadopt bench: {results['config']['name']} on {results['device']}"
                         f" ({results['dataset']['num_samples']} samples)", title_justify="left")
+    by_label = {r["label"]: r for r in results["runs"]}
+    tokens = any("tokens_per_s" in by_label[label]["metrics"] for label in results["ranking"])
+    volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
     for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
-                            ("spread", "right"), ("MB/s", "right"), ("stall", "right"), ("wait p99 ms", "right"),
+                            ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
                             ("CPU s/1k", "right"), ("peak mem MB", "right")):
         table.add_column(column, justify=justify)
-    by_label = {r["label"]: r for r in results["runs"]}
     for rank, label in enumerate(results["ranking"], start=1):
         m = by_label[label]["metrics"]
         rate = m["samples_per_s"]
         spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
         table.add_row(str(rank), escape(label), f"{median(m, 'samples_per_s'):,.0f}", spread,
-                      _fmt(m, "mb_per_s", ",.1f"), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
+                      _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
                       _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"))
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:

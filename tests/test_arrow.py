@@ -1,0 +1,173 @@
+"""The arrow backend and the Arrow conversion: equal tensors, resumption, errors."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import yaml
+
+from loadopt.config import config_from_dict
+from loadopt.errors import DatasetError
+from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+from loadopt.storage.arrow_format import arrow_path, convert, open_arrow
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import tiny_config_dict
+
+
+def config(tmp_path, **pipeline):
+    raw = tiny_config_dict(tmp_path / "out", pipeline={"augment": "eval", "dtype": "uint8", **pipeline})
+    return config_from_dict(raw, "arrow.yaml")
+
+
+def batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def assert_same(a, b, atol=0):
+    assert len(a) == len(b)
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert torch.equal(ya, yb)
+        assert xa.shape == xb.shape and xa.dtype == xb.dtype
+        assert (xa.float() - xb.float()).abs().max() <= atol
+
+
+@pytest.mark.parametrize("augment", ["eval", "train"])
+def test_encoded_arrow_equals_torch_tuned(tmp_path, augment):
+    cfg = config(tmp_path, augment=augment)
+    dataset = open_dataset(cfg)
+    torch_batches = batches(TorchLoader(dataset, cfg.pipeline, TorchSettings(num_workers=1), seed=5))
+    arrow = ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="encoded", threads=2), seed=5)
+    assert_same(batches(arrow), torch_batches)
+
+
+def test_decoded_arrow_equals_torch_for_the_centre_crop(tmp_path):
+    """Decoded = shorter side resized to image_size/0.875 and centre-cropped at conversion, then the
+    centre crop: the same source pixels and filter as torch's one-step eval resize (PIL kernel)."""
+    cfg = config(tmp_path, image_size=56)  # decoded_size 64
+    dataset = open_dataset(cfg)
+    reference = batches(TorchLoader(dataset, cfg.pipeline, TorchSettings(variant="plain", num_workers=0,
+                                                                         decoder="simplejpeg", resize="pil")))
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded")))
+    assert_same(arrow, reference, atol=1)  # float rounding of PIL's filter positions: at most one level
+    diffs = torch.cat([(a[0].float() - r[0].float()).abs().flatten() for a, r in zip(arrow, reference, strict=True)])
+    assert (diffs > 0).float().mean() < 0.02  # ~1% here: PIL rounds to uint8 between its two passes
+
+
+def test_decoded_train_crops_flip_and_normalise(tmp_path):
+    cfg = config(tmp_path, augment="train", dtype="float32")
+    dataset = open_dataset(cfg)
+    first = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded")))
+    again = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded")))
+    assert_same(first, again)  # deterministic for a seed and epoch
+    x, _ = first[0]
+    assert x.shape == (8, 3, 48, 48) and x.dtype == torch.float32 and -3 < x.mean() < 3
+
+
+def test_resume_and_shards(tmp_path):
+    cfg = config(tmp_path)
+    dataset = open_dataset(cfg)
+
+    def make(**kw):
+        return ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=2, **kw)
+
+    full = [b.indices.tolist() for b in make().host_batches()]
+    first = make()
+    head = []
+    for batch in first.host_batches():
+        head.append(batch.indices.tolist())
+        if len(head) == 3:
+            break
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert head + [b.indices.tolist() for b in resumed.host_batches()] == full
+    seen = [i for rank in range(3) for b in make(rank=rank, world_size=3).host_batches() for i in b.indices]
+    assert sorted(seen) == list(range(len(dataset)))
+
+
+def test_tokens_arrow_equals_torch_memmap(tmp_path):
+    raw = tiny_config_dict(tmp_path / "out", dataset={"kind": "tokens", "tokens": {"num_tokens": 20_000,
+                                                                                  "vocab_size": 70_000}},
+                           pipeline={"batch_size": 4, "seq_len": 64})
+    cfg = config_from_dict(raw, "tokens.yaml")
+    dataset = open_dataset(cfg)
+    assert dataset.tokens.dtype == np.uint32 and len(dataset) == (20_000 - 1) // 64
+    reference = batches(TorchLoader(dataset, cfg.pipeline, TorchSettings(num_workers=2)))
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings()))
+    assert_same(arrow, reference)
+    x, y = reference[0]
+    assert x.shape == (4, 64) and x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_truncated_and_mismatched_files_are_named(tmp_path):
+    cfg = config(tmp_path)
+    dataset = open_dataset(cfg)
+    path = convert(dataset, "encoded")
+    data = path.read_bytes()
+    try:
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(DatasetError, match=f"{path}: corrupt or truncated Arrow file"):
+            open_arrow(path, dataset, "encoded", None)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("x", pa.int8())])) as w:
+            w.write_batch(pa.record_batch([pa.array([1], pa.int8())], names=["x"]))
+        with pytest.raises(DatasetError, match=f"{path}: schema does not match the config"):
+            open_arrow(path, dataset, "encoded", None)
+    finally:
+        path.write_bytes(data)
+
+
+def test_no_convert_names_the_missing_file(tmp_path):
+    cfg = config(tmp_path, image_size=40)
+    loader = ArrowLoader(open_dataset(cfg), cfg.pipeline, ArrowSettings(form="decoded", decoded_size=44))
+    with pytest.raises(DatasetError, match="no Arrow conversion .* run `loadopt convert CONFIG --to arrow --decoded`"):
+        loader.prepare(convert_missing=False)
+
+
+def test_interrupted_conversion_is_never_used(tmp_path, cache_dir):
+    raw = tiny_config_dict(tmp_path / "out")
+    raw["dataset"]["synthetic"] = {"num_samples": 3000, "num_classes": 4, "mean_width": 64, "mean_height": 64,
+                                   "seed": 11}
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dataset = open_dataset(config_from_dict(raw, "big.yaml"))  # generated here, converted in the child
+    target = arrow_path(dataset, "decoded", 55)
+    env = {**os.environ, "LOADOPT_CACHE": str(cache_dir)}
+    child = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "arrow",
+                              "--decoded"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(target.parent.glob(f".{target.name}.*.tmp")):
+        time.sleep(0.02)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert not target.exists()  # nothing a later run would use
+    done = subprocess.run([sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "arrow", "--decoded"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert target.exists() and len(open_arrow(target, dataset, "decoded", 55, verify_labels=True)) == 3
+
+
+def test_cli_bench_no_convert_and_truncated_file(tmp_path):
+    from .test_cli import loadopt, one_line_error
+
+    raw = tiny_config_dict(tmp_path / "out", loaders={"arrow": {"form": "decoded", "decoded_size": 50}})
+    path = tmp_path / "a.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    line = one_line_error(loadopt("bench", path, "--no-convert"))
+    assert "no Arrow conversion" in line and ".arrow" in line
+    proc = loadopt("bench", path, "--quick")
+    assert proc.returncode == 0, proc.stderr
+    assert "arrow decoded 50px" in proc.stdout
+    cfg = config_from_dict(raw, "a.yaml")
+    target = arrow_path(open_dataset(cfg), "decoded", 50)
+    target.write_bytes(target.read_bytes()[:1000])
+    line = one_line_error(loadopt("bench", path, "--quick"))
+    assert f"{target}: corrupt or truncated Arrow file" in line
+    target.unlink()
