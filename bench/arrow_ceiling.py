@@ -1,0 +1,118 @@
+"""The decoded `arrow` backend against the machine's memory-copy bandwidth, and against its peers.
+
+1. Ceiling: decoded arrow, warm page cache (one full epoch first, which also maps every page),
+   shuffled order, step time 0: the bytes of the batches it delivers per second, against one
+   `numpy.copyto` of a buffer 8x the L3 cache, measured in the same run. Target >= 0.6.
+2. Images: decoded arrow against the `torch` backend's best setting (tuned, the best worker count),
+   both through the harness (step time 0, the config's pipeline), images/s. Expected well above 10x.
+3. Tokens: arrow against the torch memmap loader (best worker count), tokens/s. Target >= 1.0.
+
+    python bench/arrow_ceiling.py [--config configs/imagenet.yaml] [--tokens configs/tokens.yaml] [--batches 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import REPO, build_loader, result_line
+
+
+def memcpy_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache (median of `repeats`)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        l3 = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+    except (OSError, ValueError, KeyError):
+        l3 = 32 << 20
+    size = min(8 * l3, 1 << 30)
+    source, target = np.ones(size, np.uint8), np.empty(size, np.uint8)
+    np.copyto(target, source)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times)
+
+
+def host_rate(loader, batches: int) -> tuple[float, float]:
+    """(bytes/s, samples/s) of the batches the loader hands over, after one warm epoch."""
+    for _ in loader.host_batches():
+        pass
+    iterator = loader.host_batches()
+    start, nbytes, samples = time.perf_counter(), 0, 0
+    for _ in range(batches):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            iterator = loader.host_batches()
+            batch = next(iterator)
+        nbytes += batch.inputs.numel() * batch.inputs.element_size()
+        samples += len(batch.indices)
+    seconds = time.perf_counter() - start
+    iterator.close()
+    return nbytes / seconds, samples / seconds
+
+
+def harness_rate(loader, batches: int) -> dict:
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    loader.prepare()
+    result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device), DeviceTransfer(loader.device, emulate=True),
+                        warmup_batches=5, measure_batches=batches)
+    loader.close()
+    return result.metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
+    parser.add_argument("--tokens", default=str(REPO / "configs" / "tokens.yaml"))
+    parser.add_argument("--batches", type=int, default=60)
+    args = parser.parse_args()
+
+    from loadopt.config import load_config
+
+    config = load_config(args.config)
+    bandwidth = memcpy_bandwidth()
+    print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (numpy.copyto, buffer 8x L3)")
+    rows = []
+    for augment in ("train", "eval"):
+        variant = load_config(config, [f"pipeline.augment={augment}"])
+        loader = build_loader(variant, "arrow", form="decoded")
+        loader.prepare()
+        nbytes, samples = host_rate(loader, args.batches * 3)
+        loader.close()
+        rows.append((augment, nbytes, samples))
+        print(f"decoded arrow, {augment:5s} crops: {nbytes / 1e9:5.2f} GB/s delivered ({samples:,.0f} images/s), "
+              f"{nbytes / bandwidth:.2f} of the memory copy bandwidth")
+
+    arrow = harness_rate(build_loader(config, "arrow", form="decoded"), args.batches)
+    torch_best = max((harness_rate(build_loader(config, "torch", variant="tuned", num_workers=w), args.batches // 2)
+                      for w in (1, 2, 3)), key=lambda m: m["samples_per_s"])
+    print(f"through the harness (step 0, {config.pipeline.augment} pipeline, {config.pipeline.dtype} on the "
+          f"emulated device): arrow decoded {arrow['samples_per_s']:,.0f} images/s, torch tuned best "
+          f"{torch_best['samples_per_s']:,.0f} images/s")
+
+    tokens_config = load_config(args.tokens)
+    arrow_tokens = harness_rate(build_loader(tokens_config, "arrow"), args.batches)
+    torch_tokens = max((harness_rate(build_loader(tokens_config, "torch", num_workers=w), args.batches)
+                        for w in (0, 2)), key=lambda m: m["tokens_per_s"])
+    print(f"tokens: arrow {arrow_tokens['tokens_per_s'] / 1e6:.2f} M tokens/s, torch memmap best "
+          f"{torch_tokens['tokens_per_s'] / 1e6:.2f} M tokens/s")
+
+    train = rows[0]
+    print(result_line("arrow_decoded_vs_memcpy", train[1] / bandwidth, ">=", 0.6))
+    print(result_line("arrow_decoded_vs_torch_images", arrow["samples_per_s"] / torch_best["samples_per_s"], ">=", 10))
+    print(result_line("arrow_vs_torch_tokens", arrow_tokens["tokens_per_s"] / torch_tokens["tokens_per_s"], ">=", 1.0))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
