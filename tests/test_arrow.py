@@ -171,3 +171,16 @@ def test_cli_bench_no_convert_and_truncated_file(tmp_path):
     line = one_line_error(loadopt("bench", path, "--quick"))
     assert f"{target}: corrupt or truncated Arrow file" in line
     target.unlink()
+
+
+def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypatch):
+    cfg = config(tmp_path, augment="train")
+    loader = ArrowLoader(open_dataset(cfg), cfg.pipeline, ArrowSettings(form="decoded"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(loader, "_random_crops", broken)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        next(iter(loader))
+    loader.close()

@@ -236,3 +236,7 @@ class ArrowLoader(Loader):
                     ready.put((slot, indices, failures))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, never swallowed
             ready.put(exc)
+
+    def close(self) -> None:
+        self._views = None  # the record batches keep the file mapped until they are dropped
+        self._ring = None
