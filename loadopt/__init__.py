@@ -10,6 +10,7 @@
 from loadopt.api import make_loader
 from loadopt.config import Config, load_config
 from loadopt.errors import LoadoptError
+from loadopt.measuring import measure, measure_steps
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,5 @@ def run_bench(*args, **kwargs):
     return _run_bench(*args, **kwargs)
 
 
-__all__ = ["Config", "LoadoptError", "load_config", "make_loader", "run_bench", "__version__"]
+__all__ = ["Config", "LoadoptError", "load_config", "make_loader", "measure", "measure_steps", "run_bench",
+           "__version__"]

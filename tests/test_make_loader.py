@@ -93,7 +93,7 @@ def test_auto_ignores_a_decision_from_another_machine(config_path, caplog):
     path = write_decision(config_path, machine_fingerprint="someone-else")
     try:
         with caplog.at_level(logging.INFO, logger="loadopt"):
-            loader = make_loader(config_path)
+            make_loader(config_path)
         assert "another machine" in caplog.text and "no bench decision" in caplog.text
     finally:
         path.unlink()

@@ -1,0 +1,264 @@
+"""What `loadopt.measure` reports: the metrics of `loadopt bench`, a verdict, results files, ranks.
+
+Metric names and the results file shape are those of `loadopt bench` (loadopt.bench.metrics and
+loadopt.bench.runner), so `loadopt report` and other readers take both. Under `torchrun` every rank
+writes `measure-rank<r>.json` into a shared folder and rank 0 gathers them by polling that folder
+with a timeout: no collective call that could hang a job whose other ranks died.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from loadopt.bench.metrics import aggregate, percentile_ms
+from loadopt.bench.results import SCHEMA_VERSION, atomic_write_text, machine_fingerprint, machine_info
+from loadopt.errors import OutputError
+
+COMMAND = "loadopt.measure"
+CPU_NOTE = "on the CPU the loop body stands for the accelerator"
+_machine: dict[str, Any] | None = None
+
+
+@dataclass
+class Recorded:
+    """What a measurement holds, in the units it was recorded in."""
+
+    wait_ns: np.ndarray  # per step: asking for the batch -> holding it
+    step_ns: np.ndarray  # per step: the loop body (handing the batch out -> asking for the next)
+    samples: np.ndarray
+    sample_bytes: float | None  # stored bytes per sample, when the caller said
+    cpu_seconds: float | None
+    storage_bytes_read: int
+    peak_rss_bytes: int
+    peak_pss_bytes: int
+    h2d_bytes: int
+    h2d_s: float
+    h2d_pinned: bool
+    device_busy_s: float | None  # from CUDA events; None on the CPU
+    device_idle_s: float | None
+    unmarked_waits: int  # measure_steps: steps whose batch was never marked (wait unknown)
+
+
+def step_metrics(rec: Recorded) -> dict[str, Any]:
+    """The flat metrics of one measurement, named as `loadopt bench` names them."""
+    waits, steps = rec.wait_ns / 1e9, rec.step_ns / 1e9
+    wall = float(waits.sum() + steps.sum())
+    samples = int(rec.samples.sum())
+    on_device = rec.device_busy_s is not None and rec.device_idle_s is not None and (
+        rec.device_busy_s + rec.device_idle_s) > 0
+    if on_device:
+        compute_s = rec.device_busy_s
+        utilisation = rec.device_busy_s / (rec.device_busy_s + rec.device_idle_s)
+    else:
+        compute_s = float(steps.sum())
+        utilisation = compute_s / wall if wall > 0 else 0.0
+    metrics: dict[str, Any] = {
+        "samples": samples,
+        "batches": len(steps),
+        "wall_s": wall,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "mb_per_s": samples * rec.sample_bytes / wall / 1e6 if rec.sample_bytes and wall > 0 else None,
+        "accelerator_utilisation": min(1.0, utilisation),
+        "stall_fraction": 1.0 - min(1.0, utilisation),
+        "compute_s": compute_s,
+        "compute_source": "cuda events" if on_device else f"loop body ({CPU_NOTE})",
+        "wait_s": float(waits.sum()),
+        "wait_fraction": float(waits.sum()) / wall if wall > 0 else 0.0,
+        "wait_p50_ms": percentile_ms(waits, 50),
+        "wait_p95_ms": percentile_ms(waits, 95),
+        "wait_p99_ms": percentile_ms(waits, 99),
+        "wait_max_ms": float(waits.max() * 1000.0) if len(waits) else 0.0,
+        "step_p50_ms": percentile_ms(steps, 50),
+        "step_p95_ms": percentile_ms(steps, 95),
+        "h2d_s": rec.h2d_s,
+        "h2d_gb_per_s": rec.h2d_bytes / rec.h2d_s / 1e9 if rec.h2d_bytes and rec.h2d_s > 0 else None,
+        "h2d_pinned": rec.h2d_pinned,
+        "storage_bytes_read": rec.storage_bytes_read,
+        "cpu_seconds": rec.cpu_seconds,
+        "cpu_seconds_per_1k_samples": (rec.cpu_seconds / samples * 1000.0
+                                       if rec.cpu_seconds is not None and samples else None),
+        "peak_rss_mb": rec.peak_rss_bytes / 2**20 if rec.peak_rss_bytes else None,
+        "peak_pss_mb": rec.peak_pss_bytes / 2**20 if rec.peak_pss_bytes else None,
+        "unmarked_waits": rec.unmarked_waits,
+    }
+    if on_device:
+        metrics["device_idle_fraction"] = metrics["stall_fraction"]
+    return metrics
+
+
+def _speedup(stall: float) -> str:
+    value = 1.0 / (1.0 - stall) if stall < 0.999 else float("inf")
+    return f"{value:.1f}x" if value >= 1.5 else f"{value:.2f}x"
+
+
+def verdict(metrics: dict[str, Any], label: str | None = None) -> str:
+    """One paragraph: how long the loop waited for data and what a faster loader would gain."""
+    stall, on_device = metrics["stall_fraction"], metrics["compute_source"] == "cuda events"
+    name = f" {label}" if label else ""
+    text = f"measure{name}: {metrics['batches']:,} steps, {metrics['samples_per_s']:,.0f} samples/s; "
+    if on_device:
+        text += (f"the device sat idle between steps {stall:.0%} of the time (CUDA events) and the loop waited "
+                 f"for data {metrics['wait_fraction']:.0%} of the wall time")
+    else:
+        text += f"the loop waited for data {stall:.0%} of the wall time"
+    text += f" (wait p50 {metrics['wait_p50_ms']:.1f} ms, p99 {metrics['wait_p99_ms']:.1f} ms); "
+    if stall >= 0.05:
+        # Up to 1/(1 - stall): a loader that never keeps the loop waiting removes the wait, no more.
+        text += (f"{'input-bound' if stall >= 0.15 else 'partly input-bound'}: a faster loader (see `loadopt bench`)"
+                 f" would speed this job up by up to {_speedup(stall)}.")
+    else:
+        text += (f"compute-bound: the step takes {1 - stall:.0%} of the time, so a faster loader would gain at most "
+                 f"{_speedup(stall)}; the loader keeps up.")
+    if not on_device:
+        text += f" ({CPU_NOTE[0].upper()}{CPU_NOTE[1:]}.)"
+    if metrics.get("unmarked_waits"):
+        text += (f" {metrics['unmarked_waits']} steps had no `m.batch()` mark: their wait is unknown and was counted"
+                 " as step time.")
+    return text
+
+
+def _machine_info() -> dict[str, Any]:
+    global _machine
+    if _machine is None:  # library versions and /proc reads: once per process
+        _machine = machine_info()
+    return _machine
+
+
+def run_entry(label: str, metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """One entry of `runs`, as `loadopt bench` writes it (one repeat)."""
+    run: dict[str, Any] = {"backend": "measured", "label": label, "settings": None, "status": "ok", "reason": ""}
+    if metrics is None:
+        run["status"], run["reason"] = "not run", "no batch was measured"
+        return run
+    run["metrics"] = aggregate([metrics])
+    run["repeats"] = [metrics]
+    return run
+
+
+def results_document(measured: list[tuple[str, dict[str, Any] | None]], device: str,
+                     **extra: Any) -> dict[str, Any]:
+    """A results file with one run per measured iterable; `summary` is the verdict of the longest one."""
+    machine = _machine_info()
+    runs = [run_entry(label, metrics) for label, metrics in measured]
+    done = [(label, m) for label, m in measured if m is not None]
+    main = max(done, key=lambda item: item[1]["wall_s"], default=None)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": COMMAND,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_unix": time.time(),
+        "device": device,
+        "machine": machine,
+        "machine_fingerprint": machine_fingerprint(machine),
+        "runs": runs,
+        "ranking": [label for label, _ in sorted(done, key=lambda item: -item[1]["samples_per_s"])],
+        "main": main[0] if main else None,
+        "summary": verdict(main[1]) if main else "no batch was measured",
+        "steps": main[1]["batches"] if main else 0,
+        **extra,
+    }
+
+
+def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write atomically; an unwritable place is the user's to fix (OutputError naming it)."""
+    target = Path(path).expanduser()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, json.dumps(document, indent=2, default=_jsonable) + "\n")
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot write the measure results ({exc.strerror or exc})") from None
+    return target
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def rank_info() -> tuple[int, int]:
+    """(rank, world size): torch.distributed when initialised, else torchrun's environment."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except (ImportError, RuntimeError):
+        pass
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def write_ranked(folder: str | os.PathLike[str], document: dict[str, Any], rank: int, world_size: int,
+                 wait_s: float, sequence: int) -> Path:
+    """Single process: `measure.json`. Several ranks: `measure-rank<r>.json`, and rank 0 also writes
+    `measure.json` with every rank that reported within `wait_s` and the slowest one named."""
+    folder = Path(folder).expanduser()
+    if world_size <= 1:
+        return write_json(folder / "measure.json", document)
+    own = {**document, "rank": rank, "world_size": world_size, "sequence": sequence}
+    path = write_json(folder / f"measure-rank{rank}.json", own)
+    if rank != 0:
+        return path
+    docs = _gather(folder, own, world_size, wait_s)
+    return write_json(folder / "measure.json", rank_aggregate(docs, world_size, document["device"], wait_s))
+
+
+def _gather(folder: Path, own: dict[str, Any], world_size: int, wait_s: float) -> dict[int, dict[str, Any]]:
+    # A file counts when it is from this job (written after this process started; ranks start
+    # together) and from the same point of it (sequence: how many times that rank has written).
+    since = psutil.Process().create_time() - 1.0
+    docs: dict[int, dict[str, Any]] = {0: own}
+    deadline = time.monotonic() + wait_s
+    while True:
+        for rank in range(1, world_size):
+            if rank in docs:
+                continue
+            try:
+                doc = json.loads((folder / f"measure-rank{rank}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if doc.get("created_unix", 0) >= since and doc.get("sequence", 0) >= own["sequence"]:
+                docs[rank] = doc
+        if len(docs) == world_size or time.monotonic() >= deadline:
+            return docs
+        time.sleep(0.05)
+
+
+def _main_metrics(doc: dict[str, Any]) -> dict[str, Any] | None:
+    for run in doc.get("runs", []):
+        if run["label"] == doc.get("main") and run.get("repeats"):
+            return run["repeats"][0]
+    return None
+
+
+def rank_aggregate(docs: dict[int, dict[str, Any]], world_size: int, device: str, wait_s: float) -> dict[str, Any]:
+    """One run per rank ("rank <r>", its longest-measured iterable); the slowest rank is the one that
+    waited longest for data: in data-parallel training the others wait for it in the all-reduce."""
+    measured = [(f"rank {r}", _main_metrics(docs[r]) if r in docs else None) for r in range(world_size)]
+    document = results_document(measured, device, world_size=world_size)
+    missing = [r for r in range(world_size) if r not in docs]
+    for run, rank in zip(document["runs"], range(world_size), strict=True):
+        if rank in missing:
+            run["status"], run["reason"] = "missing", f"no results from this rank within {wait_s:g} s"
+    present = [(r, m) for r, (_, m) in enumerate(measured) if m is not None]
+    document["missing_ranks"] = missing
+    if not present:
+        document["slowest_rank"] = None
+        return document
+    slowest, metrics = max(present, key=lambda item: (item[1]["wait_s"], -item[1]["samples_per_s"]))
+    stalls = sorted(m["stall_fraction"] for _, m in present)
+    document["slowest_rank"] = slowest
+    document["summary"] = (f"{world_size} ranks ({len(present)} reported); slowest: rank {slowest}, which waited "
+                           f"{metrics['wait_s']:.1f} s for data (median rank stall {stalls[len(stalls) // 2]:.0%}). "
+                           + verdict(metrics, f"rank {slowest}"))
+    document["steps"] = metrics["batches"]
+    return document
