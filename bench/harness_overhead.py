@@ -5,7 +5,7 @@ its probes, process-tree monitor and accelerator call. Rounds alternate so that 
 machine hits both alike; the ratio is median bare throughput over median harness throughput
 (1.0 = no overhead).
 
-    python bench/harness_overhead.py [--config configs/imagenet.yaml] [--batches 40] [--rounds 3]
+    python bench/harness_overhead.py [--config configs/imagenet.yaml] [--batches 60] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def through_harness(loader, batches: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
-    parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
 
