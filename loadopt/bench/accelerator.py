@@ -17,39 +17,47 @@ from loadopt.device import Elapsed
 
 
 class Accelerator:
-    """Runs one step per batch; `drain()` waits for outstanding device work."""
+    """Runs one step per batch (`_work`), timed on the host clock or with CUDA events; `drain()`
+    waits for outstanding device work."""
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
-        raise NotImplementedError
-
-    def drain(self) -> None:
-        """Wait for every step launched so far (a no-op on the CPU)."""
-
-
-class EmulatedAccelerator(Accelerator):
-    def __init__(self, step_time_s: float, device: torch.device) -> None:
-        self.step_time_s = step_time_s
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pending: deque[torch.cuda.Event] = deque()
-        self._cycles_per_s = _calibrate_sleep(device) if device.type == "cuda" else 0.0
+
+    def _work(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
         if self.device.type != "cuda":
             start = time.perf_counter()
-            if self.step_time_s > 0:
-                time.sleep(self.step_time_s)
+            self._work(inputs, labels)
             return Elapsed(time.perf_counter() - start)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if self.step_time_s > 0:
-            torch.cuda._sleep(int(self.step_time_s * self._cycles_per_s))
+        self._work(inputs, labels)
         end.record()
         _bound_queue(self._pending, end)
         return Elapsed(events=(start, end))
 
     def drain(self) -> None:
+        """Wait for every step launched so far (a no-op on the CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class EmulatedAccelerator(Accelerator):
+    def __init__(self, step_time_s: float, device: torch.device) -> None:
+        super().__init__(device)
+        self.step_time_s = step_time_s
+        self._cycles_per_s = _calibrate_sleep(device) if device.type == "cuda" else 0.0
+
+    def _work(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.step_time_s <= 0:
+            return
+        if self.device.type == "cuda":
+            torch.cuda._sleep(int(self.step_time_s * self._cycles_per_s))
+        else:
+            time.sleep(self.step_time_s)
 
 
 def _bound_queue(pending: deque, event: torch.cuda.Event, depth: int = 2) -> None:
@@ -106,34 +114,17 @@ class ModelStep(Accelerator):
             model = torchvision.models.resnet50(num_classes=num_classes)
         else:
             model = SmallCNN(num_classes)
-        self.device = device
+        super().__init__(device)
         self.model = model.to(device).train()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
-        self._pending: deque[torch.cuda.Event] = deque()
 
-    def _run(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def _work(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         if inputs.dtype == torch.uint8:
             inputs = inputs.float().div_(255.0)
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(self.model(inputs), labels)
         loss.backward()
         self.optimizer.step()
-
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
-        if self.device.type != "cuda":
-            start = time.perf_counter()
-            self._run(inputs, labels)
-            return Elapsed(time.perf_counter() - start)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self._run(inputs, labels)
-        end.record()
-        _bound_queue(self._pending, end)
-        return Elapsed(events=(start, end))
-
-    def drain(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def make_accelerator(model: str, step_time_ms: float, num_classes: int, device: torch.device) -> Accelerator:

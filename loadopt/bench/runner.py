@@ -111,6 +111,9 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     workload = effective_workload(config.workload, quick)
     dataset = open_dataset(config, progress=reporter.dataset_progress)
     plan = _plan(config, loaders or list(config.loaders), dataset, device, reporter, convert)
+    if workload.model != "none" and config.dataset.kind != "images":
+        raise ConfigError(f"{config.source}: workload.model: {workload.model} is an image model; "
+                          f"use none (the emulated accelerator) for {config.dataset.kind}")
     accelerator = make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), device)
     cache_note = "warm: the page cache was left as it was"
     interrupted = False
