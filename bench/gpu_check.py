@@ -1,0 +1,98 @@
+"""Every GPU test and GPU benchmark in one run, ending with one table: for a lent GPU machine.
+
+1. `pytest -m gpu` (the CUDA paths: pinned transfers timed with events, the busy-kernel accelerator,
+   the tuned ring pinned with cudaHostRegister, the harness's device idle time, measure's events).
+2. Ceilings on this machine: pinned and pageable host-to-device bandwidth (256 MiB, CUDA events).
+3. Each backend through the harness on the GPU (short runs of the default config, step 25 ms and 0).
+
+Exits 0 when it ran (whatever the results), 1 when there is no CUDA device. Meant to finish in a few
+minutes on one GPU: `python bench/gpu_check.py [--batches 60]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from _common import REPO, build_loader
+
+
+def h2d_bandwidth(pinned: bool, size: int = 256 << 20) -> float:
+    import torch
+
+    host = torch.empty(size, dtype=torch.uint8)
+    if pinned:
+        host = host.pin_memory()
+    device = torch.empty(size, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=pinned)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        device.copy_(host, non_blocking=pinned)
+    end.record()
+    end.synchronize()
+    return 5 * size / (start.elapsed_time(end) / 1000.0)
+
+
+def harness(config, backend: str, step_ms: float, batches: int, **settings) -> dict:
+    import torch
+
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    loader = build_loader(config, backend, **settings)
+    loader.prepare()
+    device = torch.device("cuda")
+    try:
+        result = run_repeat(loader, EmulatedAccelerator(step_ms / 1000.0, device), DeviceTransfer(device), 5, batches)
+    finally:
+        loader.close()
+    return result.metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=60)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("unavailable: torch.cuda.is_available() is False on this machine; nothing to check")
+        return 1
+    rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name(0))]
+    start = time.perf_counter()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+                           cwd=REPO, capture_output=True, text=True)
+    summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print(tests.stdout[-4000:])
+    rows.append(("pytest -m gpu", f"{summary} (exit {tests.returncode}, {time.perf_counter() - start:.0f} s)"))
+    for pinned in (True, False):
+        rows.append((f"h2d {'pinned' if pinned else 'pageable'}", f"{h2d_bandwidth(pinned) / 1e9:.1f} GB/s"))
+
+    from loadopt.config import load_config
+
+    config = load_config(REPO / "configs" / "imagenet.yaml", ["workload.device=cuda"])
+    for label, backend, settings in (("torch plain w=4", "torch", {"variant": "plain", "num_workers": 4}),
+                                     ("torch tuned w=4", "torch", {"variant": "tuned", "num_workers": 4}),
+                                     ("arrow decoded", "arrow", {"form": "decoded"}),
+                                     ("arrow encoded", "arrow", {"form": "encoded", "threads": 4})):
+        for step_ms in (25.0, 0.0):
+            try:
+                m = harness(config, backend, step_ms, args.batches, **settings)
+                value = (f"{m['samples_per_s']:,.0f} samples/s, stall {m['stall_fraction']:.1%}, "
+                         f"device idle {m.get('device_idle_fraction') or 0:.1%}, h2d {m['h2d_gb_per_s'] or 0:.1f} GB/s "
+                         f"({'pinned' if m['h2d_pinned'] else 'pageable'})")
+            except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
+                value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            rows.append((f"{label}, step {step_ms:g} ms", value))
+    width = max(len(name) for name, _ in rows)
+    print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
