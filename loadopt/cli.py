@@ -142,6 +142,7 @@ def bench(
     console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
                   f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
     console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
+    _auto_report(outcome.json_path)
     skipped = sum(len(r.get("skipped_files", [])) for r in results["runs"])
     if skipped:
         console.print(f"[yellow]{skipped} unreadable samples were skipped (dataset.on_error: skip); "
@@ -150,6 +151,37 @@ def bench(
         err_console.print("interrupted: the results of the runs that finished were kept")
         raise typer.Exit(130)
     console.print(f"[bold]{results['summary']}[/]", highlight=False)
+
+
+def _auto_report(results_path: Any) -> None:
+    """The report beside the results; the results are already on disk, so a failure here only warns."""
+    from loadopt.report import write_report
+
+    try:
+        console.print(f"report: {write_report([results_path])}", highlight=False)
+    except Exception as exc:  # noqa: BLE001 - the bench's results must survive any report failure
+        err_console.print(f"[yellow]warning:[/] the report could not be written: "
+                          f"{escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}", highlight=False)
+
+
+@app.command()
+def report(
+    results: list[str] = typer.Argument(..., help="results.json / measure.json files (or their folders); "
+                                                  "several are compared side by side, against the first."),
+    out: str = typer.Option(None, "--out", help="Output file (default: report.html beside the first results file; "
+                                                "markdown: printed)."),
+    format_: str = typer.Option("html", "--format", help="html (one self-contained page) or markdown (a table and "
+                                                         "the verdict, for a pull request)."),
+) -> None:
+    """Turn results into one self-contained HTML page with plots, or a short Markdown summary."""
+    from loadopt.report import render_report, write_report
+
+    with _user_errors():
+        if format_ == "markdown" and out is None:
+            typer.echo(render_report(results, format_), nl=False)
+            return
+        path = write_report(results, out, format_)
+    console.print(f"report: {path}", highlight=False)
 
 
 @app.command()

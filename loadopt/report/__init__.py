@@ -1,0 +1,73 @@
+"""`loadopt report`: results files as one self-contained HTML page, or a short Markdown summary.
+
+    from loadopt.report import write_report
+    write_report(["results/imagenet/results.json"])            # -> results/imagenet/report.html
+    write_report(["before/results.json", "after/results.json"], "cmp.html")   # side by side, ratios
+    render_report(["results/imagenet"], fmt="markdown")         # text for a pull request
+
+A results argument is a `results.json` / `measure.json` file or the folder holding it; the per-batch
+`timings.parquet` beside it feeds the latency and over-time sections. The optional keys a report
+reads (ceilings, decision, verdicts, tiers) are described in `loadopt.report.data`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadopt.errors import OutputError
+from loadopt.report.data import ResultsFileError, load_all
+
+__all__ = ["FORMATS", "ReportError", "ResultsFileError", "default_output", "render_report", "write_report"]
+
+FORMATS = {"html": "report.html", "markdown": "report.md"}
+PathLike = str | os.PathLike[str]
+
+
+class ReportError(ResultsFileError):
+    """A report that cannot be made as asked (e.g. an unknown format)."""
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ReportError(f"--format {fmt}: unknown report format (known: {', '.join(FORMATS)})")
+
+
+def render_report(paths: Sequence[PathLike], fmt: str = "html") -> str:
+    """The report's text: the HTML page, or the Markdown summary."""
+    _check_format(fmt)
+    files = load_all(list(paths))
+    if fmt == "markdown":
+        from loadopt.report import markdown
+
+        return markdown.render(files)
+    from loadopt.report import html  # matplotlib is only imported for the page
+
+    return html.render(files)
+
+
+def default_output(paths: Sequence[PathLike], fmt: str = "html") -> Path:
+    """`report.html` (or `report.md`) beside the first results file."""
+    from loadopt.report.data import resolve
+
+    _check_format(fmt)
+    if not paths:
+        raise ResultsFileError("no results file given")
+    return resolve(paths[0]).parent / FORMATS[fmt]
+
+
+def write_report(paths: Sequence[PathLike], out: PathLike | None = None, fmt: str = "html") -> Path:
+    """Render the report of `paths` and write it atomically to `out` (default: beside the first file)."""
+    from loadopt.bench.results import atomic_write_text
+
+    text = render_report(paths, fmt)
+    target = Path(out).expanduser() if out is not None else default_output(paths, fmt)
+    if target.is_dir():
+        target = target / FORMATS[fmt]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, text)
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot write the report ({exc.strerror or exc})") from None
+    return target

@@ -1,0 +1,115 @@
+"""The short Markdown summary: a table and the verdict, to paste into a pull request or an issue.
+
+Nothing in it depends on the machine that renders it or on the time it is rendered: only on the
+results files (so a fixed fixture gives a fixed text).
+"""
+
+from __future__ import annotations
+
+from loadopt.report.data import Results, Run, common_labels
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _ceiling(run: Run) -> str:
+    fraction = run.ceiling_fraction()
+    return "-" if fraction is None else f"{fraction:.0%} of {_cell(str(run.ceiling.get('name', 'ceiling')))}"
+
+
+def _header(res: Results) -> list[str]:
+    lines = [f"### {_cell(res.title)}", ""]
+    detail = " · ".join(p for p in (res.machine_line(), res.workload_line()) if p)
+    if detail:
+        lines += [detail, ""]
+    return lines
+
+
+def _ranking(res: Results) -> list[str]:
+    ranked = res.ranked
+    key, unit = res.rate_unit()
+    ceilings = any(r.ceiling_fraction() is not None for r in ranked)
+    head = ["#", "loader setting", unit, "vs best", "stall", "wait p99 (ms)"] + (["of ceiling"] if ceilings else [])
+    align = ["---:", "---", "---:", "---:", "---:", "---:"] + (["---"] if ceilings else [])
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    best = ranked[0].value(key) if ranked else None
+    for rank, run in enumerate(ranked, start=1):
+        rate = run.value(key)
+        row = [str(rank), f"`{_cell(run.label)}`", _num(rate, ",.0f"),
+               f"{rate / best:.2f}x" if rate is not None and best else "-",
+               _num(run.value("stall_fraction"), ".1%"), _num(run.value("wait_p99_ms"), ",.1f")]
+        lines.append("| " + " | ".join(row + ([_ceiling(run)] if ceilings else [])) + " |")
+    if not ranked:
+        lines = ["No loader setting was measured."]
+    for run in res.unmeasured:
+        lines.append(f"\nNot measured: `{_cell(run.label)}` ({_cell(run.why_unmeasured())})")
+    return lines
+
+
+def _verdicts(res: Results) -> list[str]:
+    lines = ["", f"**Decision:** {res.decision()}"]
+    verdicts = res.verdicts()
+    if verdicts:
+        lines += ["", "**Bottlenecks:**"]
+        lines += [f"- {f'`{_cell(label)}`: ' if label else ''}{text}" for label, text in verdicts]
+    return lines
+
+
+def _tiers(res: Results) -> list[str]:
+    tiers = res.tiers()
+    if not tiers:
+        return []
+    lines = ["", "**Storage tiers:**", "",
+             "| tier | AU threshold | accelerators supported | $/TB-month | $ per supported accelerator |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for tier in tiers:
+        au = tier.get("au_threshold")
+        lines.append(f"| {_cell(str(tier['name']))} | {_num(au, '.0%') if isinstance(au, (int, float)) else '-'} | "
+                     f"{_num(_number(tier, 'accelerators_supported'), ',.0f')} | "
+                     f"{_num(_number(tier, 'price_per_tb_month'), ',.2f')} | "
+                     f"{_num(_number(tier, 'cost_per_supported_accelerator'), ',.2f')} |")
+    return lines
+
+
+def _number(tier: dict, key: str) -> float | None:
+    value = tier.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def single(res: Results) -> str:
+    return "\n".join(_header(res) + _ranking(res) + _verdicts(res) + _tiers(res)) + "\n"
+
+
+def compare(files: list[Results]) -> str:
+    """Side by side: each common loader setting's samples/s per file and its ratio to the first file."""
+    base = files[0]
+    names = " against ".join(f"{f.tag}" for f in files)
+    lines = [f"### loadopt comparison: {names}", ""]
+    lines += [f"- **{f.tag}**: `{_cell(f.short_name)}`: {_cell(f.title)}; {_cell(f.machine_line())}" for f in files]
+    labels = common_labels(files)
+    lines.append("")
+    if labels:
+        head = ["loader setting"] + [f"{f.tag} samples/s" for f in files] + [f"{f.tag}/{base.tag}" for f in files[1:]]
+        lines += ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |"]
+        for label in labels:
+            rates = [next(r for r in f.ranked if r.label == label).value("samples_per_s") for f in files]
+            ratios = [f"{rate / rates[0]:.2f}x" if rate is not None and rates[0] else "-" for rate in rates[1:]]
+            lines.append("| " + " | ".join([f"`{_cell(label)}`"] + [_num(r, ",.0f") for r in rates] + ratios) + " |")
+    else:
+        lines.append("No loader setting was measured in every file.")
+    for f in files:
+        only = [r.label for r in f.ranked if r.label not in labels]
+        if only:
+            lines.append(f"\nOnly in {f.tag}: " + ", ".join(f"`{_cell(label)}`" for label in only))
+    for f in files:
+        lines += ["", f"**Decision ({f.tag}):** {f.decision()}"]
+    return "\n".join(lines) + "\n"
+
+
+def render(files: list[Results]) -> str:
+    return single(files[0]) if len(files) == 1 else compare(files)

@@ -1,0 +1,401 @@
+"""`loadopt report`: the HTML page and the Markdown summary, on a tiny real bench and on recorded fixtures.
+
+The page is checked three ways: parsed strictly (it is well-formed XML), searched for anything that
+would reach outside the file, and rendered in a real headless Chromium driven over the DevTools
+protocol (on a pipe: no port, no extra package), which also reports console errors and requests.
+Set LOADOPT_UPDATE_GOLDEN=1 to rewrite the golden Markdown files after a deliberate change.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import io
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loadopt.errors import LoadoptError, OutputError
+from loadopt.report import ReportError, ResultsFileError, render_report, write_report
+
+from .conftest import tiny_config_dict
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TIERS = FIXTURES / "bench_tiers"  # a recorded bench (3 settings + 1 unavailable) with ceilings, verdicts, tiers
+AFTER = FIXTURES / "bench_after"  # the same job on another machine, no timings
+MEASURE = FIXTURES / "measure"  # a loadopt.measure results file
+SECTIONS = ("ranking", "time", "latency", "over-time", "decision", "machine")
+
+
+def cli(*args, cache=None, timeout=120):
+    env = {**os.environ, "COLUMNS": "200"}
+    if cache:
+        env["LOADOPT_CACHE"] = str(cache)
+    return subprocess.run([sys.executable, "-m", "loadopt.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def real_bench(tmp_path_factory, cache_dir):
+    """A tiny real bench through the CLI (2 backends, 2 repeats): its report is written automatically."""
+    tmp = tmp_path_factory.mktemp("bench")
+    config = tiny_config_dict(tmp / "out", loaders={"torch": {"variant": ["plain", "tuned"], "num_workers": 0},
+                                                    "arrow": {"form": "decoded"}},
+                              workload={"repeats": 2, "measure_batches": 5})
+    path = tmp / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = cli("bench", path, cache=cache_dir)
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "out", proc.stdout
+
+
+def parse(page: str) -> ET.Element:
+    """Strict: the page is well-formed XML (and so balanced HTML); unclosed or stray tags fail here."""
+    return ET.fromstring(page.split("\n", 1)[1] if page.startswith("<!DOCTYPE html>") else page)
+
+
+def assert_self_contained(page: str, root: ET.Element) -> None:
+    for el in root.iter():
+        for name, value in el.attrib.items():
+            if name.rsplit("}", 1)[-1] in ("src", "href", "srcset", "action", "data", "poster"):
+                assert value.startswith("#"), f"<{el.tag} {name}={value!r}> points outside the page"
+    assert not re.search(r"https?://|file:|url\((?!#)|@import|<script|<link|<img|<iframe", page), "an outside reference"
+    ids = [el.get("id") for el in root.iter() if el.get("id")]
+    assert len(ids) == len(set(ids)), "duplicate ids"
+    targets = {m for m in re.findall(r'href="#([^"]+)"', page)} | set(re.findall(r"url\(#([^)]+)\)", page))
+    assert targets <= set(ids), f"references to missing ids: {sorted(targets - set(ids))[:5]}"
+
+
+def sections(root: ET.Element) -> dict[str, ET.Element]:
+    return {el.get("data-section"): el for el in root.iter("section")}
+
+
+def svgs(section: ET.Element) -> list[ET.Element]:
+    return list(section.iter("svg"))
+
+
+def texts(el: ET.Element) -> str:
+    return " ".join(t.strip() for t in el.itertext() if t.strip())
+
+
+def test_bench_writes_the_report_and_every_section_renders(real_bench):
+    out, stdout = real_bench
+    report = out / "report.html"
+    assert f"report: {report}" in stdout.replace("\n", "")
+    page = report.read_text()
+    root = parse(page)
+    assert_self_contained(page, root)
+    found = sections(root)
+    assert set(found) == set(SECTIONS)  # no tiers in a bench's results
+    for key in ("ranking", "time", "latency", "over-time"):
+        assert svgs(found[key]), key
+    results = json.loads((out / "results.json").read_text())
+    for label in results["ranking"]:
+        assert label in texts(found["ranking"]) and label in texts(found["over-time"])
+    assert "Ceilings were not measured" in texts(found["ranking"])
+    assert "Bottleneck attribution was not measured" in texts(found["decision"])
+    assert results["summary"] in texts(found["decision"])
+    # Axes are labelled with units.
+    for unit in ("samples/s", "ms, mean over measured batches", "wait for a batch (ms", "wait (ms)"):
+        assert unit in page, unit
+    assert "repeat 1 of 2" in page or "repeat 2 of 2" in page  # the timeline shows the median repeat
+
+
+def test_fixture_with_ceilings_verdicts_and_tiers():
+    page = render_report([TIERS])
+    root = parse(page)
+    assert_self_contained(page, root)
+    found = sections(root)
+    assert set(found) == {*SECTIONS, "tiers"}
+    assert len(svgs(found["tiers"])) == 3  # supported per tier, AU against count, cost per accelerator
+    tiers_text = texts(found["tiers"])
+    for text in ("local NVMe", "NFS share", "S3 (emulated, 40 ms latency)", "accelerators kept at AU", "$4.46",
+                 "accelerator utilisation (%)", "emulated accelerators (count)", "AU threshold 90%"):
+        assert text in tiers_text, text
+    ranking = texts(found["ranking"])
+    assert "56% of decode rate x cores" in ranking and "ceiling that bounds it" in ranking
+    assert "Ceilings were not measured" not in ranking
+    assert "dali" in ranking and "No module named 'nvidia'" in ranking
+    decision = texts(found["decision"])
+    assert "Use arrow decoded 256px threads=2 prefetch=2" in decision
+    assert "prep-bound: PIL decoding on 2 cores delivers 724 samples/s" in decision
+    machine = texts(found["machine"])
+    assert "bench-host" in machine and "torch 2.13.0+cpu" in machine and "kvikio-cu12: not installed" in machine
+    assert "batch_size: 64" in machine  # the config, as run
+
+
+def test_measure_results_render_with_what_they_have():
+    page = render_report([MEASURE])
+    root = parse(page)
+    assert_self_contained(page, root)
+    found = sections(root)
+    assert set(found) == set(SECTIONS)
+    assert svgs(found["ranking"]) and svgs(found["time"])
+    for key in ("latency", "over-time"):
+        assert "timings.parquet is not beside the results file" in texts(found[key]), key
+    assert "waited for data 53% of the wall time" in texts(found["decision"])
+    assert "No config in this results file" in texts(found["machine"])
+    assert "| 1 | `DataLoader` | 1,231 |" in render_report([MEASURE], "markdown")
+
+
+def test_comparison_side_by_side_with_ratios():
+    page = render_report([TIERS, AFTER])
+    root = parse(page)
+    assert_self_contained(page, root)
+    found = sections(root)
+    assert set(found) == {"comparison", *SECTIONS, "tiers"}
+    comparison = texts(found["comparison"])
+    assert "bench-host" in comparison and "big-host" in comparison and "AMD EPYC 9654, 16 cores" in comparison
+    assert "3.10x" in comparison and "2.00x" in comparison  # B against A, per common loader setting
+    assert "torch plain num_workers=2 prefetch=2" not in comparison.split("B/A", 1)[1]  # only in A: not compared
+    for key in SECTIONS:
+        assert len([d for d in found[key].iter("div") if d.get("class") == "file"]) == 2, key
+    assert "This results file has no storage tiers." in texts(found["tiers"])  # B has none
+
+
+@pytest.mark.parametrize(("paths", "golden"), [([TIERS], "report_golden.md"),
+                                               ([TIERS, AFTER], "report_compare_golden.md")])
+def test_markdown_matches_the_golden_file(paths, golden):
+    text = render_report(paths, "markdown")
+    if os.environ.get("LOADOPT_UPDATE_GOLDEN"):
+        (FIXTURES / golden).write_text(text)
+    assert text == (FIXTURES / golden).read_text()
+
+
+def test_output_defaults_atomic_and_errors(tmp_path):
+    folder = tmp_path / "res"
+    shutil.copytree(TIERS, folder)
+    assert write_report([folder]) == folder / "report.html"  # beside the results file; a folder is accepted
+    assert write_report([folder / "results.json"], fmt="markdown") == folder / "report.md"
+    assert write_report([folder], tmp_path / "sub" / "r.html").is_file()
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+    with pytest.raises(ResultsFileError, match=r"missing\.json: no such results file"):
+        write_report([tmp_path / "missing.json"])
+    (tmp_path / "bad.json").write_text('{"runs": [')
+    with pytest.raises(ResultsFileError, match=r"bad\.json: not valid JSON"):
+        write_report([tmp_path / "bad.json"])
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(ResultsFileError, match=r"other\.json: not a loadopt results file"):
+        write_report([tmp_path / "other.json"])
+    with pytest.raises(ResultsFileError, match="no results.json or measure.json"):
+        write_report([tmp_path / "sub"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputError, match=r"file/r\.html: cannot write the report"):
+        write_report([folder], tmp_path / "file" / "r.html")
+    with pytest.raises(ReportError, match="--format pdf: unknown"):
+        write_report([folder], fmt="pdf")
+    # A damaged timings file costs the per-batch sections only.
+    (folder / "timings.parquet").write_bytes(b"not parquet")
+    page = render_report([folder])
+    assert "the per-batch timings could not be read (timings.parquet" in page
+    assert issubclass(ResultsFileError, LoadoptError)
+
+
+def test_cli_report_and_markdown(tmp_path):
+    out = tmp_path / "r.html"
+    proc = cli("report", TIERS / "results.json", AFTER, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert str(out) in proc.stdout.replace("\n", "") and out.is_file()
+    proc = cli("report", TIERS, "--format", "markdown")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (FIXTURES / "report_golden.md").read_text()
+    proc = cli("report", tmp_path / "nope.json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {tmp_path / 'nope.json'}: no such results file"], proc.stderr
+
+
+
+def test_nothing_measured_still_renders(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [
+        {"label": "torch", "status": "error", "reason": "RuntimeError: boom"},
+        {"label": "odd", "metrics": {"samples_per_s": "fast"}}], "tiers": [{"name": "t1"}, "junk"]}))
+    page = render_report([tmp_path])
+    found = sections(parse(page))
+    assert set(found) == {*SECTIONS, "tiers"}
+    assert "No loader setting was measured." in texts(found["ranking"])
+    assert "torch : error: RuntimeError: boom" in texts(found["ranking"])  # texts() joins elements with spaces
+    assert "odd : not measured: the results hold no samples/s for it" in texts(found["ranking"])
+    assert "No loader setting was measured." in render_report([tmp_path], "markdown")
+
+
+def test_a_failing_auto_report_only_warns(tmp_path, capsys):
+    """`loadopt bench` writes the report after the results: a report that fails leaves them and warns."""
+    from loadopt.cli import _auto_report
+
+    results = tmp_path / "results.json"
+    results.write_text('{"runs": "not a list"}')
+    _auto_report(results)  # no exception: the bench goes on to its summary and exit code
+    err = capsys.readouterr().err
+    assert "warning: the report could not be written" in err and "not a loadopt results file" in err
+    assert results.read_text() == '{"runs": "not a list"}'
+
+
+# --- in a real browser -------------------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars", "--remote-debugging-pipe"]
+
+
+class Browser:
+    """Chromium driven over the DevTools protocol on fds 3 (commands in) and 4 (replies out)."""
+
+    def __init__(self, profile: Path) -> None:
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        # Above 10 so that placing them on 3 and 4 in the child cannot clobber one with the other.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (to_child, to_parent)]
+
+        def place() -> None:
+            os.dup2(high[0], 3)
+            os.dup2(high[1], 4)
+
+        self.proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     preexec_fn=place, pass_fds=(3, 4))
+        for fd in (to_child, to_parent, *high):
+            os.close(fd)
+        self._out, self._in = os.fdopen(from_parent, "wb"), os.fdopen(from_child, "rb")
+        self._messages: queue.Queue = queue.Queue()
+        self.events: list[dict] = []
+        self._id = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        buffer = b""
+        while chunk := self._in.read1(1 << 16):
+            buffer += chunk
+            *messages, buffer = buffer.split(b"\0")
+            for message in messages:
+                self._messages.put(json.loads(message))
+
+    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 20) -> dict:
+        self._id += 1
+        message = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        self._out.write(json.dumps(message).encode() + b"\0")
+        self._out.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._messages.get(timeout=max(0.01, deadline - time.monotonic()))
+            if reply.get("id") == self._id:
+                assert "error" not in reply, reply
+                return reply["result"]
+            self.events.append(reply)
+
+    def wait_for(self, method: str, session: str, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(e.get("method") == method and e.get("sessionId") == session for e in self.events):
+            self.events.append(self._messages.get(timeout=max(0.01, deadline - time.monotonic())))
+
+    def settle(self, seconds: float) -> None:
+        """Collect what the page still logs shortly after it loaded (timers, late errors)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.events.append(self._messages.get(timeout=left))
+            except queue.Empty:
+                break
+
+    def open(self, path: Path, width: int = 1280, height: int = 2000) -> dict:
+        """Load a page; its screenshot (PNG bytes), console errors, outside requests and a few DOM facts."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Runtime", "Log", "Page", "Network"):
+            self.call(f"{domain}.enable", session=session)
+        self.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": 1,
+                                                          "mobile": False}, session)
+        url = path.resolve().as_uri()
+        self.call("Page.navigate", {"url": url}, session)
+        self.wait_for("Page.loadEventFired", session)
+        self.settle(0.3)
+        mine = [e for e in self.events if e.get("sessionId") == session]
+        errors = [e for e in mine if e["method"] == "Runtime.exceptionThrown"
+                  or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
+                  or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+        requests = [e["params"]["request"]["url"] for e in mine if e["method"] == "Network.requestWillBeSent"]
+        facts = self.call("Runtime.evaluate", {"returnByValue": True, "expression": (
+            "({svgs: document.querySelectorAll('section svg').length,"
+            " sections: [...document.querySelectorAll('section')].map(s => s.id),"
+            " scrollWidth: document.documentElement.scrollWidth})")}, session)["result"].get("value")
+        png = base64.b64decode(self.call("Page.captureScreenshot", {"format": "png"}, session)["data"])
+        self.call("Target.closeTarget", {"targetId": target})
+        return {"png": png, "errors": errors, "outside": [u for u in requests if u != url], "facts": facts}
+
+    def close(self) -> None:
+        with contextlib.suppress(queue.Empty, OSError, AssertionError):
+            self.call("Browser.close", timeout=5)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed and could not be installed here (.ci/run installs it with "
+                    "apt-get where it can): the report is not rendered in a browser")
+    b = Browser(tmp_path_factory.mktemp("chromium-profile"))
+    try:
+        b.call("Browser.getVersion", timeout=30)
+    except queue.Empty:
+        b.proc.kill()
+        pytest.fail(f"{CHROMIUM} did not answer over --remote-debugging-pipe: {b.proc.stderr.read()[-2000:]!r}")
+    yield b
+    b.close()
+
+
+def not_blank(png: bytes) -> None:
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    assert image.size == (1280, 2000)
+    colours = image.getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 50, "hardly any colours: a blank or broken page"
+    small = image.resize((128, 200))
+    inked = sum(1 for x in range(128) for y in range(200) if min(small.getpixel((x, y))) < 200)
+    assert inked > 0.05 * 128 * 200, f"only {inked} non-white cells of {128 * 200}"
+
+
+@pytest.mark.parametrize("which", ["fixture with tiers", "comparison", "real bench"])
+def test_the_page_renders_in_a_browser_without_errors(browser, tmp_path, which, request):
+    if which == "real bench":
+        out, _ = request.getfixturevalue("real_bench")
+        path = out / "report.html"
+    else:
+        path = write_report([TIERS] if which == "fixture with tiers" else [TIERS, AFTER], tmp_path / "r.html")
+    seen = browser.open(path)
+    assert seen["errors"] == []
+    assert seen["outside"] == []
+    not_blank(seen["png"])
+    facts = seen["facts"]
+    assert set(SECTIONS) <= set(facts["sections"])
+    assert facts["svgs"] >= 4
+    assert facts["scrollWidth"] <= 1280, "wider than a laptop screen"
+    (tmp_path / "screenshot.png").write_bytes(seen["png"])
+
+
+def test_the_browser_check_catches_a_broken_page(browser, tmp_path):
+    page = tmp_path / "broken.html"
+    page.write_text("<!DOCTYPE html><html><body><h1>broken</h1><img src='missing.png'>"
+                    "<script>console.error('deliberate'); undefinedFunction();</script></body></html>")
+    seen = browser.open(page)
+    methods = sorted({e["method"] for e in seen["errors"]})
+    assert methods == ["Log.entryAdded", "Runtime.consoleAPICalled", "Runtime.exceptionThrown"], seen["errors"]
+    assert any(u.endswith("missing.png") for u in seen["outside"])
