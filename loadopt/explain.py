@@ -1,0 +1,84 @@
+"""`loadopt explain`: what `make_loader(backend="auto")` will do here and why, or what a results file says.
+
+- For a config: the recorded decision that applies to this dataset on this machine (backend, setting,
+  its measured rate, when), or why none applies and what `auto` falls back to.
+- For a results file (from `loadopt bench` or `loadopt.measure`): its closing verdict, then one
+  sentence per measured setting on where its time went.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loadopt.errors import DatasetError
+
+
+def explain_config(config) -> str:
+    """The decision `auto` would use for `config` on this machine, in sentences."""
+    from loadopt.api import FALLBACK_ORDER
+    from loadopt.bench.results import machine_fingerprint, machine_info
+    from loadopt.bench.runner import decision_path
+    from loadopt.loaders.base import backend_class, backend_names
+    from loadopt.storage.imagefolder import open_dataset
+
+    dataset = open_dataset(config)
+    path = decision_path(dataset.fingerprint)
+    lines = [f"dataset {dataset.root} (fingerprint {dataset.fingerprint}), {len(dataset):,} samples"]
+    try:
+        decision = json.loads(path.read_text())
+    except (OSError, ValueError):
+        decision = None
+    if decision is not None and decision.get("machine_fingerprint") == machine_fingerprint(machine_info()):
+        lines.append(f"auto uses: {decision['label']} ({decision.get('samples_per_s', 0):,.0f} samples/s), the fastest "
+                     f"in the bench of {decision.get('created', '?')} on this machine ({path})")
+        if decision.get("pipeline") != config.pipeline.model_dump(mode="json"):
+            lines.append("note: that bench used other pipeline settings than this config; rerun `loadopt bench` "
+                         "to decide for these")
+        return "\n".join(lines)
+    if decision is None:
+        lines.append(f"no bench decision for this dataset on this machine ({path} does not exist)")
+    else:
+        lines.append(f"the decision in {path} was made on another machine; auto does not use it")
+    available = [n for n in FALLBACK_ORDER if n in backend_names() and backend_class(n).available()[0]]
+    fallback = available[0] if available else "none (no backend is available)"
+    lines.append(f"auto falls back to: {fallback} (the first available of {', '.join(FALLBACK_ORDER)}); "
+                 "run `loadopt bench` to decide by measurement")
+    return "\n".join(lines)
+
+
+def _run_sentence(run: dict[str, Any]) -> str:
+    from loadopt.bench.metrics import median
+
+    if run.get("status", "ok") != "ok" or "metrics" not in run:
+        return f"{run.get('label', '?')}: {run.get('status', '?')}: {run.get('reason', '')}"
+    m = run["metrics"]
+    rate, stall = median(m, "samples_per_s") or 0.0, median(m, "stall_fraction") or 0.0
+    p99, wall, wait = median(m, "wait_p99_ms"), median(m, "wall_s"), median(m, "wait_s")
+    text = f"{run['label']}: {rate:,.0f} samples/s, the accelerator idle {stall:.0%} of the time"
+    tail = f", wait p99 {p99:,.1f} ms" if p99 is not None else ""
+    if stall < 0.05:
+        return text + ": compute-bound, the input path keeps up"
+    waiting = wait / wall if wall and wait is not None else None
+    if waiting is not None and waiting < stall / 2:
+        # The loader kept up; the idle time went to the copy to the device and finishing there.
+        return text + (f": the loader kept up (waiting for data {waiting:.0%}{tail}); the rest went to the copy to "
+                       "the device and normalising there")
+    return text + f": input-bound, waiting for data{tail}"
+
+
+def explain_results(path: Path) -> str:
+    """The verdict of a bench or measure results file, and a sentence per setting."""
+    try:
+        results = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: no such results file") from None
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path}: not a readable results file ({exc})") from None
+    if not isinstance(results, dict) or "runs" not in results:
+        raise DatasetError(f"{path}: not a loadopt results file (no runs)")
+    lines = [f"{results.get('command', 'loadopt')} results from {results.get('created', '?')} "
+             f"on {results.get('device', '?')}: {results.get('summary', '')}"]
+    lines += [f"- {_run_sentence(run)}" for run in results["runs"]]
+    return "\n".join(lines)
