@@ -253,6 +253,27 @@ def convert(
                   f"({seconds:.1f} s, or reused when about 0)", highlight=False)
 
 
+@app.command()
+def explain(
+    target: str = typer.Argument(..., help="A config YAML (what backend=auto does here) or a results.json "
+                                           "(from loadopt bench or loadopt.measure), or its folder."),
+    set_: list[str] = SetOption,
+) -> None:
+    """Say which input path `make_loader(backend="auto")` picks here and why, or what a results file says."""
+    from pathlib import Path
+
+    from loadopt.config import load_config
+    from loadopt.explain import explain_config, explain_results
+
+    with _user_errors():
+        path = Path(target)
+        if path.is_dir():
+            found = [p for p in (path / "results.json", path / "measure.json") if p.exists()]
+            path = found[0] if found else path / "results.json"
+        text = explain_results(path) if path.suffix == ".json" else explain_config(load_config(target, set_ or []))
+    console.print(text, highlight=False, markup=False)
+
+
 def main() -> None:
     try:
         app()
