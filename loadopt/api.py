@@ -11,7 +11,7 @@ import torch
 
 from loadopt.config import Config, PipelineConfig, config_from_dict, expand_settings, load_config
 from loadopt.device import resolve_device
-from loadopt.errors import BackendUnavailable, ConfigError
+from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders.base import Loader, backend_class, backend_names
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 
@@ -35,7 +35,7 @@ def _distributed() -> tuple[int, int]:
 
 
 def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any], str]:
-    """(backend, settings, why) for `auto`: the recorded decision if it applies, else the fallback order."""
+    """(backend, settings, why) for `auto` from the recorded decision; backend "" when none applies."""
     from loadopt.bench.results import machine_fingerprint, machine_info
     from loadopt.bench.runner import decision_path
 
@@ -52,11 +52,7 @@ def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any],
                 log.warning("make_loader: the decision in %s was measured with other pipeline settings", path)
             why = f"fastest in the last bench on this machine ({decision.get('samples_per_s', 0):,.0f} samples/s)"
             return decision["backend"], decision.get("settings") or {}, why
-    for name in FALLBACK_ORDER:
-        if name in backend_names() and backend_class(name).available()[0]:
-            return name, dict(config.loaders.get(name) or {}), "no bench decision for this dataset and machine; " \
-                f"first available in the fallback order {', '.join(FALLBACK_ORDER)}"
-    raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
+    return "", {}, "no bench decision for this dataset and machine"
 
 
 def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], split: str = "train",
@@ -66,17 +62,38 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     """A loader for `split` of the configured dataset, iterating `(inputs, labels)` on `device`.
 
     `backend="auto"` uses the setting the last `loadopt bench` found fastest for this dataset on this
-    machine, else the first available backend of `FALLBACK_ORDER`. Keyword overrides name pipeline
+    machine, else the first backend of `FALLBACK_ORDER` that is available and can read the dataset
+    as it is (without a decision, `auto` starts no format conversion). Keyword overrides name pipeline
     keys (`batch_size=32`) or the backend's settings (`num_workers=4`) and always win. Under
     `torchrun` rank and world size come from `torch.distributed`. Where the config sweeps a knob
     (a list), the first value is used.
     """
     config = _as_config(config_or_path)
     dataset = open_dataset(config, split)
-    if backend == "auto":
-        backend, settings_raw, why = _choose(config, dataset)
-    else:
-        settings_raw, why = dict(config.loaders.get(backend) or {}), "asked for by name"
+    if backend != "auto":
+        return _build(config, dataset, backend, dict(config.loaders.get(backend) or {}), "asked for by name",
+                      overrides, device, rank, world_size, seed, epoch, convert=True)
+    chosen, settings_raw, why = _choose(config, dataset)
+    if chosen:
+        return _build(config, dataset, chosen, settings_raw, why, overrides, device, rank, world_size, seed, epoch,
+                      convert=True)
+    # No decision: the first available backend of the fixed order that is ready to read this dataset.
+    # `auto` never starts a conversion on its own (a decoded ImageNet is ~250 GB): that takes a bench
+    # decision, `loadopt convert`, or asking for the backend by name.
+    for name in FALLBACK_ORDER:
+        if name not in backend_names() or not backend_class(name).available()[0]:
+            continue
+        try:
+            return _build(config, dataset, name, dict(config.loaders.get(name) or {}),
+                          f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", overrides, device,
+                          rank, world_size, seed, epoch, convert=False)
+        except DatasetError as exc:
+            log.info("make_loader: skipping %s: %s", name, exc)
+    raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
+
+
+def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], why: str, overrides: dict[str, Any],
+           device, rank: int | None, world_size: int | None, seed: int | None, epoch: int, convert: bool) -> Loader:
     try:
         cls = backend_class(backend)
     except KeyError as exc:
@@ -84,7 +101,6 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     available, reason = cls.available()
     if not available:
         raise BackendUnavailable(f"backend {backend}: {reason}")
-
     pipeline_raw = config.pipeline.model_dump()
     for key, value in overrides.items():
         if key in PipelineConfig.model_fields:
@@ -101,6 +117,6 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     loader = cls(dataset, pipeline, settings, device=resolve_device(device or config.workload.device),
                  rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
                  seed=config.seed if seed is None else seed, epoch=epoch, on_error=config.dataset.on_error)
-    loader.prepare()  # e.g. converts the dataset to the backend's format on first use
+    loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use
     log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
     return loader

@@ -20,7 +20,6 @@ def explain_config(config) -> str:
     from loadopt.api import FALLBACK_ORDER
     from loadopt.bench.results import machine_fingerprint, machine_info
     from loadopt.bench.runner import decision_path
-    from loadopt.loaders.base import backend_class, backend_names
     from loadopt.storage.imagefolder import open_dataset
 
     dataset = open_dataset(config)
@@ -41,10 +40,13 @@ def explain_config(config) -> str:
         lines.append(f"no bench decision for this dataset on this machine ({path} does not exist)")
     else:
         lines.append(f"the decision in {path} was made on another machine; auto does not use it")
-    available = [n for n in FALLBACK_ORDER if n in backend_names() and backend_class(n).available()[0]]
-    fallback = available[0] if available else "none (no backend is available)"
-    lines.append(f"auto falls back to: {fallback} (the first available of {', '.join(FALLBACK_ORDER)}); "
+    from loadopt.api import make_loader
+
+    loader = make_loader(config)  # what auto does with no decision: the first ready in the fixed order
+    lines.append(f"auto falls back to: {loader.name} {loader.describe()} (the first available of "
+                 f"{', '.join(FALLBACK_ORDER)} that can read this dataset as it is; auto starts no conversion); "
                  "run `loadopt bench` to decide by measurement")
+    loader.close()
     return "\n".join(lines)
 
 
