@@ -221,9 +221,10 @@ def make_dataset(
 @app.command()
 def convert(
     config: str = typer.Argument(..., help="The config YAML whose dataset to convert."),
-    to: str = typer.Option(..., "--to", help="The format: arrow."),
+    to: str = typer.Option(..., "--to", help="The format: arrow or raw (4 KiB-aligned shards)."),
     decoded: bool = typer.Option(False, "--decoded", help="Store decoded uint8 pixels instead of the JPEG bytes."),
     size: int = typer.Option(None, "--size", help="Decoded resolution (default: pipeline.image_size / 0.875)."),
+    shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size of the raw format, MiB."),
     set_: list[str] = SetOption,
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done)."""
@@ -232,24 +233,36 @@ def convert(
     from loadopt.config import load_config
     from loadopt.errors import ConfigError
     from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
+    from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
     from loadopt.storage.imagefolder import open_dataset
 
     with _user_errors():
-        if to != "arrow":
-            raise ConfigError(f"--to {to}: unknown format (known: arrow)")
+        if to not in ("arrow", "raw"):
+            raise ConfigError(f"--to {to}: unknown format (known: arrow, raw)")
         cfg = load_config(config, set_ or [])
-        settings = ArrowSettings(form="decoded" if decoded else "encoded", decoded_size=size)
+        form = "decoded" if decoded else "encoded"
+        if to == "raw":
+            settings, cls = PosixSettings(form=form, decoded_size=size, shard_mib=shard_mib), PosixLoader
+        else:
+            settings, cls = ArrowSettings(form=form, decoded_size=size), ArrowLoader
         with _progress() as progress:
             reporter = _RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
-            loader = ArrowLoader(dataset, cfg.pipeline, settings)
+            loader = cls(dataset, cfg.pipeline, settings)
             start = time.perf_counter()
             loader.prepare(lambda done, total: reporter.conversion_progress(loader.describe(), done, total))
             seconds = time.perf_counter() - start
+            loader.close()
     from loadopt.storage.arrow_format import arrow_path
+    from loadopt.storage.raw_format import raw_path
 
-    path = arrow_path(dataset, loader.form, loader.size)
-    console.print(f"{path}: {len(dataset):,} samples, {loader.form}, {path.stat().st_size / 1e6:,.1f} MB "
+    if to == "raw":
+        path = raw_path(dataset, loader.form, loader.size, shard_mib)
+        nbytes = sum(f.stat().st_size for f in path.iterdir())
+    else:
+        path = arrow_path(dataset, loader.form, loader.size)
+        nbytes = path.stat().st_size
+    console.print(f"{path}: {len(dataset):,} samples, {loader.form}, {nbytes / 1e6:,.1f} MB "
                   f"({seconds:.1f} s, or reused when about 0)", highlight=False)
 
 

@@ -8,6 +8,7 @@ import platform
 import shutil
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import psutil
 
@@ -109,4 +110,57 @@ def run_checks() -> list[Check]:
     writable = os.access(folder if folder.exists() else folder.parent if folder.parent.exists() else "/", os.W_OK)
     detail = f"{folder}" + ("" if writable else ": not writable; set LOADOPT_CACHE")
     checks.append(Check("cache folder", writable, detail))
+    checks += _gds_checks(str(folder))
+    return checks
+
+
+# Filesystems cuFile reads in true GDS mode (NVIDIA's GDS support matrix); others fall back to compat mode.
+_GDS_FILESYSTEMS = {"ext4", "xfs", "lustre", "gpfs", "wekafs", "beegfs", "nfs", "nfs4"}
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """(mount point, filesystem type) of the longest mount point above `path`."""
+    best = ("/", "unknown")
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1]
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+                    best = (point, fields[2])
+    except OSError:
+        pass
+    return best
+
+
+def _gds_checks(folder: str) -> list[Check]:
+    """What GPUDirect Storage needs beyond kvikio: the cuFile library, the nvidia-fs kernel module,
+    a readable /run/udev (cuFile enumerates devices there) and a filesystem it supports."""
+    checks = []
+    try:
+        ctypes.CDLL("libcufile.so.0")
+        checks.append(Check("libcufile", True, "loaded"))
+    except OSError:
+        checks.append(Check("libcufile", False, "libcufile.so.0 not found: no cuFile (kvikio uses its POSIX path)"))
+    setting = os.environ.get("KVIKIO_COMPAT_MODE", "unset (AUTO)")
+    try:
+        from loadopt.loaders.kvikio_loader import cufile_mode
+
+        true_gds, why = cufile_mode()
+        checks.append(Check("GDS mode", true_gds, f"KVIKIO_COMPAT_MODE {setting}; in effect: {why}"))
+    except Exception as exc:  # noqa: BLE001 - kvikio missing or broken: the setting alone
+        checks.append(Check("GDS mode", None, f"KVIKIO_COMPAT_MODE {setting}; in effect: unknown "
+                                              f"({type(exc).__name__}: {exc})".splitlines()[0]))
+    try:
+        nvfs = "nvidia_fs" in Path("/proc/modules").read_text()
+    except OSError:
+        nvfs = False
+    checks.append(Check("nvidia-fs module", nvfs, "loaded" if nvfs else "not loaded: cuFile runs in compat mode"))
+    udev = os.access("/run/udev", os.R_OK | os.X_OK)
+    checks.append(Check("/run/udev", udev, "readable" if udev else "not readable (in a container, mount it "
+                                                                     "read-only): cuFile cannot find devices"))
+    point, fstype = _mount_of(os.path.realpath(folder))
+    supported = fstype in _GDS_FILESYSTEMS
+    checks.append(Check("dataset filesystem", supported, f"{fstype} at {point} under {folder}: "
+                        + ("GDS supported" if supported else "not supported by GDS (compat mode)")))
     return checks

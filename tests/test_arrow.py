@@ -184,3 +184,21 @@ def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="disk on fire"):
         next(iter(loader))
     loader.close()
+
+
+def test_crop_batch_crops_and_mirrors_exactly():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loadopt.loaders.crops import crop_batch, plan_crops
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (16, 20, 20, 3), dtype=np.uint8)
+    indices = np.arange(16)
+    out = np.empty((16, 12, 12, 3), np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        crop_batch(out, indices, lambda k: images[k], 20, "train", 3, 1, pool, 2)
+    tops, lefts, flips = plan_crops(indices, 8, "train", 3, 1)
+    assert flips.any() and not flips.all()
+    for k in range(16):
+        expected = images[k, tops[k] : tops[k] + 12, lefts[k] : lefts[k] + 12]
+        assert np.array_equal(out[k], expected[:, ::-1] if flips[k] else expected)

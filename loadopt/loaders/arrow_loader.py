@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import DatasetError
-from loadopt.loaders import transforms
+from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch, Loader
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
 from loadopt.storage.tokens import TokenDataset
@@ -118,33 +118,10 @@ class ArrowLoader(Loader):
         return [failure for chunk in results for failure in chunk]
 
     def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
-        """A crop per sample (random with a flip for train, centred for eval), planned for the whole
-        batch at once. One strided copy of the crop's pixel rows per sample, straight into the batch:
-        a fancy-index gather copies twice (into a temporary, then into the batch) and costs more. A
-        flip is a reversed `take` of the same rows, fused with the copy. The samples are split over
-        the threads (numpy releases the GIL for these copies: 1.5x with 2 threads here)."""
-        size, span = self.pipeline.image_size, self.size - self.pipeline.image_size
-        if self.pipeline.augment == "eval":
-            tops = lefts = np.full(len(indices), span // 2, dtype=np.int64)
-            flips = np.zeros(len(indices), dtype=bool)
-        else:
-            bits = transforms.sample_hash(self.seed, epoch, indices)
-            tops = (bits % np.uint64(span + 1)).astype(np.int64)
-            lefts = ((bits >> np.uint64(20)) % np.uint64(span + 1)).astype(np.int64)
-            flips = (bits >> np.uint64(63)).astype(bool)
+        """A crop per sample (random with a flip for train, centred for eval), see `crops.crop_batch`."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
-        reverse = np.arange(size - 1, -1, -1)
-
-        def crop(positions: np.ndarray) -> None:
-            for k in positions:
-                top, left = tops[k], lefts[k]
-                pixels = self._views[record[k]][local[k], top : top + size, left : left + size]
-                if flips[k]:
-                    np.take(pixels, reverse, axis=1, out=out[k])
-                else:
-                    np.copyto(out[k], pixels)
-
-        list(pool.map(crop, np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))))
+        crops.crop_batch(out, indices, lambda k: self._views[record[k]][local[k]], self.size, self.pipeline.augment,
+                         self.seed, epoch, pool, self.settings.threads)
 
     def _encoded_chunk(self, slot: torch.Tensor, indices: np.ndarray, positions: np.ndarray,
                        epoch: int) -> list[tuple[int, str]]:

@@ -206,7 +206,9 @@ class Loader(ABC):
 # Registry
 
 _BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
-                             "arrow": "loadopt.loaders.arrow_loader:ArrowLoader"}
+                             "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
+                             "posix": "loadopt.loaders.posix_loader:PosixLoader",
+                             "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader"}
 _registered: dict[str, type[Loader]] = {}
 
 

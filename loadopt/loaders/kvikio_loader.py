@@ -1,0 +1,160 @@
+"""The `kvikio` backend: raw shards read with cuFile (`kvikio.CuFile.pread`) straight into GPU memory.
+
+Same shards, batch plan (sorted, coalesced, split into `task_kib` reads) and double-buffered
+producer as the `posix` backend; the staging buffer and the batch ring are CUDA tensors, every read
+of a batch is in flight at once (kvikio's own thread pool, `io_threads` threads), and the batch is
+finished on the GPU with torch ops: crops + flips of decoded pixels, windows of token ids. Whether
+cuFile runs in true GDS mode or in compat mode (a POSIX bounce buffer), and why, is in `describe()`
+and so in the results.
+
+Every step but the device read is plain torch on whatever device the staging buffer is on, so the
+tests run it on the CPU with the reader swapped for the POSIX one (`reader_class`, `staging_device`).
+Not done yet: the `encoded` form (JPEG decode on the GPU with nvImageCodec, DALI or torchvision).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loadopt.errors import DatasetError
+from loadopt.loaders import crops
+from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
+from loadopt.storage.raw_format import align_up
+
+
+def cufile_mode() -> tuple[bool, str]:
+    """(true GDS, why) for the cuFile reads of this process: kvikio's compat-mode setting, and the
+    nvidia-fs kernel module that true GDS needs."""
+    import kvikio.defaults
+
+    compat = kvikio.defaults.compat_mode() if hasattr(kvikio.defaults, "compat_mode") else \
+        kvikio.defaults.get("compat_mode")
+    name = getattr(compat, "name", str(compat))
+    try:
+        nvfs = "nvidia_fs" in Path("/proc/modules").read_text()
+    except OSError:
+        nvfs = False
+    if name in ("ON", "True", "1"):
+        return False, f"compat mode: KVIKIO_COMPAT_MODE is {name}"
+    if not nvfs:
+        return False, "compat mode: the nvidia-fs kernel module is not loaded"
+    return True, f"true GDS (compat_mode {name}, nvidia-fs loaded)"
+
+
+class KvikioReader:
+    """cuFile reads into CUDA memory: one `CuFile` per shard, every read returned as a future."""
+
+    def __init__(self, shards: list, o_direct: bool = False) -> None:
+        import kvikio
+
+        self.shards = shards
+        self.files = [kvikio.CuFile(str(shard), "r") for shard in shards]
+
+    def submit(self, shard: int, offset: int, out: torch.Tensor):
+        return _Waitable(self.files[shard].pread(out, out.numel(), offset), out.numel(), self.shards[shard], offset)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+
+
+class _Waitable:
+    """A kvikio IOFuture with the `result()` of a concurrent Future and a short read as an error."""
+
+    def __init__(self, future, nbytes: int, shard, offset: int) -> None:
+        self.future, self.nbytes, self.shard, self.offset = future, nbytes, shard, offset
+
+    def result(self) -> None:
+        got = self.future.get()
+        if got != self.nbytes:
+            raise DatasetError(f"{self.shard}: ends at byte {self.offset + got}, the index needs "
+                               f"{self.offset + self.nbytes} (truncated shard)")
+
+
+class KvikioLoader(PosixLoader):
+    name = "kvikio"
+    Settings = PosixSettings
+    reader_class: type = KvikioReader
+    staging_device: str = "cuda"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.form == "encoded":
+            raise DatasetError("loaders.kvikio.form encoded: GPU JPEG decode is not implemented yet; use decoded")
+        self.mode = ""
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return False, "libcuda.so.1 not found: kvikio may import, but every cuFile read needs the CUDA driver"
+        try:
+            import kvikio  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+            return False, f"kvikio not usable ({type(exc).__name__}: {exc}); pip install 'loadopt[gds]'"
+        if not torch.cuda.is_available():
+            return False, "no CUDA device visible to torch"
+        return True, ""
+
+    def describe(self) -> str:
+        return f"{super().describe()}{f' cuFile {self.mode}' if self.mode else ''}"
+
+    def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        super().prepare(progress, convert_missing)
+        if self.reader_class is KvikioReader:
+            self.mode = cufile_mode()[1]
+            import kvikio.defaults
+
+            if hasattr(kvikio.defaults, "set"):  # the thread pool serving every pread
+                kvikio.defaults.set({"num_threads": self.settings.io_threads,
+                                     "task_size": self.settings.task_kib * 1024})
+
+    def _new_staging(self, nbytes: int) -> torch.Tensor:
+        if torch.device(self.staging_device).type == "cpu":  # the POSIX reader swapped in: aligned host memory
+            return torch.from_numpy(aligned_empty(nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.staging_device)
+
+    def _make_ring(self) -> list[torch.Tensor]:
+        slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
+        shape, dtype = ((slots, 2, b, self.dataset.seq_len), torch.int64) if self._tokens else \
+            ((slots, b, size, size, 3), torch.uint8)
+        return list(torch.empty(shape, dtype=dtype, device=self.staging_device))
+
+    def _submit(self, staging, tasks, io) -> list:
+        if not hasattr(self._reader, "submit"):  # a host reader: its blocking reads go to the pool
+            return super()._submit(staging, tasks, io)
+        return [self._reader.submit(shard, offset, staging[at : at + nbytes]) for shard, offset, at, nbytes in tasks]
+
+    def _fill(self, slot: torch.Tensor, staging: torch.Tensor, starts: np.ndarray, indices: np.ndarray, epoch: int,
+              pool) -> list[tuple[int, str]]:
+        length = self._raw.length[indices]
+        if self._tokens:
+            dtype = torch.from_numpy(np.zeros(0, self._raw.meta["dtype"])).dtype
+            width, n = int(length[0]), len(indices)
+            stride = int(align_up(width))  # fixed-size windows: staging row r holds batch position order[r]
+            windows = staging[: n * stride].view(n, stride)[:, :width].contiguous().view(dtype).long()
+            order = torch.from_numpy(np.argsort(starts)).to(staging.device)
+            slot[0][order], slot[1][order] = windows[:, :-1], windows[:, 1:]
+            self._sync(staging)
+            return []
+        shape, size = (self.size, self.size, 3), self.pipeline.image_size
+        tops, lefts, flips = crops.plan_crops(indices, self.size - size, self.pipeline.augment, self.seed, epoch)
+        for k in range(len(indices)):  # views and one copy kernel per sample, no host round trip
+            pixels = staging[int(starts[k]) : int(starts[k] + length[k])].view(shape)
+            crop = pixels[tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
+            slot[k].copy_(crop.flip(1) if flips[k] else crop)
+        self._sync(staging)
+        return []
+
+    @staticmethod
+    def _sync(staging: torch.Tensor) -> None:
+        """Wait for the kernels reading this staging buffer: cuFile refills it next, outside the stream."""
+        if staging.is_cuda:
+            torch.cuda.current_stream(staging.device).synchronize()
+

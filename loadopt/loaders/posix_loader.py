@@ -1,0 +1,292 @@
+"""The `posix` backend: raw shards read with `os.preadv` into a preallocated, aligned staging buffer.
+
+Per batch, the samples' byte ranges are sorted by (shard, offset), adjacent ones coalesced into runs
+(samples sit at 4 KiB boundaries, so neighbours in a shard are one read), the runs split into tasks
+of at most `task_kib` and read by `io_threads` threads straight into the staging buffer. With
+`o_direct` the shards are opened O_DIRECT (every offset, length and the buffer are 4 KiB aligned),
+bypassing the page cache. The reads of the next `read_ahead` batches are in flight while batch n is
+finished into its ring slot (pinned where CUDA is there):
+- decoded pixels: the crop (and flip) of each sample copied from the staging buffer: one copy;
+- encoded JPEGs: decoded in threads with the pipeline of the `torch` and `arrow` backends;
+- token windows: one vectorised copy into int64 inputs and targets.
+Batches are the `arrow` backend's, bit for bit (same decoded pixels, same crop plan).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadopt.errors import DatasetError
+from loadopt.loaders import crops, transforms
+from loadopt.loaders.base import HostBatch, Loader
+from loadopt.storage import raw_format
+from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
+from loadopt.storage.tokens import TokenDataset
+
+
+class PosixSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    form: Literal["decoded", "encoded"] = "decoded"  # token datasets are always stored as windows
+    decoded_size: int | None = Field(None, ge=8)  # default: image_size / 0.875 (256 for 224)
+    shard_mib: float = Field(raw_format.DEFAULT_SHARD_MIB, gt=0)  # shard file size of the conversion
+    o_direct: bool = False  # bypass the page cache (needs a filesystem that allows O_DIRECT: not tmpfs)
+    io_threads: int = Field(8, ge=1)  # preadv calls in flight (8: best cold O_DIRECT rate here)
+    task_kib: int = Field(4096, ge=4)  # the largest single read; longer runs are split for parallelism
+    threads: int = Field(2, ge=1)  # threads finishing each batch: crop copies (decoded) or decode (encoded)
+    prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
+    read_ahead: int = Field(2, ge=1)  # batches whose reads are in flight while one is finished
+    decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 buffer at a page boundary (anonymous mmap), as O_DIRECT requires."""
+    return np.frombuffer(mmap.mmap(-1, max(ALIGN, int(align_up(nbytes)))), np.uint8)
+
+
+class PosixReader:
+    """Reads (shard, offset, nbytes) tasks into host memory with os.preadv; one fd per shard."""
+
+    def __init__(self, shards: list, o_direct: bool) -> None:
+        self.shards, self.o_direct = shards, o_direct
+        flags = os.O_RDONLY | (os.O_DIRECT if o_direct else 0)
+        self.fds: list[int] = []
+        try:
+            for shard in shards:
+                self.fds.append(self._open(shard, flags))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, shard, flags: int) -> int:
+        try:
+            return os.open(shard, flags)
+        except OSError as exc:
+            raise DatasetError(self._why(shard, exc)) from None
+
+    def _why(self, shard, exc: OSError) -> str:
+        if exc.errno == errno.EINVAL and self.o_direct:
+            return f"{shard}: the filesystem refuses O_DIRECT (EINVAL; tmpfs?): set o_direct: false for this backend"
+        return f"{shard}: cannot read ({exc.strerror or exc})"
+
+    def read(self, shard: int, offset: int, out: np.ndarray) -> None:
+        """Fill `out` (a uint8 view of the staging buffer, numpy or CPU tensor) from `offset` of shard `shard`."""
+        view, done = memoryview(np.asarray(out)), 0
+        while done < len(view):
+            try:
+                got = os.preadv(self.fds[shard], [view[done:]], offset + done)
+            except OSError as exc:
+                raise DatasetError(self._why(self.shards[shard], exc)) from None
+            if got == 0:
+                raise DatasetError(f"{self.shards[shard]}: ends at byte {offset + done}, the index needs "
+                                   f"{offset + len(view)} (truncated shard)")
+            done += got
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def __del__(self) -> None:  # a loader built only to convert (the bench's probe) is never closed
+        if getattr(self, "fds", None):
+            self.close()
+
+
+class PosixLoader(Loader):
+    name = "posix"
+    Settings = PosixSettings
+    settings: PosixSettings
+    reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._tokens = isinstance(self.dataset, TokenDataset)
+        self.form = "tokens" if self._tokens else self.settings.form
+        size = self.settings.decoded_size or round(self.pipeline.image_size / transforms.EVAL_CROP_FRACTION)
+        self.size = size if self.form == "decoded" else None
+        if self.size is not None and self.size < self.pipeline.image_size:
+            raise DatasetError(f"loaders.{self.name}.decoded_size {self.size} is smaller than pipeline.image_size "
+                               f"{self.pipeline.image_size}")
+        self._raw: RawIndex | None = None
+        self._reader = None
+        self._ring: list[torch.Tensor] | None = None
+
+    def describe(self) -> str:
+        s = self.settings
+        text = self.form + (f" {self.size}px" if self.size else "")
+        return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}"
+
+    def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        path = raw_format.raw_path(self.dataset, self.form, self.size, self.settings.shard_mib)
+        if not (path / "index.npz").exists():
+            if not convert_missing:
+                raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
+                                   f"`loadopt convert CONFIG --to raw{' --decoded' if self.size else ''}`")
+            raw_format.convert(self.dataset, self.form, self.size, self.settings.shard_mib, progress=progress)
+        self._raw = raw_format.open_raw(path, self.dataset, self.form, self.size, self.settings.shard_mib)
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = self.reader_class(self._raw.shards, self.settings.o_direct)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def plan(self, indices: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int, int]], int]:
+        """Where each sample of the batch lands in the staging buffer, and the read tasks
+        (shard, file offset, staging offset, nbytes) covering them; also the bytes to read."""
+        raw = self._raw
+        shard, offset = raw.shard[indices], raw.offset[indices]
+        padded = align_up(raw.length[indices])
+        order = np.lexsort((offset, shard))
+        starts = np.zeros(len(indices), np.int64)
+        starts[order] = np.concatenate([[0], np.cumsum(padded[order])[:-1]])
+        # A new run wherever the next sample in (shard, offset) order is not the file's next aligned block.
+        s, o, p = shard[order], offset[order], padded[order]
+        breaks = np.nonzero((s[1:] != s[:-1]) | (o[1:] != o[:-1] + p[:-1]))[0] + 1
+        task = self.settings.task_kib * 1024 // ALIGN * ALIGN
+        tasks = []
+        for first, last in zip(np.r_[0, breaks], np.r_[breaks, len(order)], strict=True):
+            run_offset, run_start = int(o[first]), int(starts[order[first]])
+            run_bytes = int(o[last - 1] + p[last - 1]) - run_offset
+            for at in range(0, run_bytes, task):
+                tasks.append((int(s[first]), run_offset + at, run_start + at, min(task, run_bytes - at)))
+        return starts, tasks, int(padded.sum())
+
+    def _new_staging(self, nbytes: int):
+        return aligned_empty(nbytes)
+
+    def _submit(self, staging, tasks, io: ThreadPoolExecutor) -> list[Future]:
+        return [io.submit(self._reader.read, shard, offset, staging[at : at + nbytes])
+                for shard, offset, at, nbytes in tasks]
+
+    # -- batches -------------------------------------------------------------------------------
+
+    def _make_ring(self) -> list[torch.Tensor]:
+        slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
+        if self._tokens:
+            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
+        elif self.form == "decoded":
+            shape, dtype = (slots, b, size, size, 3), torch.uint8
+        else:
+            shape, dtype = (slots, b, 3, size, size), torch.uint8
+        ring = torch.empty(shape, dtype=dtype)
+        return list(ring.pin_memory() if self.device.type == "cuda" else ring)
+
+    def _fill(self, slot: torch.Tensor, staging: np.ndarray, starts: np.ndarray, indices: np.ndarray, epoch: int,
+              pool) -> list[tuple[int, str]]:
+        length = self._raw.length[indices]
+        if self._tokens:
+            dtype, n = np.dtype(self._raw.meta["dtype"]), len(indices)
+            stride = int(align_up(int(length[0])))  # fixed-size windows: one strided view of all of them
+            rows = np.lib.stride_tricks.as_strided(staging, (n, int(length[0])), (stride, 1))
+            windows = np.ascontiguousarray(rows).view(dtype)
+            order = np.argsort(starts)  # staging row r holds batch position order[r]
+            inputs, targets = slot[0].numpy(), slot[1].numpy()
+            inputs[order], targets[order] = windows[:, :-1], windows[:, 1:]
+            return []
+        if self.form == "decoded":
+            shape = (self.size, self.size, 3)
+            crops.crop_batch(slot.numpy(), indices, lambda k: staging[starts[k] : starts[k] + length[k]].reshape(shape),
+                             self.size, self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
+            return []
+        decoder = transforms.decoder_name(self.settings.decoder)
+
+        def decode(positions: np.ndarray) -> list[tuple[int, str]]:
+            failures = []
+            for k in positions:
+                index = int(indices[k])
+                try:
+                    transforms.write_sample(memoryview(staging[starts[k] : starts[k] + length[k]]), slot[k], decoder,
+                                            "torch", self.pipeline.augment, self.seed, epoch, index)
+                except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
+                    failures.append((index, f"cannot decode (sample {index}: {type(exc).__name__}: {exc})"))
+            return failures
+
+        chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
+        return [failure for chunk in pool.map(decode, chunks) for failure in chunk]
+
+    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        if self._raw is None:
+            self.prepare()
+        if self._ring is None:
+            self._ring = self._make_ring()
+        free: queue.Queue = queue.Queue()
+        for slot in range(len(self._ring)):
+            free.put(slot)
+        ready: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        producer = threading.Thread(target=self._producer, args=(batches, self.epoch, free, ready, stop),
+                                    name=f"loadopt-{self.name}", daemon=True)
+        producer.start()
+        previous: tuple[int, HostBatch] | None = None
+        try:
+            for _ in batches:
+                if previous is not None:
+                    if previous[1].copy_done is not None:
+                        previous[1].copy_done.synchronize()  # an async device copy still reads the slot
+                    free.put(previous[0])
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield (batch := self._host_batch(*item))
+                previous = (item[0], batch)
+        finally:
+            stop.set()
+            free.put(None)  # wakes a producer waiting for a slot
+            producer.join()
+
+    def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
+        buffer = self._ring[slot]
+        if self._tokens:
+            n = len(indices)
+            return HostBatch(buffer[0][:n], buffer[1][:n], indices, "tokens", bytes_read=nbytes, borrowed=True)
+        failed = {index for index, _ in failures}
+        kept = np.array([index not in failed for index in indices.tolist()], dtype=bool)
+        inputs = buffer[: len(indices)] if kept.all() else buffer[: len(indices)][torch.from_numpy(kept)]
+        layout = "NHWC" if self.form == "decoded" else "NCHW"
+        return HostBatch(inputs, torch.from_numpy(self._raw.index["label"][indices[kept]]), indices[kept], layout,
+                         normalised=False, failures=failures, bytes_read=nbytes, borrowed=True)
+
+    def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+        """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
+        while this one is finished (a batch's slot is refilled only after it was finished)."""
+        try:
+            most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
+            depth = self.settings.read_ahead
+            staging = [self._new_staging(most) for _ in range(depth + 1)]
+            pending: dict[int, tuple] = {}
+            with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
+                    ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool:
+                for n, indices in enumerate(batches):
+                    for ahead in range(n, min(n + depth + 1, len(batches))):
+                        if ahead not in pending:
+                            pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io)
+                    starts, nbytes, reads = pending.pop(n)
+                    for read in reads:
+                        read.result()
+                    slot = free.get()
+                    if slot is None or stop.is_set():
+                        return
+                    failures = self._fill(self._ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
+                    ready.put((slot, indices, failures, nbytes))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, never swallowed
+            ready.put(exc)
+
+    def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor):
+        starts, tasks, nbytes = self.plan(indices)
+        return starts, nbytes, self._submit(staging, tasks, io)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._reader, self._raw, self._ring = None, None, None

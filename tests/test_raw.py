@@ -1,0 +1,321 @@
+"""Raw shards and the posix backend: equal to arrow, O_DIRECT, resumption, errors; kvikio's logic."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from loadopt.config import config_from_dict
+from loadopt.errors import DatasetError
+from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+from loadopt.storage import raw_format
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import tiny_config_dict
+from .test_arrow import assert_same, batches
+
+SMALL = 0.05  # MiB per shard: several shards even for the tiny datasets
+
+
+def config(tmp_path, **pipeline):
+    raw = tiny_config_dict(tmp_path / "out", pipeline={"augment": "eval", "dtype": "uint8", **pipeline})
+    return config_from_dict(raw, "raw.yaml")
+
+
+def tokens_config(tmp_path):
+    raw = tiny_config_dict(tmp_path / "out", dataset={"kind": "tokens", "tokens": {"num_tokens": 20_000,
+                                                                                  "vocab_size": 70_000}},
+                           pipeline={"batch_size": 4, "seq_len": 64})
+    return config_from_dict(raw, "tokens.yaml")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _not_tmpfs(cache_dir):
+    """O_DIRECT needs a real disk: the session cache must not be on tmpfs."""
+    with open("/proc/mounts") as mounts:
+        best = max((line.split() for line in mounts), key=lambda f: len(f[1]) if str(cache_dir).startswith(f[1])
+                   else -1)
+    if best[2] == "tmpfs":
+        pytest.skip(f"{cache_dir} is on tmpfs: O_DIRECT is refused there")
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+@pytest.mark.parametrize("augment", ["eval", "train"])
+def test_decoded_posix_equals_arrow(tmp_path, augment, o_direct):
+    cfg = config(tmp_path, augment=augment)
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=3))
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, o_direct=o_direct, io_threads=3,
+                                                             task_kib=16, read_ahead=3), seed=3)
+    assert_same(batches(posix), arrow)
+    assert len(posix._raw.shards) > 3
+    posix.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_encoded_posix_equals_arrow(tmp_path, o_direct):
+    cfg = config(tmp_path, augment="train")
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="encoded"), seed=1))
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(form="encoded", shard_mib=SMALL, o_direct=o_direct,
+                                                             read_ahead=1, io_threads=1), seed=1)
+    assert_same(batches(posix), arrow)
+    assert posix.counters.bytes_read == int(raw_format.align_up(dataset.sizes).sum())
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_tokens_posix_equals_arrow(tmp_path, o_direct):
+    cfg = tokens_config(tmp_path)
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings()))
+    posix = batches(PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, o_direct=o_direct)))
+    assert_same(posix, arrow)
+    x, y = posix[0]
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_resume_and_shards(tmp_path):
+    cfg = config(tmp_path)
+    dataset = open_dataset(cfg)
+
+    def make(**kw):
+        return PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL), seed=2, **kw)
+
+    full = [b.indices.tolist() for b in make().host_batches()]
+    first = make()
+    head = []
+    for batch in first.host_batches():
+        head.append(batch.indices.tolist())
+        if len(head) == 2:
+            break
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert head + [b.indices.tolist() for b in resumed.host_batches()] == full
+    assert len(make()) == len(full) == 6
+    seen = [i for rank in range(3) for b in make(rank=rank, world_size=3).host_batches() for i in b.indices]
+    assert sorted(seen) == list(range(len(dataset)))
+
+
+def test_plan_coalesces_adjacent_samples(tmp_path):
+    cfg = config(tmp_path)
+    loader = PosixLoader(open_dataset(cfg), cfg.pipeline, PosixSettings(shard_mib=SMALL, task_kib=1024))
+    loader.prepare()
+    raw = loader._raw
+    same_shard = np.nonzero(raw.shard == 0)[0][:3]
+    starts, tasks, nbytes = loader.plan(same_shard[::-1].copy())
+    padded = int(raw_format.align_up(raw.length[same_shard[0]]))
+    assert tasks == [(0, 0, 0, 3 * padded)] and nbytes == 3 * padded  # one read for three neighbours
+    assert starts.tolist() == [2 * padded, padded, 0]
+    _, tasks, _ = loader.plan(np.array([same_shard[0], same_shard[2]]))
+    assert len(tasks) == 2  # a gap: two reads
+    loader.close()
+
+
+def test_index_round_trip(tmp_path):
+    cfg = config(tmp_path)
+    dataset = open_dataset(cfg)
+    folder = raw_format.convert(dataset, "encoded", shard_mib=SMALL)
+    raw = raw_format.open_raw(folder, dataset, "encoded", None, SMALL, verify_labels=True)
+    assert raw.meta["form"] == "encoded" and (raw.offset % raw_format.ALIGN == 0).all()
+    for i in (0, 17, len(dataset) - 1):
+        with open(raw.shards[raw.shard[i]], "rb") as f:
+            f.seek(raw.offset[i])
+            assert f.read(raw.length[i]) == dataset.read(i)
+    assert raw_format.convert(dataset, "encoded", shard_mib=SMALL) == folder  # reused
+    assert not list(folder.parent.glob("*.tmp"))
+
+
+def test_truncated_shard_and_bad_index_are_named(tmp_path):
+    cfg = config(tmp_path, image_size=40)
+    dataset = open_dataset(cfg)
+    folder = raw_format.convert(dataset, "encoded", shard_mib=SMALL)
+    raw = raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+    shard = raw.shards[1]
+    data = shard.read_bytes()
+    last = int(np.nonzero(raw.shard == 1)[0][-1])
+    try:
+        shard.write_bytes(data[: len(data) - 5000])
+        with pytest.raises(DatasetError, match=f"^{shard}: sample {last} needs bytes .*truncated shard"):
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+    finally:
+        shard.write_bytes(data)
+    index = folder / "index.npz"
+    saved = index.read_bytes()
+    try:
+        rows, meta = raw.index.copy(), raw.meta
+        rows[5]["offset"] = 1 << 30
+        np.savez(index, index=rows, meta=np.array(__import__("json").dumps(meta)))
+        with pytest.raises(DatasetError, match=f"{raw.shards[rows[5]['shard']]}: sample 5 needs bytes 1073741824-"):
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+        index.write_bytes(saved[:100])
+        with pytest.raises(DatasetError, match="corrupt raw index"):
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+    finally:
+        index.write_bytes(saved)
+
+
+def test_a_shard_truncated_after_opening_fails_the_read(tmp_path):
+    cfg = config(tmp_path, image_size=40)
+    dataset = open_dataset(cfg)
+    loader = PosixLoader(dataset, cfg.pipeline, PosixSettings(form="encoded", shard_mib=SMALL))
+    loader.prepare()
+    shard = loader._raw.shards[0]
+    data = shard.read_bytes()
+    try:
+        os.truncate(shard, 4096)
+        with pytest.raises(DatasetError, match=f"{shard}: ends at byte"):
+            batches(loader)
+    finally:
+        shard.write_bytes(data)
+        loader.close()
+
+
+def test_no_convert_names_the_missing_folder(tmp_path):
+    cfg = config(tmp_path, image_size=40)
+    loader = PosixLoader(open_dataset(cfg), cfg.pipeline, PosixSettings(decoded_size=43))
+    with pytest.raises(DatasetError, match="no raw conversion .* run `loadopt convert CONFIG --to raw --decoded`"):
+        loader.prepare(convert_missing=False)
+
+
+def test_o_direct_refused_is_one_line(tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    loader = PosixLoader(open_dataset(cfg), cfg.pipeline, PosixSettings(o_direct=True, shard_mib=SMALL))
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing)
+    with pytest.raises(DatasetError, match="refuses O_DIRECT .* set o_direct: false") as info:
+        loader.prepare()
+    assert "\n" not in str(info.value)
+
+
+def test_cli_convert_to_raw_and_bench(tmp_path):
+    import yaml
+
+    from .test_cli import loadopt, one_line_error
+
+    raw = tiny_config_dict(tmp_path / "out", loaders={"posix": {"form": "decoded", "decoded_size": 52,
+                                                                "o_direct": True, "shard_mib": SMALL}})
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    line = one_line_error(loadopt("bench", path, "--no-convert"))
+    assert "no raw conversion" in line
+    done = loadopt("convert", path, "--to", "raw", "--decoded", "--size", "52", "--shard-mib", str(SMALL))
+    assert done.returncode == 0, done.stderr
+    dataset = open_dataset(config_from_dict(raw, "p.yaml"))
+    folder = raw_format.raw_path(dataset, "decoded", 52, SMALL)
+    assert str(folder) in done.stdout and (folder / "index.npz").exists()
+    proc = loadopt("bench", path, "--quick", "--no-convert")
+    assert proc.returncode == 0, proc.stderr
+    assert "posix decoded 52px o_direct=True" in proc.stdout
+    assert "unknown format (known: arrow, raw)" in one_line_error(loadopt("convert", path, "--to", "nope"))
+
+
+def test_kvikio_is_unavailable_here_with_the_reason():
+    from loadopt.loaders.base import backend_class
+
+    available, reason = backend_class("kvikio").available()
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: kvikio may well be available")
+    assert not available and ("libcuda.so.1" in reason or "kvikio" in reason)
+
+
+def kvikio_on_the_cpu(dataset, pipeline, settings, **kw):
+    """The kvikio backend with its device read swapped for the POSIX reader into host staging."""
+    from loadopt.loaders.kvikio_loader import KvikioLoader
+    from loadopt.loaders.posix_loader import PosixReader
+
+    loader = KvikioLoader(dataset, pipeline, settings, **kw)
+    loader.reader_class, loader.staging_device = PosixReader, "cpu"
+    return loader
+
+
+@pytest.mark.parametrize("augment", ["eval", "train"])
+def test_kvikio_logic_equals_arrow_decoded(tmp_path, augment):
+    cfg = config(tmp_path, augment=augment)
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=4))
+    loader = kvikio_on_the_cpu(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, task_kib=8), seed=4)
+    assert_same(batches(loader), arrow)
+    loader.close()
+
+
+def test_kvikio_logic_tokens_and_resume(tmp_path):
+    cfg = tokens_config(tmp_path)
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings()))
+    assert_same(batches(kvikio_on_the_cpu(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL))), arrow)
+    first = kvikio_on_the_cpu(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL))
+    head = [x.clone() for _, (x, _) in zip(range(3), first, strict=False)]
+    resumed = kvikio_on_the_cpu(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL))
+    resumed.load_state_dict(first.state_dict())
+    rest = [x.clone() for x, _ in resumed]
+    assert all(torch.equal(a, b[0]) for a, b in zip(head + rest, arrow, strict=True))
+
+
+def test_kvikio_encoded_is_refused_in_one_line(tmp_path):
+    from loadopt.loaders.kvikio_loader import KvikioLoader
+
+    cfg = config(tmp_path)
+    with pytest.raises(DatasetError, match="GPU JPEG decode is not implemented yet"):
+        KvikioLoader(open_dataset(cfg), cfg.pipeline, PosixSettings(form="encoded"))
+
+
+def test_doctor_has_the_gds_rows(tmp_path):
+    from loadopt.doctor import _mount_of, run_checks
+
+    rows = {check.item: check for check in run_checks()}
+    for item in ("libcufile", "GDS mode", "nvidia-fs module", "/run/udev", "dataset filesystem"):
+        assert item in rows and rows[item].detail
+    assert "KVIKIO_COMPAT_MODE" in rows["GDS mode"].detail
+    point, fstype = _mount_of(str(tmp_path))
+    assert str(tmp_path).startswith(point) and fstype != "unknown"
+
+
+def test_an_interrupted_conversion_leaves_nothing_used(tmp_path, monkeypatch):
+    cfg = config(tmp_path, image_size=36)
+    dataset = open_dataset(cfg)
+    real = raw_format._samples
+
+    def dies(*args):
+        for n, blob in enumerate(real(*args)):
+            if n == 20:
+                raise KeyboardInterrupt
+            yield blob
+
+    monkeypatch.setattr(raw_format, "_samples", dies)
+    with pytest.raises(KeyboardInterrupt):
+        raw_format.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1)
+    final = raw_format.raw_path(dataset, "decoded", 41, SMALL)
+    assert not final.exists() and not list(final.parent.glob(f".{final.name}.*"))
+    monkeypatch.setattr(raw_format, "_samples", real)
+    assert raw_format.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1) == final
+    raw = raw_format.open_raw(final, dataset, "decoded", 41, SMALL, verify_labels=True)
+    assert raw.meta["shape"] == [41, 41, 3] and (raw.length == 41 * 41 * 3).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["posix", "kvikio"])
+def test_on_a_gpu_equals_arrow(tmp_path, backend):
+    """posix with its pinned ring, kvikio with real cuFile reads into GPU memory (where installed)."""
+    from loadopt.loaders.base import backend_class
+
+    cls = backend_class(backend)
+    available, reason = cls.available()
+    if not available:
+        pytest.skip(reason)
+    cfg = config(tmp_path, augment="train")
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), device="cuda", seed=6))
+    loader = cls(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL), device="cuda", seed=6)
+    got = batches(loader)
+    assert got[0][0].device.type == "cuda"
+    assert_same(got, arrow)
+    if backend == "kvikio":
+        assert "cuFile" in loader.describe()
