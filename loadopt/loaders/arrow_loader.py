@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.ring import next_slot, ring_batches, slot_batch
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
 from loadopt.storage.tokens import TokenDataset
 
@@ -147,63 +148,30 @@ class ArrowLoader(Loader):
             self.prepare()
         if self._ring is None:
             self._ring = self._make_ring()
-        free: queue.Queue = queue.Queue()
-        for slot in range(len(self._ring)):
-            free.put(slot)
-        ready: queue.Queue = queue.Queue()
-        stop = threading.Event()
         epoch = self.epoch
-        producer = threading.Thread(target=self._producer, args=(batches, epoch, free, ready, stop),
-                                    name="loadopt-arrow", daemon=True)
-        producer.start()
-        previous: tuple[int, HostBatch] | None = None
-        try:
-            for _ in batches:
-                if previous is not None:
-                    if previous[1].copy_done is not None:
-                        previous[1].copy_done.synchronize()  # an async device copy still reads the slot
-                    free.put(previous[0])
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                slot, indices, failures = item
-                yield (batch := self._host_batch(slot, indices, failures))
-                previous = (slot, batch)
-        finally:
-            stop.set()
-            free.put(None)  # wakes a producer waiting for a slot
-            producer.join()
+        return ring_batches(len(batches), len(self._ring),
+                            lambda free, ready, stop: self._producer(batches, epoch, free, ready, stop),
+                            self._host_batch, "loadopt-arrow")
 
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
-        buffer = self._ring[slot]
-        if self._tokens:
-            n = len(indices)
-            return HostBatch(buffer[0][:n], buffer[1][:n], indices, "tokens", borrowed=True)
-        failed = {index for index, _ in failures}
-        kept = np.array([index not in failed for index in indices.tolist()], dtype=bool)
-        inputs = buffer[: len(indices)] if kept.all() else buffer[: len(indices)][torch.from_numpy(kept)]
-        layout = "NHWC" if self.form == "decoded" else "NCHW"
+        layout = "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
         # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
         read = len(indices) * self.size * self.size * 3 if self.form == "decoded" else None
-        return HostBatch(inputs, torch.from_numpy(self.dataset.labels[indices[kept]]), indices[kept], layout,
-                         normalised=False, failures=failures, bytes_read=read, borrowed=True)
+        return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, layout, read)
 
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
-        try:
-            with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:
-                for indices in batches:
-                    slot = free.get()
-                    if slot is None or stop.is_set():
-                        return
-                    if self._tokens:
-                        self._fill_tokens(self._ring[slot], indices)
-                        failures: list[tuple[int, str]] = []
-                    else:
-                        failures = self._fill_images(self._ring[slot], indices, epoch, pool)
-                    ready.put((slot, indices, failures))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, never swallowed
-            ready.put(exc)
+        with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:
+            for indices in batches:
+                slot = next_slot(free, stop)
+                if slot is None:
+                    return
+                if self._tokens:
+                    self._fill_tokens(self._ring[slot], indices)
+                    failures: list[tuple[int, str]] = []
+                else:
+                    failures = self._fill_images(self._ring[slot], indices, epoch, pool)
+                ready.put((slot, indices, failures))
 
     def close(self) -> None:
         self._views = None  # the record batches keep the file mapped until they are dropped

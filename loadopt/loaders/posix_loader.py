@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.ring import next_slot, ring_batches, slot_batch
 from loadopt.storage import raw_format
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 from loadopt.storage.tokens import TokenDataset
@@ -220,67 +221,36 @@ class PosixLoader(Loader):
             self.prepare()
         if self._ring is None:
             self._ring = self._make_ring()
-        free: queue.Queue = queue.Queue()
-        for slot in range(len(self._ring)):
-            free.put(slot)
-        ready: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        producer = threading.Thread(target=self._producer, args=(batches, self.epoch, free, ready, stop),
-                                    name=f"loadopt-{self.name}", daemon=True)
-        producer.start()
-        previous: tuple[int, HostBatch] | None = None
-        try:
-            for _ in batches:
-                if previous is not None:
-                    if previous[1].copy_done is not None:
-                        previous[1].copy_done.synchronize()  # an async device copy still reads the slot
-                    free.put(previous[0])
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield (batch := self._host_batch(*item))
-                previous = (item[0], batch)
-        finally:
-            stop.set()
-            free.put(None)  # wakes a producer waiting for a slot
-            producer.join()
+        epoch = self.epoch
+        return ring_batches(len(batches), len(self._ring),
+                            lambda free, ready, stop: self._producer(batches, epoch, free, ready, stop),
+                            self._host_batch, f"loadopt-{self.name}")
 
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
-        buffer = self._ring[slot]
-        if self._tokens:
-            n = len(indices)
-            return HostBatch(buffer[0][:n], buffer[1][:n], indices, "tokens", bytes_read=nbytes, borrowed=True)
-        failed = {index for index, _ in failures}
-        kept = np.array([index not in failed for index in indices.tolist()], dtype=bool)
-        inputs = buffer[: len(indices)] if kept.all() else buffer[: len(indices)][torch.from_numpy(kept)]
-        layout = "NHWC" if self.form == "decoded" else "NCHW"
-        return HostBatch(inputs, torch.from_numpy(self._raw.index["label"][indices[kept]]), indices[kept], layout,
-                         normalised=False, failures=failures, bytes_read=nbytes, borrowed=True)
+        layout = "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
+        return slot_batch(self._ring[slot], indices, failures, self._raw.index["label"], layout, nbytes)
 
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
-        try:
-            most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
-            depth = self.settings.read_ahead
-            staging = [self._new_staging(most) for _ in range(depth + 1)]
-            pending: dict[int, tuple] = {}
-            with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
-                    ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool:
-                for n, indices in enumerate(batches):
-                    for ahead in range(n, min(n + depth + 1, len(batches))):
-                        if ahead not in pending:
-                            pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io)
-                    starts, nbytes, reads = pending.pop(n)
-                    for read in reads:
-                        read.result()
-                    slot = free.get()
-                    if slot is None or stop.is_set():
-                        return
-                    failures = self._fill(self._ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
-                    ready.put((slot, indices, failures, nbytes))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, never swallowed
-            ready.put(exc)
+        most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
+        depth = self.settings.read_ahead
+        staging = [self._new_staging(most) for _ in range(depth + 1)]
+        pending: dict[int, tuple] = {}
+        with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
+                ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool:
+            for n, indices in enumerate(batches):
+                for ahead in range(n, min(n + depth + 1, len(batches))):
+                    if ahead not in pending:
+                        pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io)
+                starts, nbytes, reads = pending.pop(n)
+                for read in reads:
+                    read.result()
+                slot = next_slot(free, stop)
+                if slot is None:
+                    return
+                failures = self._fill(self._ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
+                ready.put((slot, indices, failures, nbytes))
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor):
         starts, tasks, nbytes = self.plan(indices)

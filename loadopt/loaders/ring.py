@@ -1,0 +1,76 @@
+"""A producer thread filling the slots of a preallocated batch ring, and its consumer side.
+
+Shared by the backends that assemble batches in the consumer process (arrow, posix, kvikio). The
+producer takes a free slot, fills it and puts `(slot, ...)` on the ready queue (or the exception it
+hit: never swallowed, raised in the consumer). The consumer hands a slot back only when the next
+batch is asked for, and only once an asynchronous device copy from it (CUDA) has finished.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from loadopt.loaders.base import HostBatch
+
+Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
+
+
+def ring_batches(count: int, slots: int, produce: Producer, make_batch: Callable[..., HostBatch],
+                 name: str) -> Iterator[HostBatch]:
+    """Run `produce(free, ready, stop)` in a thread and yield `make_batch(*item)` for `count` items."""
+    free: queue.Queue = queue.Queue()
+    for slot in range(slots):
+        free.put(slot)
+    ready: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    producer = threading.Thread(target=_guarded, args=(produce, free, ready, stop), name=name, daemon=True)
+    producer.start()
+    previous: tuple[int, HostBatch] | None = None
+    try:
+        for _ in range(count):
+            if previous is not None:
+                if previous[1].copy_done is not None:
+                    previous[1].copy_done.synchronize()  # an async device copy still reads the slot
+                free.put(previous[0])
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            batch = make_batch(*item)
+            yield batch
+            previous = (item[0], batch)
+    finally:
+        stop.set()
+        free.put(None)  # wakes a producer waiting for a slot
+        producer.join()
+
+
+def _guarded(produce: Producer, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+    try:
+        produce(free, ready, stop)
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer, never swallowed
+        ready.put(exc)
+
+
+def next_slot(free: queue.Queue, stop: threading.Event) -> int | None:
+    """The next free slot for a producer, or None when the consumer has stopped."""
+    slot = free.get()
+    return None if slot is None or stop.is_set() else slot
+
+
+def slot_batch(buffer: torch.Tensor, indices: np.ndarray, failures: list[tuple[int, str]], labels: np.ndarray,
+               layout: str, bytes_read: int | None = None) -> HostBatch:
+    """The host batch over one ring slot: token (inputs, targets) pairs, or images without the samples
+    that failed (their slots hold garbage)."""
+    if layout == "tokens":
+        n = len(indices)
+        return HostBatch(buffer[0][:n], buffer[1][:n], indices, "tokens", bytes_read=bytes_read, borrowed=True)
+    failed = {index for index, _ in failures}
+    kept = np.array([index not in failed for index in indices.tolist()], dtype=bool)
+    inputs = buffer[: len(indices)] if kept.all() else buffer[: len(indices)][torch.from_numpy(kept)]
+    return HostBatch(inputs, torch.from_numpy(labels[indices[kept]]), indices[kept], layout, normalised=False,
+                     failures=failures, bytes_read=bytes_read, borrowed=True)
