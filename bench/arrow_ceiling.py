@@ -15,28 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
-import numpy as np
 from _common import REPO, build_loader, result_line
 
-
-def memcpy_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache (median of `repeats`)."""
-    try:
-        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
-        l3 = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
-    except (OSError, ValueError, KeyError):
-        l3 = 32 << 20
-    size = min(8 * l3, 1 << 30)
-    source, target = np.ones(size, np.uint8), np.empty(size, np.uint8)
-    np.copyto(target, source)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - start)
-    return size / statistics.median(times)
+from loadopt.bench.attribution import memcpy_bandwidth  # shared with the bench's ceilings
 
 
 def host_rate(loader, batches: int) -> tuple[float, float]:

@@ -99,18 +99,21 @@ def results_table(results: dict[str, Any]) -> Table:
     volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
     for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
                             ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
-                            ("CPU s/1k", "right"), ("peak mem MB", "right")):
+                            ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right")):
         table.add_column(column, justify=justify)
     for rank, label in enumerate(results["ranking"], start=1):
         m = by_label[label]["metrics"]
         rate = m["samples_per_s"]
+        fraction = by_label[label].get("fraction_of_ceiling")
+        # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
+        of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
         spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
         table.add_row(str(rank), escape(label), f"{median(m, 'samples_per_s'):,.0f}", spread,
                       _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
-                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"))
+                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling)
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:
-            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]: {escape(run['reason'])}", *[""] * 6)
+            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]: {escape(run['reason'])}", *[""] * 7)
     return table
 
 
@@ -141,6 +144,7 @@ def bench(
     console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
     console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
                   f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
+    _print_verdicts(results)
     console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
     _auto_report(outcome.json_path)
     skipped = sum(len(r.get("skipped_files", [])) for r in results["runs"])
@@ -151,6 +155,17 @@ def bench(
         err_console.print("interrupted: the results of the runs that finished were kept")
         raise typer.Exit(130)
     console.print(f"[bold]{results['summary']}[/]", highlight=False)
+
+
+def _print_verdicts(results: dict[str, Any]) -> None:
+    """The measured ceilings, then one bottleneck verdict per backend's best setting."""
+    from loadopt.bench.attribution import ceilings_summary
+
+    if results.get("ceilings"):
+        console.print(f"[dim]ceilings measured in this run: {escape(ceilings_summary(results['ceilings']))}[/]",
+                      highlight=False)
+    for verdict in results.get("verdicts") or []:
+        console.print(f"[bold]{escape(verdict['label'])}[/]: {escape(verdict['text'])}", highlight=False)
 
 
 def _auto_report(results_path: Any) -> None:

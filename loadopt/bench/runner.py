@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from loadopt.bench import attribution
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import aggregate, median
@@ -100,11 +101,12 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
 
 
 def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
-              reporter: Reporter | None = None, convert: bool = True) -> BenchOutcome:
+              reporter: Reporter | None = None, convert: bool = True, attribute: bool = True) -> BenchOutcome:
     """Measure every configured loader setting; write results.json and timings.parquet into `out`.
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
-    is false, in which case a missing conversion is an error."""
+    is false, in which case a missing conversion is an error. `attribute` (default) also measures the
+    machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution.py)."""
     reporter = reporter or Reporter()
     folder = prepare_output(out or config.report.out)
     device = resolve_device(config.workload.device)
@@ -118,7 +120,10 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     cache_note = "warm: the page cache was left as it was"
     interrupted = False
     user_error: LoadoptError | None = None
+    ceilings: dict[str, Any] | None = None
     try:
+        if attribute and any(s.status == "ok" for s in plan):
+            ceilings = attribution.measure_ceilings(config, dataset, device)
         for repeat in range(workload.repeats):
             for setting in plan:
                 if setting.status != "ok":
@@ -131,6 +136,11 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     except LoadoptError as exc:
         user_error = exc
     results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+    if ceilings is not None:
+        try:
+            _attribute(results, ceilings)
+        except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
+            log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
     json_path, parquet_path = write_results(folder, results, _timing_rows(plan))
     if user_error is not None:
         raise user_error
@@ -210,6 +220,23 @@ def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device
         "ranking": [r["label"] for r in measured],
         "summary": summary,
     }
+
+
+def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:
+    """Each measured run against the ceiling that bounds it; a verdict for each backend's best setting."""
+    results["ceilings"] = ceilings
+    by_label = {r["label"]: r for r in results["runs"]}
+    verdicts, seen = [], set()
+    for label in results["ranking"]:  # fastest first: the first of a backend is its best setting
+        run = by_label[label]
+        found = attribution.attribute(run["metrics"], label, ceilings, ceilings["job"], run["settings"])
+        run["ceiling"] = found["ceiling"]
+        capacity, rate = found["ceiling"]["samples_per_s"], median(run["metrics"], "samples_per_s")
+        run["fraction_of_ceiling"] = rate / capacity if capacity and rate is not None else None
+        if run["backend"] not in seen:
+            seen.add(run["backend"])
+            verdicts.append({"label": label, "bottleneck": found["bottleneck"], "text": found["text"]})
+    results["verdicts"] = verdicts
 
 
 def _summary(measured: list[dict[str, Any]]) -> str:

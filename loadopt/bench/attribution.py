@@ -1,0 +1,325 @@
+"""Bottleneck attribution (DESIGN.md): the machine's ceilings measured in the bench's own run, and a
+one-sentence verdict per loader setting on which stage bounds the job.
+
+Each ceiling is a capacity in samples/s of one stage measured apart, quickly (a few seconds at most):
+memory copy bandwidth, storage sequential read with the page cache evicted, decode + transform per
+core x usable cores (from memory), pinned host-to-device bandwidth on CUDA, and compute alone (the
+accelerator's step on an in-memory batch). The job's demand is batch_size / step time. A loader
+setting is shown against the ceiling of what it does (JPEG decode, a memory copy of decoded pixels
+or tokens, or the storage read when the cache is cold), and the verdict says which stage bounds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loadopt.config import Config
+from loadopt.loaders import transforms
+from loadopt.storage.pagecache import evict
+
+STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input path, sets the pace
+_STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
+_DECODE_SECONDS = 1.0  # per decoder: a few hundred samples or this long, whichever comes first
+_DECODE_SAMPLES = 300
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=1)
+def memcpy_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache (median of `repeats`).
+
+    Cached per process: a machine property, and tests run many benches in one process."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        l3 = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+    except (OSError, ValueError, KeyError):
+        l3 = 32 << 20
+    size = min(8 * l3, 1 << 30)
+    source, target = np.ones(size, np.uint8), np.empty(size, np.uint8)
+    np.copyto(target, source)  # the first copy faults the pages in; it is not timed
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times)
+
+
+def storage_bandwidth(dataset: Any, budget_bytes: int = _STORAGE_BUDGET_BYTES) -> dict[str, Any]:
+    """Sequential read rate of a sample of the dataset's files, page cache evicted first.
+
+    The files are read whole, so they are back in the page cache afterwards: a warm bench is not
+    made cold by this measurement. Not local: a sample of `dataset.read` calls (no eviction)."""
+    files = dataset.local_files()
+    rng = np.random.default_rng(0)
+    if not files:
+        indices = rng.permutation(len(dataset))[:64]
+        start, nbytes = time.perf_counter(), 0
+        for i in indices:
+            nbytes += len(dataset.read(int(i)))
+            if time.perf_counter() - start > 2.0:
+                break
+        seconds = time.perf_counter() - start
+        return {"name": "storage read", "bytes_per_s": nbytes / seconds if seconds > 0 else None, "bytes": nbytes,
+                "note": "dataset.read of a sample of remote objects (no page cache to evict)"}
+    chosen, total = [], 0
+    for i in rng.permutation(len(files)):
+        size = os.path.getsize(files[i])
+        if chosen and total + size > budget_bytes:
+            break
+        chosen.append(files[i])
+        total += size
+    # One file larger than the budget (a token corpus): evict and read its head only.
+    evicted = _evict_head(chosen[0], budget_bytes) if total > budget_bytes else evict(chosen)
+    start, nbytes = time.perf_counter(), 0
+    for path in chosen:
+        with open(path, "rb", buffering=0) as handle:
+            while nbytes < budget_bytes and (chunk := handle.read(min(4 << 20, budget_bytes - nbytes))):
+                nbytes += len(chunk)
+    seconds = time.perf_counter() - start
+    return {"name": "storage sequential read", "bytes_per_s": nbytes / seconds if seconds > 0 else None,
+            "bytes": nbytes, "note": f"{len(chosen)} files, {evicted} evicted from the page cache first"}
+
+
+def _evict_head(path: str, length: int) -> int:
+    """Evict only the first `length` bytes of `path`: the rest stays as warm as the bench left it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def decode_rates(config: Config, dataset: Any) -> dict[str, Any]:
+    """Decode + crop/resize/flip per core, from memory, for PIL (PIL's resize: the `plain` path) and the
+    fastest decoder (torch's resize: `tuned` and the encoded formats), times the usable cores."""
+    if config.dataset.kind != "images":
+        return {"skipped": "token samples are not decoded"}
+    count = min(_DECODE_SAMPLES, len(dataset))
+    blobs = [dataset.read(i) for i in range(count)]
+    size, augment = config.pipeline.image_size, config.pipeline.augment
+    slot = torch.empty((3, size, size), dtype=torch.uint8)
+    cores = usable_cores()
+    out: dict[str, Any] = {"cores": cores}
+    for key, decoder, resize in (("pil", "pil", "pil"), ("fast", transforms.decoder_name("auto"), "torch")):
+        transforms.write_sample(blobs[0], slot, decoder, resize, augment, config.seed, 0, 0)  # warm-up
+        done, start = 0, time.perf_counter()
+        for index, blob in enumerate(blobs):
+            transforms.write_sample(blob, slot, decoder, resize, augment, config.seed, 0, index)
+            done += 1
+            if time.perf_counter() - start > _DECODE_SECONDS:
+                break
+        per_core = done / (time.perf_counter() - start)
+        out[key] = {"decoder": decoder, "resize": resize, "per_core": per_core, "samples_per_s": per_core * cores}
+    return out
+
+
+def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"skipped": f"device {device}: no host-to-device link to measure (the copy is emulated)"}
+    source = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    target = torch.empty_like(source, device=device)
+    target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        target.copy_(source, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return {"name": "pinned h2d bandwidth", "bytes_per_s": 5 * source.numel() / (start.elapsed_time(end) / 1000.0)}
+
+
+def compute_alone(config: Config, dataset: Any, device: torch.device) -> dict[str, Any]:
+    """The accelerator's step on a batch already on the device: what the job does with no loader."""
+    from loadopt.bench.accelerator import make_accelerator
+
+    p, w = config.pipeline, config.workload
+    accelerator = make_accelerator(w.model, w.step_time_ms, len(dataset.classes), device)
+    if config.dataset.kind == "tokens":
+        inputs = torch.zeros((p.batch_size, p.seq_len), dtype=torch.int64, device=device)
+    else:
+        dtype = torch.uint8 if p.dtype == "uint8" else torch.float32
+        inputs = torch.zeros((p.batch_size, 3, p.image_size, p.image_size), dtype=dtype, device=device)
+    labels = torch.zeros(p.batch_size, dtype=torch.int64, device=device)
+    accelerator.step(inputs, labels)  # warm-up (a real model's first step allocates)
+    accelerator.drain()
+    start, steps = time.perf_counter(), 0
+    while steps < 3 and (steps == 0 or time.perf_counter() - start < 3.0):
+        accelerator.step(inputs, labels)
+        steps += 1
+    accelerator.drain()
+    step_s = (time.perf_counter() - start) / steps
+    return {"name": "compute alone", "step_ms": step_s * 1000.0,
+            "samples_per_s": p.batch_size / step_s if step_s > 0 else None}
+
+
+def _guarded(fn, *args) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a ceiling that cannot be measured must not stop the bench
+        return {"skipped": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+
+def measure_ceilings(config: Config, dataset: Any, device: torch.device) -> dict[str, Any]:
+    """The machine's ceilings and the job's demand, measured now (a few seconds in all)."""
+    started = time.perf_counter()
+    memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth()})
+    ceilings = {"memcpy": memcpy, "storage": _guarded(storage_bandwidth, dataset),
+                "decode": _guarded(decode_rates, config, dataset), "h2d": _guarded(h2d_bandwidth, device),
+                "compute": _guarded(compute_alone, config, dataset, device)}
+    p, w = config.pipeline, config.workload
+    step_ms = w.step_time_ms if w.model == "none" else ceilings["compute"].get("step_ms")
+    ceilings["job"] = {"batch_size": p.batch_size, "step_ms": step_ms, "model": w.model, "cache": config.storage.cache,
+                       "demand_samples_per_s": p.batch_size / (step_ms / 1000.0) if step_ms else None,
+                       "mean_sample_bytes": float(dataset.sizes.mean()), "kind": config.dataset.kind,
+                       "device": device.type}
+    ceilings["seconds"] = time.perf_counter() - started
+    return ceilings
+
+
+# -- attribution -----------------------------------------------------------------------------------
+
+
+def _sample_bytes(metrics: dict[str, Any], key_bytes: str) -> float | None:
+    from loadopt.bench.metrics import median
+
+    nbytes, samples = median(metrics, key_bytes), median(metrics, "samples")
+    return nbytes / samples if nbytes and samples else None
+
+
+def _delivered_bytes(metrics: dict[str, Any]) -> float | None:
+    """Bytes of the batch tensors per delivered sample: what the host-to-device copy moved."""
+    from loadopt.bench.metrics import median
+
+    rate, seconds, samples = median(metrics, "h2d_gb_per_s"), median(metrics, "h2d_s"), median(metrics, "samples")
+    return rate * 1e9 * seconds / samples if rate and seconds and samples else None
+
+
+def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
+                      settings: dict[str, Any] | None) -> tuple[str, str, float | None, str, str]:
+    """(stage, ceiling name, its capacity in samples/s, the capacity in words, what would lift it)."""
+    words, settings = label.split(), settings or {}
+    backend = words[0] if words else ""
+    decoded = "decoded" in words or settings.get("form") == "decoded" or job.get("kind") == "tokens"
+    if decoded or backend not in ("torch", "arrow", "posix", "kvikio"):
+        copy = ceilings.get("memcpy", {}).get("bytes_per_s")
+        per_sample = _delivered_bytes(metrics)
+        rate = copy / per_sample if copy and per_sample else None
+        name = f"memory copy bandwidth ({copy / 1e9:,.1f} GB/s)" if copy else "memory copy bandwidth"
+        words_ = (f"memory copies {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB"
+                  if rate and per_sample else f"{name} (capacity not measured)")
+        stage = ("copy-bound", name, rate, words_,
+                 "uint8 batches (pipeline.dtype: uint8), fewer copies per batch or more threads lift this bound")
+    else:
+        decode = ceilings.get("decode", {})
+        slow = settings.get("decoder") == "pil" or (
+            backend == "torch" and "plain" in words and settings.get("decoder", "auto") == "auto")
+        chosen = decode.get("pil" if slow else "fast") or {}
+        cores = decode.get("cores", usable_cores())
+        lift = "GPU decode (dali mixed) or a pre-decoded format (arrow --decoded) lifts this bound"
+        if slow and decode.get("fast"):
+            lift = (f"a faster decoder (torch variant tuned: {decode['fast']['decoder']} + torch resize, "
+                    f"{decode['fast']['samples_per_s']:,.0f} img/s), GPU decode or a pre-decoded format lifts it")
+        rate = chosen.get("samples_per_s")
+        words_ = (f"{cores} cores decode {rate:,.0f} img/s ({chosen.get('decoder')} + {chosen.get('resize')} resize)"
+                  if rate else "decode capacity not measured")
+        stage = ("prep-bound", f"decode {chosen.get('decoder', '?')} x {cores} cores", rate, words_, lift)
+    h2d, per_sample = ceilings.get("h2d", {}).get("bytes_per_s"), _delivered_bytes(metrics)
+    if h2d and per_sample and (stage[2] is None or h2d / per_sample < stage[2]):
+        # On a GPU the copy to the device is a stage of its own: the lower capacity bounds.
+        rate = h2d / per_sample
+        stage = ("transfer-bound", f"pinned h2d ({h2d / 1e9:,.1f} GB/s)", rate,
+                 f"the host-to-device link moves {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB",
+                 "uint8 batches, smaller crops on the host or decoding on the GPU lift this bound")
+    if job.get("cache") == "cold":
+        # Cold: the read from storage is a stage of its own; the lower of the two capacities bounds.
+        storage = ceilings.get("storage", {}).get("bytes_per_s")
+        per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
+        rate = storage / per_sample if storage and per_sample else None
+        if rate and (stage[2] is None or rate < stage[2]):
+            return ("fetch-bound", f"storage read ({storage / 1e6:,.0f} MB/s)", rate,
+                    f"the storage reads {storage / 1e6:,.0f} MB/s = {rate:,.0f} samples/s of "
+                    f"{per_sample / 1e3:,.0f} KB",
+                    "a faster tier, a warm page cache or a smaller stored form (encoded JPEGs) lifts this bound")
+    return stage
+
+
+def attribute(run_metrics: dict[str, Any], backend_label: str, ceilings: dict[str, Any], job: dict[str, Any],
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ceiling that bounds this loader setting and a one-sentence verdict on what bounds the job."""
+    from loadopt.bench.metrics import median
+
+    stage, name, capacity, cap, lift = _bounding_ceiling(run_metrics, backend_label, ceilings, job, settings)
+    rate = median(run_metrics, "samples_per_s") or 0.0
+    stall = median(run_metrics, "stall_fraction") or 0.0
+    batches = median(run_metrics, "batches") or 1
+    wait_ms = (median(run_metrics, "wait_s") or 0.0) / batches * 1000.0
+    finish_ms = (median(run_metrics, "finish_s") or 0.0) / batches * 1000.0
+    demand = job.get("demand_samples_per_s")
+    unit = "img/s" if job.get("kind") == "images" else "samples/s"
+    step = f"{job['step_ms']:g} ms per batch of {job['batch_size']}" if job.get("step_ms") else "step time 0"
+    need = f"the job needs {demand:,.0f} {unit} at {step}" if demand else \
+        "the job asks as fast as possible (step time 0), so the input path bounds it by construction"
+    of_ceiling = f" ({rate / capacity:.0%} of that ceiling)" if capacity else ""
+    if stall < STALL_COMPUTE_BOUND:
+        bottleneck = "compute-bound"
+        text = (f"compute-bound: the accelerator is busy {1 - stall:.0%} of the time; the loader delivers "
+                f"{rate:,.0f} {unit} ({cap}); a faster input path would not speed this job up")
+    elif finish_ms > 3 * wait_ms:  # the batches are there in time: the stall is spent finishing them
+        bottleneck = "finish-bound"
+        # On a CPU-only machine the "device" is emulated on the host: its finishing competes with the loader.
+        where = " (emulated on the host CPU here, sharing its cores with the loader)" if job.get("device") == "cpu" \
+            else ""
+        text = (f"finish-bound: batches arrive in time (wait {wait_ms:.1f} ms per batch) but copying and "
+                f"normalising them on the device{where} takes {finish_ms:.1f} ms per batch, stalling {stall:.0%}; "
+                f"{need}; uint8 batches (normalised in the model) and pinned, non-blocking copies lift this bound")
+    elif capacity and demand and capacity >= demand and rate < 0.8 * capacity:
+        bottleneck = "loader-bound"
+        text = (f"loader-bound: {cap}, enough for the job ({need}), but this setting delivers {rate:,.0f} "
+                f"{unit}{of_ceiling}, stalling {stall:.0%}; more workers/threads or deeper prefetch lift this bound")
+    else:
+        bottleneck = stage
+        text = f"{stage}: {cap}, {need}; the loader delivers {rate:,.0f} {unit}{of_ceiling}; {lift}"
+    if bottleneck not in ("compute-bound", "finish-bound") and finish_ms > wait_ms / 2:
+        text += f"; copying and normalising on the device adds {finish_ms:.1f} ms per batch"
+    if bottleneck != "compute-bound" and job.get("cache") == "warm":
+        # Warm runs say nothing of the storage path; no cold runs are added behind the user's back.
+        text += "; warm page cache (storage.cache: cold adds the storage read)"
+    return {"ceiling": {"name": name, "samples_per_s": capacity}, "bottleneck": bottleneck, "text": text}
+
+
+def ceilings_summary(ceilings: dict[str, Any]) -> str:
+    """One line of what was measured, for the CLI."""
+    parts = []
+    if ceilings.get("memcpy", {}).get("bytes_per_s"):
+        parts.append(f"memory copy {ceilings['memcpy']['bytes_per_s'] / 1e9:,.1f} GB/s")
+    if ceilings.get("storage", {}).get("bytes_per_s"):
+        parts.append(f"storage read {ceilings['storage']['bytes_per_s'] / 1e6:,.0f} MB/s")
+    decode = ceilings.get("decode", {})
+    for key in ("pil", "fast"):
+        if key in decode:
+            parts.append(f"decode {decode[key]['decoder']} {decode[key]['samples_per_s']:,.0f} img/s "
+                         f"({decode['cores']} cores)")
+    if ceilings.get("h2d", {}).get("bytes_per_s"):
+        parts.append(f"pinned h2d {ceilings['h2d']['bytes_per_s'] / 1e9:,.1f} GB/s")
+    if ceilings.get("compute", {}).get("step_ms"):
+        parts.append(f"compute alone {ceilings['compute']['step_ms']:,.1f} ms/step")
+    return ", ".join(parts)

@@ -1,0 +1,143 @@
+"""Bottleneck attribution: constructed runs name the right stage; ceilings and verdicts reach the results."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from loadopt.bench.attribution import attribute, measure_ceilings
+from loadopt.bench.runner import run_bench
+from loadopt.config import config_from_dict
+from loadopt.report import render_report
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import tiny_config_dict
+
+# 2 cores decode 690 img/s; the job asks 2,560 img/s (25 ms per batch of 64).
+CEILINGS = {"memcpy": {"name": "memory copy bandwidth", "bytes_per_s": 10e9},
+            "storage": {"name": "storage sequential read", "bytes_per_s": 200e6},
+            "decode": {"cores": 2, "pil": {"decoder": "pil", "resize": "pil", "samples_per_s": 400.0},
+                       "fast": {"decoder": "simplejpeg", "resize": "torch", "samples_per_s": 690.0}}}
+JOB = {"batch_size": 64, "step_ms": 25.0, "demand_samples_per_s": 2560.0, "cache": "warm",
+       "mean_sample_bytes": 110e3, "kind": "images"}
+
+
+def metrics(stall: float, wait_s: float, finish_s: float, rate: float, batches: int = 100) -> dict:
+    samples = batches * 64
+    return {"samples_per_s": rate, "stall_fraction": stall, "wait_s": wait_s, "finish_s": finish_s,
+            "batches": batches, "samples": samples, "wall_s": samples / rate, "compute_s": batches * 0.025,
+            "h2d_s": 0.5, "h2d_gb_per_s": samples * 3 * 224 * 224 / 0.5 / 1e9, "bytes_read": samples * 110e3}
+
+
+def test_a_stalled_jpeg_loader_waiting_for_batches_is_prep_bound_on_decode():
+    found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=650.0), "torch tuned num_workers=2 prefetch=2",
+                      CEILINGS, JOB, {"variant": "tuned", "decoder": "auto"})
+    assert found["bottleneck"] == "prep-bound"
+    assert found["ceiling"] == {"name": "decode simplejpeg x 2 cores", "samples_per_s": 690.0}
+    assert "2 cores decode 690 img/s" in found["text"] and "2,560" in found["text"]
+    assert "dali" in found["text"] and "arrow --decoded" in found["text"]
+
+
+def test_plain_torch_is_held_against_the_pil_ceiling_and_told_of_the_faster_decoder():
+    found = attribute(metrics(0.8, wait_s=8.0, finish_s=0.3, rate=380.0), "torch plain num_workers=2 prefetch=2",
+                      CEILINGS, JOB, {"variant": "plain", "decoder": "auto"})
+    assert found["ceiling"]["samples_per_s"] == 400.0
+    assert "simplejpeg" in found["text"]
+
+
+def test_small_wait_but_large_finish_names_the_finishing_on_the_device():
+    found = attribute(metrics(0.5, wait_s=0.05, finish_s=2.5, rate=1300.0), "arrow decoded 256px threads=2 prefetch=2",
+                      CEILINGS, JOB, {"form": "decoded"})
+    assert found["bottleneck"] == "finish-bound"
+    assert "copying and normalising" in found["text"] and "on the device" in found["text"]
+    assert found["ceiling"]["name"].startswith("memory copy bandwidth")
+    # 10 GB/s over 150,528 bytes per sample
+    assert abs(found["ceiling"]["samples_per_s"] - 10e9 / (3 * 224 * 224)) < 1.0
+
+
+def test_a_tiny_stall_is_compute_bound():
+    found = attribute(metrics(0.01, wait_s=0.02, finish_s=0.01, rate=2540.0), "arrow decoded 256px threads=2",
+                      CEILINGS, JOB, {"form": "decoded"})
+    assert found["bottleneck"] == "compute-bound"
+    assert "would not speed this job up" in found["text"]
+
+
+def test_a_cold_cache_is_fetch_bound_when_storage_is_the_lower_capacity():
+    slow_disk = {**CEILINGS, "storage": {"name": "storage sequential read", "bytes_per_s": 50e6}}
+    found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.2, rate=400.0), "arrow encoded threads=2", slow_disk,
+                      {**JOB, "cache": "cold"}, {"form": "encoded"})
+    assert found["bottleneck"] == "fetch-bound" and "50 MB/s" in found["text"]
+    assert abs(found["ceiling"]["samples_per_s"] - 50e6 / 110e3) < 1.0
+    # A faster disk leaves decode (690 img/s) as the lower capacity, cold or not.
+    found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.2, rate=600.0), "arrow encoded threads=2", CEILINGS,
+                      {**JOB, "cache": "cold"}, {"form": "encoded"})
+    assert found["bottleneck"] == "prep-bound"
+
+
+def test_step_time_zero_has_no_demand():
+    found = attribute(metrics(1.0, wait_s=6.0, finish_s=0.1, rate=650.0), "arrow encoded threads=2", CEILINGS,
+                      {**JOB, "step_ms": 0.0, "demand_samples_per_s": None}, {"form": "encoded"})
+    assert found["bottleneck"] == "prep-bound" and "step time 0" in found["text"]
+
+
+def test_ceilings_measured_on_the_tiny_config_are_positive_and_named(tmp_path):
+    config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
+    ceilings = measure_ceilings(config, open_dataset(config), torch.device("cpu"))
+    for key in ("memcpy", "storage", "compute"):
+        assert ceilings[key]["name"] and ceilings[key]["bytes_per_s" if key != "compute" else "samples_per_s"] > 0
+    for key in ("pil", "fast"):
+        assert ceilings["decode"][key]["samples_per_s"] > 0 and ceilings["decode"][key]["decoder"]
+    assert "skipped" in ceilings["h2d"]  # no CUDA here
+    assert ceilings["job"]["demand_samples_per_s"] == 8 / 0.002
+
+
+def test_run_bench_writes_ceilings_and_verdicts_and_the_report_renders(tmp_path):
+    raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0},
+                                                       "arrow": {"form": "decoded", "threads": 1}})
+    outcome = run_bench(config_from_dict(raw, "tiny.yaml"))
+    results = json.loads(outcome.json_path.read_text())
+    measured = [r for r in results["runs"] if "metrics" in r]
+    assert len(measured) == 2
+    for run in measured:
+        assert run["ceiling"]["name"] and run["ceiling"]["samples_per_s"] > 0
+        assert run["fraction_of_ceiling"] > 0
+    assert {v["label"] for v in results["verdicts"]} == {r["label"] for r in measured}
+    assert all(v["bottleneck"] and v["text"] for v in results["verdicts"])
+    assert results["ceilings"]["memcpy"]["bytes_per_s"] > 0
+    html = render_report([str(outcome.json_path)], "html")
+    assert results["verdicts"][0]["bottleneck"] in html and "Ceilings were not measured" not in html
+    markdown = render_report([str(outcome.json_path)], "markdown")
+    assert "of ceiling" in markdown and results["verdicts"][0]["text"] in markdown
+
+
+def test_run_bench_without_attribution_writes_no_ceilings(tmp_path):
+    raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}})
+    results = run_bench(config_from_dict(raw, "tiny.yaml"), attribute=False).results
+    assert "ceilings" not in results and "verdicts" not in results
+    assert all("ceiling" not in r for r in results["runs"])
+
+
+def test_a_slow_host_to_device_link_bounds_before_the_memory_copy():
+    slow_link = {**CEILINGS, "h2d": {"name": "pinned h2d bandwidth", "bytes_per_s": 0.2e9}}
+    found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=1200.0), "arrow decoded 256px threads=2",
+                      slow_link, JOB, {"form": "decoded"})
+    assert found["bottleneck"] == "transfer-bound" and found["ceiling"]["name"].startswith("pinned h2d")
+    assert "warm page cache" in found["text"]
+
+
+def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
+    found = attribute(metrics(0.45, wait_s=0.82, finish_s=1.2, rate=1380.0), "torch tuned num_workers=2 prefetch=2",
+                      CEILINGS, JOB, {"variant": "tuned", "decoder": "auto"})
+    assert found["bottleneck"] == "prep-bound" and "normalising on the device adds 12.0 ms" in found["text"]
+
+
+def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
+    from types import SimpleNamespace
+
+    from loadopt.bench.attribution import storage_bandwidth
+
+    big = tmp_path / "corpus.bin"
+    big.write_bytes(b"\0" * (3 << 20))
+    found = storage_bandwidth(SimpleNamespace(local_files=lambda: [str(big)]), budget_bytes=1 << 20)
+    assert found["bytes"] == 1 << 20 and found["bytes_per_s"] > 0
