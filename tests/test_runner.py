@@ -110,3 +110,19 @@ def test_resnet50_without_torchvision_is_a_clear_error(tmp_path, backends):
     raw = tiny_config_dict(tmp_path / "out", workload={"model": "resnet50"})
     with pytest.raises(BackendUnavailable, match="workload.model: resnet50 needs torchvision"):
         run_bench(config_from_dict(raw, "model.yaml"))
+
+
+def test_cold_runs_evict_what_each_loader_reads(tmp_path, backends, monkeypatch):
+    from loadopt.bench import runner
+
+    evicted: list[list[str]] = []
+    monkeypatch.setattr(runner, "evict", lambda files: evicted.append(list(files)) or len(files))
+    raw = tiny_config_dict(tmp_path / "out", storage={"cache": "cold"},
+                           loaders={"torch": {"variant": "tuned", "num_workers": 0}, "arrow": {"form": "decoded"},
+                                    "posix": {"form": "decoded"}})
+    run_bench(config_from_dict(raw, "cold.yaml"), attribute=False)
+    assert len(evicted) == 3
+    jpegs, arrow_files, shards = evicted
+    assert len(jpegs) == 48 and all(f.endswith(".JPEG") for f in jpegs)
+    assert len(arrow_files) == 1 and arrow_files[0].endswith(".arrow")
+    assert shards and all(f.endswith(".bin") for f in shards)

@@ -128,9 +128,8 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
             for setting in plan:
                 if setting.status != "ok":
                     continue
-                if config.storage.cache == "cold":
-                    cache_note = _evict(dataset)
-                _run_one(setting, repeat, config, dataset, device, accelerator, workload, reporter)
+                cache_note = _run_one(setting, repeat, config, dataset, device, accelerator, workload,
+                                      reporter) or cache_note
     except KeyboardInterrupt:
         interrupted = True
     except LoadoptError as exc:
@@ -149,16 +148,17 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     return BenchOutcome(results, json_path, parquet_path, interrupted)
 
 
-def _evict(dataset: ImageDataset) -> str:
-    files = dataset.local_files()
+def _evict(files: list[str]) -> str:
     if not files:
-        return "cold requested, but the dataset is not on a local disk: its cache could not be evicted"
+        return "cold requested, but the data is not on a local disk: its cache could not be evicted"
     count = evict(files)
-    return f"cold: {count} of {len(files)} files evicted from the page cache (posix_fadvise DONTNEED) before each run"
+    return (f"cold: the files each loader reads ({count} of {len(files)} for the last run: the source images, "
+            "or a backend's converted files) evicted from the page cache (posix_fadvise DONTNEED) before each run")
 
 
 def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDataset, device, accelerator,
-             workload: WorkloadConfig, reporter: Reporter) -> None:
+             workload: WorkloadConfig, reporter: Reporter) -> str | None:
+    """One repeat of one setting; returns the cache note when the page cache was evicted first."""
     cls = backend_class(setting.backend)
     reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
                          workload.warmup_batches + workload.measure_batches)
@@ -167,6 +167,8 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
         loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
                      on_error=config.dataset.on_error)
         loader.prepare(convert_missing=False)  # converted when planned; opening it is not timed
+        # Cold: evict what this loader reads (the JPEGs, or the Arrow file / raw shards it converted to).
+        note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
         result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), workload.warmup_batches,
                             workload.measure_batches, on_batch=reporter.batch_done)
     except (LoadoptError, KeyboardInterrupt):
@@ -175,12 +177,13 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
         log.debug("run %s failed", setting.label, exc_info=True)
         setting.status, setting.reason = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
         reporter.run_finished(setting.label, None, setting.reason)
-        return
+        return None
     finally:
         if loader is not None:
             loader.close()
     setting.repeats.append(result)
     reporter.run_finished(setting.label, result.metrics, None)
+    return note
 
 
 def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device, workload: WorkloadConfig,

@@ -74,6 +74,9 @@ class ArrowLoader(Loader):
         batches = open_arrow(path, self.dataset, self.form, self.size)
         self._views = [self._view(b) for b in batches]
 
+    def storage_files(self) -> list[str]:
+        return [str(arrow_path(self.dataset, self.form, self.size))]
+
     def _view(self, batch):
         """Zero-copy numpy views of one record batch's sample column."""
         column = batch.column(batch.num_columns - 1)

@@ -116,6 +116,10 @@ class Loader(ABC):
         """Make ready what this backend reads (e.g. convert the dataset to its format), before any
         timing starts; `convert_missing=False` makes a missing conversion an error instead."""
 
+    def storage_files(self) -> list[str]:
+        """The local files this loader reads (evicted from the page cache for cold runs); after `prepare`."""
+        return self.dataset.local_files()
+
     def describe(self) -> str:
         """A short label of this setting for tables (e.g. `plain num_workers=2`)."""
         return " ".join(f"{k}={v}" for k, v in self.settings.model_dump().items())

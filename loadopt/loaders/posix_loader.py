@@ -216,6 +216,11 @@ class PosixLoader(Loader):
         chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
         return [failure for chunk in pool.map(decode, chunks) for failure in chunk]
 
+    def storage_files(self) -> list[str]:
+        if self._raw is None:
+            self.prepare(convert_missing=False)
+        return [str(shard) for shard in self._raw.shards]
+
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if self._raw is None:
             self.prepare()
