@@ -24,10 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
-from loadopt.loaders.base import HostBatch, Loader
-from loadopt.loaders.ring import next_slot, ring_batches, slot_batch
+from loadopt.loaders.base import HostBatch
+from loadopt.loaders.ring import RingLoader, next_slot, ring_batches, slot_batch
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
-from loadopt.storage.tokens import TokenDataset
 
 
 class ArrowSettings(BaseModel):
@@ -40,22 +39,14 @@ class ArrowSettings(BaseModel):
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
 
 
-class ArrowLoader(Loader):
+class ArrowLoader(RingLoader):
     name = "arrow"
     Settings = ArrowSettings
     settings: ArrowSettings
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._tokens = isinstance(self.dataset, TokenDataset)
-        self.form = "tokens" if self._tokens else self.settings.form
-        size = self.settings.decoded_size or round(self.pipeline.image_size / transforms.EVAL_CROP_FRACTION)
-        self.size = size if self.form == "decoded" else None
-        if self.size is not None and self.size < self.pipeline.image_size:
-            raise DatasetError(f"loaders.arrow.decoded_size {self.size} is smaller than pipeline.image_size "
-                               f"{self.pipeline.image_size}")
         self._views: list | None = None
-        self._ring: list[torch.Tensor] | None = None
 
     def describe(self) -> str:
         s = self.settings
@@ -91,18 +82,6 @@ class ArrowLoader(Loader):
         return data.reshape(rows, self.size, self.size, 3)
 
     # -- batches -------------------------------------------------------------------------------
-
-    def _make_ring(self) -> list[torch.Tensor]:
-        slots, b = self.settings.prefetch + 2, self.pipeline.batch_size
-        size = self.pipeline.image_size
-        if self._tokens:
-            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
-        elif self.form == "decoded":  # crops of HWC rows stay HWC: row copies, no transposition
-            shape, dtype = (slots, b, size, size, 3), torch.uint8
-        else:
-            shape, dtype = (slots, b, 3, size, size), torch.uint8
-        ring = torch.empty(shape, dtype=dtype)
-        return list(ring.pin_memory() if self.device.type == "cuda" else ring)
 
     def _fill_tokens(self, slot: torch.Tensor, indices: np.ndarray) -> None:
         inputs, targets = slot[0].numpy(), slot[1].numpy()
@@ -157,11 +136,10 @@ class ArrowLoader(Loader):
                             self._host_batch, "loadopt-arrow")
 
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
-        layout = "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
         # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
         read = len(indices) * self.size * self.size * 3 if self.form == "decoded" else None
-        return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, layout, read)
+        return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, self.layout, read)
 
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:

@@ -29,11 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
-from loadopt.loaders.base import HostBatch, Loader
-from loadopt.loaders.ring import next_slot, ring_batches, slot_batch
+from loadopt.loaders.base import HostBatch
+from loadopt.loaders.ring import RingLoader, next_slot, ring_batches, slot_batch
 from loadopt.storage import raw_format
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
-from loadopt.storage.tokens import TokenDataset
 
 
 class PosixSettings(BaseModel):
@@ -104,7 +103,7 @@ class PosixReader:
             self.close()
 
 
-class PosixLoader(Loader):
+class PosixLoader(RingLoader):
     name = "posix"
     Settings = PosixSettings
     settings: PosixSettings
@@ -112,16 +111,8 @@ class PosixLoader(Loader):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._tokens = isinstance(self.dataset, TokenDataset)
-        self.form = "tokens" if self._tokens else self.settings.form
-        size = self.settings.decoded_size or round(self.pipeline.image_size / transforms.EVAL_CROP_FRACTION)
-        self.size = size if self.form == "decoded" else None
-        if self.size is not None and self.size < self.pipeline.image_size:
-            raise DatasetError(f"loaders.{self.name}.decoded_size {self.size} is smaller than pipeline.image_size "
-                               f"{self.pipeline.image_size}")
         self._raw: RawIndex | None = None
         self._reader = None
-        self._ring: list[torch.Tensor] | None = None
 
     def describe(self) -> str:
         s = self.settings
@@ -172,17 +163,6 @@ class PosixLoader(Loader):
 
     # -- batches -------------------------------------------------------------------------------
 
-    def _make_ring(self) -> list[torch.Tensor]:
-        slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
-        if self._tokens:
-            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
-        elif self.form == "decoded":
-            shape, dtype = (slots, b, size, size, 3), torch.uint8
-        else:
-            shape, dtype = (slots, b, 3, size, size), torch.uint8
-        ring = torch.empty(shape, dtype=dtype)
-        return list(ring.pin_memory() if self.device.type == "cuda" else ring)
-
     def _fill(self, slot: torch.Tensor, staging: np.ndarray, starts: np.ndarray, indices: np.ndarray, epoch: int,
               pool) -> list[tuple[int, str]]:
         length = self._raw.length[indices]
@@ -232,8 +212,7 @@ class PosixLoader(Loader):
                             self._host_batch, f"loadopt-{self.name}")
 
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
-        layout = "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
-        return slot_batch(self._ring[slot], indices, failures, self._raw.index["label"], layout, nbytes)
+        return slot_batch(self._ring[slot], indices, failures, self._raw.index["label"], self.layout, nbytes)
 
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight

@@ -15,7 +15,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from loadopt.loaders.base import HostBatch
+from loadopt.errors import DatasetError
+from loadopt.loaders import transforms
+from loadopt.loaders.base import HostBatch, Loader
+from loadopt.storage.tokens import TokenDataset
 
 Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
 
@@ -74,3 +77,35 @@ def slot_batch(buffer: torch.Tensor, indices: np.ndarray, failures: list[tuple[i
     inputs = buffer[: len(indices)] if kept.all() else buffer[: len(indices)][torch.from_numpy(kept)]
     return HostBatch(inputs, torch.from_numpy(labels[indices[kept]]), indices[kept], layout, normalised=False,
                      failures=failures, bytes_read=bytes_read, borrowed=True)
+
+
+class RingLoader(Loader):
+    """A backend that reads a converted form of the dataset (`decoded` pixels, `encoded` JPEGs, or
+    token windows) into a ring of batch slots; its Settings have `form`, `decoded_size`, `prefetch`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._tokens = isinstance(self.dataset, TokenDataset)
+        self.form = "tokens" if self._tokens else self.settings.form
+        size = self.settings.decoded_size or round(self.pipeline.image_size / transforms.EVAL_CROP_FRACTION)
+        self.size = size if self.form == "decoded" else None
+        if self.size is not None and self.size < self.pipeline.image_size:
+            raise DatasetError(f"loaders.{self.name}.decoded_size {self.size} is smaller than pipeline.image_size "
+                               f"{self.pipeline.image_size}")
+        self._ring: list[torch.Tensor] | None = None
+
+    @property
+    def layout(self) -> str:
+        # Crops of decoded HWC rows stay HWC (row copies, no transposition); decoding writes CHW.
+        return "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
+
+    def _make_ring(self) -> list[torch.Tensor]:
+        slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
+        if self._tokens:
+            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
+        elif self.form == "decoded":
+            shape, dtype = (slots, b, size, size, 3), torch.uint8
+        else:
+            shape, dtype = (slots, b, 3, size, size), torch.uint8
+        ring = torch.empty(shape, dtype=dtype)
+        return list(ring.pin_memory() if self.device.type == "cuda" else ring)
