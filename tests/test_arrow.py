@@ -186,10 +186,17 @@ def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypa
     loader.close()
 
 
-def test_crop_batch_crops_and_mirrors_exactly():
+@pytest.mark.parametrize("mirror", ["opencv", "numpy"])
+def test_crop_batch_crops_and_mirrors_exactly(mirror, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
+    from loadopt.loaders import crops
     from loadopt.loaders.crops import crop_batch, plan_crops
+
+    if mirror == "numpy":
+        monkeypatch.setattr(crops, "cv2", None)
+    else:
+        assert crops.cv2 is not None, "opencv-python-headless is a dependency"
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 255, (16, 20, 20, 3), dtype=np.uint8)

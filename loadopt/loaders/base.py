@@ -107,6 +107,20 @@ class Loader(ABC):
         """Whether this backend can run here, and why not. Never raises."""
         return True, ""
 
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list[Any]]:
+        """The values the tuner may try for each knob of `Settings`, on a machine of `cores` cores.
+
+        Each list is ordered from the least to the most resources; knobs not listed stay at their
+        configured value. The tuner never hard-codes a backend's knobs: this is where they live."""
+        return {}
+
+    @classmethod
+    def cpu_demand(cls, settings: BaseModel) -> int:
+        """The most cores a setting can keep busy at once (worker processes x threads per process),
+        so that the tuner never proposes more than the machine has."""
+        return 1
+
     @abstractmethod
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         """Yield one `HostBatch` per entry of `batches`, in order."""
@@ -212,7 +226,8 @@ class Loader(ABC):
 _BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
                              "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
                              "posix": "loadopt.loaders.posix_loader:PosixLoader",
-                             "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader"}
+                             "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader",
+                             "dali": "loadopt.loaders.dali_loader:DaliLoader"}
 _registered: dict[str, type[Loader]] = {}
 
 
