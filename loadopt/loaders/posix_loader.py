@@ -158,8 +158,17 @@ class PosixLoader(RingLoader):
         return aligned_empty(nbytes)
 
     def _submit(self, staging, tasks, io: ThreadPoolExecutor) -> list[Future]:
-        return [io.submit(self._reader.read, shard, offset, staging[at : at + nbytes])
-                for shard, offset, at, nbytes in tasks]
+        """One future per io thread, each reading its share of the tasks one after another: as many
+        reads in flight as a future per task gives (the cold case), without a pool hand-off per
+        sample (2.3x the read time of one thread on a warm cache here, with 62 tasks a batch)."""
+        read = self._reader.read
+
+        def run(share: list[tuple[int, int, int, int]]) -> None:
+            for shard, offset, at, nbytes in share:
+                read(shard, offset, staging[at : at + nbytes])
+
+        shares = [tasks[i :: self.settings.io_threads] for i in range(min(self.settings.io_threads, len(tasks)))]
+        return [io.submit(run, share) for share in shares]
 
     # -- batches -------------------------------------------------------------------------------
 
