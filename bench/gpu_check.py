@@ -3,7 +3,8 @@
 1. `pytest -m gpu` (the CUDA paths: pinned transfers timed with events, the busy-kernel accelerator,
    the tuned ring pinned with cudaHostRegister, the harness's device idle time, measure's events).
 2. Ceilings on this machine: pinned and pageable host-to-device bandwidth (256 MiB, CUDA events).
-3. Each backend through the harness on the GPU (short runs of the default config, step 25 ms and 0).
+3. Each backend through the harness on the GPU (short runs of the default config, step 25 ms and 0),
+   DALI with mixed (GPU) decode on the ImageFolder and on the Arrow encoded file, and its CPU pipeline.
 
 Exits 0 when it ran (whatever the results), 1 when there is no CUDA device. Meant to finish in a few
 minutes on one GPU: `python bench/gpu_check.py [--batches 60]`.
@@ -50,7 +51,8 @@ def harness(config, backend: str, step_ms: float, batches: int, **settings) -> d
         result = run_repeat(loader, EmulatedAccelerator(step_ms / 1000.0, device), DeviceTransfer(device), 5, batches)
     finally:
         loader.close()
-    return result.metrics
+    # Bytes the harness copied host-to-device: 0 for batches a backend delivers on the device (DALI mixed).
+    return {**result.metrics, "h2d_bytes": sum(p.h2d_bytes for p in result.probes if p.measured)}
 
 
 def main() -> int:
@@ -79,13 +81,20 @@ def main() -> int:
     for label, backend, settings in (("torch plain w=4", "torch", {"variant": "plain", "num_workers": 4}),
                                      ("torch tuned w=4", "torch", {"variant": "tuned", "num_workers": 4}),
                                      ("arrow decoded", "arrow", {"form": "decoded"}),
-                                     ("arrow encoded", "arrow", {"form": "encoded", "threads": 4})):
+                                     ("arrow encoded", "arrow", {"form": "encoded", "threads": 4}),
+                                     # DALI's mixed decode (nvImageCodec, the HW JPEG decoder where there is
+                                     # one): batches delivered on the GPU, so h2d must read 0 bytes.
+                                     ("dali mixed images", "dali", {"decoder": "mixed", "num_threads": 4}),
+                                     ("dali mixed arrow", "dali", {"decoder": "mixed", "num_threads": 4,
+                                                                   "source": "arrow"}),
+                                     ("dali cpu t=8", "dali", {"decoder": "cpu", "num_threads": 8})):
         for step_ms in (25.0, 0.0):
             try:
                 m = harness(config, backend, step_ms, args.batches, **settings)
                 value = (f"{m['samples_per_s']:,.0f} samples/s, stall {m['stall_fraction']:.1%}, "
                          f"device idle {m.get('device_idle_fraction') or 0:.1%}, h2d {m['h2d_gb_per_s'] or 0:.1f} GB/s "
-                         f"({'pinned' if m['h2d_pinned'] else 'pageable'})")
+                         f"({'pinned' if m['h2d_pinned'] else 'pageable'})"
+                         + (f", h2d bytes {m.get('h2d_bytes', 0):,}" if backend == "dali" else ""))
             except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
                 value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             rows.append((f"{label}, step {step_ms:g} ms", value))

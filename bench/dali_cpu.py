@@ -1,0 +1,141 @@
+"""`dali` (CPU pipeline) against the `torch` backend (`plain` and `tuned`), and against its ceiling.
+
+All settings run loader-bound (step time 0) through the harness on the default synthetic ImageNet
+with the train pipeline (random resized crop + flip + normalise), thread/worker counts swept and the
+rounds interleaved so that drift on this shared machine hits every setting alike; each setting's
+rate is the median over the rounds, each backend's the best of its settings. `dali` runs with
+`reader: external` (loadopt's shared sample order and crop plan).
+
+The ceiling is decode + crop alone at one thread (DALI's own pipeline, num_threads=1, over batches
+already read and planned in memory, so the rate is the engine's), times the usable cores. For
+reference the same is measured for simplejpeg + torch's resize (the `tuned` kernels).
+
+    python bench/dali_cpu.py [--config configs/imagenet.yaml] [--threads 1,2,3] [--workers 1,2,4]
+                             [--batches 25] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from _common import REPO, build_loader, result_line
+
+
+def loader_rate(config, backend: str, batches: int, epoch: int, **settings) -> float:
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    loader = build_loader(config, backend, **settings)
+    loader.set_epoch(epoch)
+    try:
+        result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device),
+                            DeviceTransfer(loader.device, emulate=True), warmup_batches=3, measure_batches=batches)
+    finally:
+        loader.close()
+    return result.metrics["samples_per_s"]
+
+
+def dali_single_thread_rate(config, batches: int = 8) -> tuple[float, float]:
+    """(images/s, CPU seconds per wall second) of DALI's decode + crop + resize + flip + normalise with
+    one thread, over batches read and planned beforehand (not timed)."""
+    from concurrent.futures import Future
+
+    from loadopt.loaders.dali_loader import _Feed
+
+    loader = build_loader(config, "dali", num_threads=1, prefetch_queue_depth=1)
+    planned = loader.order().batches()[:batches]
+    prepared = [loader._prepare_batch(indices, 0) for indices in planned]
+
+    feed = _Feed(None, planned, None, ahead=0)
+    for k, batch in enumerate(prepared):  # every batch already read and planned: the feed only hands them out
+        feed.futures[k] = Future()
+        feed.futures[k].set_result(batch)
+    pipe = loader._new_pipeline(feed)
+    loader._run(pipe)  # first batch: allocations, not timed
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(len(planned) - 1):
+        loader._run(pipe)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    images = sum(len(p.indices) for p in prepared[1:])
+    return images / wall, cpu / wall
+
+
+def torch_single_thread_rate(config, samples: int = 200) -> float:
+    """images/s of simplejpeg decode + torch's antialiased resize + flip, one thread (the `tuned` kernels)."""
+    import torch
+
+    from loadopt.loaders import transforms
+    from loadopt.storage.imagefolder import open_dataset
+
+    torch.set_num_threads(1)
+    dataset = open_dataset(config)
+    blobs = [dataset.read(i) for i in range(min(samples, len(dataset)))]
+    size = config.pipeline.image_size
+    out = torch.empty((3, size, size), dtype=torch.uint8)
+    start = time.perf_counter()
+    for index, blob in enumerate(blobs):
+        transforms.write_sample(blob, out, transforms.decoder_name("auto"), "torch", "train", 0, 0, index)
+    rate = len(blobs) / (time.perf_counter() - start)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    return rate
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
+    parser.add_argument("--threads", default="1,2,3")
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--batches", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    from loadopt.config import load_config
+
+    config = load_config(args.config, ["workload.device=cpu"])
+    cores = len(os.sched_getaffinity(0))
+    settings: list[tuple[str, str, dict]] = []
+    for count in (int(t) for t in args.threads.split(",")):
+        settings.append(("dali", f"dali num_threads={count}", {"num_threads": count}))
+    for variant in ("plain", "tuned"):
+        for count in (int(w) for w in args.workers.split(",")):
+            settings.append(("torch", f"torch {variant} num_workers={count}",
+                             {"variant": variant, "num_workers": count}))
+    rates: dict[str, list[float]] = {}
+    single: list[tuple[float, float]] = []
+    single_torch: list[float] = []
+    for round_index in range(args.rounds):
+        single.append(dali_single_thread_rate(config))
+        single_torch.append(torch_single_thread_rate(config))
+        print(f"round {round_index + 1}: single thread: DALI {single[-1][0]:.1f} img/s "
+              f"({single[-1][1]:.2f} CPU s per s), simplejpeg+torch {single_torch[-1]:.1f} img/s", flush=True)
+        for backend, label, knobs in settings:
+            rate = loader_rate(config, backend, args.batches, round_index, **knobs)
+            rates.setdefault(label, []).append(rate)
+            print(f"round {round_index + 1}: {label}: {rate:7.1f} samples/s", flush=True)
+
+    ceiling = statistics.median(r for r, _ in single) * cores
+    torch_ceiling = statistics.median(single_torch) * cores
+    print(f"\nceiling: DALI decode+crop at one thread {ceiling / cores:.1f} img/s x {cores} cores = {ceiling:.0f} img/s"
+          f" (simplejpeg+torch one thread: {torch_ceiling / cores:.1f} img/s x {cores} = {torch_ceiling:.0f})")
+    print(f"{'setting':28s} {'median samples/s':>17s} {'of ceiling':>11s}")
+    best: dict[str, tuple[str, float]] = {}
+    for label, values in rates.items():
+        rate = statistics.median(values)
+        print(f"{label:28s} {rate:17.1f} {rate / ceiling:11.1%}")
+        family = label.split(" num_")[0]
+        if rate > best.get(family, ("", 0.0))[1]:
+            best[family] = (label, rate)
+    dali_rate, plain, tuned = best["dali"][1], best["torch plain"][1], best["torch tuned"][1]
+    print(f"best: {best['dali'][0]} {dali_rate:.1f}/s, {best['torch plain'][0]} {plain:.1f}/s, "
+          f"{best['torch tuned'][0]} {tuned:.1f}/s; dali / torch tuned = {dali_rate / tuned:.2f}x")
+    print(result_line("dali_cpu_vs_torch_plain", dali_rate / plain, ">=", 2.5))
+    print(result_line("dali_cpu_of_ceiling", dali_rate / ceiling, ">=", 0.9))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

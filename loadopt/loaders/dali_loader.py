@@ -1,0 +1,442 @@
+"""The `dali` backend: NVIDIA DALI decodes, crops, flips and normalises in its native engine.
+
+`reader: external` (the default) feeds DALI through `fn.external_source` with the batches of
+loadopt's shared sampler, so `dali` delivers the same samples per epoch as every other backend and
+resumes exactly. A small thread pool reads each batch ahead (ImageFolder files, local or through
+fsspec, or zero-copy views of the memory-mapped Arrow `encoded` file) and plans each sample's crop
+with `transforms.plan` from the JPEG header, so crops and flips are the other backends' too. DALI
+then decodes only the rows and columns the crop needs (`decoders.image_slice`, plus the filter's
+margin), resizes the crop (linear, antialiased: PIL's bilinear filter) and runs
+`crop_mirror_normalize` to NCHW float or uint8. On a GPU the decoder is `mixed` (nvImageCodec,
+the hardware JPEG decoder where there is one) and the batch stays on the device.
+
+`reader: native` is DALI's own `fn.readers.file` (local files only) with `decoders.image_random_crop`:
+its order, shards and crops are DALI's (describe() says `order=dali`), and it cannot resume mid-epoch.
+
+A decode error fails DALI's whole batch: the batch is then decoded sample by sample to find the bad
+files, which are reported by the `on_error` policy with DALI's message (not its stack).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
+from loadopt.loaders import transforms
+from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.sampler import EpochOrder
+from loadopt.storage.tokens import TokenDataset
+
+INSTALL_HINT = "pip install 'loadopt[dali]'"
+
+
+class DaliSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_threads: int = Field(2, ge=1)  # DALI's CPU threads (decode, resize, normalise)
+    prefetch_queue_depth: int = Field(2, ge=1)  # batches DALI runs ahead of the consumer
+    decoder: Literal["auto", "cpu", "mixed"] = "auto"  # auto: mixed (GPU) on a CUDA device, else cpu
+    reader: Literal["external", "native"] = "external"  # external: loadopt's order; native: DALI's file reader
+    source: Literal["images", "arrow"] = "images"  # the ImageFolder, or the Arrow `encoded` file
+    read_threads: int = Field(2, ge=1)  # threads reading batches ahead (external reader)
+    roi_decode: bool = True  # decode only the crop (plus the filter's margin), not the whole image
+    normalise: Literal["dali", "device"] = "dali"  # float output: normalised by DALI, or uint8 + on the device
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    # Memory hints (0 / None: DALI's defaults).
+    bytes_per_sample_hint: int = Field(0, ge=0)
+    hw_decoder_load: float = Field(0.75, ge=0.0, le=1.0)  # mixed: share of the images for the HW decoder
+    device_memory_padding: int | None = Field(None, ge=0)  # mixed: nvJPEG device buffer growth, bytes
+    host_memory_padding: int | None = Field(None, ge=0)  # mixed: nvJPEG pinned buffer growth, bytes
+
+
+def dali_error(exc: BaseException) -> str:
+    """The one informative line of a DALI error (its message carries the pipeline's Python stack)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if "encountered:" in lines:
+        lines = lines[lines.index("encountered:") + 1 :]
+    lines = [line for line in lines if not line.startswith(("Critical error", "Current pipeline object"))]
+    return lines[0] if lines else type(exc).__name__
+
+
+def image_size(data) -> tuple[int, int]:
+    """(width, height) from the image header: simplejpeg for JPEGs, PIL for anything else."""
+    if transforms.simplejpeg is not None and bytes(data[:2]) == b"\xff\xd8":
+        try:
+            height, width, _, _ = transforms.simplejpeg.decode_jpeg_header(data)
+            return width, height
+        except ValueError:
+            pass  # e.g. an unusual subsampling: PIL reads more headers
+    from PIL import Image
+
+    with Image.open(io.BytesIO(bytes(data))) as image:
+        return image.size
+
+
+@dataclass
+class Prepared:
+    """One batch ready for DALI: encoded bytes and, per sample, the slice to decode and the crop in it."""
+
+    indices: np.ndarray  # the samples fed to DALI, in order
+    data: list[np.ndarray]
+    anchor: np.ndarray  # (n, 2) int32 (y, x) of the decoded slice
+    shape: np.ndarray  # (n, 2) int32 (height, width) of the decoded slice
+    roi_start: np.ndarray  # (n, 2) float32 (y, x) of the crop in the slice
+    roi_end: np.ndarray
+    mirror: np.ndarray  # (n,) int32
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    bytes_read: int = 0
+
+    def columns(self, keep: slice | list[int] = slice(None)) -> tuple:
+        data = self.data[keep] if isinstance(keep, slice) else [self.data[k] for k in keep]
+        return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep], self.mirror[keep]
+
+
+class _Feed:
+    """The external source's callback: the planned batches in order, read `ahead` batches early.
+
+    Batches whose every sample failed before DALI (unreadable header) are never fed; the consumer
+    skips them too, so the n-th DALI output is the n-th fed batch."""
+
+    def __init__(self, prepare, batches: list[np.ndarray], pool: ThreadPoolExecutor, ahead: int) -> None:
+        self.prepare, self.batches, self.pool, self.ahead = prepare, batches, pool, ahead
+        self.futures: dict[int, Future] = {}
+        self.cursor = 0  # the next batch DALI gets
+
+    def get(self, k: int) -> Prepared:
+        for j in range(k, min(k + self.ahead + 1, len(self.batches))):
+            if j not in self.futures:
+                self.futures[j] = self.pool.submit(self.prepare, self.batches[j])
+        return self.futures[k].result()
+
+    def forget(self, k: int) -> None:
+        self.futures.pop(k, None)  # DALI has consumed batch k: its buffers may go
+
+    def __call__(self) -> tuple:
+        while self.cursor < len(self.batches):
+            prepared = self.get(self.cursor)
+            self.cursor += 1
+            if len(prepared.indices):
+                return prepared.columns()
+        raise StopIteration
+
+
+class _Samples:
+    """A feed of single-sample batches, to find which samples of a failed batch DALI cannot decode."""
+
+    def __init__(self, prepared: Prepared, positions: list[int]) -> None:
+        self.prepared, self.positions = prepared, list(positions)
+        self.fed: list[tuple] = []
+
+    def __call__(self) -> tuple:
+        if not self.positions:
+            raise StopIteration
+        columns = self.prepared.columns([self.positions.pop(0)])
+        self.fed.append(columns)  # no_copy: DALI reads these arrays after the call returns
+        return columns
+
+
+class DaliLoader(Loader):
+    name = "dali"
+    Settings = DaliSettings
+    settings: DaliSettings
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.settings
+        if isinstance(self.dataset, TokenDataset):
+            raise ConfigError("loaders.dali: DALI decodes images; token datasets use torch, arrow or posix")
+        self.decoder = s.decoder if s.decoder != "auto" else "mixed" if self.device.type == "cuda" else "cpu"
+        if self.decoder == "mixed" and not torch.cuda.is_available():
+            raise BackendUnavailable("loaders.dali.decoder mixed needs a CUDA device; none is visible here")
+        if s.reader == "native" and (s.source != "images" or not self.dataset.is_local()):
+            raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; "
+                              "use reader: external for remote datasets or source: arrow")
+        self._views: list | None = None  # Arrow: (offsets, data) per record batch
+        self._pipe = None
+        self._native_done = 0  # native: batches DALI has delivered in its current epoch
+
+    # -- the registry's questions ----------------------------------------------------------------
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            import nvidia.dali  # noqa: F401
+            import nvidia.dali.plugin.pytorch  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+            return False, f"nvidia-dali not usable ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+        return True, ""
+
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list[Any]]:
+        return {"num_threads": list(range(1, max(1, cores) + 1)), "prefetch_queue_depth": [1, 2, 3]}
+
+    @classmethod
+    def cpu_demand(cls, settings: BaseModel) -> int:
+        return int(settings.num_threads)
+
+    def describe(self) -> str:
+        s = self.settings
+        text = f"{self.decoder} num_threads={s.num_threads} prefetch={s.prefetch_queue_depth}"
+        if s.reader == "native":
+            text += " reader=native order=dali"
+        if s.source != "images":
+            text += f" source={s.source}"
+        if not s.roi_decode:
+            text += " roi_decode=false"
+        if s.normalise != "dali" and self.pipeline.dtype == "float32":
+            text += f" normalise={s.normalise}"
+        return text + (" NHWC" if s.layout == "NHWC" else "")
+
+    # -- storage ---------------------------------------------------------------------------------
+
+    def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        if self.settings.source != "arrow" or self._views is not None:
+            return
+        from loadopt.storage.arrow_format import arrow_path, convert, open_arrow
+
+        path = arrow_path(self.dataset, "encoded", None)
+        if not path.exists():
+            if not convert_missing:
+                raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
+                                   "run `loadopt convert CONFIG --to arrow`")
+            convert(self.dataset, "encoded", None, progress=progress)
+        views = []
+        for batch in open_arrow(path, self.dataset, "encoded", None):
+            column = batch.column(batch.num_columns - 1)
+            offsets = np.frombuffer(column.buffers()[1], np.int32, batch.num_rows + 1, column.offset * 4)
+            views.append((offsets, np.frombuffer(column.buffers()[2], np.uint8)))
+        self._views = views
+
+    def storage_files(self) -> list[str]:
+        if self.settings.source == "arrow":
+            from loadopt.storage.arrow_format import arrow_path
+
+            return [str(arrow_path(self.dataset, "encoded", None))]
+        return super().storage_files()
+
+    def _encoded(self, index: int) -> np.ndarray:
+        if self._views is not None:
+            from loadopt.storage.arrow_format import ROWS_PER_BATCH
+
+            record, local = divmod(index, ROWS_PER_BATCH)
+            offsets, data = self._views[record]
+            return data[offsets[local] : offsets[local + 1]]  # a view of the mapped file: no copy
+        return np.frombuffer(self.dataset.read(index), np.uint8)
+
+    def _prepare_batch(self, indices: np.ndarray, epoch: int) -> Prepared:
+        """Read a batch and plan each sample's crop (in a reader thread)."""
+        size, roi_decode = self.pipeline.image_size, self.settings.roi_decode
+        kept, data, rows, failures, nbytes = [], [], [], [], 0
+        for index in indices.tolist():
+            try:
+                blob = self._encoded(index)
+                nbytes += len(blob)
+                width, height = image_size(blob)
+            except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
+                failures.append((index, f"cannot read or decode ({type(exc).__name__}: {exc})"))
+                continue
+            (left, top, right, bottom), flip = transforms.plan(width, height, self.pipeline.augment, self.seed,
+                                                               epoch, index)
+            y0 = x0 = 0
+            y1, x1 = height, width
+            if roi_decode:  # the slice holds the crop and the pixels the antialiasing filter reads around it
+                margin = math.ceil(max(right - left, bottom - top) / size) + 1
+                y0, x0 = max(0, math.floor(top) - margin), max(0, math.floor(left) - margin)
+                y1, x1 = min(height, math.ceil(bottom) + margin), min(width, math.ceil(right) + margin)
+            kept.append(index)
+            data.append(blob)
+            rows.append((y0, x0, y1 - y0, x1 - x0, top - y0, left - x0, bottom - y0, right - x0, flip))
+        table = np.asarray(rows, dtype=np.float64).reshape(-1, 9)
+        return Prepared(np.asarray(kept, dtype=np.int64), data, table[:, 0:2].astype(np.int32),
+                        table[:, 2:4].astype(np.int32), table[:, 4:6].astype(np.float32),
+                        table[:, 6:8].astype(np.float32), table[:, 8].astype(np.int32), failures, nbytes)
+
+    # -- the pipeline ----------------------------------------------------------------------------
+
+    def _new_pipeline(self, source, depth: int | None = None):
+        from nvidia.dali import Pipeline, fn, types
+
+        s, size = self.settings, self.pipeline.image_size
+        gpu = self.decoder == "mixed"
+        device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if gpu else None
+        pipe = Pipeline(batch_size=self.pipeline.batch_size, num_threads=s.num_threads, device_id=device_id,
+                        prefetch_queue_depth=depth or s.prefetch_queue_depth, seed=self.seed + 7919 * self.epoch,
+                        bytes_per_sample=s.bytes_per_sample_hint or 0)
+        decode_args: dict[str, Any] = {"device": self.decoder, "output_type": types.RGB}
+        if gpu:
+            decode_args["hw_decoder_load"] = s.hw_decoder_load
+            for key in ("device_memory_padding", "host_memory_padding"):
+                if getattr(s, key) is not None:
+                    decode_args[key] = getattr(s, key)
+        with pipe:
+            if s.reader == "native":
+                images, labels = self._native_graph(fn, types, decode_args)
+                mirror = fn.random.coin_flip() if self.pipeline.augment == "train" else 0
+                crop = (size, size)
+            else:
+                data, anchor, shape, roi_start, roi_end, mirror = fn.external_source(
+                    source=source, num_outputs=6, batch=True, no_copy=True,
+                    dtype=[types.UINT8, types.INT32, types.INT32, types.FLOAT, types.FLOAT, types.INT32])
+                images = fn.decoders.image_slice(data, anchor, shape, axis_names="HW", **decode_args)
+                images = fn.resize(images, size=[size, size], roi_start=roi_start, roi_end=roi_end,
+                                   roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
+                labels, crop = None, None
+            if self._normalised():
+                norm = {"dtype": types.FLOAT, "mean": [255 * m for m in self.pipeline.mean],
+                        "std": [255 * v for v in self.pipeline.std]}
+            else:
+                norm = {"dtype": types.UINT8}
+            images = fn.crop_mirror_normalize(images, mirror=mirror, output_layout=s.layout[1:], crop=crop, **norm)
+            pipe.set_outputs(images, *([labels] if labels is not None else []))
+        pipe.build()
+        return pipe
+
+    def _native_graph(self, fn, types, decode_args):
+        size = self.pipeline.image_size
+        # The "label" is the dataset index: the consumer takes labels (and sizes) from the dataset.
+        files, labels = fn.readers.file(
+            files=self.dataset.local_files(), labels=list(range(len(self.dataset))), shard_id=self.rank,
+            num_shards=self.world_size, random_shuffle=self.pipeline.shuffle, pad_last_batch=True,
+            stick_to_shard=True, name="reader")
+        if self.pipeline.augment == "train":
+            images = fn.decoders.image_random_crop(files, random_area=[0.08, 1.0],
+                                                   random_aspect_ratio=[3 / 4, 4 / 3], **decode_args)
+            images = fn.resize(images, size=[size, size], interp_type=types.INTERP_LINEAR, antialias=True)
+        else:
+            images = fn.decoders.image(files, **decode_args)
+            images = fn.resize(images, resize_shorter=round(size / transforms.EVAL_CROP_FRACTION),
+                               interp_type=types.INTERP_LINEAR, antialias=True)
+        return images, labels
+
+    def _normalised(self) -> bool:
+        return self.pipeline.dtype == "float32" and self.settings.normalise == "dali"
+
+    def _run(self, pipe) -> list[torch.Tensor]:
+        from nvidia.dali.plugin.pytorch.torch_utils import to_torch_tensor
+
+        # Mixed: outputs ordered on torch's current stream (no host sync); a CPU-only pipeline has no stream.
+        stream = torch.cuda.current_stream(self.device) if self.decoder == "mixed" else None
+        outputs = pipe.run(stream) if stream is not None else pipe.run()
+        # A view of DALI's output through DLPack: DALI's dynamic executor never reuses memory still referenced.
+        return [to_torch_tensor(out.as_tensor(), copy=False) for out in outputs]
+
+    def _host_batch(self, images: torch.Tensor, indices: np.ndarray, failures, nbytes: int | None) -> HostBatch:
+        labels = torch.from_numpy(self.dataset.labels[indices])
+        if images.is_cuda:
+            labels = labels.to(images.device, non_blocking=True)  # the whole batch is on the device: no h2d
+        return HostBatch(images, labels, indices, self.settings.layout, normalised=self._normalised(),
+                         failures=failures, bytes_read=nbytes)
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def order(self) -> EpochOrder:
+        if self.settings.reader == "native":
+            return _dali_shard_order(self)
+        return super().order()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.settings.reader == "native" and int(state.get("batches_done", 0)):
+            raise ConfigError("loaders.dali.reader native: DALI's file reader cannot resume mid-epoch (its order "
+                              "is its own); use reader: external to resume exactly")
+        super().load_state_dict(state)
+
+    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        if self.settings.reader == "native":
+            return self._produce_native(batches)
+        return self._produce_external(batches)
+
+    def _produce_external(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        self.prepare()
+        epoch, s = self.epoch, self.settings
+        pool = ThreadPoolExecutor(s.read_threads, thread_name_prefix="loadopt-dali-read")
+        feed = _Feed(lambda indices: self._prepare_batch(indices, epoch), batches, pool,
+                     ahead=s.prefetch_queue_depth + s.read_threads)
+        pipe = self._new_pipeline(feed)
+        try:
+            for k in range(len(batches)):
+                prepared = feed.get(k)
+                if not len(prepared.indices):  # every sample failed before DALI: never fed
+                    yield HostBatch(torch.empty(0), torch.empty(0, dtype=torch.int64), prepared.indices,
+                                    s.layout, failures=prepared.failures, bytes_read=prepared.bytes_read)
+                    continue
+                try:
+                    (images,) = self._run(pipe)
+                    indices, failures = prepared.indices, prepared.failures
+                except RuntimeError as exc:  # a sample DALI cannot decode fails its whole batch
+                    del pipe
+                    images, indices, failures = self._isolate(prepared, exc)
+                    feed.cursor = k + 1  # the batches DALI had taken after this one are fed again
+                    pipe = self._new_pipeline(feed)
+                feed.forget(k)
+                yield self._host_batch(images, indices, failures, prepared.bytes_read)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _isolate(self, prepared: Prepared, exc: RuntimeError) -> tuple[torch.Tensor, np.ndarray, list]:
+        """Decode a failed batch sample by sample: the good samples' images, indices, and the failures."""
+        pending, good, failures = list(range(len(prepared.indices))), [], list(prepared.failures)
+        while pending:
+            pipe = self._new_pipeline(_Samples(prepared, pending), depth=1)
+            while pending:
+                position = pending.pop(0)
+                try:
+                    good.append((position, self._run(pipe)[0]))
+                except RuntimeError as error:
+                    failures.append((int(prepared.indices[position]), f"DALI cannot decode it ({dali_error(error)})"))
+                    break  # the pipeline is no longer valid after an error
+            del pipe
+        if len(failures) == len(prepared.failures):  # every sample decodes alone: not a sample's fault
+            raise DatasetError(f"loaders.dali: the DALI pipeline failed ({dali_error(exc)})") from None
+        positions = [p for p, _ in good]
+        images = torch.cat([t for _, t in good]) if good else torch.empty(0)
+        return images, prepared.indices[positions], failures
+
+    def _produce_native(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        start, planned = self._position, len(self.order())
+        dali_batches = math.ceil(self.order().num_samples / self.pipeline.batch_size)  # drop_last: DALI still pads
+        if self._pipe is None or self._native_done != start:
+            if start:  # load_state_dict refuses this; a caller setting the position by hand gets here
+                raise ConfigError("loaders.dali.reader native cannot start an epoch in its middle")
+            self._pipe, self._native_done = self._new_pipeline(None), 0
+        for batch in batches:
+            images, positions = self._run(self._pipe)
+            n = len(batch)  # the shard's last batch is padded by DALI: cut to the shard's end
+            indices = positions.reshape(-1)[:n].cpu().numpy().astype(np.int64)
+            self._native_done += 1
+            if self._native_done == planned:  # the epoch's end: skip what drop_last leaves out
+                for _ in range(dali_batches - planned):
+                    self._run(self._pipe)
+                self._native_done = 0
+            yield self._host_batch(images[:n], indices, [], None)
+
+    def close(self) -> None:
+        self._pipe = None
+        self._views = None
+
+
+def _dali_shard_order(loader: DaliLoader) -> EpochOrder:
+    """For `reader: native`: batches sized as DALI's contiguous shard `rank` of `world_size` (DALI picks
+    the samples); only the count and size of the batches matter to the base class."""
+    n, k, r = len(loader.dataset), loader.world_size, loader.rank
+    first, last = n * r // k, n * (r + 1) // k
+    return _ShardOrder(last - first, loader.pipeline.batch_size, loader.seed, loader.epoch, 0, 1, False,
+                       loader.pipeline.drop_last, first)
+
+
+@dataclass(frozen=True)
+class _ShardOrder(EpochOrder):
+    offset: int = 0
+
+    def indices(self) -> np.ndarray:
+        mine = np.arange(self.offset, self.offset + self.num_samples, dtype=np.int64)
+        return mine[: len(mine) // self.batch_size * self.batch_size] if self.drop_last else mine
