@@ -8,12 +8,13 @@ each backend declares (`Loader.Settings`); a list value there is a sweep over th
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from loadopt.errors import ConfigError
 
@@ -75,10 +76,28 @@ class WorkloadConfig(_Strict):
     # forward+backward of this model on every batch.
     model: Literal["none", "small_cnn", "resnet50"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # An alternative to step_time_ms: the emulated step of this accelerator from MLPerf Storage's
+    # published figures (bench/accelerators_table.py), scaled to pipeline.batch_size.
+    accelerator: str | None = None
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, value: str | None) -> str | None:
+        from loadopt.bench.accelerators_table import published_step
+
+        return None if value is None else published_step(value).accelerator + "-" + published_step(value).model
 
 
 class StorageConfig(_Strict):
-    tier: Literal["local"] = "local"
+    # "local", a profile name from configs/tiers.yaml, or an inline tier (storage/tiers.py: TierSpec)
+    tier: str | dict[str, Any] = "local"
+
+    @field_validator("tier", mode="before")
+    @classmethod
+    def _tier_shape(cls, value: Any) -> Any:
+        if not isinstance(value, (str, dict)):
+            raise ValueError("expected local, a profile name from configs/tiers.yaml or a mapping of tier settings")
+        return value
     cache: Literal["warm", "cold"] = "warm"
 
 
@@ -98,6 +117,17 @@ class Config(_Strict):
     report: ReportConfig = ReportConfig()
     # Where the config came from, for error messages and results; not a YAML key.
     source: str = Field("<defaults>", exclude=True)
+
+    @model_validator(mode="after")
+    def _accelerator_step_time(self) -> Config:
+        """`workload.accelerator` sets `workload.step_time_ms` (every reader of it sees the same step)."""
+        if self.workload.accelerator is not None:
+            from loadopt.bench.accelerators_table import published_step
+
+            step_ms = published_step(self.workload.accelerator).step_time_ms(self.pipeline.batch_size)
+            if self.workload.step_time_ms != step_ms:  # (assigning re-runs this validator: stop when set)
+                self.workload = self.workload.model_copy(update={"step_time_ms": step_ms})
+        return self
 
 
 def cache_dir() -> Path:
@@ -200,7 +230,28 @@ def config_from_dict(raw: Any, source: str = "<dict>", overrides: list[str] | tu
         raise ConfigError(f"{source}: {exc}") from None
     for name in config.loaders:
         backend_settings(config, name, overrides=overrides)  # validates every sweep point
+    from loadopt.storage.tiers import resolve_tier
+
+    resolve_tier(config.storage.tier, where=f"{_source_for('storage.tier', source, overrides)}: storage.tier")
+    _check_one_step_source(raw, config, source, overrides)
     return config
+
+
+def _check_one_step_source(raw: dict[str, Any], config: Config, source: str, overrides) -> None:
+    """workload.accelerator and a step_time_ms of its own are two answers to one question: refuse both."""
+    given = (raw.get("workload") or {}).get("step_time_ms")
+    workload = config.workload
+    if workload.accelerator is not None and workload.model != "none":
+        where = _source_for("workload.model", source, overrides)
+        raise ConfigError(f"{where}: workload.model: {workload.model} runs a real step, workload.accelerator "
+                          f"({workload.accelerator}) emulates one; set one of them")
+    if workload.accelerator is None or given is None:
+        return
+    default = WorkloadConfig.model_fields["step_time_ms"].default
+    if not any(math.isclose(float(given), v) for v in (default, workload.step_time_ms)):
+        where = _source_for("workload.step_time_ms", source, overrides)
+        raise ConfigError(f"{where}: workload.step_time_ms: set it or workload.accelerator ({workload.accelerator}: "
+                          f"{workload.step_time_ms:g} ms per batch of {config.pipeline.batch_size}), not both")
 
 
 def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -208,7 +259,9 @@ def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tu
     if isinstance(path, Config):
         if not overrides:
             return path
-        return config_from_dict(path.model_dump(), path.source, overrides)
+        # a step time derived from workload.accelerator is derived again (the batch size may change)
+        derived = {"workload": {"step_time_ms"}} if path.workload.accelerator else None
+        return config_from_dict(path.model_dump(exclude=derived), path.source, overrides)
     source = str(path)
     try:
         text = Path(path).read_text()

@@ -30,3 +30,7 @@ class BackendUnavailable(LoadoptError):
 
 class OutputError(LoadoptError):
     """An output folder or file that cannot be written."""
+
+
+class StorageError(LoadoptError):
+    """A storage tier that keeps failing: reads still erroring or timing out after every retry."""

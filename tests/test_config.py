@@ -74,3 +74,32 @@ def test_overrides_validate_and_name_the_override(tmp_path):
 def test_negative_values_rejected():
     with pytest.raises(ConfigError, match=r"pipeline.batch_size: input should be greater than 0, got -1"):
         config_from_dict({"pipeline": {"batch_size": -1}}, "cfg")
+
+
+def test_accelerator_sets_the_step_time_from_the_published_table(tmp_path):
+    # MLPerf Storage v1.0: resnet50 on h100, 0.224 s per batch of 400 -> 35.84 ms per batch of 64
+    config = load_config(write(tmp_path, {"workload": {"accelerator": "h100"}, "pipeline": {"batch_size": 64}}))
+    assert config.workload.step_time_ms == pytest.approx(35.84)
+    assert config.workload.accelerator == "h100-resnet50"
+    assert load_config(config, ["pipeline.batch_size=400"]).workload.step_time_ms == pytest.approx(224.0)
+    assert config_from_dict(config.model_dump()).workload.step_time_ms == pytest.approx(35.84)  # a dump reloads
+    unet = config_from_dict({"workload": {"accelerator": "a100-unet3d"}, "pipeline": {"batch_size": 7}})
+    assert unet.workload.step_time_ms == pytest.approx(636.0)
+
+
+def test_accelerator_errors(tmp_path):
+    both = error_of(write(tmp_path, {"workload": {"accelerator": "a100", "step_time_ms": 40}}))
+    assert "workload.step_time_ms" in both and "not both" in both and "\n" not in both
+    unknown = error_of(write(tmp_path, {"workload": {"accelerator": "tpu9"}}))
+    assert "workload.accelerator" in unknown and "tpu9" in unknown and "h100" in unknown
+
+
+def test_storage_tier_accepts_local_profiles_and_inline_specs(tmp_path):
+    assert load_config(write(tmp_path, {"storage": {"tier": "hdd"}})).storage.tier == "hdd"
+    inline = {"bandwidth_mb_s": 100, "latency_ms": 2, "max_concurrency": 4, "error_rate": 0.01}
+    assert load_config(write(tmp_path, {"storage": {"tier": inline}})).storage.tier == inline
+    assert "unknown tier 'floppy'" in error_of(write(tmp_path, {"storage": {"tier": "floppy"}}))
+    message = error_of(write(tmp_path, {"storage": {"tier": {"error_rate": 2}}}))
+    assert "x.yaml: storage.tier.error_rate" in message
+    assert "--set storage.tier=tape" in error_of(write(tmp_path, {}), ["storage.tier=tape"])
+    assert "set one of them" in error_of(write(tmp_path, {"workload": {"accelerator": "h100", "model": "small_cnn"}}))

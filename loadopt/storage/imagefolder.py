@@ -11,14 +11,18 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import numpy as np
 
 from loadopt.config import Config, cache_dir
-from loadopt.errors import DatasetError
+from loadopt.errors import ConfigError, DatasetError
+from loadopt.storage.remote import is_transient, open_url, redact
+from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -53,7 +57,8 @@ class ImageDataset:
         return self.fs.cat_file(self.path(index))
 
     def local_files(self) -> list[str]:
-        """Every sample file when the dataset is on a local disk, else empty."""
+        """Every sample file when the dataset is read straight from a local disk, else empty (also under an
+        emulated tier: whoever reads these files directly would bypass the tier's limits)."""
         return [p.decode() for p in self.paths] if self.is_local() else []
 
 
@@ -62,12 +67,14 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
-def scan_image_folder(root_url: str, split: str = "train") -> ImageDataset:
-    """List `<root>/<split>/<class>/*`; when `<root>/<split>` is absent, `root` is taken as the split."""
-    try:
-        fs, root = fsspec.core.url_to_fs(root_url)
-    except (ImportError, ValueError) as exc:
-        raise DatasetError(f"{root_url}: cannot open this location ({exc})") from None
+def scan_image_folder(root_url: str, split: str = "train",
+                      storage_options: dict[str, Any] | None = None) -> ImageDataset:
+    """List `<root>/<split>/<class>/*`; when `<root>/<split>` is absent, `root` is taken as the split.
+
+    `root_url` is a path or any fsspec URL (`s3://`, `http(s)://`, `memory://`, ...), opened with
+    `storage_options`; messages show it with its credentials redacted."""
+    fs, root = open_url(root_url, storage_options)
+    root_url = redact(root_url)
     try:
         if not fs.exists(root):
             raise DatasetError(f"{root_url}: dataset folder not found")
@@ -80,14 +87,19 @@ def scan_image_folder(root_url: str, split: str = "train") -> ImageDataset:
     except DatasetError:
         raise
     except (OSError, ValueError) as exc:
-        raise DatasetError(f"{root_url}: cannot list the dataset ({exc})") from None
+        raise DatasetError(f"{root_url}: cannot list the dataset ({redact(str(exc))})") from None
+    except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
+        if not is_transient(exc):
+            raise
+        raise DatasetError(f"{root_url}: cannot reach the dataset ({type(exc).__name__}: {redact(str(exc))})") from None
     prefix = root.rstrip("/") + "/"
     entries = []
     for name, info in files.items():
         relative = name[len(prefix):] if name.startswith(prefix) else name
         parts = relative.split("/")
         if len(parts) == 2 and parts[1].lower().endswith(IMAGE_EXTENSIONS):
-            entries.append((parts[0], name, int(info.get("size") or 0)))
+            entries.append((parts[0], name, info.get("size")))
+    entries = _with_sizes(fs, entries)
     if not entries:
         raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it)")
     entries.sort()
@@ -105,6 +117,16 @@ def scan_image_folder(root_url: str, split: str = "train") -> ImageDataset:
         classes=classes,
         fingerprint=digest.hexdigest()[:16],
     )
+
+
+def _with_sizes(fs: fsspec.AbstractFileSystem, entries: list[tuple[str, str, Any]]) -> list[tuple[str, str, int]]:
+    """Entries with their stored sizes: HTTP directory listings carry none, so ask for them (HEAD)."""
+    missing = [name for _, name, size in entries if size is None]
+    if not missing:
+        return entries
+    with ThreadPoolExecutor(16) as pool:  # one round trip each: overlap them
+        sizes = dict(zip(missing, pool.map(fs.size, missing), strict=True))
+    return [(c, name, int(size if size is not None else sizes[name] or 0)) for c, name, size in entries]
 
 
 def _from_manifest(root: Path, split: str) -> ImageDataset | None:
@@ -130,14 +152,27 @@ def _from_manifest(root: Path, split: str) -> ImageDataset | None:
 
 
 def open_dataset(config: Config, split: str = "train", progress: Callable[[int, int], None] | None = None):
-    """The dataset a config names: its `dataset.path`, or the synthetic one (generated if missing).
+    """The dataset a config names (its `dataset.path`, the tier's `base`, or the synthetic one, generated if
+    missing), read through `storage.tier`.
 
     Images give an `ImageDataset`; `dataset.kind: tokens` a `TokenDataset` (one split: the file).
     """
+    tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
     if config.dataset.kind == "tokens":
+        if tier.base is not None or tier.emulates():
+            raise ConfigError(f"{config.source}: storage.tier: token corpora are memory-mapped from a local file; "
+                              "tiers apply to image datasets (use storage.tier: local)")
         return _open_tokens(config, progress)
-    if config.dataset.path is not None:
-        return scan_image_folder(os.path.expanduser(config.dataset.path), split)
+    path = dataset_root(tier, config.dataset.path, where=config.source)
+    if path is not None:
+        dataset = scan_image_folder(path, split, tier.storage_options)
+    else:
+        dataset = _open_synthetic(config, split, progress)
+    dataset.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)
+    return dataset
+
+
+def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], None] | None) -> ImageDataset:
     from loadopt.storage.synthetic import ensure_synthetic
 
     try:

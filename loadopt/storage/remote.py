@@ -1,0 +1,132 @@
+"""Remote storage helpers: redaction of secrets, opening fsspec URLs, and retried reads.
+
+Credentials may sit in a URL (`s3://KEY:SECRET@bucket/...`, `https://user:pw@host/...`) or in
+storage options (`key`, `secret`, `token`, ...); `redact` removes them from anything that is printed
+or written to results. Reads of a tier are retried on transient errors (any `OSError` that is not
+"not found"/"permission denied"-like, and timeouts) with capped exponential backoff; a read that
+keeps failing raises `StorageError`, one line naming the file and the last error.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import fsspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadopt.errors import DatasetError, StorageError
+
+T = TypeVar("T")
+
+# `scheme://user:password@host` -> `scheme://***@host`
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "signature")
+REDACTED = "***"
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether a storage-option key holds a secret (`key`, `secret`, `aws_secret_access_key`, `token`, ...)."""
+    lower = name.lower()
+    return lower in ("key", "access_key", "private_key") or lower.endswith("_key") or \
+        any(word in lower for word in _SECRET_WORDS)
+
+
+def redact(value: Any) -> Any:
+    """`value` with credentials removed: user:password@ in URLs, secret keys' values in mappings.
+
+    Strings, mappings and lists are handled recursively; anything else is returned as it is."""
+    if isinstance(value, str):
+        return _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
+    if isinstance(value, dict):
+        return {k: (REDACTED if isinstance(k, str) and is_secret_key(k) and v not in (None, "") else redact(v))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and in-filesystem path of `url`; a missing driver or a bad URL is a DatasetError.
+
+    s3:// takes its endpoint, credentials and region from the usual AWS environment variables
+    (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION) or from
+    `storage_options` (s3fs's own keywords: endpoint_url, key, secret, client_kwargs, ...)."""
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        hint = " (pip install 'loadopt[remote]')" if url.split("://", 1)[0] in ("s3", "s3a", "http", "https") else ""
+        raise DatasetError(f"{redact(url)}: no driver for this location{hint}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise DatasetError(f"{redact(url)}: cannot open this location ({redact(str(exc))})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Retries
+
+
+class RetryPolicy(BaseModel):
+    """How a tier's reads are retried: up to `max_attempts` tries in all, waiting
+    `base_delay_s * multiplier**k` (at most `max_delay_s`, with +-`jitter` of it at random) before retry k+1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_attempts: int = Field(5, ge=1)
+    base_delay_s: float = Field(0.05, ge=0)
+    multiplier: float = Field(2.0, ge=1)
+    max_delay_s: float = Field(2.0, ge=0)
+    jitter: float = Field(0.1, ge=0, le=1)
+
+    def delay(self, retry: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before retry number `retry` (0 for the first retry)."""
+        base = min(self.max_delay_s, self.base_delay_s * self.multiplier ** retry)
+        spread = (rng or random).uniform(-self.jitter, self.jitter) if self.jitter else 0.0
+        return max(0.0, base * (1.0 + spread))
+
+
+# Errors that retrying cannot fix: the file is not there, or we may not read it.
+PERMANENT_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A read error worth retrying: timeouts and I/O errors other than not-found/permission ones."""
+    if isinstance(exc, PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, (TimeoutError, OSError)):
+        return True
+    # aiohttp/botocore raise their own types for dropped connections and throttling.
+    name = type(exc).__name__
+    return any(word in name for word in ("Timeout", "Connection", "ClientPayload", "ServerDisconnected",
+                                         "Throttl", "SlowDown"))
+
+
+def read_with_retries(attempt: Callable[[], T], policy: RetryPolicy, what: str,
+                      on_retry: Callable[[BaseException], None] | None = None,
+                      on_failure: Callable[[BaseException], None] | None = None) -> T:
+    """`attempt()`, retried on transient errors per `policy`; `what` names the file in the error.
+
+    `on_retry(exc)` is called before each retry, `on_failure(exc)` once when the read gives up (both
+    are where a tier counts its retries and failures). Permanent errors propagate at once."""
+    for number in range(policy.max_attempts):
+        try:
+            return attempt()
+        except Exception as exc:  # noqa: BLE001 - classified just below
+            if not is_transient(exc):
+                raise
+            if number + 1 >= policy.max_attempts:
+                if on_failure is not None:
+                    on_failure(exc)
+                reason = redact(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                raise StorageError(f"{redact(what)}: read failed {policy.max_attempts} times in a row, "
+                                   f"giving up ({reason})") from None
+            if on_retry is not None:
+                on_retry(exc)
+            time.sleep(policy.delay(number))
+    raise AssertionError("unreachable")  # max_attempts >= 1

@@ -1,0 +1,203 @@
+"""Storage tiers: where a dataset is read from and what limits it is read under.
+
+A tier is `local` (the dataset's own location, read as it is), a named profile from
+`configs/tiers.yaml` (figures of a typical device or network store, emulated), or an inline spec in
+`storage.tier`. `base` points a tier at real storage (any fsspec URL: a path, `http(s)://`, `s3://`,
+`memory://`); the emulated limits (bandwidth, latency, concurrency, faults) are imposed on whatever
+is read through it by a wrapper filesystem (storage/emulated.py), shared by every process that
+reads through the same tier instance.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import fsspec
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loadopt.errors import ConfigError, StorageError
+from loadopt.storage.remote import RetryPolicy, redact
+
+TIERS_ENV = "LOADOPT_TIERS"
+DEFAULT_TIERS_FILE = Path(__file__).resolve().parents[2] / "configs" / "tiers.yaml"
+
+
+class TierSpec(BaseModel):
+    """One tier: the real storage under it (`base`) and the limits emulated on top of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "local"
+    base: str | None = None  # fsspec URL of the dataset root on the real storage; None: the dataset's own location
+    bandwidth_mb_s: float | None = Field(None, gt=0)  # sustained, shared by all readers of the tier (MB = 10^6 B)
+    latency_ms: float = Field(0.0, ge=0)  # per request; the mean when drawn from a distribution
+    latency_distribution: Literal["fixed", "exponential", "lognormal"] = "fixed"
+    max_concurrency: int | None = Field(None, ge=1)  # requests in flight at once (with latency: an IOPS cap)
+    error_rate: float = Field(0.0, ge=0, le=1)  # fraction of read attempts that fail with an I/O error
+    timeout_rate: float = Field(0.0, ge=0, le=1)  # fraction that hang for timeout_s, then time out
+    timeout_s: float = Field(30.0, gt=0)
+    price_per_tb_month: float | None = Field(None, ge=0)
+    description: str = ""
+    # fsspec options of `base` (s3fs: endpoint_url, key, secret, client_kwargs, ...); secrets are redacted.
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    retry: RetryPolicy = RetryPolicy()
+
+    @model_validator(mode="after")
+    def _rates(self) -> TierSpec:
+        if self.error_rate + self.timeout_rate > 1:
+            raise ValueError(f"error_rate + timeout_rate is {self.error_rate + self.timeout_rate:g}, at most 1")
+        return self
+
+    def emulates(self) -> bool:
+        """Whether any limit or fault is imposed on the reads (else the real storage is read as it is)."""
+        return (self.bandwidth_mb_s is not None or self.latency_ms > 0 or self.max_concurrency is not None
+                or self.error_rate > 0 or self.timeout_rate > 0)
+
+    def redacted(self) -> dict[str, Any]:
+        """The spec as JSON-ready data, with credentials removed (for results and printing)."""
+        return redact(self.model_dump(mode="json"))
+
+
+def tiers_file(path: str | os.PathLike[str] | None = None) -> Path:
+    """The tier profiles file: `path`, else $LOADOPT_TIERS, else the repository's configs/tiers.yaml."""
+    return Path(path or os.environ.get(TIERS_ENV) or DEFAULT_TIERS_FILE).expanduser()
+
+
+def load_tier_profiles(path: str | os.PathLike[str] | None = None) -> dict[str, TierSpec]:
+    """The named tier profiles (`tiers:` mapping of name -> spec), validated; errors name file and key."""
+    source = tiers_file(path)
+    try:
+        raw = yaml.safe_load(source.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: tier profiles file not found (set {TIERS_ENV} to point at one)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot read the tier profiles ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    profiles = raw.get("tiers") if isinstance(raw, dict) else None
+    if not isinstance(profiles, dict):
+        raise ConfigError(f"{source}: expected a `tiers:` mapping of profile name -> tier settings")
+    out: dict[str, TierSpec] = {}
+    for name, settings in profiles.items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"{source}: tiers.{name}: expected a mapping of tier settings")
+        out[str(name)] = _validated({"name": str(name), **settings}, f"{source}: tiers.{name}")
+    return out
+
+
+def _validated(raw: dict[str, Any], where: str) -> TierSpec:
+    try:
+        return TierSpec(**raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(p) for p in error["loc"])
+        what = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        raise ConfigError(f"{where}{'.' + key if key else ''}: {what}, got {redact(error.get('input'))!r}") from None
+
+
+def resolve_tier(tier: str | dict[str, Any] | TierSpec, profiles_path: str | os.PathLike[str] | None = None,
+                 where: str = "storage.tier") -> TierSpec:
+    """`"local"` -> the plain local tier; a profile name -> that profile; a mapping -> an inline spec.
+
+    An inline mapping may name a profile to start from (`{profile: hdd, base: s3://...}`)."""
+    if isinstance(tier, TierSpec):
+        return tier
+    if isinstance(tier, str):
+        if tier == "local":
+            return TierSpec()
+        profiles = load_tier_profiles(profiles_path)
+        if tier not in profiles:
+            raise ConfigError(f"{where}: unknown tier {tier!r} (known: local, {', '.join(profiles)}; "
+                              f"profiles from {tiers_file(profiles_path)})")
+        return profiles[tier]
+    if isinstance(tier, dict):
+        raw = dict(tier)
+        profile = raw.pop("profile", None)
+        if profile is not None:
+            start = resolve_tier(str(profile), profiles_path, f"{where}.profile").model_dump()
+            raw = {**start, **raw}
+        raw.setdefault("name", "inline" if profile is None else str(profile))
+        return _validated(raw, where)
+    raise ConfigError(f"{where}: expected local, a profile name or a mapping of tier settings, got {tier!r}")
+
+
+def dataset_root(spec: TierSpec, path: str | None, where: str = "<config>") -> str | None:
+    """Where the dataset is read from: `dataset.path`, or the tier's `base` (a relative `dataset.path`
+    is then taken inside it); None: the synthetic dataset."""
+    if path is not None:
+        path = os.path.expanduser(path)
+    if spec.base is None:
+        return path
+    base = os.path.expanduser(spec.base)
+    if path is None:
+        return base
+    if "://" in path or os.path.isabs(path):
+        raise ConfigError(f"{where}: dataset.path {redact(path)!r} and storage.tier.base {redact(base)!r} both name "
+                          "the dataset's location; drop one, or make dataset.path relative to the base")
+    return base.rstrip("/") + "/" + path
+
+
+def tier_filesystem(spec: TierSpec, base_fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """`base_fs` read through tier `spec`: the emulating, retrying wrapper, or `base_fs` itself when the
+    tier imposes nothing and the storage is a local disk (remote storage always gets retries and counters).
+
+    Each call makes a new tier instance with its own shared state (bandwidth clock, concurrency slots,
+    counters): hand the returned filesystem (or a dataset holding it) to the processes that should share
+    the tier; it pickles by reference to that state, so spawned processes share it too."""
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    if isinstance(base_fs, EmulatedFileSystem):  # never stack two tiers: the outer spec applies to the real fs
+        base_fs = base_fs.base_fs
+    protocols = (base_fs.protocol,) if isinstance(base_fs.protocol, str) else tuple(base_fs.protocol)
+    if not spec.emulates() and "file" in protocols:
+        return base_fs
+    return EmulatedFileSystem(spec.model_dump(mode="json"), base_fs)
+
+
+def tier_counters(fs: fsspec.AbstractFileSystem) -> dict[str, float] | None:
+    """The counters of the tier `fs` reads through (requests, bytes, retries, injected faults, failed
+    reads, ...), summed over every process that shares it; None when `fs` is not a tier wrapper."""
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    return fs.counters() if isinstance(fs, EmulatedFileSystem) else None
+
+
+def counters_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What a run added to a tier's counters (None when there is no tier wrapper)."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def sum_counters(deltas: list[dict[str, float]]) -> dict[str, float]:
+    """Counters of several runs (repeats) added up."""
+    total: dict[str, float] = {}
+    for delta in deltas:
+        for key, value in delta.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def tier_failure(exc: BaseException, fs: fsspec.AbstractFileSystem,
+                 delta: dict[str, float] | None) -> StorageError | None:
+    """The StorageError to record when `exc` ended a run because the tier kept failing, else None.
+
+    A read that gave up raises StorageError where it happens; a loader that reads in worker processes
+    reports it as the sample's read error, so the tier's shared `failed_reads` counter decides."""
+    if isinstance(exc, StorageError):
+        return exc
+    if not delta or not delta.get("failed_reads"):
+        return None
+    spec = getattr(fs, "spec", None)
+    name, attempts = (spec.name, spec.retry.max_attempts) if spec is not None else ("?", "several")
+    example = redact(str(exc).split(": ", 1)[0])  # the loaders' read errors start with the file's path
+    return StorageError(f"storage tier {name!r} keeps failing: {int(delta['failed_reads'])} read(s) gave up after "
+                        f"{attempts} attempts each ({int(delta.get('retries', 0))} retries in all), e.g. {example}")
+
+
+def tier_label(tier: str | dict[str, Any] | TierSpec) -> str:
+    """A short name for `storage.tier` (a profile's or inline spec's `name`), safe to print and store."""
+    return redact(resolve_tier(tier).name)

@@ -1,0 +1,196 @@
+"""The emulated tier: measured bandwidth, latency and concurrency match what it was told (within 10%),
+across threads and processes; injected faults are retried, counted, and a tier that keeps failing
+ends its run with a one-line error while the other runs keep their results."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from loadopt.bench.runner import run_bench
+from loadopt.config import config_from_dict
+from loadopt.errors import ConfigError, StorageError
+from loadopt.storage.emulated import EmulatedFileSystem
+from loadopt.storage.tiers import TierSpec, load_tier_profiles, resolve_tier, tier_counters, tier_filesystem
+
+from .conftest import tiny_config_dict
+
+FAST_RETRY = {"base_delay_s": 0.001, "max_delay_s": 0.01}
+
+
+def _files(tmp_path: Path, count: int, size: int) -> list[str]:
+    paths = []
+    for i in range(count):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(bytes([i % 251]) * size)
+        paths.append(str(path))
+    return paths
+
+
+def _read_all(fs, paths: list[str], threads: int) -> float:
+    """Read every path through `fs` from `threads` threads; returns the elapsed seconds."""
+    chunks = [paths[k::threads] for k in range(threads)]
+    workers = [threading.Thread(target=lambda c=c: [fs.cat_file(p) for p in c]) for c in chunks]
+    start = time.monotonic()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return time.monotonic() - start
+
+
+def test_bandwidth_is_what_the_tier_was_told(tmp_path):
+    paths = _files(tmp_path, 16, 500_000)  # 8 MB at 20 MB/s: 0.4 s
+    fs = tier_filesystem(TierSpec(bandwidth_mb_s=20), fsspec.filesystem("file"))
+    elapsed = _read_all(fs, paths, threads=4)
+    delivered = 16 * 500_000 / elapsed / 1e6
+    assert delivered == pytest.approx(20, rel=0.10), f"{delivered:.1f} MB/s delivered, 20 told"
+    counters = tier_counters(fs)
+    assert counters["bytes"] == 8_000_000 and counters["requests"] == 16
+
+
+def test_latency_is_what_the_tier_was_told(tmp_path):
+    paths = _files(tmp_path, 20, 1000)
+    fs = tier_filesystem(TierSpec(latency_ms=20), fsspec.filesystem("file"))
+    each = []
+    for path in paths:
+        start = time.monotonic()
+        fs.cat_file(path)
+        each.append(time.monotonic() - start)
+    assert min(each) >= 0.020
+    assert statistics.mean(each) == pytest.approx(0.020, rel=0.10)
+
+
+def test_concurrency_cap_limits_iops(tmp_path):
+    paths = _files(tmp_path, 40, 1000)
+    capped = tier_filesystem(TierSpec(latency_ms=20, max_concurrency=2), fsspec.filesystem("file"))
+    elapsed = _read_all(capped, paths, threads=8)
+    assert 40 / elapsed == pytest.approx(2 / 0.020, rel=0.10)  # IOPS = concurrency / latency
+    uncapped = tier_filesystem(TierSpec(latency_ms=20), fsspec.filesystem("file"))
+    assert _read_all(uncapped, paths, threads=8) < elapsed / 2  # the cap, not the threads, set the pace
+
+
+@pytest.mark.parametrize("distribution", ["exponential", "lognormal"])
+def test_latency_distributions_have_the_mean_they_were_told(distribution):
+    fs = EmulatedFileSystem(TierSpec(latency_ms=10, latency_distribution=distribution).model_dump(),
+                            fsspec.filesystem("memory"))
+    draws = [fs._latency_s() for _ in range(5000)]
+    assert statistics.mean(draws) == pytest.approx(0.010, rel=0.10)
+    assert statistics.pstdev(draws) > 0.002  # drawn, not fixed
+
+
+def _child_reads(fs, paths: list[str], barrier, out) -> None:
+    barrier.wait()
+    start = time.monotonic()
+    for path in paths:
+        fs.cat_file(path)
+    out.put((start, time.monotonic()))
+
+
+def test_two_processes_share_one_tier(tmp_path):
+    """Spawned processes (the fs is pickled to them) share the tier's bandwidth and counters."""
+    paths = _files(tmp_path, 16, 500_000)  # 8 MB at 16 MB/s: 0.5 s whatever the number of readers
+    fs = tier_filesystem(TierSpec(bandwidth_mb_s=16), fsspec.filesystem("file"))
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    children = [context.Process(target=_child_reads, args=(fs, paths[k::2], barrier, out)) for k in range(2)]
+    for child in children:
+        child.start()
+    spans = [out.get(timeout=60) for _ in children]
+    for child in children:
+        child.join(30)
+        assert child.exitcode == 0
+    elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+    assert 8_000_000 / elapsed / 1e6 == pytest.approx(16, rel=0.10)  # not 2 x 16: one pipe for both
+    assert tier_counters(fs)["bytes"] == 8_000_000  # both processes' reads, seen from here
+
+
+def test_transient_errors_are_retried_and_counted(tmp_path):
+    paths = _files(tmp_path, 50, 100)
+    fs = tier_filesystem(TierSpec(error_rate=0.3, retry=FAST_RETRY), fsspec.filesystem("file"))
+    assert [fs.cat_file(p) for p in paths] == [Path(p).read_bytes() for p in paths]
+    counters = tier_counters(fs)
+    assert counters["injected_errors"] > 0
+    assert counters["retries"] == counters["injected_errors"] and counters["failed_reads"] == 0
+    assert counters["requests"] == 50 + counters["retries"]
+
+
+def test_a_tier_that_keeps_failing_gives_up_with_one_line(tmp_path):
+    path = _files(tmp_path, 1, 100)[0]
+    fs = tier_filesystem(TierSpec(timeout_rate=1.0, timeout_s=0.05, retry={**FAST_RETRY, "max_attempts": 3}),
+                         fsspec.filesystem("file"))
+    start = time.monotonic()
+    with pytest.raises(StorageError) as caught:
+        fs.cat_file(path)
+    assert time.monotonic() - start >= 3 * 0.05  # each attempt waited out its timeout
+    message = str(caught.value)
+    assert "\n" not in message and path in message and "3 times" in message and "InjectedTimeout" in message
+    counters = tier_counters(fs)
+    assert counters["injected_timeouts"] == 3 and counters["retries"] == 2 and counters["failed_reads"] == 1
+
+
+def test_range_reads_and_files_go_through_the_tier(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(256)) * 100)
+    fs = tier_filesystem(TierSpec(latency_ms=1), fsspec.filesystem("file"))
+    assert fs.cat_file(str(path), 10, 20) == bytes(range(10, 20))
+    with fs.open(str(path), block_size=4096) as handle:
+        handle.seek(300)
+        assert handle.read(4) == bytes([44, 45, 46, 47])
+    assert tier_counters(fs)["requests"] >= 2
+
+
+def test_profiles_and_inline_specs_resolve(tmp_path):
+    profiles = load_tier_profiles()
+    assert {"nvme", "sata_ssd", "hdd", "nfs_10gbe", "nfs_25gbe", "parallel_fs", "object_standard"} <= set(profiles)
+    assert all(p.price_per_tb_month is not None and p.bandwidth_mb_s for p in profiles.values())
+    assert resolve_tier("local") == TierSpec()
+    assert resolve_tier("hdd").max_concurrency == 1
+    assert resolve_tier({"profile": "hdd", "error_rate": 0.5}).error_rate == 0.5
+    with pytest.raises(ConfigError, match="unknown tier 'tape'.*hdd"):
+        resolve_tier("tape")
+    with pytest.raises(ConfigError, match="storage.tier.bandwith_mb_s: unknown key"):
+        config_from_dict({"storage": {"tier": {"bandwith_mb_s": 10}}})
+    # a local disk read with no limits is not wrapped: the backends keep their plain-open fast path
+    local = fsspec.filesystem("file")
+    assert tier_filesystem(TierSpec(), local) is local
+
+
+def _bench(tmp_path: Path, tier: dict, loaders: dict, name: str) -> dict:
+    raw = tiny_config_dict(tmp_path / name, storage={"tier": tier}, loaders=loaders,
+                           workload={"step_time_ms": 0, "warmup_batches": 1, "measure_batches": 5, "repeats": 2})
+    run_bench(config_from_dict(raw, f"{name}.yaml"), attribute=False)
+    return json.loads((tmp_path / name / "results.json").read_text())
+
+
+def test_bench_with_five_percent_errors_completes_and_reports_retries(tmp_path):
+    results = _bench(tmp_path, {"error_rate": 0.05, "retry": FAST_RETRY},
+                     {"torch": {"variant": ["plain", "tuned"], "num_workers": [0, 1]}}, "flaky")
+    assert [r["status"] for r in results["runs"]] == ["ok"] * 4
+    totals = {k: sum(r["tier_counters"][k] for r in results["runs"]) for k in ("requests", "retries", "failed_reads")}
+    # 4 settings x 2 repeats x 48 samples read: ~19 injected errors expected (none at all: p < 1e-8)
+    assert totals["retries"] > 0 and totals["failed_reads"] == 0 and totals["requests"] >= 4 * 2 * 48
+    assert results["tier"]["error_rate"] == 0.05
+
+
+def test_failing_tier_ends_its_runs_with_one_line_and_others_keep_results(tmp_path):
+    loaders = {"torch": {"variant": "tuned", "num_workers": [0, 1]}, "arrow": {"form": "encoded"}}
+    _bench(tmp_path, "local", {"arrow": {"form": "encoded"}}, "convert")  # the Arrow form, read through no tier
+    results = _bench(tmp_path, {"name": "broken", "error_rate": 1.0, "retry": {**FAST_RETRY, "max_attempts": 2}},
+                     loaders, "broken")
+    by_backend = {r["label"]: r for r in results["runs"]}
+    torch_runs = [r for label, r in by_backend.items() if label.startswith("torch")]
+    assert len(torch_runs) == 2
+    for run in torch_runs:
+        assert run["status"] == "error" and "\n" not in run["reason"]
+        assert "storage tier 'broken'" in run["reason"] or run["reason"].startswith("StorageError")
+        assert run["tier_counters"]["failed_reads"] >= 1 and "metrics" not in run
+    arrow = next(r for label, r in by_backend.items() if label.startswith("arrow"))
+    assert arrow["status"] == "ok" and len(arrow["repeats"]) == 2  # its converted file is not on the tier

@@ -1,0 +1,140 @@
+"""Remote tiers: a dataset read over HTTP (range requests) and S3 (moto's server) on loopback gives the
+same samples as from local disk, through every process of the torch backend; credentials never reach
+messages or results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from loadopt.bench.runner import run_bench
+from loadopt.config import PipelineConfig, config_from_dict
+from loadopt.errors import DatasetError
+from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+from loadopt.storage.imagefolder import open_dataset, scan_image_folder
+from loadopt.storage.remote import redact
+from loadopt.storage.tiers import tier_counters
+
+from .conftest import make_image_folder, tiny_config_dict
+from .servers import nginx_server, python_http_server, s3_endpoint  # noqa: F401 - s3_endpoint is a fixture
+
+PIPELINE = PipelineConfig(batch_size=4, image_size=24, augment="eval")
+
+
+@pytest.fixture(scope="module")
+def image_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote-images")
+    make_image_folder(root, classes=3, per_class=5)
+    return root
+
+
+@pytest.fixture(scope="module", params=["python", "nginx"])
+def http_url(request, image_root, tmp_path_factory):
+    """The images over HTTP from Python's server (ranges added) and, when the OS has it, nginx."""
+    if request.param == "nginx":
+        if shutil.which("nginx") is None:
+            pytest.skip("nginx is not installed (apt-get install nginx-light); the Python server is tested")
+        with nginx_server(image_root, tmp_path_factory.mktemp("nginx")) as url:
+            yield url
+    else:
+        with python_http_server(image_root) as url:
+            yield url
+
+
+@pytest.fixture(scope="module")
+def s3_url(s3_endpoint, image_root):  # noqa: F811 - the fixture imported above
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir("loadopt-test")
+    fs.put(f"{image_root}/", "loadopt-test/images/", recursive=True)
+    return "s3://loadopt-test/images"
+
+
+def _batches(dataset, workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader = TorchLoader(dataset, PIPELINE, TorchSettings(num_workers=workers, decoder="pil", resize="pil"), seed=3)
+    try:
+        return [(x.clone(), y.clone()) for x, y in loader]
+    finally:
+        loader.close()
+
+
+def _open(path: str, tier="local"):
+    return open_dataset(config_from_dict({"dataset": {"path": path}, "storage": {"tier": tier}}, "remote.yaml"))
+
+
+def _assert_same_samples(remote, local) -> None:
+    assert remote.classes == local.classes and len(remote) == len(local) == 15
+    assert remote.labels.tolist() == local.labels.tolist() and remote.sizes.tolist() == local.sizes.tolist()
+    assert [remote.read(i) for i in range(len(remote))] == [local.read(i) for i in range(len(local))]
+    reference = _batches(local, workers=0)
+    for workers in (0, 2):  # forked workers read through their own connections
+        for (xr, yr), (xl, yl) in zip(_batches(remote, workers), reference, strict=True):
+            assert torch.equal(yr, yl) and torch.equal(xr, xl)
+
+
+def test_http_dataset_gives_the_same_samples_as_local_disk(http_url, image_root):
+    remote = _open(http_url)
+    assert remote.root.startswith("http://127.0.0.1:")
+    _assert_same_samples(remote, scan_image_folder(str(image_root)))
+    counters = tier_counters(remote.fs)  # remote storage is always read with retries and counters
+    assert counters["requests"] >= 15 and counters["failed_reads"] == 0
+
+
+def test_http_range_reads(http_url, image_root):
+    remote = _open(http_url)
+    first = sorted((image_root / "train" / "c0").glob("*.jpg"))[0].read_bytes()
+    assert remote.fs.cat_file(remote.path(0), 100, 164) == first[100:164]
+    with remote.fs.open(remote.path(0), block_size=32) as handle:
+        handle.seek(len(first) - 10)
+        assert handle.read() == first[-10:]
+
+
+def test_s3_dataset_gives_the_same_samples_as_local_disk(s3_url, image_root):
+    remote = _open(s3_url)
+    assert remote.root == "s3://loadopt-test/images/train"
+    _assert_same_samples(remote, scan_image_folder(str(image_root)))
+
+
+def test_s3_through_an_emulated_tier_with_base_and_options(s3_url, s3_endpoint, image_root):  # noqa: F811
+    tier = {"base": s3_url, "latency_ms": 2, "storage_options": {"endpoint_url": s3_endpoint, "key": "testing",
+                                                                  "secret": "testing-secret"}}
+    remote = open_dataset(config_from_dict({"storage": {"tier": tier}}, "remote.yaml"))
+    _assert_same_samples(remote, scan_image_folder(str(image_root)))
+
+
+def test_results_never_hold_credentials(s3_url, s3_endpoint, tmp_path):  # noqa: F811
+    tier = {"name": "moto", "base": s3_url, "storage_options": {"endpoint_url": s3_endpoint, "key": "testing",
+                                                                 "secret": "testing-secret"}}
+    raw = tiny_config_dict(tmp_path / "out", storage={"tier": tier}, loaders={"torch": {"num_workers": 0}},
+                           pipeline={"batch_size": 4, "image_size": 24}, workload={"measure_batches": 2})
+    run_bench(config_from_dict(raw, "moto.yaml"), attribute=False)
+    text = (tmp_path / "out" / "results.json").read_text()
+    results = json.loads(text)
+    assert results["runs"][0]["status"] == "ok" and results["tier"]["name"] == "moto"
+    assert "testing-secret" not in text and results["tier"]["storage_options"]["secret"] == "***"
+    assert results["runs"][0]["tier_counters"]["requests"] >= 12
+
+
+def test_redact_removes_url_credentials_and_secret_options():
+    assert redact("s3://AKIA123:sEcReT@bucket/data") == "s3://***@bucket/data"
+    assert redact("see https://user:pw@host:8080/x and http://host/y") == "see https://***@host:8080/x and http://host/y"
+    options = {"key": "AKIA123", "secret": "s", "token": "t", "client_kwargs": {"aws_secret_access_key": "s2",
+                                                                               "endpoint_url": "http://h:1"},
+               "password": "p", "anon": False}
+    assert redact(options) == {"key": "***", "secret": "***", "token": "***",
+                               "client_kwargs": {"aws_secret_access_key": "***", "endpoint_url": "http://h:1"},
+                               "password": "***", "anon": False}
+
+
+def test_unreachable_url_is_one_line_without_credentials(image_root):
+    from .servers import free_port
+
+    url = f"http://user:hunter2@127.0.0.1:{free_port()}/images"  # nothing listens there
+    with pytest.raises(DatasetError) as caught:
+        scan_image_folder(url)
+    message = str(caught.value)
+    assert "hunter2" not in message and "\n" not in message and "127.0.0.1" in message
