@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -35,24 +34,22 @@ def _distributed() -> tuple[int, int]:
 
 
 def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any], str]:
-    """(backend, settings, why) for `auto` from the recorded decision; backend "" when none applies."""
-    from loadopt.bench.results import machine_fingerprint, machine_info
-    from loadopt.bench.runner import decision_path
+    """(backend, settings, why) for `auto` from the recorded decision; backend "" when none applies.
 
-    path = decision_path(dataset.fingerprint)
-    try:
-        decision = json.loads(path.read_text())
-    except (OSError, ValueError):
-        decision = None
-    if decision is not None:
-        if decision.get("machine_fingerprint") != machine_fingerprint(machine_info()):
-            log.warning("make_loader: the decision in %s was made on another machine; not using it", path)
-        else:
-            if decision.get("pipeline") != config.pipeline.model_dump(mode="json"):
-                log.warning("make_loader: the decision in %s was measured with other pipeline settings", path)
-            why = f"fastest in the last bench on this machine ({decision.get('samples_per_s', 0):,.0f} samples/s)"
-            return decision["backend"], decision.get("settings") or {}, why
-    return "", {}, "no bench decision for this dataset and machine"
+    A decision applies when it was made for this dataset on this machine (CPU model and count, GPU
+    model, storage tier); one measured here with other pipeline settings is used with a warning."""
+    from loadopt.bench import decision
+
+    tier = decision.storage_tier(config.storage.tier, dataset.root)
+    found, match, why = decision.find(config.pipeline.model_dump(mode="json"), dataset.fingerprint, tier)
+    if match in ("other machine", "other settings"):
+        log.warning("make_loader: %s", why)
+    if found is None:
+        return "", {}, why
+    margin = f", {found['margin']:.2f}x the runner-up" if found.get("margin") else ""
+    reason = (f"fastest in the last bench on this machine ({found.get('samples_per_s', 0):,.0f} samples/s{margin}, "
+              f"{found.get('created', '?')})")
+    return found["backend"], found.get("settings") or {}, reason
 
 
 def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], split: str = "train",

@@ -18,28 +18,25 @@ from loadopt.errors import DatasetError
 def explain_config(config) -> str:
     """The decision `auto` would use for `config` on this machine, in sentences."""
     from loadopt.api import FALLBACK_ORDER
-    from loadopt.bench.results import machine_fingerprint, machine_info
-    from loadopt.bench.runner import decision_path
+    from loadopt.bench import decision
     from loadopt.storage.imagefolder import open_dataset
 
     dataset = open_dataset(config)
-    path = decision_path(dataset.fingerprint)
-    lines = [f"dataset {dataset.root} (fingerprint {dataset.fingerprint}), {len(dataset):,} samples"]
-    try:
-        decision = json.loads(path.read_text())
-    except (OSError, ValueError):
-        decision = None
-    if decision is not None and decision.get("machine_fingerprint") == machine_fingerprint(machine_info()):
-        lines.append(f"auto uses: {decision['label']} ({decision.get('samples_per_s', 0):,.0f} samples/s), the fastest "
-                     f"in the bench of {decision.get('created', '?')} on this machine ({path})")
-        if decision.get("pipeline") != config.pipeline.model_dump(mode="json"):
-            lines.append("note: that bench used other pipeline settings than this config; rerun `loadopt bench` "
-                         "to decide for these")
+    tier = decision.storage_tier(config.storage.tier, dataset.root)
+    lines = [f"dataset {dataset.root} (fingerprint {dataset.fingerprint}), {len(dataset):,} samples, "
+             f"storage tier {tier}"]
+    found, match, why = decision.find(config.pipeline.model_dump(mode="json"), dataset.fingerprint, tier)
+    if found is not None:
+        margin = f", {found['margin']:.2f}x the runner-up {found['runner_up']['label']}" if found.get("margin") else \
+            " (no other backend was measured)"
+        tuned = " after tuning (loadopt bench --tune)" if found.get("tuned") else ""
+        lines.append(f"auto uses: {found['label']} ({found.get('samples_per_s', 0):,.0f} samples/s{margin}), "
+                     f"the fastest in the bench{tuned} of {found.get('created', '?')} on this machine, loadopt "
+                     f"{found.get('loadopt_version') or '?'} ({decision.decision_path(dataset.fingerprint)})")
+        if match == "other settings":
+            lines.append(f"note: {why}; rerun `loadopt bench` to decide for these")
         return "\n".join(lines)
-    if decision is None:
-        lines.append(f"no bench decision for this dataset on this machine ({path} does not exist)")
-    else:
-        lines.append(f"the decision in {path} was made on another machine; auto does not use it")
+    lines.append(why)
     from loadopt.api import make_loader
 
     loader = make_loader(config)  # what auto does with no decision: the first ready in the fixed order

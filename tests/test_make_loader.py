@@ -52,7 +52,9 @@ def test_unknown_keyword_is_a_config_error(config_path):
         make_loader(config_path, backend="torch", workers=3)
 
 
-def test_auto_falls_back_and_says_why(config_path, caplog):
+def test_auto_falls_back_and_says_why(config_path, caplog, monkeypatch):
+    # The order without the backends that may or may not be installed here (dali, kvikio).
+    monkeypatch.setattr("loadopt.api.FALLBACK_ORDER", ("arrow", "posix", "torch"))
     with caplog.at_level(logging.INFO, logger="loadopt"):
         loader = make_loader(config_path)
     # arrow comes first in the order, but its conversion does not exist and auto starts none
@@ -94,5 +96,71 @@ def test_auto_ignores_a_decision_from_another_machine(config_path, caplog):
         with caplog.at_level(logging.INFO, logger="loadopt"):
             make_loader(config_path)
         assert "another machine" in caplog.text and "no bench decision" in caplog.text
+    finally:
+        path.unlink()
+
+
+def test_bench_writes_decision_json_beside_the_results_and_keyed_in_the_cache(tmp_path, config_path, caplog):
+    from loadopt.bench.decision import storage_tier
+    from loadopt.bench.runner import run_bench
+    from loadopt.config import load_config
+
+    config = load_config(config_path, ["loaders.torch.num_workers=[0]", "loaders.arrow={form: decoded}"])
+    outcome = run_bench(config, attribute=False)
+    beside = json.loads((outcome.json_path.parent / "decision.json").read_text())
+    assert beside == outcome.results["decision"]
+    assert beside["backend"] == outcome.results["ranking"][0].split()[0]
+    assert beside["runner_up"]["backend"] != beside["backend"] and beside["margin"] >= 1.0
+    assert beside["date"] == beside["created"][:10] and beside["loadopt_version"]
+    machine = beside["machine"]
+    assert machine["cpu_model"] and machine["cpu_count"] >= 1 and "gpu" in machine
+    assert machine["storage_tier"] == storage_tier("local", outcome.results["dataset"]["root"])
+    assert machine["storage_tier"].startswith("local:")
+    assert beside["pipeline"] == config.pipeline.model_dump(mode="json") and beside["dataset_fingerprint"]
+    # The cache keeps one entry per (pipeline, machine): a decision from elsewhere survives this bench.
+    path = decision_path(beside["dataset_fingerprint"])
+    other = {**beside, "backend": "torch", "machine_fingerprint": "elsewhere",
+             "machine": {**machine, "cpu_count": 512, "fingerprint": "elsewhere"}}
+    path.write_text(json.dumps({"entries": [other, beside]}))
+    latest = run_bench(config, attribute=False).results["decision"]
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 2 and {e["machine_fingerprint"] for e in entries} == {"elsewhere",
+                                                                                beside["machine_fingerprint"]}
+    with caplog.at_level(logging.INFO, logger="loadopt"):
+        loader = make_loader(config)
+    assert loader.name == latest["backend"] and "fastest in the last bench on this machine" in caplog.text
+    # Only the other machine's entry left: auto falls back and says what differs.
+    path.write_text(json.dumps({"entries": [other]}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="loadopt"):
+        make_loader(config)
+    assert "another machine (cpu_count 512 there" in caplog.text
+    path.unlink()
+
+
+def test_auto_ignores_a_decision_for_another_storage_tier(config_path, caplog):
+    loader = make_loader(config_path, backend="torch")
+    path = write_decision(config_path, machine={"storage_tier": "local:nfs4", "cpu_count": 2})
+    try:
+        with caplog.at_level(logging.INFO, logger="loadopt"):
+            make_loader(config_path).close()
+        assert "fastest in the last bench" not in caplog.text and "first ready in the fallback order" in caplog.text
+        assert "another machine" in caplog.text and "storage_tier 'local:nfs4' there" in caplog.text
+    finally:
+        path.unlink()
+    loader.close()
+
+
+def test_explain_says_which_decision_applies(config_path):
+    from loadopt.config import load_config
+    from loadopt.explain import explain_config
+
+    config = load_config(config_path)
+    path = write_decision(config_path, margin=1.5, runner_up={"label": "arrow decoded", "backend": "arrow"},
+                          label="torch plain num_workers=2", loadopt_version="9.9", created="2030-01-02T00:00:00")
+    try:
+        text = explain_config(config)
+        assert "auto uses: torch plain num_workers=2 (123 samples/s, 1.50x the runner-up arrow decoded)" in text
+        assert "2030-01-02" in text and "loadopt 9.9" in text and "storage tier local:" in text
     finally:
         path.unlink()

@@ -57,7 +57,7 @@ def config(tmp_path, loaders, repeats=1):
 
 
 def test_unavailable_and_failing_backends_are_listed_and_the_rest_runs(tmp_path, backends):
-    cfg = config(tmp_path, {"t_delay": {"delay_s": [0.001, 0.002]}, "t_unavailable": {}, "t_fails": {}})
+    cfg = config(tmp_path, {"t_delay": {"delay_s": [0.001, 0.02]}, "t_unavailable": {}, "t_fails": {}})
     outcome = run_bench(cfg)
     runs = {r["backend"]: r for r in outcome.results["runs"]}
     assert runs["t_unavailable"]["status"] == "unavailable"

@@ -48,6 +48,21 @@ class ArrowLoader(RingLoader):
         super().__init__(*args, **kwargs)
         self._views: list | None = None
 
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list]:
+        # The stored form is the reader variant (decoded pixels: copies; encoded JPEGs: decode in threads).
+        return {"form": ["decoded", "encoded"], "threads": [n for n in (1, 2, 4, 8, 16, 32) if n < cores] + [cores],
+                "prefetch": [1, 2, 4]}
+
+    @classmethod
+    def cpu_demand(cls, settings: ArrowSettings) -> int:
+        return settings.threads  # the pool sharing each batch; the producer thread only hands out work
+
+    @classmethod
+    def memory_demand(cls, settings: ArrowSettings, pipeline) -> dict[str, int]:
+        """The batch ring (prefetch + 2 slots of uint8 batches), pinned on CUDA."""
+        return {"shared": 0, "pinned": (settings.prefetch + 2) * pipeline.batch_size * 3 * pipeline.image_size ** 2}
+
     def describe(self) -> str:
         s = self.settings
         text = self.form + (f" {self.size}px" if self.size else "")

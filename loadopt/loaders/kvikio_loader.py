@@ -102,6 +102,19 @@ class KvikioLoader(PosixLoader):
             return False, "no CUDA device visible to torch"
         return True, ""
 
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list]:
+        # Reads in flight (kvikio's pool waits on DMA, not on cores) and batches ahead; decoded form only.
+        return {"io_threads": [2, 4, 8, 16], "read_ahead": [1, 2, 4], "prefetch": [1, 2, 4]}
+
+    @classmethod
+    def cpu_demand(cls, settings: PosixSettings) -> int:
+        return 1  # the producer thread; crops run as GPU kernels, reads as DMA
+
+    @classmethod
+    def memory_demand(cls, settings: PosixSettings, pipeline) -> dict[str, int]:
+        return {"shared": 0, "pinned": 0}  # staging and ring live in device memory
+
     def describe(self) -> str:
         return f"{super().describe()}{f' cuFile {self.mode}' if self.mode else ''}"
 

@@ -190,6 +190,29 @@ class TorchLoader(Loader):
         self._tokens = isinstance(self.dataset, TokenDataset)  # token windows: `variant` does not apply
         self._ring_cursor = 0  # the slot of the next batch to be yielded
 
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list]:
+        # Worker processes up to the cores (0: the consumer decodes); pinning only means something on CUDA.
+        space = {"variant": ["plain", "tuned"], "num_workers": [0] + [n for n in (1, 2, 4, 8, 16, 32) if n < cores]
+                 + [cores], "prefetch_factor": [2, 4]}
+        if torch.cuda.is_available():
+            space["pin_memory"] = [False, True]
+        return space
+
+    @classmethod
+    def cpu_demand(cls, settings: TorchSettings) -> int:
+        return max(1, settings.num_workers)  # one process per worker, each single-threaded; 0: the consumer
+
+    @classmethod
+    def memory_demand(cls, settings: TorchSettings, pipeline: PipelineConfig) -> dict[str, int]:
+        """Bytes of shared memory (batches in flight between the workers and the consumer: the tuned ring,
+        or collated float batches) this setting holds; pinned when it pins them on CUDA."""
+        in_flight = (settings.num_workers * settings.prefetch_factor if settings.num_workers else 0) + 2
+        per_batch = pipeline.batch_size * 3 * pipeline.image_size ** 2 * (1 if settings.variant == "tuned" or
+                                                                          pipeline.dtype == "uint8" else 4)
+        shared = in_flight * per_batch if settings.num_workers or settings.variant == "tuned" else 0
+        return {"shared": shared, "pinned": in_flight * per_batch if settings.pin_memory else 0}
+
     def describe(self) -> str:
         s = self.settings
         text = f"{'memmap' if self._tokens else s.variant} num_workers={s.num_workers}"

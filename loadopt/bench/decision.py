@@ -1,0 +1,153 @@
+"""The decision a bench leaves behind for `make_loader(backend="auto")` and `loadopt explain`.
+
+`decision.json` is written beside `results.json` and kept in `<cache>/decisions/<dataset fingerprint>.json`,
+which holds one entry per (pipeline settings, machine) so that benches on several machines sharing a
+cache folder (an NFS home) or with several pipelines do not overwrite each other. An entry has the
+winning backend and settings, its margin over the runner-up, the date and the loadopt version, and is
+keyed by the dataset fingerprint, the pipeline settings and the machine: CPU model and count, GPU
+model, and the storage tier the dataset is read from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from loadopt.bench.metrics import median
+from loadopt.bench.results import atomic_write_text, library_versions, machine_fingerprint, machine_info
+from loadopt.config import cache_dir
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "decision.json"
+
+
+def decision_path(dataset_fingerprint: str) -> Path:
+    return cache_dir() / "decisions" / f"{dataset_fingerprint}.json"
+
+
+def storage_tier(tier: str, root: str) -> str:
+    """The tier the dataset is read from: the config's tier and, for local data, the filesystem type
+    of the folder it sits in (`local:ext4`, `local:nfs4`, `local:tmpfs`); a URL's scheme otherwise."""
+    if "://" in root and not root.startswith("file://"):
+        return f"{tier}:{root.split('://', 1)[0]}"
+    path = os.path.realpath(root.removeprefix("file://"))
+    best, fstype = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) > len(best):
+                best, fstype = parts[1], parts[2]
+    except OSError:
+        pass
+    return f"{tier}:{fstype}"
+
+
+def machine_key(machine: dict[str, Any], tier: str) -> dict[str, Any]:
+    gpu = machine.get("gpu") or {}
+    return {"fingerprint": machine_fingerprint(machine), "cpu_model": machine["cpu_model"],
+            "cpu_count": machine["cpu_count"], "gpu": gpu.get("name"), "storage_tier": tier}
+
+
+def pipeline_hash(pipeline: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(pipeline, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
+    """The decision of a finished bench: the fastest setting, its margin over the runner-up backend."""
+    by_label = {r["label"]: r for r in results["runs"]}
+    ranked = [by_label[label] for label in results.get("ranking", [])]
+    if not ranked:
+        return None
+    best = ranked[0]
+    rate = median(best["metrics"], "samples_per_s")
+    # The runner-up is the best setting of another backend: the margin says what switching would cost.
+    other = next((r for r in ranked[1:] if r["backend"] != best["backend"]), None)
+    other_rate = median(other["metrics"], "samples_per_s") if other else None
+    margin = rate / other_rate if rate and other_rate else None
+    machine = machine_key(results["machine"], tier)
+    pipeline = results["config"]["pipeline"]
+    text = f"{best['label']} at {rate:,.0f} samples/s"
+    text += f", {margin:.2f}x the runner-up {other['label']}" if margin else " (no other backend measured)"
+    return {
+        "backend": best["backend"], "settings": best["settings"], "label": best["label"], "samples_per_s": rate,
+        "runner_up": {"label": other["label"], "backend": other["backend"], "samples_per_s": other_rate}
+        if other else None,
+        "margin": margin, "text": text, "tuned": "tuning" in results,
+        "created": results["created"], "date": results["created"][:10],
+        "loadopt_version": library_versions().get("loadopt"), "config_source": results.get("config_source"),
+        "device": results["device"],
+        # the key: dataset fingerprint, pipeline settings, machine (CPU, GPU, storage tier)
+        "dataset_fingerprint": results["dataset"]["fingerprint"], "pipeline": pipeline,
+        "pipeline_hash": pipeline_hash(pipeline), "machine": machine, "machine_fingerprint": machine["fingerprint"],
+    }
+
+
+def _entries(path: Path) -> list[dict[str, Any]]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if isinstance(doc, dict) and isinstance(doc.get("entries"), list):
+        return [e for e in doc["entries"] if isinstance(e, dict) and e.get("backend")]
+    return [doc] if isinstance(doc, dict) and doc.get("backend") else []  # one decision (written before entries)
+
+
+def _same_machine(entry: dict[str, Any], here: dict[str, Any]) -> bool:
+    tier = (entry.get("machine") or {}).get("storage_tier")
+    return entry.get("machine_fingerprint") == here["fingerprint"] and tier in (None, here["storage_tier"])
+
+
+def record(decision: dict[str, Any], folder: Path | None) -> None:
+    """Write a decision beside the results (`folder/decision.json`) and into the cache's entries."""
+    text = json.dumps(decision, indent=2) + "\n"
+    if folder is not None:
+        try:
+            atomic_write_text(folder / FILE_NAME, text)
+        except OSError as exc:
+            log.warning("could not write %s: %s", folder / FILE_NAME, exc)
+    path = decision_path(decision["dataset_fingerprint"])
+    keep = [e for e in _entries(path) if not (_same_machine(e, decision["machine"])
+                                              and e.get("pipeline") == decision["pipeline"])]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"entries": [decision, *keep]}, indent=2) + "\n")
+    except OSError as exc:  # the results are written; a missing decision only costs `auto` its memory
+        log.warning("could not record the decision in %s: %s", path, exc)
+
+
+def find(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple[dict[str, Any] | None, str, str]:
+    """(decision, match, why) for this dataset, pipeline and machine. `match` is `exact`, `other settings`
+    (this machine, other pipeline settings: used, with a warning), `other machine` (not used) or `none`."""
+    path = decision_path(dataset_fingerprint)
+    entries = _entries(path)
+    here = machine_key(machine_info(), tier)
+    mine = [e for e in entries if _same_machine(e, here)]
+    for entry in mine:
+        if entry.get("pipeline") == pipeline:
+            return entry, "exact", f"the decision of the bench of {entry.get('created', '?')} on this machine ({path})"
+    if mine:
+        return mine[0], "other settings", (f"the decision in {path} was measured on this machine with other pipeline "
+                                           f"settings ({_differences(mine[0].get('pipeline') or {}, pipeline)})")
+    if entries:
+        return None, "other machine", (f"no bench decision for this machine: the one in {path} was made on another "
+                                       f"machine ({_machine_differences(entries[0], here)}), auto does not use it")
+    return None, "none", f"no bench decision for this dataset ({path} does not exist)" if not path.exists() \
+        else f"no bench decision for this dataset in {path}"
+
+
+def _differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
+    keys = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+    return ", ".join(f"{k} {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in keys[:3]) or "?"
+
+
+def _machine_differences(entry: dict[str, Any], here: dict[str, Any]) -> str:
+    theirs = entry.get("machine") or {}
+    keys = [k for k in ("cpu_model", "cpu_count", "gpu", "storage_tier") if k in theirs and theirs[k] != here[k]]
+    return _differences({k: theirs[k] for k in keys}, {k: here[k] for k in keys}) if keys else \
+        "its machine fingerprint differs"

@@ -1,0 +1,365 @@
+"""`loadopt bench --tune`: search each backend's knobs for its fastest setting within a time budget.
+
+The knobs and their values come from the backend (`Loader.knob_space(cores)`), never from here. The
+config narrows them: a list under `loaders.<backend>` replaces that knob's values (a one-element list
+pins it); a scalar is where the search starts (and is added to the knob's values).
+
+The search is a coordinate-wise hill climb from that start, as tf.data's autotuner does: for each knob
+in the backend's order, every other value of it is tried with the other knobs at the incumbent, the
+best value is kept, and passes repeat until one changes nothing (at most `max_passes`). Each trial is
+a short run of the harness (`window`), and a trial is stopped early once it is clearly worse than the
+incumbent (after `min_batches` measured batches, below `1 - stop_margin` of its rate). A setting is
+never proposed when its `cpu_demand` exceeds the usable cores or its buffers the free shared or
+pinnable memory. The budget is shared out among the backends still to tune; no trial starts when its
+expected length would overrun the backend's share, and a running trial is cut at the deadline. Format
+conversions a knob needs happen before the clock starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from pydantic import BaseModel
+
+from loadopt.bench.accelerator import make_accelerator
+from loadopt.bench.attribution import usable_cores
+from loadopt.bench.harness import run_repeat
+from loadopt.bench.metrics import BatchProbe
+from loadopt.config import Config, backend_settings
+from loadopt.device import DeviceTransfer
+from loadopt.errors import ConfigError, DatasetError, LoadoptError
+from loadopt.loaders.base import Loader, backend_class
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_budget(text: str) -> float:
+    """Seconds in a budget such as `90s`, `10m`, `1h` or `1.5m` (a bare number is seconds)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*", str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"--budget {text}: expected a positive duration such as 90s, 10m or 1h")
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """What a setting may use: cores for its threads and processes, bytes of shared and pinnable memory."""
+
+    cores: int
+    shared_bytes: int
+    pinned_bytes: int
+
+    @classmethod
+    def here(cls) -> MachineLimits:
+        try:
+            stat = os.statvfs("/dev/shm")
+            shm = stat.f_bavail * stat.f_frsize
+        except OSError:
+            shm = 0
+        available = psutil.virtual_memory().available
+        # Leave room for everything else: most of /dev/shm, half of the available RAM for page-locking.
+        return cls(usable_cores(), int(0.8 * shm), int(0.5 * available))
+
+    def refuses(self, cls: type[Loader], settings: BaseModel, pipeline) -> str:
+        """Why this setting is over the machine ("" when it fits)."""
+        demand = cls.cpu_demand(settings)
+        if demand > self.cores:
+            return f"needs {demand} cores, {self.cores} usable"
+        memory = getattr(cls, "memory_demand", None)
+        if memory is not None:
+            need = memory(settings, pipeline)
+            if need.get("shared", 0) > self.shared_bytes:
+                return (f"needs {need['shared'] / 2**20:,.0f} MiB of shared memory, "
+                        f"{self.shared_bytes / 2**20:,.0f} free")
+            if need.get("pinned", 0) > self.pinned_bytes:
+                return f"pins {need['pinned'] / 2**20:,.0f} MiB, {self.pinned_bytes / 2**20:,.0f} MiB may be pinned"
+        return ""
+
+
+@dataclass(frozen=True)
+class Window:
+    """The short run of one trial, and when a trial counts as clearly worse than the incumbent."""
+
+    warmup_batches: int = 3
+    measure_batches: int = 12
+    min_batches: int = 3
+    stop_margin: float = 0.25  # stopped below 75% of the incumbent's rate
+    min_gain: float = 0.03  # a knob moves only for a gain above the noise of short runs
+    max_passes: int = 2
+
+
+@dataclass
+class Trial:
+    settings: dict[str, Any]
+    label: str
+    samples_per_s: float | None = None
+    batches: int = 0
+    seconds: float = 0.0
+    outcome: str = "ok"  # ok | stopped early | cut by the budget | error
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "settings": self.settings, "samples_per_s": self.samples_per_s,
+                "measured_batches": self.batches, "seconds": round(self.seconds, 3), "outcome": self.outcome,
+                "reason": self.reason}
+
+
+@dataclass
+class BackendTuning:
+    backend: str
+    status: str = "ok"  # ok | unavailable | error | not run
+    reason: str = ""
+    space: dict[str, list[Any]] = field(default_factory=dict)
+    space_size: int = 0
+    start: BaseModel | None = None
+    refused: list[dict[str, Any]] = field(default_factory=list)  # settings over the machine, never run
+    trials: list[Trial] = field(default_factory=list)
+    best: Trial | None = None
+    best_settings: BaseModel | None = None
+    share_s: float = 0.0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backend": self.backend, "status": self.status, "reason": self.reason, "space": self.space,
+                "space_size": self.space_size, "tried": len(self.trials), "refused": self.refused,
+                "best": self.best.to_json() if self.best else None, "budget_share_s": round(self.share_s, 2),
+                "seconds": round(self.seconds, 2), "trials": [t.to_json() for t in self.trials]}
+
+
+class _Stop(Exception):
+    def __init__(self, outcome: str, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome, self.reason = outcome, reason
+
+
+def _key(settings: BaseModel) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in settings.model_dump().items()))
+
+
+def search_space(config: Config, name: str, cls: type[Loader], cores: int) -> tuple[dict[str, list[Any]], BaseModel]:
+    """The knobs to search (the backend's space narrowed by the config's lists) and the start point."""
+    raw = dict(config.loaders.get(name) or {})
+    start = backend_settings(config, name)[0]  # validates; the first value of each configured list
+    space = {k: list(v) for k, v in cls.knob_space(cores).items() if k in cls.Settings.model_fields}
+    for key, value in raw.items():
+        if isinstance(value, list):
+            space[key] = [getattr(p, key) for p in backend_settings(config, name)]  # validated values, in order
+            space[key] = list(dict.fromkeys(space[key]))
+        elif key in space and getattr(start, key) not in space[key]:
+            space[key].append(getattr(start, key))  # the configured value is a candidate too
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in space[key]):
+                space[key].sort()  # keep "least to most resources"
+    return space, start
+
+
+class Tuner:
+    """Tunes backends one after another within one budget; `tune(names)` returns one result per backend."""
+
+    def __init__(self, config: Config, dataset: Any, device: Any, budget_s: float, *, window: Window | None = None,
+                 limits: MachineLimits | None = None, clock: Clock = time.monotonic, reporter: Any = None,
+                 convert: bool = True) -> None:
+        self.config, self.dataset, self.device = config, dataset, torch.device(device)
+        self.budget_s, self.window = budget_s, window or Window()
+        self.limits, self.clock, self.reporter, self.convert = limits or MachineLimits.here(), clock, reporter, convert
+        workload = config.workload
+        self.accelerator = make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), self.device)
+
+    # -- the budget --------------------------------------------------------------------------------
+
+    def tune(self, names: list[str]) -> list[BackendTuning]:
+        results = [self._setup(name) for name in names]  # conversions happen here, before the clock starts
+        started = self.clock()
+        deadline = started + self.budget_s
+        todo = [r for r in results if r.status == "ok"]
+        for index, tuning in enumerate(todo):
+            now = self.clock()
+            tuning.share_s = max(0.0, (deadline - now) / (len(todo) - index))
+            self._search(tuning, min(deadline, now + tuning.share_s))
+            tuning.seconds = self.clock() - now
+        return results
+
+    def _setup(self, name: str) -> BackendTuning:
+        tuning = BackendTuning(name)
+        try:
+            cls = backend_class(name)
+        except KeyError as exc:
+            raise ConfigError(f"--loaders {name}: {exc.args[0]}") from None
+        available, reason = cls.available()
+        if not available:
+            tuning.status, tuning.reason = "unavailable", reason
+            return tuning
+        tuning.space, start = search_space(self.config, name, cls, self.limits.cores)
+        tuning.space_size = 1
+        for values in tuning.space.values():
+            tuning.space_size *= len(values)
+        tuning.start = self._fit(cls, start, tuning)
+        if tuning.start is None:
+            tuning.status, tuning.reason = "not run", "no setting of its knob space fits this machine"
+            return tuning
+        # Every value of every knob is prepared once now, so that no conversion lands in the budget.
+        for key, values in tuning.space.items():
+            for value in values:
+                point = self._point(cls, tuning.start, key, value)
+                if point is None or self.limits.refuses(cls, point, self.config.pipeline):
+                    continue
+                try:
+                    self._build(cls, point, prepare=True).close()
+                except DatasetError as exc:  # e.g. a missing conversion under --no-convert: drop the value
+                    tuning.space[key] = [v for v in tuning.space[key] if v != value]
+                    tuning.refused.append({"settings": point.model_dump(), "reason": str(exc)})
+        return tuning
+
+    def _point(self, cls: type[Loader], base: BaseModel, key: str, value: Any) -> BaseModel | None:
+        try:
+            return cls.Settings(**{**base.model_dump(), key: value})
+        except ValueError:
+            return None  # a combination the backend's model refuses
+
+    def _fit(self, cls: type[Loader], start: BaseModel, tuning: BackendTuning) -> BaseModel | None:
+        """The start point, its knobs stepped down their value lists (last knob first) until it fits."""
+        point = start
+        for key in reversed(list(tuning.space)):
+            values = tuning.space[key]
+            while self.limits.refuses(cls, point, self.config.pipeline):
+                current = getattr(point, key)
+                lower = values[: values.index(current)] if current in values else values[:1]
+                smaller = self._point(cls, point, key, lower[-1]) if lower else None
+                if smaller is None:
+                    break
+                point = smaller
+        return None if self.limits.refuses(cls, point, self.config.pipeline) else point
+
+    # -- the hill climb ----------------------------------------------------------------------------
+
+    def _search(self, tuning: BackendTuning, deadline: float) -> None:
+        cls = backend_class(tuning.backend)
+        seen: set[tuple] = set()
+        incumbent = self._trial(cls, tuning, tuning.start, None, deadline, seen)
+        if incumbent is None or incumbent.samples_per_s is None:
+            tuning.status = "error" if incumbent is not None else "not run"
+            tuning.reason = incumbent.reason if incumbent is not None else "the budget was spent before its first run"
+            return
+        best_settings = tuning.start
+        for _ in range(self.window.max_passes):
+            moved = False
+            for key, values in tuning.space.items():
+                for value in values:
+                    point = self._point(cls, best_settings, key, value)
+                    if point is None or _key(point) in seen:
+                        continue
+                    refused = self.limits.refuses(cls, point, self.config.pipeline)
+                    if refused:
+                        seen.add(_key(point))
+                        tuning.refused.append({"settings": point.model_dump(), "reason": refused})
+                        continue
+                    trial = self._trial(cls, tuning, point, incumbent.samples_per_s, deadline, seen)
+                    if trial is None:  # the budget cannot fit another run
+                        tuning.best, tuning.best_settings = incumbent, best_settings
+                        return
+                    gain = 1 + self.window.min_gain
+                    if trial.outcome == "ok" and trial.samples_per_s > incumbent.samples_per_s * gain:
+                        incumbent, best_settings, moved = trial, point, True
+            if not moved:
+                break
+        tuning.best, tuning.best_settings = incumbent, best_settings
+
+    def _expected_s(self, tuning: BackendTuning) -> float:
+        full = [t.seconds for t in tuning.trials if t.outcome == "ok"]
+        return sorted(full)[len(full) // 2] if full else 0.0
+
+    def _trial(self, cls: type[Loader], tuning: BackendTuning, settings: BaseModel, incumbent: float | None,
+               deadline: float, seen: set[tuple]) -> Trial | None:
+        """One short run of `settings`; None when the budget cannot fit it."""
+        now = self.clock()
+        if now >= deadline or (tuning.trials and now + self._expected_s(tuning) > deadline):
+            return None
+        seen.add(_key(settings))
+        loader = self._build(cls, settings)
+        trial = Trial(settings.model_dump(), _unique_label(f"{tuning.backend} {loader.describe()}", settings, tuning))
+        w = self.window
+        started = time.perf_counter()
+        first: list[float] = []
+
+        def check(done: int) -> None:
+            measured = done - w.warmup_batches
+            if measured == 0:
+                first.append(time.perf_counter())
+            if self.clock() >= deadline and done < w.warmup_batches + w.measure_batches:
+                raise _Stop("cut by the budget", "the backend's share of the budget ran out")
+            if incumbent and measured >= w.min_batches and first:
+                rate = (measured * self.config.pipeline.batch_size) / max(time.perf_counter() - first[0], 1e-9)
+                if rate < (1 - w.stop_margin) * incumbent:
+                    trial.samples_per_s, trial.batches = rate, measured
+                    raise _Stop("stopped early", f"{rate:,.0f} samples/s after {measured} batches, below "
+                                                 f"{1 - w.stop_margin:.0%} of the best so far ({incumbent:,.0f})")
+
+        if self.reporter is not None:
+            self.reporter.run_started(f"tuning {trial.label}", w.warmup_batches + w.measure_batches)
+        try:
+            result = run_repeat(loader, self.accelerator, DeviceTransfer(self.device, emulate=True), w.warmup_batches,
+                                w.measure_batches, on_batch=check)
+            trial.samples_per_s, trial.batches = steady_rate(result.probes), result.metrics["batches"]
+        except _Stop as stop:
+            trial.outcome, trial.reason = stop.outcome, stop.reason
+        except (LoadoptError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a setting that fails is a setting not to pick
+            log.debug("tuning trial %s failed", trial.label, exc_info=True)
+            trial.outcome, trial.reason = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
+        finally:
+            loader.close()
+        trial.seconds = time.perf_counter() - started
+        tuning.trials.append(trial)
+        report = getattr(self.reporter, "tuning_trial", None)
+        if report is not None:
+            report(trial.label, trial.outcome, trial.samples_per_s, trial.reason)
+        return trial
+
+    def _build(self, cls: type[Loader], settings: BaseModel, prepare: bool = False) -> Loader:
+        loader = cls(self.dataset, self.config.pipeline, settings, device=self.device, seed=self.config.seed,
+                     on_error=self.config.dataset.on_error)
+        try:
+            loader.prepare(convert_missing=self.convert if prepare else False)
+        except BaseException:
+            loader.close()
+            raise
+        return loader
+
+
+def steady_rate(probes: list[BatchProbe]) -> float:
+    """Samples/s over the last two thirds of the measured batches: a short run's first measured batches
+    may still drain what the loader prefetched during warm-up, which flatters deep prefetch."""
+    measured = [p for p in probes if p.measured]
+    tail = measured[len(measured) // 3 :]
+    if not tail:
+        return 0.0
+    last = tail[-1]
+    seconds = last.start_s + last.wait_s + last.finish_s + last.compute.seconds() - tail[0].start_s
+    return sum(p.samples for p in tail) / seconds if seconds > 0 else 0.0
+
+
+def _unique_label(label: str, settings: BaseModel, tuning: BackendTuning) -> str:
+    """`describe()` may not show every knob searched: name the ones that tell two trials apart."""
+    mine = settings.model_dump()
+    for trial in tuning.trials:
+        if trial.label == label and trial.settings != mine:
+            label += "".join(f" {k}={v}" for k, v in mine.items() if trial.settings.get(k) != v)
+    return label
+
+
+def tuning_summary(tunings: list[BackendTuning], budget_s: float) -> dict[str, Any]:
+    """The tuning trace for results.json."""
+    return {"method": "coordinate-wise hill climbing with early stopping (loadopt/bench/tuner.py)",
+            "budget_s": budget_s, "seconds": round(sum(t.seconds for t in tunings), 2),
+            "backends": [t.to_json() for t in tunings]}
