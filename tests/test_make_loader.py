@@ -164,3 +164,20 @@ def test_explain_says_which_decision_applies(config_path):
         assert "2030-01-02" in text and "loadopt 9.9" in text and "storage tier local:" in text
     finally:
         path.unlink()
+
+
+def test_auto_finds_a_decision_recorded_under_an_inline_tier(config_path, caplog):
+    from loadopt.bench.runner import run_bench
+    from loadopt.config import load_config
+
+    # An inline tier (a mapping, maybe with credentials) is keyed by its name in the decision.
+    tier = "storage.tier={name: fastdisk, bandwidth_mb_s: 2000}"
+    config = load_config(config_path, ["loaders.torch.num_workers=[0]", tier])
+    decision = run_bench(config, attribute=False, quick=True).results["decision"]
+    assert decision["machine"]["storage_tier"].startswith("fastdisk:")
+    try:
+        with caplog.at_level(logging.INFO, logger="loadopt"):
+            make_loader(config).close()
+        assert "fastest in the last bench on this machine" in caplog.text
+    finally:
+        decision_path(decision["dataset_fingerprint"]).unlink()

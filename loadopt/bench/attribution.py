@@ -219,7 +219,7 @@ def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, A
     words, settings = label.split(), settings or {}
     backend = words[0] if words else ""
     decoded = "decoded" in words or settings.get("form") == "decoded" or job.get("kind") == "tokens"
-    if decoded or backend not in ("torch", "arrow", "posix", "kvikio"):
+    if decoded or backend not in ("torch", "arrow", "posix", "kvikio", "dali"):
         copy = ceilings.get("memcpy", {}).get("bytes_per_s")
         per_sample = _delivered_bytes(metrics)
         rate = copy / per_sample if copy and per_sample else None

@@ -30,9 +30,14 @@ def decision_path(dataset_fingerprint: str) -> Path:
     return cache_dir() / "decisions" / f"{dataset_fingerprint}.json"
 
 
-def storage_tier(tier: str, root: str) -> str:
-    """The tier the dataset is read from: the config's tier and, for local data, the filesystem type
-    of the folder it sits in (`local:ext4`, `local:nfs4`, `local:tmpfs`); a URL's scheme otherwise."""
+def storage_tier(tier: str | dict[str, Any], root: str) -> str:
+    """The tier the dataset is read from: the config's tier (its name: never an inline tier's options,
+    which may hold credentials) and, for local data, the filesystem type of the folder it sits in
+    (`local:ext4`, `local:nfs4`, `local:tmpfs`); a URL's scheme otherwise."""
+    from loadopt.storage.tiers import tier_label
+
+    if not isinstance(tier, str):  # a name already is safe (and may be a label of an inline tier)
+        tier = tier_label(tier)
     if "://" in root and not root.startswith("file://"):
         return f"{tier}:{root.split('://', 1)[0]}"
     path = os.path.realpath(root.removeprefix("file://"))
