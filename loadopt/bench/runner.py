@@ -9,7 +9,6 @@ Ctrl-C stops the bench and keeps the runs already finished.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,24 +16,33 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from loadopt.bench import attribution
+from loadopt.bench import attribution, decision, stages, tuner
 from loadopt.bench.accelerator import make_accelerator
+from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import aggregate, median
 from loadopt.bench.results import (
     SCHEMA_VERSION,
-    atomic_write_text,
     machine_fingerprint,
     machine_info,
     prepare_output,
     write_results,
 )
-from loadopt.config import Config, WorkloadConfig, backend_settings, cache_dir
+from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer, resolve_device
 from loadopt.errors import ConfigError, LoadoptError
 from loadopt.loaders.base import backend_class
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
+from loadopt.storage.remote import redact
+from loadopt.storage.tiers import (
+    counters_delta,
+    resolve_tier,
+    sum_counters,
+    tier_counters,
+    tier_failure,
+    tier_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ class _Setting:
     status: str = "ok"  # ok | unavailable | error
     reason: str = ""
     repeats: list[RepeatResult] = field(default_factory=list)
+    tier_counters: list[dict[str, float]] = field(default_factory=list)  # per repeat: retries, faults, ...
 
 
 @dataclass
@@ -101,21 +110,38 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
 
 
 def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
-              reporter: Reporter | None = None, convert: bool = True, attribute: bool = True) -> BenchOutcome:
+              reporter: Reporter | None = None, convert: bool = True, attribute: bool = True, tune: bool = False,
+              budget_s: float = 600.0, attribute_stages: bool = False) -> BenchOutcome:
     """Measure every configured loader setting; write results.json and timings.parquet into `out`.
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
     is false, in which case a missing conversion is an error. `attribute` (default) also measures the
-    machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution.py)."""
+    machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution.py).
+    `tune` first searches each backend's knobs within `budget_s` seconds (bench/tuner.py) and then
+    measures each backend's best setting; `attribute_stages` (implied by `tune`) runs the stages of each
+    backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/stages.py)."""
+    from loadopt.bench import distributed
+
+    if distributed.launched():  # under torchrun: one emulated accelerator per rank (bench/distributed.py)
+        return distributed.run_bench_distributed(config, loaders=loaders, out=out, quick=quick, reporter=reporter,
+                                                 convert=convert)
     reporter = reporter or Reporter()
     folder = prepare_output(out or config.report.out)
     device = resolve_device(config.workload.device)
     workload = effective_workload(config.workload, quick)
     dataset = open_dataset(config, progress=reporter.dataset_progress)
-    plan = _plan(config, loaders or list(config.loaders), dataset, device, reporter, convert)
     if workload.model != "none" and config.dataset.kind != "images":
         raise ConfigError(f"{config.source}: workload.model: {workload.model} is an image model; "
                           f"use none (the emulated accelerator) for {config.dataset.kind}")
+    tunings = None
+    if tune:  # the search's trials, then each backend's best setting measured as any configured one
+        tunings = tuner.Tuner(config, dataset, device, budget_s, reporter=reporter, convert=convert).tune(
+            loaders or list(config.loaders))
+        plan = [_Setting(t.backend, t.best_settings, t.best.label, "ok") if t.best is not None else
+                _Setting(t.backend, None, t.backend, t.status if t.status != "ok" else "error", t.reason)
+                for t in tunings]
+    else:
+        plan = _plan(config, loaders or list(config.loaders), dataset, device, reporter, convert)
     accelerator = make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), device)
     cache_note = "warm: the page cache was left as it was"
     interrupted = False
@@ -135,16 +161,28 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     except LoadoptError as exc:
         user_error = exc
     results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+    if tunings is not None:
+        results["tuning"] = tuner.tuning_summary(tunings, budget_s)
+        tried = {t.backend: (len(t.trials), t.space_size) for t in tunings}
+        for run in results["runs"]:
+            run["tuned"] = {"tried": tried[run["backend"]][0], "space_size": tried[run["backend"]][1]}
     if ceilings is not None:
         try:
             _attribute(results, ceilings)
+            if (tune or attribute_stages) and not interrupted and user_error is None:
+                stages.attribute_stages(config, dataset, device, results, ceilings, reporter)
+        except KeyboardInterrupt:
+            interrupted = results["interrupted"] = True
         except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
+    if not interrupted and user_error is None:
+        tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
+        results["decision"] = decision.make_decision(results, tier)
     json_path, parquet_path = write_results(folder, results, _timing_rows(plan))
     if user_error is not None:
         raise user_error
-    if not interrupted:
-        _record_decision(results, dataset)
+    if results.get("decision"):
+        decision.record(results["decision"], folder)
     return BenchOutcome(results, json_path, parquet_path, interrupted)
 
 
@@ -163,6 +201,7 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
     reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
                          workload.warmup_batches + workload.measure_batches)
     loader = None
+    counters = tier_counters(dataset.fs)
     try:
         loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
                      on_error=config.dataset.on_error)
@@ -171,19 +210,32 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
         note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
         result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), workload.warmup_batches,
                             workload.measure_batches, on_batch=reporter.batch_done)
-    except (LoadoptError, KeyboardInterrupt):
+    except KeyboardInterrupt:
         raise
-    except Exception as exc:  # noqa: BLE001 - one failing backend must not take the others down
+    except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
+        recorded = _tier_delta(setting, counters, dataset)
+        failure = tier_failure(exc, dataset.fs, setting.tier_counters[-1] if recorded else None)
+        if isinstance(exc, LoadoptError) and failure is None:
+            raise
         log.debug("run %s failed", setting.label, exc_info=True)
-        setting.status, setting.reason = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
+        setting.status, setting.reason = "error", str(failure or f"{type(exc).__name__}: {exc}").splitlines()[0]
         reporter.run_finished(setting.label, None, setting.reason)
         return None
     finally:
         if loader is not None:
             loader.close()
+    _tier_delta(setting, counters, dataset)
     setting.repeats.append(result)
     reporter.run_finished(setting.label, result.metrics, None)
     return note
+
+
+def _tier_delta(setting: _Setting, before: dict[str, float] | None, dataset: ImageDataset) -> bool:
+    """Record what this repeat added to the tier's counters (shared by the loader's processes)."""
+    delta = counters_delta(before, tier_counters(dataset.fs))
+    if delta is not None:
+        setting.tier_counters.append(delta)
+    return delta is not None
 
 
 def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
@@ -200,6 +252,8 @@ def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device
             run["skipped_files"] = [{"path": p, "reason": why} for r in setting.repeats for p, why in r.skipped]
         elif setting.status == "ok":
             run["status"], run["reason"] = "not run", "the bench was interrupted first"
+        if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
+            run["tier_counters"] = sum_counters(setting.tier_counters)
         runs.append(run)
     measured = sorted((r for r in runs if "metrics" in r), key=lambda r: -median(r["metrics"], "samples_per_s"))
     summary = _summary(measured)
@@ -208,13 +262,14 @@ def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "loadopt bench",
         "config_source": config.source,
-        "config": config.model_dump(mode="json"),
+        "config": redact(config.model_dump(mode="json")),
         "quick": quick,
         "interrupted": interrupted,
         "device": str(device),
         "machine": machine,
         "machine_fingerprint": machine_fingerprint(machine),
-        "dataset": {"root": dataset.root, "fingerprint": dataset.fingerprint, "synthetic": dataset.synthetic,
+        "tier": resolve_tier(config.storage.tier).redacted(),
+        "dataset": {"root": redact(dataset.root), "fingerprint": dataset.fingerprint, "synthetic": dataset.synthetic,
                     "num_samples": len(dataset), "num_classes": len(dataset.classes),
                     "total_bytes": int(dataset.sizes.sum()), "mean_sample_bytes": float(dataset.sizes.mean())},
         "workload": workload.model_dump(),
@@ -267,24 +322,3 @@ def _timing_rows(plan: list[_Setting]) -> dict[str, list]:
                 for column, value in zip(columns, values, strict=True):
                     rows[column].append(value)
     return rows
-
-
-def decision_path(dataset_fingerprint: str) -> Path:
-    return cache_dir() / "decisions" / f"{dataset_fingerprint}.json"
-
-
-def _record_decision(results: dict[str, Any], dataset: ImageDataset) -> None:
-    """Remember the fastest setting for `make_loader(backend="auto")` on this dataset and machine."""
-    best = next((r for r in results["runs"] if results["ranking"] and r["label"] == results["ranking"][0]), None)
-    if best is None:
-        return
-    decision = {"backend": best["backend"], "settings": best["settings"], "label": best["label"],
-                "samples_per_s": median(best["metrics"], "samples_per_s"),
-                "machine_fingerprint": results["machine_fingerprint"], "pipeline": results["config"]["pipeline"],
-                "device": results["device"], "created": results["created"]}
-    path = decision_path(dataset.fingerprint)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(decision, indent=2) + "\n")
-    except OSError as exc:  # the results are written; a missing decision only costs `auto` its memory
-        log.warning("could not record the decision in %s: %s", path, exc)

@@ -1,0 +1,351 @@
+"""`loadopt tiers`: how many accelerators each storage tier keeps busy, measured and predicted.
+
+The question is MLPerf Storage's: the largest number N of emulated accelerators a tier keeps at a
+mean accelerator utilisation (AU) of at least the threshold (0.9) for the configured workload.
+
+Measured: N consumer processes run at once, each with its own reader of the tier and its own shard
+of the data (rank i of N in the shared sample order). A consumer is a storage reader, as DLIO and
+MLPerf Storage use: `readers` threads fetch the stored bytes of the next `prefetch` batches through
+the tier (no decode: the question is the storage's), and the emulated accelerator takes `step_time`
+per batch. All consumers start together and are measured over the same window after a warm-up, so
+none of them gets the tier to itself at the end; AU is the step time inside the window over its
+length. N is searched exponentially (1, 2, 4, ...) until AU falls below the threshold, then by
+bisection, bounded by `max_accelerators`. Each trial uses a fresh tier instance (its own bandwidth
+clock), forked from this process, so the consumers share the tier's limits as they would share the
+real device.
+
+Predicted: from `loadopt probe` of the tier (whole-sample reads of the dataset at concurrency 1, 4,
+16 and 64): N consumers with `readers` threads each keep about N x readers requests in flight, so
+the tier delivers the probe's MB/s at that concurrency (interpolated, flat past the last level);
+each consumer needs AU x batch bytes / step time. N_pred is the largest N whose share meets that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import multiprocessing
+import os
+import queue as queue_module
+import resource
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadopt.config import Config
+from loadopt.errors import ConfigError, DatasetError
+from loadopt.loaders.sampler import EpochOrder
+from loadopt.storage.probe import probe
+from loadopt.storage.tiers import TierSpec, resolve_tier, tier_filesystem
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    """What each emulated accelerator's consumer does."""
+
+    batch_size: int
+    step_s: float
+    readers: int = 4  # threads reading samples through the tier
+    prefetch: int = 2  # batches read ahead of the one being consumed
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+
+
+def demand(config: Config, mean_sample_bytes: float, au: float) -> dict[str, float]:
+    """The workload's need per accelerator: MB/s at full utilisation and at the AU threshold."""
+    step_s = config.workload.step_time_ms / 1000.0
+    if step_s <= 0:
+        raise ConfigError(f"{config.source}: workload.step_time_ms: must be positive for `loadopt tiers` "
+                          "(an accelerator that needs no time needs infinite bandwidth)")
+    batch_bytes = config.pipeline.batch_size * mean_sample_bytes
+    full = batch_bytes / step_s / 1e6
+    return {"batch_bytes": batch_bytes, "step_time_ms": step_s * 1000.0, "mb_per_s": full,
+            "mb_per_s_at_threshold": full * au, "mean_sample_bytes": mean_sample_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# One consumer (runs in a forked process)
+
+
+def _batches(num_samples: int, settings: ConsumerSettings, rank: int, world: int):
+    epoch = 0
+    while True:
+        order = EpochOrder(num_samples, settings.batch_size, settings.seed, epoch, rank, world, settings.shuffle,
+                           settings.drop_last)
+        batches = order.batches()
+        if not batches:
+            raise DatasetError(f"rank {rank} of {world} has no samples: the dataset has only {num_samples}")
+        yield from batches
+        epoch += 1
+
+
+def _sleep_until(moment: float) -> None:
+    delay = moment - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _overlap(start: float, end: float, lo: float, hi: float) -> float:
+    return max(0.0, min(end, hi) - max(start, lo))
+
+
+def consume(dataset, settings: ConsumerSettings, rank: int, world: int, t_start: float, t_window: float,
+            t_end: float) -> dict[str, Any]:
+    """Play one accelerator from `t_start` to `t_end`; its figures over the window [t_window, t_end]."""
+    failures = [0]
+
+    def read(index: int) -> int:
+        try:
+            return len(dataset.fs.cat_file(dataset.path(index)))
+        except (OSError, TimeoutError):  # a read the tier failed for good (after retries): the sample is lost
+            failures[0] += 1
+            return 0
+
+    batches = _batches(len(dataset), settings, rank, world)
+    steps: list[tuple[float, float, float, int, int]] = []  # (asked, got, done, samples, bytes)
+    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    with ThreadPoolExecutor(settings.readers) as pool:
+        _sleep_until(t_start)
+        pending: deque[list] = deque()
+        for _ in range(settings.prefetch + 1):
+            pending.append([pool.submit(read, int(i)) for i in next(batches)])
+        while True:
+            asked = time.perf_counter()
+            if asked >= t_end:
+                break
+            futures = pending.popleft()
+            nbytes = sum(f.result() for f in futures)
+            got = time.perf_counter()
+            pending.append([pool.submit(read, int(i)) for i in next(batches)])
+            time.sleep(settings.step_s)
+            steps.append((asked, got, time.perf_counter(), len(futures), nbytes))
+        for futures in pending:
+            for future in futures:
+                future.cancel()
+    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    window = t_end - t_window
+    compute = sum(_overlap(got, done, t_window, t_end) for _, got, done, _, _ in steps)
+    inside = [s for s in steps if t_window <= s[1] < t_end]
+    waits = np.array([got - asked for asked, got, _, _, _ in inside]) if inside else np.zeros(1)
+    return {"rank": rank, "accelerator_utilisation": min(1.0, compute / window),
+            "samples_per_s": sum(s[3] for s in inside) / window, "mb_per_s": sum(s[4] for s in inside) / window / 1e6,
+            "batches": len(inside), "wait_p99_ms": float(np.percentile(waits, 99) * 1000.0),
+            "failed_reads": failures[0],
+            "cpu_s": (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)}
+
+
+def _consumer_main(queue, dataset, settings, rank, world, t_start, t_window, t_end) -> None:
+    try:
+        queue.put(consume(dataset, settings, rank, world, t_start, t_window, t_end))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
+        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+
+
+def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: float, measure_s: float) -> dict[str, Any]:
+    """`count` consumers at once on `dataset` (whose `fs` is the tier); their figures and the mean AU."""
+    context = multiprocessing.get_context("fork")  # the consumers inherit the dataset and the tier instance
+    queue = context.Queue()
+    t_start = time.perf_counter() + 0.2 + 0.02 * count  # after every process has started
+    t_window = t_start + warmup_s
+    t_end = t_window + measure_s
+    procs = [context.Process(target=_consumer_main, daemon=True,
+                             args=(queue, dataset, settings, rank, count, t_start, t_window, t_end))
+             for rank in range(count)]
+    for proc in procs:
+        proc.start()
+    results = []
+    try:
+        for _ in procs:
+            results.append(queue.get(timeout=max(60.0, t_end - time.perf_counter() + 60.0)))
+    except queue_module.Empty:
+        raise RuntimeError(f"{count} consumers: no answer from {count - len(results)} of them") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise DatasetError(f"consumer failed: {errors[0]}")
+    results.sort(key=lambda r: r["rank"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpu_s = sum(r["cpu_s"] for r in results)
+    return {"accelerators": count,
+            "accelerator_utilisation": float(np.mean([r["accelerator_utilisation"] for r in results])),
+            "min_accelerator_utilisation": min(r["accelerator_utilisation"] for r in results),
+            "samples_per_s": sum(r["samples_per_s"] for r in results),
+            "mb_per_s": sum(r["mb_per_s"] for r in results),
+            "failed_reads": sum(r["failed_reads"] for r in results),
+            # the consumers' CPU over what the machine's cores offered in the same time
+            "cpu_load": cpu_s / ((warmup_s + measure_s) * cores), "per_consumer": results}
+
+
+# ---------------------------------------------------------------------------------------------
+# Search and prediction
+
+
+def search(trial: Callable[[int], dict[str, Any]], threshold: float, max_n: int,
+           budget_s: float) -> tuple[int, list[dict[str, Any]], str]:
+    """The largest N in [0, max_n] whose trial keeps mean AU >= threshold: doubling, then bisection.
+    Returns (N, the trials, a note on what bounded the search)."""
+    started = time.perf_counter()
+    trials: list[dict[str, Any]] = []
+    passed, failed = 0, None
+
+    def run(n: int) -> bool:
+        result = trial(n)
+        result["passed"] = result["accelerator_utilisation"] >= threshold
+        trials.append(result)
+        return result["passed"]
+
+    n = 1
+    while True:
+        if not run(n):
+            failed = n
+            break
+        passed = n
+        if n >= max_n or time.perf_counter() - started > budget_s:
+            break
+        n = min(2 * n, max_n)
+    while failed is not None and failed - passed > 1 and time.perf_counter() - started <= budget_s:
+        middle = (passed + failed) // 2
+        if run(middle):
+            passed = middle
+        else:
+            failed = middle
+    if failed is None:
+        note = f"at least {passed}: the search stops at --max-accelerators {max_n}" if passed >= max_n else \
+            f"at least {passed}: the time budget ran out"
+    elif failed - passed > 1:
+        note = f"between {passed} and {failed - 1}: the time budget ran out"
+    else:
+        note = f"{failed} accelerator{'s fall' if failed > 1 else ' falls'} below the threshold"
+    return passed, trials, note
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through (concurrency, MB/s), flat beyond the last point, through (0, 0)."""
+    xs = [0.0] + [p[0] for p in points]
+    ys = [0.0] + [p[1] for p in points]
+    return float(np.interp(x, xs, ys))
+
+
+def predict(probe_result: dict[str, Any], need_mb_s: float, readers: int, max_n: int) -> dict[str, Any]:
+    """N_pred from the probe's whole-sample reads: the largest N whose share of what the tier delivers
+    at N x readers requests in flight is at least `need_mb_s` (the per-accelerator demand at the AU
+    threshold)."""
+    points = sorted((p["concurrency"], p["mb_per_s"]) for p in probe_result["patterns"]
+                    if p["pattern"] == "files" and "skipped" not in p)
+    if not points:
+        return {"accelerators": None, "note": "the probe measured no whole-sample reads"}
+    supported = 0
+    for n in range(1, max_n + 1):
+        if _interpolate(points, n * readers) / n >= need_mb_s:
+            supported = n
+        else:
+            break
+    deliverable = _interpolate(points, max(supported, 1) * readers)
+    return {"accelerators": supported, "deliverable_mb_s": deliverable,
+            "probe_points": [{"concurrency": c, "mb_per_s": m} for c, m in points],
+            "note": f"at most {max_n} (--max-accelerators)" if supported >= max_n else ""}
+
+
+# ---------------------------------------------------------------------------------------------
+# The procurement table
+
+
+def _tier_dataset(dataset, spec: TierSpec):
+    """The dataset read through a fresh instance of tier `spec` (its own clock, slots and counters)."""
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    base = dataset.fs.base_fs if isinstance(dataset.fs, EmulatedFileSystem) else dataset.fs
+    return dataclasses.replace(dataset, fs=tier_filesystem(spec, base))
+
+
+def _open_for_tier(config: Config, spec: TierSpec):
+    from loadopt.storage.imagefolder import open_dataset
+
+    tier_config = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"tier": spec.model_dump(mode="json")})})
+    dataset = open_dataset(tier_config)
+    if getattr(dataset, "sizes", None) is None or not hasattr(dataset, "path"):
+        raise ConfigError(f"{config.source}: dataset.kind: `loadopt tiers` reads image datasets (sample files)")
+    return dataset
+
+
+def tier_costs(spec: TierSpec, capacity_tb: float, supported: int) -> dict[str, float | None]:
+    if spec.price_per_tb_month is None:
+        return {"per_month": None, "per_accelerator_month": None}
+    per_month = spec.price_per_tb_month * capacity_tb
+    return {"per_month": per_month, "per_accelerator_month": per_month / supported if supported else None}
+
+
+def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 0.9, max_accelerators: int = 64,
+              readers: int = 4, prefetch: int = 2, warmup_s: float = 1.0, measure_s: float = 3.0,
+              probe_s: float = 1.0, budget_s: float = 300.0, capacity_tb: float | None = None,
+              progress: Progress | None = None) -> dict[str, Any]:
+    """For each tier: supported accelerators (measured and predicted), with what was delivered and cost."""
+    if not 0 < au <= 1:
+        raise ConfigError(f"--au {au}: expected a utilisation threshold in (0, 1]")
+    if max_accelerators < 1:
+        raise ConfigError(f"--max-accelerators {max_accelerators}: expected at least 1")
+    say = progress or (lambda text: None)
+    specs = [resolve_tier(t, where=f"--tiers {t}") for t in tiers]
+    settings = ConsumerSettings(config.pipeline.batch_size, config.workload.step_time_ms / 1000.0, readers, prefetch,
+                                config.seed, config.pipeline.shuffle, config.pipeline.drop_last)
+    rows = []
+    need = None
+    for spec in specs:
+        dataset = _open_for_tier(config, spec)
+        need = demand(config, float(dataset.sizes.mean()), au)
+        capacity = capacity_tb if capacity_tb is not None else float(dataset.sizes.sum()) / 1e12
+        say(f"{spec.name}: probing")
+        probed = dataset_probe(_tier_dataset(dataset, spec), probe_s, max_accelerators * readers)
+        predicted = predict(probed, need["mb_per_s_at_threshold"], readers, max_accelerators)
+
+        def trial(n: int, spec: TierSpec = spec, dataset=dataset) -> dict[str, Any]:
+            say(f"{spec.name}: {n} accelerators")
+            return run_consumers(_tier_dataset(dataset, spec), settings, n, warmup_s, measure_s)
+
+        measured, trials, note = search(trial, au, max_accelerators, budget_s)
+        at = next((t for t in trials if t["accelerators"] == measured), None)
+        rows.append({"tier": spec.name, "spec": spec.redacted(), "measured": measured, "measured_note": note,
+                     "predicted": predicted["accelerators"], "prediction": predicted,
+                     "delivered_mb_s": at["mb_per_s"] if at else 0.0,
+                     "samples_per_s": at["samples_per_s"] if at else 0.0,
+                     "accelerator_utilisation": at["accelerator_utilisation"] if at else None,
+                     "cpu_load": at["cpu_load"] if at else None,
+                     "cost": tier_costs(spec, capacity, measured), "capacity_tb": capacity,
+                     "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
+                     "probe": probed})
+    return {"command": "loadopt tiers", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "config_source": config.source, "au_threshold": au, "demand": need,
+            "consumer": {"kind": "storage reader (the samples' stored bytes, no decode; as DLIO / MLPerf Storage)",
+                         "readers": readers, "prefetch_batches": prefetch, "warmup_s": warmup_s,
+                         "measure_s": measure_s, "max_accelerators": max_accelerators},
+            "tiers": rows}
+
+
+def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64) -> dict[str, Any]:
+    """The probe of a tier for prediction: sequential reads and whole-sample reads at 1, 4, 16 and 64 in
+    flight (those up to `most_in_flight`, and that one: no more are ever in flight in the search)."""
+    levels = sorted({c for c in (1, 4, 16, 64) if c < most_in_flight} | {min(64, most_in_flight)})
+    root = os.path.dirname(os.path.dirname(dataset.path(0)))  # <root>/<class>/<sample>, as the tier's fs names it
+    return probe(root, fs=dataset.fs, block_sizes=(), concurrencies=tuple(levels), duration_s=duration_s,
+                 seq_bytes=64 << 20, whole_files=True, cold=False, max_requests=200_000)
+
+
+def agreement(row: dict[str, Any]) -> float | None:
+    """predicted / measured (None when either is unknown or zero)."""
+    measured, predicted = row["measured"], row["predicted"]
+    if not measured or predicted is None:
+        return None
+    return predicted / measured

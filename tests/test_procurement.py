@@ -1,0 +1,86 @@
+"""`loadopt tiers`: accelerators a tier keeps busy, on emulated tiers where the answer is known."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from loadopt.bench.procurement import demand, predict, run_tiers, search
+from loadopt.config import config_from_dict
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import tiny_config_dict
+from .test_cli import loadopt, one_line_error
+
+AU = 0.9
+
+
+def small_config(tmp_path):
+    # small samples and batches, so that the consumers' CPU stays far below the two cores here
+    return config_from_dict(tiny_config_dict(
+        tmp_path, dataset={"synthetic": {"num_samples": 256, "num_classes": 4, "mean_width": 64, "mean_height": 48}},
+        pipeline={"batch_size": 4, "image_size": 32}, workload={"step_time_ms": 20}))
+
+
+def test_supported_accelerators_known_by_construction(tmp_path):
+    config = small_config(tmp_path)
+    need = demand(config, float(open_dataset(config).sizes.mean()), AU)["mb_per_s_at_threshold"]
+    # A tier of B MB/s keeps floor(B / need) accelerators at AU >= 0.9; B sits halfway between two counts.
+    tiers = [{"name": f"bw{k}", "bandwidth_mb_s": (k + 0.5) * need, "latency_ms": 1.0} for k in (2, 5)]
+    result = run_tiers(config, tiers, au=AU, max_accelerators=12, warmup_s=0.4, measure_s=1.2)
+    for row, truth in zip(result["tiers"], (2, 5), strict=True):
+        assert math.floor(row["spec"]["bandwidth_mb_s"] / need) == truth
+        assert abs(row["measured"] - truth) <= 1, row["trials"]
+        # measured and predicted agree within 20% (or one accelerator, for counts this small)
+        assert abs(row["predicted"] - row["measured"]) <= max(1, 0.2 * row["measured"]), row["prediction"]
+        at = next(t for t in row["trials"] if t["accelerators"] == row["measured"])
+        assert at["accelerator_utilisation"] >= AU and row["delivered_mb_s"] == at["mb_per_s"]
+        above = [t for t in row["trials"] if t["accelerators"] == row["measured"] + 1]
+        assert above and above[0]["accelerator_utilisation"] < AU  # the next count was tried and fell short
+        assert row["delivered_mb_s"] <= row["spec"]["bandwidth_mb_s"] * 1.05  # never more than the tier gives
+    assert result["tiers"][0]["cost"] == {"per_month": None, "per_accelerator_month": None}
+
+
+def test_search_doubles_then_bisects():
+    calls = []
+
+    def trial(n):
+        calls.append(n)
+        return {"accelerators": n, "accelerator_utilisation": min(1.0, 5.5 * 0.9 / n)}
+
+    supported, trials, note = search(trial, 0.9, 64, budget_s=60)
+    assert supported == 5 and calls == [1, 2, 4, 8, 6, 5] and "6 accelerators fall below" in note
+    supported, _, note = search(trial, 0.9, 3, budget_s=60)
+    assert supported == 3 and "--max-accelerators 3" in note
+    supported, trials, _ = search(lambda n: {"accelerators": n, "accelerator_utilisation": 0.5}, 0.9, 8, 60)
+    assert supported == 0 and len(trials) == 1
+
+
+def test_predict_from_probe_points():
+    probe = {"patterns": [{"pattern": "files", "concurrency": c, "mb_per_s": m}
+                          for c, m in ((1, 10.0), (4, 40.0), (16, 100.0), (64, 100.0))]}
+    # 4 readers a consumer: N consumers get probe(4N) / N; 100 MB/s saturates from 16 in flight
+    assert predict(probe, 10.0, readers=4, max_n=64)["accelerators"] == 10
+    assert predict(probe, 30.0, readers=4, max_n=64)["accelerators"] == 2  # 3 consumers: probe(12) = 80, 80 / 3 < 30
+    assert predict(probe, 60.0, readers=4, max_n=64)["accelerators"] == 0  # one consumer gets 40 MB/s
+
+
+def test_cli_tiers_table_and_errors(tmp_path):
+    path = tmp_path / "job.yaml"
+    data = tiny_config_dict(tmp_path / "r", pipeline={"batch_size": 4, "image_size": 32},
+                            workload={"step_time_ms": 20})
+    path.write_text(yaml.safe_dump(data))
+    proc = loadopt("tiers", path, "--set", "storage.tier={name: tiny, bandwidth_mb_s: 0.1, price_per_tb_month: 20}",
+                   "--max-accelerators", "2", "--readers", "2", "--warmup", "0.2", "--measure", "0.5",
+                   "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "loadopt tiers" in proc.stdout and "tiny" in proc.stdout
+    result = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    row = result["tiers"][0]
+    assert row["tier"] == "tiny" and row["measured"] == 0 and row["predicted"] == 0  # 0.1 MB/s feeds nobody
+    assert row["cost"]["per_month"] == pytest.approx(20 * row["capacity_tb"])
+    line = one_line_error(loadopt("tiers", path, "--tiers", "nonesuch"), code=2)
+    assert "unknown tier 'nonesuch'" in line
+    line = one_line_error(loadopt("tiers", path, "--au", "1.5"), code=2)
+    assert "--au 1.5" in line
