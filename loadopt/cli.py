@@ -177,6 +177,11 @@ def bench(
     if outcome.interrupted:
         err_console.print("interrupted: the results of the runs that finished were kept")
         raise typer.Exit(130)
+    if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
+        reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
+        err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'})",
+                          highlight=False, markup=False)
+        raise typer.Exit(1)
     console.print(f"[bold]{results['summary']}[/]", highlight=False)
 
 

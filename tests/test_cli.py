@@ -160,3 +160,16 @@ def test_cuda_requested_without_a_gpu(tiny_config):
         pytest.skip("this machine has CUDA")
     line = one_line_error(loadopt("bench", tiny_config, "--set", "workload.device=cuda"))
     assert "device cuda: CUDA is not available on this machine" in line
+
+
+def test_bench_with_no_measurable_backend_fails(tiny_config, tmp_path):
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("kvikio may run here: this machine has the CUDA driver")
+    except OSError:
+        pass
+    proc = loadopt("bench", tiny_config, "--quick", "--loaders", "kvikio", "--out", tmp_path / "none")
+    line = one_line_error(proc, code=1)
+    assert "no loader setting could be measured (kvikio: libcuda.so.1 not found" in line
