@@ -5,6 +5,8 @@
 2. Ceilings on this machine: pinned and pageable host-to-device bandwidth (256 MiB, CUDA events).
 3. Each backend through the harness on the GPU (short runs of the default config, step 25 ms and 0),
    DALI with mixed (GPU) decode on the ImageFolder and on the Arrow encoded file, and its CPU pipeline.
+4. kvikio (cuFile into GPU memory) against posix + copy on decoded and encoded raw shards, warm and
+   cold (page cache evicted; posix with O_DIRECT), with the storage bandwidth each reached.
 
 Exits 0 when it ran (whatever the results), 1 when there is no CUDA device. Meant to finish in a few
 minutes on one GPU: `python bench/gpu_check.py [--batches 60]`.
@@ -37,15 +39,18 @@ def h2d_bandwidth(pinned: bool, size: int = 256 << 20) -> float:
     return 5 * size / (start.elapsed_time(end) / 1000.0)
 
 
-def harness(config, backend: str, step_ms: float, batches: int, **settings) -> dict:
+def harness(config, backend: str, step_ms: float, batches: int, cold: bool = False, **settings) -> dict:
     import torch
 
     from loadopt.bench.accelerator import EmulatedAccelerator
     from loadopt.bench.harness import run_repeat
     from loadopt.device import DeviceTransfer
+    from loadopt.storage.pagecache import evict
 
     loader = build_loader(config, backend, **settings)
     loader.prepare()
+    if cold:  # what this loader reads (the raw shards, the Arrow file, the JPEGs) out of the page cache
+        evict(loader.storage_files())
     device = torch.device("cuda")
     try:
         result = run_repeat(loader, EmulatedAccelerator(step_ms / 1000.0, device), DeviceTransfer(device), 5, batches)
@@ -98,6 +103,21 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
                 value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             rows.append((f"{label}, step {step_ms:g} ms", value))
+    # GPUDirect Storage against the classic path: kvikio (cuFile into GPU memory; true GDS or compat mode
+    # in its label) and posix (preadv into pinned host memory, then the copy), raw shards, warm and cold,
+    # step 0: the storage bandwidth each reached and its h2d traffic.
+    for form in ("decoded", "encoded"):
+        for backend in ("posix", "kvikio"):
+            for cold in (False, True):
+                label = f"{backend} {form} {'cold' if cold else 'warm'}, step 0"
+                settings = {"form": form, "o_direct": cold} if backend == "posix" else {"form": form}
+                try:
+                    m = harness(config, backend, 0.0, args.batches, cold=cold, **settings)
+                    value = (f"{m['samples_per_s']:,.0f} samples/s, storage {m['bytes_read'] / m['wall_s'] / 1e9:.2f} "
+                             f"GB/s, h2d bytes {m.get('h2d_bytes', 0):,}")
+                except Exception as exc:  # noqa: BLE001 - e.g. kvikio's encoded form: refused with its reason
+                    value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                rows.append((label, value))
     width = max(len(name) for name, _ in rows)
     print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
     return 0
