@@ -7,21 +7,29 @@ finished on the GPU with torch ops: crops + flips of decoded pixels, windows of 
 cuFile runs in true GDS mode or in compat mode (a POSIX bounce buffer), and why, is in `describe()`
 and so in the results.
 
-Every step but the device read is plain torch on whatever device the staging buffer is on, so the
-tests run it on the CPU with the reader swapped for the POSIX one (`reader_class`, `staging_device`).
-Not done yet: the `encoded` form (JPEG decode on the GPU with nvImageCodec, DALI or torchvision).
+The `encoded` form is decoded on the GPU in one batched call (torchvision's nvJPEG binding, else
+nvImageCodec, whichever is installed), then cropped, resized and flipped there with the shared crop
+plan. Every GPU JPEG decoder parses the bitstream on the host (nvJPEG's Huffman stage runs on the
+CPU for all but the hardware decoder's path, which is also fed from host memory), so for this form
+cuFile reads the JPEG bytes into pinned host memory: bytes read into GPU memory would have to come
+back first. `describe()` says so; the decoded form is the one where GDS can pay.
+
+Every step but the device read and the GPU decode is plain torch on whatever device the staging
+buffer is on, so the tests run it on the CPU with the reader swapped for the POSIX one
+(`reader_class`, `staging_device`) and the decoder for a CPU one (`jpeg_decoder`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from loadopt.errors import DatasetError
-from loadopt.loaders import crops
+from loadopt.errors import BackendUnavailable, DatasetError
+from loadopt.loaders import crops, transforms
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
 from loadopt.storage.raw_format import align_up
 
@@ -45,6 +53,40 @@ def cufile_mode() -> tuple[bool, str]:
     return True, f"true GDS (compat_mode {name}, nvidia-fs loaded)"
 
 
+JpegDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+
+
+def gpu_jpeg_decoder() -> tuple[JpegDecoder | None, str]:
+    """A batched GPU JPEG decoder (host bitstreams in, CHW uint8 device tensors out) and its name, or
+    None and why: torchvision's `decode_jpeg(device="cuda")`, else nvImageCodec."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        def torchvision_decode(streams: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+            return decode_jpeg(streams, mode=ImageReadMode.RGB, device=device)
+
+        return torchvision_decode, "torchvision nvJPEG"
+    except Exception:  # noqa: BLE001 - torchvision is optional and may fail to import beside this torch
+        pass
+    try:
+        from nvidia import nvimgcodec
+
+        decoder = nvimgcodec.Decoder()
+
+        def nvimgcodec_decode(streams: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+            images = decoder.decode([stream.numpy() for stream in streams])
+            if any(image is None for image in images):
+                raise ValueError("nvImageCodec could not decode a sample of the batch")
+            # HWC device images (__cuda_array_interface__): viewed by torch, no copy.
+            return [torch.as_tensor(image, device=device).permute(2, 0, 1) for image in images]
+
+        return nvimgcodec_decode, "nvImageCodec"
+    except Exception:  # noqa: BLE001 - not installed
+        pass
+    return None, ("no GPU JPEG decoder installed: pip install torchvision (matching torch) or "
+                  "nvidia-nvimgcodec-cu12, or use form: decoded")
+
+
 class KvikioReader:
     """cuFile reads into CUDA memory: one `CuFile` per shard, every read returned as a future."""
 
@@ -55,7 +97,10 @@ class KvikioReader:
         self.files = [kvikio.CuFile(str(shard), "r") for shard in shards]
 
     def submit(self, shard: int, offset: int, out: torch.Tensor):
-        return _Waitable(self.files[shard].pread(out, out.numel(), offset), out.numel(), self.shards[shard], offset)
+        # Host memory (the encoded form's pinned staging) goes to kvikio as a numpy view: torch exposes
+        # the CUDA array interface for device tensors only.
+        buffer = out.numpy() if out.device.type == "cpu" else out
+        return _Waitable(self.files[shard].pread(buffer, out.numel(), offset), out.numel(), self.shards[shard], offset)
 
     def close(self) -> None:
         for f in self.files:
@@ -81,12 +126,12 @@ class KvikioLoader(PosixLoader):
     Settings = PosixSettings
     reader_class: type = KvikioReader
     staging_device: str = "cuda"
+    jpeg_decoder: JpegDecoder | None = None  # the encoded form's; None: the GPU decoder installed here
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.form == "encoded":
-            raise DatasetError("loaders.kvikio.form encoded: GPU JPEG decode is not implemented yet; use decoded")
         self.mode = ""
+        self._decoder_name = ""
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -116,9 +161,17 @@ class KvikioLoader(PosixLoader):
         return {"shared": 0, "pinned": 0}  # staging and ring live in device memory
 
     def describe(self) -> str:
-        return f"{super().describe()}{f' cuFile {self.mode}' if self.mode else ''}"
+        text = f"{super().describe()}{f' cuFile {self.mode}' if self.mode else ''}"
+        if self.form == "encoded" and self._decoder_name:
+            text += f", JPEG bytes read into pinned host memory, decoded by {self._decoder_name}"
+        return text
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        if self.form == "encoded" and self.jpeg_decoder is None:
+            decoder, why = gpu_jpeg_decoder()
+            if decoder is None:
+                raise BackendUnavailable(f"loaders.kvikio.form encoded: {why}")
+            self.jpeg_decoder, self._decoder_name = decoder, why
         super().prepare(progress, convert_missing)
         if self.reader_class is KvikioReader:
             self.mode = cufile_mode()[1]
@@ -131,12 +184,18 @@ class KvikioLoader(PosixLoader):
     def _new_staging(self, nbytes: int) -> torch.Tensor:
         if torch.device(self.staging_device).type == "cpu":  # the POSIX reader swapped in: aligned host memory
             return torch.from_numpy(aligned_empty(nbytes))
+        if self.form == "encoded":  # JPEG bitstreams: the decoders parse them on the host
+            return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         return torch.empty(nbytes, dtype=torch.uint8, device=self.staging_device)
 
     def _make_ring(self) -> list[torch.Tensor]:
         slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
-        shape, dtype = ((slots, 2, b, self.dataset.seq_len), torch.int64) if self._tokens else \
-            ((slots, b, size, size, 3), torch.uint8)
+        if self._tokens:
+            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
+        elif self.form == "encoded":
+            shape, dtype = (slots, b, 3, size, size), torch.uint8
+        else:
+            shape, dtype = (slots, b, size, size, 3), torch.uint8
         return list(torch.empty(shape, dtype=dtype, device=self.staging_device))
 
     def _submit(self, staging, tasks, io) -> list:
@@ -156,6 +215,8 @@ class KvikioLoader(PosixLoader):
             slot[0][order], slot[1][order] = windows[:, :-1], windows[:, 1:]
             self._sync(staging)
             return []
+        if self.form == "encoded":
+            return self._decode_into(slot, staging, starts, length, indices, epoch)
         shape, size = (self.size, self.size, 3), self.pipeline.image_size
         tops, lefts, flips = crops.plan_crops(indices, self.size - size, self.pipeline.augment, self.seed, epoch)
         for k in range(len(indices)):  # views and one copy kernel per sample, no host round trip
@@ -165,9 +226,36 @@ class KvikioLoader(PosixLoader):
         self._sync(staging)
         return []
 
+    def _decode_into(self, slot: torch.Tensor, staging: torch.Tensor, starts: np.ndarray, length: np.ndarray,
+                     indices: np.ndarray, epoch: int) -> list[tuple[int, str]]:
+        """Decode the batch's JPEGs in one call on the slot's device, then crop/resize/flip each with the
+        plan every backend shares. A failing batch is decoded again sample by sample to name the bad ones."""
+        streams = [staging[int(starts[k]) : int(starts[k] + length[k])] for k in range(len(indices))]
+        try:
+            images: list[torch.Tensor | None] = list(self.jpeg_decoder(streams, slot.device))
+        except Exception:  # noqa: BLE001 - find the culprits below
+            images = []
+        failures = []
+        if len(images) != len(streams):
+            images = []
+            for k, stream in enumerate(streams):
+                try:
+                    images.append(self.jpeg_decoder([stream], slot.device)[0])
+                except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
+                    index = int(indices[k])
+                    failures.append((index, f"cannot decode (sample {index}: {type(exc).__name__}: {exc})"))
+                    images.append(None)
+        for k, chw in enumerate(images):
+            if chw is not None:
+                box, flip = transforms.plan(chw.shape[2], chw.shape[1], self.pipeline.augment, self.seed, epoch,
+                                            int(indices[k]))
+                transforms.crop_resize_flip_chw(chw, box, flip, slot[k])
+        self._sync(slot)  # the decoder may still copy bitstreams from this staging buffer asynchronously
+        return failures
+
     @staticmethod
-    def _sync(staging: torch.Tensor) -> None:
-        """Wait for the kernels reading this staging buffer: cuFile refills it next, outside the stream."""
-        if staging.is_cuda:
-            torch.cuda.current_stream(staging.device).synchronize()
+    def _sync(buffer: torch.Tensor) -> None:
+        """Wait for the kernels reading the staging buffer: cuFile refills it next, outside the stream."""
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
 

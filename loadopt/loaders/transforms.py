@@ -126,6 +126,20 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     out.copy_(resized.flip(-1) if flip else resized)
 
 
+def crop_resize_flip_chw(chw: torch.Tensor, box: Box, flip: bool, out: torch.Tensor) -> None:
+    """`crop_resize_flip_into` for a decoded CHW uint8 tensor on any device (e.g. a GPU decoder's
+    output): torch's uint8 kernel on the CPU (so equal to `crop_resize_flip_into`), its float
+    kernel rounded back to uint8 elsewhere (CUDA has no uint8 antialiased kernel: within a level)."""
+    left, top, right, bottom = (int(round(v)) for v in box)
+    crop = chw.unsqueeze(0)[:, :, top:bottom, left:right]
+    if crop.device.type != "cpu":
+        crop = crop.float()
+    resized = F.interpolate(crop, size=tuple(out.shape[-2:]), mode="bilinear", antialias=True, align_corners=False)[0]
+    if resized.dtype != torch.uint8:
+        resized = resized.round_().clamp_(0, 255)
+    out.copy_(resized.flip(-1) if flip else resized)
+
+
 def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, index: int,
                size: int) -> np.ndarray:
     """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8."""
