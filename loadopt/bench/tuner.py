@@ -4,7 +4,10 @@ The knobs and their values come from the backend (`Loader.knob_space(cores)`), n
 config narrows them: a list under `loaders.<backend>` replaces that knob's values (a one-element list
 pins it); a scalar is where the search starts (and is added to the knob's values).
 
-The search is a coordinate-wise hill climb from that start, as tf.data's autotuner does: for each knob
+The search first runs every backend's start; a backend whose start is below `prune_below` of the
+fastest start is not climbed (successive halving over backends: knobs move a backend by tens of
+percent, not by 2x). The others climb, fastest first: a coordinate-wise hill climb from the start, as
+tf.data's autotuner does: for each knob
 in the backend's order, every other value of it is tried with the other knobs at the incumbent, the
 best value is kept, and passes repeat until one changes nothing (at most `max_passes`). Each trial is
 a short run of the harness (`window`), and a trial is stopped early once it is clearly worse than the
@@ -97,6 +100,9 @@ class Window:
     stop_margin: float = 0.25  # stopped below 75% of the incumbent's rate
     min_gain: float = 0.03  # a knob moves only for a gain above the noise of short runs
     max_passes: int = 2
+    # A backend whose start runs below this fraction of the fastest backend's start is not climbed (a
+    # climb gains tens of percent, not 2x): successive halving over backends; 0 climbs every backend.
+    prune_below: float = 0.5
 
 
 @dataclass
@@ -182,11 +188,30 @@ class Tuner:
         started = self.clock()
         deadline = started + self.budget_s
         todo = [r for r in results if r.status == "ok"]
+        # Round 1: every backend's start, so that the climbs go to the backends that can win.
+        seen: dict[str, set[tuple]] = {t.backend: set() for t in todo}
+        firsts: dict[str, Trial | None] = {}
         for index, tuning in enumerate(todo):
             now = self.clock()
-            tuning.share_s = max(0.0, (deadline - now) / (len(todo) - index))
-            self._search(tuning, min(deadline, now + tuning.share_s))
+            share = max(0.0, (deadline - now) / (len(todo) - index))
+            firsts[tuning.backend] = self._trial(backend_class(tuning.backend), tuning, tuning.start, None,
+                                                 min(deadline, now + share), seen[tuning.backend])
             tuning.seconds = self.clock() - now
+        rates = {name: t.samples_per_s for name, t in firsts.items() if t is not None and t.samples_per_s}
+        leader = max(rates.values(), default=0.0)
+        climbs = sorted(todo, key=lambda t: -rates.get(t.backend, 0.0))
+        for index, tuning in enumerate(climbs):
+            now = self.clock()
+            tuning.share_s = max(0.0, (deadline - now) / (len(climbs) - index))
+            first = firsts[tuning.backend]
+            rate = rates.get(tuning.backend)
+            if rate is not None and rate < self.window.prune_below * leader:
+                tuning.best, tuning.best_settings = first, tuning.start
+                tuning.reason = (f"not climbed: its start ran at {rate / leader:.0%} of the fastest backend's "
+                                 f"start ({rate:,.0f} against {leader:,.0f} samples/s)")
+                continue
+            self._search(tuning, min(deadline, now + tuning.share_s), first, seen[tuning.backend])
+            tuning.seconds += self.clock() - now
         return results
 
     def _setup(self, name: str) -> BackendTuning:
@@ -242,10 +267,9 @@ class Tuner:
 
     # -- the hill climb ----------------------------------------------------------------------------
 
-    def _search(self, tuning: BackendTuning, deadline: float) -> None:
+    def _search(self, tuning: BackendTuning, deadline: float, incumbent: Trial | None, seen: set[tuple]) -> None:
+        """Climb from the start, whose trial (`incumbent`) ran in the first round."""
         cls = backend_class(tuning.backend)
-        seen: set[tuple] = set()
-        incumbent = self._trial(cls, tuning, tuning.start, None, deadline, seen)
         if incumbent is None or incumbent.samples_per_s is None:
             tuning.status = "error" if incumbent is not None else "not run"
             tuning.reason = incumbent.reason if incumbent is not None else "the budget was spent before its first run"
