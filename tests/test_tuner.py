@@ -118,6 +118,12 @@ def test_config_lists_narrow_the_space_and_scalars_start_it(tmp_path):
     space, start = search_space(config, "torch", backend_class("torch"), 2)
     assert space["variant"] == ["tuned"] and space["num_workers"] == [0, 1, 2]
     assert space["prefetch_factor"] == [2, 3, 4] and start.prefetch_factor == 3 and start.num_workers == 1
+    # A sweep starts at the backend's own default when it holds it (torch: tuned, 2 workers), else its first.
+    config = tiny(tmp_path, {"torch": {"variant": ["plain", "tuned"], "num_workers": [1, 2, 4]}})
+    _, start = search_space(config, "torch", backend_class("torch"), 2)
+    assert (start.variant, start.num_workers) == ("tuned", 2)
+    config = tiny(tmp_path, {"torch": {"num_workers": [1, 4]}})
+    assert search_space(config, "torch", backend_class("torch"), 4)[1].num_workers == 1
 
 
 class FakeClock:

@@ -2,7 +2,8 @@
 
 The knobs and their values come from the backend (`Loader.knob_space(cores)`), never from here. The
 config narrows them: a list under `loaders.<backend>` replaces that knob's values (a one-element list
-pins it); a scalar is where the search starts (and is added to the knob's values).
+pins it; the search starts at the backend's default value when the list holds it, else at its first);
+a scalar is where the search starts (and is added to the knob's values).
 
 The search first runs every backend's start; a backend whose start is below `prune_below` of the
 fastest start is not climbed (successive halving over backends: knobs move a backend by tens of
@@ -158,10 +159,15 @@ def search_space(config: Config, name: str, cls: type[Loader], cores: int) -> tu
     raw = dict(config.loaders.get(name) or {})
     start = backend_settings(config, name)[0]  # validates; the first value of each configured list
     space = {k: list(v) for k, v in cls.knob_space(cores).items() if k in cls.Settings.model_fields}
+    defaults = cls.Settings()
     for key, value in raw.items():
         if isinstance(value, list):
             space[key] = [getattr(p, key) for p in backend_settings(config, name)]  # validated values, in order
             space[key] = list(dict.fromkeys(space[key]))
+            # A sweep's start is the backend's own default when the sweep holds it (the backend's
+            # sensible choice: e.g. torch's tuned variant, 2 workers), else the sweep's first value.
+            if getattr(defaults, key) in space[key]:
+                start = cls.Settings(**{**start.model_dump(), key: getattr(defaults, key)})
         elif key in space and getattr(start, key) not in space[key]:
             space[key].append(getattr(start, key))  # the configured value is a candidate too
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in space[key]):
