@@ -455,6 +455,7 @@ def tiers(
                   f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
                   f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
     console.print(f"results: {json_path}", highlight=False)
+    _auto_report(json_path)
 
 
 def tiers_table(result: dict[str, Any]) -> Table:

@@ -40,6 +40,14 @@ def test_supported_accelerators_known_by_construction(tmp_path):
         assert above and above[0]["accelerator_utilisation"] < AU  # the next count was tried and fell short
         assert row["delivered_mb_s"] <= row["spec"]["bandwidth_mb_s"] * 1.05  # never more than the tier gives
     assert result["tiers"][0]["cost"] == {"per_month": None, "per_accelerator_month": None}
+    # The report renders the tiers section from this file (the keys report/data.py reads).
+    from loadopt.report import write_report
+
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(result))
+    page = write_report([path]).read_text()
+    assert "Storage tiers" in page and "bw2" in page and "bw5" in page
+    assert [row["accelerators_supported"] for row in result["tiers"]] == [row["measured"] for row in result["tiers"]]
 
 
 def test_search_doubles_then_bisects():

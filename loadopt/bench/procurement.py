@@ -317,13 +317,21 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
 
         measured, trials, note = search(trial, au, max_accelerators, budget_s)
         at = next((t for t in trials if t["accelerators"] == measured), None)
+        cost = tier_costs(spec, capacity, measured)
         rows.append({"tier": spec.name, "spec": spec.redacted(), "measured": measured, "measured_note": note,
+                     # the keys `loadopt report` reads (report/data.py), beside the detail above
+                     "name": spec.name, "au_threshold": au, "accelerators_supported": measured,
+                     "predicted_accelerators": predicted["accelerators"],
+                     "au_by_accelerators": sorted([t["accelerators"], t["accelerator_utilisation"]] for t in trials
+                                                  if t.get("accelerator_utilisation") is not None),
+                     "price_per_tb_month": spec.price_per_tb_month,
+                     "cost_per_supported_accelerator": cost["per_accelerator_month"],
                      "predicted": predicted["accelerators"], "prediction": predicted,
                      "delivered_mb_s": at["mb_per_s"] if at else 0.0,
                      "samples_per_s": at["samples_per_s"] if at else 0.0,
                      "accelerator_utilisation": at["accelerator_utilisation"] if at else None,
                      "cpu_load": at["cpu_load"] if at else None,
-                     "cost": tier_costs(spec, capacity, measured), "capacity_tb": capacity,
+                     "cost": cost, "capacity_tb": capacity,
                      "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
                      "probe": probed})
     return {"command": "loadopt tiers", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -331,6 +339,7 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
             "consumer": {"kind": "storage reader (the samples' stored bytes, no decode; as DLIO / MLPerf Storage)",
                          "readers": readers, "prefetch_batches": prefetch, "warmup_s": warmup_s,
                          "measure_s": measure_s, "max_accelerators": max_accelerators},
+            "runs": [],  # no loader settings: the report shows the tiers section of this file
             "tiers": rows}
 
 
