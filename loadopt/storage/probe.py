@@ -390,25 +390,30 @@ def _file_picker(files: list[_File]) -> Picker:
 
 
 def _sequential(reader: _Reader, files: list[_File], block: int, max_bytes: int, duration_s: float) -> dict[str, Any]:
-    """Read the files in order, `block` bytes at a time, until `max_bytes` or the time is up."""
+    """Read the files in order, `block` bytes at a time, pass after pass (as fio's `time_based` does),
+    until `max_bytes` or the time is up."""
     latencies: list[float] = []
     nbytes = 0
     began = time.perf_counter()
     deadline = began + duration_s
     try:
-        for file in files:
-            offset = 0
-            while offset < file.size and nbytes < max_bytes:
-                length = min(block, file.size - offset)
-                start = time.perf_counter()
-                got = reader.read(file, offset, length)
-                end = time.perf_counter()
-                latencies.append(end - start)
-                nbytes += got
-                offset += length
-                if got == 0 or end >= deadline:
+        while nbytes < max_bytes and time.perf_counter() < deadline:
+            before = nbytes
+            for file in files:
+                offset = 0
+                while offset < file.size and nbytes < max_bytes:
+                    length = min(block, file.size - offset)
+                    start = time.perf_counter()
+                    got = reader.read(file, offset, length)
+                    end = time.perf_counter()
+                    latencies.append(end - start)
+                    nbytes += got
+                    offset += length
+                    if got == 0 or end >= deadline:
+                        break
+                if nbytes >= max_bytes or time.perf_counter() >= deadline:
                     break
-            if nbytes >= max_bytes or time.perf_counter() >= deadline:
+            if nbytes == before:  # nothing to read (empty files)
                 break
     finally:
         reader.close()
