@@ -330,148 +330,8 @@ def explain(
     console.print(text, highlight=False, markup=False)
 
 
-@app.command()
-def probe(
-    url: str = typer.Argument(..., help="A file or folder to read: a local path or an fsspec URL."),
-    out: str = typer.Option("results/probe", "--out", help="Output folder of probe.json."),
-    duration: float = typer.Option(3.0, "--duration", help="Seconds per pattern."),
-    blocks: str = typer.Option("4k,128k,1m", "--blocks", help="Random-read block sizes."),
-    concurrency: str = typer.Option("1,4,16,64", "--concurrency", help="Readers in flight for random reads."),
-    seq: str = typer.Option("1g", "--seq", help="At most this much is read sequentially."),
-    file_size: str = typer.Option(None, "--file-size", help="Write a test file of this size into the folder URL, "
-                                                            "probe it, then remove it (else existing files are read)."),
-    buffered: bool = typer.Option(False, "--buffered", help="Local files: read through the page cache (evicted "
-                                                            "first) instead of O_DIRECT."),
-    warm: bool = typer.Option(False, "--warm", help="Local files: leave the page cache as it is."),
-    tier: str = typer.Option(None, "--tier", help="Read through this storage tier (a profile of tiers.yaml)."),
-) -> None:
-    """Measure a storage location: sequential bandwidth, random-read IOPS, MB/s and latency."""
-    import json
-    from pathlib import Path
-
-    import fsspec
-
-    from loadopt.bench.results import atomic_write_text, prepare_output
-    from loadopt.errors import DatasetError
-    from loadopt.storage.probe import parse_size
-    from loadopt.storage.probe import probe as run_probe
-
-    with _user_errors():
-        block_sizes = tuple(parse_size(b, "--blocks") for b in blocks.split(",") if b.strip())
-        levels = tuple(int(parse_size(c, "--concurrency")) for c in concurrency.split(",") if c.strip())
-        folder = prepare_output(out)
-        fs = None
-        path = url
-        if tier is not None:
-            from loadopt.storage.tiers import resolve_tier, tier_filesystem
-
-            spec = resolve_tier(tier, where="--tier")
-            try:
-                base_fs, path = fsspec.core.url_to_fs(url)
-            except (ImportError, ValueError) as exc:
-                raise DatasetError(f"{url}: cannot open this location ({exc})") from None
-            fs = tier_filesystem(spec, base_fs)
-        with _progress() as progress:
-            task = progress.add_task("probing", total=None)
-
-            def step(label: str, done: int, total: int) -> None:
-                progress.update(task, description=f"probing: {label}", completed=done, total=total)
-
-            result = run_probe(path, block_sizes=block_sizes, concurrencies=levels, duration_s=duration,
-                               seq_bytes=parse_size(seq, "--seq"), cold=not warm, direct=not buffered,
-                               file_size=parse_size(file_size, "--file-size") if file_size else None,
-                               fs=fs, progress=step)
-        result["url"], result["tier"] = url, tier or "local"
-        json_path = Path(folder) / "probe.json"
-        atomic_write_text(json_path, json.dumps(result, indent=2) + "\n")
-    console.print(probe_table(result))
-    console.print(f"[dim]{result['files']} file(s), {result['total_bytes'] / 1e6:,.1f} MB; {result['cache_note']}[/]",
-                  highlight=False)
-    console.print(f"results: {json_path}", highlight=False)
-
-
-def probe_table(result: dict[str, Any]) -> Table:
-    """One row per read pattern of `loadopt probe`."""
-    table = Table(title=f"loadopt probe: {result['url']} (tier {result.get('tier', 'local')})", title_justify="left")
-    for column in ("pattern", "block", "readers", "IOPS", "MB/s", "lat p50 ms", "lat p99 ms"):
-        table.add_column(column, justify="left" if column == "pattern" else "right")
-    for p in result["patterns"]:
-        block = p["block_bytes"]
-        size = f"{block / 1024:,.0f} KiB" if block < 1 << 20 else f"{block / (1 << 20):,.1f} MiB"
-        if "skipped" in p:
-            table.add_row(p["pattern"], size, str(p["concurrency"]), f"[yellow]skipped: {escape(p['skipped'])}[/]",
-                          "", "", "")
-            continue
-        latency = ["-" if p[k] is None else f"{p[k]:,.3f}" for k in ("lat_p50_ms", "lat_p99_ms")]
-        table.add_row(p["pattern"], size, str(p["concurrency"]), f"{p['iops']:,.0f}", f"{p['mb_per_s']:,.1f}",
-                      *latency)
-    return table
-
-
-@app.command()
-def tiers(
-    config: str = typer.Argument(..., help="The config YAML whose workload (batch size, samples, step time) to serve."),
-    tier_names: str = typer.Option(None, "--tiers", help="Comma-separated tier profiles (default: the config's "
-                                                         "storage.tier when it is not local, else every profile)."),
-    au: float = typer.Option(0.9, "--au", help="The mean accelerator utilisation each tier must keep."),
-    max_accelerators: int = typer.Option(64, "--max-accelerators", help="Upper bound of the search."),
-    readers: int = typer.Option(4, "--readers", help="Reader threads of each consumer."),
-    measure: float = typer.Option(3.0, "--measure", help="Seconds measured per trial (after --warmup)."),
-    warmup: float = typer.Option(1.0, "--warmup", help="Seconds of warm-up per trial."),
-    budget: float = typer.Option(300.0, "--budget", help="Seconds of search per tier."),
-    capacity_tb: float = typer.Option(None, "--capacity-tb", help="TB stored, for the cost (default: the dataset's)."),
-    out: str = typer.Option("results/tiers", "--out", help="Output folder of tiers.json."),
-    set_: list[str] = SetOption,
-) -> None:
-    """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted."""
-    import json
-    from pathlib import Path
-
-    from loadopt.bench.procurement import run_tiers
-    from loadopt.bench.results import atomic_write_text, prepare_output
-    from loadopt.config import load_config
-    from loadopt.storage.tiers import load_tier_profiles
-
-    with _user_errors():
-        cfg = load_config(config, set_ or [])
-        if tier_names:
-            names: list[Any] = [t.strip() for t in tier_names.split(",") if t.strip()]
-        elif cfg.storage.tier != "local":
-            names = [cfg.storage.tier]
-        else:
-            names = list(load_tier_profiles())
-        folder = prepare_output(out)
-        with _progress() as progress:
-            task = progress.add_task("tiers", total=None)
-            result = run_tiers(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
-                               warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
-                               progress=lambda text: progress.update(task, description=text))
-        json_path = Path(folder) / "tiers.json"
-        atomic_write_text(json_path, json.dumps(result, indent=2) + "\n")
-    console.print(tiers_table(result))
-    need = result["demand"]
-    console.print(f"[dim]each accelerator needs {need['mb_per_s']:,.1f} MB/s at full use "
-                  f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
-                  f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
-                  f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
-    console.print(f"results: {json_path}", highlight=False)
-    _auto_report(json_path)
-
-
-def tiers_table(result: dict[str, Any]) -> Table:
-    """One row per tier of `loadopt tiers`."""
-    table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result['au_threshold']:.0%}", title_justify="left")
-    for column in ("tier", "measured", "predicted", "delivered MB/s", "samples/s", "AU", "CPU load", "$/month",
-                   "$/accelerator-month", "search"):
-        table.add_column(column, justify="left" if column in ("tier", "search") else "right")
-    for row in result["tiers"]:
-        cost = row["cost"]
-        money = ["-" if cost[k] is None else f"{cost[k]:,.2f}" for k in ("per_month", "per_accelerator_month")]
-        au = "-" if row["accelerator_utilisation"] is None else f"{row['accelerator_utilisation']:.1%}"
-        load = "-" if row["cpu_load"] is None else f"{row['cpu_load']:.0%}"
-        table.add_row(escape(row["tier"]), str(row["measured"]), str(row["predicted"]), f"{row['delivered_mb_s']:,.1f}",
-                      f"{row['samples_per_s']:,.0f}", au, load, *money, escape(row["measured_note"]))
-    return table
+# The storage commands (probe, tiers) live in their own module; importing it registers them on `app`.
+from loadopt import cli_storage  # noqa: E402,F401 - after `app` and the helpers it uses exist
 
 
 def main() -> None:
@@ -482,4 +342,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m loadopt.cli`: this file runs as `__main__`, and the storage commands registered on the
+    # app of the module `loadopt.cli` (imported by cli_storage); run that one.
+    from loadopt.cli import main as registered_main
+
+    registered_main()
