@@ -44,13 +44,13 @@ def dali_single_thread_rate(config, batches: int = 8) -> tuple[float, float]:
     one thread, over batches read and planned beforehand (not timed)."""
     from concurrent.futures import Future
 
-    from loadopt.loaders.dali_loader import _Feed
+    from loadopt.loaders.dali_feed import Feed
 
     loader = build_loader(config, "dali", num_threads=1, prefetch_queue_depth=1)
     planned = loader.order().batches()[:batches]
     prepared = [loader._prepare_batch(indices, 0) for indices in planned]
 
-    feed = _Feed(None, planned, None, ahead=0)
+    feed = Feed(None, planned, None, ahead=0)
     for k, batch in enumerate(prepared):  # every batch already read and planned: the feed only hands them out
         feed.futures[k] = Future()
         feed.futures[k].set_result(batch)
