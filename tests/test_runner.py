@@ -126,3 +126,18 @@ def test_cold_runs_evict_what_each_loader_reads(tmp_path, backends, monkeypatch)
     assert len(jpegs) == 48 and all(f.endswith(".JPEG") for f in jpegs)
     assert len(arrow_files) == 1 and arrow_files[0].endswith(".arrow")
     assert shards and all(f.endswith(".bin") for f in shards)
+
+
+def test_a_token_bench_runs_every_token_backend(tmp_path):
+    """Token corpora are memory-mapped files, not a filesystem of samples: the tier bookkeeping must
+    leave them be (a regression: the bench once failed on `TokenDataset.fs`)."""
+    raw = tiny_config_dict(tmp_path / "out", dataset={"kind": "tokens", "tokens": {"num_tokens": 20_000}},
+                           pipeline={"batch_size": 4, "seq_len": 64},
+                           loaders={"torch": {"num_workers": 0}, "arrow": {}, "posix": {}},
+                           workload={"step_time_ms": 0, "warmup_batches": 1, "measure_batches": 3})
+    outcome = run_bench(config_from_dict(raw, "tokens.yaml"), quick=True, attribute=False)
+    runs = {r["backend"]: r for r in outcome.results["runs"]}
+    assert set(runs) == {"torch", "arrow", "posix"}
+    for run in runs.values():
+        assert run["status"] == "ok", run["reason"]
+        assert run["metrics"]["tokens_per_s"]["median"] > 0

@@ -201,7 +201,7 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
     reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
                          workload.warmup_batches + workload.measure_batches)
     loader = None
-    counters = tier_counters(dataset.fs)
+    counters = tier_counters(_filesystem(dataset))
     try:
         loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
                      on_error=config.dataset.on_error)
@@ -214,7 +214,7 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
         raise
     except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
         recorded = _tier_delta(setting, counters, dataset)
-        failure = tier_failure(exc, dataset.fs, setting.tier_counters[-1] if recorded else None)
+        failure = tier_failure(exc, _filesystem(dataset), setting.tier_counters[-1] if recorded else None)
         if isinstance(exc, LoadoptError) and failure is None:
             raise
         log.debug("run %s failed", setting.label, exc_info=True)
@@ -230,9 +230,15 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
     return note
 
 
+def _filesystem(dataset):
+    """The filesystem the dataset is read through (a tier wrapper, maybe); None for a token file,
+    which is read from a local memory map."""
+    return getattr(dataset, "fs", None)
+
+
 def _tier_delta(setting: _Setting, before: dict[str, float] | None, dataset: ImageDataset) -> bool:
     """Record what this repeat added to the tier's counters (shared by the loader's processes)."""
-    delta = counters_delta(before, tier_counters(dataset.fs))
+    delta = counters_delta(before, tier_counters(_filesystem(dataset)))
     if delta is not None:
         setting.tier_counters.append(delta)
     return delta is not None
