@@ -114,7 +114,10 @@ def results_table(results: dict[str, Any]) -> Table:
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
         spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
         tuned = by_label[label].get("tuned")  # --tune: each backend's best setting, and how many were tried
-        shown = f"{label} (tried {tuned['tried']} of {tuned['space_size']})" if tuned else label
+        shown = label
+        if tuned:  # a backend far behind after the first round keeps its start (bench/tuner.py)
+            climbed = not str(tuned.get("note") or "").startswith("not climbed")
+            shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
         table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
                       _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
                       _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling)
@@ -168,6 +171,9 @@ def bench(
         console.print(f"[dim]tuning: {sum(b['tried'] for b in tuning['backends'])} settings tried in "
                       f"{tuning['seconds']:,.0f} s of a {tuning['budget_s']:,.0f} s budget ({tuning['method']})[/]",
                       highlight=False)
+        for backend in tuning["backends"]:
+            if backend.get("reason"):
+                console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
     console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
     _auto_report(outcome.json_path)
     skipped = sum(len(r.get("skipped_files", [])) for r in results["runs"])

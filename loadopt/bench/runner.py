@@ -163,9 +163,10 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
     if tunings is not None:
         results["tuning"] = tuner.tuning_summary(tunings, budget_s)
-        tried = {t.backend: (len(t.trials), t.space_size) for t in tunings}
+        tried = {t.backend: (len(t.trials), t.space_size, t.reason) for t in tunings}
         for run in results["runs"]:
-            run["tuned"] = {"tried": tried[run["backend"]][0], "space_size": tried[run["backend"]][1]}
+            count, size, note = tried[run["backend"]]
+            run["tuned"] = {"tried": count, "space_size": size, "note": note}
     if ceilings is not None:
         try:
             _attribute(results, ceilings)

@@ -103,7 +103,7 @@ class Window:
     max_passes: int = 2
     # A backend whose start runs below this fraction of the fastest backend's start is not climbed (a
     # climb gains tens of percent, not 2x): successive halving over backends; 0 climbs every backend.
-    prune_below: float = 0.5
+    prune_below: float = 0.35
 
 
 @dataclass
