@@ -334,8 +334,12 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
                      "cost": cost, "capacity_tb": capacity,
                      "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
                      "probe": probed})
+    from loadopt.bench.results import machine_info
+
     return {"command": "loadopt tiers", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "config_source": config.source, "au_threshold": au, "demand": need,
+            "config_source": config.source, "config": {"name": config.name}, "machine": machine_info(),
+            "device": "emulated accelerators", "au_threshold": au,
+            "demand": need,
             "consumer": {"kind": "storage reader (the samples' stored bytes, no decode; as DLIO / MLPerf Storage)",
                          "readers": readers, "prefetch_batches": prefetch, "warmup_s": warmup_s,
                          "measure_s": measure_s, "max_accelerators": max_accelerators},
