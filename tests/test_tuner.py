@@ -194,7 +194,8 @@ def test_a_clearly_worse_setting_is_stopped_early(tmp_path, knobs):
     [tuning] = tuner.tune(["t_knobs"])
     by_workers = {t.settings["workers"]: t for t in tuning.trials}
     assert by_workers[4].outcome == "ok"
-    assert by_workers[1].outcome == "stopped early" and by_workers[1].batches < 12  # 4x slower: clearly worse
+    assert by_workers[2].outcome == "stopped early" and by_workers[2].batches < 12  # 2x slower: clearly worse
+    assert 1 not in by_workers  # a numeric knob's climb stops at the first value that does not help
     assert tuning.best.settings["workers"] == 4
 
 
@@ -233,3 +234,12 @@ def test_tune_on_real_backends_of_the_tiny_config(tmp_path):
         for trial in backend["trials"]:
             cls = backend_class(backend["backend"])
             assert cls.cpu_demand(cls.Settings(**trial["settings"])) <= MachineLimits.here().cores
+
+
+def test_numeric_knobs_are_climbed_outwards_from_the_start():
+    from loadopt.bench.tuner import _directions
+
+    assert _directions([1, 2, 4, 8], 4) == [[2, 1], [8]]
+    assert _directions([1, 2, 4], 1) == [[], [2, 4]]
+    assert _directions(["plain", "tuned"], "tuned") == [["plain", "tuned"]]
+    assert _directions([1, 2], 3) == [[1, 2]]  # a start outside the list: every value

@@ -9,8 +9,9 @@ The search first runs every backend's start; a backend whose start is below `pru
 fastest start is not climbed (successive halving over backends: knobs move a backend by tens of
 percent, not by 2x). The others climb, fastest first: a coordinate-wise hill climb from the start, as
 tf.data's autotuner does: for each knob
-in the backend's order, every other value of it is tried with the other knobs at the incumbent, the
-best value is kept, and passes repeat until one changes nothing (at most `max_passes`). Each trial is
+in the backend's order, its other values are tried with the other knobs at the incumbent (an ordered
+numeric knob outwards from the incumbent, each direction until a value does not help), the best value
+is kept, and passes repeat until one changes nothing (at most `max_passes`). Each trial is
 a short run of the harness (`window`), and a trial is stopped early once it is clearly worse than the
 incumbent (after `min_batches` measured batches, below `1 - stop_margin` of its rate). A setting is
 never proposed when its `cpu_demand` exceeds the usable cores or its buffers the free shared or
@@ -284,22 +285,25 @@ class Tuner:
         for _ in range(self.window.max_passes):
             moved = False
             for key, values in tuning.space.items():
-                for value in values:
-                    point = self._point(cls, best_settings, key, value)
-                    if point is None or _key(point) in seen:
-                        continue
-                    refused = self.limits.refuses(cls, point, self.config.pipeline)
-                    if refused:
-                        seen.add(_key(point))
-                        tuning.refused.append({"settings": point.model_dump(), "reason": refused})
-                        continue
-                    trial = self._trial(cls, tuning, point, incumbent.samples_per_s, deadline, seen)
-                    if trial is None:  # the budget cannot fit another run
-                        tuning.best, tuning.best_settings = incumbent, best_settings
-                        return
-                    gain = 1 + self.window.min_gain
-                    if trial.outcome == "ok" and trial.samples_per_s > incumbent.samples_per_s * gain:
-                        incumbent, best_settings, moved = trial, point, True
+                for direction in _directions(values, getattr(best_settings, key)):
+                    for value in direction:
+                        point = self._point(cls, best_settings, key, value)
+                        if point is None or _key(point) in seen:
+                            continue
+                        refused = self.limits.refuses(cls, point, self.config.pipeline)
+                        if refused:
+                            seen.add(_key(point))
+                            tuning.refused.append({"settings": point.model_dump(), "reason": refused})
+                            continue
+                        trial = self._trial(cls, tuning, point, incumbent.samples_per_s, deadline, seen)
+                        if trial is None:  # the budget cannot fit another run
+                            tuning.best, tuning.best_settings = incumbent, best_settings
+                            return
+                        gain = 1 + self.window.min_gain
+                        if trial.outcome == "ok" and trial.samples_per_s > incumbent.samples_per_s * gain:
+                            incumbent, best_settings, moved = trial, point, True
+                        elif len(values) > 2 and _numeric(values):
+                            break  # a numeric knob: past a value that did not help, the next ones are not tried
             if not moved:
                 break
         tuning.best, tuning.best_settings = incumbent, best_settings
@@ -365,6 +369,19 @@ class Tuner:
             loader.close()
             raise
         return loader
+
+
+def _numeric(values: list[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _directions(values: list[Any], current: Any) -> list[list[Any]]:
+    """The values of a knob to try from `current`: for an ordered numeric knob, outwards in each
+    direction (nearest first, so a climb stops at the first value that does not help); otherwise all."""
+    if not _numeric(values) or current not in values:
+        return [list(values)]
+    at = values.index(current)
+    return [values[at - 1 :: -1] if at > 0 else [], values[at + 1 :]]
 
 
 def steady_rate(probes: list[BatchProbe]) -> float:
