@@ -41,27 +41,12 @@ def loader_rate(config, backend: str, batches: int, epoch: int, **settings) -> f
 
 def dali_single_thread_rate(config, batches: int = 8) -> tuple[float, float]:
     """(images/s, CPU seconds per wall second) of DALI's decode + crop + resize + flip + normalise with
-    one thread, over batches read and planned beforehand (not timed)."""
-    from concurrent.futures import Future
-
-    from loadopt.loaders.dali_feed import Feed
-
+    one thread, over batches read and planned beforehand (not timed): `DaliLoader.engine_rate`."""
     loader = build_loader(config, "dali", num_threads=1, prefetch_queue_depth=1)
-    planned = loader.order().batches()[:batches]
-    prepared = [loader._prepare_batch(indices, 0) for indices in planned]
-
-    feed = Feed(None, planned, None, ahead=0)
-    for k, batch in enumerate(prepared):  # every batch already read and planned: the feed only hands them out
-        feed.futures[k] = Future()
-        feed.futures[k].set_result(batch)
-    pipe = loader._new_pipeline(feed)
-    loader._run(pipe)  # first batch: allocations, not timed
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(len(planned) - 1):
-        loader._run(pipe)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    images = sum(len(p.indices) for p in prepared[1:])
-    return images / wall, cpu / wall
+    try:
+        return loader.engine_rate(batches)
+    finally:
+        loader.close()
 
 
 def torch_single_thread_rate(config, samples: int = 200) -> float:

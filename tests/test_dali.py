@@ -277,3 +277,19 @@ def test_mixed_decode_resumes_and_skips_corrupt_files(tmp_path):
     resumed = dali(scan_image_folder(str(tmp_path)), device="cuda", on_error="skip")
     resumed.load_state_dict(first.state_dict())
     assert head + [b.indices.tolist() for b in resumed.host_batches()] == full
+
+
+def test_dali_is_judged_against_its_own_engine(tmp_path):
+    """The bench measures DALI's CPU engine alone (one thread x cores) when the config runs dali, and a
+    dali run's verdict is against that ceiling, not PIL's or simplejpeg's."""
+    from loadopt.bench.attribution import _bounding_ceiling, decode_rates
+
+    config = config_from_dict(tiny_config_dict(tmp_path / "out", loaders={"dali": {}}), "d.yaml")
+    decode = decode_rates(config, open_dataset(config))
+    engine = decode["dali"]
+    assert engine["decoder"] == "dali cpu" and engine["per_core"] > 0
+    assert engine["samples_per_s"] == pytest.approx(engine["per_core"] * decode["cores"])
+    metrics = {"samples_per_s": {"median": 10.0}}
+    stage, _, capacity, words, _ = _bounding_ceiling(metrics, "dali cpu num_threads=2", {"decode": decode},
+                                                     {"kind": "images"}, {"decoder": "auto"})
+    assert stage == "prep-bound" and capacity == engine["samples_per_s"] and "dali cpu" in words

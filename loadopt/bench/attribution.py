@@ -128,7 +128,25 @@ def decode_rates(config: Config, dataset: Any) -> dict[str, Any]:
                 break
         per_core = done / (time.perf_counter() - start)
         out[key] = {"decoder": decoder, "resize": resize, "per_core": per_core, "samples_per_s": per_core * cores}
+    if "dali" in config.loaders:  # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's
+        out["dali"] = _guarded(_dali_engine_rate, config, dataset, cores)
     return out
+
+
+def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any]:
+    from loadopt.loaders.base import backend_class
+
+    cls = backend_class("dali")
+    available, reason = cls.available()
+    if not available:
+        return {"skipped": reason}
+    loader = cls(dataset, config.pipeline, cls.Settings(num_threads=1, prefetch_queue_depth=1, decoder="cpu"),
+                 seed=config.seed)
+    try:
+        per_core, _ = loader.engine_rate(batches=3)
+    finally:
+        loader.close()
+    return {"decoder": "dali cpu", "resize": "dali", "per_core": per_core, "samples_per_s": per_core * cores}
 
 
 def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
@@ -233,6 +251,8 @@ def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, A
         slow = settings.get("decoder") == "pil" or (
             backend == "torch" and "plain" in words and settings.get("decoder", "auto") == "auto")
         chosen = decode.get("pil" if slow else "fast") or {}
+        if backend == "dali" and (decode.get("dali") or {}).get("samples_per_s") and "mixed" not in words:
+            chosen = decode["dali"]  # DALI's CPU engine, measured on its own
         cores = decode.get("cores", usable_cores())
         lift = "GPU decode (dali mixed) or a pre-decoded format (arrow --decoded) lifts this bound"
         if slow and decode.get("fast"):
@@ -314,8 +334,8 @@ def ceilings_summary(ceilings: dict[str, Any]) -> str:
     if ceilings.get("storage", {}).get("bytes_per_s"):
         parts.append(f"storage read {ceilings['storage']['bytes_per_s'] / 1e6:,.0f} MB/s")
     decode = ceilings.get("decode", {})
-    for key in ("pil", "fast"):
-        if key in decode:
+    for key in ("pil", "fast", "dali"):
+        if (decode.get(key) or {}).get("samples_per_s"):
             parts.append(f"decode {decode[key]['decoder']} {decode[key]['samples_per_s']:,.0f} img/s "
                          f"({decode['cores']} cores)")
     if ceilings.get("h2d", {}).get("bytes_per_s"):
