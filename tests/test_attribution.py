@@ -239,8 +239,14 @@ def test_stage_verdict_on_constructed_stages():
                          job)["bottleneck"] == "prep-bound"
     short = stage_verdict({**base, "loader_warm": run(300, 0.8), "loader_cold": run(290, 0.8)}, job)
     assert short["bottleneck"] == "loader-bound" and "43% of that capacity" in short["text"]
-    finish = stage_verdict({**base, "loader_warm": run(1200, 0.5, 0.5, 12.0), "loader_cold": run(1100, 0.5)}, job)
-    assert finish["bottleneck"] == "finish-bound"
+    slow_finish = {"loader_warm": run(1200, 0.5, 0.5, 12.0), "loader_cold": run(1100, 0.5)}
+    # A decoded form (copy-bound preparation): finishing on the device is the stall.
+    copying = {**base, "prep": {**base["prep"], "kind": "copy-bound"}}
+    assert stage_verdict({**copying, **slow_finish}, job)["bottleneck"] == "finish-bound"
+    # A decoding loader on the emulated device: decoding and finishing share the CPU's cores.
+    shared = stage_verdict({**base, **slow_finish}, job)
+    assert shared["bottleneck"] == "cpu-bound" and "share the same cores" in shared["text"]
+    assert stage_verdict({**base, **slow_finish}, {**job, "device": "cuda"})["bottleneck"] == "finish-bound"
     slow_disk = {**base, "storage": {"samples_per_s": 200.0, "bytes_per_s": 22e6, "bytes_per_sample": 110e3}}
     cold = stage_verdict({**slow_disk, "loader_warm": run(680, 0.7), "loader_cold": run(190, 0.9)},
                          {**job, "cache": "cold"})

@@ -142,8 +142,15 @@ def stage_verdict(stages: dict[str, Any], job: dict[str, Any]) -> dict[str, str]
     if cold_job and fetch and (capacity is None or fetch < capacity):
         stage, capacity, words = "fetch-bound", fetch, fetch_words
         lift = "a faster tier, more reads in flight, a warm page cache or a smaller stored form would move it"
+    emulated = job.get("device") == "cpu"
+    if run["finish_ms"] > 3 * run["wait_ms"] and emulated and stage == "prep-bound":
+        # The loader decodes on the same cores the emulated device finishes on: neither bounds alone.
+        return {"bottleneck": "cpu-bound",
+                "text": f"cpu-bound: decoding ({words}) and finishing the batches on the device (emulated on the "
+                        f"host CPU here: {run['finish_ms']:.1f} ms a batch) share the same cores; {need}; {both}; "
+                        f"on a GPU the finishing leaves the CPU to decoding; here {lift}"}
     if run["finish_ms"] > 3 * run["wait_ms"]:  # batches arrive in time; finishing them is the stall
-        where = " (emulated on the host CPU here)" if job.get("device") == "cpu" else ""
+        where = " (emulated on the host CPU here)" if emulated else ""
         return {"bottleneck": "finish-bound",
                 "text": f"finish-bound: batches arrive in time (wait {run['wait_ms']:.1f} ms a batch) but copying "
                         f"and normalising them on the device{where} takes {run['finish_ms']:.1f} ms a batch; {need}; "
