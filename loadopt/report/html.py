@@ -104,8 +104,9 @@ def _ranking(res: Results, palette: plots.Palette) -> str:
     measured_ceilings = any(r.ceiling_rate() for r in ranked)
     caption = (f"Throughput ({unit}) per loader setting, fastest first; colours are the loader settings' throughout "
                "the report.")
-    caption += (" The black diamond marks the ceiling that bounds each setting (measured on the same machine); the "
-                "fraction of it reached is written on the bar." if measured_ceilings else "")
+    caption += (" The black diamond marks the ceiling that bounds each setting (measured on the same machine); a "
+                "black triangle at the axis end, a ceiling far beyond the measured rates (its value is written); "
+                "the fraction of it reached is written on the bar." if measured_ceilings else "")
     parts = [_figure(plots.ranking(res, palette), caption)]
     if not measured_ceilings:
         parts.append(_note("Ceilings were not measured for these results (no storage, memory-copy or decode ceiling "

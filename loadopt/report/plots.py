@@ -104,6 +104,9 @@ def _row_in(figure_width: float) -> float:
     return 0.36 if figure_width >= WIDTH_IN else 0.42  # height per bar, inches (two-line labels need more)
 
 
+OFF_SCALE = 3.0  # a ceiling above this multiple of the fastest rate is marked at the axis end
+
+
 def ranking(res: Results, palette: Palette) -> str:
     """Throughput per loader setting as bars (min-max spread as whiskers), the bounding ceiling as a
     black diamond with the fraction written on the bar."""
@@ -125,21 +128,28 @@ def _ranking(res: Results, palette: Palette) -> Figure:
             ax.plot(spread, [i, i], color="#333333", linewidth=1.0)
             whiskers = True
     ceilings = [r.ceiling_rate() if key == "samples_per_s" else None for r in runs]
-    xmax = max(rates + [c or 0.0 for c in ceilings] + [1.0])
-    first = next((i for i, c in enumerate(ceilings) if c), None)
+    # The axis follows the measured rates: a ceiling far above them (e.g. memory copy for decoded pixels,
+    # 50x the rate) would squash every bar to a sliver, so it is marked at the axis end instead.
+    scale_limit = OFF_SCALE * max(rates + [1.0])
+    xmax = max(rates + [c for c in ceilings if c and c <= scale_limit] + [1.0])
+    drawn: set[str] = set()
     for i, (run, rate, ceiling) in enumerate(zip(runs, rates, ceilings, strict=True)):
         if not ceiling:
             ax.text(rate + xmax * 0.01, i, f"{rate:,.0f}", va="center", fontsize=8)
             continue
         fraction = rate / ceiling
-        ax.plot([ceiling], [i], marker="D", color="black", markersize=6, linestyle="none", zorder=4,
-                label="ceiling that bounds it" if i == first else None)
+        off = ceiling > scale_limit
+        at, label = (xmax * 1.03, "ceiling beyond the axis") if off else (ceiling, "ceiling that bounds it")
+        ax.plot([at], [i], marker=">" if off else "D", color="black", markersize=6, linestyle="none", zorder=4,
+                label=None if label in drawn else label)
+        drawn.add(label)
         # The fraction on the bar (at its start, boxed in white: readable on every bar colour, yellow
         # included), the value and the ceiling's name after whichever ends further right: no overlaps.
         ax.text(xmax * 0.005, i, f"{fraction:.0%}", va="center", fontsize=7, zorder=5,
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.85, "linewidth": 0})
         name = run.ceiling.get("name", "ceiling")
-        ax.text(max(rate, ceiling) + xmax * 0.015, i, f"{rate:,.0f} ({fraction:.0%} of {name})", va="center",
+        beyond = f", at {ceiling:,.0f}" if off else ""
+        ax.text(max(rate, at) + xmax * 0.015, i, f"{rate:,.0f} ({fraction:.0%} of {name}{beyond})", va="center",
                 fontsize=7.5)
     ax.set_yticks(y, [_tick(r.label, palette.width) for r in runs])
     ax.invert_yaxis()
