@@ -29,3 +29,33 @@ def build_loader(config, backend: str, **settings):
     dataset = open_dataset(config)
     point = expand_settings(cls.Settings, settings, f"loaders.{backend}", "bench")[0]
     return cls(dataset, config.pipeline, point, device=resolve_device(config.workload.device), seed=config.seed)
+
+
+def harness_run(loader, batches: int, warmup: int = 3, step_ms: float = 0.0, epoch: int | None = None,
+                emulate: bool = True):
+    """One run of the harness over `loader` (prepared first, closed after): its `RepeatResult`.
+    `emulate`: the CPU stand-in for the device copy (off: the real device's copy, e.g. on CUDA)."""
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    if epoch is not None:
+        loader.set_epoch(epoch)
+    try:
+        loader.prepare()  # conversions happen here, never in the measured window
+        return run_repeat(loader, EmulatedAccelerator(step_ms / 1000.0, loader.device),
+                          DeviceTransfer(loader.device, emulate=emulate), warmup_batches=warmup,
+                          measure_batches=batches)
+    finally:
+        loader.close()
+
+
+def host_batches_forever(loader):
+    """The loader's host batches, epoch after epoch (a new epoch starts where the last one ended)."""
+    while True:
+        produced = False
+        for batch in loader.host_batches():
+            produced = True
+            yield batch
+        if not produced:
+            raise RuntimeError(f"loader {loader.name} produced no batches")

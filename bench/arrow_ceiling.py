@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from _common import REPO, build_loader, result_line
+from _common import REPO, build_loader, harness_run, host_batches_forever, result_line
 
 from loadopt.bench.attribution import memcpy_bandwidth  # shared with the bench's ceilings
 
@@ -25,14 +25,10 @@ def host_rate(loader, batches: int) -> tuple[float, float]:
     """(bytes/s, samples/s) of the batches the loader hands over, after one warm epoch."""
     for _ in loader.host_batches():
         pass
-    iterator = loader.host_batches()
+    iterator = host_batches_forever(loader)
     start, nbytes, samples = time.perf_counter(), 0, 0
     for _ in range(batches):
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            iterator = loader.host_batches()
-            batch = next(iterator)
+        batch = next(iterator)
         nbytes += batch.inputs.numel() * batch.inputs.element_size()
         samples += len(batch.indices)
     seconds = time.perf_counter() - start
@@ -41,15 +37,7 @@ def host_rate(loader, batches: int) -> tuple[float, float]:
 
 
 def harness_rate(loader, batches: int) -> dict:
-    from loadopt.bench.accelerator import EmulatedAccelerator
-    from loadopt.bench.harness import run_repeat
-    from loadopt.device import DeviceTransfer
-
-    loader.prepare()
-    result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device), DeviceTransfer(loader.device, emulate=True),
-                        warmup_batches=5, measure_batches=batches)
-    loader.close()
-    return result.metrics
+    return harness_run(loader, batches, warmup=5).metrics
 
 
 def main() -> int:

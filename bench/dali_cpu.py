@@ -21,22 +21,11 @@ import os
 import statistics
 import time
 
-from _common import REPO, build_loader, result_line
+from _common import REPO, build_loader, harness_run, result_line
 
 
 def loader_rate(config, backend: str, batches: int, epoch: int, **settings) -> float:
-    from loadopt.bench.accelerator import EmulatedAccelerator
-    from loadopt.bench.harness import run_repeat
-    from loadopt.device import DeviceTransfer
-
-    loader = build_loader(config, backend, **settings)
-    loader.set_epoch(epoch)
-    try:
-        result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device),
-                            DeviceTransfer(loader.device, emulate=True), warmup_batches=3, measure_batches=batches)
-    finally:
-        loader.close()
-    return result.metrics["samples_per_s"]
+    return harness_run(build_loader(config, backend, **settings), batches, epoch=epoch).metrics["samples_per_s"]
 
 
 def dali_single_thread_rate(config, batches: int = 8) -> tuple[float, float]:

@@ -19,43 +19,17 @@ import subprocess
 import sys
 import time
 
-from _common import REPO, build_loader
-
-
-def h2d_bandwidth(pinned: bool, size: int = 256 << 20) -> float:
-    import torch
-
-    host = torch.empty(size, dtype=torch.uint8)
-    if pinned:
-        host = host.pin_memory()
-    device = torch.empty(size, dtype=torch.uint8, device="cuda")
-    device.copy_(host, non_blocking=pinned)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        device.copy_(host, non_blocking=pinned)
-    end.record()
-    end.synchronize()
-    return 5 * size / (start.elapsed_time(end) / 1000.0)
+from _common import REPO, build_loader, harness_run
 
 
 def harness(config, backend: str, step_ms: float, batches: int, cold: bool = False, **settings) -> dict:
-    import torch
-
-    from loadopt.bench.accelerator import EmulatedAccelerator
-    from loadopt.bench.harness import run_repeat
-    from loadopt.device import DeviceTransfer
     from loadopt.storage.pagecache import evict
 
     loader = build_loader(config, backend, **settings)
-    loader.prepare()
     if cold:  # what this loader reads (the raw shards, the Arrow file, the JPEGs) out of the page cache
+        loader.prepare()
         evict(loader.storage_files())
-    device = torch.device("cuda")
-    try:
-        result = run_repeat(loader, EmulatedAccelerator(step_ms / 1000.0, device), DeviceTransfer(device), 5, batches)
-    finally:
-        loader.close()
+    result = harness_run(loader, batches, warmup=5, step_ms=step_ms, emulate=False)
     # Bytes the harness copied host-to-device: 0 for batches a backend delivers on the device (DALI mixed).
     return {**result.metrics, "h2d_bytes": sum(p.h2d_bytes for p in result.probes if p.measured)}
 
@@ -70,6 +44,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("unavailable: torch.cuda.is_available() is False on this machine; nothing to check")
         return 1
+    from loadopt.bench.attribution import copy_to_device_bandwidth
+
     rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name(0))]
     start = time.perf_counter()
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
@@ -78,7 +54,8 @@ def main() -> int:
     print(tests.stdout[-4000:])
     rows.append(("pytest -m gpu", f"{summary} (exit {tests.returncode}, {time.perf_counter() - start:.0f} s)"))
     for pinned in (True, False):
-        rows.append((f"h2d {'pinned' if pinned else 'pageable'}", f"{h2d_bandwidth(pinned) / 1e9:.1f} GB/s"))
+        rate = copy_to_device_bandwidth(torch.device("cuda"), pinned)
+        rows.append((f"h2d {'pinned' if pinned else 'pageable'}", f"{rate / 1e9:.1f} GB/s"))
 
     from loadopt.config import load_config
 

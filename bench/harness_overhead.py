@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from _common import REPO, build_loader, result_line
+from _common import REPO, build_loader, host_batches_forever, result_line
 
 
 def bare(loader, batches: int) -> float:
@@ -23,18 +23,15 @@ def bare(loader, batches: int) -> float:
     from loadopt.device import DeviceTransfer
 
     transfer = DeviceTransfer(loader.device, emulate=True)
-    iterator = loader.host_batches()
+    iterator = host_batches_forever(loader)
     loader.finish(next(iterator), transfer)  # warm-up, as the harness's one warm-up batch
     start, samples = time.perf_counter(), 0
     for _ in range(batches):
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            iterator = loader.host_batches()
-            batch = next(iterator)
-        images, labels = loader.finish(batch, transfer)
+        images, labels = loader.finish(next(iterator), transfer)
         samples += len(labels)
-    return samples / (time.perf_counter() - start)
+    rate = samples / (time.perf_counter() - start)
+    iterator.close()
+    return rate
 
 
 def for_loop(loader, batches: int) -> float:

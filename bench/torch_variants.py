@@ -15,22 +15,12 @@ import os
 import statistics
 import time
 
-from _common import REPO, build_loader, result_line
+from _common import REPO, build_loader, harness_run, result_line
 
 
 def loader_rate(config, variant: str, workers: int, batches: int, epoch: int) -> dict:
-    from loadopt.bench.accelerator import EmulatedAccelerator
-    from loadopt.bench.harness import run_repeat
-    from loadopt.device import DeviceTransfer
-
     loader = build_loader(config, "torch", variant=variant, num_workers=workers)
-    loader.set_epoch(epoch)
-    try:
-        result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device),
-                            DeviceTransfer(loader.device, emulate=True), warmup_batches=3, measure_batches=batches)
-    finally:
-        loader.close()
-    return result.metrics
+    return harness_run(loader, batches, epoch=epoch).metrics
 
 
 def decode_ceiling(config, decoder: str, samples: int = 300) -> float:

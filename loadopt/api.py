@@ -11,7 +11,7 @@ import torch
 from loadopt.config import Config, PipelineConfig, config_from_dict, expand_settings, load_config
 from loadopt.device import resolve_device
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
-from loadopt.loaders.base import Loader, backend_class, backend_names
+from loadopt.loaders.base import Loader, backend_class, backend_for, backend_names
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 
 log = logging.getLogger(__name__)
@@ -91,10 +91,7 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
 
 def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], why: str, overrides: dict[str, Any],
            device, rank: int | None, world_size: int | None, seed: int | None, epoch: int, convert: bool) -> Loader:
-    try:
-        cls = backend_class(backend)
-    except KeyError as exc:
-        raise ConfigError(f"make_loader: backend={backend!r}: {exc.args[0]}") from None
+    cls = backend_for(backend, f"make_loader: backend={backend!r}")
     available, reason = cls.available()
     if not available:
         raise BackendUnavailable(f"backend {backend}: {reason}")

@@ -149,20 +149,26 @@ def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any
     return {"decoder": "dali cpu", "resize": "dali", "per_core": per_core, "samples_per_s": per_core * cores}
 
 
-def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
-    if device.type != "cuda":
-        return {"skipped": f"device {device}: no host-to-device link to measure (the copy is emulated)"}
-    source = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+def copy_to_device_bandwidth(device: torch.device, pinned: bool = True, size: int = 256 << 20) -> float:
+    """Bytes/s of host-to-device copies of `size` bytes from pinned (or pageable) memory, CUDA events."""
+    source = torch.empty(size, dtype=torch.uint8)
+    source = source.pin_memory() if pinned else source
     target = torch.empty_like(source, device=device)
-    target.copy_(source, non_blocking=True)
+    target.copy_(source, non_blocking=pinned)
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        target.copy_(source, non_blocking=True)
+        target.copy_(source, non_blocking=pinned)
     end.record()
     end.synchronize()
-    return {"name": "pinned h2d bandwidth", "bytes_per_s": 5 * source.numel() / (start.elapsed_time(end) / 1000.0)}
+    return 5 * size / (start.elapsed_time(end) / 1000.0)
+
+
+def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"skipped": f"device {device}: no host-to-device link to measure (the copy is emulated)"}
+    return {"name": "pinned h2d bandwidth", "bytes_per_s": copy_to_device_bandwidth(device)}
 
 
 def compute_alone(config: Config, dataset: Any, device: torch.device) -> dict[str, Any]:

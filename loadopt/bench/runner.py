@@ -31,7 +31,7 @@ from loadopt.bench.results import (
 from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer, resolve_device
 from loadopt.errors import ConfigError, LoadoptError
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.base import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.remote import redact
@@ -92,10 +92,7 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
           convert: bool) -> list[_Setting]:
     plan: list[_Setting] = []
     for name in names:
-        try:
-            cls = backend_class(name)
-        except KeyError as exc:
-            raise ConfigError(f"--loaders {name}: {exc.args[0]}") from None
+        cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
         if not available:
             plan.append(_Setting(name, None, name, "unavailable", reason))
@@ -202,7 +199,7 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
     reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
                          workload.warmup_batches + workload.measure_batches)
     loader = None
-    counters = tier_counters(_filesystem(dataset))
+    counters = tier_counters(dataset.fs)
     try:
         loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
                      on_error=config.dataset.on_error)
@@ -215,7 +212,7 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
         raise
     except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
         recorded = _tier_delta(setting, counters, dataset)
-        failure = tier_failure(exc, _filesystem(dataset), setting.tier_counters[-1] if recorded else None)
+        failure = tier_failure(exc, dataset.fs, setting.tier_counters[-1] if recorded else None)
         if isinstance(exc, LoadoptError) and failure is None:
             raise
         log.debug("run %s failed", setting.label, exc_info=True)
@@ -231,15 +228,9 @@ def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDatas
     return note
 
 
-def _filesystem(dataset):
-    """The filesystem the dataset is read through (a tier wrapper, maybe); None for a token file,
-    which is read from a local memory map."""
-    return getattr(dataset, "fs", None)
-
-
 def _tier_delta(setting: _Setting, before: dict[str, float] | None, dataset: ImageDataset) -> bool:
     """Record what this repeat added to the tier's counters (shared by the loader's processes)."""
-    delta = counters_delta(before, tier_counters(_filesystem(dataset)))
+    delta = counters_delta(before, tier_counters(dataset.fs))
     if delta is not None:
         setting.tier_counters.append(delta)
     return delta is not None

@@ -41,7 +41,7 @@ from loadopt.bench.metrics import BatchProbe
 from loadopt.config import Config, backend_settings
 from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
-from loadopt.loaders.base import Loader, backend_class
+from loadopt.loaders.base import Loader, backend_class, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,11 @@ class MachineLimits:
         demand = cls.cpu_demand(settings)
         if demand > self.cores:
             return f"needs {demand} cores, {self.cores} usable"
-        memory = getattr(cls, "memory_demand", None)
-        if memory is not None:
-            need = memory(settings, pipeline)
-            if need.get("shared", 0) > self.shared_bytes:
-                return (f"needs {need['shared'] / 2**20:,.0f} MiB of shared memory, "
-                        f"{self.shared_bytes / 2**20:,.0f} free")
-            if need.get("pinned", 0) > self.pinned_bytes:
-                return f"pins {need['pinned'] / 2**20:,.0f} MiB, {self.pinned_bytes / 2**20:,.0f} MiB may be pinned"
+        need = cls.memory_demand(settings, pipeline)
+        if need.get("shared", 0) > self.shared_bytes:
+            return f"needs {need['shared'] / 2**20:,.0f} MiB of shared memory, {self.shared_bytes / 2**20:,.0f} free"
+        if need.get("pinned", 0) > self.pinned_bytes:
+            return f"pins {need['pinned'] / 2**20:,.0f} MiB, {self.pinned_bytes / 2**20:,.0f} MiB may be pinned"
         return ""
 
 
@@ -223,10 +220,7 @@ class Tuner:
 
     def _setup(self, name: str) -> BackendTuning:
         tuning = BackendTuning(name)
-        try:
-            cls = backend_class(name)
-        except KeyError as exc:
-            raise ConfigError(f"--loaders {name}: {exc.args[0]}") from None
+        cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
         if not available:
             tuning.status, tuning.reason = "unavailable", reason

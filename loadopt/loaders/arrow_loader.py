@@ -58,10 +58,6 @@ class ArrowLoader(RingLoader):
     def cpu_demand(cls, settings: ArrowSettings) -> int:
         return settings.threads  # the pool sharing each batch; the producer thread only hands out work
 
-    @classmethod
-    def memory_demand(cls, settings: ArrowSettings, pipeline) -> dict[str, int]:
-        """The batch ring (prefetch + 2 slots of uint8 batches), pinned on CUDA."""
-        return {"shared": 0, "pinned": (settings.prefetch + 2) * pipeline.batch_size * 3 * pipeline.image_size ** 2}
 
     def describe(self) -> str:
         s = self.settings

@@ -121,6 +121,12 @@ class Loader(ABC):
         so that the tuner never proposes more than the machine has."""
         return 1
 
+    @classmethod
+    def memory_demand(cls, settings: BaseModel, pipeline: PipelineConfig) -> dict[str, int]:
+        """Bytes of shared (`shared`) and page-locked (`pinned`) memory a setting holds, so that the tuner
+        never proposes more than is free."""
+        return {"shared": 0, "pinned": 0}
+
     @abstractmethod
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         """Yield one `HostBatch` per entry of `batches`, in order."""
@@ -272,6 +278,16 @@ def backend_class(name: str) -> type[Loader]:
     cls.name = name
     _registered[name] = cls
     return cls
+
+
+def backend_for(name: str, where: str) -> type[Loader]:
+    """`backend_class(name)`, an unknown name being a user error that names `where` it was asked for."""
+    from loadopt.errors import ConfigError
+
+    try:
+        return backend_class(name)
+    except KeyError as exc:
+        raise ConfigError(f"{where}: {exc.args[0]}") from None
 
 
 class _BrokenLoader(Loader):

@@ -125,10 +125,6 @@ class PosixLoader(RingLoader):
         # The finishing threads; io threads spend their time blocked in preadv (a count of reads in flight).
         return settings.threads
 
-    @classmethod
-    def memory_demand(cls, settings: PosixSettings, pipeline) -> dict[str, int]:
-        """The batch ring (prefetch + 2 slots), pinned on CUDA; the staging buffers are ordinary memory."""
-        return {"shared": 0, "pinned": (settings.prefetch + 2) * pipeline.batch_size * 3 * pipeline.image_size ** 2}
 
     def describe(self) -> str:
         s = self.settings

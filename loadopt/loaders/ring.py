@@ -99,6 +99,11 @@ class RingLoader(Loader):
         # Crops of decoded HWC rows stay HWC (row copies, no transposition); decoding writes CHW.
         return "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
 
+    @classmethod
+    def memory_demand(cls, settings, pipeline) -> dict[str, int]:
+        """The batch ring (`prefetch` + 2 slots of uint8 batches), pinned on CUDA; staging is ordinary memory."""
+        return {"shared": 0, "pinned": (settings.prefetch + 2) * pipeline.batch_size * 3 * pipeline.image_size ** 2}
+
     def _make_ring(self) -> list[torch.Tensor]:
         slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
         if self._tokens:

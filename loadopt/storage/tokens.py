@@ -35,6 +35,8 @@ class TokenDataset:
     fingerprint: str
     synthetic: bool = False
     classes: list[str] = field(default_factory=list)
+    # No filesystem to read through (nor a storage tier): the corpus is a local memory map.
+    fs: None = None
 
     def __post_init__(self) -> None:
         count = max(0, (len(self.tokens) - 1) // self.seq_len)
