@@ -29,7 +29,7 @@ from _common import REPO, result_line
 
 def grid_points(tuner, name: str) -> list:
     """Every setting of the backend's searched space that fits the machine (the same space the tuner searches)."""
-    from loadopt.bench.tuner import search_space
+    from loadopt.bench.knobs import search_space
     from loadopt.loaders.base import backend_class
 
     cls = backend_class(name)

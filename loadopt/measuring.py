@@ -26,12 +26,13 @@ import logging
 import os
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
+from loadopt.batch_structure import count_samples, rebuilt, tensors_of
 from loadopt.errors import LoadoptError
 from loadopt.measure_results import Recorded, rank_info, results_document, step_metrics, verdict, write_json
 from loadopt.measure_results import write_ranked as _write_ranked
@@ -39,24 +40,6 @@ from loadopt.measure_results import write_ranked as _write_ranked
 log = logging.getLogger("loadopt.measure")
 F = TypeVar("F", bound=Callable[..., Any])
 _clock = time.perf_counter_ns
-
-
-def count_samples(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its (first) tensor; a list of plain values counts
-    its items; anything else counts as 1."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else 1
-    if isinstance(batch, Mapping):
-        for value in batch.values():
-            return count_samples(value)
-        return 1
-    if isinstance(batch, (tuple, list)) and batch:
-        first = batch[0]
-        if hasattr(first, "shape") or isinstance(first, (tuple, list, Mapping)):
-            return count_samples(first)
-        return len(batch)
-    return 1
 
 
 class Measurement:
@@ -282,7 +265,7 @@ class Measurement:
         if self._transfer is None or self._transfer.device != target:
             self._transfer = DeviceTransfer(target)
         tensors: list[Any] = []
-        _flatten(batch, tensors)
+        tensors_of(batch, tensors)
         if not tensors:
             return batch
         moved = self._transfer.to_device(*tensors)
@@ -295,7 +278,7 @@ class Measurement:
             self._cuda.add_h2d(last.elapsed.events)
         else:
             self._h2d_host_s += last.elapsed.seconds()
-        return _rebuild(batch, iter(moved))
+        return rebuilt(batch, iter(moved))
 
     # -- results -----------------------------------------------------------------------------------
 
@@ -353,29 +336,6 @@ def _resolve(device: Any) -> Any:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
     return resolve_device(device)
-
-
-def _flatten(batch: Any, out: list[Any]) -> None:
-    if hasattr(batch, "is_cuda") and hasattr(batch, "to"):
-        out.append(batch)
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            _flatten(value, out)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
-            _flatten(value, out)
-
-
-def _rebuild(batch: Any, moved: Iterator[Any]) -> Any:
-    if hasattr(batch, "is_cuda") and hasattr(batch, "to"):
-        return next(moved)
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _rebuild(value, moved) for key, value in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_rebuild(value, moved) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_rebuild(value, moved) for value in batch)
-    return batch
 
 
 def measure(iterable: Iterable[Any], *, device: Any = None, every: int | None = None, label: str | None = None,

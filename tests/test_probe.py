@@ -109,16 +109,16 @@ def test_cli_probe_errors(tmp_path):
 
 def test_reader_keeps_few_files_open(tmp_path):
     # a folder of thousands of samples read by 64 readers must not run out of file descriptors
-    from loadopt.storage import probe as probe_module
+    from loadopt.storage import probe_readers
 
     files = []
-    for i in range(3 * probe_module._OPEN_FILES):
+    for i in range(3 * probe_readers._OPEN_FILES):
         path = tmp_path / f"{i}.bin"
         path.write_bytes(b"x" * 8192)
-        files.append(probe_module._File(str(path), 8192))
-    reader = probe_module._Reader(None, local=True, direct=False, max_length=8192)
+        files.append(probe_readers.File(str(path), 8192))
+    reader = probe_readers.Reader(None, local=True, direct=False, max_length=8192)
     try:
         assert sum(reader.read(f, 0, 8192) for f in files) == 8192 * len(files)
-        assert len(reader._fds) == probe_module._OPEN_FILES
+        assert len(reader._fds) == probe_readers._OPEN_FILES
     finally:
         reader.close()

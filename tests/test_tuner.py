@@ -8,8 +8,9 @@ import time
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from loadopt.bench.knobs import MachineLimits, search_space
 from loadopt.bench.runner import run_bench
-from loadopt.bench.tuner import MachineLimits, Tuner, Window, parse_budget, search_space
+from loadopt.bench.tuner import Tuner, Window, parse_budget
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError
 from loadopt.loaders.base import _registered, backend_class, register
@@ -237,9 +238,9 @@ def test_tune_on_real_backends_of_the_tiny_config(tmp_path):
 
 
 def test_numeric_knobs_are_climbed_outwards_from_the_start():
-    from loadopt.bench.tuner import _directions
+    from loadopt.bench.knobs import directions
 
-    assert _directions([1, 2, 4, 8], 4) == [[2, 1], [8]]
-    assert _directions([1, 2, 4], 1) == [[], [2, 4]]
-    assert _directions(["plain", "tuned"], "tuned") == [["plain", "tuned"]]
-    assert _directions([1, 2], 3) == [[1, 2]]  # a start outside the list: every value
+    assert directions([1, 2, 4, 8], 4) == [[2, 1], [8]]
+    assert directions([1, 2, 4], 1) == [[], [2, 4]]
+    assert directions(["plain", "tuned"], "tuned") == [["plain", "tuned"]]
+    assert directions([1, 2], 3) == [[1, 2]]  # a start outside the list: every value

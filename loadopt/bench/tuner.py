@@ -1,44 +1,40 @@
 """`loadopt bench --tune`: search each backend's knobs for its fastest setting within a time budget.
 
-The knobs and their values come from the backend (`Loader.knob_space(cores)`), never from here. The
-config narrows them: a list under `loaders.<backend>` replaces that knob's values (a one-element list
-pins it; the search starts at the backend's default value when the list holds it, else at its first);
-a scalar is where the search starts (and is added to the knob's values).
+The knobs and their values come from the backend (`Loader.knob_space(cores)`), never from here; the
+config narrows them and sets the start (bench/knobs.py, with the machine's limits).
 
 The search first runs every backend's start; a backend whose start is below `prune_below` of the
 fastest start is not climbed (successive halving over backends: knobs move a backend by tens of
 percent, not by 2x). The others climb, fastest first: a coordinate-wise hill climb from the start, as
-tf.data's autotuner does: for each knob
-in the backend's order, its other values are tried with the other knobs at the incumbent (an ordered
-numeric knob outwards from the incumbent, each direction until a value does not help), the best value
-is kept, and passes repeat until one changes nothing (at most `max_passes`). Each trial is
-a short run of the harness (`window`), and a trial is stopped early once it is clearly worse than the
-incumbent (after `min_batches` measured batches, below `1 - stop_margin` of its rate). A setting is
-never proposed when its `cpu_demand` exceeds the usable cores or its buffers the free shared or
-pinnable memory. The budget is shared out among the backends still to tune; no trial starts when its
-expected length would overrun the backend's share, and a running trial is cut at the deadline. Format
+tf.data's autotuner does: for each knob in the backend's order, its other values are tried with the
+other knobs at the incumbent (an ordered numeric knob outwards from the incumbent, each direction
+until a value does not help), the best value is kept, and passes repeat until one changes nothing
+(at most `max_passes`). Each trial is a short run of the harness (`window`), and a trial is stopped
+early once it is clearly worse than the incumbent (after `min_batches` measured batches, below
+`1 - stop_margin` of its rate). A setting is never proposed when its `cpu_demand` exceeds the usable
+cores or its buffers the free shared or pinnable memory. The budget is shared out among the backends
+still to tune; no trial starts when its expected length would overrun the backend's share, and a
+running trial is cut at the deadline. Format
 conversions a knob needs happen before the clock starts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import torch
 from pydantic import BaseModel
 
 from loadopt.bench.accelerator import make_accelerator
-from loadopt.bench.attribution import usable_cores
 from loadopt.bench.harness import run_repeat
+from loadopt.bench.knobs import MachineLimits, directions, numeric, search_space
 from loadopt.bench.metrics import BatchProbe
-from loadopt.config import Config, backend_settings
+from loadopt.config import Config
 from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader, backend_class, backend_for
@@ -55,38 +51,6 @@ def parse_budget(text: str) -> float:
     if not match or float(match.group(1)) <= 0:
         raise ConfigError(f"--budget {text}: expected a positive duration such as 90s, 10m or 1h")
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
-
-
-@dataclass(frozen=True)
-class MachineLimits:
-    """What a setting may use: cores for its threads and processes, bytes of shared and pinnable memory."""
-
-    cores: int
-    shared_bytes: int
-    pinned_bytes: int
-
-    @classmethod
-    def here(cls) -> MachineLimits:
-        try:
-            stat = os.statvfs("/dev/shm")
-            shm = stat.f_bavail * stat.f_frsize
-        except OSError:
-            shm = 0
-        available = psutil.virtual_memory().available
-        # Leave room for everything else: most of /dev/shm, half of the available RAM for page-locking.
-        return cls(usable_cores(), int(0.8 * shm), int(0.5 * available))
-
-    def refuses(self, cls: type[Loader], settings: BaseModel, pipeline) -> str:
-        """Why this setting is over the machine ("" when it fits)."""
-        demand = cls.cpu_demand(settings)
-        if demand > self.cores:
-            return f"needs {demand} cores, {self.cores} usable"
-        need = cls.memory_demand(settings, pipeline)
-        if need.get("shared", 0) > self.shared_bytes:
-            return f"needs {need['shared'] / 2**20:,.0f} MiB of shared memory, {self.shared_bytes / 2**20:,.0f} free"
-        if need.get("pinned", 0) > self.pinned_bytes:
-            return f"pins {need['pinned'] / 2**20:,.0f} MiB, {self.pinned_bytes / 2**20:,.0f} MiB may be pinned"
-        return ""
 
 
 @dataclass(frozen=True)
@@ -150,27 +114,6 @@ class _Stop(Exception):
 
 def _key(settings: BaseModel) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in settings.model_dump().items()))
-
-
-def search_space(config: Config, name: str, cls: type[Loader], cores: int) -> tuple[dict[str, list[Any]], BaseModel]:
-    """The knobs to search (the backend's space narrowed by the config's lists) and the start point."""
-    raw = dict(config.loaders.get(name) or {})
-    start = backend_settings(config, name)[0]  # validates; the first value of each configured list
-    space = {k: list(v) for k, v in cls.knob_space(cores).items() if k in cls.Settings.model_fields}
-    defaults = cls.Settings()
-    for key, value in raw.items():
-        if isinstance(value, list):
-            space[key] = [getattr(p, key) for p in backend_settings(config, name)]  # validated values, in order
-            space[key] = list(dict.fromkeys(space[key]))
-            # A sweep's start is the backend's own default when the sweep holds it (the backend's
-            # sensible choice: e.g. torch's tuned variant, 2 workers), else the sweep's first value.
-            if getattr(defaults, key) in space[key]:
-                start = cls.Settings(**{**start.model_dump(), key: getattr(defaults, key)})
-        elif key in space and getattr(start, key) not in space[key]:
-            space[key].append(getattr(start, key))  # the configured value is a candidate too
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in space[key]):
-                space[key].sort()  # keep "least to most resources"
-    return space, start
 
 
 class Tuner:
@@ -279,7 +222,7 @@ class Tuner:
         for _ in range(self.window.max_passes):
             moved = False
             for key, values in tuning.space.items():
-                for direction in _directions(values, getattr(best_settings, key)):
+                for direction in directions(values, getattr(best_settings, key)):
                     for value in direction:
                         point = self._point(cls, best_settings, key, value)
                         if point is None or _key(point) in seen:
@@ -296,7 +239,7 @@ class Tuner:
                         gain = 1 + self.window.min_gain
                         if trial.outcome == "ok" and trial.samples_per_s > incumbent.samples_per_s * gain:
                             incumbent, best_settings, moved = trial, point, True
-                        elif len(values) > 2 and _numeric(values):
+                        elif len(values) > 2 and numeric(values):
                             break  # a numeric knob: past a value that did not help, the next ones are not tried
             if not moved:
                 break
@@ -363,19 +306,6 @@ class Tuner:
             loader.close()
             raise
         return loader
-
-
-def _numeric(values: list[Any]) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-
-
-def _directions(values: list[Any], current: Any) -> list[list[Any]]:
-    """The values of a knob to try from `current`: for an ordered numeric knob, outwards in each
-    direction (nearest first, so a climb stops at the first value that does not help); otherwise all."""
-    if not _numeric(values) or current not in values:
-        return [list(values)]
-    at = values.index(current)
-    return [values[at - 1 :: -1] if at > 0 else [], values[at + 1 :]]
 
 
 def steady_rate(probes: list[BatchProbe]) -> float:

@@ -22,14 +22,10 @@ threads; they have no page cache here to evict.
 from __future__ import annotations
 
 import contextlib
-import mmap
-import multiprocessing
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -37,62 +33,22 @@ import numpy as np
 
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.pagecache import evict
+from loadopt.storage.probe_readers import (
+    File,
+    Picker,
+    Reader,
+    direct_works,
+    latency_stats,
+    processes_for,
+    run_concurrent,
+)
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_BLOCKS = (4 * KiB, 128 * KiB, MiB)
 DEFAULT_CONCURRENCY = (1, 4, 16, 64)
-_OPEN_FILES = 8  # descriptors each reader keeps open
-_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the logical block size
 
 ProgressFn = Callable[[str, int, int], None]  # (pattern label, patterns done, patterns in all)
-# (rng, count) -> (file indices, offsets, lengths) of the next `count` requests of one reader
-Picker = Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
-
-@dataclass
-class _File:
-    path: str
-    size: int
-
-
-class _Reader:
-    """Reads `length` bytes at `offset` of a file; one per thread (local readers own a buffer)."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, local: bool, direct: bool, max_length: int) -> None:
-        self.fs, self.local, self.direct = fs, local, direct
-        self._fds: dict[str, int] = {}
-        # mmap memory is page-aligned, as O_DIRECT requires; reused for every read of this thread.
-        self._buffer = mmap.mmap(-1, _round_up(max(max_length, 1), _ALIGN)) if local else None
-        self._views: dict[int, list[memoryview]] = {}
-
-    def read(self, file: _File, offset: int, length: int) -> int:
-        if not self.local:
-            return len(self.fs.cat_file(file.path, start=offset, end=offset + length))
-        fd = self._fds.get(file.path)
-        if fd is None:
-            if len(self._fds) >= _OPEN_FILES:  # a folder of many files: keep few open (64 readers share the limit)
-                os.close(self._fds.pop(next(iter(self._fds))))
-            flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
-            fd = self._fds[file.path] = os.open(file.path, flags)
-        views = self._views.get(length)
-        if views is None:  # one view per read length (blocks: one in all), made once
-            span = _round_up(length, _ALIGN) if self.direct else length
-            views = self._views[length] = [memoryview(self._buffer)[:span]]
-        return min(os.preadv(fd, views, offset), length)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        for views in self._views.values():
-            views[0].release()
-        self._views.clear()
-        if self._buffer is not None:
-            self._buffer.close()
-
-
-def _round_up(value: int, unit: int) -> int:
-    return -(-value // unit) * unit
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -100,157 +56,23 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
 
 
-def _direct_works(path: str) -> bool:
-    """O_DIRECT is refused by some file systems (tmpfs, some overlays): fall back to buffered reads."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        buffer = mmap.mmap(-1, _ALIGN)
-        try:
-            os.preadv(fd, [buffer], 0)
-        finally:
-            buffer.close()
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _list_files(fs: fsspec.AbstractFileSystem, path: str, url: str) -> tuple[list[_File], bool]:
+def _list_files(fs: fsspec.AbstractFileSystem, path: str, url: str) -> tuple[list[File], bool]:
     """(the files at `path`, whether it is a folder)."""
     try:
         if not fs.exists(path):
             raise DatasetError(f"{url}: not found")
         if not fs.isdir(path):
-            return [_File(path, int(fs.info(path).get("size") or 0))], False
+            return [File(path, int(fs.info(path).get("size") or 0))], False
         found = fs.find(path, detail=True)
     except DatasetError:
         raise
     except (OSError, ValueError) as exc:
         raise DatasetError(f"{url}: cannot list it ({exc})") from None
-    files = [_File(name, int(info.get("size") or 0)) for name, info in sorted(found.items())
+    files = [File(name, int(info.get("size") or 0)) for name, info in sorted(found.items())
              if info.get("type", "file") == "file" and int(info.get("size") or 0) > 0]
     if not files:
         raise DatasetError(f"{url}: holds no non-empty files to read")
     return files, True
-
-
-def _latency_stats(latencies: list[float], nbytes: int, seconds: float) -> dict[str, Any]:
-    lat = np.asarray(latencies) * 1000.0
-    requests = len(lat)
-    return {"requests": requests, "bytes": nbytes, "seconds": seconds,
-            "iops": requests / seconds if seconds > 0 else 0.0,
-            "mb_per_s": nbytes / seconds / 1e6 if seconds > 0 else 0.0,
-            "lat_mean_ms": float(lat.mean()) if requests else None,
-            "lat_p50_ms": float(np.percentile(lat, 50)) if requests else None,
-            "lat_p99_ms": float(np.percentile(lat, 99)) if requests else None}
-
-
-def _thread_loop(make_reader: Callable[[], _Reader], files: list[_File], pick: Picker, seed: int, quota: int,
-                 t_start: float, t_end: float) -> tuple[list[int], int, float]:
-    """One reader thread: requests until `t_end` or `quota`; (latencies in ns, bytes read, end time)."""
-    reader = make_reader()
-    rng = np.random.default_rng(seed)
-    latencies: list[int] = []
-    nbytes, count, ended = 0, 0, time.perf_counter()
-    clock, read = time.perf_counter_ns, reader.read
-    end_ns = int(t_end * 1e9)
-    try:
-        _sleep_until(t_start)
-        while count < quota:
-            chosen, offsets, lengths = pick(rng, min(1024, quota - count))
-            for index, offset, length in zip(chosen.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
-                began = clock()
-                nbytes += read(files[index], offset, length)
-                done = clock()
-                latencies.append(done - began)
-                count += 1
-                if done >= end_ns:
-                    return latencies, nbytes, done / 1e9
-            ended = time.perf_counter()
-    finally:
-        reader.close()
-    return latencies, nbytes, ended
-
-
-def _threads(make_reader: Callable[[], _Reader], files: list[_File], pick: Picker, threads: int, seed: int,
-             quota: int, t_start: float, t_end: float) -> tuple[list[int], int, float]:
-    """`threads` reader threads in this process; their latencies, bytes and last end time together."""
-    out: list[tuple[list[int], int, float] | None] = [None] * threads
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            out[index] = _thread_loop(make_reader, files, pick, seed * 1009 + index, quota, t_start, t_end)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
-            errors.append(exc)
-
-    workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
-    done = [o for o in out if o is not None]
-    return [v for lat, _, _ in done for v in lat], sum(n for _, n, _ in done), max(e for _, _, e in done)
-
-
-def _process_main(queue, *args) -> None:
-    try:
-        lat, nbytes, ended = _threads(*args)
-        queue.put((np.asarray(lat, dtype=np.int64), nbytes, ended, None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent as text
-        queue.put((None, 0, 0.0, f"{type(exc).__name__}: {exc}"))
-
-
-def _run_concurrent(make_reader: Callable[[], _Reader], files: list[_File], pick: Picker, concurrency: int,
-                    processes: int, duration_s: float, max_requests: int, seed: int) -> dict[str, Any]:
-    """`concurrency` readers for `duration_s`, as threads spread over `processes` forked processes
-    (one process: threads here). Python threads share one GIL: past ~8 readers of small blocks the
-    interpreter, not the storage, would be the limit, so local patterns spread them over the cores."""
-    quota = max(1, -(-max_requests // concurrency))
-    shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
-    t_start = time.perf_counter() + 0.02 + 0.03 * (processes - 1)  # every reader starts at once
-    t_end = t_start + duration_s
-    if processes == 1:
-        lat, nbytes, ended = _threads(make_reader, files, pick, concurrency, seed, quota, t_start, t_end)
-        latencies = np.asarray(lat, dtype=np.int64)
-    else:
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        procs = [context.Process(target=_process_main, daemon=True,
-                                 args=(queue, make_reader, files, pick, share, seed * 7919 + i, quota, t_start, t_end))
-                 for i, share in enumerate(shares)]
-        for proc in procs:
-            proc.start()
-        parts = [queue.get() for _ in procs]
-        for proc in procs:
-            proc.join()
-        failed = next((p[3] for p in parts if p[3] is not None), None)
-        if failed is not None:
-            raise OSError(failed)
-        latencies = np.concatenate([p[0] for p in parts])
-        nbytes, ended = sum(p[1] for p in parts), max(p[2] for p in parts)
-    return _latency_stats(latencies / 1e9, nbytes, max(ended - t_start, 1e-9))
-
-
-def _sleep_until(moment: float) -> None:
-    delay = moment - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
-
-
-def _processes_for(concurrency: int, local: bool) -> int:
-    """Forked processes for a pattern: local reads only (remote clients hold threads and event loops
-    that do not survive a fork), about 8 readers a process, at most two processes a core."""
-    if not local or concurrency < 16 or not hasattr(os, "fork"):
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(2 * cores, concurrency // 8))
 
 
 def probe(url: str, *, block_sizes: tuple[int, ...] = DEFAULT_BLOCKS,
@@ -304,12 +126,12 @@ def _write_test_file(fs: fsspec.AbstractFileSystem, folder: str, url: str, size:
     return name
 
 
-def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[_File], is_folder: bool,
+def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[File], is_folder: bool,
                  block_sizes: tuple[int, ...], concurrencies: tuple[int, ...], duration_s: float, seq_block: int,
                  seq_bytes: int, max_requests: int, whole_files: bool | None, cold: bool, direct: bool, seed: int,
                  progress: ProgressFn | None, wrote_test_file: bool) -> dict[str, Any]:
     local = _is_local(fs)
-    direct = bool(direct and local and _direct_works(files[0].path))
+    direct = bool(direct and local and direct_works(files[0].path))
     whole_files = is_folder if whole_files is None else whole_files
     largest = max(f.size for f in files)
     plan: list[tuple[str, int, int]] = [("sequential", seq_block, 1)] if seq_block else []
@@ -331,12 +153,12 @@ def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[_File], is
         if cold and local_paths:
             evict(local_paths)
         max_length = max(f.size for f in fitting) if kind == "files" else block
-        make_reader = lambda max_length=max_length: _Reader(fs, local, direct, max_length)  # noqa: E731
+        make_reader = lambda max_length=max_length: Reader(fs, local, direct, max_length)  # noqa: E731
         if kind == "sequential":
             entry.update(_sequential(make_reader(), files, seq_block, seq_bytes, duration_s))
         else:
             pick = _file_picker(fitting) if kind == "files" else _offset_picker(fitting, block)
-            entry.update(_run_concurrent(make_reader, fitting, pick, concurrency, _processes_for(concurrency, local),
+            entry.update(run_concurrent(make_reader, fitting, pick, concurrency, processes_for(concurrency, local),
                                          duration_s, max_requests, seed + done))
         if kind == "files":
             entry["block_bytes"] = entry["bytes"] / entry["requests"] if entry["requests"] else 0
@@ -365,7 +187,7 @@ def _size_label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _offset_picker(files: list[_File], block: int) -> Picker:
+def _offset_picker(files: list[File], block: int) -> Picker:
     """Files (weighted by their block positions) and block-aligned offsets in them, as fio's randread."""
     positions = np.cumsum([f.size // block for f in files])
     total = int(positions[-1])
@@ -379,7 +201,7 @@ def _offset_picker(files: list[_File], block: int) -> Picker:
     return pick
 
 
-def _file_picker(files: list[_File]) -> Picker:
+def _file_picker(files: list[File]) -> Picker:
     sizes = np.array([f.size for f in files])
 
     def pick(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -389,7 +211,7 @@ def _file_picker(files: list[_File]) -> Picker:
     return pick
 
 
-def _sequential(reader: _Reader, files: list[_File], block: int, max_bytes: int, duration_s: float) -> dict[str, Any]:
+def _sequential(reader: Reader, files: list[File], block: int, max_bytes: int, duration_s: float) -> dict[str, Any]:
     """Read the files in order, `block` bytes at a time, pass after pass (as fio's `time_based` does),
     until `max_bytes` or the time is up."""
     latencies: list[float] = []
@@ -417,7 +239,7 @@ def _sequential(reader: _Reader, files: list[_File], block: int, max_bytes: int,
                 break
     finally:
         reader.close()
-    return _latency_stats(latencies, nbytes, time.perf_counter() - began)
+    return latency_stats(latencies, nbytes, time.perf_counter() - began)
 
 
 def summary(result: dict[str, Any]) -> dict[str, float | None]:

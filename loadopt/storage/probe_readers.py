@@ -1,0 +1,202 @@
+"""How `probe` issues and times its reads: a reader per thread (local files with `os.preadv` into an
+aligned buffer, O_DIRECT where the file system allows it; other fsspec locations with `cat_file`),
+and many readers at once, as threads spread over forked processes when one interpreter would be the
+limit rather than the storage.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from loadopt.storage.raw_format import ALIGN, align_up
+
+_OPEN_FILES = 8  # descriptors each reader keeps open
+
+# (rng, count) -> (file indices, offsets, lengths) of the next `count` requests of one reader
+Picker = Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+@dataclass
+class File:
+    path: str
+    size: int
+
+
+class Reader:
+    """Reads `length` bytes at `offset` of a file; one per thread (local readers own a buffer)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, local: bool, direct: bool, max_length: int) -> None:
+        self.fs, self.local, self.direct = fs, local, direct
+        self._fds: dict[str, int] = {}
+        # mmap memory is page-aligned, as O_DIRECT requires; reused for every read of this thread.
+        self._buffer = mmap.mmap(-1, align_up(max(max_length, 1))) if local else None
+        self._views: dict[int, list[memoryview]] = {}
+
+    def read(self, file: File, offset: int, length: int) -> int:
+        if not self.local:
+            return len(self.fs.cat_file(file.path, start=offset, end=offset + length))
+        fd = self._fds.get(file.path)
+        if fd is None:
+            if len(self._fds) >= _OPEN_FILES:  # a folder of many files: keep few open (64 readers share the limit)
+                os.close(self._fds.pop(next(iter(self._fds))))
+            flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+            fd = self._fds[file.path] = os.open(file.path, flags)
+        views = self._views.get(length)
+        if views is None:  # one view per read length (blocks: one in all), made once
+            span = align_up(length) if self.direct else length
+            views = self._views[length] = [memoryview(self._buffer)[:span]]
+        return min(os.preadv(fd, views, offset), length)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        for views in self._views.values():
+            views[0].release()
+        self._views.clear()
+        if self._buffer is not None:
+            self._buffer.close()
+
+
+def direct_works(path: str) -> bool:
+    """O_DIRECT is refused by some file systems (tmpfs, some overlays): fall back to buffered reads."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        buffer = mmap.mmap(-1, ALIGN)
+        try:
+            os.preadv(fd, [buffer], 0)
+        finally:
+            buffer.close()
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def latency_stats(latencies: list[float], nbytes: int, seconds: float) -> dict[str, Any]:
+    lat = np.asarray(latencies) * 1000.0
+    requests = len(lat)
+    return {"requests": requests, "bytes": nbytes, "seconds": seconds,
+            "iops": requests / seconds if seconds > 0 else 0.0,
+            "mb_per_s": nbytes / seconds / 1e6 if seconds > 0 else 0.0,
+            "lat_mean_ms": float(lat.mean()) if requests else None,
+            "lat_p50_ms": float(np.percentile(lat, 50)) if requests else None,
+            "lat_p99_ms": float(np.percentile(lat, 99)) if requests else None}
+
+
+def _thread_loop(make_reader: Callable[[], Reader], files: list[File], pick: Picker, seed: int, quota: int,
+                 t_start: float, t_end: float) -> tuple[list[int], int, float]:
+    """One reader thread: requests until `t_end` or `quota`; (latencies in ns, bytes read, end time)."""
+    reader = make_reader()
+    rng = np.random.default_rng(seed)
+    latencies: list[int] = []
+    nbytes, count, ended = 0, 0, time.perf_counter()
+    clock, read = time.perf_counter_ns, reader.read
+    end_ns = int(t_end * 1e9)
+    try:
+        _sleep_until(t_start)
+        while count < quota:
+            chosen, offsets, lengths = pick(rng, min(1024, quota - count))
+            for index, offset, length in zip(chosen.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+                began = clock()
+                nbytes += read(files[index], offset, length)
+                done = clock()
+                latencies.append(done - began)
+                count += 1
+                if done >= end_ns:
+                    return latencies, nbytes, done / 1e9
+            ended = time.perf_counter()
+    finally:
+        reader.close()
+    return latencies, nbytes, ended
+
+
+def _threads(make_reader: Callable[[], Reader], files: list[File], pick: Picker, threads: int, seed: int,
+             quota: int, t_start: float, t_end: float) -> tuple[list[int], int, float]:
+    """`threads` reader threads in this process; their latencies, bytes and last end time together."""
+    out: list[tuple[list[int], int, float] | None] = [None] * threads
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            out[index] = _thread_loop(make_reader, files, pick, seed * 1009 + index, quota, t_start, t_end)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    done = [o for o in out if o is not None]
+    return [v for lat, _, _ in done for v in lat], sum(n for _, n, _ in done), max(e for _, _, e in done)
+
+
+def _process_main(queue, *args) -> None:
+    try:
+        lat, nbytes, ended = _threads(*args)
+        queue.put((np.asarray(lat, dtype=np.int64), nbytes, ended, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as text
+        queue.put((None, 0, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def run_concurrent(make_reader: Callable[[], Reader], files: list[File], pick: Picker, concurrency: int,
+                    processes: int, duration_s: float, max_requests: int, seed: int) -> dict[str, Any]:
+    """`concurrency` readers for `duration_s`, as threads spread over `processes` forked processes
+    (one process: threads here). Python threads share one GIL: past ~8 readers of small blocks the
+    interpreter, not the storage, would be the limit, so local patterns spread them over the cores."""
+    quota = max(1, -(-max_requests // concurrency))
+    shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
+    t_start = time.perf_counter() + 0.02 + 0.03 * (processes - 1)  # every reader starts at once
+    t_end = t_start + duration_s
+    if processes == 1:
+        lat, nbytes, ended = _threads(make_reader, files, pick, concurrency, seed, quota, t_start, t_end)
+        latencies = np.asarray(lat, dtype=np.int64)
+    else:
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        procs = [context.Process(target=_process_main, daemon=True,
+                                 args=(queue, make_reader, files, pick, share, seed * 7919 + i, quota, t_start, t_end))
+                 for i, share in enumerate(shares)]
+        for proc in procs:
+            proc.start()
+        parts = [queue.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        failed = next((p[3] for p in parts if p[3] is not None), None)
+        if failed is not None:
+            raise OSError(failed)
+        latencies = np.concatenate([p[0] for p in parts])
+        nbytes, ended = sum(p[1] for p in parts), max(p[2] for p in parts)
+    return latency_stats(latencies / 1e9, nbytes, max(ended - t_start, 1e-9))
+
+
+def _sleep_until(moment: float) -> None:
+    delay = moment - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def processes_for(concurrency: int, local: bool) -> int:
+    """Forked processes for a pattern: local reads only (remote clients hold threads and event loops
+    that do not survive a fork), about 8 readers a process, at most two processes a core."""
+    if not local or concurrency < 16 or not hasattr(os, "fork"):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2 * cores, concurrency // 8))
