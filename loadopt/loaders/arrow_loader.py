@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -25,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
-from loadopt.loaders.ring import RingLoader, next_slot, ring_batches, slot_batch
+from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
 
 
@@ -136,15 +135,8 @@ class ArrowLoader(RingLoader):
         choice = self.settings.decoder
         return transforms.decoder_name("auto") if choice == "auto" else choice
 
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
-        if self._views is None:
-            self.prepare()
-        if self._ring is None:
-            self._ring = self._make_ring()
-        epoch = self.epoch
-        return ring_batches(len(batches), len(self._ring),
-                            lambda free, ready, stop: self._producer(batches, epoch, free, ready, stop),
-                            self._host_batch, "loadopt-arrow")
+    def _opened(self) -> bool:
+        return self._views is not None
 
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they

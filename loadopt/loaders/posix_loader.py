@@ -19,7 +19,6 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
@@ -30,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
-from loadopt.loaders.ring import RingLoader, next_slot, ring_batches, slot_batch
+from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
 from loadopt.storage import raw_format
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 
@@ -222,15 +221,8 @@ class PosixLoader(RingLoader):
             self.prepare(convert_missing=False)
         return [str(shard) for shard in self._raw.shards]
 
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
-        if self._raw is None:
-            self.prepare()
-        if self._ring is None:
-            self._ring = self._make_ring()
-        epoch = self.epoch
-        return ring_batches(len(batches), len(self._ring),
-                            lambda free, ready, stop: self._producer(batches, epoch, free, ready, stop),
-                            self._host_batch, f"loadopt-{self.name}")
+    def _opened(self) -> bool:
+        return self._raw is not None
 
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
         return slot_batch(self._ring[slot], indices, failures, self._raw.index["label"], self.layout, nbytes)

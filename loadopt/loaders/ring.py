@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -98,6 +99,29 @@ class RingLoader(Loader):
     def layout(self) -> str:
         # Crops of decoded HWC rows stay HWC (row copies, no transposition); decoding writes CHW.
         return "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
+
+    @abstractmethod
+    def _opened(self) -> bool:
+        """Whether `prepare` has opened the converted form (the producer reads it)."""
+
+    @abstractmethod
+    def _producer(self, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
+                  stop: threading.Event) -> None:
+        """Fill free slots with `batches` in order; put `(slot, indices, failures[, ...])` on `ready`."""
+
+    @abstractmethod
+    def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest) -> HostBatch:
+        """The batch over a filled slot, from what the producer put on `ready`."""
+
+    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        if not self._opened():
+            self.prepare()
+        if self._ring is None:
+            self._ring = self._make_ring()
+        epoch = self.epoch
+        return ring_batches(len(batches), len(self._ring),
+                            lambda free, ready, stop: self._producer(batches, epoch, free, ready, stop),
+                            self._host_batch, f"loadopt-{self.name}")
 
     @classmethod
     def memory_demand(cls, settings, pipeline) -> dict[str, int]:
