@@ -17,11 +17,12 @@ reference the same is measured for simplejpeg + torch's resize (the `tuned` kern
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 from _common import REPO, build_loader, harness_run, result_line
+
+from loadopt.device import usable_cores
 
 
 def loader_rate(config, backend: str, batches: int, epoch: int, **settings) -> float:
@@ -54,7 +55,7 @@ def torch_single_thread_rate(config, samples: int = 200) -> float:
     for index, blob in enumerate(blobs):
         transforms.write_sample(blob, out, transforms.decoder_name("auto"), "torch", "train", 0, 0, index)
     rate = len(blobs) / (time.perf_counter() - start)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(usable_cores())
     return rate
 
 
@@ -70,7 +71,7 @@ def main() -> int:
     from loadopt.config import load_config
 
     config = load_config(args.config, ["workload.device=cpu"])
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     settings: list[tuple[str, str, dict]] = []
     for count in (int(t) for t in args.threads.split(",")):
         settings.append(("dali", f"dali num_threads={count}", {"num_threads": count}))

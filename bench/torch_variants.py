@@ -11,11 +11,12 @@ best plain median. Each is also shown as a fraction of the decode ceiling measur
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 from _common import REPO, build_loader, harness_run, result_line
+
+from loadopt.device import usable_cores
 
 
 def loader_rate(config, variant: str, workers: int, batches: int, epoch: int) -> dict:
@@ -35,7 +36,7 @@ def decode_ceiling(config, decoder: str, samples: int = 300) -> float:
     for blob in blobs:
         decode(blob)
     per_core = len(blobs) / (time.perf_counter() - start)
-    return per_core * len(os.sched_getaffinity(0))
+    return per_core * usable_cores()
 
 
 def main() -> int:
@@ -60,7 +61,7 @@ def main() -> int:
                 print(f"round {round_index + 1}: {variant} num_workers={count}: {metrics['samples_per_s']:7.1f} "
                       f"samples/s, CPU {metrics['cpu_seconds_per_1k_samples']:.2f} s/1k", flush=True)
     ceilings = {"pil": decode_ceiling(config, "pil"), "simplejpeg": decode_ceiling(config, decoder_name("auto"))}
-    print(f"\ndecode ceiling (decode alone x {len(os.sched_getaffinity(0))} cores): "
+    print(f"\ndecode ceiling (decode alone x {usable_cores()} cores): "
           f"PIL {ceilings['pil']:.0f} img/s, {decoder_name('auto')} {ceilings['simplejpeg']:.0f} img/s")
     print(f"{'variant':8s} {'workers':>7s} {'median samples/s':>17s} {'of decode ceiling':>18s}")
     best: dict[str, tuple[int, float]] = {}

@@ -8,6 +8,7 @@ costs what a host-to-device copy costs the host (a memory copy), and nothing is 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from loadopt.config import PipelineConfig
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def resolve_device(requested: str | torch.device | None) -> torch.device:

@@ -97,12 +97,13 @@ def run_checks() -> list[Check]:
                             + ("" if shm.free > 1 << 30 else ": DataLoader workers may run out of shared memory")))
     except OSError as exc:
         checks.append(Check("/dev/shm", False, f"unavailable: {exc}"))
+    from loadopt.device import usable_cores
     from loadopt.loaders.base import backend_class, backend_names
 
     for name in backend_names():
         available, reason = backend_class(name).available()
         checks.append(Check(f"backend {name}", available, "available" if available else reason))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     checks.append(Check("CPU cores", None, f"{cores} usable"))
     memory = psutil.virtual_memory()
     checks.append(Check("RAM", None, f"{memory.available / 2**30:.1f} GiB free of {memory.total / 2**30:.1f} GiB"))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from loadopt.config import Config
+from loadopt.device import usable_cores
 from loadopt.loaders import transforms
 from loadopt.storage.pagecache import evict
 
@@ -29,10 +30,6 @@ STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input pa
 _STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
 _DECODE_SECONDS = 1.0  # per decoder: a few hundred samples or this long, whichever comes first
 _DECODE_SAMPLES = 300
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,8 +13,8 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from loadopt.bench.attribution import usable_cores
 from loadopt.config import Config, backend_settings
+from loadopt.device import usable_cores
 from loadopt.loaders.base import Loader
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from loadopt.config import Config
+from loadopt.device import usable_cores
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.probe import probe
@@ -176,7 +177,7 @@ def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: flo
     if errors:
         raise DatasetError(f"consumer failed: {errors[0]}")
     results.sort(key=lambda r: r["rank"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     cpu_s = sum(r["cpu_s"] for r in results)
     return {"accelerators": count,
             "accelerator_utilisation": float(np.mean([r["accelerator_utilisation"] for r in results])),

@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from loadopt.device import usable_cores
 from loadopt.errors import OutputError
 
 SCHEMA_VERSION = 1
@@ -82,7 +83,7 @@ def machine_info() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         gpu = {"name": props.name, "count": torch.cuda.device_count(), "memory_gb": props.total_memory / 2**30,
                "cuda": torch.version.cuda}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return {
         "hostname": platform.node(),
         "platform": platform.platform(),

@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from loadopt.device import usable_cores
 from loadopt.storage.raw_format import ALIGN, align_up
 
 _OPEN_FILES = 8  # descriptors each reader keeps open
@@ -198,5 +199,5 @@ def processes_for(concurrency: int, local: bool) -> int:
     that do not survive a fork), about 8 readers a process, at most two processes a core."""
     if not local or concurrency < 16 or not hasattr(os, "fork"):
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return max(1, min(2 * cores, concurrency // 8))
