@@ -21,7 +21,7 @@ import numpy as np
 
 from loadopt.config import Config, cache_dir
 from loadopt.errors import ConfigError, DatasetError
-from loadopt.storage.remote import is_transient, open_url, redact
+from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -47,7 +47,7 @@ class ImageDataset:
         return self.paths[index].decode()
 
     def is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
+        return is_local_fs(self.fs)
 
     def read(self, index: int) -> bytes:
         """The stored bytes of sample `index` (plain `open` on local disks: no fsspec overhead)."""
@@ -60,11 +60,6 @@ class ImageDataset:
         """Every sample file when the dataset is read straight from a local disk, else empty (also under an
         emulated tier: whoever reads these files directly would bypass the tier's limits)."""
         return [p.decode() for p in self.paths] if self.is_local() else []
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def scan_image_folder(root_url: str, split: str = "train",
@@ -109,7 +104,7 @@ def scan_image_folder(root_url: str, split: str = "train",
     for _, name, size in entries:
         digest.update(f"{name[len(prefix):]}\0{size}\n".encode())
     return ImageDataset(
-        root=fs.unstrip_protocol(root) if "file" not in _protocols(fs) else root,
+        root=fs.unstrip_protocol(root) if not is_local_fs(fs) else root,
         fs=fs,
         paths=np.array([n.encode() for _, n, _ in entries]),
         labels=np.array([class_index[c] for c, _, _ in entries], dtype=np.int64),

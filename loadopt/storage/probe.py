@@ -42,6 +42,7 @@ from loadopt.storage.probe_readers import (
     processes_for,
     run_concurrent,
 )
+from loadopt.storage.remote import is_local_fs
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_BLOCKS = (4 * KiB, 128 * KiB, MiB)
@@ -49,11 +50,6 @@ DEFAULT_CONCURRENCY = (1, 4, 16, 64)
 
 ProgressFn = Callable[[str, int, int], None]  # (pattern label, patterns done, patterns in all)
 
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol
-    return "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
 
 
 def _list_files(fs: fsspec.AbstractFileSystem, path: str, url: str) -> tuple[list[File], bool]:
@@ -130,7 +126,7 @@ def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[File], is_
                  block_sizes: tuple[int, ...], concurrencies: tuple[int, ...], duration_s: float, seq_block: int,
                  seq_bytes: int, max_requests: int, whole_files: bool | None, cold: bool, direct: bool, seed: int,
                  progress: ProgressFn | None, wrote_test_file: bool) -> dict[str, Any]:
-    local = _is_local(fs)
+    local = is_local_fs(fs)
     direct = bool(direct and local and direct_works(files[0].path))
     whole_files = is_folder if whole_files is None else whole_files
     largest = max(f.size for f in files)

@@ -53,6 +53,12 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` is the local disk (fsspec's `file` protocol), read with plain system calls."""
+    protocol = fs.protocol
+    return "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
+
+
 def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and in-filesystem path of `url`; a missing driver or a bad URL is a DatasetError.
 

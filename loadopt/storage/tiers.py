@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from loadopt.errors import ConfigError, StorageError
-from loadopt.storage.remote import RetryPolicy, redact
+from loadopt.storage.remote import RetryPolicy, is_local_fs, redact
 
 TIERS_ENV = "LOADOPT_TIERS"
 DEFAULT_TIERS_FILE = Path(__file__).resolve().parents[2] / "configs" / "tiers.yaml"
@@ -151,8 +151,7 @@ def tier_filesystem(spec: TierSpec, base_fs: fsspec.AbstractFileSystem) -> fsspe
 
     if isinstance(base_fs, EmulatedFileSystem):  # never stack two tiers: the outer spec applies to the real fs
         base_fs = base_fs.base_fs
-    protocols = (base_fs.protocol,) if isinstance(base_fs.protocol, str) else tuple(base_fs.protocol)
-    if not spec.emulates() and "file" in protocols:
+    if not spec.emulates() and is_local_fs(base_fs):
         return base_fs
     return EmulatedFileSystem(spec.model_dump(mode="json"), base_fs)
 
