@@ -238,9 +238,14 @@ def config_from_dict(raw: Any, source: str = "<dict>", overrides: list[str] | tu
 
 
 def _check_one_step_source(raw: dict[str, Any], config: Config, source: str, overrides) -> None:
-    """workload.accelerator and a step_time_ms of its own are two answers to one question: refuse both."""
+    """What the workload says of its step must hold together: a real model step needs images, and
+    workload.accelerator and a step_time_ms of its own are two answers to one question (refuse both)."""
     given = (raw.get("workload") or {}).get("step_time_ms")
     workload = config.workload
+    if workload.model != "none" and config.dataset.kind != "images":
+        where = _source_for("workload.model", source, overrides)
+        raise ConfigError(f"{where}: workload.model: {workload.model} is an image model; use none (the emulated "
+                          f"accelerator) for {config.dataset.kind}")
     if workload.accelerator is not None and workload.model != "none":
         where = _source_for("workload.model", source, overrides)
         raise ConfigError(f"{where}: workload.model: {workload.model} runs a real step, workload.accelerator "

@@ -103,3 +103,9 @@ def test_storage_tier_accepts_local_profiles_and_inline_specs(tmp_path):
     assert "x.yaml: storage.tier.error_rate" in message
     assert "--set storage.tier=tape" in error_of(write(tmp_path, {}), ["storage.tier=tape"])
     assert "set one of them" in error_of(write(tmp_path, {"workload": {"accelerator": "h100", "model": "small_cnn"}}))
+
+
+def test_a_real_model_step_needs_images():
+    with pytest.raises(ConfigError, match=r"tokens\.yaml \(--set workload\.model=small_cnn\): workload\.model: "
+                                          r"small_cnn is an image model; use none .* for tokens"):
+        config_from_dict({"dataset": {"kind": "tokens"}}, "tokens.yaml", ["workload.model=small_cnn"])

@@ -30,7 +30,6 @@ from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.config import Config
 from loadopt.device import DeviceTransfer, Elapsed, resolve_device
-from loadopt.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -170,9 +169,6 @@ def run_bench_distributed(config: Config, *, loaders: list[str] | None, out: str
         reporter = reporter if rank == 0 and reporter is not None else Reporter()
         folder = prepare_output(out or config.report.out) if rank == 0 else None
         workload = effective_workload(config.workload, quick)
-        if workload.model != "none" and config.dataset.kind != "images":
-            raise ConfigError(f"{config.source}: workload.model: {workload.model} is an image model; "
-                              f"use none (the emulated accelerator) for {config.dataset.kind}")
         dataset = _rank0_first(rank, lambda: open_dataset(config, progress=reporter.dataset_progress))
         plan = _rank0_first(rank, lambda: _plan(config, loaders or list(config.loaders), dataset, device, reporter,
                                                 convert if rank == 0 else False))

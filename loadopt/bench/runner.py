@@ -30,7 +30,7 @@ from loadopt.bench.results import (
 )
 from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer, resolve_device
-from loadopt.errors import ConfigError, LoadoptError
+from loadopt.errors import LoadoptError
 from loadopt.loaders.base import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
@@ -127,9 +127,6 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     device = resolve_device(config.workload.device)
     workload = effective_workload(config.workload, quick)
     dataset = open_dataset(config, progress=reporter.dataset_progress)
-    if workload.model != "none" and config.dataset.kind != "images":
-        raise ConfigError(f"{config.source}: workload.model: {workload.model} is an image model; "
-                          f"use none (the emulated accelerator) for {config.dataset.kind}")
     tunings = None
     if tune:  # the search's trials, then each backend's best setting measured as any configured one
         tunings = tuner.Tuner(config, dataset, device, budget_s, reporter=reporter, convert=convert).tune(
