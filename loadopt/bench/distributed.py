@@ -156,7 +156,16 @@ def run_bench_distributed(config: Config, *, loaders: list[str] | None, out: str
     the other ranks an outcome without results (`json_path` None)."""
     from loadopt.bench.accelerator import make_accelerator
     from loadopt.bench.results import prepare_output, write_results
-    from loadopt.bench.runner import BenchOutcome, Reporter, _evict, _plan, _results, _timing_rows, effective_workload
+    from loadopt.bench.runner import (
+        BenchOutcome,
+        Reporter,
+        _evict,
+        _plan,
+        _results,
+        _timing_rows,
+        effective_workload,
+        setting_loader,
+    )
     from loadopt.storage.imagefolder import open_dataset
 
     dist = torch.distributed
@@ -214,17 +223,6 @@ def run_bench_distributed(config: Config, *, loaders: list[str] | None, out: str
     finally:
         if started_here:
             dist.destroy_process_group()
-
-
-def setting_loader(config: Config, setting, dataset, device: torch.device, rank: int, world: int):
-    """The loader of one planned setting for one rank."""
-    from loadopt.loaders.base import backend_class
-
-    loader = backend_class(setting.backend)(dataset, config.pipeline, setting.settings, device=device,
-                                            seed=config.seed, rank=rank, world_size=world,
-                                            on_error=config.dataset.on_error)
-    loader.prepare(convert_missing=False)
-    return loader
 
 
 def _add_ranks(results: dict[str, Any], per_rank: dict[str, list[list[dict[str, Any]]]], world: int,

@@ -189,18 +189,29 @@ def _evict(files: list[str]) -> str:
             "or a backend's converted files) evicted from the page cache (posix_fadvise DONTNEED) before each run")
 
 
+def setting_loader(config: Config, setting: _Setting, dataset, device, rank: int = 0, world_size: int = 1):
+    """The loader of one planned setting (for one rank under torchrun), opened: it was converted when
+    planned, and opening it is not timed."""
+    loader = backend_class(setting.backend)(dataset, config.pipeline, setting.settings, device=device,
+                                            seed=config.seed, rank=rank, world_size=world_size,
+                                            on_error=config.dataset.on_error)
+    try:
+        loader.prepare(convert_missing=False)
+    except BaseException:
+        loader.close()
+        raise
+    return loader
+
+
 def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDataset, device, accelerator,
              workload: WorkloadConfig, reporter: Reporter) -> str | None:
     """One repeat of one setting; returns the cache note when the page cache was evicted first."""
-    cls = backend_class(setting.backend)
     reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
                          workload.warmup_batches + workload.measure_batches)
     loader = None
     counters = tier_counters(dataset.fs)
     try:
-        loader = cls(dataset, config.pipeline, setting.settings, device=device, seed=config.seed,
-                     on_error=config.dataset.on_error)
-        loader.prepare(convert_missing=False)  # converted when planned; opening it is not timed
+        loader = setting_loader(config, setting, dataset, device)
         # Cold: evict what this loader reads (the JPEGs, or the Arrow file / raw shards it converted to).
         note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
         result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), workload.warmup_batches,
