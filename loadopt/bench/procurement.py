@@ -42,6 +42,7 @@ from loadopt.device import usable_cores
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.probe import probe
+from loadopt.storage.probe_readers import sleep_until
 from loadopt.storage.tiers import TierSpec, resolve_tier, tier_filesystem
 
 Progress = Callable[[str], None]
@@ -88,12 +89,6 @@ def _batches(num_samples: int, settings: ConsumerSettings, rank: int, world: int
         epoch += 1
 
 
-def _sleep_until(moment: float) -> None:
-    delay = moment - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
-
-
 def _overlap(start: float, end: float, lo: float, hi: float) -> float:
     return max(0.0, min(end, hi) - max(start, lo))
 
@@ -114,7 +109,7 @@ def consume(dataset, settings: ConsumerSettings, rank: int, world: int, t_start:
     steps: list[tuple[float, float, float, int, int]] = []  # (asked, got, done, samples, bytes)
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     with ThreadPoolExecutor(settings.readers) as pool:
-        _sleep_until(t_start)
+        sleep_until(t_start)
         pending: deque[list] = deque()
         for _ in range(settings.prefetch + 1):
             pending.append([pool.submit(read, int(i)) for i in next(batches)])

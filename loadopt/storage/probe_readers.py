@@ -109,7 +109,7 @@ def _thread_loop(make_reader: Callable[[], Reader], files: list[File], pick: Pic
     clock, read = time.perf_counter_ns, reader.read
     end_ns = int(t_end * 1e9)
     try:
-        _sleep_until(t_start)
+        sleep_until(t_start)
         while count < quota:
             chosen, offsets, lengths = pick(rng, min(1024, quota - count))
             for index, offset, length in zip(chosen.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
@@ -188,7 +188,8 @@ def run_concurrent(make_reader: Callable[[], Reader], files: list[File], pick: P
     return latency_stats(latencies / 1e9, nbytes, max(ended - t_start, 1e-9))
 
 
-def _sleep_until(moment: float) -> None:
+def sleep_until(moment: float) -> None:
+    """Sleep until `time.perf_counter()` reads `moment` (readers started together start at once)."""
     delay = moment - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
