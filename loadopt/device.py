@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,23 @@ class DeviceTransfer:
         self.last = TransferTiming(nbytes, pinned, Elapsed(time.perf_counter() - start))
         return out
 
+    @contextmanager
+    def device_work(self) -> Iterator[None]:
+        """Around the copy and the finishing: the emulated device works on one host thread. It stands
+        for an accelerator, so the host's other cores belong to the loader under test; torch's other
+        intra-op threads would only spin against the loader's threads (measured here with the decoded
+        arrow loader at step 0: 0.19 against 0.12 CPU seconds per 1,000 samples, 10,700 against 11,500
+        samples/s). A real device, or a CPU training loop, keeps torch's threads."""
+        if not self.emulate:
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
     def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reusable output buffer on the emulated device, paired with the current copy buffers."""
         return self._buffer(shape, dtype, "scratch")
@@ -144,19 +162,21 @@ def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline:
         pipeline.std, device=inputs.device).view(1, 3, 1, 1)
     shape = tuple(inputs.shape)
     out = scratch(shape, torch.float32) if scratch is not None else torch.empty(shape, device=inputs.device)
-    # A conversion copy, then in-place float ops: ~20x less CPU here than a mixed-dtype `sub`
-    # (dynamic casting) or `.float()` into fresh memory (page faults on every batch). The output is
+    # A conversion copy, then one fused multiply-add in place: ~10x less CPU here than mixed-dtype
+    # ops (dynamic casting) or `.float()` into fresh memory (page faults on every batch), and 1.5x less
+    # than a separate `mul_` and `add_` (one pass over the floats instead of two). The output is
     # contiguous NCHW even from NHWC input: transposing during the copy costs less than running the
     # float ops over channels-last memory (measured: 4.8 against 11 ms a batch of 64 at 224 px).
-    return out.copy_(inputs).mul_(scale).add_(shift)
+    out.copy_(inputs)
+    return torch.addcmul(shift, out, scale, out=out)
 
 
 def _normalise_channels_last(inputs: torch.Tensor, pipeline: PipelineConfig, scratch=None) -> torch.Tensor:
     """NHWC uint8 -> NCHW float32 normalised, in channels-last memory (what convolutions prefer): a plain
-    conversion copy, then the per-channel scale and shift over rows of 48 floats (16 pixels: the three
-    channels' factors tiled 16 times), which vectorise where a channel dimension of 3 does not. Equal
-    to the NCHW path bit for bit (the same two float ops per element); 1.7 against 2.5 ms a batch of 64
-    at 224 px here. Needs H x W divisible by 16."""
+    conversion copy, then the per-channel scale and shift (one fused multiply-add) over rows of 48 floats
+    (16 pixels: the three channels' factors tiled 16 times), which vectorise where a channel dimension
+    of 3 does not. Equal to the NCHW path bit for bit (the same float op per element); 1.4 against 2.5
+    ms a batch of 64 at 224 px here. Needs H x W divisible by 16."""
     n, h, w, c = inputs.shape
     scale = (1.0 / (torch.tensor(pipeline.std, device=inputs.device) * 255.0)).repeat(16)
     shift = (-torch.tensor(pipeline.mean, device=inputs.device) / torch.tensor(pipeline.std, device=inputs.device)
@@ -164,5 +184,6 @@ def _normalise_channels_last(inputs: torch.Tensor, pipeline: PipelineConfig, scr
     out = scratch((n, h, w, c), torch.float32) if scratch is not None else torch.empty((n, h, w, c),
                                                                                        device=inputs.device)
     out.copy_(inputs)
-    out.view(-1, 48).mul_(scale).add_(shift)
+    rows = out.view(-1, 48)
+    torch.addcmul(shift, rows, scale, out=rows)
     return out.permute(0, 3, 1, 2)

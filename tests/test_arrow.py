@@ -186,26 +186,45 @@ def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypa
     loader.close()
 
 
-@pytest.mark.parametrize("mirror", ["opencv", "numpy"])
-def test_crop_batch_crops_and_mirrors_exactly(mirror, monkeypatch):
+@pytest.mark.parametrize("path", ["native", "opencv", "numpy"])
+@pytest.mark.parametrize(("stored", "size"), [(20, 12), (40, 35), (48, 32)])
+def test_crop_batch_crops_and_mirrors_exactly(path, stored, size, monkeypatch):
+    """Every crop path, at sizes that take the 16-pixel mirror, its remainder and unaligned rows."""
     from concurrent.futures import ThreadPoolExecutor
 
     from loadopt.loaders import crops
     from loadopt.loaders.crops import crop_batch, plan_crops
 
-    if mirror == "numpy":
+    if path == "native" and crops.native is None:
+        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+    if path != "native":
+        monkeypatch.setattr(crops, "native", None)
+    if path == "numpy":
         monkeypatch.setattr(crops, "cv2", None)
-    else:
+    elif path == "opencv":
         assert crops.cv2 is not None, "opencv-python-headless is a dependency"
 
     rng = np.random.default_rng(0)
-    images = rng.integers(0, 255, (16, 20, 20, 3), dtype=np.uint8)
+    images = rng.integers(0, 255, (2, 8, stored, stored, 3), dtype=np.uint8)  # two sources of 8 images
     indices = np.arange(16)
-    out = np.empty((16, 12, 12, 3), np.uint8)
+    which, local = np.divmod(indices, 8)
+    out = np.empty((16, size, size, 3), np.uint8)
     with ThreadPoolExecutor(2) as pool:
-        crop_batch(out, indices, lambda k: images[k], 20, "train", 3, 1, pool, 2)
-    tops, lefts, flips = plan_crops(indices, 8, "train", 3, 1)
+        crop_batch(out, indices, list(images), which, local * stored * stored * 3, stored, "train", 3, 1, pool, 2)
+    tops, lefts, flips = plan_crops(indices, stored - size, "train", 3, 1)
     assert flips.any() and not flips.all()
     for k in range(16):
-        expected = images[k, tops[k] : tops[k] + 12, lefts[k] : lefts[k] + 12]
+        expected = images[which[k], local[k], tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
         assert np.array_equal(out[k], expected[:, ::-1] if flips[k] else expected)
+
+
+def test_native_crops_refuse_reads_past_a_source():
+    from loadopt.loaders import crops
+
+    if crops.native is None:
+        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+    source = np.zeros(10 * 10 * 3, np.uint8)
+    out = np.empty((1, 8, 8, 3), np.uint8)
+    with pytest.raises(IndexError, match="sample 0 reads past the end of source 0"):
+        crops.native.crop_batch(out, [source], np.zeros(1, np.int32), np.array([3 * 10 * 3], np.int64),
+                                np.zeros(1, np.uint8), 30, 8, 0, 1)

@@ -113,8 +113,8 @@ class ArrowLoader(RingLoader):
     def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
         """A crop per sample (random with a flip for train, centred for eval), see `crops.crop_batch`."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
-        crops.crop_batch(out, indices, lambda k: self._views[record[k]][local[k]], self.size, self.pipeline.augment,
-                         self.seed, epoch, pool, self.settings.threads)
+        crops.crop_batch(out, indices, self._views, record, local * (self.size * self.size * 3), self.size,
+                         self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
 
     def _encoded_chunk(self, slot: torch.Tensor, indices: np.ndarray, positions: np.ndarray,
                        epoch: int) -> list[tuple[int, str]]:

@@ -192,10 +192,11 @@ class Loader(ABC):
     def finish(self, batch: HostBatch, transfer: DeviceTransfer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Move a host batch to the device and finish it there (layout, normalisation)."""
         transfer = transfer or self._transfer
-        inputs, labels = transfer.to_device(batch.inputs, batch.labels)
-        # The emulated device owns reusable buffers; a real one (or a CPU training loop) gets fresh memory.
-        scratch = transfer.scratch if transfer.emulate else None
-        out = finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline, scratch)
+        with transfer.device_work():
+            inputs, labels = transfer.to_device(batch.inputs, batch.labels)
+            # The emulated device owns reusable buffers; a real one (or a CPU training loop) gets fresh memory.
+            scratch = transfer.scratch if transfer.emulate else None
+            out = finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline, scratch)
         if batch.borrowed:
             if out.untyped_storage().data_ptr() == batch.inputs.untyped_storage().data_ptr():
                 out = out.clone()

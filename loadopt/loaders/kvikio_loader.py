@@ -125,6 +125,7 @@ class KvikioLoader(PosixLoader):
     name = "kvikio"
     Settings = PosixSettings
     reader_class: type = KvikioReader
+    sample_reads = False  # whole batches into device memory, finished there
     staging_device: str = "cuda"
     jpeg_decoder: JpegDecoder | None = None  # the encoded form's; None: the GPU decoder installed here
 

@@ -107,6 +107,7 @@ class PosixLoader(RingLoader):
     Settings = PosixSettings
     settings: PosixSettings
     reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
+    sample_reads = True  # decoded pixels through the page cache: per sample, see `_produce_through_cache`
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -196,9 +197,8 @@ class PosixLoader(RingLoader):
             inputs[order], targets[order] = windows[:, :-1], windows[:, 1:]
             return []
         if self.form == "decoded":
-            shape = (self.size, self.size, 3)
-            crops.crop_batch(slot.numpy(), indices, lambda k: staging[starts[k] : starts[k] + length[k]].reshape(shape),
-                             self.size, self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
+            crops.crop_batch(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts, self.size,
+                             self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
             return []
         decoder = transforms.decoder_name(self.settings.decoder)
 
@@ -230,6 +230,9 @@ class PosixLoader(RingLoader):
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
+        if self.sample_reads and self.form == "decoded" and not self.settings.o_direct:
+            self._produce_through_cache(batches, epoch, free, ready, stop)
+            return
         most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
         depth = self.settings.read_ahead
         staging = [self._new_staging(most) for _ in range(depth + 1)]
@@ -248,6 +251,74 @@ class PosixLoader(RingLoader):
                     return
                 failures = self._fill(self._ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
                 ready.put((slot, indices, failures, nbytes))
+
+    def _produce_through_cache(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
+                               stop: threading.Event) -> None:
+        """Decoded pixels through the page cache: each finishing thread reads a sample's crop rows with
+        one preadv into a scratch buffer that stays in its core's cache, then crops from there into the
+        slot. Staging whole batches instead sends every byte through memory twice more (a batch is far
+        larger than the cache): 0.25 of the memory copy rate warm here, against 0.6 this way.
+
+        Reads try RWF_NOWAIT first (served only from the page cache). Once a batch misses the cache, the
+        samples of the next `read_ahead` batches are announced to the kernel (POSIX_FADV_WILLNEED: what
+        is not cached is read asynchronously, many requests deep). Announcing every batch would cost
+        a third of the warm rate here (the kernel walks every page of every sample)."""
+        raw, size, stored = self._raw, self.pipeline.image_size, self.size
+        span = (size - 1) * stored * 3 + size * 3  # from a crop's first pixel to past its last
+        fds, read = self._reader.fds, self._reader.read
+        scratch = threading.local()
+        nowait = [getattr(os, "RWF_NOWAIT", 0)]  # cleared where the filesystem does not support it
+        depth, advised = self.settings.read_ahead, 0
+
+        def crop(out, shards: list[int], offsets: list[int], flags, zeros32, zeros64, positions: list[int]) -> bool:
+            """Crop these positions; whether any read missed the page cache."""
+            if getattr(scratch, "buffer", None) is None:
+                scratch.buffer = np.empty(span, np.uint8)
+                scratch.sources, scratch.views = [scratch.buffer], [memoryview(scratch.buffer)]
+            missed = False
+            for k in positions:
+                got = -1
+                if nowait[0]:
+                    try:
+                        got = os.preadv(fds[shards[k]], scratch.views, offsets[k], nowait[0])
+                    except BlockingIOError:
+                        pass
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise DatasetError(self._reader._why(self._raw.shards[shards[k]], exc)) from None
+                        nowait[0] = 0
+                if got != span:  # not (all) cached, or a short read: `read` waits, retries, names a truncated shard
+                    missed = True
+                    read(shards[k], offsets[k], scratch.buffer)
+                crops.copy_crops(out, scratch.sources, zeros32, zeros64, flags, stored * 3, k, k + 1)
+            return missed
+
+        with ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool:
+            for n, indices in enumerate(batches):
+                slot = next_slot(free, stop)
+                if slot is None:
+                    return
+                tops, lefts, flips = crops.plan_crops(indices, stored - size, self.pipeline.augment, self.seed, epoch)
+                args = (self._ring[slot].numpy(), raw.shard[indices].tolist(),
+                        crops.crop_offsets(raw.offset[indices], tops, lefts, stored).tolist(), flips.astype(np.uint8),
+                        np.zeros(len(indices), np.int32), np.zeros(len(indices), np.int64))
+                chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
+                running = [pool.submit(crop, *args, chunk.tolist()) for chunk in chunks]
+                if not nowait[0] or any([future.result() for future in running]):
+                    for ahead in range(max(advised, n + 1), min(n + depth + 1, len(batches))):
+                        self._advise(batches[ahead])
+                    advised = max(advised, n + depth + 1)
+                for future in running:
+                    future.result()
+                ready.put((slot, indices, [], span * len(indices)))
+
+    def _advise(self, indices: np.ndarray) -> None:
+        """POSIX_FADV_WILLNEED over the runs of these samples (a no-op for pages already cached)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        _, tasks, _ = self.plan(indices)
+        for shard, offset, _, nbytes in tasks:
+            os.posix_fadvise(self._reader.fds[shard], offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor):
         starts, tasks, nbytes = self.plan(indices)
