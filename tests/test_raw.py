@@ -41,16 +41,49 @@ def _not_tmpfs(cache_dir):
         pytest.skip(f"{cache_dir} is on tmpfs: O_DIRECT is refused there")
 
 
-@pytest.mark.parametrize("o_direct", [False, True])
+@pytest.mark.parametrize("reads", ["through the cache", "staged", "o_direct"])
 @pytest.mark.parametrize("augment", ["eval", "train"])
-def test_decoded_posix_equals_arrow(tmp_path, augment, o_direct):
+def test_decoded_posix_equals_arrow(tmp_path, augment, reads, monkeypatch):
+    """Per-sample reads through the page cache (native), staged batches (no native crops), O_DIRECT."""
+    from loadopt.loaders import crops
+
+    if reads == "through the cache" and crops.native is None:
+        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+    if reads == "staged":
+        monkeypatch.setattr(crops, "native", None)
     cfg = config(tmp_path, augment=augment)
     dataset = open_dataset(cfg)
     arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=3))
-    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, o_direct=o_direct, io_threads=3,
-                                                             task_kib=16, read_ahead=3), seed=3)
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, o_direct=reads == "o_direct",
+                                                             io_threads=3, task_kib=16, read_ahead=3), seed=3)
     assert_same(batches(posix), arrow)
     assert len(posix._raw.shards) > 3
+    posix.close()
+
+
+def test_decoded_reads_through_a_cold_cache_announce_the_next_batches(tmp_path, monkeypatch):
+    """Evicted shards: the first batch misses the page cache (RWF_NOWAIT), so the next batches are
+    announced to the kernel (POSIX_FADV_WILLNEED), and the batches still equal arrow's."""
+    from loadopt.loaders import crops
+    from loadopt.storage.pagecache import evict
+
+    if crops.native is None:
+        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+    cfg = config(tmp_path, augment="train")
+    dataset = open_dataset(cfg)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=3))
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, read_ahead=2), seed=3)
+    posix.prepare()
+    announced = []
+    original = PosixLoader._advise
+    monkeypatch.setattr(PosixLoader, "_advise", lambda self, indices: (announced.append(indices),
+                                                                       original(self, indices)))
+    batches(posix)  # warm: nothing missed, nothing announced
+    assert announced == []
+    evict([str(shard) for shard in posix._raw.shards])
+    posix.set_epoch(0)
+    assert_same(batches(posix), arrow)
+    assert announced, "a cold batch announces the next ones"
     posix.close()
 
 
@@ -166,6 +199,21 @@ def test_a_shard_truncated_after_opening_fails_the_read(tmp_path):
     try:
         os.truncate(shard, 4096)
         with pytest.raises(DatasetError, match=f"{shard}: ends at byte"):
+            batches(loader)
+    finally:
+        shard.write_bytes(data)
+        loader.close()
+
+
+def test_a_decoded_shard_truncated_after_opening_names_the_shard(tmp_path):
+    cfg = config(tmp_path, image_size=40)
+    loader = PosixLoader(open_dataset(cfg), cfg.pipeline, PosixSettings(shard_mib=SMALL))
+    loader.prepare()
+    shard = loader._raw.shards[0]
+    data = shard.read_bytes()
+    try:
+        os.truncate(shard, 4096)
+        with pytest.raises(DatasetError, match=f"^{shard}: ends at byte"):
             batches(loader)
     finally:
         shard.write_bytes(data)

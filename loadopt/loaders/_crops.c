@@ -15,11 +15,23 @@
  *   stride   bytes from one stored row to the next
  *   first, last: the samples [first, last) to write (threads split a batch this way)
  * The GIL is released while copying.
+ *
+ * read_crops(out, scratch, fds, offsets, flips, stride, size, first, last, nowait)
+ *   The same crops read from files: for each sample, one pread of the crop's rows (`offsets[k]` is
+ *   the file offset of its top-left pixel in file descriptor `fds[k]`) into `scratch`, a buffer that
+ *   stays in the calling core's cache, then cropped from there into `out`. With `nowait`, each read
+ *   first tries RWF_NOWAIT (served only from the page cache) and counts a miss when it cannot.
+ *   Returns (misses, failed position or -1, errno or -1 for a file that ended, nowait still usable).
+ *   No Python work per sample; the GIL is released for the whole range.
  */
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #if defined(__SSSE3__)
 #include <tmmintrin.h>
@@ -171,8 +183,95 @@ done:
     return result;
 }
 
+/* Read `length` bytes at `offset` into `buffer`: 0, or the errno (-1: the file ended first). */
+static int read_fully(int fd, uint8_t *buffer, Py_ssize_t length, int64_t offset) {
+    Py_ssize_t done = 0;
+    while (done < length) {
+        ssize_t got = pread(fd, buffer + done, (size_t)(length - done), (off_t)(offset + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return errno;
+        if (got == 0) return -1;
+        done += got;
+    }
+    return 0;
+}
+
+static PyObject *read_crops(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *scratch_obj, *fds_obj, *offsets_obj, *flips_obj;
+    Py_ssize_t stride, size, first, last;
+    int nowait;
+    if (!PyArg_ParseTuple(args, "OOOOOnnnnp", &out_obj, &scratch_obj, &fds_obj, &offsets_obj, &flips_obj, &stride,
+                          &size, &first, &last, &nowait))
+        return NULL;
+    if (size <= 0 || first < 0 || last < first || stride < 3 * size) {
+        PyErr_SetString(PyExc_ValueError, "read_crops: bad size, stride or sample range");
+        return NULL;
+    }
+    Py_buffer out = {0}, scratch = {0}, fds = {0}, offsets = {0}, flips = {0};
+    Py_ssize_t sample_bytes = size * size * 3, span = (size - 1) * stride + 3 * size;
+    Py_ssize_t misses = 0, failed = -1;
+    int error = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (out.len < last * sample_bytes) {
+        PyErr_Format(PyExc_ValueError, "read_crops: out holds %zd bytes, need %zd", out.len, last * sample_bytes);
+        goto done;
+    }
+    if (PyObject_GetBuffer(scratch_obj, &scratch, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (scratch.len < span) {
+        PyErr_Format(PyExc_ValueError, "read_crops: scratch holds %zd bytes, need %zd", scratch.len, span);
+        goto done;
+    }
+    if (get_array(fds_obj, &fds, 4, last, "fds") < 0) goto done;
+    if (get_array(offsets_obj, &offsets, 8, last, "offsets") < 0) goto done;
+    if (get_array(flips_obj, &flips, 1, last, "flips") < 0) goto done;
+    const int32_t *fd_at = fds.buf;
+    const int64_t *offset_at = offsets.buf;
+    const uint8_t *flip_at = flips.buf;
+    uint8_t *base = out.buf, *from = scratch.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = first; k < last; k++) {
+        ssize_t got = -1;
+#ifdef RWF_NOWAIT
+        if (nowait) {
+            struct iovec iov = {from, (size_t)span};
+            got = preadv2(fd_at[k], &iov, 1, (off_t)offset_at[k], RWF_NOWAIT);
+            if (got < 0 && (errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL)) nowait = 0;
+        }
+#else
+        nowait = 0;
+#endif
+        if (got != span) {
+            misses++;
+            error = read_fully(fd_at[k], from, span, offset_at[k]);
+            if (error != 0) {
+                failed = k;
+                break;
+            }
+        }
+        uint8_t *dst = base + k * sample_bytes;
+        for (Py_ssize_t row = 0; row < size; row++) {
+            uint8_t *to = dst + row * 3 * size;
+            copy_row(to, from + row * stride, size, flip_at[k] != 0, ((uintptr_t)to & 15) == 0);
+        }
+    }
+#if LOADOPT_SIMD
+    _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nnii", misses, failed, failed < 0 ? 0 : error, nowait);
+done:
+    if (out.obj) PyBuffer_Release(&out);
+    if (scratch.obj) PyBuffer_Release(&scratch);
+    if (fds.obj) PyBuffer_Release(&fds);
+    if (offsets.obj) PyBuffer_Release(&offsets);
+    if (flips.obj) PyBuffer_Release(&flips);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crop_batch", crop_batch, METH_VARARGS, "Crop (and mirror) stored HWC uint8 images into a batch."},
+    {"read_crops", read_crops, METH_VARARGS, "Read crops from files into a batch through a cached scratch buffer."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,6 +14,7 @@ Batches are the `arrow` backend's, bit for bit (same decoded pixels, same crop p
 
 from __future__ import annotations
 
+import collections
 import errno
 import mmap
 import os
@@ -230,7 +231,7 @@ class PosixLoader(RingLoader):
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
-        if self.sample_reads and self.form == "decoded" and not self.settings.o_direct:
+        if self.sample_reads and self.form == "decoded" and not self.settings.o_direct and crops.native is not None:
             self._produce_through_cache(batches, epoch, free, ready, stop)
             return
         most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
@@ -254,10 +255,11 @@ class PosixLoader(RingLoader):
 
     def _produce_through_cache(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
                                stop: threading.Event) -> None:
-        """Decoded pixels through the page cache: each finishing thread reads a sample's crop rows with
-        one preadv into a scratch buffer that stays in its core's cache, then crops from there into the
-        slot. Staging whole batches instead sends every byte through memory twice more (a batch is far
-        larger than the cache): 0.25 of the memory copy rate warm here, against 0.6 this way.
+        """Decoded pixels through the page cache (where the native crops are built): each finishing
+        thread reads a sample's crop rows with one pread into a scratch buffer that stays in its core's
+        cache, then crops from there into the slot (`_crops.read_crops`: no Python per sample). Staging
+        whole batches instead sends every byte through memory twice more (a batch is far larger than
+        the cache): 0.25 of the memory copy rate warm here, against 0.6-0.75 this way.
 
         Reads try RWF_NOWAIT first (served only from the page cache). Once a batch misses the cache, the
         samples of the next `read_ahead` batches are announced to the kernel (POSIX_FADV_WILLNEED: what
@@ -265,52 +267,56 @@ class PosixLoader(RingLoader):
         a third of the warm rate here (the kernel walks every page of every sample)."""
         raw, size, stored = self._raw, self.pipeline.image_size, self.size
         span = (size - 1) * stored * 3 + size * 3  # from a crop's first pixel to past its last
-        fds, read = self._reader.fds, self._reader.read
+        read, fd_array = self._reader.read, np.asarray(self._reader.fds, np.int32)
         scratch = threading.local()
-        nowait = [getattr(os, "RWF_NOWAIT", 0)]  # cleared where the filesystem does not support it
+        nowait = [1]  # RWF_NOWAIT first; cleared where the kernel or filesystem does not support it
         depth, advised = self.settings.read_ahead, 0
 
-        def crop(out, shards: list[int], offsets: list[int], flags, zeros32, zeros64, positions: list[int]) -> bool:
-            """Crop these positions; whether any read missed the page cache."""
+        def crop(out, shards: np.ndarray, offsets: np.ndarray, flags: np.ndarray, positions: np.ndarray) -> bool:
+            """Read and crop these (consecutive) positions in C, the GIL released; whether any read missed
+            the page cache."""
             if getattr(scratch, "buffer", None) is None:
                 scratch.buffer = np.empty(span, np.uint8)
-                scratch.sources, scratch.views = [scratch.buffer], [memoryview(scratch.buffer)]
-            missed = False
-            for k in positions:
-                got = -1
-                if nowait[0]:
-                    try:
-                        got = os.preadv(fds[shards[k]], scratch.views, offsets[k], nowait[0])
-                    except BlockingIOError:
-                        pass
-                    except OSError as exc:
-                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise DatasetError(self._reader._why(self._raw.shards[shards[k]], exc)) from None
-                        nowait[0] = 0
-                if got != span:  # not (all) cached, or a short read: `read` waits, retries, names a truncated shard
-                    missed = True
-                    read(shards[k], offsets[k], scratch.buffer)
-                crops.copy_crops(out, scratch.sources, zeros32, zeros64, flags, stored * 3, k, k + 1)
-            return missed
+            first, last = int(positions[0]), int(positions[-1]) + 1
+            misses, failed, _, usable = crops.native.read_crops(out, scratch.buffer, fd_array[shards], offsets, flags,
+                                                                stored * 3, size, first, last, nowait[0])
+            nowait[0] = nowait[0] if usable else 0
+            if failed >= 0:  # read again here for the one-line error that names the shard
+                read(int(shards[failed]), int(offsets[failed]), scratch.buffer)
+                raise DatasetError(f"{raw.shards[shards[failed]]}: cannot read the sample at byte {offsets[failed]}")
+            return misses > 0
 
+        def hand_over(slot: int, indices: np.ndarray, running: list, n: int) -> None:
+            nonlocal advised
+            if any([future.result() for future in running]) or not nowait[0]:
+                for ahead in range(max(advised, n + 1), min(n + depth + 1, len(batches))):
+                    self._advise(batches[ahead])
+                advised = max(advised, n + depth + 1)
+            ready.put((slot, indices, [], span * len(indices)))
+
+        # Two batches in flight: the threads start on the next batch while the last pieces of this one
+        # finish, instead of idling at every batch boundary.
+        in_flight: collections.deque = collections.deque()
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool:
             for n, indices in enumerate(batches):
-                slot = next_slot(free, stop)
-                if slot is None:
+                if len(in_flight) == 2:
+                    hand_over(*in_flight.popleft())
+                try:
+                    slot = free.get_nowait()
+                except queue.Empty:  # the consumer holds the other slots: hand over what is in flight, then wait
+                    while in_flight:
+                        hand_over(*in_flight.popleft())
+                    slot = free.get()
+                if slot is None or stop.is_set():
                     return
                 tops, lefts, flips = crops.plan_crops(indices, stored - size, self.pipeline.augment, self.seed, epoch)
-                args = (self._ring[slot].numpy(), raw.shard[indices].tolist(),
-                        crops.crop_offsets(raw.offset[indices], tops, lefts, stored).tolist(), flips.astype(np.uint8),
-                        np.zeros(len(indices), np.int32), np.zeros(len(indices), np.int64))
+                args = (self._ring[slot].numpy(), raw.shard[indices],
+                        crops.crop_offsets(raw.offset[indices], tops, lefts, stored), flips.astype(np.uint8))
                 chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
-                running = [pool.submit(crop, *args, chunk.tolist()) for chunk in chunks]
-                if not nowait[0] or any([future.result() for future in running]):
-                    for ahead in range(max(advised, n + 1), min(n + depth + 1, len(batches))):
-                        self._advise(batches[ahead])
-                    advised = max(advised, n + depth + 1)
-                for future in running:
-                    future.result()
-                ready.put((slot, indices, [], span * len(indices)))
+                running = [pool.submit(crop, *args, chunk) for chunk in chunks if len(chunk)]
+                in_flight.append((slot, indices, running, n))
+            while in_flight:
+                hand_over(*in_flight.popleft())
 
     def _advise(self, indices: np.ndarray) -> None:
         """POSIX_FADV_WILLNEED over the runs of these samples (a no-op for pages already cached)."""
