@@ -70,13 +70,15 @@ def main() -> int:
           f"emulated device): arrow decoded {arrow['samples_per_s']:,.0f} images/s, torch tuned best "
           f"{torch_best['samples_per_s']:,.0f} images/s")
 
-    # Token batches take well under a millisecond: longer runs, three interleaved rounds, medians.
+    # Token batches take a fraction of a millisecond: runs of a few seconds (a run of 300 batches lasts
+    # 60 ms, where one hiccup of this shared machine moves the rate by a third), three interleaved
+    # rounds, medians.
     tokens_config = load_config(args.tokens)
     token_rates: dict[str, list[float]] = {}
     for _ in range(3):
         for name, backend, settings in (("arrow", "arrow", {}), ("torch w=0", "torch", {"num_workers": 0}),
                                         ("torch w=2", "torch", {"num_workers": 2})):
-            metrics = harness_rate(build_loader(tokens_config, backend, **settings), args.batches * 5)
+            metrics = harness_rate(build_loader(tokens_config, backend, **settings), args.batches * 50)
             token_rates.setdefault(name, []).append(metrics["tokens_per_s"])
     medians = {name: statistics.median(values) for name, values in token_rates.items()}
     torch_tokens = max(medians["torch w=0"], medians["torch w=2"])

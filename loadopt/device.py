@@ -18,6 +18,11 @@ import torch
 
 from loadopt.config import PipelineConfig
 
+try:  # one-pass normalisation on the CPU (loadopt/_native.c), built at install where a C compiler is
+    from loadopt import _native as native
+except ImportError:  # pragma: no cover - built by `pip install`; torch's ops stay for installs without it
+    native = None
+
 
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
@@ -176,14 +181,18 @@ def _normalise_channels_last(inputs: torch.Tensor, pipeline: PipelineConfig, scr
     conversion copy, then the per-channel scale and shift (one fused multiply-add) over rows of 48 floats
     (16 pixels: the three channels' factors tiled 16 times), which vectorise where a channel dimension
     of 3 does not. Equal to the NCHW path bit for bit (the same float op per element); 1.4 against 2.5
-    ms a batch of 64 at 224 px here. Needs H x W divisible by 16."""
+    ms a batch of 64 at 224 px here. On the CPU, `_native.normalise` does both in one pass where it was
+    built (torch's conversion copy is a scalar loop): 1.1 against 2.35 ms, bit for bit the same.
+    Needs H x W divisible by 16."""
     n, h, w, c = inputs.shape
     scale = (1.0 / (torch.tensor(pipeline.std, device=inputs.device) * 255.0)).repeat(16)
     shift = (-torch.tensor(pipeline.mean, device=inputs.device) / torch.tensor(pipeline.std, device=inputs.device)
              ).repeat(16)
     out = scratch((n, h, w, c), torch.float32) if scratch is not None else torch.empty((n, h, w, c),
                                                                                        device=inputs.device)
-    out.copy_(inputs)
-    rows = out.view(-1, 48)
-    torch.addcmul(shift, rows, scale, out=rows)
+    if not (inputs.device.type == "cpu" and inputs.is_contiguous() and native is not None
+            and native.normalise(out.numpy(), inputs.numpy(), scale[:3].tolist(), shift[:3].tolist())):
+        out.copy_(inputs)
+        rows = out.view(-1, 48)
+        torch.addcmul(shift, rows, scale, out=rows)
     return out.permute(0, 3, 1, 2)

@@ -196,7 +196,7 @@ def test_crop_batch_crops_and_mirrors_exactly(path, stored, size, monkeypatch):
     from loadopt.loaders.crops import crop_batch, plan_crops
 
     if path == "native" and crops.native is None:
-        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
     if path != "native":
         monkeypatch.setattr(crops, "native", None)
     if path == "numpy":
@@ -222,7 +222,7 @@ def test_native_crops_refuse_reads_past_a_source():
     from loadopt.loaders import crops
 
     if crops.native is None:
-        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
     source = np.zeros(10 * 10 * 3, np.uint8)
     out = np.empty((1, 8, 8, 3), np.uint8)
     with pytest.raises(IndexError, match="sample 0 reads past the end of source 0"):

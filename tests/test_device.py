@@ -7,8 +7,15 @@ from loadopt.config import PipelineConfig
 from loadopt.device import DeviceTransfer, finish_inputs
 
 
+@pytest.mark.parametrize("one_pass", [True, False])  # loadopt._native's normalise, or torch's two ops
 @pytest.mark.parametrize("size", [32, 30])  # 32 x 32 takes the channels-last path, 30 x 30 (900 % 16) does not
-def test_nhwc_normalisation_equals_the_nchw_path(size):
+def test_nhwc_normalisation_equals_the_nchw_path(size, one_pass, monkeypatch):
+    from loadopt import device
+
+    if one_pass and device.native is None:
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
+    if not one_pass:
+        monkeypatch.setattr(device, "native", None)
     pipeline = PipelineConfig(image_size=size)
     nhwc = torch.randint(0, 256, (5, size, size, 3), dtype=torch.uint8)
     nchw = nhwc.permute(0, 3, 1, 2).contiguous()
@@ -21,3 +28,23 @@ def test_nhwc_normalisation_equals_the_nchw_path(size):
     # the reference itself: (x / 255 - mean) / std per channel
     mean, std = torch.tensor(pipeline.mean).view(1, 3, 1, 1), torch.tensor(pipeline.std).view(1, 3, 1, 1)
     assert torch.allclose(expected, (nchw.float() / 255 - mean) / std, atol=1e-5)
+
+
+def test_native_normalise_covers_every_element():
+    """Lengths that leave a remainder after the 24-element steps, and an unaligned output."""
+    from loadopt import device
+
+    if device.native is None:
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
+    scale, shift = torch.tensor([0.5, 2.0, -1.0]), torch.tensor([1.0, -3.0, 0.25])
+    for count in (3, 27, 24 * 5 + 9):
+        pixels = torch.randint(0, 256, (count,), dtype=torch.uint8)
+        storage = torch.empty(count + 1)
+        out = storage[1:]  # 4 bytes past the allocation's alignment: ordinary stores
+        if not device.native.normalise(out.numpy(), pixels.numpy(), scale.tolist(), shift.tolist()):
+            pytest.skip("this CPU has no AVX2 and FMA: the native normalise declines")
+        expected = torch.addcmul(shift.repeat(count // 3), pixels.float(), scale.repeat(count // 3))
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="need 16 output bytes"):
+        device.native.normalise(torch.empty(3).numpy(), torch.zeros(4, dtype=torch.uint8).numpy(), (1, 1, 1),
+                                (0, 0, 0))

@@ -48,7 +48,7 @@ def test_decoded_posix_equals_arrow(tmp_path, augment, reads, monkeypatch):
     from loadopt.loaders import crops
 
     if reads == "through the cache" and crops.native is None:
-        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
     if reads == "staged":
         monkeypatch.setattr(crops, "native", None)
     cfg = config(tmp_path, augment=augment)
@@ -68,7 +68,7 @@ def test_decoded_reads_through_a_cold_cache_announce_the_next_batches(tmp_path, 
     from loadopt.storage.pagecache import evict
 
     if crops.native is None:
-        pytest.skip("loadopt.loaders._crops is not built (no C compiler when loadopt was installed)")
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
     cfg = config(tmp_path, augment="train")
     dataset = open_dataset(cfg)
     arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=3))

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +47,7 @@ class ArrowLoader(RingLoader):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._views: list | None = None
+        self._windows: tuple[np.ndarray, np.ndarray, int] | None = None  # tokens: see `_windows_view`
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -74,6 +76,8 @@ class ArrowLoader(RingLoader):
             convert(self.dataset, self.form, self.size, progress=progress)
         batches = open_arrow(path, self.dataset, self.form, self.size)
         self._views = [self._view(b) for b in batches]
+        if self.form == "tokens":
+            self._windows = _windows_view(batches, self.dataset.tokens.dtype)
 
     def storage_files(self) -> list[str]:
         return [str(arrow_path(self.dataset, self.form, self.size))]
@@ -94,13 +98,11 @@ class ArrowLoader(RingLoader):
     # -- batches -------------------------------------------------------------------------------
 
     def _fill_tokens(self, slot: torch.Tensor, indices: np.ndarray) -> None:
-        inputs, targets = slot[0].numpy(), slot[1].numpy()
-        record, local = np.divmod(indices, ROWS_PER_BATCH)
-        for r in np.unique(record):
-            positions = np.nonzero(record == r)[0]
-            windows = self._views[r][local[positions]]  # one vectorised gather per record batch
-            inputs[positions] = windows[:, :-1]
-            targets[positions] = windows[:, 1:]
+        tokens, starts, width = self._windows
+        windows = tokens[starts[indices][:, None] + np.arange(width)]  # one gather for the whole batch
+        n = len(indices)
+        slot[0].numpy()[:n] = windows[:, :-1]
+        slot[1].numpy()[:n] = windows[:, 1:]
 
     def _fill_images(self, slot: torch.Tensor, indices: np.ndarray, epoch: int, pool) -> list[tuple[int, str]]:
         if self.form == "decoded":
@@ -158,5 +160,24 @@ class ArrowLoader(RingLoader):
                 ready.put((slot, indices, failures))
 
     def close(self) -> None:
-        self._views = None  # the record batches keep the file mapped until they are dropped
+        self._views = self._windows = None  # the record batches keep the file mapped until they are dropped
         self._ring = None
+
+
+def _windows_view(batches: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens, starts, width): one zero-copy array of token ids over the whole mapped file, and where
+    each window starts in it, so a batch is one gather, not one per record batch (a batch of 32 windows
+    touches ~28 record batches of the default corpus: 59 against 120 us a batch here)."""
+    itemsize = np.dtype(dtype).itemsize
+    columns = [b.column(b.num_columns - 1) for b in batches]
+    width = columns[0].type.byte_width // itemsize
+    addresses = [c.buffers()[1].address + c.offset * c.type.byte_width for c in columns]
+    first = min(addresses)
+    end = max(a + len(c) * c.type.byte_width for a, c in zip(addresses, columns, strict=True))
+    # The record batches sit in one memory map; the buffer keeps them (and so the map) alive.
+    tokens = np.frombuffer(pa.foreign_buffer(first, end - first, base=batches), dtype)
+    if any((a - first) % itemsize for a in addresses):
+        raise DatasetError("Arrow token windows are not aligned to their dtype (a corrupt file?)")
+    starts = np.concatenate([(a - first) // itemsize + np.arange(len(c)) * width
+                             for a, c in zip(addresses, columns, strict=True)])
+    return tokens, starts.astype(np.int64), width

@@ -13,8 +13,8 @@ import numpy as np
 
 from loadopt.loaders import transforms
 
-try:  # streaming stores and a 16-pixel mirror (_crops.c), built at install where a C compiler is
-    from loadopt.loaders import _crops as native
+try:  # streaming stores and a 16-pixel mirror (loadopt/_native.c), built at install where a C compiler is
+    from loadopt import _native as native
 except ImportError:  # pragma: no cover - built by `pip install`; the paths below stay for installs without it
     native = None
 
@@ -47,7 +47,7 @@ def copy_crops(out: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray
     size x size crop whose top-left pixel is at byte `offsets[k]` of the uint8 buffer `sources[which[k]]`,
     its rows `stride` bytes apart, mirrored left-right where `flips[k]`. Releases the GIL.
 
-    Native (`_crops.c`, where it was built): every row written with streaming stores, mirrored 16
+    Native (`loadopt/_native.c`, where it was built): every row written with streaming stores, mirrored 16
     pixels at a time; a batch's crops reach the memory copy rate here (1.0 of it with 2 threads,
     `bench/arrow_ceiling.py`), where ordinary stores first read every line of the batch from memory
     (it is far larger than the cache): a third more memory traffic, 0.4-0.6 of the copy rate.

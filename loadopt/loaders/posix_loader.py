@@ -257,7 +257,7 @@ class PosixLoader(RingLoader):
                                stop: threading.Event) -> None:
         """Decoded pixels through the page cache (where the native crops are built): each finishing
         thread reads a sample's crop rows with one pread into a scratch buffer that stays in its core's
-        cache, then crops from there into the slot (`_crops.read_crops`: no Python per sample). Staging
+        cache, then crops from there into the slot (`_native.read_crops`: no Python per sample). Staging
         whole batches instead sends every byte through memory twice more (a batch is far larger than
         the cache): 0.25 of the memory copy rate warm here, against 0.6-0.75 this way.
 
