@@ -77,6 +77,16 @@ def _kvikio_checks() -> list[Check]:
     return checks
 
 
+def _native_check() -> Check:
+    try:
+        from loadopt import _native
+    except ImportError:
+        return Check("native module", False, "not built (no C compiler at `pip install`): crops, posix reads and "
+                                             "the emulated device's normalisation use slower NumPy/torch paths")
+    simd = "SSSE3 mirror" if _native.SIMD else "no SIMD (not x86-64)"
+    return Check("native module", True, f"built: streaming-store crops ({simd}), posix read-and-crop, normalise")
+
+
 def run_checks() -> list[Check]:
     from loadopt.config import cache_dir
     from loadopt.loaders.transforms import simplejpeg
@@ -85,6 +95,7 @@ def run_checks() -> list[Check]:
     checks += _torch_checks()
     checks.append(Check("JPEG decoder", True, "simplejpeg (libjpeg-turbo)" if simplejpeg is not None
                         else "PIL only (pip install simplejpeg for ~1.3x faster decode)"))
+    checks.append(_native_check())
     dali = _package("nvidia.dali", "nvidia-dali-cuda120")
     if not dali.ok:
         dali.detail += " (pip install 'loadopt[dali]')"
