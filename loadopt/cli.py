@@ -283,7 +283,9 @@ def convert(
     from loadopt.errors import ConfigError
     from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
     from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+    from loadopt.storage.arrow_format import arrow_path
     from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.raw_format import raw_path
 
     with _user_errors():
         if to not in ("arrow", "raw"):
@@ -298,21 +300,16 @@ def convert(
             reporter = _RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
             loader = cls(dataset, cfg.pipeline, settings)
+            path = raw_path(dataset, loader.form, loader.size, shard_mib) if to == "raw" else \
+                arrow_path(dataset, loader.form, loader.size)
+            reused = (path / "index.npz").exists() if to == "raw" else path.exists()
             start = time.perf_counter()
             loader.prepare(lambda done, total: reporter.conversion_progress(loader.describe(), done, total))
             seconds = time.perf_counter() - start
             loader.close()
-    from loadopt.storage.arrow_format import arrow_path
-    from loadopt.storage.raw_format import raw_path
-
-    if to == "raw":
-        path = raw_path(dataset, loader.form, loader.size, shard_mib)
-        nbytes = sum(f.stat().st_size for f in path.iterdir())
-    else:
-        path = arrow_path(dataset, loader.form, loader.size)
-        nbytes = path.stat().st_size
+    nbytes = sum(f.stat().st_size for f in path.iterdir()) if to == "raw" else path.stat().st_size
     console.print(f"{path}: {len(dataset):,} samples, {loader.form}, {nbytes / 1e6:,.1f} MB "
-                  f"({seconds:.1f} s, or reused when about 0)", highlight=False)
+                  f"({'reused: converted earlier' if reused else f'converted in {seconds:.1f} s'})", highlight=False)
 
 
 @app.command()
