@@ -2,7 +2,8 @@
 
 1. Ceiling: decoded arrow, warm page cache (one full epoch first, which also maps every page),
    shuffled order, step time 0: the bytes of the batches it delivers per second, against one
-   `numpy.copyto` of a buffer 8x the L3 cache, measured in the same run. Target >= 0.6.
+   `numpy.copyto` of a buffer 8x the L3 cache measured in the same round; median of 3 rounds'
+   ratios. Target >= 0.6.
 2. Images: decoded arrow against the `torch` backend's best setting (tuned, the best worker count),
    both through the harness (step time 0, the config's pipeline), images/s. Expected well above 10x.
 3. Tokens: arrow against the torch memmap loader (best worker count), tokens/s. Target >= 1.0.
@@ -50,18 +51,23 @@ def main() -> int:
     from loadopt.config import load_config
 
     config = load_config(args.config)
-    bandwidth = memcpy_bandwidth()
-    print(f"memory copy bandwidth: {bandwidth / 1e9:.1f} GB/s (numpy.copyto, buffer 8x L3)")
-    rows = []
-    for augment in ("train", "eval"):
-        variant = load_config(config, [f"pipeline.augment={augment}"])
-        loader = build_loader(variant, "arrow", form="decoded")
+    # The copy bandwidth is measured again in every round, beside the loaders, and each round's ratio
+    # taken: this shared machine's copy rate drifts by 20% from minute to minute.
+    loaders = {augment: build_loader(load_config(config, [f"pipeline.augment={augment}"]), "arrow", form="decoded")
+               for augment in ("train", "eval")}
+    for loader in loaders.values():
         loader.prepare()
-        nbytes, samples = host_rate(loader, args.batches * 3)
+    ratios: dict[str, list[float]] = {"train": [], "eval": []}
+    for round_index in range(3):
+        bandwidth = memcpy_bandwidth.__wrapped__()
+        print(f"round {round_index + 1}: memory copy {bandwidth / 1e9:.1f} GB/s (numpy.copyto, buffer 8x L3)")
+        for augment, loader in loaders.items():
+            nbytes, samples = host_rate(loader, args.batches * 3)
+            ratios[augment].append(nbytes / bandwidth)
+            print(f"  decoded arrow, {augment:5s} crops: {nbytes / 1e9:5.2f} GB/s delivered ({samples:,.0f} images/s), "
+                  f"{nbytes / bandwidth:.2f} of the memory copy bandwidth")
+    for loader in loaders.values():
         loader.close()
-        rows.append((augment, nbytes, samples))
-        print(f"decoded arrow, {augment:5s} crops: {nbytes / 1e9:5.2f} GB/s delivered ({samples:,.0f} images/s), "
-              f"{nbytes / bandwidth:.2f} of the memory copy bandwidth")
 
     arrow = harness_rate(build_loader(config, "arrow", form="decoded"), args.batches)
     torch_best = max((harness_rate(build_loader(config, "torch", variant="tuned", num_workers=w), args.batches // 2)
@@ -85,10 +91,9 @@ def main() -> int:
     print("tokens (median of 3): " + ", ".join(f"{name} {rate / 1e6:.1f} M/s" for name, rate in medians.items()))
 
     # The config's pipeline (train: random crops and flips) is the target; eval (centre crops) shows
-    # the data path alone.
-    train, centre = rows
-    print(result_line("arrow_decoded_vs_memcpy", train[1] / bandwidth, ">=", 0.6))
-    print(result_line("arrow_decoded_eval_crops_vs_memcpy", centre[1] / bandwidth, ">=", 0.6))
+    # the data path alone. Medians of the rounds' ratios.
+    print(result_line("arrow_decoded_vs_memcpy", statistics.median(ratios["train"]), ">=", 0.6))
+    print(result_line("arrow_decoded_eval_crops_vs_memcpy", statistics.median(ratios["eval"]), ">=", 0.6))
     print(result_line("arrow_decoded_vs_torch_images", arrow["samples_per_s"] / torch_best["samples_per_s"], ">=", 10))
     print(result_line("arrow_vs_torch_tokens", medians["arrow"] / torch_tokens, ">=", 1.0))
     return 0
