@@ -7,8 +7,10 @@ rate is the median over the rounds, each backend's the best of its settings. `da
 `reader: external` (loadopt's shared sample order and crop plan).
 
 The ceiling is decode + crop alone at one thread (DALI's own pipeline, num_threads=1, over batches
-already read and planned in memory, so the rate is the engine's), times the usable cores. For
-reference the same is measured for simplejpeg + torch's resize (the `tuned` kernels).
+already read and planned in memory, so the rate is the engine's), times the usable cores; measured
+for each of DALI's two outputs (normalised float NCHW by DALI, or uint8 NHWC normalised on the
+device), and the best DALI setting is held to the ceiling of its own pipeline. For reference the same
+is measured for simplejpeg + torch's resize (the `tuned` kernels).
 
     python bench/dali_cpu.py [--config configs/imagenet.yaml] [--threads 1,2,3] [--workers 1,2,4]
                              [--batches 25] [--rounds 2]
@@ -29,10 +31,16 @@ def loader_rate(config, backend: str, batches: int, epoch: int, **settings) -> f
     return harness_run(build_loader(config, backend, **settings), batches, epoch=epoch).metrics["samples_per_s"]
 
 
-def dali_single_thread_rate(config, batches: int = 8) -> tuple[float, float]:
-    """(images/s, CPU seconds per wall second) of DALI's decode + crop + resize + flip + normalise with
-    one thread, over batches read and planned beforehand (not timed): `DaliLoader.engine_rate`."""
-    loader = build_loader(config, "dali", num_threads=1, prefetch_queue_depth=1)
+# DALI's output: normalised float NCHW (crop_mirror_normalize in DALI), or uint8 NHWC straight from the
+# resize, normalised on the device (here the emulated one); each is its own pipeline with its own ceiling.
+OUTPUTS = {"dali": {}, "device": {"normalise": "device", "layout": "NHWC"}}
+
+
+def dali_single_thread_rate(config, output: str, batches: int = 8) -> tuple[float, float]:
+    """(images/s, CPU seconds per wall second) of DALI's decode + crop + resize + flip (+ normalise for
+    `output` dali) with one thread, over batches read and planned beforehand (not timed):
+    `DaliLoader.engine_rate`."""
+    loader = build_loader(config, "dali", num_threads=1, prefetch_queue_depth=1, **OUTPUTS[output])
     try:
         return loader.engine_rate(batches)
     finally:
@@ -73,42 +81,51 @@ def main() -> int:
     config = load_config(args.config, ["workload.device=cpu"])
     cores = usable_cores()
     settings: list[tuple[str, str, dict]] = []
-    for count in (int(t) for t in args.threads.split(",")):
-        settings.append(("dali", f"dali num_threads={count}", {"num_threads": count}))
+    for output, knobs in OUTPUTS.items():
+        for count in (int(t) for t in args.threads.split(",")):
+            settings.append(("dali", f"dali normalise={output} num_threads={count}", {"num_threads": count, **knobs}))
     for variant in ("plain", "tuned"):
         for count in (int(w) for w in args.workers.split(",")):
             settings.append(("torch", f"torch {variant} num_workers={count}",
                              {"variant": variant, "num_workers": count}))
     rates: dict[str, list[float]] = {}
-    single: list[tuple[float, float]] = []
+    single: dict[str, list[float]] = {output: [] for output in OUTPUTS}
     single_torch: list[float] = []
     for round_index in range(args.rounds):
-        single.append(dali_single_thread_rate(config))
+        for output in OUTPUTS:
+            rate, cpu = dali_single_thread_rate(config, output)
+            single[output].append(rate)
+            print(f"round {round_index + 1}: single thread: DALI normalise={output} {rate:.1f} img/s "
+                  f"({cpu:.2f} CPU s per s)", flush=True)
         single_torch.append(torch_single_thread_rate(config))
-        print(f"round {round_index + 1}: single thread: DALI {single[-1][0]:.1f} img/s "
-              f"({single[-1][1]:.2f} CPU s per s), simplejpeg+torch {single_torch[-1]:.1f} img/s", flush=True)
+        print(f"round {round_index + 1}: single thread: simplejpeg+torch {single_torch[-1]:.1f} img/s", flush=True)
         for backend, label, knobs in settings:
             rate = loader_rate(config, backend, args.batches, round_index, **knobs)
             rates.setdefault(label, []).append(rate)
             print(f"round {round_index + 1}: {label}: {rate:7.1f} samples/s", flush=True)
 
-    ceiling = statistics.median(r for r, _ in single) * cores
+    ceilings = {output: statistics.median(values) * cores for output, values in single.items()}
     torch_ceiling = statistics.median(single_torch) * cores
-    print(f"\nceiling: DALI decode+crop at one thread {ceiling / cores:.1f} img/s x {cores} cores = {ceiling:.0f} img/s"
-          f" (simplejpeg+torch one thread: {torch_ceiling / cores:.1f} img/s x {cores} = {torch_ceiling:.0f})")
-    print(f"{'setting':28s} {'median samples/s':>17s} {'of ceiling':>11s}")
+    for output, ceiling in ceilings.items():
+        print(f"\nceiling, normalise={output}: DALI decode+crop at one thread {ceiling / cores:.1f} img/s "
+              f"x {cores} cores = {ceiling:.0f} img/s")
+    print(f"(simplejpeg+torch one thread: {torch_ceiling / cores:.1f} img/s x {cores} = {torch_ceiling:.0f})")
+    print(f"{'setting':40s} {'median samples/s':>17s} {'of ceiling':>11s}")
     best: dict[str, tuple[str, float]] = {}
     for label, values in rates.items():
         rate = statistics.median(values)
-        print(f"{label:28s} {rate:17.1f} {rate / ceiling:11.1%}")
-        family = label.split(" num_")[0]
+        output = label.split("normalise=")[1].split()[0] if label.startswith("dali") else None
+        share = f"{rate / ceilings[output]:11.1%}" if output else ""
+        print(f"{label:40s} {rate:17.1f} {share}")
+        family = "dali" if output else label.split(" num_")[0]
         if rate > best.get(family, ("", 0.0))[1]:
             best[family] = (label, rate)
     dali_rate, plain, tuned = best["dali"][1], best["torch plain"][1], best["torch tuned"][1]
+    dali_ceiling = ceilings[best["dali"][0].split("normalise=")[1].split()[0]]
     print(f"best: {best['dali'][0]} {dali_rate:.1f}/s, {best['torch plain'][0]} {plain:.1f}/s, "
           f"{best['torch tuned'][0]} {tuned:.1f}/s; dali / torch tuned = {dali_rate / tuned:.2f}x")
     print(result_line("dali_cpu_vs_torch_plain", dali_rate / plain, ">=", 2.5))
-    print(result_line("dali_cpu_of_ceiling", dali_rate / ceiling, ">=", 0.9))
+    print(result_line("dali_cpu_of_ceiling", dali_rate / dali_ceiling, ">=", 0.9))
     return 0
 
 

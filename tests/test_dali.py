@@ -91,12 +91,13 @@ def test_normalised_float_output_matches_torch(folder):
     assert differences(on_device, ours).max() < 1e-4  # uint8 NHWC from DALI, normalised by `finish`
 
 
-def test_train_crops_and_flips_are_the_shared_plan(folder):
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])  # through crop_mirror_normalize, or straight from the resize
+def test_train_crops_and_flips_are_the_shared_plan(folder, layout):
     """Random crops and flips come from the shared per-sample plan: the same crop boxes as torch,
     so pixels agree up to the resamplers' rounding (PIL's filter also reads pixels just outside the
-    box at the crop's border)."""
+    box at the crop's border). Flips are done by the resize (a mirrored ROI)."""
     dataset = scan_image_folder(str(folder))
-    ours = collect(dali(dataset, "train", "uint8"))
+    ours = collect(dali(dataset, "train", "uint8", layout=layout))  # finishing makes NHWC an NCHW view
     theirs = reference(dataset, "train", "uint8")
     differences(ours, theirs)
     inner = torch.cat([(a[..., 2:-2, 2:-2].float() - b[..., 2:-2, 2:-2].float()).abs().flatten()

@@ -45,15 +45,14 @@ class Prepared:
     data: list[np.ndarray]
     anchor: np.ndarray  # (n, 2) int32 (y, x) of the decoded slice
     shape: np.ndarray  # (n, 2) int32 (height, width) of the decoded slice
-    roi_start: np.ndarray  # (n, 2) float32 (y, x) of the crop in the slice
+    roi_start: np.ndarray  # (n, 2) float32 (y, x) of the crop in the slice; x start > x end: flipped
     roi_end: np.ndarray
-    mirror: np.ndarray  # (n,) int32
     failures: list[tuple[int, str]] = field(default_factory=list)
     bytes_read: int = 0
 
     def columns(self, keep: slice | list[int] = slice(None)) -> tuple:
         data = self.data[keep] if isinstance(keep, slice) else [self.data[k] for k in keep]
-        return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep], self.mirror[keep]
+        return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep]
 
 
 class Feed:

@@ -169,11 +169,14 @@ class DaliLoader(Loader):
                 y1, x1 = min(height, math.ceil(bottom) + margin), min(width, math.ceil(right) + margin)
             kept.append(index)
             data.append(blob)
-            rows.append((y0, x0, y1 - y0, x1 - x0, top - y0, left - x0, bottom - y0, right - x0, flip))
-        table = np.asarray(rows, dtype=np.float64).reshape(-1, 9)
+            # A flip is the crop's columns taken right to left: DALI's resize mirrors an ROI whose start
+            # is past its end, in the same pass (no separate mirror over the output).
+            x_start, x_end = (right - x0, left - x0) if flip else (left - x0, right - x0)
+            rows.append((y0, x0, y1 - y0, x1 - x0, top - y0, x_start, bottom - y0, x_end))
+        table = np.asarray(rows, dtype=np.float64).reshape(-1, 8)
         return Prepared(np.asarray(kept, dtype=np.int64), data, table[:, 0:2].astype(np.int32),
                         table[:, 2:4].astype(np.int32), table[:, 4:6].astype(np.float32),
-                        table[:, 6:8].astype(np.float32), table[:, 8].astype(np.int32), failures, nbytes)
+                        table[:, 6:8].astype(np.float32), failures, nbytes)
 
     # -- the pipeline ----------------------------------------------------------------------------
 
@@ -199,19 +202,21 @@ class DaliLoader(Loader):
                 mirror = fn.random.coin_flip() if self.pipeline.augment == "train" else 0
                 crop = (size, size)
             else:
-                data, anchor, shape, roi_start, roi_end, mirror = fn.external_source(
-                    source=source, num_outputs=6, batch=True, no_copy=True,
-                    dtype=[types.UINT8, types.INT32, types.INT32, types.FLOAT, types.FLOAT, types.INT32])
+                data, anchor, shape, roi_start, roi_end = fn.external_source(
+                    source=source, num_outputs=5, batch=True, no_copy=True,
+                    dtype=[types.UINT8, types.INT32, types.INT32, types.FLOAT, types.FLOAT])
                 images = fn.decoders.image_slice(data, anchor, shape, axis_names="HW", **decode_args)
                 images = fn.resize(images, size=[size, size], roi_start=roi_start, roi_end=roi_end,
                                    roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
-                labels, crop = None, None
+                labels, crop, mirror = None, None, 0  # flips are done by the resize (see `_prepare_batch`)
             if self._normalised():
                 norm = {"dtype": types.FLOAT, "mean": [255 * m for m in self.pipeline.mean],
                         "std": [255 * v for v in self.pipeline.std]}
-            else:
-                norm = {"dtype": types.UINT8}
-            images = fn.crop_mirror_normalize(images, mirror=mirror, output_layout=s.layout[1:], crop=crop, **norm)
+                images = fn.crop_mirror_normalize(images, mirror=mirror, output_layout=s.layout[1:], crop=crop, **norm)
+            elif crop is not None or s.layout == "NCHW":
+                images = fn.crop_mirror_normalize(images, mirror=mirror, output_layout=s.layout[1:], crop=crop,
+                                                  dtype=types.UINT8)
+            # else: uint8 HWC straight from the resize, one pass over the output fewer
             pipe.set_outputs(images, *([labels] if labels is not None else []))
         pipe.build()
         return pipe
