@@ -68,7 +68,8 @@ def test_registered_and_described(folder):
     loader = dali(scan_image_folder(str(folder)), num_threads=1)
     assert loader.describe() == "cpu num_threads=1 prefetch=2"
     assert DaliLoader.cpu_demand(DaliSettings(num_threads=3)) == 3
-    assert DaliLoader.knob_space(2) == {"num_threads": [1, 2], "prefetch_queue_depth": [1, 2, 3]}
+    assert DaliLoader.knob_space(2) == {"num_threads": [1, 2], "prefetch_queue_depth": [1, 2, 3],
+                                        "normalise": ["dali", "device"], "layout": ["NCHW", "NHWC"]}
 
 
 @pytest.mark.parametrize("roi_decode", [True, False])
