@@ -61,10 +61,12 @@ def test_decoded_posix_equals_arrow(tmp_path, augment, reads, monkeypatch):
     posix.close()
 
 
-def test_decoded_reads_through_a_cold_cache_announce_the_next_batches(tmp_path, monkeypatch):
-    """Evicted shards: the first batch misses the page cache (RWF_NOWAIT), so the next batches are
-    announced to the kernel (POSIX_FADV_WILLNEED), and the batches still equal arrow's."""
-    from loadopt.loaders import crops
+@pytest.mark.parametrize("prefill", [True, False])
+def test_decoded_reads_through_a_cold_cache(tmp_path, monkeypatch, prefill):
+    """Evicted shards: the first batch misses the page cache (RWF_NOWAIT). With `prefill` (the shards
+    fit in memory) they are then read in sequentially, once; without it the next batches are
+    announced to the kernel (POSIX_FADV_WILLNEED). Either way the batches equal arrow's."""
+    from loadopt.loaders import crops, through_cache
     from loadopt.storage.pagecache import evict
 
     if crops.native is None:
@@ -72,18 +74,22 @@ def test_decoded_reads_through_a_cold_cache_announce_the_next_batches(tmp_path, 
     cfg = config(tmp_path, augment="train")
     dataset = open_dataset(cfg)
     arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=3))
-    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, read_ahead=2), seed=3)
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, read_ahead=2, prefill=prefill), seed=3)
     posix.prepare()
-    announced = []
-    original = PosixLoader._advise
-    monkeypatch.setattr(PosixLoader, "_advise", lambda self, indices: (announced.append(indices),
-                                                                       original(self, indices)))
-    batches(posix)  # warm: nothing missed, nothing announced
-    assert announced == []
+    announced, prefilled = [], []
+    advise, fill = through_cache.advise, through_cache.prefill
+    monkeypatch.setattr(through_cache, "advise", lambda loader, indices: (announced.append(indices),
+                                                                          advise(loader, indices)))
+    monkeypatch.setattr(through_cache, "prefill", lambda shards: (prefilled.append(shards), fill(shards)))
+    batches(posix)  # warm: nothing missed, nothing read ahead
+    assert announced == [] and prefilled == []
     evict([str(shard) for shard in posix._raw.shards])
     posix.set_epoch(0)
     assert_same(batches(posix), arrow)
-    assert announced, "a cold batch announces the next ones"
+    if prefill:
+        assert len(prefilled) == 1 and announced == []
+    else:
+        assert announced and prefilled == []
     posix.close()
 
 

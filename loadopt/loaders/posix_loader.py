@@ -14,7 +14,6 @@ Batches are the `arrow` backend's, bit for bit (same decoded pixels, same crop p
 
 from __future__ import annotations
 
-import collections
 import errno
 import mmap
 import os
@@ -28,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import DatasetError
-from loadopt.loaders import crops, transforms
+from loadopt.loaders import crops, through_cache, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
 from loadopt.storage import raw_format
@@ -47,6 +46,9 @@ class PosixSettings(BaseModel):
     threads: int = Field(2, ge=1)  # threads finishing each batch: crop copies (decoded) or decode (encoded)
     prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
     read_ahead: int = Field(2, ge=1)  # batches whose reads are in flight while one is finished
+    # Decoded, through the page cache: when a batch misses it and the shards fit in half the free memory,
+    # read them all in sequentially first (see `through_cache.prefill`).
+    prefill: bool = True
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
 
 
@@ -108,7 +110,7 @@ class PosixLoader(RingLoader):
     Settings = PosixSettings
     settings: PosixSettings
     reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
-    sample_reads = True  # decoded pixels through the page cache: per sample, see `_produce_through_cache`
+    sample_reads = True  # decoded pixels through the page cache: per sample, see `through_cache.produce`
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -232,7 +234,7 @@ class PosixLoader(RingLoader):
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
         if self.sample_reads and self.form == "decoded" and not self.settings.o_direct and crops.native is not None:
-            self._produce_through_cache(batches, epoch, free, ready, stop)
+            through_cache.produce(self, batches, epoch, free, ready, stop)
             return
         most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
         depth = self.settings.read_ahead
@@ -252,79 +254,6 @@ class PosixLoader(RingLoader):
                     return
                 failures = self._fill(self._ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
                 ready.put((slot, indices, failures, nbytes))
-
-    def _produce_through_cache(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
-                               stop: threading.Event) -> None:
-        """Decoded pixels through the page cache (where the native crops are built): each finishing
-        thread reads a sample's crop rows with one pread into a scratch buffer that stays in its core's
-        cache, then crops from there into the slot (`_native.read_crops`: no Python per sample). Staging
-        whole batches instead sends every byte through memory twice more (a batch is far larger than
-        the cache): 0.25 of the memory copy rate warm here, against 0.6-0.75 this way.
-
-        Reads try RWF_NOWAIT first (served only from the page cache). Once a batch misses the cache, the
-        samples of the next `read_ahead` batches are announced to the kernel (POSIX_FADV_WILLNEED: what
-        is not cached is read asynchronously, many requests deep). Announcing every batch would cost
-        a third of the warm rate here (the kernel walks every page of every sample)."""
-        raw, size, stored = self._raw, self.pipeline.image_size, self.size
-        span = (size - 1) * stored * 3 + size * 3  # from a crop's first pixel to past its last
-        read, fd_array = self._reader.read, np.asarray(self._reader.fds, np.int32)
-        scratch = threading.local()
-        nowait = [1]  # RWF_NOWAIT first; cleared where the kernel or filesystem does not support it
-        depth, advised = self.settings.read_ahead, 0
-
-        def crop(out, shards: np.ndarray, offsets: np.ndarray, flags: np.ndarray, positions: np.ndarray) -> bool:
-            """Read and crop these (consecutive) positions in C, the GIL released; whether any read missed
-            the page cache."""
-            if getattr(scratch, "buffer", None) is None:
-                scratch.buffer = np.empty(span, np.uint8)
-            first, last = int(positions[0]), int(positions[-1]) + 1
-            misses, failed, _, usable = crops.native.read_crops(out, scratch.buffer, fd_array[shards], offsets, flags,
-                                                                stored * 3, size, first, last, nowait[0])
-            nowait[0] = nowait[0] if usable else 0
-            if failed >= 0:  # read again here for the one-line error that names the shard
-                read(int(shards[failed]), int(offsets[failed]), scratch.buffer)
-                raise DatasetError(f"{raw.shards[shards[failed]]}: cannot read the sample at byte {offsets[failed]}")
-            return misses > 0
-
-        def hand_over(slot: int, indices: np.ndarray, running: list, n: int) -> None:
-            nonlocal advised
-            if any([future.result() for future in running]) or not nowait[0]:
-                for ahead in range(max(advised, n + 1), min(n + depth + 1, len(batches))):
-                    self._advise(batches[ahead])
-                advised = max(advised, n + depth + 1)
-            ready.put((slot, indices, [], span * len(indices)))
-
-        # Two batches in flight: the threads start on the next batch while the last pieces of this one
-        # finish, instead of idling at every batch boundary.
-        in_flight: collections.deque = collections.deque()
-        with ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool:
-            for n, indices in enumerate(batches):
-                if len(in_flight) == 2:
-                    hand_over(*in_flight.popleft())
-                try:
-                    slot = free.get_nowait()
-                except queue.Empty:  # the consumer holds the other slots: hand over what is in flight, then wait
-                    while in_flight:
-                        hand_over(*in_flight.popleft())
-                    slot = free.get()
-                if slot is None or stop.is_set():
-                    return
-                tops, lefts, flips = crops.plan_crops(indices, stored - size, self.pipeline.augment, self.seed, epoch)
-                args = (self._ring[slot].numpy(), raw.shard[indices],
-                        crops.crop_offsets(raw.offset[indices], tops, lefts, stored), flips.astype(np.uint8))
-                chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
-                running = [pool.submit(crop, *args, chunk) for chunk in chunks if len(chunk)]
-                in_flight.append((slot, indices, running, n))
-            while in_flight:
-                hand_over(*in_flight.popleft())
-
-    def _advise(self, indices: np.ndarray) -> None:
-        """POSIX_FADV_WILLNEED over the runs of these samples (a no-op for pages already cached)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        _, tasks, _ = self.plan(indices)
-        for shard, offset, _, nbytes in tasks:
-            os.posix_fadvise(self._reader.fds[shard], offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor):
         starts, tasks, nbytes = self.plan(indices)
