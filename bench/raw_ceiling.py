@@ -3,7 +3,7 @@
 1. Cold cache: posix with O_DIRECT (no page cache), shuffled order, step time 0: the bytes it reads
    from storage per second, against a plain sequential O_DIRECT read (4 MiB preadv calls, one after
    another) of the same shard files; two settings (defaults, and 32 io threads 4 batches ahead), the
-   better one held to the target. Rounds interleaved, the median of the rounds' ratios. Target >= 0.9.
+   better one held to the target. Rounds interleaved, medians. Target >= 0.9.
 2. Warm cache: posix without O_DIRECT after one full epoch (which reads the shards in with its
    prefill), the bytes of the batches it delivers per second, against one `numpy.copyto` of a buffer
    8x the L3 cache measured in the same round; the median of the rounds' ratios. Shown beside it:
@@ -88,8 +88,9 @@ def main() -> int:
     print(f"{len(cold.dataset)} decoded samples in {len(shards)} shards, {size / 1e6:,.0f} MB "
           f"({cold.size}px, crops to {config.pipeline.image_size}, {config.pipeline.augment} pipeline)")
 
-    # Each round reads sequentially, then with each setting: the disk here swings between about 1.1 and
-    # 2.6 GB/s from one minute to the next, so each round's ratio is taken, then the median.
+    # Each round reads sequentially, then with each setting. The disk here swings between about 1.1 and
+    # 2.6 GB/s for sequential reads from one read to the next (not a slow drift), so the medians of the
+    # rates are compared rather than each round's pair.
     sequential, posix = [], {label: [] for label in colds}
     for _ in range(args.rounds):
         evict(shards)
@@ -102,7 +103,7 @@ def main() -> int:
     for cold in colds.values():
         cold.close()
     best = max(posix, key=lambda label: statistics.median(posix[label]))
-    cold_ratio = statistics.median(p / q for p, q in zip(posix[best], sequential, strict=True))
+    cold_ratio = statistics.median(posix[best]) / statistics.median(sequential)
     print(f"cold (median of {args.rounds}): posix O_DIRECT {best} {statistics.median(posix[best]) / 1e6:,.0f} MB/s "
           f"read, sequential O_DIRECT {statistics.median(sequential) / 1e6:,.0f} MB/s")
 
