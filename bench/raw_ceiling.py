@@ -3,7 +3,9 @@
 1. Cold cache: posix with O_DIRECT (no page cache), shuffled order, step time 0: the bytes it reads
    from storage per second, against a plain sequential O_DIRECT read (4 MiB preadv calls, one after
    another) of the same shard files; two settings (defaults, and 32 io threads 4 batches ahead), the
-   better one held to the target. Rounds interleaved, medians. Target >= 0.9.
+   better one held to the target. Rounds interleaved, medians. Target >= 0.9. For context, the disk's
+   own rate for random reads of one sample, 32 in flight (fio, where installed): a random-order loader
+   cannot read faster than that, and on this virtual disk it is below the sequential rate at times.
 2. Warm cache: posix without O_DIRECT after one full epoch (which reads the shards in with its
    prefill), the bytes of the batches it delivers per second, against one `numpy.copyto` of a buffer
    8x the L3 cache measured in the same round; the median of the rounds' ratios. Shown beside it:
@@ -18,11 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import time
 
 from _common import REPO, build_loader, result_line
 from arrow_ceiling import memcpy_bandwidth
+from probe_vs_fio import fio
+
+from loadopt.storage.raw_format import align_up
 
 
 def sequential_o_direct(shards: list, block: int = 4 << 20) -> float:
@@ -91,21 +97,31 @@ def main() -> int:
     # Each round reads sequentially, then with each setting. The disk here swings between about 1.1 and
     # 2.6 GB/s for sequential reads from one read to the next (not a slow drift), so the medians of the
     # rates are compared rather than each round's pair.
-    sequential, posix = [], {label: [] for label in colds}
+    # Context: the disk's own rate for random reads of one sample (fio, 32 in flight), where fio is installed.
+    sample_bytes = int(align_up(int(cold._raw.length.max())))
+    sequential, posix, device_random = [], {label: [] for label in colds}, []
     for _ in range(args.rounds):
         evict(shards)
         sequential.append(sequential_o_direct(shards))
         for label, cold in colds.items():
             evict(shards)
             posix[label].append(epoch_rate(cold, warm=False)[0])
+        if shutil.which("fio"):
+            device_random.append(fio(str(shards[0]), "randread", sample_bytes, 32, 2, shards[0].stat().st_size)
+                                 ["mb_per_s"] * 1e6)
         print(f"  cold round: sequential O_DIRECT {sequential[-1] / 1e6:,.0f} MB/s, posix O_DIRECT "
-              + ", ".join(f"{label} {rates[-1] / 1e6:,.0f} MB/s" for label, rates in posix.items()))
+              + ", ".join(f"{label} {rates[-1] / 1e6:,.0f} MB/s" for label, rates in posix.items())
+              + (f", fio random {sample_bytes >> 10} KiB x32 {device_random[-1] / 1e6:,.0f} MB/s" if device_random
+                 else ""))
     for cold in colds.values():
         cold.close()
     best = max(posix, key=lambda label: statistics.median(posix[label]))
     cold_ratio = statistics.median(posix[best]) / statistics.median(sequential)
     print(f"cold (median of {args.rounds}): posix O_DIRECT {best} {statistics.median(posix[best]) / 1e6:,.0f} MB/s "
-          f"read, sequential O_DIRECT {statistics.median(sequential) / 1e6:,.0f} MB/s")
+          f"read, sequential O_DIRECT {statistics.median(sequential) / 1e6:,.0f} MB/s"
+          + (f"; the disk's random reads of a sample (fio) {statistics.median(device_random) / 1e6:,.0f} MB/s: posix "
+             f"reaches {statistics.median(posix[best]) / statistics.median(device_random):.2f} of them"
+             if device_random else ""))
 
     # Warm: the copy bandwidth is measured again in every round, beside the loaders, and each round's
     # ratio is taken: this shared machine's copy rate drifts by 20% from minute to minute. The shards
