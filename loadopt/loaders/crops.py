@@ -48,7 +48,7 @@ def copy_crops(out: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray
     its rows `stride` bytes apart, mirrored left-right where `flips[k]`. Releases the GIL.
 
     Native (`loadopt/_native.c`, where it was built): every row written with streaming stores, mirrored 16
-    pixels at a time; a batch's crops reach the memory copy rate here (1.0 of it with 2 threads,
+    pixels at a time; a batch's crops reach 0.8-1.0 of the memory copy rate here (2 threads,
     `bench/arrow_ceiling.py`), where ordinary stores first read every line of the batch from memory
     (it is far larger than the cache): a third more memory traffic, 0.4-0.6 of the copy rate.
     Otherwise one strided copy of the rows per crop, a flip by OpenCV's mirror (1.7x a plain copy),

@@ -9,7 +9,9 @@ finished into its ring slot (pinned where CUDA is there):
 - decoded pixels: the crop (and flip) of each sample copied from the staging buffer: one copy;
 - encoded JPEGs: decoded in threads with the pipeline of the `torch` and `arrow` backends;
 - token windows: one vectorised copy into int64 inputs and targets.
-Batches are the `arrow` backend's, bit for bit (same decoded pixels, same crop plan).
+Decoded pixels through the page cache (no O_DIRECT) take another path where the native module is
+built: one read per sample's crop rows into a buffer that stays in cache, then the crop
+(`through_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
 """
 
 from __future__ import annotations
