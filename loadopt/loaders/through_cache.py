@@ -67,15 +67,26 @@ def prefill(shards: list) -> None:
     Through descriptors of its own: the kernel keeps readahead state per open file, and the
     samples' reads on the loader's descriptors would break the sequential stream (then half as many
     large folios here)."""
-    block = memoryview(np.empty(PREFILL_BLOCK, np.uint8))
+    read_front_to_back(shards, PREFILL_BLOCK)
+
+
+def read_front_to_back(shards: list, block: int, o_direct: bool = False) -> int:
+    """Read each file from start to end, one `block`-byte preadv after another (into a page-aligned
+    buffer, as O_DIRECT needs); returns the bytes read. Also the sequential reference of
+    `bench/raw_ceiling.py`."""
+    from loadopt.loaders.posix_loader import aligned_empty  # posix_loader imports this module
+
+    buffer, total = [memoryview(aligned_empty(block))], 0
     for shard in shards:
-        fd = os.open(shard, os.O_RDONLY)
+        fd = os.open(shard, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
         try:
             offset = 0
-            while got := os.preadv(fd, [block], offset):
+            while got := os.preadv(fd, buffer, offset):
                 offset += got
         finally:
             os.close(fd)
+        total += offset
+    return total
 
 
 def produce(loader, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
