@@ -81,9 +81,12 @@ def main() -> int:
     config = load_config(args.config, ["workload.device=cpu"])
     cores = usable_cores()
     settings: list[tuple[str, str, dict]] = []
+    output_of: dict[str, str] = {}  # DALI settings' label -> which output (and so which ceiling)
     for output, knobs in OUTPUTS.items():
         for count in (int(t) for t in args.threads.split(",")):
-            settings.append(("dali", f"dali normalise={output} num_threads={count}", {"num_threads": count, **knobs}))
+            label = f"dali normalise={output} num_threads={count}"
+            settings.append(("dali", label, {"num_threads": count, **knobs}))
+            output_of[label] = output
     for variant in ("plain", "tuned"):
         for count in (int(w) for w in args.workers.split(",")):
             settings.append(("torch", f"torch {variant} num_workers={count}",
@@ -114,14 +117,14 @@ def main() -> int:
     best: dict[str, tuple[str, float]] = {}
     for label, values in rates.items():
         rate = statistics.median(values)
-        output = label.split("normalise=")[1].split()[0] if label.startswith("dali") else None
+        output = output_of.get(label)
         share = f"{rate / ceilings[output]:11.1%}" if output else ""
         print(f"{label:40s} {rate:17.1f} {share}")
         family = "dali" if output else label.split(" num_")[0]
         if rate > best.get(family, ("", 0.0))[1]:
             best[family] = (label, rate)
     dali_rate, plain, tuned = best["dali"][1], best["torch plain"][1], best["torch tuned"][1]
-    dali_ceiling = ceilings[best["dali"][0].split("normalise=")[1].split()[0]]
+    dali_ceiling = ceilings[output_of[best["dali"][0]]]
     print(f"best: {best['dali'][0]} {dali_rate:.1f}/s, {best['torch plain'][0]} {plain:.1f}/s, "
           f"{best['torch tuned'][0]} {tuned:.1f}/s; dali / torch tuned = {dali_rate / tuned:.2f}x")
     print(result_line("dali_cpu_vs_torch_plain", dali_rate / plain, ">=", 2.5))
