@@ -297,3 +297,11 @@ def test_on_a_gpu_equals_arrow(tmp_path, backend):
     assert_same(got, arrow)
     if backend == "kvikio":
         assert "cuFile" in loader.describe()
+
+
+def test_a_prefill_of_a_missing_shard_names_it(tmp_path):
+    from loadopt.loaders.through_cache import prefill
+
+    missing = tmp_path / "shard-00007.bin"
+    with pytest.raises(DatasetError, match=f"^{missing}: cannot read \\(No such file or directory\\)$"):
+        prefill([missing])

@@ -78,13 +78,16 @@ def read_front_to_back(shards: list, block: int, o_direct: bool = False) -> int:
 
     buffer, total = [memoryview(aligned_empty(block))], 0
     for shard in shards:
-        fd = os.open(shard, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
         try:
-            offset = 0
-            while got := os.preadv(fd, buffer, offset):
-                offset += got
-        finally:
-            os.close(fd)
+            fd = os.open(shard, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
+            try:
+                offset = 0
+                while got := os.preadv(fd, buffer, offset):
+                    offset += got
+            finally:
+                os.close(fd)
+        except OSError as exc:  # e.g. a shard removed under a running job
+            raise DatasetError(f"{shard}: cannot read ({exc.strerror or exc})") from None
         total += offset
     return total
 
