@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import statistics
 import threading
 import time
 from pathlib import Path
 
 import fsspec
+import fsspec.implementations.local
 import pytest
 
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError, StorageError
-from loadopt.storage.emulated import EmulatedFileSystem
+from loadopt.storage.emulated import _SLOT_RELEASES, EmulatedFileSystem
 from loadopt.storage.tiers import TierSpec, load_tier_profiles, resolve_tier, tier_counters, tier_filesystem
 
 from .conftest import tiny_config_dict
@@ -68,13 +70,71 @@ def test_latency_is_what_the_tier_was_told(tmp_path):
     assert statistics.mean(each) == pytest.approx(0.020, rel=0.10)
 
 
+class _SlowInFlight(fsspec.implementations.local.LocalFileSystem):
+    """The local filesystem with 0.1 s reads, counting how many run at once (the tier reads inside a slot)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.1)  # long enough that the reads the cap lets through overlap
+            return super().cat_file(path, start=start, end=end, **kwargs)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_concurrency_cap_is_never_exceeded_and_is_used(tmp_path):
+    base = _SlowInFlight(skip_instance_cache=True)
+    capped = tier_filesystem(TierSpec(max_concurrency=2), base)
+    _read_all(capped, _files(tmp_path, 8, 100), threads=8)
+    assert base.most == 2
+
+
 def test_concurrency_cap_limits_iops(tmp_path):
     paths = _files(tmp_path, 40, 1000)
     capped = tier_filesystem(TierSpec(latency_ms=20, max_concurrency=2), fsspec.filesystem("file"))
     elapsed = _read_all(capped, paths, threads=8)
-    assert 40 / elapsed == pytest.approx(2 / 0.020, rel=0.10)  # IOPS = concurrency / latency
+    # IOPS = concurrency / latency: no slot idles while a request waits (one queue per slot did)
+    assert 40 / elapsed == pytest.approx(2 / 0.020, rel=0.10)
     uncapped = tier_filesystem(TierSpec(latency_ms=20), fsspec.filesystem("file"))
     assert _read_all(uncapped, paths, threads=8) < elapsed / 2  # the cap, not the threads, set the pace
+
+
+def _hold_a_slot(fs, fifo: str) -> None:
+    fs.cat_file(fifo)  # opening a FIFO that has no writer blocks: the slot stays held until killed
+
+
+def test_a_killed_reader_gives_its_slot_back(tmp_path):
+    """A DataLoader worker killed mid-read must not keep its slot (flocks end with their process)."""
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    path = _files(tmp_path, 1, 100)[0]
+    fs = tier_filesystem(TierSpec(max_concurrency=1), fsspec.filesystem("file"))
+    child = multiprocessing.get_context("spawn").Process(target=_hold_a_slot, args=(fs, str(fifo)))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        fs.state._attach()  # maps the tier's shared state in this process
+        while fs.state._values[_SLOT_RELEASES] == 0:  # the child has taken the slot once it says when it ends
+            assert time.monotonic() < deadline and child.is_alive(), "the child never took the slot"
+            time.sleep(0.01)
+        reader = threading.Thread(target=fs.cat_file, args=(path,))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive()  # the only slot is held: this read waits
+    finally:
+        child.kill()
+        child.join(30)
+    reader.join(30)
+    assert not reader.is_alive()  # the killed holder's slot was given back
+    assert tier_counters(fs)["requests"] == 1
 
 
 @pytest.mark.parametrize("distribution", ["exponential", "lognormal"])

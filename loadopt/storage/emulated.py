@@ -12,9 +12,9 @@ Transient errors are retried with capped exponential backoff (storage/remote.py)
 
 The limits hold for the tier as a whole, across threads and processes (forked DataLoader workers,
 spawned consumers): the clock and the counters live in a small file mapped shared (in /dev/shm when
-there is one), updated under `flock`; the slots are `flock`s on one file each. The state folder
-travels with the filesystem when it is pickled, so a spawned process joins the same tier. Sleeping
-is the emulated device's time: every sleep is computed from the tier's figures.
+there is one), updated under `flock`; the slots are `flock`s on one file each, queued behind a `door`
+flock. The state folder travels with the filesystem when it is pickled, so a spawned process joins the
+same tier. Sleeping is the emulated device's time: every sleep is computed from the tier's figures.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,11 @@ from loadopt.storage.remote import read_with_retries
 
 COUNTERS = ("requests", "bytes", "retries", "errors", "injected_errors", "injected_timeouts", "failed_reads",
             "throttle_s")
-_CLOCK, _TICKET = 0, 1  # slots of the state file before the counters
-_STATE_BYTES = 4096
+_CLOCK = 0  # the state file's first value; the counters start at index 2 (1 is unused)
+_SLOT_RELEASES = 64  # from here on, one value per slot: when its holder expects to release it
+_SLOT_POLL_S = 0.0002  # how soon the request at the door looks again when no holder has said yet
+_BLOCK_WITHIN_S = 0.002  # a slot due this soon is waited for with a blocking flock
+_LONGEST_WAIT_S = 0.05  # look again at least this often (a holder killed mid-request said a late time)
 _LOGNORMAL_SIGMA = 0.5  # spread of lognormal latencies (the mean is latency_ms)
 
 
@@ -76,7 +80,7 @@ def _state_root() -> Path:
 
 
 class SharedTierState:
-    """The bandwidth clock, request tickets, counters and concurrency slots of one tier instance.
+    """The bandwidth clock, counters and concurrency slots of one tier instance.
 
     Safe across threads (a lock per process) and processes (`flock` on a descriptor opened by this
     process: descriptors inherited through fork share their lock, so each process opens its own)."""
@@ -96,10 +100,11 @@ class SharedTierState:
     def _open_state(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.folder / "state", os.O_RDWR | os.O_CREAT, 0o600)
-        if os.fstat(fd).st_size < _STATE_BYTES:
-            os.ftruncate(fd, _STATE_BYTES)  # zero-filled: clock 0, counters 0
+        state_bytes = -(-8 * (_SLOT_RELEASES + (self.slots or 0)) // 4096) * 4096
+        if os.fstat(fd).st_size < state_bytes:
+            os.ftruncate(fd, state_bytes)  # zero-filled: clock 0, counters 0, every slot released long ago
         self._fd = fd
-        self._map = mmap.mmap(fd, _STATE_BYTES, mmap.MAP_SHARED)
+        self._map = mmap.mmap(fd, state_bytes, mmap.MAP_SHARED)
         self._values = memoryview(self._map).cast("d")
         self._thread_lock = threading.Lock()
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
@@ -139,30 +144,68 @@ class SharedTierState:
             return end
 
     @contextmanager
-    def slot(self):
-        """Hold one of the tier's concurrency slots (no-op without a cap)."""
+    def slot(self) -> Iterator[Callable[[float], None]]:
+        """Hold one of the tier's concurrency slots (no-op without a cap). Yields `releases_at(t)`,
+        for the holder to say when it expects to let the slot go (a monotonic time).
+
+        Requests queue on one `door` flock; the one at the door takes the first slot that frees: it
+        sleeps until shortly before the earliest release a holder announced, then blocks on that slot. No slot idles
+        while a request waits. (A queue per slot let one queue run dry while the other still had
+        waiters: up to 15% fewer IOPS than the cap.) flocks end with their process, so a killed
+        DataLoader worker never keeps a slot or the door."""
         if not self.slots:
-            yield
+            yield _no_release_hint
             return
-        with self._locked() as values:
-            ticket = int(values[_TICKET])
-            values[_TICKET] = ticket + 1
-        held = None
-        for k in range(self.slots):  # any free slot, starting from this request's own
-            fd = os.open(self.folder / f"slot-{(ticket + k) % self.slots}", os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = fd
-                break
-            except BlockingIOError:
-                os.close(fd)
-        if held is None:  # all busy: queue on this ticket's slot (round robin keeps the queues even)
-            held = os.open(self.folder / f"slot-{ticket % self.slots}", os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(held, fcntl.LOCK_EX)
+        self._attach()  # creates the state folder in a process that has not touched the tier yet
+        releases = self._values[_SLOT_RELEASES:_SLOT_RELEASES + self.slots]
+        door = os.open(self.folder / "door", os.O_RDWR | os.O_CREAT, 0o600)
+        opened: dict[int, int] = {}
         try:
-            yield
+            fcntl.flock(door, fcntl.LOCK_EX)
+            while (taken := self._try_slots(opened, releases)) is None:
+                first = min(range(self.slots), key=releases.__getitem__)
+                wait = releases[first] - time.monotonic()
+                if wait < _BLOCK_WITHIN_S:  # due now: block on it, the kernel wakes us as it is let go
+                    fcntl.flock(opened[first], fcntl.LOCK_EX)
+                    taken = first
+                    break
+                time.sleep(min(wait, _LONGEST_WAIT_S) if wait != math.inf else _SLOT_POLL_S)
+            releases[taken] = math.inf  # announced by the holder once it knows
         finally:
-            os.close(held)  # closing the only descriptor of its open file releases the flock
+            os.close(door)  # the next request in the queue may look for a slot now
+            for k, fd in opened.items():
+                if k != taken:
+                    os.close(fd)
+
+        def releases_at(when: float) -> None:
+            releases[taken] = when
+
+        try:
+            yield releases_at
+        finally:
+            releases[taken] = time.monotonic()
+            os.close(opened[taken])  # closing the only descriptor of its open file releases the flock
+
+    def _try_slots(self, opened: dict[int, int], releases: memoryview) -> int | None:
+        """The first slot free, tried in the order their holders said they would release them."""
+        for k in sorted(range(self.slots), key=releases.__getitem__):
+            if k not in opened:
+                opened[k] = os.open(self.folder / f"slot-{k}", os.O_RDWR | os.O_CREAT, 0o600)
+            if _try_flock(opened[k]):
+                return k
+        return None
+
+
+def _no_release_hint(when: float) -> None:
+    pass
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _remove_state(folder: str, owner_pid: int) -> None:
@@ -250,15 +293,17 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
 
     def _request(self, path: str, start: int | None, end: int | None) -> bytes:
         spec, state = self.spec, self.state
-        with state.slot():
+        with state.slot() as releases_at:
             began = time.monotonic()
             ready = began + self._latency_s()
+            releases_at(ready)
             draw = state.rng.random()
             if draw < spec.error_rate:
                 _sleep_until(ready)
                 state.add(requests=1, errors=1, injected_errors=1)
                 raise InjectedReadError(5, "injected read error (emulated tier)", path)
             if draw < spec.error_rate + spec.timeout_rate:
+                releases_at(began + spec.timeout_s)
                 _sleep_until(began + spec.timeout_s)
                 state.add(requests=1, errors=1, injected_timeouts=1)
                 raise InjectedTimeout(f"{path}: no answer in {spec.timeout_s:g} s (emulated tier)")
@@ -270,6 +315,7 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
             done = ready
             if spec.bandwidth_mb_s is not None:
                 done = state.reserve_transfer(len(data), ready, spec.bandwidth_mb_s * 1e6)
+                releases_at(done)
             waited = max(0.0, done - time.monotonic())
             _sleep_until(done)
         state.add(requests=1, bytes=len(data), throttle_s=waited)
