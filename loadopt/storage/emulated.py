@@ -149,10 +149,10 @@ class SharedTierState:
         for the holder to say when it expects to let the slot go (a monotonic time).
 
         Requests queue on one `door` flock; the one at the door takes the first slot that frees: it
-        sleeps until shortly before the earliest release a holder announced, then blocks on that slot. No slot idles
-        while a request waits. (A queue per slot let one queue run dry while the other still had
-        waiters: up to 15% fewer IOPS than the cap.) flocks end with their process, so a killed
-        DataLoader worker never keeps a slot or the door."""
+        sleeps until shortly before the earliest release a holder announced, then blocks on that
+        slot. No slot idles while a request waits. (A queue per slot let one queue run dry while the
+        other still had waiters: up to 15% fewer IOPS than the cap.) flocks end with their process,
+        so a killed DataLoader worker never keeps a slot or the door."""
         if not self.slots:
             yield _no_release_hint
             return
@@ -160,16 +160,10 @@ class SharedTierState:
         releases = self._values[_SLOT_RELEASES:_SLOT_RELEASES + self.slots]
         door = os.open(self.folder / "door", os.O_RDWR | os.O_CREAT, 0o600)
         opened: dict[int, int] = {}
+        taken = None
         try:
             fcntl.flock(door, fcntl.LOCK_EX)
-            while (taken := self._try_slots(opened, releases)) is None:
-                first = min(range(self.slots), key=releases.__getitem__)
-                wait = releases[first] - time.monotonic()
-                if wait < _BLOCK_WITHIN_S:  # due now: block on it, the kernel wakes us as it is let go
-                    fcntl.flock(opened[first], fcntl.LOCK_EX)
-                    taken = first
-                    break
-                time.sleep(min(wait, _LONGEST_WAIT_S) if wait != math.inf else _SLOT_POLL_S)
+            taken = self._first_free_slot(opened, releases)
             releases[taken] = math.inf  # announced by the holder once it knows
         finally:
             os.close(door)  # the next request in the queue may look for a slot now
@@ -185,6 +179,18 @@ class SharedTierState:
         finally:
             releases[taken] = time.monotonic()
             os.close(opened[taken])  # closing the only descriptor of its open file releases the flock
+
+    def _first_free_slot(self, opened: dict[int, int], releases: memoryview) -> int:
+        """Wait for a slot and take it (its flock held on `opened[slot]`); called at the door."""
+        while (taken := self._try_slots(opened, releases)) is None:
+            first = min(range(self.slots), key=releases.__getitem__)
+            wait = releases[first] - time.monotonic()
+            if wait < _BLOCK_WITHIN_S:  # due now: block on it, the kernel wakes us as it is let go
+                fcntl.flock(opened[first], fcntl.LOCK_EX)
+                return first
+            # wake just inside the blocking window (or poll while every holder is yet to announce)
+            time.sleep(min(wait - _BLOCK_WITHIN_S / 2, _LONGEST_WAIT_S) if wait != math.inf else _SLOT_POLL_S)
+        return taken
 
     def _try_slots(self, opened: dict[int, int], releases: memoryview) -> int | None:
         """The first slot free, tried in the order their holders said they would release them."""
