@@ -174,7 +174,8 @@ def test_two_processes_share_one_tier(tmp_path):
 
 def test_transient_errors_are_retried_and_counted(tmp_path):
     paths = _files(tmp_path, 50, 100)
-    fs = tier_filesystem(TierSpec(error_rate=0.3, retry=FAST_RETRY), fsspec.filesystem("file"))
+    # 20 attempts: some read failing all of them has p = 50 x 0.3^20 < 1e-9 (at the default 5 it was 12%)
+    fs = tier_filesystem(TierSpec(error_rate=0.3, retry={**FAST_RETRY, "max_attempts": 20}), fsspec.filesystem("file"))
     assert [fs.cat_file(p) for p in paths] == [Path(p).read_bytes() for p in paths]
     counters = tier_counters(fs)
     assert counters["injected_errors"] > 0
