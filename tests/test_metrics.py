@@ -30,7 +30,9 @@ def test_stall_fraction_and_throughput_match_the_truth(delay_s, step_s, backgrou
     period = (delay_s + step_s) if not background else max(delay_s, step_s)
     true_stall = 1.0 - step_s / period
     assert m["stall_fraction"] == pytest.approx(true_stall, abs=0.03)
-    assert m["samples_per_s"] == pytest.approx(BATCH / period, rel=0.05)
+    # Sleeps only ever run long and the harness's own work only adds time, so the truth is an upper
+    # bound to within the clock's resolution; a loaded machine (CI) lands up to ~5% below it.
+    assert BATCH / period * 0.90 <= m["samples_per_s"] <= BATCH / period * 1.02
     assert m["accelerator_utilisation"] + m["stall_fraction"] == pytest.approx(1.0)
 
 
