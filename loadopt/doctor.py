@@ -53,9 +53,11 @@ def _package(name: str, dist: str) -> Check:
 
 
 def _kvikio_checks() -> list[Check]:
-    checks = [_package("kvikio", "kvikio-cu12")]
+    """kvikio itself and the CUDA driver its reads need; the GDS section says which mode cuFile is in."""
+    installed = [dist for dist in ("kvikio-cu13", "kvikio-cu12", "kvikio") if _installed(dist)]
+    checks = [_package("kvikio", installed[0] if installed else "kvikio-cu12")]
     if not checks[0].ok:
-        checks[0].detail += " (pip install 'loadopt[gds]')"
+        checks[0].detail += " (pip install 'loadopt[gds]', or kvikio-cu13 for a CUDA 13 driver)"
         return checks
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -63,18 +65,15 @@ def _kvikio_checks() -> list[Check]:
         checks.append(Check("libcuda.so.1", False, "not found: kvikio imports, but every read needs the CUDA driver"))
         return checks
     checks.append(Check("libcuda.so.1", True, "loaded"))
-    try:
-        import kvikio.defaults
-
-        compat = kvikio.defaults.compat_mode() if hasattr(kvikio.defaults, "compat_mode") else \
-            kvikio.defaults.get("compat_mode")
-        compat_name = getattr(compat, "name", str(compat))
-        true_gds = compat_name in ("OFF", "False", "0")
-        checks.append(Check("cuFile / GDS", true_gds, "true GDS mode" if true_gds else
-                            f"compat mode ({compat_name}): reads go through a POSIX bounce buffer"))
-    except Exception as exc:  # noqa: BLE001
-        checks.append(Check("cuFile / GDS", False, f"cannot query: {type(exc).__name__}: {exc}"))
     return checks
+
+
+def _installed(dist: str) -> bool:
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
 
 
 def _native_check() -> Check:

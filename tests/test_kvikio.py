@@ -122,6 +122,32 @@ def test_doctor_has_the_gds_rows(tmp_path):
     assert str(tmp_path).startswith(point) and fstype != "unknown"
 
 
+@pytest.mark.parametrize(("setting", "kvikio_prefers_compat", "nvidia_fs", "true_gds", "why"), [
+    ("ON", False, True, False, "KVIKIO_COMPAT_MODE is ON"),
+    ("AUTO", True, True, False, "kvikio found no usable cuFile"),
+    ("AUTO", False, False, False, "nvidia-fs kernel module is not loaded"),
+    ("AUTO", False, True, True, "true GDS"),
+])
+def test_cufile_mode_says_which_path_reads_and_why(monkeypatch, setting, kvikio_prefers_compat, nvidia_fs,
+                                                  true_gds, why):
+    """The mode in effect from kvikio's setting, kvikio's own choice under AUTO, and the nvidia-fs module
+    (a stand-in kvikio.defaults: the real one cannot reach cuFile without a GPU)."""
+    import enum
+    import sys
+    import types
+
+    from loadopt.loaders import kvikio_loader
+
+    mode = enum.Enum("CompatMode", "ON OFF AUTO")[setting]
+    defaults = types.SimpleNamespace(get=lambda name: mode, is_compat_mode_preferred=lambda: kvikio_prefers_compat)
+    monkeypatch.setitem(sys.modules, "kvikio", types.SimpleNamespace(defaults=defaults))
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    modules = "nvidia_fs 282624 0 - Live\n" if nvidia_fs else "ext4 1 0 - Live\n"
+    monkeypatch.setattr(kvikio_loader, "Path", lambda path: types.SimpleNamespace(read_text=lambda: modules))
+    assert kvikio_loader.cufile_mode()[0] is true_gds
+    assert why in kvikio_loader.cufile_mode()[1]
+
+
 @pytest.mark.gpu
 def test_kvikio_encoded_on_a_gpu_is_close_to_posix(tmp_path):
     """cuFile reads of the JPEG bytes, the installed GPU decoder, the float resize kernel: the labels

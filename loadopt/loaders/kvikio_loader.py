@@ -48,8 +48,12 @@ def cufile_mode() -> tuple[bool, str]:
         nvfs = False
     if name in ("ON", "True", "1"):
         return False, f"compat mode: KVIKIO_COMPAT_MODE is {name}"
+    # kvikio's own choice under AUTO (kvikio >= 25): POSIX reads when cuFile cannot be used at all
+    preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+    if preferred is not None and preferred():
+        return False, "compat mode: kvikio found no usable cuFile (libcufile or the CUDA driver) and reads with POSIX"
     if not nvfs:
-        return False, "compat mode: the nvidia-fs kernel module is not loaded"
+        return False, "compat mode: the nvidia-fs kernel module is not loaded (cuFile's own POSIX fallback)"
     return True, f"true GDS (compat_mode {name}, nvidia-fs loaded)"
 
 
