@@ -34,6 +34,7 @@ def image_root(tmp_path_factory):
 @pytest.fixture(scope="module", params=["python", "nginx"])
 def http_url(request, image_root, tmp_path_factory):
     """The images over HTTP from Python's server (ranges added) and, when the OS has it, nginx."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
     if request.param == "nginx":
         if shutil.which("nginx") is None:
             pytest.skip("nginx is not installed (apt-get install nginx-light); the Python server is tested")

@@ -23,7 +23,7 @@ from loadopt.errors import OutputError
 
 SCHEMA_VERSION = 1
 LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simplejpeg", "nvidia-dali-cuda120",
-             "kvikio-cu12", "torchvision")
+             "nvidia-dali-cuda130", "kvikio-cu12", "kvikio-cu13", "torchvision")
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -72,6 +72,10 @@ def library_versions() -> dict[str, str | None]:
             versions[name] = version(name)
         except PackageNotFoundError:
             versions[name] = None
+    if versions["loadopt"] is None:  # run from a source tree on PYTHONPATH, not installed
+        from loadopt import __version__
+
+        versions["loadopt"] = __version__
     return versions
 
 
