@@ -19,7 +19,7 @@ import pytest
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError, StorageError
-from loadopt.storage.emulated import _SLOT_RELEASES, EmulatedFileSystem
+from loadopt.storage.emulated import _SLOT_RELEASES, EmulatedFileSystem, SharedTierState
 from loadopt.storage.tiers import TierSpec, load_tier_profiles, resolve_tier, tier_counters, tier_filesystem
 
 from .conftest import tiny_config_dict
@@ -105,6 +105,27 @@ def test_concurrency_cap_limits_iops(tmp_path):
     assert 40 / elapsed == pytest.approx(2 / 0.020, rel=0.10)
     uncapped = tier_filesystem(TierSpec(latency_ms=20), fsspec.filesystem("file"))
     assert _read_all(uncapped, paths, threads=8) < elapsed / 2  # the cap, not the threads, set the pace
+
+
+def test_a_queued_request_starts_when_the_slot_was_due_to_free(tmp_path):
+    """Service time is a virtual clock: a request that queued begins at its slot's announced release,
+    however late the holder really let go (wake-ups must not eat into the tier's IOPS)."""
+    state = SharedTierState(tmp_path / "tier", slots=1)
+    arrival = time.monotonic()
+    began = {}
+
+    def second() -> None:
+        with state.slot(arrival + 0.005) as (start, _):
+            began["second"] = start
+
+    with state.slot(arrival) as (start, releases_at):
+        assert start == arrival  # a free slot: service begins at arrival
+        releases_at(arrival + 0.010)
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(0.030)  # the holder lets go 20 ms after it said it would
+    waiter.join(10)
+    assert began["second"] == arrival + 0.010
 
 
 def _hold_a_slot(fs, fifo: str) -> None:
