@@ -54,8 +54,7 @@ def _package(name: str, dist: str) -> Check:
 
 def _kvikio_checks() -> list[Check]:
     """kvikio itself and the CUDA driver its reads need; the GDS section says which mode cuFile is in."""
-    installed = [dist for dist in ("kvikio-cu13", "kvikio-cu12", "kvikio") if _installed(dist)]
-    checks = [_package("kvikio", installed[0] if installed else "kvikio-cu12")]
+    checks = [_package("kvikio", _installed_dist(("kvikio-cu13", "kvikio-cu12"), "kvikio-cu12"))]
     if not checks[0].ok:
         checks[0].detail += " (pip install 'loadopt[gds]', or kvikio-cu13 for a CUDA 13 driver)"
         return checks
@@ -68,12 +67,15 @@ def _kvikio_checks() -> list[Check]:
     return checks
 
 
-def _installed(dist: str) -> bool:
-    try:
-        version(dist)
-        return True
-    except PackageNotFoundError:
-        return False
+def _installed_dist(builds: tuple[str, ...], missing: str) -> str:
+    """Which of one package's builds (one per CUDA version) is installed; `missing` when none is."""
+    for dist in builds:
+        try:
+            version(dist)
+            return dist
+        except PackageNotFoundError:
+            pass
+    return missing
 
 
 def _native_check() -> Check:
@@ -95,7 +97,8 @@ def run_checks() -> list[Check]:
     checks.append(Check("JPEG decoder", True, "simplejpeg (libjpeg-turbo)" if simplejpeg is not None
                         else "PIL only (pip install simplejpeg for ~1.3x faster decode)"))
     checks.append(_native_check())
-    dali = _package("nvidia.dali", "nvidia-dali-cuda120")
+    dali = _package("nvidia.dali", _installed_dist(("nvidia-dali-cuda130", "nvidia-dali-cuda120"),
+                                                  "nvidia-dali-cuda120"))
     if not dali.ok:
         dali.detail += " (pip install 'loadopt[dali]')"
     checks.append(dali)
