@@ -8,7 +8,6 @@ import platform
 import shutil
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 import psutil
 
@@ -165,10 +164,9 @@ def _gds_checks(folder: str) -> list[Check]:
     except Exception as exc:  # noqa: BLE001 - kvikio missing or broken: the setting alone
         checks.append(Check("GDS mode", None, f"KVIKIO_COMPAT_MODE {setting}; in effect: unknown "
                                               f"({type(exc).__name__}: {exc})".splitlines()[0]))
-    try:
-        nvfs = "nvidia_fs" in Path("/proc/modules").read_text()
-    except OSError:
-        nvfs = False
+    from loadopt.loaders.kvikio_loader import nvidia_fs_loaded
+
+    nvfs = nvidia_fs_loaded()
     checks.append(Check("nvidia-fs module", nvfs, "loaded" if nvfs else "not loaded: cuFile runs in compat mode"))
     udev = os.access("/run/udev", os.R_OK | os.X_OK)
     checks.append(Check("/run/udev", udev, "readable" if udev else "not readable (in a container, mount it "

@@ -34,6 +34,14 @@ from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_emp
 from loadopt.storage.raw_format import align_up
 
 
+def nvidia_fs_loaded() -> bool:
+    """Whether the nvidia-fs kernel module, which true GDS needs, is loaded."""
+    try:
+        return "nvidia_fs" in Path("/proc/modules").read_text()
+    except OSError:
+        return False
+
+
 def cufile_mode() -> tuple[bool, str]:
     """(true GDS, why) for the cuFile reads of this process: kvikio's compat-mode setting, and the
     nvidia-fs kernel module that true GDS needs."""
@@ -42,17 +50,13 @@ def cufile_mode() -> tuple[bool, str]:
     compat = kvikio.defaults.compat_mode() if hasattr(kvikio.defaults, "compat_mode") else \
         kvikio.defaults.get("compat_mode")
     name = getattr(compat, "name", str(compat))
-    try:
-        nvfs = "nvidia_fs" in Path("/proc/modules").read_text()
-    except OSError:
-        nvfs = False
     if name in ("ON", "True", "1"):
         return False, f"compat mode: KVIKIO_COMPAT_MODE is {name}"
     # kvikio's own choice under AUTO (kvikio >= 25): POSIX reads when cuFile cannot be used at all
     preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
     if preferred is not None and preferred():
         return False, "compat mode: kvikio found no usable cuFile (libcufile or the CUDA driver) and reads with POSIX"
-    if not nvfs:
+    if not nvidia_fs_loaded():
         return False, "compat mode: the nvidia-fs kernel module is not loaded (cuFile's own POSIX fallback)"
     return True, f"true GDS (compat_mode {name}, nvidia-fs loaded)"
 

@@ -130,7 +130,6 @@ class PosixLoader(RingLoader):
         # The finishing threads; io threads spend their time blocked in preadv (a count of reads in flight).
         return settings.threads
 
-
     def describe(self) -> str:
         s = self.settings
         text = self.form + (f" {self.size}px" if self.size else "")
