@@ -326,10 +326,8 @@ def explain(
 
     with _user_errors():
         path = Path(target)
-        if path.is_dir():
-            found = [p for p in (path / "results.json", path / "measure.json") if p.exists()]
-            path = found[0] if found else path / "results.json"
-        text = explain_results(path) if path.suffix == ".json" else explain_config(load_config(target, set_ or []))
+        text = explain_results(path) if path.is_dir() or path.suffix == ".json" else \
+            explain_config(load_config(target, set_ or []))
     console.print(text, highlight=False, markup=False)
 
 

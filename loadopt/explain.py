@@ -8,11 +8,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from loadopt.errors import DatasetError
+from loadopt.report.data import Run
+from loadopt.report.data import load as load_results
 
 
 def explain_config(config) -> str:
@@ -47,15 +46,15 @@ def explain_config(config) -> str:
     return "\n".join(lines)
 
 
-def _run_sentence(run: dict[str, Any]) -> str:
+def _run_sentence(run: Run) -> str:
     from loadopt.bench.metrics import median
 
-    if run.get("status", "ok") != "ok" or "metrics" not in run:
-        return f"{run.get('label', '?')}: {run.get('status', '?')}: {run.get('reason', '')}"
-    m = run["metrics"]
+    if run.status != "ok" or not run.metrics:
+        return f"{run.label}: {run.status}: {run.reason}"
+    m = run.metrics
     rate, stall = median(m, "samples_per_s") or 0.0, median(m, "stall_fraction") or 0.0
     p99, wall, wait = median(m, "wait_p99_ms"), median(m, "wall_s"), median(m, "wait_s")
-    text = f"{run['label']}: {rate:,.0f} samples/s, the accelerator idle {stall:.0%} of the time"
+    text = f"{run.label}: {rate:,.0f} samples/s, the accelerator idle {stall:.0%} of the time"
     tail = f", wait p99 {p99:,.1f} ms" if p99 is not None else ""
     if stall < 0.05:
         return text + ": compute-bound, the input path keeps up"
@@ -67,17 +66,11 @@ def _run_sentence(run: dict[str, Any]) -> str:
     return text + f": input-bound, waiting for data{tail}"
 
 
-def explain_results(path: Path) -> str:
-    """The verdict of a bench or measure results file, and a sentence per setting."""
-    try:
-        results = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DatasetError(f"{path}: no such results file") from None
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: not a readable results file ({exc})") from None
-    if not isinstance(results, dict) or "runs" not in results:
-        raise DatasetError(f"{path}: not a loadopt results file (no runs)")
-    lines = [f"{results.get('command', 'loadopt')} results from {results.get('created', '?')} "
-             f"on {results.get('device', '?')}: {results.get('summary', '')}"]
-    lines += [f"- {_run_sentence(run)}" for run in results["runs"]]
+def explain_results(path: str | Path) -> str:
+    """The verdict of a bench or measure results file (or the folder that holds one), and a sentence per setting."""
+    results = load_results(path)  # the one reader of results files: its errors name the file in one line
+    doc = results.doc
+    lines = [f"{doc.get('command', 'loadopt')} results from {doc.get('created', '?')} "
+             f"on {doc.get('device', '?')}: {doc.get('summary', '')}"]
+    lines += [f"- {_run_sentence(run)}" for run in results.runs]
     return "\n".join(lines)

@@ -16,11 +16,19 @@ import fsspec
 import fsspec.implementations.local
 import pytest
 
+import loadopt
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError, StorageError
 from loadopt.storage.emulated import _SLOT_RELEASES, EmulatedFileSystem, SharedTierState
-from loadopt.storage.tiers import TierSpec, load_tier_profiles, resolve_tier, tier_counters, tier_filesystem
+from loadopt.storage.tiers import (
+    DEFAULT_TIERS_FILE,
+    TierSpec,
+    load_tier_profiles,
+    resolve_tier,
+    tier_counters,
+    tier_filesystem,
+)
 
 from .conftest import tiny_config_dict
 
@@ -243,6 +251,19 @@ def test_profiles_and_inline_specs_resolve(tmp_path):
     # a local disk read with no limits is not wrapped: the backends keep their plain-open fast path
     local = fsspec.filesystem("file")
     assert tier_filesystem(TierSpec(), local) is local
+
+
+def test_the_default_profiles_ship_inside_the_package():
+    # an installed wheel has no configs/ folder: the profiles must be package data, and the checkout's
+    # configs/tiers.yaml must be the same file, not a copy that can drift
+    package_dir = Path(loadopt.__file__).parent
+    assert DEFAULT_TIERS_FILE.parent == package_dir / "storage" and DEFAULT_TIERS_FILE.is_file()
+    checkout_copy = package_dir.parent / "configs" / "tiers.yaml"
+    if checkout_copy.exists():
+        assert checkout_copy.resolve() == DEFAULT_TIERS_FILE.resolve()
+    pyproject = package_dir.parent / "pyproject.toml"
+    if pyproject.exists():
+        assert '"loadopt.storage" = ["tiers.yaml"]' in pyproject.read_text()
 
 
 def _bench(tmp_path: Path, tier: dict, loaders: dict, name: str) -> dict:

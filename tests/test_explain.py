@@ -5,8 +5,8 @@ import json
 import pytest
 
 from loadopt.config import config_from_dict
-from loadopt.errors import DatasetError
 from loadopt.explain import explain_config, explain_results
+from loadopt.report.data import ResultsFileError
 
 from .conftest import tiny_config_dict
 from .test_cli import loadopt, one_line_error
@@ -44,10 +44,15 @@ def test_measure_results_are_explained(tmp_path):
 
 
 def test_bad_results_files(tmp_path):
-    with pytest.raises(DatasetError, match="no such results file"):
+    with pytest.raises(ResultsFileError, match="no such results file"):
         explain_results(tmp_path / "none.json")
+    with pytest.raises(ResultsFileError, match="no results.json or measure.json in this folder"):
+        explain_results(tmp_path)
     (tmp_path / "x.json").write_text("{not json")
-    with pytest.raises(DatasetError, match="not a readable results file"):
+    with pytest.raises(ResultsFileError, match="not valid JSON"):
         explain_results(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text('{"runs": 3}')
+    with pytest.raises(ResultsFileError, match="not a loadopt results file"):
+        explain_results(tmp_path / "y.json")
     line = one_line_error(loadopt("explain", tmp_path / "x.json"))
     assert str(tmp_path / "x.json") in line

@@ -1,11 +1,11 @@
 """Storage tiers: where a dataset is read from and what limits it is read under.
 
 A tier is `local` (the dataset's own location, read as it is), a named profile from
-`configs/tiers.yaml` (figures of a typical device or network store, emulated), or an inline spec in
-`storage.tier`. `base` points a tier at real storage (any fsspec URL: a path, `http(s)://`, `s3://`,
-`memory://`); the emulated limits (bandwidth, latency, concurrency, faults) are imposed on whatever
-is read through it by a wrapper filesystem (storage/emulated.py), shared by every process that
-reads through the same tier instance.
+`loadopt/storage/tiers.yaml`, linked as `configs/tiers.yaml` (figures of a typical device or network
+store, emulated), or an inline spec in `storage.tier`. `base` points a tier at real storage (any
+fsspec URL: a path, `http(s)://`, `s3://`, `memory://`); the emulated limits (bandwidth, latency,
+concurrency, faults) are imposed on whatever is read through it by a wrapper filesystem
+(storage/emulated.py), shared by every process that reads through the same tier instance.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from loadopt.errors import ConfigError, StorageError
 from loadopt.storage.remote import RetryPolicy, is_local_fs, redact
 
 TIERS_ENV = "LOADOPT_TIERS"
-DEFAULT_TIERS_FILE = Path(__file__).resolve().parents[2] / "configs" / "tiers.yaml"
+# Shipped inside the package so an installed wheel has it; configs/tiers.yaml in a checkout links here.
+DEFAULT_TIERS_FILE = Path(__file__).resolve().parent / "tiers.yaml"
 
 
 class TierSpec(BaseModel):
@@ -62,7 +63,7 @@ class TierSpec(BaseModel):
 
 
 def tiers_file(path: str | os.PathLike[str] | None = None) -> Path:
-    """The tier profiles file: `path`, else $LOADOPT_TIERS, else the repository's configs/tiers.yaml."""
+    """The tier profiles file: `path`, else $LOADOPT_TIERS, else the profiles shipped with loadopt."""
     return Path(path or os.environ.get(TIERS_ENV) or DEFAULT_TIERS_FILE).expanduser()
 
 
