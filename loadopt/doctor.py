@@ -55,7 +55,7 @@ def _kvikio_checks() -> list[Check]:
     """kvikio itself and the CUDA driver its reads need; the GDS section says which mode cuFile is in."""
     checks = [_package("kvikio", _installed_dist(("kvikio-cu13", "kvikio-cu12"), "kvikio-cu12"))]
     if not checks[0].ok:
-        checks[0].detail += " (pip install 'loadopt[gds]', or kvikio-cu13 for a CUDA 13 driver)"
+        checks[0].detail += " (pip install 'loadopt[gds]', or 'loadopt[gds-cu13]' for a CUDA 13 driver)"
         return checks
     try:
         ctypes.CDLL("libcuda.so.1")
