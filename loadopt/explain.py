@@ -68,7 +68,8 @@ def _run_sentence(run: Run) -> str:
 
 def explain_results(path: str | Path) -> str:
     """The verdict of a bench or measure results file (or the folder that holds one), and a sentence per setting."""
-    results = load_results(path)  # the one reader of results files: its errors name the file in one line
+    # the one reader of results files (its errors name the file in one line); the verdicts need no timings
+    results = load_results(path, timings=False)
     doc = results.doc
     lines = [f"{doc.get('command', 'loadopt')} results from {doc.get('created', '?')} "
              f"on {doc.get('device', '?')}: {doc.get('summary', '')}"]

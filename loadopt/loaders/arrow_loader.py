@@ -59,7 +59,6 @@ class ArrowLoader(RingLoader):
     def cpu_demand(cls, settings: ArrowSettings) -> int:
         return settings.threads  # the pool sharing each batch; the producer thread only hands out work
 
-
     def describe(self) -> str:
         s = self.settings
         text = self.form + (f" {self.size}px" if self.size else "")

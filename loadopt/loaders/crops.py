@@ -80,8 +80,8 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
     split over `threads` threads of `pool` (see `copy_crops`)."""
     size = out.shape[1]
     tops, lefts, flips = plan_crops(indices, stored - size, augment, seed, epoch)
-    offsets, which32, flags = crop_offsets(starts, tops, lefts, stored), np.asarray(which, np.int32), flips.astype(
-        np.uint8)
+    offsets = crop_offsets(starts, tops, lefts, stored)
+    which32, flags = np.asarray(which, np.int32), flips.astype(np.uint8)
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list(pool.map(lambda c: copy_crops(out, sources, which32, offsets, flags, stored * 3, int(c[0]), int(c[-1]) + 1),
                   chunks))

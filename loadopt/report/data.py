@@ -205,8 +205,8 @@ def resolve(path: str | Path) -> Path:
     return p
 
 
-def load(path: str | Path, tag: str = "A") -> Results:
-    """Read one results file (and its timings.parquet); user errors name the file in one line."""
+def load(path: str | Path, tag: str = "A", timings: bool = True) -> Results:
+    """Read one results file (and, with `timings`, its timings.parquet); user errors name the file in one line."""
     p = resolve(path)
     try:
         doc = json.loads(p.read_text())
@@ -228,7 +228,8 @@ def load(path: str | Path, tag: str = "A") -> Results:
                         [r for r in raw.get("repeats") or [] if isinstance(r, dict)],
                         raw["ceiling"] if isinstance(raw.get("ceiling"), dict) else None))
     results = Results(p, doc, runs, tag)
-    results.timings, results.timings_note = _timings(p.parent / "timings.parquet", runs)
+    if timings:
+        results.timings, results.timings_note = _timings(p.parent / "timings.parquet", runs)
     return results
 
 
