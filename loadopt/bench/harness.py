@@ -17,6 +17,7 @@ from loadopt.bench.metrics import BatchProbe, window_metrics
 from loadopt.bench.monitor import ProcessTreeMonitor
 from loadopt.device import DeviceTransfer
 from loadopt.loaders.base import Loader
+from loadopt.storage.tiers import tier_counters
 
 
 @dataclass
@@ -36,6 +37,7 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
     run_start = time.perf_counter()
     window_start = run_start
     bytes_read_start = loader.counters.bytes_read
+    tier_start = tier_end = None
     skipped_start = len(loader.counters.skipped)
     batches = loader.host_batches()
     empty_epochs = 0
@@ -43,8 +45,10 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
         while len(probes) < total:
             index = len(probes)
             if index == warmup_batches:
-                monitor.start()
+                if not monitor.running:  # (asked again when the warm-up ended exactly at an epoch's end)
+                    monitor.start()
                 bytes_read_start = loader.counters.bytes_read
+                tier_start = tier_counters(getattr(loader.dataset, "fs", None))
             asked = time.perf_counter()
             if index == warmup_batches:
                 window_start = asked
@@ -68,6 +72,7 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
                 on_batch(len(probes))
         accelerator.drain()
         wall = time.perf_counter() - window_start
+        tier_end = tier_counters(getattr(loader.dataset, "fs", None))
     finally:
         batches.close()
         if monitor.running:
@@ -78,6 +83,9 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
                              h2d_pinned=transfer.last.pinned, h2d_emulated=transfer.emulate,
                              device_idle_s=_device_idle(probes),
                              tokens_per_sample=getattr(loader.dataset, "seq_len", None))
+    # Bytes that crossed the storage tier in the window (None on plain local disk: no tier wrapper),
+    # beside the loader's own `bytes_read`: a backend that bypassed the tier would show far fewer.
+    metrics["tier_bytes"] = tier_end["bytes"] - tier_start["bytes"] if tier_start and tier_end else None
     return RepeatResult(metrics, probes, loader.counters.skipped[skipped_start:])
 
 

@@ -1,0 +1,264 @@
+"""Converted forms (Arrow files, raw shards) on a storage tier: where they live and how they are read.
+
+On plain local disk (`storage.tier: local`, no `base`) a backend reads its converted files directly:
+memory maps, `preadv`, O_DIRECT, cuFile (the fast paths, unchanged). On any other tier every read of
+them goes through the tier's filesystem object (storage/emulated.py), so its bandwidth, latency,
+concurrency cap and faults apply, and its counters see every byte: a memory map cannot be gated page
+by page, so there the Arrow file is read one range request per sample (or per run of adjacent
+samples) and raw shards one request per coalesced run, into the loader's staging memory.
+
+Where: a dataset on the local disk converts into the cache (`$LOADOPT_CACHE`); an emulated tier over
+it reads those files through its limits. A dataset on other storage (a tier's `base`: `s3://`,
+`http(s)://`, an NFS path) keeps its conversions on that storage: `storage.converted`, by default
+`<dataset root>/.loadopt/`. A conversion for a remote location is made in the local cache, then
+uploaded (the file that marks it finished goes last: a half-uploaded one is never used); the local
+copy stays as the reference that validates it (and the Arrow file's layout is read from it), every
+read of the data goes to the remote copy through the tier. Read-only storage is a one-line error that
+names `storage.converted`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from loadopt.errors import ConfigError, DatasetError
+from loadopt.storage.remote import is_local_fs, redact
+
+CONVERTED_FOLDER = ".loadopt"  # beside the source, when the dataset is not on the local disk
+LAYOUT_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8")])
+
+
+def tier_fs(dataset: Any) -> fsspec.AbstractFileSystem | None:
+    """The tier wrapper every read of `dataset` and its conversions must pass through, or None on plain
+    local disk (the loaders' direct fast paths)."""
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    fs = getattr(dataset, "fs", None)
+    return fs if isinstance(fs, EmulatedFileSystem) else None
+
+
+def via_tier(dataset: Any) -> str:
+    """What a loader's label adds when its reads go through a tier instead of the local fast paths."""
+    return " via tier" if tier_fs(dataset) is not None else ""
+
+
+def bytes_source(dataset: Any) -> str:
+    """Where a run's bytes came from, for results and tables: the local disk read directly, or the
+    tier (emulated limits or not) over the storage under it."""
+    tier = tier_fs(dataset)
+    if tier is None:
+        return "local disk (direct reads)"
+    spec = tier.spec
+    under = "local disk" if is_local_fs(tier.base_fs) else redact(str(dataset.root).split("://", 1)[0] + "://")
+    return f"tier {redact(spec.name)} ({'emulated' if spec.emulates() else 'as it is'}) over {under}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Where conversions live
+
+
+def conversion_home(converted: str | None, tier_base: str | None, fs: fsspec.AbstractFileSystem,
+                    root: str) -> str | None:
+    """`storage.converted`; else `<root>/.loadopt` when the dataset is on a tier's `base` or not on the
+    local disk; None: the local cache."""
+    if converted:
+        return os.path.expanduser(converted)
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    base_fs = fs.base_fs if isinstance(fs, EmulatedFileSystem) else fs
+    if tier_base is None and is_local_fs(base_fs):
+        return None
+    return root.rstrip("/") + "/" + CONVERTED_FOLDER
+
+
+def local_dir(dataset: Any, default: Path) -> Path:
+    """The local folder a conversion of `dataset` is written in: its home when that is a local path,
+    else `default` (the cache; for a remote home, the staging place before the upload)."""
+    home = getattr(dataset, "converted", None)
+    if home is None or "://" in home and not home.startswith("file://"):
+        return default
+    return Path(home.removeprefix("file://"))
+
+
+def remote_home(dataset: Any) -> tuple[fsspec.AbstractFileSystem, str] | None:
+    """(filesystem, path) of the conversions' home when it is not on the local disk, else None. The
+    home must be on the dataset's own storage: its reads pass through the same tier."""
+    home = getattr(dataset, "converted", None)
+    if home is None or "://" not in home or home.startswith("file://"):
+        return None
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    base = dataset.fs.base_fs if isinstance(dataset.fs, EmulatedFileSystem) else dataset.fs
+    protocols = (base.protocol,) if isinstance(base.protocol, str) else tuple(base.protocol)
+    if home.split("://", 1)[0] not in protocols:
+        raise ConfigError(f"storage.converted {redact(home)!r}: must be on the dataset's storage "
+                          f"({protocols[0]}://), so that reading the conversions passes through its tier")
+    return base, base._strip_protocol(home)
+
+
+def remote_path(dataset: Any, local: Path) -> str | None:
+    """Where the local conversion `local` (a file or folder in `<kind>/<name>`) lives on the remote
+    home, in the base filesystem's own naming; None when the home is local."""
+    home = remote_home(dataset)
+    if home is None:
+        return None
+    return home[1].rstrip("/") + f"/{local.parent.name}/{local.name}"
+
+
+def publish(dataset: Any, local: Path, marker: str | None = None) -> str | None:
+    """The remote copy of the finished local conversion `local` (a file, or a folder whose `marker` file
+    marks it finished), uploaded unless already there; None when the conversions' home is local."""
+    target = remote_path(dataset, local)
+    if target is None:
+        return None
+    base, _ = remote_home(dataset)
+    done = f"{target}/{marker}" if marker else target
+    try:
+        if base.exists(done):
+            return target
+        base.makedirs(target if marker else target.rsplit("/", 1)[0], exist_ok=True)
+        if local.is_dir():
+            for path in sorted(p for p in local.iterdir() if p.name != marker) + [local / marker]:
+                base.put_file(str(path), f"{target}/{path.name}")
+        else:
+            base.put_file(str(local), target)
+    except (OSError, NotImplementedError, ValueError) as exc:
+        reason = redact(str(exc)).splitlines()[0] if str(exc) else "read-only"
+        raise DatasetError(f"{redact(base.unstrip_protocol(target))}: cannot write the converted dataset there "
+                           f"({type(exc).__name__}: {reason}); set storage.converted to a writable location on "
+                           "the dataset's storage") from None
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading ranges through the tier
+
+
+class TierReader:
+    """Reads (shard, offset, nbytes) ranges of files through a tier: the `PosixReader` interface over
+    the tier's filesystem object (one request per read, retried and counted by the tier)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, shards: list[str]) -> None:
+        self.fs, self.shards = fs, [str(s) for s in shards]
+
+    def read(self, shard: int, offset: int, out) -> None:
+        """Fill `out` (uint8 numpy array or CPU tensor) from byte `offset` of shard `shard`."""
+        view = np.asarray(out).reshape(-1)
+        data = self.fs.cat_file(self.shards[shard], start=offset, end=offset + len(view))
+        if len(data) != len(view):
+            raise DatasetError(f"{redact(self.shards[shard])}: ends at byte {offset + len(data)}, the index needs "
+                               f"{offset + len(view)} (truncated file)")
+        view[:] = np.frombuffer(data, np.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+def coalesce(offsets: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
+    """(offset, nbytes) runs covering these byte ranges of one file, adjacent or overlapping ones merged."""
+    order = np.argsort(offsets, kind="stable")
+    o, e = offsets[order], offsets[order] + lengths[order]
+    runs: list[tuple[int, int]] = []
+    start, end = int(o[0]), int(e[0])
+    for lo, hi in zip(o[1:].tolist(), e[1:].tolist(), strict=True):
+        if lo > end:
+            runs.append((start, end - start))
+            start = lo
+        end = max(end, hi)
+    runs.append((start, end - start))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrow files through a tier
+
+
+def arrow_layout(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(offset, length) of each sample's bytes (the last column) in the local Arrow file `path`,
+    from its memory map (only metadata pages and variable-width offsets are touched)."""
+    import pyarrow as pa
+
+    mapped = pa.memory_map(str(path), "r")
+    reader = pa.ipc.open_file(mapped)
+    mapped.seek(0)
+    base = mapped.read_buffer(1).address
+    offsets, lengths = [], []
+    for i in range(reader.num_record_batches):
+        batch = reader.get_batch(i)
+        column = batch.column(batch.num_columns - 1)
+        rows, kind = batch.num_rows, column.type
+        if pa.types.is_fixed_size_binary(kind):  # rows back to back
+            width = kind.byte_width
+            first = column.buffers()[1].address + column.offset * width - base
+            offsets.append(first + np.arange(rows, dtype=np.int64) * width)
+            lengths.append(np.full(rows, width, np.int64))
+        else:  # (large) binary: offsets into the data buffer
+            dtype = np.int64 if pa.types.is_large_binary(kind) else np.int32
+            item = np.dtype(dtype).itemsize
+            bounds = np.frombuffer(column.buffers()[1], dtype, rows + 1, column.offset * item).astype(np.int64)
+            offsets.append(column.buffers()[2].address - base + bounds[:-1])
+            lengths.append(np.diff(bounds))
+    return np.concatenate(offsets), np.concatenate(lengths)
+
+
+class ShadowFile:
+    """An image of an Arrow file in anonymous memory whose samples' bytes are fetched through the tier
+    when a batch needs them (`fetch`) and let go after (`drop`); everything else in the file (footer,
+    record batch headers, labels, offsets: a few bytes a sample) is fetched through the tier once.
+    The loaders build their usual zero-copy views over `record_batches()`, so every form reads through
+    the tier with the code that reads the memory map."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, local: str | Path, threads: int = 8) -> None:
+        self.fs, self.path, self.threads = fs, path, threads
+        self.offsets, self.lengths = arrow_layout(local)
+        size = os.path.getsize(local)
+        self.buffer = mmap.mmap(-1, max(size, 1))
+        self.view = np.frombuffer(self.buffer, np.uint8)[:size]
+        order = np.argsort(self.offsets)
+        starts = np.r_[0, self.offsets[order] + self.lengths[order]]
+        ends = np.r_[self.offsets[order], size]
+        gaps = [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True) if b > a]
+        self._read(gaps)
+        self.fetched = sum(n for _, n in gaps)
+
+    def record_batches(self) -> list:
+        import pyarrow as pa
+
+        reader = pa.ipc.open_file(pa.py_buffer(self.buffer))
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+    def _read(self, runs: list[tuple[int, int]]) -> None:
+        reader = TierReader(self.fs, [self.path])
+        if len(runs) <= 1 or self.threads <= 1:
+            for offset, nbytes in runs:
+                reader.read(0, offset, self.view[offset : offset + nbytes])
+            return
+        with ThreadPoolExecutor(min(self.threads, len(runs)), thread_name_prefix="loadopt-tier") as pool:
+            list(pool.map(lambda run: reader.read(0, run[0], self.view[run[0] : run[0] + run[1]]), runs))
+
+    def fetch(self, indices: np.ndarray, pool: ThreadPoolExecutor | None = None) -> int:
+        """Read the bytes of these samples through the tier into their place; returns the bytes read."""
+        runs = coalesce(self.offsets[indices], self.lengths[indices])
+        reader = TierReader(self.fs, [self.path])
+        if pool is None:
+            for offset, nbytes in runs:
+                reader.read(0, offset, self.view[offset : offset + nbytes])
+        else:
+            list(pool.map(lambda run: reader.read(0, run[0], self.view[run[0] : run[0] + run[1]]), runs))
+        return sum(n for _, n in runs)
+
+    def drop(self, indices: np.ndarray) -> None:
+        """Give back the memory of the pages wholly inside these samples (they read as zeros until the
+        next fetch; pages shared with other bytes of the file are kept)."""
+        page = mmap.PAGESIZE
+        for offset, nbytes in zip(self.offsets[indices].tolist(), self.lengths[indices].tolist(), strict=True):
+            first, last = -(-offset // page) * page, (offset + nbytes) // page * page
+            if last > first:
+                self.buffer.madvise(mmap.MADV_DONTNEED, first, last - first)

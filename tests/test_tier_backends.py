@@ -1,0 +1,187 @@
+"""Every backend reads through the configured tier: its counters see every byte of every backend (no
+backend bypasses it by memory-mapping or preading its converted files), a failing tier fails them
+all, plain local disk keeps the direct paths, and conversions of a dataset on other storage live and
+are read there."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import pytest
+import torch
+
+from loadopt.bench.runner import run_bench
+from loadopt.config import backend_settings, config_from_dict
+from loadopt.errors import DatasetError, StorageError
+from loadopt.loaders.base import backend_class
+from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.tiers import tier_counters
+
+from .conftest import make_image_folder, tiny_config_dict
+from .test_kvikio import cpu_jpeg_decoder
+
+FAST_TIER = {"name": "fast", "bandwidth_mb_s": 2000}
+# (backend, settings): every built-in path that runs on a CPU-only machine
+SETTINGS = [("torch", {"variant": "plain", "num_workers": 1}), ("torch", {"variant": "tuned", "num_workers": 0}),
+            ("dali", {"num_threads": 1}), ("arrow", {"form": "decoded"}), ("arrow", {"form": "encoded"}),
+            ("posix", {"form": "decoded", "shard_mib": 0.25}), ("posix", {"form": "encoded", "shard_mib": 0.25})]
+
+
+def _config(tmp_path, tier, **sections):
+    sections["storage"] = {"tier": tier, **sections.get("storage", {})}
+    raw = tiny_config_dict(tmp_path / "results", **sections)
+    return config_from_dict(raw, "tier.yaml")
+
+
+def _loader(config, dataset, backend: str, settings: dict, seed: int = 3):
+    cls = backend_class(backend)
+    if not cls.available()[0]:
+        pytest.skip(f"{backend}: {cls.available()[1]}")
+    (parsed,) = backend_settings(config.model_copy(update={"loaders": {backend: settings}}), backend)
+    loader = cls(dataset, config.pipeline, parsed, seed=seed)
+    loader.prepare()
+    return loader
+
+
+def _epoch(loader) -> list[torch.Tensor]:
+    try:
+        return [x.clone() for x, _ in loader]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize(("backend", "settings"), SETTINGS, ids=[f"{b}-{'-'.join(map(str, s.values()))}"
+                                                                 for b, s in SETTINGS])
+def test_every_backend_reads_through_the_tier(tmp_path, backend, settings):
+    config = _config(tmp_path, FAST_TIER)
+    dataset = open_dataset(config)
+    loader = _loader(config, dataset, backend, settings)
+    before = tier_counters(dataset.fs)
+    tiered = _epoch(loader)
+    after = tier_counters(dataset.fs)
+    read = loader.counters.bytes_read
+    assert read > 0 and after["bytes"] - before["bytes"] >= 0.95 * read, (after["bytes"] - before["bytes"], read)
+    assert after["requests"] > before["requests"]
+    # the tier changes nothing but speed: the same batches as straight from the local disk
+    local_config = _config(tmp_path, "local")
+    local = _epoch(_loader(local_config, open_dataset(local_config), backend, settings))
+    assert len(local) == len(tiered) and all(torch.equal(a, b) for a, b in zip(local, tiered, strict=True))
+
+
+def test_kvikio_reads_through_the_tier_into_host_memory(tmp_path):
+    from loadopt.loaders.kvikio_loader import KvikioLoader
+    from loadopt.loaders.posix_loader import PosixSettings
+    from loadopt.storage.tier_reads import TierReader
+
+    config = _config(tmp_path, FAST_TIER)
+    dataset = open_dataset(config)
+    loader = KvikioLoader(dataset, config.pipeline, PosixSettings(form="encoded", shard_mib=0.25), seed=3)
+    # the CPU stands in for the device and its JPEG decoder: the reads are the tier's either way
+    loader.staging_device, loader.jpeg_decoder = "cpu", cpu_jpeg_decoder
+    loader.prepare()
+    assert isinstance(loader._reader, TierReader) and "via tier" in loader.describe()
+    before = tier_counters(dataset.fs)["bytes"]
+    batches = _epoch(loader)
+    assert len(batches) == 6 and tier_counters(dataset.fs)["bytes"] - before >= 0.95 * loader.counters.bytes_read > 0
+
+
+def test_plain_local_disk_keeps_the_direct_paths(tmp_path):
+    from loadopt.loaders.posix_loader import PosixReader
+
+    config = _config(tmp_path, "local")
+    dataset = open_dataset(config)
+    assert tier_counters(dataset.fs) is None
+    posix = _loader(config, dataset, "posix", {"shard_mib": 0.25})
+    arrow = _loader(config, dataset, "arrow", {})
+    assert isinstance(posix._reader, PosixReader) and arrow._shadow is None
+    assert "via tier" not in posix.describe() + arrow.describe()
+    posix.close()
+    arrow.close()
+
+
+def test_a_failing_tier_fails_every_backend(tmp_path):
+    tier = {"name": "broken", "error_rate": 1.0, "retry": {"max_attempts": 2, "base_delay_s": 0.001}}
+    config = _config(tmp_path, "local")  # convert first, through no tier
+    for backend, settings in SETTINGS[3:]:
+        _loader(config, open_dataset(config), backend, settings).close()
+    config = _config(tmp_path, tier)
+    dataset = open_dataset(config)
+    for backend, settings in SETTINGS[3:]:
+        with pytest.raises(StorageError, match="read failed 2 times"):
+            _epoch(_loader(config, dataset, backend, settings))
+
+
+def test_bench_records_tier_bytes_and_where_the_bytes_came_from(tmp_path):
+    loaders = {"arrow": {"form": "encoded"}, "posix": {"form": "decoded", "shard_mib": 0.25},
+               "torch": {"variant": "tuned", "num_workers": 0}}
+    raw = tiny_config_dict(tmp_path / "out", storage={"tier": FAST_TIER, "cache": "cold"}, loaders=loaders,
+                           workload={"step_time_ms": 0, "warmup_batches": 6, "measure_batches": 12, "repeats": 1})
+    # warm-up and window are whole epochs (6 batches): no read ahead of the window's edges in either count
+    run_bench(config_from_dict(raw, "tier.yaml"), attribute=False)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["status"] for r in results["runs"]] == ["ok"] * 3
+    for run in results["runs"]:
+        metrics = run["metrics"]
+        tier_bytes, read = metrics["tier_bytes"]["median"], metrics["bytes_read"]["median"]
+        assert tier_bytes >= 0.95 * read > 0, (run["label"], tier_bytes, read)
+        assert run["bytes_source"].startswith("tier fast"), run["bytes_source"]
+    raw = tiny_config_dict(tmp_path / "local", loaders={"arrow": {"form": "encoded"}},
+                           workload={"step_time_ms": 0, "warmup_batches": 1, "measure_batches": 2, "repeats": 1})
+    run_bench(config_from_dict(raw, "local.yaml"), attribute=False)
+    (run,) = json.loads((tmp_path / "local" / "results.json").read_text())["runs"]
+    assert run["metrics"]["tier_bytes"] is None and run["bytes_source"].startswith("local disk")
+
+
+def _memory_dataset_root(tmp_path) -> str:
+    """A small ImageFolder copied into fsspec's in-memory filesystem: storage that is not the local disk."""
+    make_image_folder(tmp_path / "src", classes=2, per_class=8)
+    fs = fsspec.filesystem("memory")
+    root = f"/tiertest-{tmp_path.name}"
+    for path in sorted((tmp_path / "src").rglob("*.jpg")):
+        fs.pipe_file(f"{root}/{path.relative_to(tmp_path / 'src').as_posix()}", path.read_bytes())
+    return root
+
+
+@pytest.mark.parametrize("backend", ["arrow", "posix"])
+def test_conversions_of_a_remote_dataset_live_and_are_read_on_its_storage(tmp_path, backend):
+    root = _memory_dataset_root(tmp_path)
+    config = _config(tmp_path, {"name": "remote", "base": f"memory://{root}"},
+                     pipeline={"batch_size": 4, "image_size": 24})
+    dataset = open_dataset(config)
+    assert dataset.converted == f"memory://{root}/train/.loadopt"
+    loader = _loader(config, dataset, backend, {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25})
+    fs = fsspec.filesystem("memory")
+    stored = fs.find(f"{root}/train/.loadopt")
+    names = {path.rsplit("/", 1)[-1] for path in stored}
+    assert names == ({"index.npz", "shard-00000.bin"} if backend == "posix" else {stored[0].rsplit("/", 1)[-1]})
+    assert loader.storage_files() == []  # nothing local to evict: the bytes come from that storage
+    before = tier_counters(dataset.fs)["bytes"]
+    batches = _epoch(loader)
+    assert len(batches) == 4 and tier_counters(dataset.fs)["bytes"] - before >= 0.95 * loader.counters.bytes_read
+    # the reads are of the copy on that storage: remove it under an opened loader and they fail
+    loader = _loader(config, dataset, backend, {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25})
+    fs.rm(f"{root}/train/.loadopt", recursive=True)
+    with pytest.raises((FileNotFoundError, DatasetError, StorageError)):
+        _epoch(loader)
+
+
+def test_storage_converted_names_another_place_and_a_read_only_one_is_one_line(tmp_path):
+    root = _memory_dataset_root(tmp_path)
+    tier = {"name": "remote", "base": f"memory://{root}"}
+    config = _config(tmp_path, tier, pipeline={"batch_size": 4, "image_size": 24},
+                     storage={"converted": f"memory://{root}-conversions"})
+    dataset = open_dataset(config)
+    _epoch(_loader(config, dataset, "arrow", {"form": "encoded"}))
+    assert fsspec.filesystem("memory").find(f"{root}-conversions")
+    # a base on the local disk (an NFS mount): conversions go beside the source; a read-only one names the key
+    make_image_folder(tmp_path / "nfs", classes=2, per_class=3)
+    blocker = tmp_path / "nfs" / "train" / ".loadopt"
+    blocker.write_text("a file where the conversions' folder would go")
+    config = _config(tmp_path, {"name": "nfs", "base": str(tmp_path / "nfs")}, pipeline={"batch_size": 4,
+                                                                                         "image_size": 24})
+    dataset = open_dataset(config)
+    assert dataset.converted == str(blocker)
+    with pytest.raises(DatasetError, match="storage.converted") as info:
+        _loader(config, dataset, "arrow", {"form": "encoded"})
+    assert "\n" not in str(info.value)
