@@ -59,3 +59,19 @@ def host_batches_forever(loader):
             yield batch
         if not produced:
             raise RuntimeError(f"loader {loader.name} produced no batches")
+
+
+def spread(values: list[float], spec: str = ".3g") -> str:
+    """`median m, spread lo-hi over n rounds` of a figure measured once per round."""
+    import statistics
+
+    return (f"median {format(statistics.median(values), spec)}, spread {format(min(values), spec)}-"
+            f"{format(max(values), spec)} over {len(values)} rounds")
+
+
+def ratio_result(name: str, ratios: list[float], op: str, target: float) -> str:
+    """Print the spread of a ratio over the rounds; the RESULT line on its median (the figure held)."""
+    import statistics
+
+    print(f"{name}: per round " + ", ".join(f"{r:.3g}" for r in ratios) + f"; {spread(ratios)}", flush=True)
+    return result_line(name, statistics.median(ratios), op, target)

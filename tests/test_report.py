@@ -274,3 +274,17 @@ def test_the_browser_check_catches_a_broken_page(browser, tmp_path):
     methods = sorted({e["method"] for e in seen["errors"]})
     assert methods == ["Log.entryAdded", "Runtime.consoleAPICalled", "Runtime.exceptionThrown"], seen["errors"]
     assert any(u.endswith("missing.png") for u in seen["outside"])
+
+
+def test_an_unreliable_ceiling_and_a_busy_machine_are_said_and_no_fraction_above_110pct_shown(tmp_path):
+    doc = json.loads((TIERS / "results.json").read_text())
+    run = next(r for r in doc["runs"] if (r.get("ceiling") or {}).get("samples_per_s"))
+    rate = run["metrics"]["samples_per_s"]
+    rate = rate["median"] if isinstance(rate, dict) else rate
+    run["ceiling"]["samples_per_s"] = rate / 6.31  # an older file: 631% of its ceiling, not marked
+    doc["machine"]["load"] = {"busy": True, "note": "the machine was busy: other processes used 60% of its cores"}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    for kind in ("markdown", "html"):
+        text = render_report([str(path)], kind)
+        assert "631%" not in text and "unreliable" in text and "the machine was busy" in text

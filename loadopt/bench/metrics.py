@@ -10,6 +10,7 @@ Definitions (warm-up batches excluded):
   count), `goodput_ratio` = bytes of samples delivered / bytes_read.
 - `cpu_seconds_per_1k_samples` over the process tree, `peak_rss_mb` of the tree (shared pages
   counted in every process that maps them) and `peak_pss_mb` (shared pages counted once).
+- `others_cpu_share`: of all the machine's cores over the window, the share other processes used.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
         "cpu_seconds_per_1k_samples": usage.cpu_seconds / samples * 1000.0 if samples else None,
         "peak_rss_mb": usage.peak_rss_bytes / 2**20,
         "peak_pss_mb": usage.peak_pss_bytes / 2**20,
+        # The share of all cores other processes used meanwhile: above ~0.25 the rate is the busy machine's.
+        "others_cpu_share": usage.others_cpu_share,
     }
     if tokens_per_sample is not None:
         metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -22,6 +24,7 @@ class TreeUsage:
     peak_rss_bytes: int  # sum of RSS: pages shared between processes (a worker ring) count once per process
     peak_pss_bytes: int  # sum of PSS (shared pages split between the processes mapping them), sampled ~1/s
     processes_seen: int
+    others_cpu_share: float | None = None  # the CPU other processes used over the window, of all the cores
 
 
 @dataclass
@@ -50,6 +53,39 @@ def _memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int | None]:
         except psutil.AccessDenied:
             pass
     return proc.memory_info().rss, None
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has used since boot (idle and I/O wait left out; time
+    stolen by the hypervisor for other guests counted: it is taken from this machine's work)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+
+
+def tree_cpu_seconds(root: psutil.Process) -> float:
+    """CPU seconds of `root` and its descendants, reaped ones included."""
+    total = 0.0
+    for proc in [root, *_children(root)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def _children(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return root.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def others_share(busy_s: float, own_s: float, wall_s: float, cores: int) -> float | None:
+    """Of all the cores over `wall_s`, the share the machine's other processes used."""
+    if wall_s <= 0 or cores <= 0:
+        return None
+    return min(1.0, max(0.0, (busy_s - own_s) / (wall_s * cores)))
 
 
 def _cpu(proc: psutil.Process) -> float:
@@ -121,6 +157,7 @@ class ProcessTreeMonitor:
         self.stop()
 
     def start(self) -> ProcessTreeMonitor:
+        self._machine_start = (machine_busy_seconds(), time.perf_counter())
         self._root_io = _io(self._root)
         self._root_cpu = sum(os.times()[:2])
         self._start_reaped = self._reaped_cpu()
@@ -149,4 +186,83 @@ class ProcessTreeMonitor:
                 cpu += seen.last_cpu - self._live_at_start.get(pid, 0.0)
             else:
                 cpu -= self._live_at_start.get(pid, 0.0)
-        self.usage = TreeUsage(cpu, storage, chars, self._peak_rss, self._peak_pss, 1 + len(self._children))
+        busy, wall = machine_busy_seconds() - self._machine_start[0], time.perf_counter() - self._machine_start[1]
+        self.usage = TreeUsage(cpu, storage, chars, self._peak_rss, self._peak_pss, 1 + len(self._children),
+                               others_share(busy, cpu, wall, psutil.cpu_count() or 1))
+
+
+BUSY_SHARE = 0.25  # other processes using a quarter of the cores or more: the machine was busy
+
+
+class MachineLoad:
+    """The machine's load over a whole bench, sampled every `interval_s` from a background thread: the
+    load average (1 min) and the share of all cores that other processes used (the machine's busy CPU
+    time less this process tree's). `start()`, `stop()`, then `summary()` for `results.json`."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._root = psutil.Process(os.getpid())
+        self._cores = psutil.cpu_count() or 1
+        self._load: list[float] = []
+        self._shares: list[float] = []
+        self._first: tuple[float, float, float] | None = None
+        self._last: tuple[float, float, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loadopt-machine-load", daemon=True)
+
+    def _point(self) -> tuple[float, float, float]:
+        return time.perf_counter(), machine_busy_seconds(), tree_cpu_seconds(self._root)
+
+    def _sample(self) -> None:
+        point = self._point()
+        self._load.append(os.getloadavg()[0])
+        if self._last is not None:
+            share = others_share(point[1] - self._last[1], point[2] - self._last[2], point[0] - self._last[0],
+                                 self._cores)
+            if share is not None:
+                self._shares.append(share)
+        self._last = point
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def start(self) -> MachineLoad:
+        self._sample()
+        self._first = self._last
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        self._sample()
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        first, last = self._first, self._last
+        overall = None
+        if first is not None and last is not None:
+            overall = others_share(last[1] - first[1], last[2] - first[2], last[0] - first[0], self._cores)
+        peak = max(self._shares, default=overall)
+        busy = overall is not None and overall >= BUSY_SHARE
+        out: dict[str, Any] = {
+            "cores": self._cores, "samples": len(self._load), "interval_s": self.interval_s,
+            "load_average_1m": {"mean": sum(self._load) / len(self._load), "max": max(self._load)} if self._load
+            else None,
+            "others_cpu_share": {"mean": overall, "max": peak}, "busy": busy,
+        }
+        out["note"] = load_note(out)
+        return out
+
+
+def load_note(load: dict[str, Any] | None) -> str | None:
+    """A sentence saying the machine was busy (None when it was not, or was not sampled)."""
+    if not load or not load.get("busy"):
+        return None
+    share = load["others_cpu_share"]
+    average = load.get("load_average_1m") or {}
+    return (f"the machine was busy: other processes used {share['mean']:.0%} of its {load['cores']} cores during "
+            f"the bench (up to {share['max']:.0%}; load average up to {average.get('max', 0):.1f}), so rates and "
+            "ceilings are lower than on a quiet machine and close comparisons are less sure")

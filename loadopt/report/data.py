@@ -5,7 +5,10 @@ Every key beyond `runs` is optional here: a section whose data a file lacks says
 guessing. Optional keys read (written by later issues; the shapes are the contract):
 
 - `run["ceiling"] = {"name": "decode rate x cores", "samples_per_s": 2350.0}`: the ceiling that
-  bounds that loader setting, measured on the same machine; the ranking shows the fraction.
+  bounds that loader setting, measured on the same machine; the ranking shows the fraction. With
+  `"unreliable": true` and a `"reason"` the run beat it by more than 10%: no fraction is shown.
+- `machine.load = {"busy": bool, "note": "<sentence>", "others_cpu_share": ..., "load_average_1m": ...}`:
+  the machine's load during the bench; the note is shown when it was busy.
 - `"decision"`: `{"label": "<loader setting>", "text": "<sentence>"}` or a plain sentence.
 - `"verdicts"`: a list of sentences, or of `{"label": ..., "bottleneck": "storage-bound", "text": ...}`.
 - `"tiers"`: a list of `{"name", "au_threshold" (0-1), "accelerators_supported",
@@ -24,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from loadopt.errors import LoadoptError
+
+OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
 
 class ResultsFileError(LoadoptError):
@@ -72,9 +77,29 @@ class Run:
         rate = (self.ceiling or {}).get("samples_per_s")
         return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
 
-    def ceiling_fraction(self) -> float | None:
+    def ceiling_unreliable(self) -> bool:
+        """A ceiling the run beat by more than 10% (marked so by the bench, or found so here in an older
+        file): it was measured low, and no fraction of it is shown as a fact."""
         ceiling, rate = self.ceiling_rate(), self.value("samples_per_s")
-        return rate / ceiling if ceiling and rate is not None else None
+        return bool((self.ceiling or {}).get("unreliable")) or bool(
+            ceiling and rate is not None and rate > OVERSHOOT * ceiling)
+
+    def ceiling_fraction(self) -> float | None:
+        """The fraction of its ceiling reached; None when unmeasured or unreliable."""
+        ceiling, rate = self.ceiling_rate(), self.value("samples_per_s")
+        if not ceiling or rate is None or self.ceiling_unreliable():
+            return None
+        return rate / ceiling
+
+    def ceiling_cell(self) -> str:
+        """The "of ceiling" cell: the fraction, `unreliable (reason)`, or "-"."""
+        fraction = self.ceiling_fraction()
+        if fraction is not None:
+            return f"{fraction:.0%} of {(self.ceiling or {}).get('name', 'ceiling')}"
+        if self.ceiling_unreliable():
+            reason = (self.ceiling or {}).get("reason") or "the run beat its ceiling by more than 10%"
+            return f"unreliable ({reason})"
+        return "-"
 
     def per_step_ms(self) -> dict[str, float] | None:
         """Where a step's time goes, in ms (means over measured batches): the summed metrics / batches.
@@ -135,6 +160,11 @@ class Results:
     def short_name(self) -> str:
         """`<folder>/<file>`: names the file without machine-dependent absolute paths."""
         return f"{self.path.parent.name}/{self.path.name}" if self.path.parent.name else self.path.name
+
+    def busy_note(self) -> str | None:
+        """The sentence saying the machine was busy during the bench (results.json `machine.load.note`)."""
+        note = ((self.doc.get("machine") or {}).get("load") or {}).get("note")
+        return note if isinstance(note, str) and note else None
 
     def machine_line(self) -> str:
         m = self.doc.get("machine") or {}

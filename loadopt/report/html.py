@@ -108,6 +108,8 @@ def _ranking(res: Results, palette: plots.Palette) -> str:
                 "black triangle at the axis end, a ceiling far beyond the measured rates (its value is written); "
                 "the fraction of it reached is written on the bar." if measured_ceilings else "")
     parts = [_figure(plots.ranking(res, palette), caption)]
+    if res.busy_note():
+        parts.append(_note(f"Busy machine: {res.busy_note()}."))
     if not measured_ceilings:
         parts.append(_note("Ceilings were not measured for these results (no storage, memory-copy or decode ceiling "
                            "in the file), so no loader is shown as a fraction of the one that bounds it."))
@@ -117,14 +119,13 @@ def _ranking(res: Results, palette: plots.Palette) -> str:
     rows = []
     for rank, run in enumerate(ranked, start=1):
         spread = run.spread("samples_per_s")
-        fraction = run.ceiling_fraction()
         rows.append([str(rank), run.label, _num(run.value("samples_per_s"), ",.0f"),
                      f"{spread[0]:,.0f}-{spread[1]:,.0f}" if spread else "-",
                      _num(run.value("tokens_per_s"), ",.0f") if tokens else _num(run.value("mb_per_s"), ",.1f"),
                      _num(run.value("accelerator_utilisation"), ".1%"), _num(run.value("stall_fraction"), ".1%"),
                      _num(run.value("wait_p99_ms"), ",.1f"), _num(run.value("cpu_seconds_per_1k_samples"), ".2f"),
                      _num(run.value("peak_pss_mb"), ",.0f"),
-                     f"{fraction:.0%} of {run.ceiling.get('name', 'ceiling')}" if fraction is not None else "-"])
+                     run.ceiling_cell()])
     parts.append(_table(head, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8, 9}))
     return "".join(parts) + _unmeasured(res)
 

@@ -18,8 +18,7 @@ def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def _ceiling(run: Run) -> str:
-    fraction = run.ceiling_fraction()
-    return "-" if fraction is None else f"{fraction:.0%} of {_cell(str(run.ceiling.get('name', 'ceiling')))}"
+    return _cell(run.ceiling_cell())
 
 
 def _header(res: Results) -> list[str]:
@@ -27,13 +26,15 @@ def _header(res: Results) -> list[str]:
     detail = " · ".join(p for p in (res.machine_line(), res.workload_line()) if p)
     if detail:
         lines += [detail, ""]
+    if res.busy_note():
+        lines += [f"**Busy machine:** {_cell(res.busy_note())}", ""]
     return lines
 
 
 def _ranking(res: Results) -> list[str]:
     ranked = res.ranked
     key, unit = res.rate_unit()
-    ceilings = any(r.ceiling_fraction() is not None for r in ranked)
+    ceilings = any(r.ceiling_fraction() is not None or r.ceiling_unreliable() for r in ranked)
     head = ["#", "loader setting", unit, "vs best", "stall", "wait p99 (ms)"] + (["of ceiling"] if ceilings else [])
     align = ["---:", "---", "---:", "---:", "---:", "---:"] + (["---"] if ceilings else [])
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]

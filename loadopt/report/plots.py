@@ -145,11 +145,12 @@ def _ranking(res: Results, palette: Palette) -> Figure:
         drawn.add(label)
         # The fraction on the bar (at its start, boxed in white: readable on every bar colour, yellow
         # included), the value and the ceiling's name after whichever ends further right: no overlaps.
-        ax.text(xmax * 0.005, i, f"{fraction:.0%}", va="center", fontsize=7, zorder=5,
+        shown = "unreliable" if run.ceiling_unreliable() else f"{fraction:.0%}"  # never a fraction above 110%
+        ax.text(xmax * 0.005, i, shown, va="center", fontsize=7, zorder=5,
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.85, "linewidth": 0})
         name = run.ceiling.get("name", "ceiling")
         beyond = f", at {ceiling:,.0f}" if off else ""
-        ax.text(max(rate, at) + xmax * 0.015, i, f"{rate:,.0f} ({fraction:.0%} of {name}{beyond})", va="center",
+        ax.text(max(rate, at) + xmax * 0.015, i, f"{rate:,.0f} ({shown} of {name}{beyond})", va="center",
                 fontsize=7.5)
     ax.set_yticks(y, [_tick(r.label, palette.width) for r in runs])
     ax.invert_yaxis()
