@@ -7,6 +7,9 @@ to back, round after round, so drift hits both; the medians are compared (IOPS, 
 
     python bench/probe_vs_fio.py [--dir .] [--size 1g] [--duration 2] [--rounds 3] [--blocks 4k,128k,1m]
                                  [--concurrency 1,4,16,64]
+
+Each pattern's ratio (probe / fio IOPS) is printed with its spread over the rounds (each round's pair)
+and held on the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import result_line
+from _common import result_line, spread
 
 from loadopt.storage.probe import parse_size, probe
 
@@ -54,7 +57,7 @@ def main() -> int:
     parser.add_argument("--dir", default=".", help="A folder on the disk under test (the test file goes there).")
     parser.add_argument("--size", default="1g")
     parser.add_argument("--duration", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--blocks", default="4k,128k,1m")
     parser.add_argument("--concurrency", default="1,4,16,64")
     args = parser.parse_args()
@@ -73,7 +76,7 @@ def main() -> int:
                 handle.write(chunk[: size - start])
             handle.flush()
             os.fsync(handle.fileno())
-        rows = []
+        rows, round_ratios = [], {}
         for kind, rw, block, jobs in patterns:
             ours, theirs = [], []
             for round_index in range(args.rounds):  # alternate who goes first: the disk's caches favour neither
@@ -82,6 +85,8 @@ def main() -> int:
                 ours.append(loadopt_probe(path, kind, block, jobs, args.duration, size))
                 if not round_index % 2:
                     theirs.append(fio(path, rw, block, jobs, args.duration, size))
+            round_ratios[f"{kind}_{block // 1024}k_x{jobs}"] = [o["iops"] / t["iops"] for o, t in
+                                                                 zip(ours, theirs, strict=True)]
             rows.append((f"{kind}_{block // 1024}k_x{jobs}", {k: statistics.median(r[k] for r in ours) for k in
                                                                ("iops", "mb_per_s", "lat_p50_ms")},
                          {k: statistics.median(r[k] for r in theirs) for k in ("iops", "mb_per_s", "lat_p50_ms")}))
@@ -96,7 +101,7 @@ def main() -> int:
     for name, ours, theirs in rows:
         print(f"{name:22s} {ours['iops']:11,.0f} {theirs['iops']:10,.0f} {ours['iops'] / theirs['iops']:6.2f} "
               f"{ours['mb_per_s']:11,.1f} {theirs['mb_per_s']:9,.1f} {ours['lat_p50_ms']:12.3f} "
-              f"{theirs['lat_p50_ms']:10.3f}")
+              f"{theirs['lat_p50_ms']:10.3f}  per round {spread(round_ratios[name], '.2f')}")
     within = 0
     for name, ours, theirs in rows:
         ratio = ours["iops"] / theirs["iops"]

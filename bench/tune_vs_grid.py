@@ -12,7 +12,7 @@ Then the grid's best setting and the tuner's best setting are measured again, si
 - time: the tuner's search time / the grid's time, target <= 0.40.
 
     python bench/tune_vs_grid.py [--config configs/imagenet.yaml] [--loaders torch,arrow,posix]
-        [--warmup 3] [--measure 12] [--confirm 40] [--rounds 3]
+        [--warmup 3] [--measure 12] [--confirm 40] [--rounds 5]
 
 Defaults take about 3 minutes on 2 cores once the dataset and its conversions are cached.
 """
@@ -24,7 +24,7 @@ import itertools
 import statistics
 import time
 
-from _common import REPO, result_line
+from _common import REPO, ratio_result, result_line
 
 
 def grid_points(tuner, name: str) -> list:
@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--measure", type=int, default=12)
     parser.add_argument("--confirm", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
     from loadopt.bench.tuner import Tuner, Window
@@ -130,7 +130,10 @@ def main() -> int:
     print(f"time: tuner {tune_s:,.1f} s ({trials} settings tried, "
           f"{sum(1 for t in tunings for x in t.trials if x.outcome != 'ok')} stopped early or cut), "
           f"grid {grid_s:,.1f} s ({size} settings)")
-    print(result_line("tune_quality", tuner_rate / grid_rate, ">=", 0.95))
+    # Each round measured both picks back to back: each round's ratio, held on the median.
+    print(ratio_result("tune_quality", [t / g for t, g in zip(confirmed["tuner"], confirmed["grid"], strict=True)],
+                       ">=", 0.95))
+    print("tune_time: one search each (a search is not repeated: the figure is a count of work, not a rate)")
     print(result_line("tune_time", tune_s / grid_s, "<=", 0.40))
     return 0
 
