@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
-from loadopt.config import Config, PipelineConfig, config_from_dict, expand_settings, load_config
+from loadopt.bench.knobs import start_settings
+from loadopt.config import Config, PipelineConfig, config_from_dict, load_config
 from loadopt.device import resolve_device
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
-from loadopt.loaders.base import Loader, backend_class, backend_for, backend_names
+from loadopt.loaders.base import BatchTransform, Loader, backend_class, backend_for, backend_names
+from loadopt.loaders.ring import RingLoader
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 
 log = logging.getLogger(__name__)
@@ -52,28 +54,78 @@ def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any],
     return found["backend"], found.get("settings") or {}, reason
 
 
+# A split other than train is evaluated: eval augmentation (resize + centre crop), in order, every sample.
+EVAL_SPLIT_DEFAULTS = {"augment": "eval", "shuffle": False, "drop_last": False}
+
+# DataLoader keywords that have no place here, and what to use instead (one line each).
+REFUSED_KEYWORDS = {
+    "collate_fn": "batches are assembled by the backend; pass batch_transform=fn instead: fn(inputs, labels) -> "
+                  "(inputs, labels) runs on each finished batch on the device (mixup/cutmix: "
+                  "batch_transform=mixup_cutmix)",
+    "sampler": "the sample order is loadopt's, the same on every backend: use shuffle= and seed= (ranks come from "
+               "torch.distributed, each sample once per epoch across them) and call loader.set_epoch(epoch) where "
+               "you called sampler.set_epoch(epoch)",
+    "batch_sampler": "use batch_size=, drop_last= and shuffle= (the order is loadopt's, as for sampler=)",
+    "generator": "use seed= (the order and the augmentation of every backend follow it)",
+    "worker_init_fn": "the backend owns its workers (processes or threads); set the backend's settings instead",
+}
+
+# DataLoader's `num_workers` under the name each backend gives its parallelism (the first one it has).
+PARALLELISM_KNOBS = ("num_workers", "num_threads", "threads")
+
+
 def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], split: str = "train",
                 backend: str = "auto", *, device: str | torch.device | None = None, rank: int | None = None,
                 world_size: int | None = None, seed: int | None = None, epoch: int = 0,
+                batch_transform: BatchTransform | None = None,
                 **overrides: Any) -> Loader:
     """A loader for `split` of the configured dataset, iterating `(inputs, labels)` on `device`.
 
     `backend="auto"` uses the setting the last `loadopt bench` found fastest for this dataset on this
     machine, else the first backend of `FALLBACK_ORDER` that is available and can read the dataset
     as it is (without a decision, `auto` starts no format conversion). Keyword overrides name pipeline
-    keys (`batch_size=32`) or the backend's settings (`num_workers=4`) and always win. Under
-    `torchrun` rank and world size come from `torch.distributed`. Where the config sweeps a knob
-    (a list), the first value is used.
+    keys (`batch_size=32`) or the backend's settings and always win; DataLoader's `num_workers` and
+    `pin_memory` are accepted by every backend (mapped to its own knobs, said in the log), its
+    `collate_fn`/`sampler` refused with what to use instead. A split other than `train` defaults to
+    `augment="eval", shuffle=False, drop_last=False`. Under `torchrun` rank and world size come from
+    `torch.distributed`. Where the config sweeps a knob (a list), the backend's default for this machine
+    is used when the list holds it (the tuner's start), else the list's first value; the log says which
+    value each knob took and why. `batch_transform(inputs, labels) -> (inputs, labels)` runs on each
+    finished batch on the device.
     """
+    for key in overrides:
+        if key in REFUSED_KEYWORDS:
+            raise ConfigError(f"make_loader: {key}= is not supported: {REFUSED_KEYWORDS[key]}")
+    if batch_transform is not None and not callable(batch_transform):
+        raise ConfigError(f"make_loader: batch_transform= must be a function of (inputs, labels), got "
+                          f"{type(batch_transform).__name__}")
     config = _as_config(config_or_path)
     dataset = open_dataset(config, split)
+    overrides = {**_split_defaults(split, overrides), **overrides}
+    build = dict(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch)
     if backend != "auto":
-        return _build(config, dataset, backend, dict(config.loaders.get(backend) or {}), "asked for by name",
-                      overrides, device, rank, world_size, seed, epoch, convert=True)
+        loader = _build(config, dataset, backend, dict(config.loaders.get(backend) or {}), f"loaders.{backend}",
+                        "asked for by name", convert=True, **build)
+    else:
+        loader = _auto(config, dataset, build)
+    loader.batch_transform = batch_transform
+    return loader
+
+
+def _split_defaults(split: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    if split == "train":
+        return {}
+    defaults = {k: v for k, v in EVAL_SPLIT_DEFAULTS.items() if k not in overrides}
+    if defaults:
+        log.info("make_loader: split %r: %s (a split other than train; pass %s to change)", split,
+                 ", ".join(f"{k}={v}" for k, v in defaults.items()), "=, ".join(defaults) + "=")
+    return defaults
+
+
+def _auto(config: Config, dataset, build: dict[str, Any]) -> Loader:
     chosen, settings_raw, why = _choose(config, dataset)
     if chosen:
-        return _build(config, dataset, chosen, settings_raw, why, overrides, device, rank, world_size, seed, epoch,
-                      convert=True)
+        return _build(config, dataset, chosen, settings_raw, "the bench decision", why, convert=True, **build)
     # No decision: the first available backend of the fixed order that is ready to read this dataset.
     # `auto` never starts a conversion on its own (a decoded ImageNet is ~250 GB): that takes a bench
     # decision, `loadopt convert`, or asking for the backend by name.
@@ -81,36 +133,68 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
         if name not in backend_names() or not backend_class(name).available()[0]:
             continue
         try:
-            return _build(config, dataset, name, dict(config.loaders.get(name) or {}),
-                          f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", overrides, device,
-                          rank, world_size, seed, epoch, convert=False)
+            return _build(config, dataset, name, dict(config.loaders.get(name) or {}), f"loaders.{name}",
+                          f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", convert=False,
+                          **build)
         except DatasetError as exc:
             log.info("make_loader: skipping %s: %s", name, exc)
     raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
 
 
-def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], why: str, overrides: dict[str, Any],
-           device, rank: int | None, world_size: int | None, seed: int | None, epoch: int, convert: bool) -> Loader:
+def _dataloader_keywords(cls: type[Loader], backend: str, overrides: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                                             dict[str, str]]:
+    """`num_workers` and `pin_memory` as this backend names them (or dropped, with the reason), and why."""
+    out, why = dict(overrides), {}
+    fields = cls.Settings.model_fields
+    if "num_workers" in out and "num_workers" not in fields:
+        workers = out.pop("num_workers")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+            raise ConfigError(f"make_loader: num_workers must be a whole number >= 0, got {workers!r}")
+        knob = next((k for k in PARALLELISM_KNOBS if k in fields), None)
+        if knob is None:
+            log.info("make_loader: num_workers=%s ignored: %s has no parallelism knob", workers, backend)
+        elif knob not in out:
+            out[knob] = max(1, workers)
+            why[knob] = f"num_workers={workers} passed to make_loader: {backend}'s threads in this process (at least 1)"
+    if "pin_memory" in out and "pin_memory" not in fields:
+        pin = out.pop("pin_memory")
+        owns = "its batch ring is pinned whenever the device is CUDA" if issubclass(cls, RingLoader) else \
+            "it allocates its own host buffers"
+        log.info("make_loader: pin_memory=%s: %s has no such knob (%s)", pin, backend, owns)
+    return out, why
+
+
+def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], where: str, why: str, *,
+           overrides: dict[str, Any], device, rank: int | None, world_size: int | None, seed: int | None, epoch: int,
+           convert: bool) -> Loader:
     cls = backend_for(backend, f"make_loader: backend={backend!r}")
     available, reason = cls.available()
     if not available:
         raise BackendUnavailable(f"backend {backend}: {reason}")
+    overrides, knob_why = _dataloader_keywords(cls, backend, overrides)
     pipeline_raw = config.pipeline.model_dump()
+    settings_raw = dict(settings_raw)
     for key, value in overrides.items():
         if key in PipelineConfig.model_fields:
             pipeline_raw[key] = value
         elif key in cls.Settings.model_fields:
             settings_raw[key] = value
+            knob_why.setdefault(key, "passed to make_loader")
         else:
             raise ConfigError(f"make_loader: unknown keyword {key!r} (pipeline keys: "
                               f"{', '.join(PipelineConfig.model_fields)}; {backend} settings: "
-                              f"{', '.join(cls.Settings.model_fields)})")
+                              f"{', '.join(cls.Settings.model_fields)}; batch_transform)")
     pipeline = config_from_dict({"pipeline": pipeline_raw}, "make_loader").pipeline
-    settings = expand_settings(cls.Settings, settings_raw, f"loaders.{backend}", "make_loader")[0]
+    settings, start_why = start_settings(cls, settings_raw, where, "make_loader")
+    knob_why = {**start_why, **knob_why}
     dist_rank, dist_world = _distributed()
     loader = cls(dataset, pipeline, settings, device=resolve_device(device or config.workload.device),
                  rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
                  seed=config.seed if seed is None else seed, epoch=epoch, on_error=config.dataset.on_error)
     loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use
     log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
+    plain = [k for k, v in knob_why.items() if v == "the backend's default"]
+    log.info("make_loader: %s knobs: %s%s", backend, "; ".join(
+        f"{k}={getattr(settings, k)!r} ({v})" for k, v in knob_why.items() if k not in plain),
+        f"; at the backend's defaults: {', '.join(plain)}" if plain else "")
     return loader

@@ -32,6 +32,8 @@ class SyntheticSpec(_Strict):
     mean_height: int = Field(350, ge=16)
     jpeg_quality: int = Field(90, ge=1, le=100)
     seed: int = 0
+    # The val split's size as a fraction of num_samples (ImageNet's is 0.04), generated on first use.
+    val_fraction: float = Field(0.1, ge=0, le=1)
 
 
 class TokenSpec(_Strict):
@@ -64,6 +66,9 @@ class PipelineConfig(_Strict):
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     shuffle: bool = True
     drop_last: bool = False
+    # Image batches in memory: channels_last (NCHW shape over NHWC memory: what pre-decoded backends hold and
+    # convolutions prefer) or contiguous (NCHW memory, as DataLoader's default_collate gives); README: cost.
+    memory_format: Literal["channels_last", "contiguous"] = "channels_last"
     seq_len: int = Field(1024, gt=0)  # tokens: each sample is seq_len + 1 tokens (inputs, shifted targets)
 
 

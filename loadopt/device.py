@@ -113,9 +113,10 @@ class DeviceTransfer:
         finally:
             torch.set_num_threads(threads)
 
-    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A reusable output buffer on the emulated device, paired with the current copy buffers."""
-        return self._buffer(shape, dtype, "scratch")
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype, purpose: str = "scratch") -> torch.Tensor:
+        """A reusable output buffer on the emulated device, paired with the current copy buffers (one pair
+        per shape, dtype and `purpose`)."""
+        return self._buffer(shape, dtype, purpose)
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype, purpose: str) -> torch.Tensor:
         # Two buffers per shape and purpose (the consumer may still hold the previous batch); a
@@ -148,32 +149,56 @@ def _is_pinned(tensor: torch.Tensor) -> bool:
 
 def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline: PipelineConfig,
                   scratch=None) -> torch.Tensor:
-    """NHWC -> NCHW (a view: channels-last memory) and, for float output, normalisation on the device.
+    """Images shaped NCHW in `pipeline.memory_format` (channels-last memory: the NCHW view of NHWC),
+    normalised on the device for float output.
 
-    `scratch(shape, dtype)`, when given, returns a reusable output buffer (the emulated device's
+    `scratch(shape, dtype, purpose)`, when given, returns a reusable output buffer (the emulated device's
     memory; on CUDA the caching allocator plays that part).
     """
     if layout == "tokens":
         return inputs
+    channels_last = pipeline.memory_format == "channels_last"
     float_out = not (pipeline.dtype == "uint8" or normalised)
-    if layout == "NHWC" and float_out and inputs.shape[1] * inputs.shape[2] % 16 == 0:
+    height, width = inputs.shape[1:3] if layout == "NHWC" else inputs.shape[2:4]
+    if float_out and channels_last and height * width % 16 == 0:
+        if layout == "NCHW":  # transpose the uint8 pixels: 4x fewer bytes to move than transposing floats
+            inputs = _copy(inputs.permute(0, 2, 3, 1), scratch, "nhwc")
         return _normalise_channels_last(inputs, pipeline, scratch)
     if layout == "NHWC":
         inputs = inputs.permute(0, 3, 1, 2)
-    if pipeline.dtype == "uint8" or normalised:
-        return inputs
-    scale = 1.0 / (torch.tensor(pipeline.std, device=inputs.device).view(1, 3, 1, 1) * 255.0)
-    shift = -torch.tensor(pipeline.mean, device=inputs.device).view(1, 3, 1, 1) / torch.tensor(
-        pipeline.std, device=inputs.device).view(1, 3, 1, 1)
-    shape = tuple(inputs.shape)
-    out = scratch(shape, torch.float32) if scratch is not None else torch.empty(shape, device=inputs.device)
-    # A conversion copy, then one fused multiply-add in place: ~10x less CPU here than mixed-dtype
-    # ops (dynamic casting) or `.float()` into fresh memory (page faults on every batch), and 1.5x less
-    # than a separate `mul_` and `add_` (one pass over the floats instead of two). The output is
-    # contiguous NCHW even from NHWC input: transposing during the copy costs less than running the
-    # float ops over channels-last memory (measured: 4.8 against 11 ms a batch of 64 at 224 px).
-    out.copy_(inputs)
-    return torch.addcmul(shift, out, scale, out=out)
+    if float_out:
+        scale = 1.0 / (torch.tensor(pipeline.std, device=inputs.device).view(1, 3, 1, 1) * 255.0)
+        shift = -torch.tensor(pipeline.mean, device=inputs.device).view(1, 3, 1, 1) / torch.tensor(
+            pipeline.std, device=inputs.device).view(1, 3, 1, 1)
+        shape = tuple(inputs.shape)
+        out = scratch(shape, torch.float32) if scratch is not None else torch.empty(shape, device=inputs.device)
+        # A conversion copy, then one fused multiply-add in place: ~10x less CPU here than mixed-dtype
+        # ops (dynamic casting) or `.float()` into fresh memory (page faults on every batch), and 1.5x less
+        # than a separate `mul_` and `add_` (one pass over the floats instead of two). The output is
+        # contiguous NCHW even from NHWC input: transposing during the copy costs less than running the
+        # float ops over channels-last memory (measured: 4.8 against 11 ms a batch of 64 at 224 px).
+        out.copy_(inputs)
+        inputs = torch.addcmul(shift, out, scale, out=out)
+    return _in_format(inputs, channels_last, scratch)
+
+
+def _copy(view: torch.Tensor, scratch, purpose: str) -> torch.Tensor:
+    """`view` copied into memory laid out as its shape (a scratch buffer on the emulated device)."""
+    shape = tuple(view.shape)
+    out = scratch(shape, view.dtype, purpose) if scratch is not None else torch.empty(shape, dtype=view.dtype,
+                                                                                      device=view.device)
+    return out.copy_(view)
+
+
+def _in_format(images: torch.Tensor, channels_last: bool, scratch) -> torch.Tensor:
+    """NCHW-shaped `images` in channels-last or contiguous memory: itself when it already is, else one
+    transposing copy."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if images.dim() != 4 or images.is_contiguous(memory_format=fmt):
+        return images
+    if channels_last:
+        return _copy(images.permute(0, 2, 3, 1), scratch, "format").permute(0, 3, 1, 2)
+    return _copy(images, scratch, "format")
 
 
 def _normalise_channels_last(inputs: torch.Tensor, pipeline: PipelineConfig, scratch=None) -> torch.Tensor:

@@ -9,6 +9,7 @@ from loadopt import make_loader
 from loadopt.bench.results import machine_fingerprint, machine_info
 from loadopt.bench.runner import decision_path
 from loadopt.errors import ConfigError
+from loadopt.loaders.torch_loader import TorchSettings
 
 from .conftest import tiny_config_dict
 
@@ -58,11 +59,11 @@ def test_auto_falls_back_and_says_why(config_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="loadopt"):
         loader = make_loader(config_path)
     # arrow comes first in the order, but its conversion does not exist and auto starts none
-    assert loader.name == "torch" and loader.settings.num_workers == 1  # the first value of the sweep
+    # the sweep [1, 2] holds torch's default for this machine (a worker per core): that, not the first value
+    assert loader.name == "torch" and loader.settings.num_workers == TorchSettings().num_workers == 2
+    assert "num_workers=2 (swept [1, 2] in loaders.torch: the backend's default for this machine)" in caplog.text
     assert "skipping arrow" in caplog.text and "no bench decision" in caplog.text
-    from loadopt.storage.arrow_format import convert
-
-    convert(loader.dataset, "decoded", 55)  # e.g. `loadopt convert --to arrow --decoded`
+    make_loader(config_path, backend="arrow").close()  # asked for by name: converts, as `loadopt convert` does
     assert make_loader(config_path).name == "arrow"
 
 

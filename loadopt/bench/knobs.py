@@ -1,8 +1,8 @@
 """The tuner's search space: each backend's knobs narrowed by the config (a list under
 `loaders.<backend>` replaces that knob's values, a one-element list pins it; a scalar is where the
-search starts and is added to the values), the start (the backend's default when a list holds it, else
-the list's first value), the order in which a knob's values are tried, and what the machine allows a
-setting to use."""
+search starts and is added to the values), the start (the backend's default for this machine when a
+list holds it, else the list's first value: also what `make_loader` takes without a bench decision),
+the order in which a knob's values are tried, and what the machine allows a setting to use."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from loadopt.config import Config, backend_settings
+from loadopt.config import Config, backend_settings, expand_settings
 from loadopt.device import usable_cores
 from loadopt.loaders.base import Loader
 
@@ -50,20 +50,42 @@ class MachineLimits:
         return ""
 
 
+def start_settings(cls: type[Loader], raw: dict[str, Any], where: str, source: str
+                   ) -> tuple[BaseModel, dict[str, str]]:
+    """The setting a backend starts from, given its raw config settings (lists sweep a knob), and why each
+    knob has its value. A swept knob takes the backend's own default for this machine when the sweep holds
+    it (the backend's sensible choice: e.g. torch's tuned variant, one worker per core up to 8), else the
+    sweep's first value; `where` and `source` name the settings in errors (`loaders.torch`, the file)."""
+    points = expand_settings(cls.Settings, raw, where, source)  # validates every point
+    start, defaults = points[0], cls.Settings()
+    why: dict[str, str] = {}
+    for key, field in cls.Settings.model_fields.items():
+        default = getattr(defaults, key)
+        sized = " for this machine" if field.default_factory is not None else ""
+        if isinstance(raw.get(key), list):
+            values = list(dict.fromkeys(getattr(p, key) for p in points))
+            if default in values:
+                start = cls.Settings(**{**start.model_dump(), key: default})
+                why[key] = f"swept {values} in {where}: the backend's default{sized}"
+            else:
+                why[key] = f"swept {values} in {where}: its first value (the backend's default{sized}, {default!r}, " \
+                           "is not among them)"
+        elif key in raw:
+            why[key] = f"set in {where}"
+        else:
+            why[key] = f"the backend's default{sized}"
+    return start, why
+
+
 def search_space(config: Config, name: str, cls: type[Loader], cores: int) -> tuple[dict[str, list[Any]], BaseModel]:
     """The knobs to search (the backend's space narrowed by the config's lists) and the start point."""
     raw = dict(config.loaders.get(name) or {})
-    start = backend_settings(config, name)[0]  # validates; the first value of each configured list
+    points = backend_settings(config, name)  # validates, naming the file and key
+    start = start_settings(cls, raw, f"loaders.{name}", config.source)[0]
     space = {k: list(v) for k, v in cls.knob_space(cores).items() if k in cls.Settings.model_fields}
-    defaults = cls.Settings()
     for key, value in raw.items():
         if isinstance(value, list):
-            space[key] = [getattr(p, key) for p in backend_settings(config, name)]  # validated values, in order
-            space[key] = list(dict.fromkeys(space[key]))
-            # A sweep's start is the backend's own default when the sweep holds it (the backend's
-            # sensible choice: e.g. torch's tuned variant, 2 workers), else the sweep's first value.
-            if getattr(defaults, key) in space[key]:
-                start = cls.Settings(**{**start.model_dump(), key: getattr(defaults, key)})
+            space[key] = list(dict.fromkeys(getattr(p, key) for p in points))  # validated values, in order
         elif key in space and getattr(start, key) not in space[key]:
             space[key].append(getattr(start, key))  # the configured value is a candidate too
             if numeric(space[key]):

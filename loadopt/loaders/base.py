@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "loadopt.loaders"
 
+# fn(inputs, labels) -> (inputs, labels) on each finished batch (see `Loader`)
+BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class NoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -76,9 +79,11 @@ class LoaderCounters:
 class Loader(ABC):
     """A data-loading backend. Iterating yields `(inputs, labels)` on `device`.
 
-    Iteration starts at the current position of the current epoch and, when it runs to the end,
-    moves to the next epoch, so `state_dict()` taken at any point resumes exactly there.
-    """
+    As a DataLoader, each `for` over the loader is a pass over the current epoch from its first batch
+    (a `break` leaves nothing half-done behind), and a pass that runs to the end moves to the next epoch;
+    the first `for` after `load_state_dict` resumes where the state was taken instead.
+    `batch_transform(inputs, labels) -> (inputs, labels)`, when set, runs on each finished batch on the
+    device (mixup, cutmix: what a DataLoader's `collate_fn` did on the host)."""
 
     name: ClassVar[str] = "base"
     Settings: ClassVar[type[BaseModel]] = NoSettings
@@ -97,6 +102,8 @@ class Loader(ABC):
         self.on_error = on_error
         self.counters = LoaderCounters()
         self._epoch, self._position = epoch, 0
+        self._resume = False  # the next `for` continues at `_position` (set by `load_state_dict`)
+        self.batch_transform: BatchTransform | None = None
         self._transfer = DeviceTransfer(self.device, emulate=False)
         self.order()  # validates rank/world_size/batch_size now rather than at first iteration
 
@@ -157,6 +164,14 @@ class Loader(ABC):
         return len(self.order())
 
     @property
+    def batch_size(self) -> int:
+        return self.pipeline.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self.pipeline.drop_last
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 
@@ -177,6 +192,7 @@ class Loader(ABC):
             if key in state and state[key] != mine:
                 raise ValueError(f"loader state was taken with {key}={state[key]}, this loader has {key}={mine}")
         self._epoch, self._position = int(state["epoch"]), int(state["batches_done"])
+        self._resume = True
 
     def host_batches(self) -> Iterator[HostBatch]:
         """Batches as produced (host tensors, or device tensors for device backends), position kept."""
@@ -205,8 +221,20 @@ class Loader(ABC):
         return out, labels
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # A plain method, so the pass is placed when `iter()` is called, as a DataLoader's is.
+        if self._position >= len(self.order()):  # a pass ended at its last batch (broken off there)
+            self._epoch, self._position = self._epoch + 1, 0
+        elif not self._resume:
+            self._position = 0
+        self._resume = False
+        return self._finished_batches()
+
+    def _finished_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in self.host_batches():
-            yield self.finish(batch)
+            inputs, labels = self.finish(batch)
+            if self.batch_transform is not None:
+                inputs, labels = self.batch_transform(inputs, labels)
+            yield inputs, labels
 
     def _account(self, batch: HostBatch) -> None:
         sizes = self.dataset.sizes

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import DataLoader, default_collate
 
 from loadopt.config import PipelineConfig
+from loadopt.device import usable_cores
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
 from loadopt.storage.tokens import TokenDataset
@@ -38,7 +39,8 @@ class TorchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     variant: Literal["plain", "tuned"] = "tuned"
-    num_workers: int = Field(2, ge=0)
+    # One worker process per usable core, up to 8 (more only share the cores; the tuner tries them).
+    num_workers: int = Field(default_factory=lambda: min(8, usable_cores()), ge=0)
     prefetch_factor: int = Field(2, ge=1)
     pin_memory: bool = True  # only takes effect with a CUDA device
     persistent_workers: bool = False

@@ -56,6 +56,19 @@ class ImageDataset:
                 return handle.read()
         return self.fs.cat_file(self.path(index))
 
+    # DataLoader-era code reads these off `loader.dataset` (torchvision's ImageFolder has the same names).
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.classes)}
+
+    @property
+    def targets(self) -> list[int]:
+        return self.labels.tolist()
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        return [(self.path(i), int(self.labels[i])) for i in range(len(self))]
+
     def local_files(self) -> list[str]:
         """Every sample file when the dataset is read straight from a local disk, else empty (also under an
         emulated tier: whoever reads these files directly would bypass the tier's limits)."""
@@ -76,6 +89,10 @@ def scan_image_folder(root_url: str, split: str = "train",
         split_root = root.rstrip("/") + "/" + split
         if fs.isdir(split_root):
             root = split_root
+        elif split != "train" and fs.isdir(root):  # only train may be the root itself (a bare class tree)
+            splits = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
+            raise DatasetError(f"{root_url}: no split folder {split!r} (expected <root>/{split}/<class>/; folders "
+                               f"there: {', '.join(splits) or 'none'})")
         elif not fs.isdir(root):
             raise DatasetError(f"{root_url}: is not a folder (expected an ImageFolder tree <root>/{split}/<class>/)")
         files = fs.find(root, detail=True)
@@ -100,7 +117,8 @@ def scan_image_folder(root_url: str, split: str = "train",
     entries.sort()
     classes = sorted({c for c, _, _ in entries})
     class_index = {c: i for i, c in enumerate(classes)}
-    digest = hashlib.sha256(fs.unstrip_protocol(root).encode())
+    # A local tree is named by its real path: the same files reached through a symlink reuse its conversions.
+    digest = hashlib.sha256(fs.unstrip_protocol(os.path.realpath(root) if is_local_fs(fs) else root).encode())
     for _, name, size in entries:
         digest.update(f"{name[len(prefix):]}\0{size}\n".encode())
     return ImageDataset(
@@ -141,7 +159,7 @@ def _from_manifest(root: Path, split: str) -> ImageDataset | None:
         labels=np.array([f[2] for f in files], dtype=np.int64),
         sizes=np.array([f[1] for f in files], dtype=np.int64),
         classes=classes,
-        fingerprint="synthetic-" + root.name.rsplit("-", 1)[-1],
+        fingerprint=root.name,  # synthetic-<key> for train (as ever), synthetic-<key>-val<count> for val
         synthetic=True,
     )
 
@@ -171,7 +189,9 @@ def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], N
     from loadopt.storage.synthetic import ensure_synthetic
 
     try:
-        root = ensure_synthetic(config.dataset.synthetic, cache_dir(), progress=progress)
+        root = ensure_synthetic(config.dataset.synthetic, cache_dir(), progress=progress, split=split)
+    except ValueError as exc:  # a split it does not have
+        raise DatasetError(f"{config.source}: dataset.synthetic: {exc}") from None
     except OSError as exc:
         raise DatasetError(f"{cache_dir()}: cannot write the synthetic dataset into the cache ({exc}); "
                            "set LOADOPT_CACHE to a writable folder") from None

@@ -6,6 +6,10 @@ written: only a root holding `manifest.json` counts as finished, an interrupted 
 The images mimic ImageNet's: sizes around `mean_width x mean_height` with varied aspect ratios, and
 content with structure (gradients, shapes with their own textures) plus the fine texture it takes to
 reach ImageNet's ~110 KB mean file size (and decode cost) at quality 90.
+
+A `val` split, as ImageNet has, is generated beside it on first use (`synthetic-<key>-val<count>`):
+`val_fraction x num_samples` images drawn by the same recipe from the indices after train's, so train's
+files, key and fingerprint stay what they were and val shares no image with train.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ GENERATOR_VERSION = 1  # bump whenever the image recipe or the layout changes
 MANIFEST = "manifest.json"
 STALE_SECONDS = 24 * 3600  # leftover tmp folders older than this are removed
 _PARAMS = ("num_samples", "num_classes", "mean_width", "mean_height", "jpeg_quality", "seed")
+SPLITS = ("train", "val")
+DEFAULT_VAL_FRACTION = 0.1  # config.SyntheticSpec.val_fraction's default (specs without the field get it)
 _AREA_SIGMA = 0.35  # lognormal spread of the image area
 _ASPECT_SPAN = math.log(1.5)  # aspect ratio: log-uniform within [2/3, 3/2] x mean_width / mean_height
 # A sine table from the C library (not numpy's CPU-dispatched SIMD sin) keeps the bytes the same on any CPU.
@@ -50,30 +56,48 @@ class SyntheticSpecLike(Protocol):
 
 
 def synthetic_key(spec: SyntheticSpecLike) -> str:
-    """A 16-hex-digit digest of the generation parameters and `GENERATOR_VERSION`."""
-    blob = json.dumps({"generator_version": GENERATOR_VERSION, "spec": spec.model_dump(mode="json")},
-                      sort_keys=True)
+    """A 16-hex-digit digest of the generation parameters and `GENERATOR_VERSION`. `val_fraction` is left
+    out: it sizes the val split only, which lives in a root of its own."""
+    params = {k: v for k, v in spec.model_dump(mode="json").items() if k != "val_fraction"}
+    blob = json.dumps({"generator_version": GENERATOR_VERSION, "spec": params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def synthetic_root(spec: SyntheticSpecLike, cache_dir: Path) -> Path:
-    """Where the finished dataset lives: `<cache_dir>/datasets/synthetic-<key>`."""
-    return Path(cache_dir) / "datasets" / f"synthetic-{synthetic_key(spec)}"
+def val_samples(spec: SyntheticSpecLike) -> int:
+    """Images in the val split: `val_fraction` of `num_samples` (0: no val split)."""
+    return round(spec.num_samples * float(getattr(spec, "val_fraction", DEFAULT_VAL_FRACTION)))
+
+
+def synthetic_root(spec: SyntheticSpecLike, cache_dir: Path, split: str = "train") -> Path:
+    """Where the finished split lives: `<cache_dir>/datasets/synthetic-<key>` for train (its name is also
+    the dataset fingerprint, unchanged since before val existed), `synthetic-<key>-val<count>` for val."""
+    name = f"synthetic-{synthetic_key(spec)}"
+    if split == "val":
+        name += f"-val{val_samples(spec)}"
+    elif split != "train":
+        raise ValueError(f"the synthetic dataset has splits {', '.join(SPLITS)}, not {split!r}")
+    return Path(cache_dir) / "datasets" / name
 
 
 def ensure_synthetic(spec: SyntheticSpecLike, cache_dir: Path,
                      progress: Callable[[int, int], None] | None = None,
-                     workers: int | None = None) -> Path:
-    """The finished dataset root (`train/<class>/<n>.JPEG` + `manifest.json`), generated if missing.
+                     workers: int | None = None, split: str = "train") -> Path:
+    """The finished root of `split` (`<split>/<class>/<n>.JPEG` + `manifest.json`), generated if missing.
 
     `progress(done, total)` is called as images complete (not at all when the dataset exists);
     `workers` processes generate it (default: one per CPU). Raises `OSError` naming the path when the
-    cache folder cannot be written.
+    cache folder cannot be written, `ValueError` for a split the dataset does not have.
     """
-    root = synthetic_root(spec, cache_dir)
+    root = synthetic_root(spec, cache_dir, split)
     if _finished(root):
         return root
     params = {name: int(getattr(spec, name)) for name in _PARAMS}
+    if split == "val" and val_samples(spec) == 0:
+        raise ValueError("the synthetic dataset has no val split (dataset.synthetic.val_fraction is 0)")
+    # val takes the indices after train's: the same recipe, no image shared with train.
+    indices = range(params["num_samples"]) if split == "train" else \
+        range(params["num_samples"], params["num_samples"] + val_samples(spec))
+    layout = (split, params["num_classes"], max(6, len(str(indices[-1]))))
     _remove_stale(root.parent)
     tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -84,8 +108,8 @@ def ensure_synthetic(spec: SyntheticSpecLike, cache_dir: Path,
         error.errno = exc.errno
         raise error from exc
     try:
-        sizes = _generate(params, tmp, progress, workers)
-        files = [[_relpath(params, i), sizes[i], i % params["num_classes"]] for i in range(len(sizes))]
+        sizes = _generate(params, layout, indices, tmp, progress, workers)
+        files = [[_relpath(layout, i), sizes[k], i % params["num_classes"]] for k, i in enumerate(indices)]
         manifest = {"generator_version": GENERATOR_VERSION, "spec": spec.model_dump(mode="json"),
                     "num_samples": len(files), "total_bytes": sum(sizes), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest))
@@ -100,10 +124,13 @@ def _finished(root: Path) -> bool:
     return (root / MANIFEST).is_file()
 
 
-def _relpath(params: dict[str, int], index: int) -> str:
-    class_digits = max(3, len(str(params["num_classes"] - 1)))
-    sample_digits = max(6, len(str(params["num_samples"] - 1)))
-    return f"train/class_{index % params['num_classes']:0{class_digits}d}/{index:0{sample_digits}d}.JPEG"
+Layout = tuple[str, int, int]  # (split, num_classes, digits of a sample's number)
+
+
+def _relpath(layout: Layout, index: int) -> str:
+    split, num_classes, sample_digits = layout
+    class_digits = max(3, len(str(num_classes - 1)))
+    return f"{split}/class_{index % num_classes:0{class_digits}d}/{index:0{sample_digits}d}.JPEG"
 
 
 def _remove_stale(datasets: Path) -> None:
@@ -146,22 +173,22 @@ def _publish(tmp: Path, root: Path) -> None:
     raise OSError(f"cannot move the synthetic dataset {tmp} into place at {root}")
 
 
-def _generate(params: dict[str, int], tmp: Path, progress: Callable[[int, int], None] | None,
-              workers: int | None) -> list[int]:
-    """Write every image into `tmp`; returns the file sizes by sample index."""
-    total = params["num_samples"]
-    for label in range(min(total, params["num_classes"])):
-        (tmp / _relpath(params, label)).parent.mkdir(parents=True)
+def _generate(params: dict[str, int], layout: Layout, indices: range, tmp: Path,
+              progress: Callable[[int, int], None] | None, workers: int | None) -> list[int]:
+    """Write the images `indices` into `tmp`; returns their file sizes, in the order of `indices`."""
+    total = len(indices)
+    for index in indices[: params["num_classes"]]:
+        (tmp / _relpath(layout, index)).parent.mkdir(parents=True)
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     step = max(1, min(32, math.ceil(total / (workers * 8))))
-    jobs = [(params, str(tmp), range(start, min(start + step, total))) for start in range(0, total, step)]
+    jobs = [(params, layout, str(tmp), indices[start : start + step]) for start in range(0, total, step)]
     sizes = [0] * total
     done = 0
 
     def collect(chunk: list[tuple[int, int]]) -> None:
         nonlocal done
         for index, size in chunk:
-            sizes[index] = size
+            sizes[index - indices.start] = size
         done += len(chunk)
         if progress is not None:
             progress(done, total)
@@ -178,11 +205,11 @@ def _generate(params: dict[str, int], tmp: Path, progress: Callable[[int, int], 
     return sizes
 
 
-def _write_chunk(job: tuple[dict[str, int], str, range]) -> list[tuple[int, int]]:
-    params, tmp, indices = job
+def _write_chunk(job: tuple[dict[str, int], Layout, str, range]) -> list[tuple[int, int]]:
+    params, layout, tmp, indices = job
     sizes = []
     for index in indices:
-        with open(os.path.join(tmp, _relpath(params, index)), "wb") as handle:
+        with open(os.path.join(tmp, _relpath(layout, index)), "wb") as handle:
             sizes.append((index, handle.write(_render_jpeg(params, index))))
     return sizes
 
