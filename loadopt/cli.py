@@ -104,7 +104,8 @@ def results_table(results: dict[str, Any]) -> Table:
     volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
     for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
                             ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
-                            ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right")):
+                            ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
+                            ("bytes from", "left")):
         table.add_column(column, justify=justify)
     for rank, label in enumerate(results["ranking"], start=1):
         m = by_label[label]["metrics"]
@@ -112,6 +113,8 @@ def results_table(results: dict[str, Any]) -> Table:
         fraction = by_label[label].get("fraction_of_ceiling")
         # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
+        if (by_label[label].get("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low
+            of_ceiling = "unreliable"
         spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
         tuned = by_label[label].get("tuned")  # --tune: each backend's best setting, and how many were tried
         shown = label
@@ -120,11 +123,32 @@ def results_table(results: dict[str, Any]) -> Table:
             shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
         table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
                       _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
-                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling)
+                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
+                      escape(_bytes_from(by_label[label])))
     for run in results["runs"]:
-        if run["label"] not in results["ranking"]:
-            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]: {escape(run['reason'])}", *[""] * 7)
+        if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
+            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 8)
     return table
+
+
+def _bytes_from(run: dict[str, Any]) -> str:
+    """The table's short form of a run's `bytes_source`: `local disk` or `tier NAME`."""
+    source = str(run.get("bytes_source") or "")
+    return source.split(" (", 1)[0] if source else "-"
+
+
+def not_run_lines(results: dict[str, Any]) -> list[str]:
+    """One line per setting that did not run (unavailable, failed, not run), with its reason; printed
+    under the table so that a long reason does not widen it."""
+    return [f"{run['label']}: {run['status']}: {run['reason']}" for run in results["runs"]
+            if run["label"] not in results["ranking"]]
+
+
+def bytes_source_lines(results: dict[str, Any]) -> list[str]:
+    """Where the runs' bytes came from, in full, once per distinct source."""
+    sources = sorted({str(r["bytes_source"]) for r in results["runs"] if r.get("bytes_source")})
+    return [f"bytes from {source}" + ("; tier_bytes in results.json counts what crossed it" if
+                                      source.startswith("tier") else "") for source in sources]
 
 
 @app.command()
@@ -162,7 +186,18 @@ def bench(
         return
     results = outcome.results
     console.print(results_table(results))
+    for line in not_run_lines(results):
+        console.print(f"[yellow]{escape(line)}[/]", highlight=False)
+    for line in bytes_source_lines(results):
+        console.print(f"[dim]{escape(line)}[/]", highlight=False)
     console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
+    busy = (results["machine"].get("load") or {}).get("note")
+    if busy:
+        console.print(f"[yellow]{escape(busy)}[/]", highlight=False)
+    unreliable = [r for r in results["runs"] if (r.get("ceiling") or {}).get("unreliable")]
+    for run in unreliable:
+        console.print(f"[yellow]of ceiling, {escape(run['label'])}: unreliable: {escape(run['ceiling']['reason'])}[/]",
+                      highlight=False)
     console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
                   f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
     _print_verdicts(results)
@@ -274,6 +309,10 @@ def convert(
     decoded: bool = typer.Option(False, "--decoded", help="Store decoded uint8 pixels instead of the JPEG bytes."),
     size: int = typer.Option(None, "--size", help="Decoded resolution (default: pipeline.image_size / 0.875)."),
     shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size of the raw format, MiB."),
+    verify: bool = typer.Option(False, "--verify", help="Check every chunk of an existing conversion against its "
+                                                        "checksums and the source's content against the digest it "
+                                                        "recorded (reads the whole source); reconverts on a change."),
+    force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
     set_: list[str] = SetOption,
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done)."""
@@ -283,9 +322,8 @@ def convert(
     from loadopt.errors import ConfigError
     from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
     from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
-    from loadopt.storage.arrow_format import arrow_path
+    from loadopt.storage import arrow_format, raw_format
     from loadopt.storage.imagefolder import open_dataset
-    from loadopt.storage.raw_format import raw_path
 
     with _user_errors():
         if to not in ("arrow", "raw"):
@@ -299,17 +337,38 @@ def convert(
         with _progress() as progress:
             reporter = _RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
-            loader = cls(dataset, cfg.pipeline, settings)
-            path = raw_path(dataset, loader.form, loader.size, shard_mib) if to == "raw" else \
-                arrow_path(dataset, loader.form, loader.size)
-            reused = (path / "index.npz").exists() if to == "raw" else path.exists()
+            loader = cls(dataset, cfg.pipeline, settings)  # what the backend would read: form and size
+            stored = getattr(loader, "stored_form", loader.form)
+            path = raw_format.raw_path(dataset, stored, loader.size, shard_mib) if to == "raw" else \
+                arrow_format.arrow_path(dataset, stored, loader.size)
+            existed = (path / "index.npz").exists() if to == "raw" else path.exists()
+            before = _mtime(path / "index.npz" if to == "raw" else path)
             start = time.perf_counter()
-            loader.prepare(lambda done, total: reporter.conversion_progress(loader.describe(), done, total))
+            step = lambda done, total: reporter.conversion_progress(loader.describe(), done, total)  # noqa: E731
+            options = {"progress": step, "on_error": cfg.dataset.on_error, "force": force, "verify": verify}
+            if to == "raw":
+                raw_format.convert(dataset, stored, loader.size, shard_mib, **options)
+                skipped = len(raw_format.open_raw(path, dataset, stored, loader.size, shard_mib).meta["skipped"])
+            else:
+                arrow_format.convert(dataset, stored, loader.size, **options)
+                skipped = len(arrow_format.open_arrow(path, dataset, stored, loader.size).skipped)
             seconds = time.perf_counter() - start
             loader.close()
+    reused = existed and _mtime(path / "index.npz" if to == "raw" else path) == before
     nbytes = sum(f.stat().st_size for f in path.iterdir()) if to == "raw" else path.stat().st_size
-    console.print(f"{path}: {len(dataset):,} samples, {loader.form}, {nbytes / 1e6:,.1f} MB "
-                  f"({'reused: converted earlier' if reused else f'converted in {seconds:.1f} s'})", highlight=False)
+    how = ("reused: converted earlier" + (", every chunk verified, source unchanged" if verify else "")) if reused \
+        else f"converted in {seconds:.1f} s"
+    console.print(f"{path}: {len(dataset):,} samples, {stored}, {nbytes / 1e6:,.1f} MB ({how})", highlight=False)
+    if skipped:
+        console.print(f"[yellow]{skipped} unreadable file(s) skipped (dataset.on_error: skip); every run reports "
+                      "them[/]", highlight=False)
+
+
+def _mtime(path: Any) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 @app.command()

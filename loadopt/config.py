@@ -61,6 +61,9 @@ class PipelineConfig(_Strict):
     batch_size: int = Field(64, gt=0)
     image_size: int = Field(224, ge=8)
     augment: Literal["train", "eval"] = "train"
+    # The decoded forms' whole frames keep their longer side at most this (FFCV's max_resolution):
+    # 512 keeps ImageNet-sized frames at their own pixels (README: storage cost per form).
+    max_side: int = Field(512, ge=8)
     dtype: Literal["float32", "uint8"] = "float32"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -104,6 +107,10 @@ class StorageConfig(_Strict):
             raise ValueError("expected local, a profile name from configs/tiers.yaml or a mapping of tier settings")
         return value
     cache: Literal["warm", "cold"] = "warm"
+    # Where conversions (Arrow files, raw shards) of a dataset that is not on the local disk live: a
+    # path or URL on the dataset's storage; null: beside the source under `.loadopt/` (on the local
+    # disk: the cache). See storage/tier_reads.py.
+    converted: str | None = None
 
 
 class ReportConfig(_Strict):
@@ -288,6 +295,9 @@ def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tu
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{source}: {where}invalid YAML: {problem}") from None
+    if raw is None:  # empty, or comments only: running every default instead would answer another question
+        raise ConfigError(f"{source}: the config file is empty (expected YAML keys such as dataset, pipeline, "
+                          "loaders; see configs/imagenet.yaml)")
     return config_from_dict(raw, source, overrides)
 
 

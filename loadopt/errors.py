@@ -34,3 +34,18 @@ class OutputError(LoadoptError):
 
 class StorageError(LoadoptError):
     """A storage tier that keeps failing: reads still erroring or timing out after every retry."""
+
+
+def describe_sample_error(exc: BaseException) -> str:
+    """What was wrong with a sample, in words: PIL's "cannot identify image file <_io.BytesIO object at
+    0x...>" says which in-memory buffer, not what is wrong; the file is named by the caller."""
+    import re
+
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    name = type(exc).__name__
+    if name == "UnidentifiedImageError" or text.startswith("cannot identify image file"):
+        return "not a readable image (no known image format: damaged or not an image)"
+    if "truncated" in text.lower() or name == "EOFError":
+        return f"truncated image ({re.sub(r'<[^>]* at 0x[0-9a-fA-F]+>', 'the file', text) or name})"
+    text = re.sub(r"<[^>]* at 0x[0-9a-fA-F]+>", "the file", text)
+    return f"cannot decode ({name}: {text})" if text else f"cannot decode ({name})"

@@ -9,6 +9,7 @@ keeps failing raises `StorageError`, one line naming the file and the last error
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
@@ -22,8 +23,13 @@ from loadopt.errors import DatasetError, StorageError
 
 T = TypeVar("T")
 
-# `scheme://user:password@host` -> `scheme://***@host`
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+# `scheme://user:password@host` -> `scheme://***@host`; the password may hold '/' (AWS secret keys do),
+# a user alone (`https://TOKEN@host`) may not.
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^\s/@:]*:[^\s@]*|[^\s/@:]+)@")
+# Query parameters that carry secrets: presigned S3 (X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token),
+# Azure SAS (sig), OAuth (access_token), `?password=`, `?api_key=`, ...
+_QUERY_SECRETS = re.compile(r"(?P<name>[?&;][^=&\s#]*?(?:secret|token|passw|signature|sig|credential|key|auth)"
+                            r"[^=&\s#]*=)[^&\s#]+", re.IGNORECASE)
 _SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "signature")
 REDACTED = "***"
 
@@ -40,13 +46,27 @@ def redact(value: Any) -> Any:
 
     Strings, mappings and lists are handled recursively; anything else is returned as it is."""
     if isinstance(value, str):
-        return _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
+        value = _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
+        return _QUERY_SECRETS.sub(lambda m: f"{m.group('name')}{REDACTED}", value) if "=" in value else value
     if isinstance(value, dict):
         return {k: (REDACTED if isinstance(k, str) and is_secret_key(k) and v not in (None, "") else redact(v))
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(redact(v) for v in value)
     return value
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that redacts credentials from each record's message (and its traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        record.msg, record.args = redact(message), None
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
 
 
 def is_url(path: str) -> bool:
@@ -59,14 +79,72 @@ def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it was raised from (aiohttp keeps the OS error as `os_error`)."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or any(item is s for s in seen):
+            continue
+        seen.append(item)
+        todo += [item.__cause__, item.__context__, getattr(item, "os_error", None)]
+    return seen
+
+
+def why_unreachable(url: str, exc: BaseException) -> str | None:
+    """In words, why `url`'s host could not be reached (refused, unknown name, no answer), else None."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(redact(url)).netloc.rsplit("@", 1)[-1] or url
+    for cause in _causes(exc):
+        if isinstance(cause, ConnectionRefusedError):
+            return f"the host {host} refused the connection (is the server running, on that port?)"
+        if isinstance(cause, socket.gaierror):
+            return f"the host name {host.rsplit(':', 1)[0]} cannot be resolved"
+        if isinstance(cause, (TimeoutError, socket.timeout)) or "Timeout" in type(cause).__name__:
+            return f"the host {host} did not answer in time"
+    return None
+
+
+def why_denied(url: str, exc: BaseException) -> str | None:
+    """In words, a credentials problem behind `exc` (none found, refused by the store), else None."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    for cause in _causes(exc):
+        name = type(cause).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return (f"no credentials for {scheme}:// ({name}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                    "AWS_PROFILE, or the tier's storage_options key and secret")
+        text = str(cause)
+        if any(code in text for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
+                                         "ExpiredToken")) or isinstance(cause, PermissionError):
+            return f"access denied by the storage ({redact(text.splitlines()[0] if text else name)})"
+    return None
+
+
+def _split_userinfo(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """`s3://KEY:SECRET@bucket/...`: s3fs takes no credentials in the URL; pass them as its options.
+    (A secret key may hold '/', never '@'; a key id holds neither.)"""
+    from urllib.parse import unquote
+
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, location = rest.partition("@")
+    key, colon, secret = userinfo.partition(":")
+    if scheme not in ("s3", "s3a") or not at or not colon or "/" in key:
+        return url, options
+    return f"{scheme}://{location}", {**options, "key": unquote(key), "secret": unquote(secret)}
+
+
 def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and in-filesystem path of `url`; a missing driver or a bad URL is a DatasetError.
 
     s3:// takes its endpoint, credentials and region from the usual AWS environment variables
     (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION) or from
     `storage_options` (s3fs's own keywords: endpoint_url, key, secret, client_kwargs, ...)."""
+    url, options = _split_userinfo(url, dict(storage_options or {}))
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         hint = " (pip install 'loadopt[remote]')" if url.split("://", 1)[0] in ("s3", "s3a", "http", "https") else ""
         raise DatasetError(f"{redact(url)}: no driver for this location{hint}: {exc}") from None
