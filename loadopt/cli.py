@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from loadopt.errors import LoadoptError
+from loadopt.errors import LoadoptError, Terminated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure and pick the fastest input path for a deep-learning job.")
@@ -40,6 +40,48 @@ def _user_errors() -> Iterator[None]:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _logging(verbose: bool) -> None:
+    """Log to stderr, every record with its credentials redacted (storage/remote.py)."""
+    from loadopt.storage.remote import RedactingFilter
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[list[bool]]:
+    """SIGTERM (Slurm, Kubernetes, `timeout`) stops the command as Ctrl-C does: `errors.Terminated`, a
+    KeyboardInterrupt, is raised in the main thread once (a second SIGTERM is ignored, so the cleanup and
+    the writing of the finished runs are not cut short). Yields a list holding True once it came."""
+    import signal
+    import threading
+
+    received: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    owner = os.getpid()
+
+    def stop(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a forked worker inherited this handler: end it as SIGTERM always did
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if received:
+            return
+        received.append(True)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _RichReporter:
@@ -171,17 +213,22 @@ def bench(
     from loadopt.bench.runner import run_bench
     from loadopt.config import load_config
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    with _user_errors():
+    _logging(verbose)
+    with _user_errors(), _terminate_as_interrupt() as terminated:
         from loadopt.bench.tuner import parse_budget
 
         cfg = load_config(config, set_ or [])
         budget_s = parse_budget(budget)
         names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
         with _progress() as progress:
-            outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress),
-                                convert=not no_convert, tune=tune, budget_s=budget_s,
-                                attribute_stages=attribute_stages)
+            try:
+                outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress),
+                                    convert=not no_convert, tune=tune, budget_s=budget_s,
+                                    attribute_stages=attribute_stages)
+            except Terminated:  # before any run started (generating, converting): nothing half-written is kept
+                err_console.print("interrupted (SIGTERM) before any run finished: no results were written",
+                                  highlight=False, markup=False)
+                raise typer.Exit(Terminated.exit_code) from None
     if outcome.json_path is None:  # a rank other than 0 under torchrun: rank 0 writes and prints
         return
     results = outcome.results
@@ -211,13 +258,17 @@ def bench(
                 console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
     console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
     _auto_report(outcome.json_path)
-    skipped = sum(len(r.get("skipped_files", [])) for r in results["runs"])
+    skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
     if skipped:
-        console.print(f"[yellow]{skipped} unreadable samples were skipped (dataset.on_error: skip); "
-                      f"their files are listed in results.json[/]")
+        listed = "; ".join(f"{path}: {why}" for path, why in list(skipped.items())[:5])
+        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
+                      f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)
     if outcome.interrupted:
-        err_console.print("interrupted: the results of the runs that finished were kept")
-        raise typer.Exit(130)
+        signal_name = results.get("interrupted_by") or ("SIGTERM" if terminated else "SIGINT")
+        err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",
+                          highlight=False)
+        raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130)
     if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
         reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
         err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'})",
@@ -394,7 +445,17 @@ def explain(
 from loadopt import cli_storage  # noqa: E402,F401 - after `app` and the helpers it uses exist
 
 
+def _redacted_excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """A bug keeps its traceback, without the credentials a URL in it may hold."""
+    import traceback
+
+    from loadopt.storage.remote import redact
+
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, exc, tb))))
+
+
 def main() -> None:
+    sys.excepthook = _redacted_excepthook
     try:
         app()
     except KeyboardInterrupt:

@@ -49,3 +49,10 @@ def describe_sample_error(exc: BaseException) -> str:
         return f"truncated image ({re.sub(r'<[^>]* at 0x[0-9a-fA-F]+>', 'the file', text) or name})"
     text = re.sub(r"<[^>]* at 0x[0-9a-fA-F]+>", "the file", text)
     return f"cannot decode ({name}: {text})" if text else f"cannot decode ({name})"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm, Kubernetes and `timeout` send), raised in the main thread as Ctrl-C's
+    KeyboardInterrupt is, so that everything that stops cleanly on Ctrl-C stops cleanly on it too."""
+
+    exit_code = 143  # 128 + SIGTERM, what a shell reports for a process the signal ended

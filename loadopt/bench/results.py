@@ -27,12 +27,23 @@ LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simple
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)`, then rename the temporary file onto `path`."""
+    """Call `write(tmp_path)`, then rename the temporary file onto `path`, which gets the mode a plain
+    `open` gives (the umask's: a teammate can read the report), not mkstemp's 0600. A full disk is
+    one line naming the folder; the previous file stays as it was."""
+    from loadopt.storage.integrity import honour_umask, is_no_space
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        honour_umask(tmp)
         write(tmp)
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if is_no_space(exc):
+            raise OutputError(f"{path.parent}: no space left on device to write {path.name}; the previous "
+                              "file, if any, is unchanged") from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

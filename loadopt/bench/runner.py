@@ -30,7 +30,7 @@ from loadopt.bench.results import (
 )
 from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer, resolve_device
-from loadopt.errors import LoadoptError
+from loadopt.errors import LoadoptError, Terminated
 from loadopt.loaders.base import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
@@ -150,11 +150,14 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
                     continue
                 cache_note = _run_one(setting, repeat, config, dataset, device, accelerator, workload,
                                       reporter) or cache_note
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
         interrupted = True
+        stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     except LoadoptError as exc:
         user_error = exc
     results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+    if interrupted:
+        results["interrupted_by"] = stopped_by
     if tunings is not None:
         results["tuning"] = tuner.tuning_summary(tunings, budget_s)
         tried = {t.backend: (len(t.trials), t.space_size, t.reason) for t in tunings}
@@ -166,8 +169,9 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
             _attribute(results, ceilings)
             if (tune or attribute_stages) and not interrupted and user_error is None:
                 stages.attribute_stages(config, dataset, device, results, ceilings, reporter)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             interrupted = results["interrupted"] = True
+            results["interrupted_by"] = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
     if not interrupted and user_error is None:
@@ -179,6 +183,16 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     if results.get("decision"):
         decision.record(results["decision"], folder)
     return BenchOutcome(results, json_path, parquet_path, interrupted)
+
+
+def skipped_files(per_repeat) -> list[dict[str, Any]]:
+    """One entry per unreadable file (path, what was wrong, how many times a repeat met it): a file
+    met in every epoch of every repeat is still one file."""
+    files: dict[str, dict[str, Any]] = {}
+    for skipped in per_repeat:
+        for path, why in skipped:
+            files.setdefault(path, {"path": path, "reason": why, "times": 0})["times"] += 1
+    return list(files.values())
 
 
 def _evict(files: list[str]) -> str:
@@ -255,7 +269,7 @@ def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device
         if setting.repeats and setting.status == "ok":
             run["metrics"] = aggregate([r.metrics for r in setting.repeats])
             run["repeats"] = [r.metrics for r in setting.repeats]
-            run["skipped_files"] = [{"path": p, "reason": why} for r in setting.repeats for p, why in r.skipped]
+            run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
         elif setting.status == "ok":
             run["status"], run["reason"] = "not run", "the bench was interrupted first"
         if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat

@@ -21,7 +21,7 @@ import numpy as np
 
 from loadopt.config import Config, cache_dir
 from loadopt.errors import ConfigError, DatasetError
-from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact
+from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact, why_denied, why_unreachable
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -84,8 +84,8 @@ def scan_image_folder(root_url: str, split: str = "train",
     fs, root = open_url(root_url, storage_options)
     root_url = redact(root_url)
     try:
-        if not fs.exists(root):
-            raise DatasetError(f"{root_url}: dataset folder not found")
+        if not fs.exists(root):  # remote drivers say False for a host that refused too: ask why
+            raise DatasetError(f"{root_url}: {_why_missing(fs, root, root_url)}")
         split_root = root.rstrip("/") + "/" + split
         if fs.isdir(split_root):
             root = split_root
@@ -98,12 +98,16 @@ def scan_image_folder(root_url: str, split: str = "train",
         files = fs.find(root, detail=True)
     except DatasetError:
         raise
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{root_url}: cannot list the dataset ({redact(str(exc))})") from None
     except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
-        if not is_transient(exc):
+        why = why_denied(root_url, exc) or why_unreachable(root_url, exc)
+        if why is not None:
+            raise DatasetError(f"{root_url}: {why}") from None
+        first = redact(str(exc).splitlines()[0]) if str(exc) else ""
+        if isinstance(exc, (OSError, ValueError)):
+            raise DatasetError(f"{root_url}: cannot list the dataset ({first or type(exc).__name__})") from None
+        if not is_transient(exc) and is_local_fs(fs):
             raise
-        raise DatasetError(f"{root_url}: cannot reach the dataset ({type(exc).__name__}: {redact(str(exc))})") from None
+        raise DatasetError(f"{root_url}: cannot reach the dataset ({type(exc).__name__}: {first})") from None
     prefix = root.rstrip("/") + "/"
     entries = []
     for name, info in files.items():
@@ -119,8 +123,10 @@ def scan_image_folder(root_url: str, split: str = "train",
     class_index = {c: i for i, c in enumerate(classes)}
     # A local tree is named by its real path: the same files reached through a symlink reuse its conversions.
     digest = hashlib.sha256(fs.unstrip_protocol(os.path.realpath(root) if is_local_fs(fs) else root).encode())
+    # Modification times too: a file replaced by other bytes of the same size makes a new dataset (its
+    # conversions are not reused); `loadopt convert --verify` also compares the content.
     for _, name, size in entries:
-        digest.update(f"{name[len(prefix):]}\0{size}\n".encode())
+        digest.update(f"{name[len(prefix):]}\0{size}\0{modified(files.get(name) or {})}\n".encode())
     return ImageDataset(
         root=fs.unstrip_protocol(root) if not is_local_fs(fs) else root,
         fs=fs,
@@ -130,6 +136,26 @@ def scan_image_folder(root_url: str, split: str = "train",
         classes=classes,
         fingerprint=digest.hexdigest()[:16],
     )
+
+
+def _why_missing(fs: fsspec.AbstractFileSystem, root: str, url: str) -> str:
+    if not is_local_fs(fs):
+        try:
+            fs.info(root)
+        except Exception as exc:  # noqa: BLE001 - only to find the reason, which the chain holds
+            why = why_denied(url, exc) or why_unreachable(url, exc)
+            if why is not None:
+                return why
+    return "dataset folder not found"
+
+
+def modified(info: dict[str, Any]) -> str:
+    """A file's modification time as its filesystem lists it (local disks and object stores; "" where
+    the listing has none, as plain HTTP directory listings)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
 
 
 def _with_sizes(fs: fsspec.AbstractFileSystem, entries: list[tuple[str, str, Any]]) -> list[tuple[str, str, int]]:
@@ -193,6 +219,12 @@ def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], N
     except ValueError as exc:  # a split it does not have
         raise DatasetError(f"{config.source}: dataset.synthetic: {exc}") from None
     except OSError as exc:
+        from loadopt.storage import integrity
+
+        if integrity.is_no_space(exc):  # the partial folder is already gone (synthetic.ensure_synthetic)
+            spec = config.dataset.synthetic  # JPEGs of these images at quality 90: about 0.8 bytes a pixel
+            needed = int(spec.num_samples * spec.mean_width * spec.mean_height * 0.8)
+            raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic dataset") from None
         raise DatasetError(f"{cache_dir()}: cannot write the synthetic dataset into the cache ({exc}); "
                            "set LOADOPT_CACHE to a writable folder") from None
     dataset = _from_manifest(root, split)
