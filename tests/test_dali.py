@@ -86,7 +86,8 @@ def test_centre_crop_matches_torch_within_one_level(folder, roi_decode):
 def test_normalised_float_output_matches_torch(folder):
     dataset = scan_image_folder(str(folder))
     ours = collect(dali(dataset, "eval", "float32"))
-    assert ours[0][0].dtype == torch.float32 and ours[0][0].shape == (4, 3, 24, 24) and ours[0][0].is_contiguous()
+    assert ours[0][0].dtype == torch.float32 and ours[0][0].shape == (4, 3, 24, 24)
+    assert ours[0][0].is_contiguous(memory_format=torch.channels_last)  # pipeline.memory_format's default
     assert differences(ours, reference(dataset, "eval", "float32")).max() <= LEVEL * 1.001
     on_device = collect(dali(dataset, "eval", "float32", normalise="device", layout="NHWC"))
     assert differences(on_device, ours).max() < 1e-4  # uint8 NHWC from DALI, normalised by `finish`
@@ -228,7 +229,7 @@ def test_make_loader_and_bench_end_to_end(tmp_path):
     loader = make_loader(path, backend="dali", batch_size=16)
     batches = collect(loader)
     assert len(batches) == 3 and batches[0][0].shape == (16, 3, 48, 48)
-    assert loader.counters.samples == 48 and loader.settings.num_threads == 1  # the sweep's first value
+    assert loader.counters.samples == 48 and loader.settings.num_threads == 2  # the sweep holds dali's default
     env = {**os.environ, "COLUMNS": "200"}
     proc = subprocess.run([sys.executable, "-m", "loadopt.cli", "bench", str(path), "--quick"], capture_output=True,
                           text=True, env=env, timeout=300)
