@@ -105,9 +105,16 @@ def tiers(
     budget: float = typer.Option(300.0, "--budget", help="Seconds of search per tier."),
     capacity_tb: float = typer.Option(None, "--capacity-tb", help="TB stored, for the cost (default: the dataset's)."),
     out: str = typer.Option("results/tiers", "--out", help="Output folder of tiers.json."),
+    backends: bool = typer.Option(True, "--backends/--no-backends", help="Also run every configured backend "
+                                  "(arrow and posix decoded and encoded) through each tier, cold: the decision "
+                                  "per tier."),
+    backend_batches: int = typer.Option(20, "--backend-batches", help="Measured batches per backend and tier."),
+    quick: bool = typer.Option(False, "--quick", help="A first look: 1 s trials, 30 s of search per tier, "
+                                                      "8 measured batches per backend."),
     set_: list[str] = SetOption,
 ) -> None:
-    """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted."""
+    """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
+    and which backend is fastest through it."""
     import json
     from pathlib import Path
 
@@ -125,11 +132,16 @@ def tiers(
         else:
             names = list(load_tier_profiles())
         folder = prepare_output(out)
+        if quick:
+            measure, warmup, budget, backend_batches = min(measure, 1.0), min(warmup, 0.5), min(budget, 30.0), \
+                min(backend_batches, 8)
         with _progress() as progress:
             task = progress.add_task("tiers", total=None)
             result = run_tiers(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
                                warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
-                               progress=lambda text: progress.update(task, description=text))
+                               progress=lambda text: progress.update(task, description=text),
+                               backends_out=str(Path(folder) / "backends") if backends else None,
+                               backend_warmup=2 if quick else 3, backend_batches=backend_batches)
         json_path = Path(folder) / "tiers.json"
         atomic_write_text(json_path, json.dumps(result, indent=2) + "\n")
     console.print(tiers_table(result))
@@ -138,8 +150,59 @@ def tiers(
                   f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
                   f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
                   f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
+    if any("backends" in row for row in result["tiers"]):
+        console.print(backends_table(result))
+        for line in backend_lines(result):
+            console.print(escape(line), highlight=False)
     console.print(f"results: {json_path}", highlight=False)
     _auto_report(json_path)
+
+
+def backends_table(result: dict[str, Any]) -> Table:
+    """Every backend setting (rows) through every tier (columns): samples/s and accelerator utilisation of
+    one accelerator, the tier's winner marked."""
+    rows = [row for row in result["tiers"] if "backends" in row]
+    table = Table(title="every backend through each tier (one accelerator, cold; * = the tier's decision)",
+                  title_justify="left")
+    table.add_column("backend setting", justify="left")
+    for row in rows:
+        table.add_column(f"{row['tier']}: samples/s (AU)", justify="right")
+    labels: list[str] = []
+    for row in rows:
+        labels += [run["label"].removesuffix(" via tier") for run in row["backends"]["runs"]
+                   if run["label"].removesuffix(" via tier") not in labels]
+    for label in labels:
+        cells = []
+        for row in rows:
+            run = next((r for r in row["backends"]["runs"] if r["label"].removesuffix(" via tier") == label), None)
+            if run is None:
+                cells.append("-")
+            elif run.get("samples_per_s") is None:
+                cells.append(f"[yellow]{run['status']}[/]")
+            else:
+                chosen = (row["backends"].get("decision") or {}).get("label") == run["label"]
+                au = run.get("accelerator_utilisation")
+                cells.append(f"{'* ' if chosen else ''}{run['samples_per_s']:,.0f}"
+                             f"{f' ({au:.0%})' if au is not None else ''}")
+        table.add_row(escape(label), *cells)
+    return table
+
+
+def backend_lines(result: dict[str, Any]) -> list[str]:
+    """Per tier: the decision and where the bytes came from; then the settings that did not run, and why."""
+    lines = []
+    for row in result["tiers"]:
+        backends = row.get("backends")
+        if not backends:
+            continue
+        decision = backends.get("decision") or {}
+        sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
+        lines.append(f"{row['tier']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
+                     f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
+        for run in backends["runs"]:
+            if run.get("samples_per_s") is None:
+                lines.append(f"  {row['tier']}, {run['label']}: {run['status']}: {run['reason']}")
+    return lines
 
 
 def tiers_table(result: dict[str, Any]) -> Table:

@@ -81,7 +81,7 @@ def test_cli_tiers_table_and_errors(tmp_path):
     path.write_text(yaml.safe_dump(data))
     proc = loadopt("tiers", path, "--set", "storage.tier={name: tiny, bandwidth_mb_s: 0.1, price_per_tb_month: 20}",
                    "--max-accelerators", "2", "--readers", "2", "--warmup", "0.2", "--measure", "0.5",
-                   "--out", tmp_path / "out")
+                   "--no-backends", "--out", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert "loadopt tiers" in proc.stdout and "tiny" in proc.stdout
     result = json.loads((tmp_path / "out" / "tiers.json").read_text())
@@ -92,3 +92,29 @@ def test_cli_tiers_table_and_errors(tmp_path):
     assert "unknown tier 'nonesuch'" in line
     line = one_line_error(loadopt("tiers", path, "--au", "1.5"), code=2)
     assert "--au 1.5" in line
+
+
+def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_path):
+    """arrow and posix, decoded and encoded, side by side on each tier; on a tier that starves them of
+    bytes the encoded form (a fifth of the decoded one's bytes here) wins, and that tier's decision says so."""
+    from loadopt.bench.decision import decision_path
+
+    config = config_from_dict(tiny_config_dict(tmp_path, pipeline={"batch_size": 4, "image_size": 32},
+                                               workload={"step_time_ms": 1},
+                                               loaders={"arrow": {"form": "decoded"}, "posix": {"shard_mib": 0.25}}))
+    tiers = [{"name": "starved", "bandwidth_mb_s": 0.5}, {"name": "roomy", "bandwidth_mb_s": 2000}]
+    result = run_tiers(config, tiers, max_accelerators=1, warmup_s=0.1, measure_s=0.3, budget_s=5,
+                       backends_out=str(tmp_path / "backends"), backend_warmup=2, backend_batches=6)
+    for row in result["tiers"]:
+        runs = row["backends"]["runs"]
+        assert sorted((r["backend"], r["form"]) for r in runs) == [("arrow", "decoded"), ("arrow", "encoded"),
+                                                                   ("posix", "decoded"), ("posix", "encoded")]
+        assert all(r["status"] == "ok" and r["bytes_source"].startswith(f"tier {row['tier']}") for r in runs)
+        assert all(r["tier_bytes"] > 0 for r in runs)  # (the exact count is test_tier_backends.py's)
+    starved = result["tiers"][0]["backends"]
+    rates = {(r["backend"], r["form"]): r["samples_per_s"] for r in starved["runs"]}
+    assert rates[("arrow", "encoded")] > 2 * rates[("arrow", "decoded")], rates
+    assert starved["decision"]["label"].split()[:2] in (["arrow", "encoded"], ["posix", "encoded"]), starved
+    # recorded as `loadopt bench` records it: one entry per tier, so `auto` follows the tier it runs on
+    entries = json.loads(decision_path(open_dataset(config).fingerprint).read_text())["entries"]
+    assert {e["machine"]["storage_tier"].split(":")[0] for e in entries} >= {"starved", "roomy"}

@@ -14,6 +14,13 @@ bisection, bounded by `max_accelerators`. Each trial uses a fresh tier instance 
 clock), forked from this process, so the consumers share the tier's limits as they would share the
 real device.
 
+Backends: the same question asked of the input paths. Each configured backend (arrow and posix in
+both forms, decoded and encoded, side by side; every other swept knob at its last listed value) runs
+through the harness as one accelerator on the tier, cold, every byte through the tier
+(storage/tier_reads.py); the fastest is that tier's decision, recorded as `loadopt bench` records it
+(keyed by the tier), so `make_loader(backend="auto")` follows the tier: on a slow one the smaller
+encoded form can win, on a fast one the decoded form.
+
 Predicted: from `loadopt probe` of the tier (whole-sample reads of the dataset at concurrency 1, 4,
 16 and 64): N consumers with `readers` threads each keep about N x readers requests in flight, so
 the tier delivers the probe's MB/s at that concurrency (interpolated, flat past the last level);
@@ -33,6 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -284,11 +292,56 @@ def tier_costs(spec: TierSpec, capacity_tb: float, supported: int) -> dict[str, 
     return {"per_month": per_month, "per_accelerator_month": per_month / supported if supported else None}
 
 
+DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "text")
+
+
+def backend_sweep(config: Config) -> dict[str, dict[str, Any]]:
+    """The backends to compare on each tier: the config's, arrow and posix in both forms, every other
+    swept knob at its last (most parallel) listed value."""
+    loaders: dict[str, dict[str, Any]] = {}
+    for name, raw in config.loaders.items():
+        settings = {k: (v[-1] if isinstance(v, list) and v and k not in ("form", "variant") else v)
+                    for k, v in raw.items()}
+        if name in ("arrow", "posix", "kvikio"):
+            settings["form"] = ["decoded", "encoded"]
+        loaders[name] = settings
+    return loaders
+
+
+def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: int,
+                     measure_batches: int) -> dict[str, Any]:
+    """Every backend of `backend_sweep` through tier `spec` (cold, one accelerator), as `loadopt bench`
+    runs them: their figures, where their bytes came from, and the decision recorded for this tier."""
+    from loadopt.bench.metrics import median
+    from loadopt.bench.runner import run_bench
+
+    workload = config.workload.model_copy(update={"warmup_batches": warmup_batches,
+                                                  "measure_batches": measure_batches, "repeats": 1})
+    tier_config = config.model_copy(update={
+        "loaders": backend_sweep(config), "workload": workload,
+        "storage": config.storage.model_copy(update={"tier": spec.model_dump(mode="json"), "cache": "cold"})})
+    results = run_bench(tier_config, out=out, attribute=False).results
+    runs = []
+    for run in results["runs"]:
+        row = {"label": run["label"], "backend": run["backend"], "status": run["status"], "reason": run["reason"],
+               "form": (run.get("settings") or {}).get("form"), "bytes_source": run.get("bytes_source")}
+        if "metrics" in run:
+            m = run["metrics"]
+            row.update({key: median(m, key) for key in ("samples_per_s", "mb_per_s", "accelerator_utilisation",
+                                                         "bytes_read", "tier_bytes", "wall_s")})
+        runs.append(row)
+    decision = results.get("decision") or {}
+    return {"runs": runs, "ranking": results["ranking"], "results": str(Path(out) / "results.json"),
+            "decision": {k: decision[k] for k in DECISION_KEYS if k in decision} or None}
+
+
 def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 0.9, max_accelerators: int = 64,
               readers: int = 4, prefetch: int = 2, warmup_s: float = 1.0, measure_s: float = 3.0,
               probe_s: float = 1.0, budget_s: float = 300.0, capacity_tb: float | None = None,
-              progress: Progress | None = None) -> dict[str, Any]:
-    """For each tier: supported accelerators (measured and predicted), with what was delivered and cost."""
+              progress: Progress | None = None, backends_out: str | None = None, backend_warmup: int = 3,
+              backend_batches: int = 20) -> dict[str, Any]:
+    """For each tier: supported accelerators (measured and predicted), with what was delivered and cost;
+    with `backends_out` (a folder), also every backend compared on it (`compare_backends`)."""
     if not 0 < au <= 1:
         raise ConfigError(f"--au {au}: expected a utilisation threshold in (0, 1]")
     if max_accelerators < 1:
@@ -330,6 +383,10 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
                      "cost": cost, "capacity_tb": capacity,
                      "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
                      "probe": probed})
+        if backends_out is not None:
+            say(f"{spec.name}: every backend through the tier")
+            rows[-1]["backends"] = compare_backends(config, spec, str(Path(backends_out) / _folder_name(spec.name)),
+                                                    backend_warmup, backend_batches)
     from loadopt.bench.results import machine_info
 
     return {"command": "loadopt tiers", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -341,6 +398,10 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
                          "measure_s": measure_s, "max_accelerators": max_accelerators},
             "runs": [],  # no loader settings: the report shows the tiers section of this file
             "tiers": rows}
+
+
+def _folder_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "tier"
 
 
 def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64) -> dict[str, Any]:
