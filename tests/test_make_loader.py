@@ -182,3 +182,58 @@ def test_auto_finds_a_decision_recorded_under_an_inline_tier(config_path, caplog
         assert "fastest in the last bench on this machine" in caplog.text
     finally:
         decision_path(decision["dataset_fingerprint"]).unlink()
+
+
+def test_swept_knobs_take_the_backends_default_for_this_machine_and_say_so(tmp_path, caplog):
+    """The shipped config's shape: lists sweep torch's variant and workers, dali's threads, arrow's form.
+    Without a decision each swept knob takes the backend's default for this machine (the tuner's start)."""
+    from loadopt.bench.knobs import search_space
+    from loadopt.config import load_config
+    from loadopt.device import usable_cores
+    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+
+    cores = usable_cores()
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "r", loaders={
+        "torch": {"variant": ["plain", "tuned"], "num_workers": [1, 2, 4], "prefetch_factor": 2},
+        "dali": {"num_threads": [1, 2], "normalise": "device", "layout": "NHWC"},
+        "arrow": {"form": ["decoded", "encoded"], "threads": 2},
+        "posix": {"io_threads": [2, 8]}})))
+    config = load_config(path)
+    expect = {"torch": ("variant", "num_workers"), "arrow": ("form",), "posix": ("io_threads",),
+              "dali": ("num_threads",)}
+    for name, swept in expect.items():
+        cls = backend_class(name)
+        if not cls.available()[0]:
+            continue
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="loadopt"):
+            loader = make_loader(config, split="val", backend=name)
+        defaults = cls.Settings()
+        for key in swept:
+            value = getattr(loader.settings, key)
+            assert value == getattr(defaults, key)  # the backend's own default for this machine ...
+            assert value == getattr(search_space(config, name, cls, cores)[1], key)  # ... the tuner's start too
+            assert f"{key}={value!r} (swept " in caplog.text and "the backend's default" in caplog.text
+        loader.close()
+    # Machine-sized defaults: a torch worker per core (up to 8), posix reads in flight per core (2 to 8).
+    assert backend_class("torch").Settings().num_workers == min(8, cores)
+    assert PosixSettings().io_threads == min(8, max(2, cores)) and PosixSettings().io_threads in \
+        PosixLoader.knob_space(cores)["io_threads"]
+    # A sweep without the default starts at its first value and says why; a keyword wins and says so.
+    workers = [min(8, cores) + 1, min(8, cores) + 2]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="loadopt"):
+        loader = make_loader(load_config(path, [f"loaders.torch.num_workers={workers}"]), split="val",
+                             backend="torch", num_workers=0, variant="plain", batch_size=12)
+    assert loader.settings.variant == "plain" and "variant='plain' (passed to make_loader)" in caplog.text
+    assert loader.settings.num_workers == 0 and "num_workers=0 (passed to make_loader)" in caplog.text
+    loader.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="loadopt"):
+        loader = make_loader(load_config(path, [f"loaders.torch.num_workers={workers}"]), split="val", backend="torch")
+    assert loader.settings.num_workers == workers[0]
+    assert f"num_workers={workers[0]} (swept {workers} in loaders.torch: its first value (the backend's default " \
+           f"for this machine, {min(8, cores)}, is not among them)" in caplog.text
+    loader.close()

@@ -137,3 +137,44 @@ def test_default_spec_sizes_and_bytes_resemble_imagenet() -> None:
     params = spec.model_dump()
     mean_kb = np.mean([len(synthetic._render_jpeg(params, i)) for i in range(40)]) / 1000
     assert 80 < mean_kb < 140, mean_kb
+
+
+class ValSpec(Spec):
+    val_fraction: float = 0.25
+
+
+def test_val_split_beside_train_keeps_train_as_it_was(tmp_path: Path, reference: dict[str, bytes]) -> None:
+    """val: its own root beside train's, `val_fraction x num_samples` new images (the indices after train's);
+    train's root, key (its fingerprint) and bytes are those of a spec without a val split."""
+    assert synthetic_key(ValSpec()) == synthetic_key(Spec())  # the val size is not part of train's key
+    train = ensure_synthetic(ValSpec(), tmp_path, workers=1)
+    images = {name: data for name, data in reference.items() if name != "manifest.json"}
+    assert train == synthetic_root(Spec(), tmp_path) and _files(train).items() >= images.items()
+    calls: list[tuple[int, int]] = []
+    val = ensure_synthetic(ValSpec(), tmp_path, progress=lambda *a: calls.append(a), workers=2, split="val")
+    assert val == tmp_path / "datasets" / f"synthetic-{synthetic_key(Spec())}-val6" and calls[-1] == (6, 6)
+    manifest = json.loads((val / "manifest.json").read_text())
+    assert [f[0] for f in manifest["files"]] == [f"val/class_{i % 3:03d}/{i:06d}.JPEG" for i in range(24, 30)]
+    assert [f[2] for f in manifest["files"]] == [i % 3 for i in range(24, 30)]
+    val_bytes = {p.read_bytes() for p in val.rglob("*.JPEG")}
+    assert len(val_bytes) == 6 and not val_bytes & set(reference.values())  # no image shared with train
+    assert ensure_synthetic(ValSpec(), tmp_path, workers=1, split="val") == val  # reused
+    with pytest.raises(ValueError, match="val_fraction is 0"):
+        ensure_synthetic(ValSpec(val_fraction=0.0), tmp_path, workers=1, split="val")
+    with pytest.raises(ValueError, match="splits train, val, not 'test'"):
+        ensure_synthetic(ValSpec(), tmp_path, workers=1, split="test")
+
+
+def test_open_dataset_val_split_of_the_synthetic_dataset() -> None:
+    from loadopt.config import config_from_dict
+    from loadopt.errors import DatasetError
+    from loadopt.storage.imagefolder import open_dataset
+
+    raw = {"dataset": {"synthetic": {"num_samples": 20, "num_classes": 2, "mean_width": 64, "mean_height": 64,
+                                     "seed": 5}}}
+    train, val = open_dataset(config_from_dict(raw), "train"), open_dataset(config_from_dict(raw), "val")
+    assert len(train) == 20 and len(val) == 2 and val.classes == train.classes == ["class_000", "class_001"]
+    assert train.fingerprint == f"synthetic-{synthetic_key(config_from_dict(raw).dataset.synthetic)}"
+    assert val.fingerprint == train.fingerprint + "-val2" and val.root.endswith("val")
+    with pytest.raises(DatasetError, match="dataset.synthetic: the synthetic dataset has splits train, val, not"):
+        open_dataset(config_from_dict(raw), "test")
