@@ -24,7 +24,8 @@ from .test_kvikio import cpu_jpeg_decoder
 FAST_TIER = {"name": "fast", "bandwidth_mb_s": 2000}
 # (backend, settings): every built-in path that runs on a CPU-only machine
 SETTINGS = [("torch", {"variant": "plain", "num_workers": 1}), ("torch", {"variant": "tuned", "num_workers": 0}),
-            ("dali", {"num_threads": 1}), ("arrow", {"form": "decoded"}), ("arrow", {"form": "encoded"}),
+            ("dali", {"num_threads": 1}), ("dali", {"num_threads": 1, "source": "arrow"}),
+            ("arrow", {"form": "decoded"}), ("arrow", {"form": "encoded"}),
             ("posix", {"form": "decoded", "shard_mib": 0.25}), ("posix", {"form": "encoded", "shard_mib": 0.25})]
 
 
@@ -103,11 +104,11 @@ def test_plain_local_disk_keeps_the_direct_paths(tmp_path):
 def test_a_failing_tier_fails_every_backend(tmp_path):
     tier = {"name": "broken", "error_rate": 1.0, "retry": {"max_attempts": 2, "base_delay_s": 0.001}}
     config = _config(tmp_path, "local")  # convert first, through no tier
-    for backend, settings in SETTINGS[3:]:
+    for backend, settings in SETTINGS[4:]:
         _loader(config, open_dataset(config), backend, settings).close()
     config = _config(tmp_path, tier)
     dataset = open_dataset(config)
-    for backend, settings in SETTINGS[3:]:
+    for backend, settings in SETTINGS[4:]:
         with pytest.raises(StorageError, match="read failed 2 times"):
             _epoch(_loader(config, dataset, backend, settings))
 
