@@ -76,6 +76,7 @@ class DaliLoader(Loader):
             raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; "
                               "use reader: external for remote datasets or source: arrow")
         self._views: list | None = None  # Arrow: (offsets, data) per record batch
+        self._tier_ranges: tuple | None = None  # Arrow on a tier: (fs, path, sample offsets, lengths)
         self._pipe = None
         self._native_done = 0  # native: batches DALI has delivered in its current epoch
 
@@ -133,6 +134,13 @@ class DaliLoader(Loader):
             offsets = np.frombuffer(column.buffers()[1], np.int32, batch.num_rows + 1, column.offset * 4)
             views.append((offsets, np.frombuffer(column.buffers()[2], np.uint8)))
         self._views = views
+        from loadopt.storage import tier_reads
+
+        tier = tier_reads.tier_fs(self.dataset)
+        if tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
+            remote = tier_reads.publish(self.dataset, path)
+            offsets, lengths = tier_reads.arrow_layout(path)
+            self._tier_ranges = (tier, remote or str(path), offsets, lengths)
 
     def storage_files(self) -> list[str]:
         if self.settings.source == "arrow":
@@ -142,6 +150,10 @@ class DaliLoader(Loader):
         return super().storage_files()
 
     def _encoded(self, index: int) -> np.ndarray:
+        if self._tier_ranges is not None:
+            fs, path, offsets, lengths = self._tier_ranges
+            start = int(offsets[index])
+            return np.frombuffer(fs.cat_file(path, start=start, end=start + int(lengths[index])), np.uint8)
         if self._views is not None:
             from loadopt.storage.arrow_format import ROWS_PER_BATCH
 

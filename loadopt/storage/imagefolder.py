@@ -22,6 +22,7 @@ import numpy as np
 from loadopt.config import Config, cache_dir
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact, why_denied, why_unreachable
+from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -39,6 +40,7 @@ class ImageDataset:
     classes: list[str]
     fingerprint: str
     synthetic: bool = False
+    converted: str | None = None  # where its conversions live when not in the cache (storage/tier_reads.py)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -208,6 +210,7 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     else:
         dataset = _open_synthetic(config, split, progress)
     dataset.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)
+    dataset.converted = conversion_home(config.storage.converted, tier.base, dataset.fs, dataset.root)
     return dataset
 
 
