@@ -77,17 +77,23 @@ def shm_files() -> dict[str, int]:
     return found
 
 
-def shm_mappings() -> list[str]:
-    """Shared-memory files (unlinked or not) this process still maps: torch's shared tensors among them."""
-    lines = Path(f"/proc/{os.getpid()}/maps").read_text().splitlines()
-    return sorted({line.split(maxsplit=5)[-1] for line in lines
-                   if "/dev/shm/" in line or "/torch_" in line or "memfd:" in line})
+def shm_mappings() -> dict[str, int]:
+    """Shared-memory files (unlinked or not) this process still maps, and their mapped bytes: torch's
+    shared tensors among them."""
+    found: dict[str, int] = {}
+    for line in Path(f"/proc/{os.getpid()}/maps").read_text().splitlines():
+        if "/dev/shm/" in line or "/torch_" in line or "memfd:" in line:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            name = line.split(maxsplit=5)[-1]
+            found[name] = found.get(name, 0) + end - start
+    return found
 
 
 def soak(config, backend: str, epochs: int, settings: dict) -> dict:
     from loadopt import make_loader
 
     shm_before, maps_before = shm_files(), set(shm_mappings())
+    inputs = labels = None
     loader = make_loader(config, backend=backend, device="cpu", **settings)
     print(f"{backend}: {loader.describe()}, {len(loader)} batches an epoch, {epochs} epochs", flush=True)
     samples: list[dict[str, float]] = []
@@ -95,8 +101,8 @@ def soak(config, backend: str, epochs: int, settings: dict) -> dict:
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             middle, start, count = len(loader) // 2, time.perf_counter(), 0
-            for index, (inputs, _labels) in enumerate(loader):
-                count += inputs.shape[0]
+            for index, (inputs, labels) in enumerate(loader):
+                count += min(inputs.shape[0], len(labels))
                 if index == middle:
                     samples.append(tree_memory())
             rate = count / (time.perf_counter() - start)
@@ -107,7 +113,8 @@ def soak(config, backend: str, epochs: int, settings: dict) -> dict:
                   f"{s['own_dirty']:6.1f}); {rate:5.0f} samples/s", flush=True)
     finally:
         loader.close()
-    del loader
+    # The script's own last batch (its labels may be a tensor shared by a worker) is the script's, not a leftover.
+    del loader, inputs, labels
     gc.collect()
     me = psutil.Process(os.getpid())
     deadline = time.monotonic() + 5.0  # workers get a moment to exit after close()
@@ -115,7 +122,7 @@ def soak(config, backend: str, epochs: int, settings: dict) -> dict:
         time.sleep(0.1)
     alive = [f"{p.pid} {p.name()}" for p in me.children(recursive=True)]
     shm_left = {name: size for name, size in shm_files().items() if name not in shm_before}
-    maps_left = sorted(set(shm_mappings()) - maps_before)
+    maps_left = {name: size for name, size in shm_mappings().items() if name not in maps_before}
     return {"samples": samples, "alive": alive, "shm": shm_left, "maps": maps_left}
 
 
@@ -152,7 +159,8 @@ def main() -> int:
               f"{first['tree_shmem']:.1f} -> {last['tree_shmem']:.1f} MB")
         print(f"{backend}: after close(): {len(found['alive'])} processes alive {found['alive'] or ''}, "
               f"{len(found['shm'])} new /dev/shm files ({sum(found['shm'].values()) / 2**20:.1f} MB) "
-              f"{sorted(found['shm']) or ''}, {len(found['maps'])} shared mappings held {found['maps'] or ''}")
+              f"{sorted(found['shm']) or ''}, {len(found['maps'])} shared mappings held "
+              f"{ {name: f'{size / 2**20:.1f} MB' for name, size in found['maps'].items()} or ''}")
         leftovers = len(found["alive"]) + len(found["shm"]) + len(found["maps"])
         lines.append(result_line(f"soak_pss_growth_{backend}", growth, "<=", 1.10))
         lines.append(result_line(f"soak_leftovers_{backend}", leftovers, "<=", 0))

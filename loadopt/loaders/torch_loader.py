@@ -308,3 +308,6 @@ class TorchLoader(Loader):
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
             self._dataloader = None
+        # The shared batch ring (tuned): unmapped now, not when the loader object goes (a script keeps it
+        # after close(); bench/soak.py found it still mapped). A later pass makes a new one.
+        self._ring = None
