@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from loadopt import recipe
 from loadopt.bench.knobs import start_settings
 from loadopt.config import Config, PipelineConfig, config_from_dict, load_config
 from loadopt.device import resolve_device
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders.base import BatchTransform, Loader, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
+from loadopt.recipe import RecipeMismatch
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 
 log = logging.getLogger(__name__)
@@ -124,8 +126,13 @@ def _split_defaults(split: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def _auto(config: Config, dataset, build: dict[str, Any]) -> Loader:
     chosen, settings_raw, why = _choose(config, dataset)
-    if chosen:
-        return _build(config, dataset, chosen, settings_raw, "the bench decision", why, convert=True, **build)
+    if chosen:  # never onto another training input (loadopt.recipe): then the fallback order below
+        try:
+            return _build(config, dataset, chosen, settings_raw, "the bench decision", why, convert=True,
+                          same_recipe=True, **build)
+        except RecipeMismatch as exc:
+            why = f"the bench decision is not used: {exc}"
+            log.warning("make_loader: %s", why)
     # No decision: the first available backend of the fixed order that is ready to read this dataset.
     # `auto` never starts a conversion on its own (a decoded ImageNet is ~250 GB): that takes a bench
     # decision, `loadopt convert`, or asking for the backend by name.
@@ -135,7 +142,7 @@ def _auto(config: Config, dataset, build: dict[str, Any]) -> Loader:
         try:
             return _build(config, dataset, name, dict(config.loaders.get(name) or {}), f"loaders.{name}",
                           f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", convert=False,
-                          **build)
+                          same_recipe=True, **build)
         except DatasetError as exc:
             log.info("make_loader: skipping %s: %s", name, exc)
     raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
@@ -166,7 +173,7 @@ def _dataloader_keywords(cls: type[Loader], backend: str, overrides: dict[str, A
 
 def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], where: str, why: str, *,
            overrides: dict[str, Any], device, rank: int | None, world_size: int | None, seed: int | None, epoch: int,
-           convert: bool) -> Loader:
+           convert: bool, same_recipe: bool = False) -> Loader:
     cls = backend_for(backend, f"make_loader: backend={backend!r}")
     available, reason = cls.available()
     if not available:

@@ -358,7 +358,9 @@ def convert(
     config: str = typer.Argument(..., help="The config YAML whose dataset to convert."),
     to: str = typer.Option(..., "--to", help="The format: arrow or raw (4 KiB-aligned shards)."),
     decoded: bool = typer.Option(False, "--decoded", help="Store decoded uint8 pixels instead of the JPEG bytes."),
-    size: int = typer.Option(None, "--size", help="Decoded resolution (default: pipeline.image_size / 0.875)."),
+    size: int = typer.Option(None, "--size", help="Decoded centre square (default: pipeline.image_size / 0.875)."),
+    frame: str = typer.Option("auto", "--frame", help="Decoded: whole (longer side <= pipeline.max_side), centre, "
+                              "or auto (whole for augment: train)."),
     shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size of the raw format, MiB."),
     verify: bool = typer.Option(False, "--verify", help="Check every chunk of an existing conversion against its "
                                                         "checksums and the source's content against the digest it "
@@ -381,10 +383,12 @@ def convert(
             raise ConfigError(f"--to {to}: unknown format (known: arrow, raw)")
         cfg = load_config(config, set_ or [])
         form = "decoded" if decoded else "encoded"
+        if frame not in ("auto", "whole", "centre"):
+            raise ConfigError(f"--frame {frame}: unknown (known: auto, whole, centre)")
         if to == "raw":
-            settings, cls = PosixSettings(form=form, decoded_size=size, shard_mib=shard_mib), PosixLoader
+            settings, cls = PosixSettings(form=form, decoded_size=size, frame=frame, shard_mib=shard_mib), PosixLoader
         else:
-            settings, cls = ArrowSettings(form=form, decoded_size=size), ArrowLoader
+            settings, cls = ArrowSettings(form=form, decoded_size=size, frame=frame), ArrowLoader
         with _progress() as progress:
             reporter = _RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)

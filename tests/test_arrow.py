@@ -140,15 +140,16 @@ def test_interrupted_conversion_is_never_used(tmp_path, cache_dir):
     target = arrow_path(dataset, "decoded", 55)
     env = {**os.environ, "LOADOPT_CACHE": str(cache_dir)}
     child = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "arrow",
-                              "--decoded"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                              "--decoded", "--frame", "centre"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
     while time.time() < deadline and not list(target.parent.glob(f".{target.name}.*.tmp")):
         time.sleep(0.02)
     os.killpg(child.pid, signal.SIGKILL)
     child.wait()
     assert not target.exists()  # nothing a later run would use
-    done = subprocess.run([sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "arrow", "--decoded"],
+    done = subprocess.run([sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "arrow", "--decoded",
+                           "--frame", "centre"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert target.exists() and len(open_arrow(target, dataset, "decoded", 55, verify_labels=True)) == 3
@@ -157,14 +158,15 @@ def test_interrupted_conversion_is_never_used(tmp_path, cache_dir):
 def test_cli_bench_no_convert_and_truncated_file(tmp_path):
     from .test_cli import loadopt, one_line_error
 
-    raw = tiny_config_dict(tmp_path / "out", loaders={"arrow": {"form": "decoded", "decoded_size": 50}})
+    raw = tiny_config_dict(tmp_path / "out", loaders={"arrow": {"form": "decoded", "decoded_size": 50,
+                                                                         "frame": "centre"}})
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(raw))
     line = one_line_error(loadopt("bench", path, "--no-convert"))
     assert "no Arrow conversion" in line and ".arrow" in line
     proc = loadopt("bench", path, "--quick")
     assert proc.returncode == 0, proc.stderr
-    assert "arrow decoded 50px" in proc.stdout
+    assert "arrow decoded centre 50px" in proc.stdout
     cfg = config_from_dict(raw, "a.yaml")
     target = arrow_path(open_dataset(cfg), "decoded", 50)
     target.write_bytes(target.read_bytes()[:1000])

@@ -73,8 +73,9 @@ def test_decoded_reads_through_a_cold_cache(tmp_path, monkeypatch, prefill):
         pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
     cfg = config(tmp_path, augment="train")
     dataset = open_dataset(cfg)
-    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=3))
-    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, read_ahead=2, prefill=prefill), seed=3)
+    arrow = batches(ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded", frame="centre"), seed=3))
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, read_ahead=2, prefill=prefill,
+                                                             frame="centre"), seed=3)
     posix.prepare()
     announced, prefilled = [], []
     advise, fill = through_cache.advise, through_cache.prefill
@@ -240,20 +241,43 @@ def test_cli_convert_to_raw_and_bench(tmp_path):
     from .test_cli import loadopt, one_line_error
 
     raw = tiny_config_dict(tmp_path / "out", loaders={"posix": {"form": "decoded", "decoded_size": 52,
-                                                                "o_direct": True, "shard_mib": SMALL}})
+                                                                "frame": "centre", "o_direct": True,
+                                                                "shard_mib": SMALL}})
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(raw))
     line = one_line_error(loadopt("bench", path, "--no-convert"))
     assert "no raw conversion" in line
-    done = loadopt("convert", path, "--to", "raw", "--decoded", "--size", "52", "--shard-mib", str(SMALL))
+    done = loadopt("convert", path, "--to", "raw", "--decoded", "--frame", "centre", "--size", "52", "--shard-mib",
+                   str(SMALL))
     assert done.returncode == 0, done.stderr
     dataset = open_dataset(config_from_dict(raw, "p.yaml"))
     folder = raw_format.raw_path(dataset, "decoded", 52, SMALL)
     assert str(folder) in done.stdout and (folder / "index.npz").exists()
     proc = loadopt("bench", path, "--quick", "--no-convert")
     assert proc.returncode == 0, proc.stderr
-    assert "posix decoded 52px o_direct=True" in proc.stdout
+    assert "posix decoded centre 52px o_direct=True" in proc.stdout
     assert "unknown format (known: arrow, raw)" in one_line_error(loadopt("convert", path, "--to", "nope"))
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_whole_frames_at_variable_lengths_equal_arrows(tmp_path, o_direct):
+    """The `frames` form: each sample's whole frame (longer side <= max_side) at its own length and
+    4 KiB-aligned offset, its dims in the index; read with preadv (or O_DIRECT) and cropped by the
+    shared plan, the batches equal arrow's, epoch after epoch."""
+    cfg = config(tmp_path, augment="train", max_side=72)
+    dataset = open_dataset(cfg)
+    arrow = ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded"), seed=4)
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=SMALL, o_direct=o_direct), seed=4)
+    posix.prepare()
+    frames = posix._raw.frames
+    assert posix.stored_form == "frames" and frames.shape == (len(dataset), 4) and frames[:, :2].max() <= 72
+    assert len(set(posix._raw.length.tolist())) > 1  # variable lengths
+    assert (posix._raw.length == frames[:, 0].astype(np.int64) * frames[:, 1] * 3).all()
+    for epoch in (0, 1):
+        arrow.set_epoch(epoch)
+        posix.set_epoch(epoch)
+        assert_same(batches(posix), batches(arrow))
+    posix.close()
 
 
 def test_an_interrupted_conversion_leaves_nothing_used(tmp_path, monkeypatch):

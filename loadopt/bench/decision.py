@@ -6,6 +6,10 @@ cache folder (an NFS home) or with several pipelines do not overwrite each other
 winning backend and settings, its margin over the runner-up, the date and the loadopt version, and is
 keyed by the dataset fingerprint, the pipeline settings and the machine: CPU model and count, GPU
 model, and the storage tier the dataset is read from.
+
+Only settings whose recipe (`loadopt.recipe`: crop plan, sizes, normalisation, stored resolution) is the
+config's can win: a faster path that changes the training input is no answer. The others are listed
+in the decision (`excluded`) with the difference named.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loadopt import recipe
 from loadopt.bench.metrics import median
 from loadopt.bench.results import atomic_write_text, library_versions, machine_fingerprint, machine_info
 from loadopt.config import cache_dir
@@ -63,8 +68,20 @@ def pipeline_hash(pipeline: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(pipeline, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def recipe_exclusions(results: dict[str, Any]) -> dict[str, list[str]]:
+    """{label: differences} of the measured settings whose recipe is not the config's (`results["recipe"]`)."""
+    want = results.get("recipe")
+    out = {}
+    for run in results.get("runs", []):
+        differences = recipe.differences(run.get("recipe"), want)
+        if differences and "metrics" in run:
+            out[run["label"]] = differences
+    return out
+
+
 def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
-    """The decision of a finished bench: the fastest setting, its margin over the runner-up backend."""
+    """The decision of a finished bench: the fastest setting whose recipe is the config's, its margin
+    over the runner-up backend (also of that recipe); the faster settings of other recipes are listed."""
     by_label = {r["label"]: r for r in results["runs"]}
     ranked = [by_label[label] for label in results.get("ranking", [])]
     if not ranked:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from loadopt import recipe
 from loadopt.bench import attribution, decision, stages, tuner
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
@@ -35,6 +36,7 @@ from loadopt.loaders.base import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.remote import redact
+from loadopt.storage.tier_reads import bytes_source
 from loadopt.storage.tiers import (
     counters_delta,
     resolve_tier,
@@ -43,6 +45,7 @@ from loadopt.storage.tiers import (
     tier_failure,
     tier_label,
 )
+from loadopt.storage.tokens import TokenDataset
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +268,9 @@ def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device
     for setting in plan:
         run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
                                "settings": setting.settings.model_dump() if setting.settings else None,
-                               "status": setting.status, "reason": setting.reason}
+                               "status": setting.status, "reason": setting.reason,
+                               "bytes_source": bytes_source(dataset),
+                               "recipe": _recipe_of(setting, config, dataset)}
         if setting.repeats and setting.status == "ok":
             run["metrics"] = aggregate([r.metrics for r in setting.repeats])
             run["repeats"] = [r.metrics for r in setting.repeats]
@@ -294,10 +299,21 @@ def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device
                     "total_bytes": int(dataset.sizes.sum()), "mean_sample_bytes": float(dataset.sizes.mean())},
         "workload": workload.model_dump(),
         "cache": {"mode": config.storage.cache, "note": cache_note},
+        "recipe": recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset)),  # the config's
         "runs": runs,
         "ranking": [r["label"] for r in measured],
         "summary": summary,
     }
+
+
+def _recipe_of(setting: _Setting, config: Config, dataset) -> dict[str, Any] | None:
+    """The recipe a setting delivers (`loadopt.recipe`), from a loader built but never prepared."""
+    if setting.settings is None:
+        return None
+    try:
+        return backend_class(setting.backend)(dataset, config.pipeline, setting.settings, seed=config.seed).recipe()
+    except LoadoptError:
+        return None
 
 
 def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:

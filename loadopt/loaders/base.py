@@ -147,6 +147,13 @@ class Loader(ABC):
         """The local files this loader reads (evicted from the page cache for cold runs); after `prepare`."""
         return self.dataset.local_files()
 
+    def recipe(self) -> dict[str, Any]:
+        """The training input this setting delivers (`loadopt.recipe`): by default the crop plan on the
+        source images, decoded every epoch; backends reading a decoded form say what they store."""
+        from loadopt import recipe
+
+        return recipe.delivered(self.pipeline, tokens=isinstance(self.dataset, TokenDataset))
+
     def describe(self) -> str:
         """A short label of this setting for tables (e.g. `plain num_workers=2`)."""
         return " ".join(f"{k}={v}" for k, v in self.settings.model_dump().items())

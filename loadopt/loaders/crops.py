@@ -1,15 +1,26 @@
-"""Crops of pre-decoded square HWC images, shared by the backends that store decoded pixels.
+"""Crops of pre-decoded HWC images, shared by the backends that store decoded pixels.
 
-The plan (a random crop + flip for train from `sample_hash`, a centred crop for eval) depends only on
-(seed, epoch, index), so every backend crops a sample the same way and their batches are equal.
+Two stored forms (see `loadopt.recipe`):
+- whole frames (`frames`, the default for `augment: train`): each sample's whole frame, longer side at
+  most `pipeline.max_side`. The crop plan is the JPEG paths' own (`transforms.plan` on the SOURCE
+  image's width and height: RandomResizedCrop box + flip, or the eval centre box), scaled into stored
+  pixels and rounded to whole ones (within half a stored pixel of the source box), then resized with
+  the `torch` tuned path's kernel: where a frame is stored at its source size, the pixels equal the
+  JPEG paths' (`frame_boxes`, `crop_frames`).
+- centre squares (`decoded`): the shorter side resized to `stored`, centre-cropped; a random
+  `size` crop + flip without resize for train (`sample_hash`), the centre for eval: exactly the eval
+  recipe, a different one for train (the borders are gone). Plain copies (`plan_crops`, `crop_batch`).
+Both plans depend only on (seed, epoch, index), so every backend crops a sample the same way.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import torch
 
 from loadopt.loaders import transforms
 
@@ -85,3 +96,54 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list(pool.map(lambda c: copy_crops(out, sources, which32, offsets, flags, stored * 3, int(c[0]), int(c[-1]) + 1),
                   chunks))
+
+
+FRAME_FIELDS = ("height", "width", "source_height", "source_width")  # per-sample int32 dims of a whole frame
+
+
+def scaled_frame(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """(width, height) of a frame stored with its longer side at most `max_side` (never enlarged)."""
+    longer = max(width, height)
+    if longer <= max_side:
+        return width, height
+    return max(1, round(width * max_side / longer)), max(1, round(height * max_side / longer))
+
+
+def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int,
+                epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(boxes, flips) of a batch of whole frames: `frames[k]` = (height, width, source height, source
+    width) of sample `indices[k]`; boxes (B, 4) = whole stored pixels (left, top, right, bottom), at
+    least one pixel wide and high. The box is the JPEG paths' plan on the source size, scaled."""
+    boxes = np.empty((len(indices), 4), np.int64)
+    flips = np.zeros(len(indices), bool)
+    for k, index in enumerate(indices):
+        height, width, source_height, source_width = (int(v) for v in frames[k])
+        box, flips[k] = transforms.plan(source_width, source_height, augment, seed, epoch, int(index))
+        sx, sy = width / source_width, height / source_height
+        left, top = min(round(box[0] * sx), width - 1), min(round(box[1] * sy), height - 1)
+        right, bottom = max(round(box[2] * sx), left + 1), max(round(box[3] * sy), top + 1)
+        boxes[k] = (left, top, min(right, width), min(bottom, height))
+    return boxes, flips
+
+
+def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray,
+                starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
+                pool, threads: int) -> None:
+    """Crop, resize and flip every whole frame of a batch into `out` (B, size, size, 3) uint8: position
+    k's (height, width, 3) frame starts at byte `starts[k]` of `sources[which[k]]`, its dims in
+    `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`transforms`, the
+    `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`."""
+    boxes, flips = frame_boxes(indices, frames, augment, seed, epoch)
+    slots = torch.from_numpy(out).permute(0, 3, 1, 2)  # CHW views of the HWC slots
+    # Memory-mapped frames are read-only; torch only reads them here (its warning would say otherwise).
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+
+    def run(positions: np.ndarray) -> None:
+        for k in positions:
+            height, width = int(frames[k][0]), int(frames[k][1])
+            start = int(starts[k])
+            pixels = np.asarray(sources[which[k]])[start : start + height * width * 3].reshape(height, width, 3)
+            transforms.crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k])
+
+    chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
+    list(pool.map(run, chunks))

@@ -226,6 +226,16 @@ class KvikioLoader(PosixLoader):
             return []
         if self.form == "encoded":
             return self._decode_into(slot, staging, starts, length, indices, epoch)
+        if self.stored_form == "frames":  # whole frames: the shared plan's box, resized on the device
+            frames = self._raw.frames[indices]
+            boxes, flips = crops.frame_boxes(indices, frames, self.pipeline.augment, self.seed, epoch)
+            for k in range(len(indices)):
+                height, width = int(frames[k][0]), int(frames[k][1])
+                pixels = staging[int(starts[k]) : int(starts[k]) + height * width * 3].view(height, width, 3)
+                transforms.crop_resize_flip_chw(pixels.permute(2, 0, 1), tuple(boxes[k]), bool(flips[k]),
+                                                slot[k].permute(2, 0, 1))
+            self._sync(staging)
+            return []
         shape, size = (self.size, self.size, 3), self.pipeline.image_size
         tops, lefts, flips = crops.plan_crops(indices, self.size - size, self.pipeline.augment, self.seed, epoch)
         for k in range(len(indices)):  # views and one copy kernel per sample, no host round trip

@@ -12,6 +12,7 @@ import queue
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,12 +89,25 @@ class RingLoader(Loader):
         super().__init__(*args, **kwargs)
         self._tokens = isinstance(self.dataset, TokenDataset)
         self.form = "tokens" if self._tokens else self.settings.form
+        # The decoded form's frame: `whole` (longer side <= pipeline.max_side, the JPEG paths' crop plan)
+        # or `centre` (a decoded_size centre square: the eval recipe); auto: whole for train.
+        frame = getattr(self.settings, "frame", "auto")
+        frame = ("whole" if self.pipeline.augment == "train" else "centre") if frame == "auto" else frame
+        self.frame = frame if self.form == "decoded" else None
+        self.stored_form = "frames" if self.frame == "whole" else self.form  # the storage form it reads
         size = self.settings.decoded_size or round(self.pipeline.image_size / transforms.EVAL_CROP_FRACTION)
-        self.size = size if self.form == "decoded" else None
-        if self.size is not None and self.size < self.pipeline.image_size:
+        self.size = (self.pipeline.max_side if self.frame == "whole" else size) if self.form == "decoded" else None
+        if self.frame == "centre" and self.size < self.pipeline.image_size:
             raise DatasetError(f"loaders.{self.name}.decoded_size {self.size} is smaller than pipeline.image_size "
                                f"{self.pipeline.image_size}")
         self._ring: list[torch.Tensor] | None = None
+
+    def recipe(self) -> dict[str, Any]:
+        from loadopt import recipe
+
+        if self.form != "decoded":
+            return super().recipe()
+        return recipe.delivered(self.pipeline, self.frame, self.size)
 
     @property
     def layout(self) -> str:

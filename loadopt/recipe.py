@@ -1,0 +1,102 @@
+"""The training input a loader delivers (its recipe), and how two recipes differ.
+
+A faster path is only an answer if it delivers the same training input. Every run records its
+loader's recipe (`Loader.recipe()`); `results.json` records the config's (`wanted`). The decision and
+`make_loader(backend="auto")` never pick a path whose recipe differs from the config's, and tables
+name the difference. Fields:
+- `crop`: the crop plan (RandomResizedCrop + flip on the whole frame for train, the 0.875 centre box for
+  eval; a decoded centre square gives a plain random crop of that square instead: no border, no resize);
+- `image_size`, `normalise` (dtype, mean, std);
+- `stored`: what the crop runs on: `source` (the JPEG, decoded every epoch), `whole frame <= N px`
+  (the decoded frames, longer side bounded by `pipeline.max_side`), `centre N px square`;
+- `max_side`: the bound of a stored whole frame (None: the source's own resolution).
+Tokens: `kind: tokens` and `seq_len`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadopt.errors import DatasetError
+from loadopt.loaders.transforms import EVAL_CROP_FRACTION
+
+TRAIN_CROP = "RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) + flip"
+EVAL_CROP = f"centre {EVAL_CROP_FRACTION:g} of the shorter side"
+COMPARED = ("kind", "crop", "image_size", "normalise", "seq_len")  # must be equal; `max_side` is checked apart
+
+
+class RecipeMismatch(DatasetError):
+    """A loader setting that would deliver another training input than the config asks for."""
+
+
+def check(loader, pipeline) -> None:
+    """Raise `RecipeMismatch` naming the difference when `loader`'s recipe is not `pipeline`'s."""
+    from loadopt.storage.tokens import TokenDataset
+
+    found = differences(loader.recipe(), wanted(pipeline, tokens=isinstance(loader.dataset, TokenDataset)))
+    if found:
+        raise RecipeMismatch(f"{loader.name} ({loader.describe()}) delivers another training input than the config: "
+                             + "; ".join(found))
+
+
+def _base(pipeline, tokens: bool) -> dict[str, Any]:
+    if tokens:
+        return {"kind": "tokens", "seq_len": pipeline.seq_len}
+    normalise = "uint8" if pipeline.dtype == "uint8" else \
+        f"float32 mean={tuple(pipeline.mean)} std={tuple(pipeline.std)}"
+    return {"kind": "images", "image_size": pipeline.image_size, "normalise": normalise}
+
+
+def wanted(pipeline, tokens: bool = False) -> dict[str, Any]:
+    """The recipe the config asks for: the crop plan on the whole frame, at most `max_side` stored."""
+    recipe = _base(pipeline, tokens)
+    if not tokens:
+        recipe.update(crop=TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP,
+                      stored=f"whole frame <= {pipeline.max_side} px", max_side=pipeline.max_side)
+    return recipe
+
+
+def delivered(pipeline, frame: str | None = None, stored_size: int | None = None,
+              tokens: bool = False) -> dict[str, Any]:
+    """What a loader delivers: `frame` None reads the source (JPEG) each epoch; `whole` decoded frames
+    with the longer side at most `stored_size`; `centre` decoded `stored_size` squares."""
+    recipe = _base(pipeline, tokens)
+    if tokens:
+        return recipe
+    if frame == "centre":
+        if pipeline.augment == "train":
+            crop = f"random {pipeline.image_size} px crop + flip of the square (no resize, no border)"
+        else:
+            crop = f"centre {pipeline.image_size / stored_size:.3g} of the shorter side"
+            crop = EVAL_CROP if crop == f"centre {EVAL_CROP_FRACTION:.3g} of the shorter side" else crop
+        return {**recipe, "crop": crop, "stored": f"centre {stored_size} px square", "max_side": stored_size}
+    crop = TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP
+    if frame == "whole":
+        return {**recipe, "crop": crop, "stored": f"whole frame <= {stored_size} px", "max_side": stored_size}
+    return {**recipe, "crop": crop, "stored": "source", "max_side": None}
+
+
+def differences(run: dict[str, Any] | None, want: dict[str, Any] | None) -> list[str]:
+    """What differs between a run's recipe and the wanted one, one phrase each ([] when they match;
+    also when either is unknown, e.g. results written before recipes were recorded)."""
+    if not run or not want:
+        return []
+    out = [f"{key} {run.get(key)!r}, the config's {want.get(key)!r}" for key in COMPARED
+           if run.get(key) != want.get(key)]
+    if want.get("kind") == "images" and run.get("max_side") is not None and want.get("max_side") is not None \
+            and run.get("stored", "").startswith("whole") and run["max_side"] < want["max_side"]:
+        out.append(f"stored frames <= {run['max_side']} px, the config's max_side {want['max_side']}")
+    if run.get("stored", "").startswith("centre") and want.get("crop") == TRAIN_CROP and not out:
+        out.append(f"stored {run['stored']}: the crops never see the frame's borders")
+    return out
+
+
+def describe(recipe: dict[str, Any] | None) -> str:
+    """A short label: `RRC+flip 224 float32 / whole frame <= 512 px`."""
+    if not recipe:
+        return "?"
+    if recipe.get("kind") == "tokens":
+        return f"tokens seq_len={recipe.get('seq_len')}"
+    crop = recipe.get("crop", "?")
+    crop = "RRC+flip" if crop == TRAIN_CROP else "centre 0.875" if crop == EVAL_CROP else crop.split(" (")[0]
+    return f"{crop} {recipe.get('image_size')} {str(recipe.get('normalise', '?')).split()[0]} / {recipe.get('stored')}"
