@@ -12,7 +12,7 @@ ahead of the window's edges. Rounds interleave the settings. Per setting, on the
   past it);
 - `tier_bytes_<setting>`: bytes that crossed the tier / `bytes_read`; target >= 0.95.
 
-    python bench/tier_every_backend.py [--rounds 5] [--samples 256] [--batch 32] [--mb-s 20]
+    python bench/tier_every_backend.py [--rounds 5] [--samples 160] [--batch 32] [--mb-s 20]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=160)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--mb-s", type=float, default=20.0)
     args = parser.parse_args()
