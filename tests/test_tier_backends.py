@@ -186,3 +186,23 @@ def test_storage_converted_names_another_place_and_a_read_only_one_is_one_line(t
     with pytest.raises(DatasetError, match="storage.converted") as info:
         _loader(config, dataset, "arrow", {"form": "encoded"})
     assert "\n" not in str(info.value)
+
+
+def test_the_bench_table_names_each_rows_bytes_source_and_puts_reasons_under_it():
+    from rich.console import Console
+
+    from loadopt.cli import bytes_source_lines, not_run_lines, results_table
+
+    reason = "nvidia-dali not usable (ModuleNotFoundError: No module named 'nvidia'); pip install 'loadopt[dali]'"
+    metrics = {"samples_per_s": {"median": 100.0, "min": 90.0, "max": 110.0}, "mb_per_s": 11.0,
+               "stall_fraction": 0.5, "wait_p99_ms": 3.0, "cpu_seconds_per_1k_samples": 1.0, "peak_pss_mb": 100.0}
+    results = {"config": {"name": "t"}, "device": "cpu", "dataset": {"num_samples": 8}, "ranking": ["torch plain"],
+               "runs": [{"label": "torch plain", "metrics": metrics,
+                         "bytes_source": "tier fast (emulated) over local disk"},
+                        {"label": "dali", "status": "unavailable", "reason": reason}]}
+    console = Console(width=200, record=True)
+    console.print(results_table(results))
+    table = console.export_text()
+    assert "tier fast" in table and "unavailable" in table and "ModuleNotFoundError" not in table
+    assert not_run_lines(results) == [f"dali: unavailable: {reason}"]
+    assert bytes_source_lines(results)[0].startswith("bytes from tier fast (emulated) over local disk")
