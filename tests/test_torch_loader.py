@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -158,4 +160,23 @@ def test_ring_survives_epochs_and_persistent_workers(folder):
         fresh.set_epoch(epoch)
         for (xa, ya), (xb, yb) in zip(collect(ld), collect(fresh), strict=True):
             assert torch.equal(ya, yb) and torch.equal(xa, xb)
+    ld.close()
+
+
+def test_close_unmaps_the_shared_batch_ring(folder):
+    def ring_bytes() -> int:  # bytes of torch's shared-memory files this process maps
+        total = 0
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            if "/torch_" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                total += end - start
+        return total
+
+    before = ring_bytes()
+    ld = loader(folder, variant="tuned", workers=1)
+    collect(ld)
+    assert ring_bytes() > before  # the ring is shared memory while the loader runs
+    ld.close()
+    assert ring_bytes() == before  # closed: unmapped though the loader object lives on
+    assert len(collect(ld)) == 4  # and a later pass makes a new one
     ld.close()
