@@ -77,36 +77,53 @@ def _terminate_as_interrupt() -> Iterator[list[bool]]:
         received.append(True)
         raise Terminated()
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    def unraisable(info: Any) -> None:  # our raise landed where Python ignores exceptions: raised again later
+        if not isinstance(info.exc_value, Terminated):
+            previous_hook(info)
+
+    previous, previous_hook = signal.signal(signal.SIGTERM, stop), sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
 class _RichReporter:
     """Draws the bench's progress: the dataset generation, then one bar per run."""
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Progress, terminated: list[bool] | None = None) -> None:
         self.progress = progress
+        self.terminated = terminated if terminated is not None else []
         self._task: Any = None
         self._dataset_task: Any = None
         self._conversions: dict[str, Any] = {}
 
+    def _stop_if_terminated(self) -> None:
+        """Raise `Terminated` again where it is safe: the signal handler's own raise can land where Python
+        ignores exceptions (a logging lock released around a fork: "Exception ignored in ...")."""
+        if self.terminated:
+            raise Terminated()
+
     def dataset_progress(self, done: int, total: int) -> None:
+        self._stop_if_terminated()
         if self._dataset_task is None:
             self._dataset_task = self.progress.add_task("generating the synthetic dataset", total=total)
         self.progress.update(self._dataset_task, completed=done)
 
     def conversion_progress(self, label: str, done: int, total: int) -> None:
+        self._stop_if_terminated()
         if label not in self._conversions:
             self._conversions[label] = self.progress.add_task(f"converting for {label}", total=total)
         self.progress.update(self._conversions[label], completed=done)
 
     def run_started(self, label: str, total_batches: int) -> None:
+        self._stop_if_terminated()
         self._task = self.progress.add_task(label, total=total_batches)
 
     def batch_done(self, done: int) -> None:
+        self._stop_if_terminated()
         self.progress.update(self._task, completed=done)
 
     def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None:
@@ -222,9 +239,9 @@ def bench(
         names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
         with _progress() as progress:
             try:
-                outcome = run_bench(cfg, loaders=names, out=out, quick=quick, reporter=_RichReporter(progress),
-                                    convert=not no_convert, tune=tune, budget_s=budget_s,
-                                    attribute_stages=attribute_stages)
+                outcome = run_bench(cfg, loaders=names, out=out, quick=quick,
+                                    reporter=_RichReporter(progress, terminated), convert=not no_convert, tune=tune,
+                                    budget_s=budget_s, attribute_stages=attribute_stages)
             except Terminated:  # before any run started (generating, converting): nothing half-written is kept
                 err_console.print("interrupted (SIGTERM) before any run finished: no results were written",
                                   highlight=False, markup=False)

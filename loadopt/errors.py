@@ -45,6 +45,8 @@ def describe_sample_error(exc: BaseException) -> str:
     name = type(exc).__name__
     if name == "UnidentifiedImageError" or text.startswith("cannot identify image file"):
         return "not a readable image (no known image format: damaged or not an image)"
+    if text.startswith("tj"):  # simplejpeg (libjpeg-turbo): "tjDecompress2(): <what is wrong>"
+        return f"damaged JPEG (libjpeg-turbo: {text.split('(): ', 1)[-1]})"
     if "truncated" in text.lower() or name == "EOFError":
         return f"truncated image ({re.sub(r'<[^>]* at 0x[0-9a-fA-F]+>', 'the file', text) or name})"
     text = re.sub(r"<[^>]* at 0x[0-9a-fA-F]+>", "the file", text)

@@ -101,6 +101,9 @@ class Loader(ABC):
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.on_error = on_error
         self.counters = LoaderCounters()
+        # Samples that the conversion this backend reads could not decode (on_error: skip), index -> reason:
+        # never produced, reported as failures of their batches (set by `prepare`).
+        self.unreadable: dict[int, str] = {}
         self._epoch, self._position = epoch, 0
         self._resume = False  # the next `for` continues at `_position` (set by `load_state_dict`)
         self.batch_transform: BatchTransform | None = None
@@ -205,7 +208,14 @@ class Loader(ABC):
         """Batches as produced (host tensors, or device tensors for device backends), position kept."""
         order = self.order()
         batches = order.batches(self._position)
-        for batch in self._produce(batches):
+        unreadable = self.unreadable
+        if unreadable:
+            known = np.fromiter(unreadable, np.int64)
+            dropped = [b[np.isin(b, known)] for b in batches]
+            batches = [b[~np.isin(b, known)] for b in batches]
+        for n, batch in enumerate(self._produce(batches)):
+            if unreadable and len(dropped[n]):
+                batch.failures = [*batch.failures, *((int(i), unreadable[int(i)]) for i in dropped[n])]
             self._account(batch)
             self._position += 1
             yield batch

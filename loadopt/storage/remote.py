@@ -98,6 +98,12 @@ def why_unreachable(url: str, exc: BaseException) -> str | None:
     from urllib.parse import urlsplit
 
     host = urlsplit(redact(url)).netloc.rsplit("@", 1)[-1] or url
+    for cause in _causes(exc):  # the host actually dialled: an s3:// URL names a bucket, not its endpoint
+        endpoint = (getattr(cause, "kwargs", None) or {}).get("endpoint_url")
+        if isinstance(endpoint, str):
+            host = urlsplit(endpoint).netloc or host
+        elif isinstance(getattr(cause, "host", None), str) and getattr(cause, "port", None):
+            host = f"{cause.host}:{cause.port}"
     for cause in _causes(exc):
         if isinstance(cause, ConnectionRefusedError):
             return f"the host {host} refused the connection (is the server running, on that port?)"
