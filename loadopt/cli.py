@@ -164,7 +164,7 @@ def results_table(results: dict[str, Any]) -> Table:
     for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
                             ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
                             ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
-                            ("bytes from", "left")):
+                            ("bytes from", "left"), ("recipe", "left")):
         table.add_column(column, justify=justify)
     for rank, label in enumerate(results["ranking"], start=1):
         m = by_label[label]["metrics"]
@@ -183,11 +183,36 @@ def results_table(results: dict[str, Any]) -> Table:
         table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
                       _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
                       _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
-                      escape(_bytes_from(by_label[label])))
+                      escape(_bytes_from(by_label[label])), _recipe_cell(by_label[label], results.get("recipe")))
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
-            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 8)
+            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 9)
     return table
+
+
+def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:
+    """The table's short form of a run's recipe: what its crops run on, and `differs` (in yellow) where it
+    is not the config's training input (named under the table, `recipe_lines`)."""
+    from loadopt import recipe
+
+    found = run.get("recipe")
+    if not found:
+        return "-"
+    stored = str(found.get("stored", found.get("kind", "?"))).replace("whole frame ", "frames ")
+    return f"[yellow]differs: {escape(stored)}[/]" if recipe.differences(found, want) else f"same: {escape(stored)}"
+
+
+def recipe_lines(results: dict[str, Any]) -> list[str]:
+    """The config's recipe, then one line per measured setting of another recipe, naming the difference."""
+    from loadopt import recipe
+    from loadopt.bench.decision import recipe_exclusions
+
+    if not results.get("recipe"):
+        return []
+    lines = [f"recipe of the config: {recipe.describe(results['recipe'])}"]
+    for label, differences in recipe_exclusions(results).items():
+        lines.append(f"{label}: another training input, never chosen by the decision or auto: {'; '.join(differences)}")
+    return lines
 
 
 def _bytes_from(run: dict[str, Any]) -> str:
@@ -254,6 +279,8 @@ def bench(
         console.print(f"[yellow]{escape(line)}[/]", highlight=False)
     for line in bytes_source_lines(results):
         console.print(f"[dim]{escape(line)}[/]", highlight=False)
+    for n, line in enumerate(recipe_lines(results)):
+        console.print(f"[dim]{escape(line)}[/]" if n == 0 else f"[yellow]{escape(line)}[/]", highlight=False)
     console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
     busy = (results["machine"].get("load") or {}).get("note")
     if busy:

@@ -1,7 +1,9 @@
 """`loadopt explain`: what `make_loader(backend="auto")` will do here and why, or what a results file says.
 
 - For a config: the recorded decision that applies to this dataset on this machine (backend, setting,
-  its measured rate, when), or why none applies and what `auto` falls back to.
+  its measured rate, when), or why none applies (also: its setting delivers another training input than
+  the config asks for, `loadopt.recipe`) and what `auto` falls back to; the faster settings of other
+  recipes that the decision left out, with the difference.
 - For a results file (from `loadopt bench` or `loadopt.measure`): its closing verdict, then one
   sentence per measured setting on where its time went.
 """
@@ -25,6 +27,11 @@ def explain_config(config) -> str:
     lines = [f"dataset {dataset.root} (fingerprint {dataset.fingerprint}), {len(dataset):,} samples, "
              f"storage tier {tier}"]
     found, match, why = decision.find(config.pipeline.model_dump(mode="json"), dataset.fingerprint, tier)
+    differs = _recipe_differences(found, config, dataset) if found is not None else []
+    if differs:  # auto never moves a job onto another training input
+        why = (f"the recorded decision {found['label']} delivers another training input than this config "
+               f"({'; '.join(differs)}): auto does not use it")
+        found = None
     if found is not None:
         margin = f", {found['margin']:.2f}x the runner-up {found['runner_up']['label']}" if found.get("margin") else \
             " (no other backend was measured)"
@@ -34,6 +41,9 @@ def explain_config(config) -> str:
                      f"{found.get('loadopt_version') or '?'} ({decision.decision_path(dataset.fingerprint)})")
         if match == "other settings":
             lines.append(f"note: {why}; rerun `loadopt bench` to decide for these")
+        for excluded in found.get("excluded") or []:
+            lines.append(f"not considered: {excluded['label']}: another training input "
+                         f"({'; '.join(excluded['differences'])})")
         return "\n".join(lines)
     lines.append(why)
     from loadopt.api import make_loader
@@ -44,6 +54,21 @@ def explain_config(config) -> str:
                  "run `loadopt bench` to decide by measurement")
     loader.close()
     return "\n".join(lines)
+
+
+def _recipe_differences(found: dict, config, dataset) -> list[str]:
+    """How the decision's setting, built for this config (never prepared), differs from the config's recipe."""
+    from loadopt import recipe
+    from loadopt.errors import LoadoptError
+    from loadopt.loaders.base import backend_class
+    from loadopt.storage.tokens import TokenDataset
+
+    try:
+        cls = backend_class(found["backend"])
+        loader = cls(dataset, config.pipeline, cls.Settings(**(found.get("settings") or {})), seed=config.seed)
+    except (LoadoptError, KeyError, ValueError, TypeError):  # an unknown backend or setting: auto tells then
+        return []
+    return recipe.differences(loader.recipe(), recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset)))
 
 
 def _run_sentence(run: Run) -> str:

@@ -56,3 +56,24 @@ def test_bad_results_files(tmp_path):
         explain_results(tmp_path / "y.json")
     line = one_line_error(loadopt("explain", tmp_path / "x.json"))
     assert str(tmp_path / "x.json") in line
+
+
+def test_a_decision_of_another_recipe_is_not_used(tmp_path):
+    """A bench of this dataset where the centre-square arrow form (another training input under train
+    augmentation) won: explain says auto does not use it and why, and names what auto falls back to."""
+    from loadopt.bench.runner import run_bench
+
+    cfg = config(tmp_path)
+    cfg = cfg.model_copy(update={"loaders": {"arrow": {"form": "decoded", "frame": "centre"}}})
+    outcome = run_bench(cfg)
+    assert outcome.results["decision"] is None  # its only setting delivers another training input
+    assert "random 48 px crop" in str(outcome.results["runs"][0]["recipe"])
+    from loadopt.bench import decision
+
+    forced = {**decision.make_decision({**outcome.results, "recipe": None}, "x"), "machine": None}
+    forced["machine"] = decision.machine_key(decision.machine_info(), decision.storage_tier(
+        cfg.storage.tier, outcome.results["dataset"]["root"]))
+    decision.record(forced, None)  # as an older loadopt, which did not compare recipes, would have
+    text = explain_config(cfg)
+    assert "delivers another training input" in text and "auto does not use it" in text
+    assert "auto falls back to:" in text
