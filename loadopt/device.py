@@ -162,7 +162,7 @@ def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline:
     height, width = inputs.shape[1:3] if layout == "NHWC" else inputs.shape[2:4]
     if float_out and channels_last and height * width % 16 == 0:
         if layout == "NCHW":  # transpose the uint8 pixels: 4x fewer bytes to move than transposing floats
-            inputs = _copy(inputs.permute(0, 2, 3, 1), scratch, "nhwc")
+            inputs = _nhwc(inputs, scratch, "nhwc")
         return _normalise_channels_last(inputs, pipeline, scratch)
     if layout == "NHWC":
         inputs = inputs.permute(0, 3, 1, 2)
@@ -190,6 +190,18 @@ def _copy(view: torch.Tensor, scratch, purpose: str) -> torch.Tensor:
     return out.copy_(view)
 
 
+def _nhwc(images: torch.Tensor, scratch, purpose: str) -> torch.Tensor:
+    """Contiguous NHWC copy of NCHW `images`. Copied as a transpose of (C, H*W) matrices: torch's copy takes a
+    faster path for that than for the 4-d permutation (measured here, uint8 64x3x224x224: 23 against 49 ms)."""
+    n, c, h, w = images.shape
+    if not images.is_contiguous():
+        return _copy(images.permute(0, 2, 3, 1), scratch, purpose)
+    out = scratch((n, h, w, c), images.dtype, purpose) if scratch is not None else torch.empty(
+        (n, h, w, c), dtype=images.dtype, device=images.device)
+    out.view(n, h * w, c).copy_(images.view(n, c, h * w).transpose(1, 2))
+    return out
+
+
 def _in_format(images: torch.Tensor, channels_last: bool, scratch) -> torch.Tensor:
     """NCHW-shaped `images` in channels-last or contiguous memory: itself when it already is, else one
     transposing copy."""
@@ -197,7 +209,7 @@ def _in_format(images: torch.Tensor, channels_last: bool, scratch) -> torch.Tens
     if images.dim() != 4 or images.is_contiguous(memory_format=fmt):
         return images
     if channels_last:
-        return _copy(images.permute(0, 2, 3, 1), scratch, "format").permute(0, 3, 1, 2)
+        return _nhwc(images, scratch, "format").permute(0, 3, 1, 2)
     return _copy(images, scratch, "format")
 
 
