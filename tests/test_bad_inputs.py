@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from loadopt import make_loader
 from loadopt.cli import app
 from loadopt.errors import LoadoptError
-from loadopt.storage import arrow_format
+from loadopt.storage import arrow_format, integrity
 
 from .conftest import make_image_folder, tiny_config_dict
 
@@ -378,6 +378,33 @@ def test_a_real_full_disk_while_converting_and_generating(tmp_path, small_disk, 
     config = write_config(tmp_path, dataset={"path": str(big)})
     converted = CliRunner().invoke(app, ["convert", str(config), "--to", "raw", "--decoded"])
     assert converted.exit_code == 1, converted.output
-    assert f"error: {small_disk / 'raw'}: no space left on device: the raw conversion (frames) needs about" in \
+    assert f"error: {small_disk / 'raw'}: no space left on device: the raw conversion (frames) needs up to" in \
         converted.stderr
     assert not [p for p in small_disk.rglob("*") if p.is_file()]
+
+
+def test_damage_met_while_reading_blames_the_converted_file_not_the_source(tmp_path, own_cache, monkeypatch):
+    """A JPEG inside the encoded Arrow file damaged, and the cheap sample at open missing it: the decode
+    failure is checked against the record batch's checksums and the Arrow file is named, not the intact
+    source JPEG."""
+    from loadopt.errors import DatasetError
+
+    root, _ = images(tmp_path, corrupt=0)
+    config = write_config(tmp_path, dataset={"path": str(root)})
+    assert CliRunner().invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
+    (path,) = (own_cache / "arrow").glob("*-encoded-*.arrow")
+    data = bytearray(path.read_bytes())
+    start = data.find(b"\xff\xd8\xff")  # the first sample's JPEG header
+    data[start:start + 4] = bytes(4)
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(integrity, "SAMPLE_CHUNKS", 0)  # the sample at open checks nothing
+    loader = make_loader(config, backend="arrow", form="encoded")
+    try:
+        with pytest.raises(DatasetError) as caught:
+            for _ in loader:
+                pass
+    finally:
+        loader.close()
+    message = str(caught.value)
+    assert message.startswith(f"{path}: record batch 0") and "checksum mismatch" in message, message
+    assert str(root) not in message

@@ -179,13 +179,15 @@ def is_no_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and ("No space left on device" in str(exc) or "Disk quot" in str(exc))
 
 
-def no_space_error(folder: Path, needed_bytes: int, what: str) -> DatasetError:
-    """`folder: no space left ...` naming what needed the space, how much, and how much is free."""
+def no_space_error(folder: Path, needed_bytes: int, what: str, bound: bool = False) -> DatasetError:
+    """`folder: no space left ...` naming what needed the space, how much (`bound`: at most that), and how
+    much is free."""
     try:
         free = f"{shutil.disk_usage(folder).free / 1e6:,.1f} MB free"
     except OSError:
         free = "free space unknown"
-    return DatasetError(f"{folder}: no space left on device: {what} needs about {needed_bytes / 1e6:,.1f} MB "
+    amount = f"{'up to' if bound else 'about'} {needed_bytes / 1e6:,.1f} MB"
+    return DatasetError(f"{folder}: no space left on device: {what} needs {amount} "
                         f"({free}); nothing was kept. Free some space or set LOADOPT_CACHE to a larger disk")
 
 

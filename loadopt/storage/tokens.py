@@ -20,6 +20,7 @@ import numpy as np
 
 from loadopt.config import TokenSpec
 from loadopt.errors import DatasetError
+from loadopt.storage.integrity import honour_umask
 
 GENERATOR_VERSION = 1
 CHUNK_TOKENS = 4_000_000
@@ -80,6 +81,7 @@ def ensure_tokens(spec: TokenSpec, cache_dir: Path, progress: Callable[[int, int
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
     try:
+        honour_umask(tmp)  # a shared cache: readable as a plain open's file is, not mkstemp's 0600
         with os.fdopen(fd, "wb") as out:
             done = 0
             while done < spec.num_tokens:
