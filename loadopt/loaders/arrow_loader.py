@@ -22,7 +22,7 @@ import pyarrow as pa
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadopt.errors import DatasetError
+from loadopt.errors import DatasetError, describe_sample_error
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
@@ -47,6 +47,7 @@ class ArrowLoader(RingLoader):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._views: list | None = None
+        self._conversion = None  # the opened file's record batches and checksums (storage/arrow_format.py)
         self._windows: tuple[np.ndarray, np.ndarray, int] | None = None  # tokens: see `_windows_view`
 
     @classmethod
@@ -72,8 +73,9 @@ class ArrowLoader(RingLoader):
             if not convert_missing:
                 raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
-            convert(self.dataset, self.form, self.size, progress=progress)
+            convert(self.dataset, self.form, self.size, progress=progress, on_error=self.on_error)
         batches = open_arrow(path, self.dataset, self.form, self.size)
+        self.unreadable, self._conversion = batches.skipped, batches  # samples the conversion skipped
         self._views = [self._view(b) for b in batches]
         if self.form == "tokens":
             self._windows = _windows_view(batches, self.dataset.tokens.dtype)
@@ -129,7 +131,8 @@ class ArrowLoader(RingLoader):
                 transforms.write_sample(memoryview(data[offsets[local] : offsets[local + 1]]), slot[position],
                                         self._decoder(), "torch", self.pipeline.augment, self.seed, epoch, index)
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-                failures.append((index, f"cannot decode (sample {index}: {type(exc).__name__}: {exc})"))
+                self._conversion.check("all", [record])  # damage in the Arrow file is not the source's fault
+                failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
         return failures
 
     def _decoder(self) -> str:
@@ -159,7 +162,8 @@ class ArrowLoader(RingLoader):
                 ready.put((slot, indices, failures))
 
     def close(self) -> None:
-        self._views = self._windows = None  # the record batches keep the file mapped until they are dropped
+        # the record batches keep the file mapped until they are dropped
+        self._views = self._windows = self._conversion = None
         self._ring = None
 
 

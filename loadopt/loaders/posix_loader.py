@@ -144,8 +144,10 @@ class PosixLoader(RingLoader):
             if not convert_missing:
                 raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to raw{' --decoded' if self.size else ''}`")
-            raw_format.convert(self.dataset, self.form, self.size, self.settings.shard_mib, progress=progress)
+            raw_format.convert(self.dataset, self.form, self.size, self.settings.shard_mib, progress=progress,
+                               on_error=self.on_error)
         self._raw = raw_format.open_raw(path, self.dataset, self.form, self.size, self.settings.shard_mib)
+        self.unreadable = {int(i): str(why) for i, why in self._raw.meta.get("skipped", [])}  # skipped in conversion
         if self._reader is not None:
             self._reader.close()
         self._reader = self.reader_class(self._raw.shards, self.settings.o_direct)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
-import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -27,8 +28,11 @@ import pyarrow as pa
 
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
+from loadopt.storage import integrity
 
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2  # 2: chunk checksums and skipped samples in each record batch's custom metadata
 ROWS_PER_BATCH = 1024
 Form = Literal["encoded", "decoded", "tokens"]
 
@@ -72,8 +76,12 @@ def _decode_one(index: int) -> bytes:
     return out.tobytes()
 
 
-def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, progress, workers: int):
+def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, progress, workers: int,
+                    on_error: str = "raise", skipped: list | None = None):
+    """The record batches of the conversion; samples that cannot be decoded go by `on_error` (`skip`:
+    a zero row, its `[index, reason]` appended to `skipped`)."""
     n = len(dataset)
+    skipped = [] if skipped is None else skipped
     pool = None
     if form == "decoded":
         _set_pool_globals(dataset, size)
@@ -89,8 +97,10 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
                 yield pa.record_batch([pa.array(ids), column], schema=schema)
             else:
                 if form == "decoded":
-                    blobs = pool.map(_decode_one, ids.tolist(), chunksize=16) if pool else \
-                        [_decode_one(int(i)) for i in ids]
+                    decode = partial(integrity.guarded, _decode_one)
+                    results = pool.map(decode, ids.tolist(), chunksize=16) if pool else [decode(int(i)) for i in ids]
+                    blobs = integrity.keep_or_skip(dataset, ids, results, on_error, skipped,
+                                                   lambda: bytes(size * size * 3))
                     column = pa.array(blobs, type=pa.binary(size * size * 3))
                 else:
                     column = pa.array([dataset.read(int(i)) for i in ids], type=pa.binary())
@@ -108,39 +118,135 @@ def _set_pool_globals(dataset, size) -> None:
 
 
 def convert(dataset, form: Form, size: int | None = None, progress: Callable[[int, int], None] | None = None,
-            workers: int | None = None) -> Path:
-    """Convert `dataset` to its Arrow form (or reuse the finished conversion); returns the file."""
+            workers: int | None = None, *, on_error: str = "raise", force: bool = False, verify: bool = False) -> Path:
+    """Convert `dataset` to its Arrow form (or reuse the finished conversion); returns the file.
+
+    `on_error` is the dataset's policy for samples that cannot be decoded; `force` rebuilds a finished
+    conversion; `verify` checks every chunk of a finished one (damage raises, naming the chunk) and the
+    source's content against the digest it recorded, reconverting when the source changed."""
     final = arrow_path(dataset, form, size)
-    if final.exists():
-        return final
+    integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    digest = integrity.source_digest(dataset) if form != "tokens" and (verify or dataset.is_local()) else ""
+    if final.exists() and not force:
+        if not verify or open_arrow(final, dataset, form, size, verify="all").source_content == digest:
+            return final
+        log.warning("%s: the source's content differs from the converted one's: converting again", final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-        os.close(fd)
+        tmp = integrity.temp_path(final)
+        tmp.touch(exist_ok=False)
     except OSError as exc:
-        raise DatasetError(f"{final.parent}: cannot write the Arrow conversion ({exc.strerror or exc})") from None
+        if integrity.is_no_space(exc):
+            raise integrity.no_space_error(final.parent, needed_bytes(dataset, form, size),
+                                           f"the Arrow conversion ({form})", form == "frames") from None
+        raise DatasetError(f"{final.parent}: cannot write the Arrow conversion ({exc.strerror or exc}); "
+                           "set storage.converted to a writable folder") from None
     try:
         schema = _schema(dataset, form, size)
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for batch in _record_batches(dataset, schema, form, size, progress, workers or os.cpu_count() or 1):
-                writer.write_batch(batch)
-        open_arrow(tmp, dataset, form, size, verify_labels=True)
+        schema = schema.with_metadata({**schema.metadata, b"loadopt.source_content": digest.encode()})
+        skipped: list = []
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in _record_batches(dataset, schema, form, size, progress, workers or os.cpu_count() or 1,
+                                         on_error, skipped):
+                first = int(batch.column(0)[0].as_py())
+                mine = [s for s in skipped if s[0] >= first]
+                writer.write_batch(batch, custom_metadata=batch_metadata(batch, mine))
+        open_arrow(tmp, dataset, form, size, verify_labels=True, verify="none")
         os.replace(tmp, final)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if integrity.is_no_space(exc):
+            raise integrity.no_space_error(final.parent, needed_bytes(dataset, form, size),
+                                           f"the Arrow conversion ({form})", form == "frames") from None
+        raise
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return final
 
 
-def open_arrow(path: str | Path, dataset, form: Form, size: int | None, verify_labels: bool = False):
-    """Memory-map an Arrow form and check it matches `dataset` and the settings; returns the reader."""
+def needed_bytes(dataset, form: Form, size: int | None) -> int:
+    """About the bytes of the Arrow form of `dataset` (for the message when the disk is full)."""
+    if form == "tokens":
+        return len(dataset) * (dataset.seq_len + 1) * dataset.tokens.itemsize
+    if form in ("decoded", "frames"):
+        return len(dataset) * (size or 0) ** 2 * 3
+    return int(dataset.sizes.sum())
+
+
+def _regions(batch: pa.RecordBatch) -> list[tuple[str, memoryview]]:
+    """The bytes of each column of a record batch, as written (not as allocated: padding is not data)."""
+    regions = []
+    for field, column in zip(batch.schema, batch.columns, strict=True):
+        buffers, n, first = column.buffers(), len(column), column.offset
+        kind = column.type
+        if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+            dtype = np.int64 if pa.types.is_large_binary(kind) else np.int32
+            offsets = np.frombuffer(buffers[1], dtype, n + 1, first * np.dtype(dtype).itemsize)
+            regions.append((f"{field.name}.lengths", memoryview(np.diff(offsets))))
+            regions.append((field.name, memoryview(buffers[2])[int(offsets[0]):int(offsets[-1])]))
+        else:
+            width = kind.byte_width
+            regions.append((field.name, memoryview(buffers[1])[first * width:(first + n) * width]))
+    return regions
+
+
+def batch_metadata(batch: pa.RecordBatch, skipped: list) -> dict[str, str]:
+    """A record batch's custom metadata: its chunk checksums and its samples that were skipped."""
+    sums = {name: integrity.chunk_sums(view) for name, view in _regions(batch)}
+    return {"loadopt.checksums": json.dumps({"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
+                                             "regions": sums}),
+            "loadopt.skipped": json.dumps(skipped)}
+
+
+class ArrowConversion(list):
+    """The record batches of an opened Arrow form, with what its metadata says: each batch's chunk
+    checksums, the samples the conversion skipped (index -> reason) and the source's content digest."""
+
+    def __init__(self, path: Path, batches: list, checksums: list[dict | None], skipped: dict[int, str],
+                 source_content: str) -> None:
+        super().__init__(batches)
+        self.path, self.checksums, self.skipped, self.source_content = path, checksums, skipped, source_content
+
+    def check(self, verify: integrity.Verify, records: list[int] | None = None) -> None:
+        """Check the chunks `verify` asks for (of the given record batches, else of all) against their
+        checksums; damage raises `DatasetError` naming the file, the record batch and the bytes."""
+        import zlib
+
+        records = list(range(len(self))) if records is None else records
+        chunks = []
+        for b in records:
+            sums = self.checksums[b]
+            if sums is None:
+                raise DatasetError(f"{self.path}: record batch {b} has no checksums (a damaged or foreign file): "
+                                   "rebuild it with `loadopt convert CONFIG --force ...`")
+            # A sample draws from the samples' column (where the bytes are); "all" checks every column.
+            samples = self[b].schema.names[-1]
+            for name, view in _regions(self[b]):
+                if verify == "all" or name == samples:
+                    chunks += [(b, name, view, k) for k in range(len(sums.get(name, [])))]
+        for position in integrity.chunks_to_check(len(chunks), verify if records else "none"):
+            b, name, view, k = chunks[position]
+            at = k * integrity.CHUNK_BYTES
+            if zlib.crc32(view[at:at + integrity.CHUNK_BYTES]) != self.checksums[b][name][k]:
+                first = b * ROWS_PER_BATCH
+                raise integrity.damaged(f"{self.path}: record batch {b} (samples {first}-"
+                                        f"{first + self[b].num_rows - 1}), chunk {k} of column {name} (bytes "
+                                        f"{at}-{min(at + integrity.CHUNK_BYTES, len(view))})")
+
+
+def open_arrow(path: str | Path, dataset, form: Form, size: int | None, verify_labels: bool = False,
+               verify: integrity.Verify = "sample") -> ArrowConversion:
+    """Memory-map an Arrow form and check it matches `dataset` and the settings, and the chunks that
+    `verify` asks for (a random few by default) match their checksums; returns its record batches."""
     try:
         reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        pairs = [reader.get_batch_with_custom_metadata(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
         raise DatasetError(f"{path}: Arrow file not found") from None
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
         raise DatasetError(f"{path}: corrupt or truncated Arrow file ({str(exc).splitlines()[0]})") from None
+    batches = [b for b, _ in pairs]
     expected = _schema(dataset, form, size)
     if not reader.schema.remove_metadata().equals(expected.remove_metadata()):
         raise DatasetError(f"{path}: schema does not match the config: has {_describe(reader.schema)}, "
@@ -158,7 +264,20 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, verify_l
         labels = np.concatenate([b.column(1).to_numpy() for b in batches])
         if not np.array_equal(labels, dataset.labels):
             raise DatasetError(f"{path}: labels differ from the source dataset's")
-    return batches
+    checksums, skipped = [], {}
+    for b, custom in enumerate(pairs):
+        extra = {k.decode(): v.decode() for k, v in (custom[1] or {}).items()}
+        try:
+            checksums.append(json.loads(extra["loadopt.checksums"])["regions"])
+            skipped.update({int(i): str(why) for i, why in json.loads(extra.get("loadopt.skipped", "[]"))})
+        except (KeyError, ValueError, TypeError):
+            checksums.append(None)
+            if verify != "none":
+                raise DatasetError(f"{path}: record batch {b} has no readable checksums (a damaged or foreign "
+                                   "file): rebuild it with `loadopt convert CONFIG --force ...`") from None
+    conversion = ArrowConversion(Path(path), batches, checksums, skipped, meta.get("loadopt.source_content", ""))
+    conversion.check(verify)
+    return conversion
 
 
 def _describe(schema: pa.Schema) -> str:

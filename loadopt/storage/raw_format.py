@@ -16,23 +16,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
-from loadopt.storage import arrow_format
+from loadopt.storage import arrow_format, integrity
 from loadopt.storage.arrow_format import Form
 
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2  # 2: chunk checksums of each shard, skipped samples and the source's digest in the meta
 ALIGN = 4096
 DEFAULT_SHARD_MIB = 256.0
 INDEX_DTYPE = np.dtype([("sample_id", "<i8"), ("shard", "<i4"), ("offset", "<i8"), ("length", "<i8"),
@@ -83,8 +87,12 @@ class RawIndex:
         self.length = self.index["length"]
 
 
-def _samples(dataset, form: Form, size: int | None, workers: int) -> Iterator[bytes]:
+def _samples(dataset, form: Form, size: int | None, workers: int, on_error: str = "raise",
+             skipped: list | None = None) -> Iterator[bytes]:
+    """Each sample's bytes in order; one that cannot be decoded goes by `on_error` (`skip`: a blank one,
+    `[index, reason]` appended to `skipped`)."""
     n = len(dataset)
+    skipped = [] if skipped is None else skipped
     if form == "tokens":
         windows = dataset.windows()
         for i in range(n):
@@ -94,62 +102,93 @@ def _samples(dataset, form: Form, size: int | None, workers: int) -> Iterator[by
             yield dataset.read(i)
     else:  # the Arrow decoded form's own decode function: bit-equal pixels in both forms
         arrow_format._set_pool_globals(dataset, size)
-        if workers <= 1:
-            for i in range(n):
-                yield arrow_format._decode_one(i)
-            return
-        pool = multiprocessing.get_context("fork").Pool(workers)
+        decode = partial(integrity.guarded, arrow_format._decode_one)
+        pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
         try:
-            yield from pool.imap(arrow_format._decode_one, range(n), chunksize=16)
+            for i, result in enumerate(pool.imap(decode, range(n), chunksize=16) if pool else map(decode, range(n))):
+                yield integrity.keep_or_skip(dataset, [i], [result], on_error, skipped,
+                                             lambda: bytes(size * size * 3))[0]
         finally:
-            pool.terminate()
+            if pool is not None:
+                pool.terminate()
 
 
-def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int) -> None:
+def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
+           on_error: str = "raise", digest: str = "") -> None:
     limit, n = shard_bytes(shard_mib), len(dataset)
+    sums, skipped = [integrity.ChunkSums()], []
     index = np.zeros(n, INDEX_DTYPE)
     index["sample_id"] = np.arange(n)
     if form != "tokens":
         index["label"] = dataset.labels
     shard, position, out = 0, 0, open(folder / shard_name(0), "wb")  # noqa: SIM115 - rotated below
     try:
-        for i, blob in enumerate(_samples(dataset, form, size, workers)):
+        for i, blob in enumerate(_samples(dataset, form, size, workers, on_error, skipped)):
             padded = int(align_up(len(blob)))
             if position and position + padded > limit:  # a sample larger than a shard gets one of its own
                 out.close()
                 shard, position = shard + 1, 0
                 out = open(folder / shard_name(shard), "wb")  # noqa: SIM115
-            out.write(blob)
-            out.write(bytes(padded - len(blob)))
+                sums.append(integrity.ChunkSums())
+            for piece in (blob, bytes(padded - len(blob))):
+                out.write(piece)
+                sums[-1].update(piece)
             index[i]["shard"], index[i]["offset"], index[i]["length"] = shard, position, len(blob)
             position += padded
             if progress is not None and ((i + 1) % 256 == 0 or i + 1 == n):
                 progress(i + 1, n)
     finally:
         out.close()
-    np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(_meta(dataset, form, size, shard_mib))))
+    meta = {**_meta(dataset, form, size, shard_mib), "source_content": digest, "skipped": skipped,
+            "checksums": {"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
+                          "shards": [s.finish() for s in sums]}}
+    np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)))
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,
-            progress: Callable[[int, int], None] | None = None, workers: int | None = None) -> Path:
-    """Convert `dataset` to raw shards (or reuse the finished conversion); returns the folder."""
+            progress: Callable[[int, int], None] | None = None, workers: int | None = None, *,
+            on_error: str = "raise", force: bool = False, verify: bool = False) -> Path:
+    """Convert `dataset` to raw shards (or reuse the finished conversion); returns the folder.
+
+    `on_error`, `force` and `verify` as for `arrow_format.convert`."""
     final = raw_path(dataset, form, size, shard_mib)
-    if (final / "index.npz").exists():
-        return final
+    integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    digest = integrity.source_digest(dataset) if form != "tokens" and (verify or dataset.is_local()) else ""
+    if (final / "index.npz").exists() and not force:
+        if not verify or open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get(
+                "source_content") == digest:
+            return final
+        log.warning("%s: the source's content differs from the converted one's: converting again", final)
+    needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        tmp = integrity.temp_path(final)
+        tmp.mkdir()
     except OSError as exc:
-        raise DatasetError(f"{final.parent}: cannot write the raw conversion ({exc.strerror or exc})") from None
+        if integrity.is_no_space(exc):
+            raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
+                                           form == "frames") from None
+        raise DatasetError(f"{final.parent}: cannot write the raw conversion ({exc.strerror or exc}); "
+                           "set storage.converted to a writable folder") from None
     try:
-        _write(tmp, dataset, form, size, shard_mib, progress, workers or os.cpu_count() or 1)
-        open_raw(tmp, dataset, form, size, shard_mib, verify_labels=True)
+        _write(tmp, dataset, form, size, shard_mib, progress, workers or os.cpu_count() or 1, on_error, digest)
+        open_raw(tmp, dataset, form, size, shard_mib, verify_labels=True, verify="none")
+        if force and final.exists():  # the old conversion goes only once the new one is complete
+            old = final.with_name(f".{final.name}.{os.getpid()}.old.tmp")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
         try:
             os.replace(tmp, final)
         except OSError:
             if not (final / "index.npz").exists():  # not a concurrent conversion that finished first
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if integrity.is_no_space(exc):
+            raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
+                                           form == "frames") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -157,8 +196,9 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
 
 
 def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
-             verify_labels: bool = False) -> RawIndex:
-    """Open a raw conversion and check it matches `dataset`, the settings and its shard files."""
+             verify_labels: bool = False, verify: integrity.Verify = "sample") -> RawIndex:
+    """Open a raw conversion and check it matches `dataset`, the settings and its shard files, and that
+    the chunks `verify` asks for (a random few by default) match their checksums."""
     root = Path(path)
     if not (root / "index.npz").exists():
         raise DatasetError(f"{root}: raw shards not found (no index.npz)")
@@ -190,4 +230,25 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
                                f"(truncated shard or bad index)")
     if verify_labels and form != "tokens" and not np.array_equal(index["label"], dataset.labels):
         raise DatasetError(f"{root / 'index.npz'}: labels differ from the source dataset's")
+    check_shards(root, shards, meta, verify, index)
     return RawIndex(root, shards, index, meta)
+
+
+def check_shards(root: Path, shards: list[Path], meta: dict, verify: integrity.Verify, index: np.ndarray) -> None:
+    """Check the shard chunks `verify` asks for against the checksums in the index; damage raises
+    `DatasetError` naming the shard, the chunk and the samples in it."""
+    sums = (meta.get("checksums") or {}).get("shards")
+    if verify == "none":
+        return
+    if not isinstance(sums, list) or len(sums) != len(shards):
+        raise DatasetError(f"{root / 'index.npz'}: no checksums for the shards (a damaged or foreign index): "
+                           "rebuild it with `loadopt convert CONFIG --to raw --force ...`")
+    chunks = [(k, c) for k, shard_sums in enumerate(sums) for c in range(len(shard_sums))]
+    for k, c in (chunks[i] for i in integrity.chunks_to_check(len(chunks), verify)):
+        for _, data in integrity.iter_file_chunks(shards[k], [c]):
+            if zlib.crc32(data) != sums[k][c]:
+                at, end = c * integrity.CHUNK_BYTES, c * integrity.CHUNK_BYTES + len(data)
+                inside = index["sample_id"][(index["shard"] == k) & (index["offset"] < end) &
+                                            (index["offset"] + index["length"] > at)]
+                samples = f", samples {inside.min()}-{inside.max()}" if len(inside) else ""
+                raise integrity.damaged(f"{shards[k]}: chunk {c} (bytes {at}-{end}{samples})")
