@@ -63,7 +63,12 @@ class TorchSettings(BaseModel):
 
 
 def _describe_error(exc: BaseException) -> str:
-    return f"cannot read or decode ({type(exc).__name__}: {exc})"
+    from loadopt.errors import describe_sample_error
+
+    text = str(exc)
+    if isinstance(exc, OSError) and not text.startswith("cannot identify") and "truncated" not in text.lower():
+        return f"cannot read ({type(exc).__name__}: {exc})"  # the storage's error, not the image's
+    return describe_sample_error(exc)
 
 
 class _Samples(torch.utils.data.Dataset):
