@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadopt.errors import BackendUnavailable, DatasetError
+from loadopt.errors import BackendUnavailable, DatasetError, describe_sample_error
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
 from loadopt.storage.raw_format import align_up
@@ -262,7 +262,7 @@ class KvikioLoader(PosixLoader):
                     images.append(self.jpeg_decoder([stream], slot.device)[0])
                 except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                     index = int(indices[k])
-                    failures.append((index, f"cannot decode (sample {index}: {type(exc).__name__}: {exc})"))
+                    failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
                     images.append(None)
         for k, chw in enumerate(images):
             if chw is not None:

@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.device import usable_cores
-from loadopt.errors import DatasetError
+from loadopt.errors import DatasetError, describe_sample_error
 from loadopt.loaders import crops, through_cache, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
@@ -219,7 +219,7 @@ class PosixLoader(RingLoader):
                     transforms.write_sample(memoryview(staging[starts[k] : starts[k] + length[k]]), slot[k], decoder,
                                             "torch", self.pipeline.augment, self.seed, epoch, index)
                 except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-                    failures.append((index, f"cannot decode (sample {index}: {type(exc).__name__}: {exc})"))
+                    failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
             return failures
 
         chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
