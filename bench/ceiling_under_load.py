@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def main() -> int:
     args = parser.parse_args()
 
     rounds = []
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped early: the rounds done still count
     with tempfile.TemporaryDirectory(prefix="ceiling-under-load.") as folder:
         for index in range(args.rounds):
             try:
@@ -86,6 +88,9 @@ def main() -> int:
             except RuntimeError as exc:
                 print(f"cannot measure: {exc}")
                 return 1
+            except KeyboardInterrupt:
+                print(f"stopped after {len(rounds)} of {args.rounds} rounds")
+                break
             found = overshoot(results)
             load = results["machine"].get("load") or {}
             share = (load.get("others_cpu_share") or {}).get("mean")
@@ -97,6 +102,9 @@ def main() -> int:
                   "decode ceilings " + ", ".join(f"{k} {v['samples_per_s']:,.0f} img/s" for k, v in decode.items()
                                                  if isinstance(v, dict) and v.get("samples_per_s")), flush=True)
             rounds.append(found)
+    if not rounds:
+        print("cannot measure: no round finished")
+        return 1
     reliable = [r["reliable"][0] for r in rounds]
     every = [r["every"][0] for r in rounds]
     for name, values in (("largest reliable fraction", reliable), ("largest rate / ceiling, every run", every)):

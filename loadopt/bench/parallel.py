@@ -19,44 +19,50 @@ from typing import Any
 WorkItem = Callable[[int], None]  # does the i-th unit of work (decodes the i-th sample, ...)
 
 
-def _worker(work: WorkItem, start_at: float, seconds: float, results) -> None:
+def _worker(work: WorkItem, ready, go, seconds: float, results) -> None:
     import torch
 
     torch.set_num_threads(1)  # one intra-op thread, as DataLoader workers and loader threads run
     work(0)  # warm-up: first-call costs (imports, allocator) are not the rate
-    while time.perf_counter() < start_at:
-        time.sleep(0.001)
-    done = 0
+    ready.put(True)
+    go.wait()
+    start, done = time.perf_counter(), 0
     while True:
         work(done)
         done += 1
-        if time.perf_counter() - start_at >= seconds:
+        if time.perf_counter() - start >= seconds:
             break
-    results.put((done, time.perf_counter() - start_at))
+    results.put((done, time.perf_counter() - start))
+
+
+def _collect(queue, count: int, processes: list, deadline: float, what: str) -> list:
+    got = []
+    while len(got) < count:
+        if not queue.empty():
+            got.append(queue.get())
+        elif time.monotonic() > deadline or not any(p.is_alive() for p in processes):
+            raise RuntimeError(f"{count - len(got)} of {count} measuring processes gave no {what}")
+        else:
+            time.sleep(0.01)
+    return got
 
 
 def rate_in_workers(work: WorkItem, workers: int, seconds: float = 1.0) -> dict[str, Any]:
     """Units of `work` per second done by `workers` forked processes running together for `seconds`.
 
-    Each process starts at the same instant (after its own warm-up) and stops after the unit that
-    crosses `seconds`; the rate is the units done by all over the longest of their windows."""
+    The processes start together once all have warmed up (however long forking takes on a busy machine)
+    and each stops after the unit that crosses `seconds`; the rate is the units done by all over the
+    longest of their windows."""
     context = multiprocessing.get_context("fork")  # the work (its samples in memory) is inherited, not pickled
-    results = context.SimpleQueue()
-    start_at = time.perf_counter() + 0.5 + 0.1 * workers  # time to fork and warm up before the clock starts
-    processes = [context.Process(target=_worker, args=(work, start_at, seconds, results), daemon=True)
+    ready, results, go = context.SimpleQueue(), context.SimpleQueue(), context.Event()
+    processes = [context.Process(target=_worker, args=(work, ready, go, seconds, results), daemon=True)
                  for _ in range(workers)]
     for process in processes:
         process.start()
-    outcomes = []
     try:
-        deadline = time.monotonic() + 60.0 + 4 * seconds
-        while len(outcomes) < workers:
-            if time.monotonic() > deadline or not any(p.is_alive() for p in processes) and results.empty():
-                raise RuntimeError(f"{workers - len(outcomes)} of {workers} measuring processes gave no rate")
-            if results.empty():
-                time.sleep(0.01)
-                continue
-            outcomes.append(results.get())
+        _collect(ready, workers, processes, time.monotonic() + 120.0, "start")
+        go.set()
+        outcomes = _collect(results, workers, processes, time.monotonic() + 60.0 + 10 * seconds, "rate")
     finally:
         for process in processes:
             process.join(timeout=5.0)
