@@ -14,6 +14,9 @@ CPU for all but the hardware decoder's path, which is also fed from host memory)
 cuFile reads the JPEG bytes into pinned host memory: bytes read into GPU memory would have to come
 back first. `describe()` says so; the decoded form is the one where GDS can pay.
 
+On a tier that is not plain local disk the shards are read through the tier's filesystem object
+into pinned host memory (cuFile reads would bypass its limits) and finished on the GPU as above.
+
 Every step but the device read and the GPU decode is plain torch on whatever device the staging
 buffer is on, so the tests run it on the CPU with the reader swapped for the POSIX one
 (`reader_class`, `staging_device`) and the decoder for a CPU one (`jpeg_decoder`).
@@ -32,6 +35,7 @@ from loadopt.errors import BackendUnavailable, DatasetError, describe_sample_err
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
 from loadopt.storage.raw_format import align_up
+from loadopt.storage.tier_reads import TierReader
 
 
 def nvidia_fs_loaded() -> bool:
@@ -182,7 +186,7 @@ class KvikioLoader(PosixLoader):
                 raise BackendUnavailable(f"loaders.kvikio.form encoded: {why}")
             self.jpeg_decoder, self._decoder_name = decoder, why
         super().prepare(progress, convert_missing)
-        if self.reader_class is KvikioReader:
+        if self.reader_class is KvikioReader and not self._through_tier():
             self.mode = cufile_mode()[1]
             import kvikio.defaults
 
@@ -190,9 +194,15 @@ class KvikioLoader(PosixLoader):
                 kvikio.defaults.set({"num_threads": self.settings.io_threads,
                                      "task_size": self.settings.task_kib * 1024})
 
+    def _through_tier(self) -> bool:
+        """Whether the shards are read through a storage tier (host reads; cuFile cannot pass its limits)."""
+        return isinstance(self._reader, TierReader)
+
     def _new_staging(self, nbytes: int) -> torch.Tensor:
         if torch.device(self.staging_device).type == "cpu":  # the POSIX reader swapped in: aligned host memory
             return torch.from_numpy(aligned_empty(nbytes))
+        if self._through_tier():  # the tier's reads land in host memory, pinned for the copy to the device
+            return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         if self.form == "encoded":  # JPEG bitstreams: the decoders parse them on the host
             return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         return torch.empty(nbytes, dtype=torch.uint8, device=self.staging_device)
