@@ -22,6 +22,7 @@ from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import aggregate, median
+from loadopt.bench.monitor import MachineLoad, load_note
 from loadopt.bench.results import (
     SCHEMA_VERSION,
     machine_fingerprint,
@@ -31,7 +32,7 @@ from loadopt.bench.results import (
 )
 from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer, resolve_device
-from loadopt.errors import LoadoptError, Terminated
+from loadopt.errors import LoadoptError, StorageError, Terminated
 from loadopt.loaders.base import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
@@ -103,9 +104,15 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
         for settings in backend_settings(config, name):
             probe = cls(dataset, config.pipeline, settings, device=device, seed=config.seed)
             label = f"{name} {probe.describe()}"
-            probe.prepare(lambda done, total, label=label: reporter.conversion_progress(label, done, total), convert)
+            try:
+                probe.prepare(lambda done, total, label=label: reporter.conversion_progress(label, done, total),
+                              convert)
+            except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
+                plan.append(_Setting(name, settings, label, "error", str(exc).splitlines()[0]))
+                continue
+            finally:
+                probe.close()
             plan.append(_Setting(name, settings, label))
-            probe.close()
     return plan
 
 
@@ -144,15 +151,20 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     interrupted = False
     user_error: LoadoptError | None = None
     ceilings: dict[str, Any] | None = None
+    machine_load = MachineLoad().start()  # results.json `machine.load`: is the machine busy with other work?
     try:
         if attribute and any(s.status == "ok" for s in plan):
-            ceilings = attribution.measure_ceilings(config, dataset, device)
+            # The decode ceiling runs as many worker processes as the busiest setting (bench/parallel.py).
+            workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == "ok")
+            ceilings = attribution.measure_ceilings(config, dataset, device, workers)
         for repeat in range(workload.repeats):
             for setting in plan:
                 if setting.status != "ok":
                     continue
                 cache_note = _run_one(setting, repeat, config, dataset, device, accelerator, workload,
                                       reporter) or cache_note
+        if ceilings is not None:  # measured again after the runs: the higher of the two is kept
+            ceilings = attribution.keep_best(ceilings, config, dataset)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
         interrupted = True
         stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
@@ -161,6 +173,7 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
     if interrupted:
         results["interrupted_by"] = stopped_by
+    results["machine"]["load"] = machine_load.stop()
     if tunings is not None:
         results["tuning"] = tuner.tuning_summary(tunings, budget_s)
         tried = {t.backend: (len(t.trials), t.space_size, t.reason) for t in tunings}
@@ -328,10 +341,12 @@ def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:
         found = attribution.attribute(run["metrics"], label, ceilings, ceilings["job"], run["settings"])
         run["ceiling"] = found["ceiling"]
         capacity, rate = found["ceiling"]["samples_per_s"], median(run["metrics"], "samples_per_s")
-        run["fraction_of_ceiling"] = rate / capacity if capacity and rate is not None else None
+        attribution.hold_to_ceiling(run, rate, capacity, results["machine"].get("load"))
         if run["backend"] not in seen:
             seen.add(run["backend"])
-            verdicts.append({"label": label, "bottleneck": found["bottleneck"], "text": found["text"]})
+            busy = load_note(results["machine"].get("load"))
+            verdicts.append({"label": label, "bottleneck": found["bottleneck"],
+                             "text": found["text"] + (f"; {busy}" if busy else "")})
     results["verdicts"] = verdicts
 
 
