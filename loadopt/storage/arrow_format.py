@@ -29,6 +29,7 @@ import pyarrow as pa
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
 from loadopt.storage import integrity
+from loadopt.storage.tier_reads import local_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def arrow_path(dataset, form: Form, size: int | None) -> Path:
     settings = {"version": FORMAT_VERSION, "source": dataset.fingerprint, "form": form, "size": size,
                 "seq_len": getattr(dataset, "seq_len", None), "rows": ROWS_PER_BATCH}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "arrow" / f"{dataset.fingerprint}-{form}-{key}.arrow"
+    # the cache, or `storage.converted` / beside the source (storage/tier_reads.py)
+    return local_dir(dataset, cache_dir()) / "arrow" / f"{dataset.fingerprint}-{form}-{key}.arrow"
 
 
 def _schema(dataset, form: Form, size: int | None) -> pa.Schema:

@@ -33,6 +33,7 @@ from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
 from loadopt.storage import arrow_format, integrity
 from loadopt.storage.arrow_format import Form
+from loadopt.storage.tier_reads import local_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def _meta(dataset, form: Form, size: int | None, shard_mib: float) -> dict:
 def raw_path(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB) -> Path:
     """The folder of the conversion of `dataset` to `form` in the cache."""
     key = hashlib.sha256(json.dumps(_meta(dataset, form, size, shard_mib), sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "raw" / f"{dataset.fingerprint}-{form}-{key}"
+    # the cache, or `storage.converted` / beside the source (storage/tier_reads.py)
+    return local_dir(dataset, cache_dir()) / "raw" / f"{dataset.fingerprint}-{form}-{key}"
 
 
 def shard_name(k: int) -> str:
