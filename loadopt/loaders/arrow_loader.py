@@ -8,6 +8,11 @@ CUDA is there), `prefetch` batches ahead, with `threads` threads sharing each ba
   same pipeline as the `torch` backend, so both deliver equal tensors;
 - token windows: gathered per record batch with numpy fancy indexing into int64 inputs/targets.
 Errors in the producer reach the consumer as exceptions (a bad sample by the `on_error` policy).
+
+On a tier that is not plain local disk (emulated, or remote storage) the file is not memory-mapped:
+its image in anonymous memory (`tier_reads.ShadowFile`) gets each batch's samples fetched through the
+tier (`io_threads` range requests in flight, the next batch's while this one is assembled), so the
+tier's limits and counters see every byte, and the views and fills above run unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from loadopt.errors import DatasetError, describe_sample_error
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
+from loadopt.storage import tier_reads
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
 
 
@@ -37,6 +43,7 @@ class ArrowSettings(BaseModel):
     threads: int = Field(2, ge=1)  # threads sharing each batch: decode (encoded) or crop copies (decoded)
     prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
+    io_threads: int = Field(8, ge=1)  # range requests in flight on a tier that is not the local disk
 
 
 class ArrowLoader(RingLoader):
@@ -49,6 +56,7 @@ class ArrowLoader(RingLoader):
         self._views: list | None = None
         self._conversion = None  # the opened file's record batches and checksums (storage/arrow_format.py)
         self._windows: tuple[np.ndarray, np.ndarray, int] | None = None  # tokens: see `_windows_view`
+        self._shadow: tier_reads.ShadowFile | None = None  # on a tier: the file's image, fetched through it
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -63,7 +71,7 @@ class ArrowLoader(RingLoader):
     def describe(self) -> str:
         s = self.settings
         text = self.form + (f" {self.size}px" if self.size else "")
-        return f"{text} threads={s.threads} prefetch={s.prefetch}"
+        return f"{text} threads={s.threads} prefetch={s.prefetch}" + tier_reads.via_tier(self.dataset)
 
     # -- the file ------------------------------------------------------------------------------
 
@@ -76,11 +84,18 @@ class ArrowLoader(RingLoader):
             convert(self.dataset, self.form, self.size, progress=progress, on_error=self.on_error)
         batches = open_arrow(path, self.dataset, self.form, self.size)
         self.unreadable, self._conversion = batches.skipped, batches  # samples the conversion skipped
+        tier = tier_reads.tier_fs(self.dataset)
+        if tier is not None:  # every byte through the tier: no memory map of the file
+            remote = tier_reads.publish(self.dataset, path)
+            self._shadow = tier_reads.ShadowFile(tier, remote or str(path), path, self.settings.io_threads)
+            batches = self._shadow.record_batches()
         self._views = [self._view(b) for b in batches]
         if self.form == "tokens":
             self._windows = _windows_view(batches, self.dataset.tokens.dtype)
 
     def storage_files(self) -> list[str]:
+        if tier_reads.remote_home(self.dataset) is not None:
+            return []  # read from the dataset's storage: no local page cache to evict
         return [str(arrow_path(self.dataset, self.form, self.size))]
 
     def _view(self, batch):
@@ -149,6 +164,9 @@ class ArrowLoader(RingLoader):
         return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, self.layout, read)
 
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+        if self._shadow is not None:
+            self._producer_via_tier(batches, epoch, free, ready, stop)
+            return
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:
             for indices in batches:
                 slot = next_slot(free, stop)
@@ -161,7 +179,27 @@ class ArrowLoader(RingLoader):
                     failures = self._fill_images(self._ring[slot], indices, epoch, pool)
                 ready.put((slot, indices, failures))
 
+    def _producer_via_tier(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
+                           stop: threading.Event) -> None:
+        """The producer on a tier: batch n+1's samples are fetched into the file's image while batch n is
+        assembled from it, then batch n's pages are let go."""
+        shadow = self._shadow
+        with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool, \
+                ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="loadopt-arrow-io") as io, \
+                ThreadPoolExecutor(1, thread_name_prefix="loadopt-arrow-fetch") as fetcher:
+            ahead = fetcher.submit(shadow.fetch, batches[0], io) if batches else None
+            for n, indices in enumerate(batches):
+                ahead.result()
+                ahead = fetcher.submit(shadow.fetch, batches[n + 1], io) if n + 1 < len(batches) else None
+                slot = next_slot(free, stop)
+                if slot is None:
+                    return
+                failures = self._fill_images(self._ring[slot], indices, epoch, pool)
+                shadow.drop(indices)
+                ready.put((slot, indices, failures))
+
     def close(self) -> None:
+        self._shadow = None
         # the record batches keep the file mapped until they are dropped
         self._views = self._windows = self._conversion = None
         self._ring = None

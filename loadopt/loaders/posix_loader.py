@@ -33,7 +33,7 @@ from loadopt.errors import DatasetError, describe_sample_error
 from loadopt.loaders import crops, through_cache, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
-from loadopt.storage import raw_format
+from loadopt.storage import raw_format, tier_reads
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 
 
@@ -136,7 +136,8 @@ class PosixLoader(RingLoader):
     def describe(self) -> str:
         s = self.settings
         text = self.form + (f" {self.size}px" if self.size else "")
-        return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}"
+        return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
+            tier_reads.via_tier(self.dataset)
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.form, self.size, self.settings.shard_mib)
@@ -150,7 +151,13 @@ class PosixLoader(RingLoader):
         self.unreadable = {int(i): str(why) for i, why in self._raw.meta.get("skipped", [])}  # skipped in conversion
         if self._reader is not None:
             self._reader.close()
-        self._reader = self.reader_class(self._raw.shards, self.settings.o_direct)
+        tier = tier_reads.tier_fs(self.dataset)
+        if tier is None:
+            self._reader = self.reader_class(self._raw.shards, self.settings.o_direct)
+        else:  # every read through the tier (its limits, faults, counters); o_direct does not apply there
+            remote = tier_reads.publish(self.dataset, path, marker="index.npz")
+            names = [f"{remote}/{shard.name}" for shard in self._raw.shards] if remote else self._raw.shards
+            self._reader = tier_reads.TierReader(tier, names)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -228,6 +235,8 @@ class PosixLoader(RingLoader):
     def storage_files(self) -> list[str]:
         if self._raw is None:
             self.prepare(convert_missing=False)
+        if tier_reads.remote_home(self.dataset) is not None:
+            return []  # read from the dataset's storage: no local page cache to evict
         return [str(shard) for shard in self._raw.shards]
 
     def _opened(self) -> bool:
@@ -239,7 +248,8 @@ class PosixLoader(RingLoader):
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
-        if self.sample_reads and self.form == "decoded" and not self.settings.o_direct and crops.native is not None:
+        if self.sample_reads and self.form == "decoded" and not self.settings.o_direct and \
+                crops.native is not None and not isinstance(self._reader, tier_reads.TierReader):
             through_cache.produce(self, batches, epoch, free, ready, stop)
             return
         most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
