@@ -128,9 +128,13 @@ def convert(dataset, form: Form, size: int | None = None, progress: Callable[[in
     source's content against the digest it recorded, reconverting when the source changed."""
     final = arrow_path(dataset, form, size)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    if final.exists() and not force and not verify:
+        return final
+    # The source's content, recorded with the conversion: read once more, so only where that is cheap
+    # (a local disk) or asked for (--verify).
     digest = integrity.source_digest(dataset) if form != "tokens" and (verify or dataset.is_local()) else ""
     if final.exists() and not force:
-        if not verify or open_arrow(final, dataset, form, size, verify="all").source_content == digest:
+        if open_arrow(final, dataset, form, size, verify="all").source_content == digest:
             return final
         log.warning("%s: the source's content differs from the converted one's: converting again", final)
     try:

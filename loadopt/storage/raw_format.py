@@ -155,10 +155,13 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
     `on_error`, `force` and `verify` as for `arrow_format.convert`."""
     final = raw_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    if (final / "index.npz").exists() and not force and not verify:
+        return final
+    # The source's content, recorded with the conversion: read once more, so only where that is cheap
+    # (a local disk) or asked for (--verify).
     digest = integrity.source_digest(dataset) if form != "tokens" and (verify or dataset.is_local()) else ""
     if (final / "index.npz").exists() and not force:
-        if not verify or open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get(
-                "source_content") == digest:
+        if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:
             return final
         log.warning("%s: the source's content differs from the converted one's: converting again", final)
     needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
