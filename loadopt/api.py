@@ -198,6 +198,8 @@ def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], 
     loader = cls(dataset, pipeline, settings, device=resolve_device(device or config.workload.device),
                  rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
                  seed=config.seed if seed is None else seed, epoch=epoch, on_error=config.dataset.on_error)
+    if same_recipe:  # `auto`: only a loader that delivers the config's training input (before any conversion)
+        recipe.check(loader, pipeline)
     loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use
     log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
     plain = [k for k, v in knob_why.items() if v == "the backend's default"]

@@ -83,7 +83,8 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     """The decision of a finished bench: the fastest setting whose recipe is the config's, its margin
     over the runner-up backend (also of that recipe); the faster settings of other recipes are listed."""
     by_label = {r["label"]: r for r in results["runs"]}
-    ranked = [by_label[label] for label in results.get("ranking", [])]
+    excluded = recipe_exclusions(results)
+    ranked = [by_label[label] for label in results.get("ranking", []) if label not in excluded]
     if not ranked:
         return None
     best = ranked[0]
@@ -101,6 +102,9 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
         "runner_up": {"label": other["label"], "backend": other["backend"], "samples_per_s": other_rate}
         if other else None,
         "margin": margin, "text": text, "tuned": "tuning" in results,
+        "recipe": best.get("recipe") or results.get("recipe"),
+        # faster or not, never chosen: they deliver another training input
+        "excluded": [{"label": label, "differences": why} for label, why in excluded.items()],
         "created": results["created"], "date": results["created"][:10],
         "loadopt_version": library_versions().get("loadopt"), "config_source": results.get("config_source"),
         "device": results["device"],
