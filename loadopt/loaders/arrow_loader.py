@@ -3,7 +3,9 @@
 Reading a sample costs a page-cache hit and a copy: no file opens, no per-sample Python objects.
 A producer thread assembles each batch straight into a slot of a preallocated ring (pinned where
 CUDA is there), `prefetch` batches ahead, with `threads` threads sharing each batch:
-- decoded pixels: a crop (random, or centred for eval) and flip copied from the mapped rows;
+- decoded pixels: whole frames (train): the JPEG paths' crop box scaled into stored pixels, resized
+  and flipped (`crops.crop_frames`); centre squares (eval, or `frame: centre`): a crop copied from the
+  mapped rows;
 - encoded JPEGs: decoded in the threads (simplejpeg and torch's resize release the GIL) with the
   same pipeline as the `torch` backend, so both deliver equal tensors;
 - token windows: gathered per record batch with numpy fancy indexing into int64 inputs/targets.
@@ -39,7 +41,9 @@ class ArrowSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     form: Literal["decoded", "encoded"] = "decoded"  # token datasets are always stored as windows
-    decoded_size: int | None = Field(None, ge=8)  # default: image_size / 0.875 (256 for 224)
+    decoded_size: int | None = Field(None, ge=8)  # frame centre: image_size / 0.875 (256 for 224)
+    # decoded: `whole` frames (longer side <= pipeline.max_side) or `centre` squares; auto: whole for train
+    frame: Literal["auto", "whole", "centre"] = "auto"
     threads: int = Field(2, ge=1)  # threads sharing each batch: decode (encoded) or crop copies (decoded)
     prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
@@ -70,19 +74,19 @@ class ArrowLoader(RingLoader):
 
     def describe(self) -> str:
         s = self.settings
-        text = self.form + (f" {self.size}px" if self.size else "")
+        text = self.form + (f" {self.frame} {self.size}px" if self.size else "")
         return f"{text} threads={s.threads} prefetch={s.prefetch}" + tier_reads.via_tier(self.dataset)
 
     # -- the file ------------------------------------------------------------------------------
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
-        path = arrow_path(self.dataset, self.form, self.size)
+        path = arrow_path(self.dataset, self.stored_form, self.size)
         if not path.exists():
             if not convert_missing:
                 raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
-            convert(self.dataset, self.form, self.size, progress=progress, on_error=self.on_error)
-        batches = open_arrow(path, self.dataset, self.form, self.size)
+            convert(self.dataset, self.stored_form, self.size, progress=progress, on_error=self.on_error)
+        batches = open_arrow(path, self.dataset, self.stored_form, self.size)
         self.unreadable, self._conversion = batches.skipped, batches  # samples the conversion skipped
         tier = tier_reads.tier_fs(self.dataset)
         if tier is not None:  # every byte through the tier: no memory map of the file
@@ -96,12 +100,16 @@ class ArrowLoader(RingLoader):
     def storage_files(self) -> list[str]:
         if tier_reads.remote_home(self.dataset) is not None:
             return []  # read from the dataset's storage: no local page cache to evict
-        return [str(arrow_path(self.dataset, self.form, self.size))]
+        return [str(arrow_path(self.dataset, self.stored_form, self.size))]
 
     def _view(self, batch):
         """Zero-copy numpy views of one record batch's sample column."""
         column = batch.column(batch.num_columns - 1)
         rows = batch.num_rows
+        if self.stored_form == "frames":  # (pixel offsets, pixel data, (rows, 4) int32 dims)
+            offsets = np.frombuffer(column.buffers()[1], np.int64, rows + 1, column.offset * 8)
+            dims = np.stack([batch.column(name).to_numpy() for name in crops.FRAME_FIELDS], axis=1)
+            return offsets, np.frombuffer(column.buffers()[2], np.uint8), dims
         if self.form == "encoded":
             offsets = np.frombuffer(column.buffers()[1], np.int32, rows + 1, column.offset * 4)
             return offsets, np.frombuffer(column.buffers()[2], np.uint8)
@@ -129,8 +137,15 @@ class ArrowLoader(RingLoader):
         return [failure for chunk in results for failure in chunk]
 
     def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
-        """A crop per sample (random with a flip for train, centred for eval), see `crops.crop_batch`."""
+        """A crop per sample: of whole frames (`crops.crop_frames`) or of centre squares (`crops.crop_batch`)."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
+        if self.stored_form == "frames":
+            views = self._views
+            starts = np.array([views[r][0][i] for r, i in zip(record, local, strict=True)], np.int64)
+            dims = np.stack([views[r][2][i] for r, i in zip(record, local, strict=True)])
+            crops.crop_frames(out, indices, [v[1] for v in views], record, starts, dims, self.pipeline.augment,
+                              self.seed, epoch, pool, self.settings.threads)
+            return
         crops.crop_batch(out, indices, self._views, record, local * (self.size * self.size * 3), self.size,
                          self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
 
@@ -161,6 +176,9 @@ class ArrowLoader(RingLoader):
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
         # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
         read = len(indices) * self.size * self.size * 3 if self.form == "decoded" else None
+        if self.stored_form == "frames":  # the stored frames' bytes
+            read = sum(int(self._views[r][0][i + 1] - self._views[r][0][i])
+                       for r, i in zip(*np.divmod(indices, ROWS_PER_BATCH), strict=True))
         return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, self.layout, read)
 
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:

@@ -6,10 +6,11 @@ of at most `task_kib` and read by `io_threads` threads straight into the staging
 `o_direct` the shards are opened O_DIRECT (every offset, length and the buffer are 4 KiB aligned),
 bypassing the page cache. The reads of the next `read_ahead` batches are in flight while batch n is
 finished into its ring slot (pinned where CUDA is there):
-- decoded pixels: the crop (and flip) of each sample copied from the staging buffer: one copy;
+- decoded pixels: whole frames (train) cropped, resized and flipped by the JPEG paths' plan
+  (`crops.crop_frames`); centre squares (eval, `frame: centre`): the crop copied, one copy;
 - encoded JPEGs: decoded in threads with the pipeline of the `torch` and `arrow` backends;
 - token windows: one vectorised copy into int64 inputs and targets.
-Decoded pixels through the page cache (no O_DIRECT) take another path where the native module is
+Decoded centre squares through the page cache (no O_DIRECT) take another path where the native module is
 built: one read per sample's crop rows into a buffer that stays in cache, then the crop
 (`through_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
 """
@@ -41,7 +42,9 @@ class PosixSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     form: Literal["decoded", "encoded"] = "decoded"  # token datasets are always stored as windows
-    decoded_size: int | None = Field(None, ge=8)  # default: image_size / 0.875 (256 for 224)
+    decoded_size: int | None = Field(None, ge=8)  # frame centre: image_size / 0.875 (256 for 224)
+    # decoded: `whole` frames (longer side <= pipeline.max_side) or `centre` squares; auto: whole for train
+    frame: Literal["auto", "whole", "centre"] = "auto"
     shard_mib: float = Field(raw_format.DEFAULT_SHARD_MIB, gt=0)  # shard file size of the conversion
     o_direct: bool = False  # bypass the page cache (needs a filesystem that allows O_DIRECT: not tmpfs)
     # preadv calls in flight: one per usable core (a page-cache read is a copy on a core), 2 to 8 (8: the
@@ -135,19 +138,19 @@ class PosixLoader(RingLoader):
 
     def describe(self) -> str:
         s = self.settings
-        text = self.form + (f" {self.size}px" if self.size else "")
+        text = self.form + (f" {self.frame} {self.size}px" if self.size else "")
         return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
             tier_reads.via_tier(self.dataset)
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
-        path = raw_format.raw_path(self.dataset, self.form, self.size, self.settings.shard_mib)
+        path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         if not (path / "index.npz").exists():
             if not convert_missing:
                 raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to raw{' --decoded' if self.size else ''}`")
-            raw_format.convert(self.dataset, self.form, self.size, self.settings.shard_mib, progress=progress,
+            raw_format.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib, progress=progress,
                                on_error=self.on_error)
-        self._raw = raw_format.open_raw(path, self.dataset, self.form, self.size, self.settings.shard_mib)
+        self._raw = raw_format.open_raw(path, self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         self.unreadable = {int(i): str(why) for i, why in self._raw.meta.get("skipped", [])}  # skipped in conversion
         if self._reader is not None:
             self._reader.close()
@@ -212,6 +215,11 @@ class PosixLoader(RingLoader):
             inputs, targets = slot[0].numpy(), slot[1].numpy()
             inputs[order], targets[order] = windows[:, :-1], windows[:, 1:]
             return []
+        if self.stored_form == "frames":
+            crops.crop_frames(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts,
+                              self._raw.frames[indices], self.pipeline.augment, self.seed, epoch, pool,
+                              self.settings.threads)
+            return []
         if self.form == "decoded":
             crops.crop_batch(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts, self.size,
                              self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
@@ -248,7 +256,7 @@ class PosixLoader(RingLoader):
     def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
-        if self.sample_reads and self.form == "decoded" and not self.settings.o_direct and \
+        if self.sample_reads and self.stored_form == "decoded" and not self.settings.o_direct and \
                 crops.native is not None and not isinstance(self._reader, tier_reads.TierReader):
             through_cache.produce(self, batches, epoch, free, ready, stop)
             return

@@ -7,7 +7,9 @@ Every sample starts at a multiple of 4096 and every shard is padded to one, so a
 any run of samples with O_DIRECT (aligned offset, length and buffer) or cuFile without a bounce.
 
 Forms: `encoded` (the stored JPEG bytes), `decoded` (uint8 HWC pixels, the very bytes of the Arrow
-decoded form: same decode function), `tokens` (windows of seq_len + 1 token ids).
+decoded form: same decode function), `frames` (whole frames, longer side at most `size`, the Arrow
+`frames` form's bytes; their dims in `index.npz` as `frames`: int32 (height, width, source height,
+source width) per sample, the samples at variable lengths), `tokens` (windows of seq_len + 1 token ids).
 Conversion rules are the Arrow form's: keyed by source fingerprint and settings, written in a
 temporary folder, verified, renamed; an interrupted conversion is never used.
 """
@@ -82,6 +84,7 @@ class RawIndex:
     shards: list[Path]
     index: np.ndarray  # INDEX_DTYPE, row i = sample i
     meta: dict
+    frames: np.ndarray | None = None  # the `frames` form: (n, 4) int32 height, width, source height, width
 
     def __post_init__(self) -> None:
         self.shard = self.index["shard"].astype(np.int64)
@@ -89,13 +92,26 @@ class RawIndex:
         self.length = self.index["length"]
 
 
-def _samples(dataset, form: Form, size: int | None, workers: int, on_error: str = "raise",
+def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_error: str = "raise",
              skipped: list | None = None) -> Iterator[bytes]:
     """Each sample's bytes in order; one that cannot be decoded goes by `on_error` (`skip`: a blank one,
     `[index, reason]` appended to `skipped`)."""
     n = len(dataset)
     skipped = [] if skipped is None else skipped
-    if form == "tokens":
+    if form == "frames":  # the Arrow frames form's own function; each frame's dims appended to `dims`
+        arrow_format._set_pool_globals(dataset, size)
+        pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+        decode = partial(integrity.guarded, arrow_format.decode_frame)
+        try:
+            for i, result in enumerate(pool.imap(decode, range(n), chunksize=16) if pool else map(decode, range(n))):
+                blob, frame = integrity.keep_or_skip(dataset, [i], [result], on_error, skipped,
+                                                     lambda: (bytes(3), (1, 1, 1, 1)))[0]
+                dims.append(frame)
+                yield blob
+        finally:
+            if pool is not None:
+                pool.terminate()
+    elif form == "tokens":
         windows = dataset.windows()
         for i in range(n):
             yield windows[i].tobytes()
@@ -125,7 +141,8 @@ def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float
         index["label"] = dataset.labels
     shard, position, out = 0, 0, open(folder / shard_name(0), "wb")  # noqa: SIM115 - rotated below
     try:
-        for i, blob in enumerate(_samples(dataset, form, size, workers, on_error, skipped)):
+        dims: list = []
+        for i, blob in enumerate(_samples(dataset, form, size, workers, dims, on_error, skipped)):
             padded = int(align_up(len(blob)))
             if position and position + padded > limit:  # a sample larger than a shard gets one of its own
                 out.close()
@@ -141,10 +158,11 @@ def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float
                 progress(i + 1, n)
     finally:
         out.close()
+    extra = {"frames": np.array(dims, np.int32).reshape(n, 4)} if form == "frames" else {}
     meta = {**_meta(dataset, form, size, shard_mib), "source_content": digest, "skipped": skipped,
             "checksums": {"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
                           "shards": [s.finish() for s in sums]}}
-    np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)))
+    np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)), **extra)
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,
@@ -210,6 +228,7 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
     try:
         with np.load(root / "index.npz", allow_pickle=False) as data:
             index, meta = data["index"], json.loads(str(data["meta"]))
+            frames = data["frames"] if "frames" in data.files else None
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise DatasetError(f"{root / 'index.npz'}: corrupt raw index ({str(exc).splitlines()[0]})") from None
     expected = _meta(dataset, form, size, shard_mib)
@@ -235,8 +254,12 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
                                f"(truncated shard or bad index)")
     if verify_labels and form != "tokens" and not np.array_equal(index["label"], dataset.labels):
         raise DatasetError(f"{root / 'index.npz'}: labels differ from the source dataset's")
+    if form == "frames" and (frames is None or frames.shape != (len(index), 4) or (frames <= 0).any()
+                             or not np.array_equal(index["length"], frames[:, 0].astype(np.int64) * frames[:, 1] * 3)):
+        raise DatasetError(f"{root / 'index.npz'}: whole-frame dims missing or invalid (expected {len(index)} rows "
+                           f"of height, width, source height, source width)")
     check_shards(root, shards, meta, verify, index)
-    return RawIndex(root, shards, index, meta)
+    return RawIndex(root, shards, index, meta, frames)
 
 
 def check_shards(root: Path, shards: list[Path], meta: dict, verify: integrity.Verify, index: np.ndarray) -> None:
