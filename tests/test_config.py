@@ -49,6 +49,14 @@ def test_sweep_element_error_names_index(tmp_path):
     assert error_of(path) == f"{path}: loaders.torch.num_workers[1]: expected an integer, got 'many'"
 
 
+@pytest.mark.parametrize("text", ["", "\n# a comment, nothing else\n"])
+def test_an_empty_config_file_is_an_error(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"empty\.yaml: the config file is empty"):
+        load_config(path)
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     assert error_of(str(tmp_path / "nope.yaml")) == f"{tmp_path / 'nope.yaml'}: config file not found"
     path = write(tmp_path, "pipeline: {batch_size: [1,\n")

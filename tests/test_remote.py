@@ -131,6 +131,26 @@ def test_redact_removes_url_credentials_and_secret_options():
                                "password": "***", "anon": False}
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("s3://AKIA:wJalr/XUtn+FEMI@bucket/x", "s3://***@bucket/x"),  # AWS secret keys hold '/'
+    ("https://ghp_TOKEN@github.com/org/repo", "https://***@github.com/org/repo"),  # a token as the user
+    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=abc&X-Amz-Security-Token=t&v=1",
+     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***&v=1"),
+    ("https://acct.blob.core.windows.net/c/x.jpg?sv=2024&sig=ab%2Fc", "https://acct.blob.core.windows.net/c/x.jpg?sv=2024&sig=***"),
+    ("gs://bucket/x?access_token=ya29.a0", "gs://bucket/x?access_token=***"),
+    ("s3://bucket/train/a.jpg and http://127.0.0.1:9/x", "s3://bucket/train/a.jpg and http://127.0.0.1:9/x"),
+])
+def test_redact_every_url_form(text, expected):
+    assert redact(text) == expected
+
+
+def test_credentials_in_an_s3_url_become_options_not_a_bucket_name():
+    from loadopt.storage.remote import open_url
+
+    fs, path = open_url("s3://AKIAKEY:se%2Fcret@bucket/images", {"endpoint_url": "http://127.0.0.1:1"})
+    assert path == "bucket/images" and fs.key == "AKIAKEY" and fs.secret == "se/cret"
+
+
 def test_unreachable_url_is_one_line_without_credentials(image_root):
     from .servers import free_port
 
