@@ -183,12 +183,19 @@ def no_space_error(folder: Path, needed_bytes: int, what: str, bound: bool = Fal
     """`folder: no space left ...` naming what needed the space, how much (`bound`: at most that), and how
     much is free."""
     try:
-        free = f"{shutil.disk_usage(folder).free / 1e6:,.1f} MB free"
+        free = f"{_size(shutil.disk_usage(folder).free)} free"
     except OSError:
         free = "free space unknown"
-    amount = f"{'up to' if bound else 'about'} {needed_bytes / 1e6:,.1f} MB"
+    amount = f"{'up to' if bound else 'about'} {_size(needed_bytes)}"
     return DatasetError(f"{folder}: no space left on device: {what} needs {amount} "
                         f"({free}); nothing was kept. Free some space or set LOADOPT_CACHE to a larger disk")
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes / 1e3:,.1f} kB"
 
 
 def iter_file_chunks(path: Path, chunks: list[int]) -> Iterator[tuple[int, bytes]]:
