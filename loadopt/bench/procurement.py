@@ -292,7 +292,7 @@ def tier_costs(spec: TierSpec, capacity_tb: float, supported: int) -> dict[str, 
     return {"per_month": per_month, "per_accelerator_month": per_month / supported if supported else None}
 
 
-DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "text")
+DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "text", "excluded")
 
 
 def backend_sweep(config: Config) -> dict[str, dict[str, Any]]:
@@ -324,7 +324,8 @@ def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: i
     runs = []
     for run in results["runs"]:
         row = {"label": run["label"], "backend": run["backend"], "status": run["status"], "reason": run["reason"],
-               "form": (run.get("settings") or {}).get("form"), "bytes_source": run.get("bytes_source")}
+               "form": (run.get("settings") or {}).get("form"), "bytes_source": run.get("bytes_source"),
+               "recipe": run.get("recipe")}  # a setting of another recipe never becomes the tier's decision
         if "metrics" in run:
             m = run["metrics"]
             row.update({key: median(m, key) for key in ("samples_per_s", "mb_per_s", "accelerator_utilisation",
