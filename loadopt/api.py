@@ -202,8 +202,21 @@ def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], 
         recipe.check(loader, pipeline)
     loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use
     log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
-    plain = [k for k, v in knob_why.items() if v == "the backend's default"]
-    log.info("make_loader: %s knobs: %s%s", backend, "; ".join(
-        f"{k}={getattr(settings, k)!r} ({v})" for k, v in knob_why.items() if k not in plain),
-        f"; at the backend's defaults: {', '.join(plain)}" if plain else "")
+    log.info("make_loader: %s knobs: %s", backend, _knobs_line(settings, knob_why))
     return loader
+
+
+def _knobs_line(settings, why: dict[str, str]) -> str:
+    """Each knob's value and why, knobs with a reason shared by several (a decision, the defaults) grouped."""
+    groups: dict[str, list[str]] = {}
+    for key, reason in why.items():
+        groups.setdefault(reason, []).append(key)
+    parts = []
+    for reason, keys in groups.items():
+        if reason == "the backend's default":
+            parts.append(f"at the backend's defaults: {', '.join(keys)}")
+        elif len(keys) > 1:
+            parts.append(f"{reason}: " + ", ".join(f"{k}={getattr(settings, k)!r}" for k in keys))
+        else:
+            parts.append(f"{keys[0]}={getattr(settings, keys[0])!r} ({reason})")
+    return "; ".join(sorted(parts, key=lambda part: part.startswith("at the backend's defaults")))

@@ -227,8 +227,9 @@ def test_swept_knobs_take_the_backends_default_for_this_machine_and_say_so(tmp_p
     with caplog.at_level(logging.INFO, logger="loadopt"):
         loader = make_loader(load_config(path, [f"loaders.torch.num_workers={workers}"]), split="val",
                              backend="torch", num_workers=0, variant="plain", batch_size=12)
-    assert loader.settings.variant == "plain" and "variant='plain' (passed to make_loader)" in caplog.text
-    assert loader.settings.num_workers == 0 and "num_workers=0 (passed to make_loader)" in caplog.text
+    assert (loader.settings.variant, loader.settings.num_workers) == ("plain", 0)
+    assert "torch knobs: passed to make_loader: variant='plain', num_workers=0; prefetch_factor=2 (set in " \
+           "loaders.torch); at the backend's defaults: " in caplog.text
     loader.close()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="loadopt"):
