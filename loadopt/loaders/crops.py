@@ -98,6 +98,9 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
                   chunks))
 
 
+# Under OpenMP, torch.set_num_threads in a thread sets that thread's team size only (the pool threads'
+# resizes then never spawn teams that oversubscribe the cores the pool already fills); elsewhere it is global.
+ONE_TORCH_THREAD_EACH = "OpenMP" in torch.__config__.parallel_info()
 FRAME_FIELDS = ("height", "width", "source_height", "source_width")  # per-sample int32 dims of a whole frame
 
 
@@ -139,6 +142,8 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
     warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
 
     def run(positions: np.ndarray) -> None:
+        if ONE_TORCH_THREAD_EACH:  # each pool thread is one core's worth: no OpenMP team of its own per resize
+            torch.set_num_threads(1)
         for k in positions:
             height, width = int(frames[k][0]), int(frames[k][1])
             start = int(starts[k])
