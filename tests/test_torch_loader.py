@@ -180,3 +180,10 @@ def test_close_unmaps_the_shared_batch_ring(folder):
     assert ring_bytes() == before  # closed: unmapped though the loader object lives on
     assert len(collect(ld)) == 4  # and a later pass makes a new one
     ld.close()
+
+
+def test_batches_handed_out_on_the_cpu_are_fresh_memory_while_the_transpose_buffer_is_reused(folder):
+    held = list(loader(folder))  # no copies: every batch must still hold its own pixels
+    assert len({x.data_ptr() for x, _ in held}) == len(held)
+    expected = collect(loader(folder))
+    assert all(torch.equal(x, e) for (x, _), (e, _) in zip(held, expected, strict=True))

@@ -108,6 +108,7 @@ class Loader(ABC):
         self._resume = False  # the next `for` continues at `_position` (set by `load_state_dict`)
         self.batch_transform: BatchTransform | None = None
         self._transfer = DeviceTransfer(self.device, emulate=False)
+        self._intermediates: dict[tuple, torch.Tensor] = {}
         self.order()  # validates rank/world_size/batch_size now rather than at first iteration
 
     # -- what a backend provides -----------------------------------------------------------------
@@ -227,8 +228,9 @@ class Loader(ABC):
         transfer = transfer or self._transfer
         with transfer.device_work():
             inputs, labels = transfer.to_device(batch.inputs, batch.labels)
-            # The emulated device owns reusable buffers; a real one (or a CPU training loop) gets fresh memory.
-            scratch = transfer.scratch if transfer.emulate else None
+            # The emulated device owns reusable buffers; a real one (or a CPU training loop) gets fresh memory
+            # for what it is handed, and this loader's one buffer for the transposed pixels on the way.
+            scratch = transfer.scratch if transfer.emulate else self._intermediate
             out = finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline, scratch)
         if batch.borrowed:
             if out.untyped_storage().data_ptr() == batch.inputs.untyped_storage().data_ptr():
@@ -236,6 +238,19 @@ class Loader(ABC):
             elif transfer.last.elapsed.events is not None:
                 batch.copy_done = transfer.last.elapsed.events[1]
         return out, labels
+
+    def _intermediate(self, shape: tuple[int, ...], dtype: torch.dtype, purpose: str = "out") -> torch.Tensor:
+        """Scratch for `finish_inputs` outside the emulated device: the transposed uint8 pixels ("nhwc"), which
+        never leave the finishing, in one buffer kept per shape; fresh memory for anything handed out.
+        A fresh 9.6 MB transpose every batch (64 x 224 px) made glibc raise its mmap threshold and serve
+        them from a heap that fragmented: the consumer's memory, and that of the workers forked from it
+        each epoch, grew 2-3x over the first epochs of bench/soak.py (not a leak: freed, not returned)."""
+        if purpose != "nhwc":
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        key = (shape, dtype)
+        if key not in self._intermediates:
+            self._intermediates[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._intermediates[key]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # A plain method, so the pass is placed when `iter()` is called, as a DataLoader's is.
