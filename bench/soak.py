@@ -6,7 +6,17 @@ tree's PSS is sampled (shared pages split between the processes that map them, s
 shared by the workers counts once), with the consumer's own USS and PSS beside it. The figure is the
 last epoch's PSS over the PSS of epoch 3 (the first two epochs warm up: allocator arenas, the page
 cache of the mapped files, the first workers' imports); the spread is the smallest and largest of
-every epoch's PSS over that of epoch 3. Target <= 1.10.
+every epoch's PSS over that of epoch 3. Target <= 1.10. The split by kind says what grew: anonymous
+memory (heaps: a leak or allocator retention would show here), file-backed pages (a memory-mapped
+file's pages count in PSS as they are touched, up to the file's size: the page cache, not the
+process's memory) and shared memory (the batch ring).
+
+Found with it (issue 17): torch tuned's tree PSS rose from ~400 to 800-1100 MB over the first epochs,
+then wandered there. Not a leak (Python's traced heap stayed ~1 MB; with glibc's mmap threshold pinned,
+MALLOC_MMAP_THRESHOLD_=131072, the same run stayed at 300-324 MB): a fresh 9.6 MB transposed copy of
+each batch while finishing it on the CPU raised glibc's mmap threshold, so these buffers came from a
+heap that fragmented and was not returned, and the workers forked each epoch started from that heap.
+Finishing now reuses one buffer for that copy (`Loader._intermediate`).
 
 After `close()`: the loader's processes still alive (a second later), the /dev/shm files that
 appeared during the run and are still there, and shared-memory mappings the consumer still holds
@@ -162,6 +172,8 @@ def main() -> int:
               f"{sorted(found['shm']) or ''}, {len(found['maps'])} shared mappings held "
               f"{ {name: f'{size / 2**20:.1f} MB' for name, size in found['maps'].items()} or ''}")
         leftovers = len(found["alive"]) + len(found["shm"]) + len(found["maps"])
+        print(f"{backend}: anonymous memory alone x{last['tree_anon'] / first['tree_anon']:.3f} from epoch "
+              f"{FIRST_EPOCH} to {args.epochs}")
         lines.append(result_line(f"soak_pss_growth_{backend}", growth, "<=", 1.10))
         lines.append(result_line(f"soak_leftovers_{backend}", leftovers, "<=", 0))
     load = os.getloadavg()
