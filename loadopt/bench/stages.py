@@ -161,6 +161,8 @@ def stage_verdict(stages: dict[str, Any], job: dict[str, Any]) -> dict[str, str]
                 "text": f"loader-bound: {words}, yet {both} ({rate / capacity:.0%} of that capacity), "
                         f"{need}; more workers or threads, or deeper prefetch would move it"}
     of = f" ({rate / capacity:.0%} of that capacity)" if capacity else ""
+    if capacity and rate > attribution.CEILING_OVERSHOOT * capacity:  # measured low: no fraction as a fact
+        of = " (above that capacity as measured: the stage's measurement is unreliable)"
     tail = f"; cold it would be fetch-bound ({fetch_words})" if not cold_job and fetch and fetch < (capacity or 0) \
         else ""
     return {"bottleneck": stage, "text": f"{stage}: {words}, {need}; {both}{of}; {lift}{tail}"}
