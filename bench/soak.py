@@ -131,9 +131,21 @@ def soak(config, backend: str, epochs: int, settings: dict) -> dict:
     while me.children(recursive=True) and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = [f"{p.pid} {p.name()}" for p in me.children(recursive=True)]
-    shm_left = {name: size for name, size in shm_files().items() if name not in shm_before}
+    new = {name: size for name, size in shm_files().items() if name not in shm_before}
+    # Other processes of the same user (on a shared machine) create files there too: a file counts as this
+    # loader's when this process still holds it open, or its name carries this process's id (torch_<pid>_...).
+    held = {os.path.basename(_link(fd).removesuffix(" (deleted)")) for fd in Path("/proc/self/fd").iterdir()
+            if _link(fd).startswith(str(SHM))}
+    mine = {name: size for name, size in new.items() if name in held or f"_{os.getpid()}_" in name}
     maps_left = {name: size for name, size in shm_mappings().items() if name not in maps_before}
-    return {"samples": samples, "alive": alive, "shm": shm_left, "maps": maps_left}
+    return {"samples": samples, "alive": alive, "shm": mine, "others_shm": len(new) - len(mine), "maps": maps_left}
+
+
+def _link(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except OSError:
+        return ""
 
 
 def main() -> int:
@@ -169,7 +181,8 @@ def main() -> int:
               f"{first['tree_shmem']:.1f} -> {last['tree_shmem']:.1f} MB")
         print(f"{backend}: after close(): {len(found['alive'])} processes alive {found['alive'] or ''}, "
               f"{len(found['shm'])} new /dev/shm files ({sum(found['shm'].values()) / 2**20:.1f} MB) "
-              f"{sorted(found['shm']) or ''}, {len(found['maps'])} shared mappings held "
+              f"{sorted(found['shm']) or ''} (and {found['others_shm']} of other processes), "
+              f"{len(found['maps'])} shared mappings held "
               f"{ {name: f'{size / 2**20:.1f} MB' for name, size in found['maps'].items()} or ''}")
         leftovers = len(found["alive"]) + len(found["shm"]) + len(found["maps"])
         print(f"{backend}: anonymous memory alone x{last['tree_anon'] / first['tree_anon']:.3f} from epoch "
