@@ -132,6 +132,13 @@ def test_bench_records_tier_bytes_and_where_the_bytes_came_from(tmp_path):
     run_bench(config_from_dict(raw, "local.yaml"), attribute=False)
     (run,) = json.loads((tmp_path / "local" / "results.json").read_text())["runs"]
     assert run["metrics"]["tier_bytes"] is None and run["bytes_source"].startswith("local disk")
+    # the report says where each file's bytes came from
+    from loadopt.report import write_report
+
+    page = write_report([tmp_path / "out" / "results.json"]).read_text()
+    assert "Bytes from: tier fast (emulated) over local disk" in page
+    markdown = write_report([tmp_path / "local" / "results.json"], tmp_path / "r.md", fmt="markdown").read_text()
+    assert "**Bytes from:** local disk (direct reads)" in markdown
 
 
 def _memory_dataset_root(tmp_path) -> str:

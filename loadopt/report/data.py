@@ -161,6 +161,13 @@ class Results:
         """`<folder>/<file>`: names the file without machine-dependent absolute paths."""
         return f"{self.path.parent.name}/{self.path.name}" if self.path.parent.name else self.path.name
 
+    def bytes_sources(self) -> str | None:
+        """Where the runs' bytes came from (results.json `runs[i].bytes_source`): the local disk read
+        directly, or a storage tier every read passed through; None for files without it."""
+        sources = sorted({str(r["bytes_source"]) for r in self.doc.get("runs") or []
+                          if isinstance(r, dict) and r.get("bytes_source")})
+        return "; ".join(sources) or None
+
     def busy_note(self) -> str | None:
         """The sentence saying the machine was busy during the bench (results.json `machine.load.note`)."""
         note = ((self.doc.get("machine") or {}).get("load") or {}).get("note")

@@ -110,6 +110,9 @@ def _ranking(res: Results, palette: plots.Palette) -> str:
     parts = [_figure(plots.ranking(res, palette), caption)]
     if res.busy_note():
         parts.append(_note(f"Busy machine: {res.busy_note()}."))
+    if res.bytes_sources():
+        parts.append(_note(f"Bytes from: {res.bytes_sources()} (every run's; tier_bytes in the results counts what "
+                           "crossed a tier)."))
     if not measured_ceilings:
         parts.append(_note("Ceilings were not measured for these results (no storage, memory-copy or decode ceiling "
                            "in the file), so no loader is shown as a fraction of the one that bounds it."))

@@ -28,6 +28,8 @@ def _header(res: Results) -> list[str]:
         lines += [detail, ""]
     if res.busy_note():
         lines += [f"**Busy machine:** {_cell(res.busy_note())}", ""]
+    if res.bytes_sources():
+        lines += [f"**Bytes from:** {_cell(res.bytes_sources())}", ""]
     return lines
 
 
