@@ -170,6 +170,9 @@ def s3_endpoint():
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # none made before under other credentials or endpoints
     try:
         yield endpoint
     finally:

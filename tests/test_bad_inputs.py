@@ -185,6 +185,19 @@ def s3_env(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    _forget_s3_instances()
+    yield
+    # fsspec caches filesystems by their arguments: one made here without credentials would otherwise be
+    # handed to a later test that sets credentials in the environment.
+    _forget_s3_instances()
+
+
+def _forget_s3_instances() -> None:
+    try:
+        import s3fs
+    except ImportError:
+        return
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture

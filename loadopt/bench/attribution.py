@@ -112,10 +112,12 @@ def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> di
     `workers` processes at once (default: the usable cores), one intra-op thread each (bench/parallel.py)."""
     if config.dataset.kind != "images":
         return {"skipped": "token samples are not decoded"}
-    count = min(_DECODE_SAMPLES, len(dataset))
-    blobs = [dataset.read(i) for i in range(count)]
     size, augment = config.pipeline.image_size, config.pipeline.augment
     slot = torch.empty((3, size, size), dtype=torch.uint8)
+    blobs = _decodable_samples(dataset, min(_DECODE_SAMPLES, len(dataset)), slot, augment, config.seed)
+    if not blobs:
+        return {"skipped": "none of the first samples could be read and decoded"}
+    count = len(blobs)
     cores = usable_cores()
     workers = max(workers or cores, 1)
     out: dict[str, Any] = {"cores": cores, "workers": workers}
@@ -135,6 +137,20 @@ def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> di
     if "dali" in config.loaders:  # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's
         out["dali"] = _guarded(_dali_engine_rate, config, dataset, cores)
     return out
+
+
+def _decodable_samples(dataset: Any, count: int, slot: torch.Tensor, augment: str, seed: int) -> list[bytes]:
+    """The first `count` samples that read and decode: a damaged file is the loaders' to report (by
+    `on_error`), while a ceiling measured on it would fail in its worker processes or count errors as work."""
+    blobs = []
+    for i in range(count):
+        try:
+            blob = dataset.read(i)
+            transforms.write_sample(blob, slot, "pil", "pil", augment, seed, 0, i)
+        except Exception:  # noqa: BLE001 - any failure to read or decode leaves the sample out of the ceiling
+            continue
+        blobs.append(blob)
+    return blobs
 
 
 def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any]:
