@@ -126,4 +126,6 @@ def not_blank(png: bytes) -> None:
     assert colours is None or len(colours) > 50, "hardly any colours: a blank or broken page"
     small = image.resize((128, 200))
     inked = sum(1 for x in range(128) for y in range(200) if min(small.getpixel((x, y))) < 200)
-    assert inked > 0.05 * 128 * 200, f"only {inked} non-white cells of {128 * 200}"
+    # A blank or unstyled page inks well under 1%; a bench's page whose first screen is mostly its text
+    # (the busy-machine note, the bytes' sources) inked 4.9% of the cells, its plots further down.
+    assert inked > 0.03 * 128 * 200, f"only {inked} non-white cells of {128 * 200}"
