@@ -21,7 +21,7 @@ import time
 
 from _common import REPO, build_loader, harness_run, host_batches_forever, ratio_result
 
-from loadopt.bench.attribution import memcpy_bandwidth  # shared with the bench's ceilings
+from loadopt.bench.ceilings import memcpy_bandwidth  # shared with the bench's ceilings
 
 
 def host_rate(loader, batches: int) -> tuple[float, float]:

@@ -44,7 +44,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("unavailable: torch.cuda.is_available() is False on this machine; nothing to check")
         return 1
-    from loadopt.bench.attribution import copy_to_device_bandwidth
+    from loadopt.bench.ceilings import copy_to_device_bandwidth
 
     rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name(0))]
     start = time.perf_counter()

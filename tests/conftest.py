@@ -34,6 +34,13 @@ def _private_cache(cache_dir, monkeypatch):
     monkeypatch.setenv("LOADOPT_CACHE", str(cache_dir))
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOADOPT_CACHE", str(cache))
+    return cache
+
+
 def tiny_config_dict(out: Path, **sections) -> dict:
     config = {
         "name": "tiny",

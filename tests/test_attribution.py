@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from loadopt.bench.attribution import attribute, measure_ceilings
+from loadopt.bench.attribution import attribute
+from loadopt.bench.ceilings import measure_ceilings
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.report import render_report
@@ -135,7 +136,7 @@ def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
 def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
     from types import SimpleNamespace
 
-    from loadopt.bench.attribution import storage_bandwidth
+    from loadopt.bench.ceilings import storage_bandwidth
 
     big = tmp_path / "corpus.bin"
     big.write_bytes(b"\0" * (3 << 20))
@@ -304,7 +305,7 @@ def test_decode_rate_in_worker_processes_runs_one_intra_op_thread_in_each():
 
 
 def test_keep_best_keeps_the_higher_measurement_of_each_ceiling_and_both_values(tmp_path):
-    from loadopt.bench.attribution import keep_best
+    from loadopt.bench.ceilings import keep_best
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
     dataset = open_dataset(config)

@@ -285,7 +285,8 @@ def test_mixed_decode_resumes_and_skips_corrupt_files(tmp_path):
 def test_dali_is_judged_against_its_own_engine(tmp_path):
     """The bench measures DALI's CPU engine alone (one thread x cores) when the config runs dali, and a
     dali run's verdict is against that ceiling, not PIL's or simplejpeg's."""
-    from loadopt.bench.attribution import _bounding_ceiling, decode_rates
+    from loadopt.bench.attribution import _bounding_ceiling
+    from loadopt.bench.ceilings import decode_rates
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out", loaders={"dali": {}}), "d.yaml")
     decode = decode_rates(config, open_dataset(config))

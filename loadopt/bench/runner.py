@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from loadopt import recipe
 from loadopt.bench import attribution, decision, stages, tuner
+from loadopt.bench import ceilings as ceiling_measures
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
 from loadopt.bench.harness import RepeatResult, run_repeat
@@ -156,7 +157,7 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
         if attribute and any(s.status == "ok" for s in plan):
             # The decode ceiling runs as many worker processes as the busiest setting (bench/parallel.py).
             workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == "ok")
-            ceilings = attribution.measure_ceilings(config, dataset, device, workers)
+            ceilings = ceiling_measures.measure_ceilings(config, dataset, device, workers)
         for repeat in range(workload.repeats):
             for setting in plan:
                 if setting.status != "ok":
@@ -164,7 +165,7 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
                 cache_note = _run_one(setting, repeat, config, dataset, device, accelerator, workload,
                                       reporter) or cache_note
         if ceilings is not None:  # measured again after the runs: the higher of the two is kept
-            ceilings = attribution.keep_best(ceilings, config, dataset)
+            ceilings = ceiling_measures.keep_best(ceilings, config, dataset)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
         interrupted = True
         stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"

@@ -1,0 +1,272 @@
+"""The machine's ceilings, measured in the bench's own run (DESIGN.md), each a capacity of one stage
+measured apart, quickly (a few seconds at most): memory copy bandwidth, storage sequential read with the
+page cache evicted, decode + transform per core x usable cores (from memory, in worker processes as the
+loaders run), pinned host-to-device bandwidth on CUDA, and compute alone (the accelerator's step on an
+in-memory batch). Measured before the runs and again after them, the best kept (`keep_best`).
+loadopt/bench/attribution.py holds each run to the ceiling of what it does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loadopt.bench.parallel import in_process_rate, rate_in_workers
+from loadopt.config import Config
+from loadopt.device import usable_cores
+from loadopt.loaders import transforms
+from loadopt.storage.pagecache import evict
+
+_STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
+_DECODE_SECONDS = 1.0  # per decoder: a few hundred samples or this long, whichever comes first
+_DECODE_SAMPLES = 300
+
+
+@functools.lru_cache(maxsize=1)
+def memcpy_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache (median of `repeats`).
+
+    Cached per process: a machine property, and tests run many benches in one process."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        l3 = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+    except (OSError, ValueError, KeyError):
+        l3 = 32 << 20
+    size = min(8 * l3, 1 << 30)
+    source, target = np.ones(size, np.uint8), np.empty(size, np.uint8)
+    np.copyto(target, source)  # the first copy faults the pages in; it is not timed
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times)
+
+
+def storage_bandwidth(dataset: Any, budget_bytes: int = _STORAGE_BUDGET_BYTES) -> dict[str, Any]:
+    """Sequential read rate of a sample of the dataset's files, page cache evicted first.
+
+    The files are read whole, so they are back in the page cache afterwards: a warm bench is not
+    made cold by this measurement. Not local: a sample of `dataset.read` calls (no eviction)."""
+    files = dataset.local_files()
+    rng = np.random.default_rng(0)
+    if not files:
+        indices = rng.permutation(len(dataset))[:64]
+        start, nbytes = time.perf_counter(), 0
+        for i in indices:
+            nbytes += len(dataset.read(int(i)))
+            if time.perf_counter() - start > 2.0:
+                break
+        seconds = time.perf_counter() - start
+        return {"name": "storage read", "bytes_per_s": nbytes / seconds if seconds > 0 else None, "bytes": nbytes,
+                "note": "dataset.read of a sample of remote objects (no page cache to evict)"}
+    chosen, total = [], 0
+    for i in rng.permutation(len(files)):
+        size = os.path.getsize(files[i])
+        if chosen and total + size > budget_bytes:
+            break
+        chosen.append(files[i])
+        total += size
+    # One file larger than the budget (a token corpus): evict and read its head only.
+    evicted = _evict_head(chosen[0], budget_bytes) if total > budget_bytes else evict(chosen)
+    start, nbytes = time.perf_counter(), 0
+    for path in chosen:
+        with open(path, "rb", buffering=0) as handle:
+            while nbytes < budget_bytes and (chunk := handle.read(min(4 << 20, budget_bytes - nbytes))):
+                nbytes += len(chunk)
+    seconds = time.perf_counter() - start
+    return {"name": "storage sequential read", "bytes_per_s": nbytes / seconds if seconds > 0 else None,
+            "bytes": nbytes, "note": f"{len(chosen)} files, {evicted} evicted from the page cache first"}
+
+
+def _evict_head(path: str, length: int) -> int:
+    """Evict only the first `length` bytes of `path`: the rest stays as warm as the bench left it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> dict[str, Any]:
+    """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path) and the fastest
+    decoder (torch's resize: `tuned` and the encoded formats), measured the way the loaders run:
+    `workers` processes at once (default: the usable cores), one intra-op thread each (bench/parallel.py)."""
+    if config.dataset.kind != "images":
+        return {"skipped": "token samples are not decoded"}
+    size, augment = config.pipeline.image_size, config.pipeline.augment
+    slot = torch.empty((3, size, size), dtype=torch.uint8)
+    blobs = _decodable_samples(dataset, min(_DECODE_SAMPLES, len(dataset)), slot, augment, config.seed)
+    if not blobs:
+        return {"skipped": "none of the first samples could be read and decoded"}
+    count = len(blobs)
+    cores = usable_cores()
+    workers = max(workers or cores, 1)
+    out: dict[str, Any] = {"cores": cores, "workers": workers}
+    for key, decoder, resize in (("pil", "pil", "pil"), ("fast", transforms.decoder_name("auto"), "torch")):
+        def work(i: int, decoder: str = decoder, resize: str = resize) -> None:
+            transforms.write_sample(blobs[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
+
+        try:
+            measured = rate_in_workers(work, workers, _DECODE_SECONDS)
+            how = f"{workers} worker processes, one intra-op thread each"
+        except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
+            measured = {"samples_per_s": in_process_rate(work, _DECODE_SECONDS) * cores}
+            how = f"one thread x {cores} cores (worker processes could not be started)"
+        rate = measured["samples_per_s"]
+        out[key] = {"decoder": decoder, "resize": resize, "per_core": rate / cores, "samples_per_s": rate,
+                    "how": how}
+    if "dali" in config.loaders:  # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's
+        out["dali"] = _guarded(_dali_engine_rate, config, dataset, cores)
+    return out
+
+
+def _decodable_samples(dataset: Any, count: int, slot: torch.Tensor, augment: str, seed: int) -> list[bytes]:
+    """The first `count` samples that read and decode: a damaged file is the loaders' to report (by
+    `on_error`), while a ceiling measured on it would fail in its worker processes or count errors as work."""
+    blobs = []
+    for i in range(count):
+        try:
+            blob = dataset.read(i)
+            transforms.write_sample(blob, slot, "pil", "pil", augment, seed, 0, i)
+        except Exception:  # noqa: BLE001 - any failure to read or decode leaves the sample out of the ceiling
+            continue
+        blobs.append(blob)
+    return blobs
+
+
+def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any]:
+    from loadopt.loaders.base import backend_class
+
+    cls = backend_class("dali")
+    available, reason = cls.available()
+    if not available:
+        return {"skipped": reason}
+    # Decode + crop alone: uint8 HWC straight from DALI's resize (no normalisation pass), the fastest
+    # pipeline DALI runs here, so that every DALI setting stays within its ceiling.
+    settings = cls.Settings(num_threads=1, prefetch_queue_depth=1, decoder="cpu", normalise="device", layout="NHWC")
+    loader = cls(dataset, config.pipeline, settings, seed=config.seed)
+    try:
+        per_core, _ = loader.engine_rate(batches=3)
+    finally:
+        loader.close()
+    return {"decoder": "dali cpu", "resize": "dali", "per_core": per_core, "samples_per_s": per_core * cores}
+
+
+def copy_to_device_bandwidth(device: torch.device, pinned: bool = True, size: int = 256 << 20) -> float:
+    """Bytes/s of host-to-device copies of `size` bytes from pinned (or pageable) memory, CUDA events."""
+    source = torch.empty(size, dtype=torch.uint8)
+    source = source.pin_memory() if pinned else source
+    target = torch.empty_like(source, device=device)
+    target.copy_(source, non_blocking=pinned)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        target.copy_(source, non_blocking=pinned)
+    end.record()
+    end.synchronize()
+    return 5 * size / (start.elapsed_time(end) / 1000.0)
+
+
+def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"skipped": f"device {device}: no host-to-device link to measure (the copy is emulated)"}
+    return {"name": "pinned h2d bandwidth", "bytes_per_s": copy_to_device_bandwidth(device)}
+
+
+def compute_alone(config: Config, dataset: Any, device: torch.device) -> dict[str, Any]:
+    """The accelerator's step on a batch already on the device: what the job does with no loader."""
+    from loadopt.bench.accelerator import make_accelerator
+
+    p, w = config.pipeline, config.workload
+    accelerator = make_accelerator(w.model, w.step_time_ms, len(dataset.classes), device)
+    if config.dataset.kind == "tokens":
+        inputs = torch.zeros((p.batch_size, p.seq_len), dtype=torch.int64, device=device)
+    else:
+        dtype = torch.uint8 if p.dtype == "uint8" else torch.float32
+        inputs = torch.zeros((p.batch_size, 3, p.image_size, p.image_size), dtype=dtype, device=device)
+    labels = torch.zeros(p.batch_size, dtype=torch.int64, device=device)
+    accelerator.step(inputs, labels)  # warm-up (a real model's first step allocates)
+    accelerator.drain()
+    start, steps = time.perf_counter(), 0
+    while steps < 3 and (steps == 0 or time.perf_counter() - start < 3.0):
+        accelerator.step(inputs, labels)
+        steps += 1
+    accelerator.drain()
+    step_s = (time.perf_counter() - start) / steps
+    return {"name": "compute alone", "step_ms": step_s * 1000.0,
+            "samples_per_s": p.batch_size / step_s if step_s > 0 else None}
+
+
+def _guarded(fn, *args) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a ceiling that cannot be measured must not stop the bench
+        return {"skipped": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+
+def measure_ceilings(config: Config, dataset: Any, device: torch.device, workers: int | None = None) -> dict[str, Any]:
+    """The machine's ceilings and the job's demand, measured now (a few seconds in all). `workers`: the
+    decode ceiling's worker processes (the most any loader setting of the bench runs; default the cores)."""
+    started = time.perf_counter()
+    memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth()})
+    ceilings = {"memcpy": memcpy, "storage": _guarded(storage_bandwidth, dataset),
+                "decode": _guarded(decode_rates, config, dataset, workers), "h2d": _guarded(h2d_bandwidth, device),
+                "compute": _guarded(compute_alone, config, dataset, device)}
+    p, w = config.pipeline, config.workload
+    step_ms = w.step_time_ms if w.model == "none" else ceilings["compute"].get("step_ms")
+    ceilings["job"] = {"batch_size": p.batch_size, "step_ms": step_ms, "model": w.model, "cache": config.storage.cache,
+                       "demand_samples_per_s": p.batch_size / (step_ms / 1000.0) if step_ms else None,
+                       "mean_sample_bytes": float(dataset.sizes.mean()), "kind": config.dataset.kind,
+                       "device": device.type}
+    ceilings["seconds"] = time.perf_counter() - started
+    return ceilings
+
+
+def _higher(before: dict[str, Any], after: dict[str, Any], key: str) -> dict[str, Any]:
+    """The better of two measurements of one ceiling, with both recorded."""
+    first, second = before.get(key), after.get(key)
+    best = before if second is None or (first is not None and first >= second) else after
+    if first is None and second is None:
+        return best
+    return {**best, "measured": {"before": first, "after": second}}
+
+
+def keep_best(ceilings: dict[str, Any], config: Config, dataset: Any) -> dict[str, Any]:
+    """The ceilings measured again after the runs; of each, the higher of the two measurements.
+
+    A busy phase of a shared machine can only lower a measurement, so the higher one is the nearer to
+    what the machine does; each keeps both values (`measured.before`, `measured.after`)."""
+    started = time.perf_counter()
+    memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth.__wrapped__()})
+    best = dict(ceilings)
+    best["memcpy"] = _higher(ceilings.get("memcpy") or {}, memcpy, "bytes_per_s")
+    best["storage"] = _higher(ceilings.get("storage") or {}, _guarded(storage_bandwidth, dataset), "bytes_per_s")
+    decode_before = ceilings.get("decode") or {}
+    if "skipped" not in decode_before or not decode_before:
+        decode_after = _guarded(decode_rates, config, dataset, decode_before.get("workers"))
+        decode = {**decode_before}
+        for key in ("pil", "fast", "dali"):
+            if key in decode_before or key in decode_after:
+                decode[key] = _higher(decode_before.get(key) or {}, decode_after.get(key) or {}, "samples_per_s")
+        best["decode"] = decode
+    best["seconds"] = ceilings.get("seconds", 0.0) + time.perf_counter() - started
+    best["kept"] = "the higher of two measurements, before and after the runs"
+    return best
+
+
+# -- attribution -----------------------------------------------------------------------------------
