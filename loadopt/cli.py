@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from loadopt.cli_tables import bytes_source_lines, not_run_lines, recipe_lines, results_table
 from loadopt.errors import LoadoptError, Terminated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -33,7 +34,7 @@ SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set 
 
 
 @contextmanager
-def _user_errors() -> Iterator[None]:
+def user_errors() -> Iterator[None]:
     try:
         yield
     except LoadoptError as exc:
@@ -90,7 +91,7 @@ def _terminate_as_interrupt() -> Iterator[list[bool]]:
         sys.unraisablehook = previous_hook
 
 
-class _RichReporter:
+class RichReporter:
     """Draws the bench's progress: the dataset generation, then one bar per run."""
 
     def __init__(self, progress: Progress, terminated: list[bool] | None = None) -> None:
@@ -140,99 +141,9 @@ class _RichReporter:
         self.progress.console.print(f"  [dim]tried {escape(label)}: {rate}, {outcome}{escape(why)}[/]", highlight=False)
 
 
-def _progress() -> Progress:
+def progress_bar() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err_console, transient=False, disable=not err_console.is_terminal)
-
-
-def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
-    from loadopt.bench.metrics import median
-
-    value = median(metrics, key)
-    return "-" if value is None else format(value * scale, spec)
-
-
-def results_table(results: dict[str, Any]) -> Table:
-    """One row per loader setting, ranked by throughput; settings that did not run at the end."""
-    from loadopt.bench.metrics import median
-
-    table = Table(title=f"loadopt bench: {results['config']['name']} on {results['device']}"
-                        f" ({results['dataset']['num_samples']} samples)", title_justify="left")
-    by_label = {r["label"]: r for r in results["runs"]}
-    tokens = any("tokens_per_s" in by_label[label]["metrics"] for label in results["ranking"])
-    volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
-    for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
-                            ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
-                            ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
-                            ("bytes from", "left"), ("recipe", "left")):
-        table.add_column(column, justify=justify)
-    for rank, label in enumerate(results["ranking"], start=1):
-        m = by_label[label]["metrics"]
-        rate = m["samples_per_s"]
-        fraction = by_label[label].get("fraction_of_ceiling")
-        # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
-        of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
-        if (by_label[label].get("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low
-            of_ceiling = "unreliable"
-        spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
-        tuned = by_label[label].get("tuned")  # --tune: each backend's best setting, and how many were tried
-        shown = label
-        if tuned:  # a backend far behind after the first round keeps its start (bench/tuner.py)
-            climbed = not str(tuned.get("note") or "").startswith("not climbed")
-            shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
-        table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
-                      _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
-                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
-                      escape(_bytes_from(by_label[label])), _recipe_cell(by_label[label], results.get("recipe")))
-    for run in results["runs"]:
-        if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
-            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 9)
-    return table
-
-
-def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:
-    """The table's short form of a run's recipe: what its crops run on, and `differs` (in yellow) where it
-    is not the config's training input (named under the table, `recipe_lines`)."""
-    from loadopt import recipe
-
-    found = run.get("recipe")
-    if not found:
-        return "-"
-    stored = str(found.get("stored", found.get("kind", "?"))).replace("whole frame ", "frames ")
-    return f"[yellow]differs: {escape(stored)}[/]" if recipe.differences(found, want) else f"same: {escape(stored)}"
-
-
-def recipe_lines(results: dict[str, Any]) -> list[str]:
-    """The config's recipe, then one line per measured setting of another recipe, naming the difference."""
-    from loadopt import recipe
-    from loadopt.bench.decision import recipe_exclusions
-
-    if not results.get("recipe"):
-        return []
-    lines = [f"recipe of the config: {recipe.describe(results['recipe'])}"]
-    for label, differences in recipe_exclusions(results).items():
-        lines.append(f"{label}: another training input, never chosen by the decision or auto: {'; '.join(differences)}")
-    return lines
-
-
-def _bytes_from(run: dict[str, Any]) -> str:
-    """The table's short form of a run's `bytes_source`: `local disk` or `tier NAME`."""
-    source = str(run.get("bytes_source") or "")
-    return source.split(" (", 1)[0] if source else "-"
-
-
-def not_run_lines(results: dict[str, Any]) -> list[str]:
-    """One line per setting that did not run (unavailable, failed, not run), with its reason; printed
-    under the table so that a long reason does not widen it."""
-    return [f"{run['label']}: {run['status']}: {run['reason']}" for run in results["runs"]
-            if run["label"] not in results["ranking"]]
-
-
-def bytes_source_lines(results: dict[str, Any]) -> list[str]:
-    """Where the runs' bytes came from, in full, once per distinct source."""
-    sources = sorted({str(r["bytes_source"]) for r in results["runs"] if r.get("bytes_source")})
-    return [f"bytes from {source}" + ("; tier_bytes in results.json counts what crossed it" if
-                                      source.startswith("tier") else "") for source in sources]
 
 
 @app.command()
@@ -256,16 +167,16 @@ def bench(
     from loadopt.config import load_config
 
     _logging(verbose)
-    with _user_errors(), _terminate_as_interrupt() as terminated:
+    with user_errors(), _terminate_as_interrupt() as terminated:
         from loadopt.bench.tuner import parse_budget
 
         cfg = load_config(config, set_ or [])
         budget_s = parse_budget(budget)
         names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
-        with _progress() as progress:
+        with progress_bar() as progress:
             try:
                 outcome = run_bench(cfg, loaders=names, out=out, quick=quick,
-                                    reporter=_RichReporter(progress, terminated), convert=not no_convert, tune=tune,
+                                    reporter=RichReporter(progress, terminated), convert=not no_convert, tune=tune,
                                     budget_s=budget_s, attribute_stages=attribute_stages)
             except Terminated:  # before any run started (generating, converting): nothing half-written is kept
                 err_console.print("interrupted (SIGTERM) before any run finished: no results were written",
@@ -301,7 +212,7 @@ def bench(
             if backend.get("reason"):
                 console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
     console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
-    _auto_report(outcome.json_path)
+    auto_report(outcome.json_path)
     skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
     if skipped:
         listed = "; ".join(f"{path}: {why}" for path, why in list(skipped.items())[:5])
@@ -332,7 +243,7 @@ def _print_verdicts(results: dict[str, Any]) -> None:
         console.print(f"[bold]{escape(verdict['label'])}[/]: {escape(verdict['text'])}", highlight=False)
 
 
-def _auto_report(results_path: Any) -> None:
+def auto_report(results_path: Any) -> None:
     """The report beside the results; the results are already on disk, so a failure here only warns."""
     from loadopt.report import write_report
 
@@ -355,7 +266,7 @@ def report(
     """Turn results into one self-contained HTML page with plots, or a short Markdown summary."""
     from loadopt.report import render_report, write_report
 
-    with _user_errors():
+    with user_errors():
         if format_ == "markdown" and out is None:
             typer.echo(render_report(results, format_), nl=False)
             return
@@ -390,7 +301,7 @@ def explain(
     from loadopt.config import load_config
     from loadopt.explain import explain_config, explain_results
 
-    with _user_errors():
+    with user_errors():
         path = Path(target)
         text = explain_results(path) if path.is_dir() or path.suffix == ".json" else \
             explain_config(load_config(target, set_ or []))

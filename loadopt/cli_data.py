@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from loadopt.cli import SetOption, _progress, _RichReporter, _user_errors, app, console
+from loadopt.cli import RichReporter, SetOption, app, console, progress_bar, user_errors
 
 
 @app.command("make-dataset")
@@ -21,10 +21,10 @@ def make_dataset(
     from loadopt.config import load_config
     from loadopt.storage.imagefolder import open_dataset
 
-    with _user_errors():
+    with user_errors():
         cfg = load_config(config, set_ or [])
-        with _progress() as progress:
-            reporter = _RichReporter(progress)
+        with progress_bar() as progress:
+            reporter = RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
     console.print(f"{dataset.root}: {len(dataset):,} images in {len(dataset.classes)} classes, "
                   f"mean {dataset.sizes.mean() / 1e3:,.1f} KB, {dataset.sizes.sum() / 1e6:,.1f} MB in all",
@@ -56,7 +56,7 @@ def convert(
     from loadopt.storage import arrow_format, raw_format
     from loadopt.storage.imagefolder import open_dataset
 
-    with _user_errors():
+    with user_errors():
         if to not in ("arrow", "raw"):
             raise ConfigError(f"--to {to}: unknown format (known: arrow, raw)")
         cfg = load_config(config, set_ or [])
@@ -67,8 +67,8 @@ def convert(
             settings, cls = PosixSettings(form=form, decoded_size=size, frame=frame, shard_mib=shard_mib), PosixLoader
         else:
             settings, cls = ArrowSettings(form=form, decoded_size=size, frame=frame), ArrowLoader
-        with _progress() as progress:
-            reporter = _RichReporter(progress)
+        with progress_bar() as progress:
+            reporter = RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
             loader = cls(dataset, cfg.pipeline, settings)  # what the backend would read: form and size
             stored = getattr(loader, "stored_form", loader.form)

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from loadopt.cli import SetOption, _auto_report, _progress, _user_errors, app, console
+from loadopt.cli import SetOption, app, auto_report, console, progress_bar, user_errors
 
 
 @app.command()
@@ -40,7 +40,7 @@ def probe(
     from loadopt.storage.probe import parse_size
     from loadopt.storage.probe import probe as run_probe
 
-    with _user_errors():
+    with user_errors():
         block_sizes = tuple(parse_size(b, "--blocks") for b in blocks.split(",") if b.strip())
         levels = tuple(int(parse_size(c, "--concurrency")) for c in concurrency.split(",") if c.strip())
         folder = prepare_output(out)
@@ -55,7 +55,7 @@ def probe(
             except (ImportError, ValueError) as exc:
                 raise DatasetError(f"{url}: cannot open this location ({exc})") from None
             fs = tier_filesystem(spec, base_fs)
-        with _progress() as progress:
+        with progress_bar() as progress:
             task = progress.add_task("probing", total=None)
 
             def step(label: str, done: int, total: int) -> None:
@@ -123,7 +123,7 @@ def tiers(
     from loadopt.config import load_config
     from loadopt.storage.tiers import load_tier_profiles
 
-    with _user_errors():
+    with user_errors():
         cfg = load_config(config, set_ or [])
         if tier_names:
             names: list[Any] = [t.strip() for t in tier_names.split(",") if t.strip()]
@@ -135,7 +135,7 @@ def tiers(
         if quick:
             measure, warmup, budget, backend_batches = min(measure, 1.0), min(warmup, 0.5), min(budget, 30.0), \
                 min(backend_batches, 8)
-        with _progress() as progress:
+        with progress_bar() as progress:
             task = progress.add_task("tiers", total=None)
             result = run_tiers(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
                                warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
@@ -155,7 +155,7 @@ def tiers(
         for line in backend_lines(result):
             console.print(escape(line), highlight=False)
     console.print(f"results: {json_path}", highlight=False)
-    _auto_report(json_path)
+    auto_report(json_path)
 
 
 def backends_table(result: dict[str, Any]) -> Table:

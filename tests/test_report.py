@@ -221,11 +221,11 @@ def test_nothing_measured_still_renders(tmp_path):
 
 def test_a_failing_auto_report_only_warns(tmp_path, capsys):
     """`loadopt bench` writes the report after the results: a report that fails leaves them and warns."""
-    from loadopt.cli import _auto_report
+    from loadopt.cli import auto_report
 
     results = tmp_path / "results.json"
     results.write_text('{"runs": "not a list"}')
-    _auto_report(results)  # no exception: the bench goes on to its summary and exit code
+    auto_report(results)  # no exception: the bench goes on to its summary and exit code
     err = capsys.readouterr().err
     assert "warning: the report could not be written" in err and "not a loadopt results file" in err
     assert results.read_text() == '{"runs": "not a list"}'

@@ -1,0 +1,99 @@
+"""The `loadopt bench` results as the terminal shows them: the ranked table, and the lines under it
+(settings that did not run and why, where each run's bytes came from, each row's training recipe)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+
+def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    from loadopt.bench.metrics import median
+
+    value = median(metrics, key)
+    return "-" if value is None else format(value * scale, spec)
+
+
+def results_table(results: dict[str, Any]) -> Table:
+    """One row per loader setting, ranked by throughput; settings that did not run at the end."""
+    from loadopt.bench.metrics import median
+
+    table = Table(title=f"loadopt bench: {results['config']['name']} on {results['device']}"
+                        f" ({results['dataset']['num_samples']} samples)", title_justify="left")
+    by_label = {r["label"]: r for r in results["runs"]}
+    tokens = any("tokens_per_s" in by_label[label]["metrics"] for label in results["ranking"])
+    volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
+    for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
+                            ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
+                            ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
+                            ("bytes from", "left"), ("recipe", "left")):
+        table.add_column(column, justify=justify)
+    for rank, label in enumerate(results["ranking"], start=1):
+        m = by_label[label]["metrics"]
+        rate = m["samples_per_s"]
+        fraction = by_label[label].get("fraction_of_ceiling")
+        # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
+        of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
+        if (by_label[label].get("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low
+            of_ceiling = "unreliable"
+        spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
+        tuned = by_label[label].get("tuned")  # --tune: each backend's best setting, and how many were tried
+        shown = label
+        if tuned:  # a backend far behind after the first round keeps its start (bench/tuner.py)
+            climbed = not str(tuned.get("note") or "").startswith("not climbed")
+            shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
+        table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
+                      _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
+                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
+                      escape(_bytes_from(by_label[label])), _recipe_cell(by_label[label], results.get("recipe")))
+    for run in results["runs"]:
+        if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
+            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 9)
+    return table
+
+
+def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:
+    """The table's short form of a run's recipe: what its crops run on, and `differs` (in yellow) where it
+    is not the config's training input (named under the table, `recipe_lines`)."""
+    from loadopt import recipe
+
+    found = run.get("recipe")
+    if not found:
+        return "-"
+    stored = str(found.get("stored", found.get("kind", "?"))).replace("whole frame ", "frames ")
+    return f"[yellow]differs: {escape(stored)}[/]" if recipe.differences(found, want) else f"same: {escape(stored)}"
+
+
+def recipe_lines(results: dict[str, Any]) -> list[str]:
+    """The config's recipe, then one line per measured setting of another recipe, naming the difference."""
+    from loadopt import recipe
+    from loadopt.bench.decision import recipe_exclusions
+
+    if not results.get("recipe"):
+        return []
+    lines = [f"recipe of the config: {recipe.describe(results['recipe'])}"]
+    for label, differences in recipe_exclusions(results).items():
+        lines.append(f"{label}: another training input, never chosen by the decision or auto: {'; '.join(differences)}")
+    return lines
+
+
+def _bytes_from(run: dict[str, Any]) -> str:
+    """The table's short form of a run's `bytes_source`: `local disk` or `tier NAME`."""
+    source = str(run.get("bytes_source") or "")
+    return source.split(" (", 1)[0] if source else "-"
+
+
+def not_run_lines(results: dict[str, Any]) -> list[str]:
+    """One line per setting that did not run (unavailable, failed, not run), with its reason; printed
+    under the table so that a long reason does not widen it."""
+    return [f"{run['label']}: {run['status']}: {run['reason']}" for run in results["runs"]
+            if run["label"] not in results["ranking"]]
+
+
+def bytes_source_lines(results: dict[str, Any]) -> list[str]:
+    """Where the runs' bytes came from, in full, once per distinct source."""
+    sources = sorted({str(r["bytes_source"]) for r in results["runs"] if r.get("bytes_source")})
+    return [f"bytes from {source}" + ("; tier_bytes in results.json counts what crossed it" if
+                                      source.startswith("tier") else "") for source in sources]
