@@ -89,6 +89,10 @@ def test_ceilings_measured_on_the_tiny_config_are_positive_and_named(tmp_path):
         assert ceilings[key]["name"] and ceilings[key]["bytes_per_s" if key != "compute" else "samples_per_s"] > 0
     for key in ("pil", "fast"):
         assert ceilings["decode"][key]["samples_per_s"] > 0 and ceilings["decode"][key]["decoder"]
+    crop = ceilings["crop_resize"]  # the loaders' own primitive on frames stored as the decoded forms store them
+    assert crop["samples_per_s"] > 0 and crop["primitive"] == "loadopt.loaders.crops.crop_frames"
+    assert crop["max_side"] == config.pipeline.max_side and 0 < crop["mean_frame_pixels"] <= 512 * 512
+    assert crop["how"].endswith("one intra-op thread each") or crop["how"].startswith("one thread")
     assert "skipped" in ceilings["h2d"]  # no CUDA here
     assert ceilings["job"]["demand_samples_per_s"] == 8 / 0.002
 
@@ -104,6 +108,11 @@ def test_run_bench_writes_ceilings_and_verdicts_and_the_report_renders(tmp_path)
         assert run["ceiling"]["name"] and run["ceiling"]["samples_per_s"] > 0
         assert run["fraction_of_ceiling"] > 0
     assert {v["label"] for v in results["verdicts"]} == {r["label"] for r in measured}
+    # augment: train stores arrow's decoded form as whole frames: held to the crop + resize ceiling
+    arrow = next(r for r in measured if r["backend"] == "arrow")
+    assert arrow["recipe"]["stored"].startswith("whole frame")
+    assert arrow["ceiling"]["name"].startswith("crop + resize of stored frames")
+    assert arrow["ceiling"]["samples_per_s"] == results["ceilings"]["crop_resize"]["samples_per_s"]
     assert all(v["bottleneck"] and v["text"] for v in results["verdicts"])
     assert results["ceilings"]["memcpy"]["bytes_per_s"] > 0
     html = render_report([str(outcome.json_path)], "html")
@@ -313,7 +322,10 @@ def test_keep_best_keeps_the_higher_measurement_of_each_ceiling_and_both_values(
            "storage": {"name": "storage sequential read", "bytes_per_s": 1e15},
            "decode": {"cores": 2, "workers": 2, "pil": {"decoder": "pil", "samples_per_s": 0.5},
                       "fast": {"decoder": "simplejpeg", "samples_per_s": 1e9}}}
+    low["crop_resize"] = {"name": "crop + resize of stored frames", "samples_per_s": 0.5, "workers": 1}
     best = keep_best(low, config, dataset)
+    assert best["crop_resize"]["samples_per_s"] > 0.5 and best["crop_resize"]["measured"]["before"] == 0.5
+    assert best["crop_resize"]["workers"] == 1
     assert best["memcpy"]["bytes_per_s"] > 1.0 and best["memcpy"]["measured"]["before"] == 1.0
     assert best["storage"]["bytes_per_s"] == 1e15 and best["storage"]["measured"]["after"] < 1e15
     assert best["decode"]["pil"]["samples_per_s"] > 0.5 and best["decode"]["fast"]["samples_per_s"] == 1e9
@@ -334,3 +346,59 @@ def test_others_cpu_share_and_the_busy_note():
     summary = MachineLoad(interval_s=0.05).start().stop()
     assert summary["samples"] >= 2 and 0.0 <= summary["others_cpu_share"]["mean"] <= 1.0
     assert isinstance(summary["busy"], bool) and summary["load_average_1m"]["max"] >= 0
+
+
+# Whole frames (the decoded forms under augment: train): crop + resize, 2 cores 900 samples/s.
+WHOLE = {"stored": "whole frame <= 512 px", "max_side": 512}
+CENTRE = {"stored": "centre 256 px square", "max_side": 256}
+CROPPING = {**CEILINGS, "crop_resize": {"name": "crop + resize of stored frames", "samples_per_s": 900.0,
+                                        "workers": 2, "max_side": 512}}
+TRAIN_JOB = {**JOB, "augment": "train"}
+
+
+def test_a_whole_frame_run_is_held_to_the_crop_and_resize_ceiling_with_what_lifts_it():
+    found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=810.0), "arrow decoded whole 512px threads=2",
+                      CROPPING, TRAIN_JOB, {"form": "decoded", "frame": "auto"}, WHOLE)
+    assert found["ceiling"] == {"name": "crop + resize of stored frames x 2 cores", "samples_per_s": 900.0}
+    assert found["bottleneck"] == "prep-bound"
+    assert "2 cores crop and resize 900 samples/s from stored frames <= 512 px" in found["text"]
+    assert "(90% of that ceiling)" in found["text"]  # 810 of 900, not 810 of ~66,000 copied
+    for lever in ("frame: centre", "max_side", "GPU"):
+        assert lever in found["text"]
+    # Far below its ceiling, which would be enough for the job: loader-bound, the fraction of crop + resize.
+    slow = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=450.0), "posix decoded whole 512px",
+                     {**CROPPING, "crop_resize": {**CROPPING["crop_resize"], "samples_per_s": 3000.0}}, TRAIN_JOB,
+                     {"form": "decoded"}, WHOLE)
+    assert slow["bottleneck"] == "loader-bound" and "(15% of that ceiling)" in slow["text"]
+
+
+def test_a_centre_square_run_stays_held_to_the_memory_copy_whatever_the_augment():
+    for job in (TRAIN_JOB, {**JOB, "augment": "eval"}):
+        found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=1200.0), "arrow decoded centre 256px threads=2",
+                          CROPPING, job, {"form": "decoded", "frame": "centre"}, CENTRE)
+        assert found["ceiling"]["name"].startswith("memory copy bandwidth")
+        assert abs(found["ceiling"]["samples_per_s"] - 10e9 / (3 * 224 * 224)) < 1.0
+
+
+def test_the_stored_form_is_read_from_the_recipe_before_the_settings_and_the_label():
+    from loadopt.bench.attribution import stores_whole_frames
+
+    # The recorded recipe decides, whatever the label says.
+    assert stores_whole_frames("arrow decoded 256px", {"form": "decoded"}, WHOLE, JOB)
+    assert not stores_whole_frames("arrow decoded whole 512px", {"form": "decoded"}, CENTRE, TRAIN_JOB)
+    # No recipe recorded (older results, stage measurements): the settings and the job's augment.
+    assert stores_whole_frames("posix decoded", {"form": "decoded", "frame": "auto"}, None, TRAIN_JOB)
+    eval_job = {**JOB, "augment": "eval"}
+    assert not stores_whole_frames("posix decoded", {"form": "decoded", "frame": "auto"}, None, eval_job)
+    assert stores_whole_frames("posix decoded", {"form": "decoded", "frame": "whole"}, None, eval_job)
+    assert not stores_whole_frames("arrow encoded", {"form": "encoded"}, None, TRAIN_JOB)
+    assert not stores_whole_frames("torch tuned", {"variant": "tuned"}, {"stored": "source"}, TRAIN_JOB)
+    # kvikio resizes its frames on the device: not the host's crop + resize.
+    assert not stores_whole_frames("kvikio decoded whole 512px", {"form": "decoded"}, WHOLE, TRAIN_JOB)
+    assert not stores_whole_frames("arrow tokens", {}, {"kind": "tokens"}, {**TRAIN_JOB, "kind": "tokens"})
+
+
+def test_an_unmeasured_crop_ceiling_says_so_rather_than_borrowing_another():
+    found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=810.0), "arrow decoded whole 512px threads=2",
+                      CEILINGS, TRAIN_JOB, {"form": "decoded"}, WHOLE)
+    assert found["ceiling"]["samples_per_s"] is None and "crop + resize capacity not measured" in found["text"]

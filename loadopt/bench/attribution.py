@@ -1,8 +1,8 @@
 """Bottleneck attribution (DESIGN.md): a one-sentence verdict per loader setting on which stage bounds
 the job. The job's demand is batch_size / step time; a loader setting is shown against the ceiling of
-what it does (JPEG decode, a memory copy of decoded pixels or tokens, or the storage read when the
-cache is cold; the ceilings are measured by loadopt/bench/ceilings.py), and the verdict says which
-stage bounds it.
+what it does (JPEG decode; crop + resize of stored whole frames for the decoded forms' whole-frame
+path; a memory copy of decoded centre squares or tokens; or the storage read when the cache is cold; the
+ceilings are measured by loadopt/bench/ceilings.py), and the verdict says which stage bounds it.
 """
 
 from __future__ import annotations
@@ -30,13 +30,45 @@ def _delivered_bytes(metrics: dict[str, Any]) -> float | None:
     return rate * 1e9 * seconds / samples if rate and seconds and samples else None
 
 
+def stores_whole_frames(label: str, settings: dict[str, Any] | None, recipe: dict[str, Any] | None,
+                        job: dict[str, Any]) -> bool:
+    """Whether a setting crops and resizes stored whole frames on the host: its recorded recipe says so
+    (`stored: whole frame <= N px`, loadopt/recipe.py), else its settings (decoded, `frame` whole, or
+    auto under `augment: train`). kvikio resizes its frames on the device: not the host's work."""
+    backend = (label.split() or [""])[0]
+    if backend == "kvikio" or job.get("kind") == "tokens":
+        return False
+    if recipe:
+        return str(recipe.get("stored", "")).startswith("whole frame")
+    settings = settings or {}
+    if settings.get("form") != "decoded":
+        return False
+    frame = settings.get("frame", "auto")
+    return frame == "whole" or (frame == "auto" and job.get("augment") == "train")
+
+
+def _crop_resize_stage(ceilings: dict[str, Any]) -> tuple[str, str, float | None, str, str]:
+    measured = ceilings.get("crop_resize") or {}
+    rate, workers = measured.get("samples_per_s"), measured.get("workers", usable_cores())
+    side = f"<= {measured['max_side']} px" if measured.get("max_side") else "whole"
+    words_ = (f"{workers} cores crop and resize {rate:,.0f} samples/s from stored frames {side} "
+              f"(the shared crop plan + torch's antialiased resize)" if rate else "crop + resize capacity not measured")
+    lift = ("a centre-crop stored form (frame: centre, the augment: eval recipe), fewer or lower-resolution "
+            "stored pixels (a lower pipeline.max_side: another recipe) or resizing on the GPU (kvikio) "
+            "lifts this bound")
+    return "prep-bound", f"crop + resize of stored frames x {workers} cores", rate, words_, lift
+
+
 def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
-                      settings: dict[str, Any] | None) -> tuple[str, str, float | None, str, str]:
+                      settings: dict[str, Any] | None,
+                      recipe: dict[str, Any] | None = None) -> tuple[str, str, float | None, str, str]:
     """(stage, ceiling name, its capacity in samples/s, the capacity in words, what would lift it)."""
     words, settings = label.split(), settings or {}
     backend = words[0] if words else ""
     decoded = "decoded" in words or settings.get("form") == "decoded" or job.get("kind") == "tokens"
-    if decoded or backend not in ("torch", "arrow", "posix", "kvikio", "dali"):
+    if stores_whole_frames(label, settings, recipe, job):
+        stage = _crop_resize_stage(ceilings)
+    elif decoded or backend not in ("torch", "arrow", "posix", "kvikio", "dali"):
         copy = ceilings.get("memcpy", {}).get("bytes_per_s")
         per_sample = _delivered_bytes(metrics)
         rate = copy / per_sample if copy and per_sample else None
@@ -83,11 +115,12 @@ def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, A
 
 
 def attribute(run_metrics: dict[str, Any], backend_label: str, ceilings: dict[str, Any], job: dict[str, Any],
-              settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ceiling that bounds this loader setting and a one-sentence verdict on what bounds the job."""
+              settings: dict[str, Any] | None = None, recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ceiling that bounds this loader setting and a one-sentence verdict on what bounds the job.
+    `recipe`: the run's recorded recipe (what it stores decides which ceiling applies)."""
     from loadopt.bench.metrics import median
 
-    stage, name, capacity, cap, lift = _bounding_ceiling(run_metrics, backend_label, ceilings, job, settings)
+    stage, name, capacity, cap, lift = _bounding_ceiling(run_metrics, backend_label, ceilings, job, settings, recipe)
     rate = median(run_metrics, "samples_per_s") or 0.0
     stall = median(run_metrics, "stall_fraction") or 0.0
     batches = median(run_metrics, "batches") or 1
@@ -140,6 +173,9 @@ def ceilings_summary(ceilings: dict[str, Any]) -> str:
         if (decode.get(key) or {}).get("samples_per_s"):
             parts.append(f"decode {decode[key]['decoder']} {decode[key]['samples_per_s']:,.0f} img/s "
                          f"({decode['cores']} cores)")
+    if (ceilings.get("crop_resize") or {}).get("samples_per_s"):
+        crop = ceilings["crop_resize"]
+        parts.append(f"crop + resize of stored frames {crop['samples_per_s']:,.0f} samples/s ({crop['workers']} cores)")
     if ceilings.get("h2d", {}).get("bytes_per_s"):
         parts.append(f"pinned h2d {ceilings['h2d']['bytes_per_s'] / 1e9:,.1f} GB/s")
     if ceilings.get("compute", {}).get("step_ms"):

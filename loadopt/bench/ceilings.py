@@ -1,7 +1,8 @@
 """The machine's ceilings, measured in the bench's own run (DESIGN.md), each a capacity of one stage
 measured apart, quickly (a few seconds at most): memory copy bandwidth, storage sequential read with the
 page cache evicted, decode + transform per core x usable cores (from memory, in worker processes as the
-loaders run), pinned host-to-device bandwidth on CUDA, and compute alone (the accelerator's step on an
+loaders run), crop + resize of stored whole frames (the decoded forms' train path, from memory, the same
+way), pinned host-to-device bandwidth on CUDA, and compute alone (the accelerator's step on an
 in-memory batch). Measured before the runs and again after them, the best kept (`keep_best`).
 loadopt/bench/attribution.py holds each run to the ceiling of what it does.
 """
@@ -21,12 +22,13 @@ import torch
 from loadopt.bench.parallel import in_process_rate, rate_in_workers
 from loadopt.config import Config
 from loadopt.device import usable_cores
-from loadopt.loaders import transforms
+from loadopt.loaders import crops, transforms
 from loadopt.storage.pagecache import evict
 
 _STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
 _DECODE_SECONDS = 1.0  # per decoder: a few hundred samples or this long, whichever comes first
 _DECODE_SAMPLES = 300
+_CROP_FRAMES = 64  # stored frames the crop + resize ceiling cycles through (decoded once, ~10 MB at 512 px)
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,6 +150,57 @@ def _decodable_samples(dataset: Any, count: int, slot: torch.Tensor, augment: st
     return blobs
 
 
+class _Inline:
+    """A pool of one: `crops.crop_frames` maps its chunk in the calling thread (each measuring worker
+    process is one loader thread's worth of work)."""
+
+    map = staticmethod(map)
+
+
+def crop_resize_rate(config: Config, dataset: Any, workers: int | None = None) -> dict[str, Any]:
+    """Stored whole frames -> training samples: the shared crop plan (RandomResizedCrop + flip on the
+    source size, scaled into stored pixels) and the loaders' own crop/resize (`crops.crop_frames`), from
+    frames in memory stored as the decoded forms store them (`arrow_format.stored_frame`, longer side
+    <= `pipeline.max_side`), a batch at a time, `workers` processes at once, one intra-op thread each
+    (bench/parallel.py): the most the decoded whole-frame paths can deliver on this machine."""
+    from loadopt.storage.arrow_format import stored_frame
+
+    if config.dataset.kind != "images":
+        return {"skipped": "token samples are not cropped"}
+    p = config.pipeline
+    frames, dims = [], []
+    for i in range(min(_CROP_FRAMES, len(dataset))):
+        try:
+            blob, dim = stored_frame(dataset.read(i), p.max_side)
+        except Exception:  # noqa: BLE001 - a sample that cannot be read or decoded is the loaders' to report
+            continue
+        frames.append(np.frombuffer(blob, np.uint8))
+        dims.append(dim)
+    if not frames:
+        return {"skipped": "none of the first samples could be read and decoded"}
+    count, batch = len(frames), max(1, min(p.batch_size, len(frames)))
+    dims_array, zeros = np.asarray(dims, np.int32), np.zeros(batch, np.int64)
+    out = np.empty((batch, p.image_size, p.image_size, 3), np.uint8)
+
+    def work(i: int) -> None:  # the i-th batch: frames cycled, a new epoch's plan each pass over them
+        positions = (np.arange(batch) + i * batch) % count
+        crops.crop_frames(out, positions, [frames[k] for k in positions], np.arange(batch), zeros,
+                          dims_array[positions], p.augment, config.seed, i * batch // count, _Inline, 1)
+
+    cores = usable_cores()
+    workers = max(workers or cores, 1)
+    try:
+        measured = rate_in_workers(work, workers, _DECODE_SECONDS)
+        rate, how = measured["samples_per_s"] * batch, f"{workers} worker processes, one intra-op thread each"
+    except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
+        rate, how = in_process_rate(work, _DECODE_SECONDS) * batch * cores, \
+            f"one thread x {cores} cores (worker processes could not be started)"
+    pixels = float(np.mean([h * w for h, w, _, _ in dims]))
+    return {"name": "crop + resize of stored frames", "samples_per_s": rate, "workers": workers, "cores": cores,
+            "frames": count, "mean_frame_pixels": pixels, "max_side": p.max_side, "image_size": p.image_size,
+            "augment": p.augment, "how": how, "primitive": "loadopt.loaders.crops.crop_frames"}
+
+
 def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any]:
     from loadopt.loaders.base import backend_class
 
@@ -225,12 +278,15 @@ def measure_ceilings(config: Config, dataset: Any, device: torch.device, workers
     started = time.perf_counter()
     memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth()})
     ceilings = {"memcpy": memcpy, "storage": _guarded(storage_bandwidth, dataset),
-                "decode": _guarded(decode_rates, config, dataset, workers), "h2d": _guarded(h2d_bandwidth, device),
+                "decode": _guarded(decode_rates, config, dataset, workers),
+                "crop_resize": _guarded(crop_resize_rate, config, dataset, workers),
+                "h2d": _guarded(h2d_bandwidth, device),
                 "compute": _guarded(compute_alone, config, dataset, device)}
     p, w = config.pipeline, config.workload
     step_ms = w.step_time_ms if w.model == "none" else ceilings["compute"].get("step_ms")
     ceilings["job"] = {"batch_size": p.batch_size, "step_ms": step_ms, "model": w.model, "cache": config.storage.cache,
                        "demand_samples_per_s": p.batch_size / (step_ms / 1000.0) if step_ms else None,
+                       "augment": p.augment, "max_side": p.max_side,
                        "mean_sample_bytes": float(dataset.sizes.mean()), "kind": config.dataset.kind,
                        "device": device.type}
     ceilings["seconds"] = time.perf_counter() - started
@@ -264,6 +320,10 @@ def keep_best(ceilings: dict[str, Any], config: Config, dataset: Any) -> dict[st
             if key in decode_before or key in decode_after:
                 decode[key] = _higher(decode_before.get(key) or {}, decode_after.get(key) or {}, "samples_per_s")
         best["decode"] = decode
+    crop_before = ceilings.get("crop_resize") or {}
+    if crop_before and "skipped" not in crop_before:
+        crop_after = _guarded(crop_resize_rate, config, dataset, crop_before.get("workers"))
+        best["crop_resize"] = _higher(crop_before, crop_after, "samples_per_s")
     best["seconds"] = ceilings.get("seconds", 0.0) + time.perf_counter() - started
     best["kept"] = "the higher of two measurements, before and after the runs"
     return best

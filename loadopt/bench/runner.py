@@ -339,7 +339,8 @@ def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:
     verdicts, seen = [], set()
     for label in results["ranking"]:  # fastest first: the first of a backend is its best setting
         run = by_label[label]
-        found = attribution.attribute(run["metrics"], label, ceilings, ceilings["job"], run["settings"])
+        found = attribution.attribute(run["metrics"], label, ceilings, ceilings["job"], run["settings"],
+                                      run.get("recipe"))
         run["ceiling"] = found["ceiling"]
         capacity, rate = found["ceiling"]["samples_per_s"], median(run["metrics"], "samples_per_s")
         attribution.hold_to_ceiling(run, rate, capacity, results["machine"].get("load"))

@@ -89,16 +89,21 @@ def _decode_one(index: int) -> bytes:
 
 
 def decode_frame(index: int) -> tuple[bytes, tuple[int, int, int, int]]:
-    """The `frames` form of one sample (of the pool's dataset): its whole frame, longer side at most
-    the pool's size (PIL's antialiased bilinear where it shrinks; as decoded otherwise), and
+    """The `frames` form of one sample of the pool's dataset (`stored_frame`)."""
+    return stored_frame(_POOL_DATASET.read(index), _POOL_SIZE)
+
+
+def stored_frame(data: bytes, max_side: int) -> tuple[bytes, tuple[int, int, int, int]]:
+    """The `frames` form of one encoded sample: its whole frame, longer side at most `max_side`
+    (PIL's antialiased bilinear where it shrinks; as decoded otherwise), and
     (height, width, source height, source width)."""
     from PIL import Image
 
     from loadopt.loaders import transforms
 
-    pixels = transforms.decode_array(_POOL_DATASET.read(index), "simplejpeg")
+    pixels = transforms.decode_array(data, "simplejpeg")
     source_height, source_width = pixels.shape[:2]
-    width, height = scaled_frame(source_width, source_height, _POOL_SIZE)
+    width, height = scaled_frame(source_width, source_height, max_side)
     if (width, height) != (source_width, source_height):
         pixels = np.asarray(Image.fromarray(pixels).resize((width, height), Image.BILINEAR))
     return np.ascontiguousarray(pixels).tobytes(), (height, width, source_height, source_width)
