@@ -2,7 +2,7 @@
 
 Nothing in it knows about loadopt; measure its input stalls with
 
-    python -m loadopt.measure examples/measure_loop.py [--steps 60] [--workers 0] [--load-ms 4]
+    loadopt measure examples/measure_loop.py [--steps 60] [--workers 0] [--load-ms 4]
 
 The dataset spends `--load-ms` per sample "decoding" (a sleep, like I/O or a decoder that releases
 the GIL), so with few workers the loop waits for data; with more it does not.

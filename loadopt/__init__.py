@@ -10,7 +10,7 @@
 from loadopt.api import make_loader
 from loadopt.config import Config, load_config
 from loadopt.errors import LoadoptError
-from loadopt.measuring import measure, measure_steps
+from loadopt.measure import measure, measure_steps
 
 __version__ = "0.1.0"
 

@@ -308,6 +308,22 @@ def explain(
     console.print(text, highlight=False, markup=False)
 
 
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def measure(
+    script: str = typer.Argument(..., help="The training script, run unmodified, e.g. train.py."),
+    args: list[str] = typer.Argument(None, help="Its arguments (everything after the script is the script's)."),
+    out: str = typer.Option("results/measure", "--out", help="Folder for measure.json."),
+    every: int = typer.Option(None, "--every", help="Log a progress line every N steps."),
+    rank_wait: float = typer.Option(30.0, "--rank-wait", help="Seconds rank 0 waits for the other ranks' files."),
+) -> None:
+    """Measure every torch DataLoader iteration of an unmodified training script; keeps its exit status."""
+    from loadopt.measure.script import run_script, verdicts_on_stderr
+
+    with user_errors(), verdicts_on_stderr():
+        code = run_script(script, args or [], out, every, rank_wait)
+    raise typer.Exit(code)
+
+
 # The storage commands (probe, tiers) and the dataset commands (make-dataset, convert) live in their own
 # modules; importing them registers them on `app`.
 from loadopt import cli_data, cli_storage  # noqa: E402,F401 - after `app` and the helpers it uses exist

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import loadopt
 from loadopt.bench.metrics import median
 from loadopt.errors import OutputError
-from loadopt.measuring import Measurement, count_samples, measure, measure_steps
+from loadopt.measure import Measurement, count_samples, measure, measure_steps
 from tests.backends import delay_loader
 from tests.conftest import REPO
 
@@ -212,10 +212,14 @@ def test_unwritable_output_names_the_path(tmp_path):
         m.to_json(blocker / "measure.json")
 
 
-def test_the_module_is_callable_too():
+def test_loadopt_measure_stays_the_function_once_the_subpackage_is_imported():
+    import importlib
+
     import loadopt.measure as module
 
-    assert loadopt.measure is module  # importing the submodule replaced the package attribute
+    importlib.import_module("loadopt.measure.script")  # a submodule imported later changes nothing either
+
+    assert loadopt.measure is module  # `import a.b as m` reads the attribute: the function, not the package
     m = loadopt.measure([torch.zeros(2)], summary=False)
     assert isinstance(m, Measurement) and len(list(m)) == 1
     assert isinstance(loadopt.measure_steps(), Measurement)
@@ -288,6 +292,26 @@ def test_zero_code_user_errors(tmp_path, capsys):
     assert main(["--out", str(blocker / "out"), str(script)]) == 1
     err = capsys.readouterr()
     assert err.err.startswith("error: ") and "a-file" in err.err and "ran" not in err.out
+
+
+def test_loadopt_measure_command_passes_the_script_its_arguments_and_keeps_its_exit_status(tmp_path):
+    """`loadopt measure SCRIPT ARGS`: everything after the script is the script's, even our own option names."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace('["--flag", "value"]', '["--out", "mine", "--every", "2"]').format(
+        ending="sys.exit(3)"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "loadopt", "measure", "--out", str(tmp_path / "out"), str(script),
+                           "--out", "mine", "--every", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "measure DataLoader: 12 steps" in done.stderr and "measure DataLoader #2: 4 steps" in done.stderr
+    assert "step 2:" not in done.stderr  # the script's --every 2 was not ours
+    doc = json.loads((tmp_path / "out" / "measure.json").read_text())
+    assert [r["label"] for r in doc["runs"]] == ["DataLoader", "DataLoader #2"]
+    assert not (tmp_path / "mine").exists()
+    missing = subprocess.run([sys.executable, "-m", "loadopt", "measure", str(tmp_path / "missing.py")], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and missing.stderr.strip() == f"error: {tmp_path / 'missing.py'}: no such script"
 
 
 def test_python_dash_m_loadopt_measure_on_the_example(tmp_path):

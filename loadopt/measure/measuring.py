@@ -6,7 +6,7 @@
 Per step it records the wait (asking for batch i -> holding it) and the step (handing batch i out ->
 asking for batch i+1) with `perf_counter_ns` into array-backed storage; everything else (percentiles,
 the verdict) is computed when a summary is asked for. On a GPU the device's busy and idle time come
-from CUDA events read back a few steps late (loadopt.measure_cuda), never a per-step sync.
+from CUDA events read back a few steps late (loadopt/measure/cuda.py), never a per-step sync.
 
 For loops that are not a plain `for`:
 
@@ -32,10 +32,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from loadopt.batch_structure import count_samples, rebuilt, tensors_of
 from loadopt.errors import LoadoptError
-from loadopt.measure_results import Recorded, rank_info, results_document, step_metrics, verdict, write_json
-from loadopt.measure_results import write_ranked as _write_ranked
+from loadopt.measure.batch_structure import count_samples, rebuilt, tensors_of
+from loadopt.measure.results import Recorded, rank_info, results_document, step_metrics, verdict, write_json
+from loadopt.measure.results import write_ranked as _write_ranked
 
 log = logging.getLogger("loadopt.measure")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -137,7 +137,7 @@ class Measurement:
         if self.device is None:
             self.device = _resolve(self._requested_device)
         if self.device.type == "cuda" and self._cuda is None:
-            from loadopt.measure_cuda import CudaTimeline
+            from loadopt.measure.cuda import CudaTimeline
 
             self._cuda = CudaTimeline(self.device)
         self._start_monitor()

@@ -1,27 +1,23 @@
-"""`python -m loadopt.measure [--out DIR] [--every N] train.py ARGS`: measure an unmodified script.
+"""`loadopt measure [--out DIR] [--every N] train.py ARGS`: measure an unmodified script.
 
 Every `torch.utils.data.DataLoader` iteration of the script is measured (its `__iter__` is patched
 for the run); at exit, also when the script raises or calls `sys.exit`, the verdict of each loader
 is logged and the results are written to DIR (`measure.json`; under torchrun one file per rank and
 rank 0's aggregate). The script's exit status is kept. Under torchrun:
-`torchrun --nproc-per-node 4 -m loadopt.measure train.py ARGS`.
-
-This module is also what `loadopt.measure` names once it has been imported (Python sets a package's
-attribute to a submodule when the submodule is imported), so the module object is made callable:
-`loadopt.measure(loader)` is `loadopt.measuring.measure(loader)` whichever of the two it names.
+`torchrun --nproc-per-node 4 -m loadopt measure train.py ARGS`. `python -m loadopt.measure ARGS`
+is the same command (`main`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import runpy
 import sys
 import traceback
-import types
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +40,7 @@ class MeasureSession:
         self._original: Callable[..., Iterator[Any]] | None = None
 
     def measurement_for(self, loader: Any) -> Any:
-        from loadopt.measuring import Measurement
+        from loadopt.measure.measuring import Measurement
 
         found = self._by_loader.get(loader)
         if found is None:
@@ -79,7 +75,7 @@ class MeasureSession:
 
     def finish(self, out: str | os.PathLike[str] | None, wait_s: float = 30.0) -> Path | None:
         """Close what is still open, log each loader's verdict, write the results (per rank)."""
-        from loadopt.measure_results import rank_info, results_document, write_ranked
+        from loadopt.measure.results import rank_info, results_document, write_ranked
 
         for m in self.measurements:
             m.close()
@@ -143,41 +139,29 @@ def run_script(script: str, args: list[str], out: str | None, every: int | None 
     return code
 
 
-def _configure_logging() -> None:
-    """For `python -m loadopt.measure` only: a library must leave logging to its user."""
+@contextmanager
+def verdicts_on_stderr() -> Iterator[None]:
+    """For the zero-code form only (a library leaves logging to its user): the verdicts on stderr."""
     # Our own handler on our own logger: the script may configure the root logger as it likes, and
     # a script that configures nothing still shows the verdict on stderr.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = log.level, log.propagate
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadopt.measure", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/measure", help="folder for measure.json (default: %(default)s)")
-    parser.add_argument("--every", type=int, default=None, help="log a progress line every N steps")
-    parser.add_argument("--rank-wait", type=float, default=30.0, help="seconds rank 0 waits for the other ranks")
-    parser.add_argument("script", help="the training script, run unmodified")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    options = parser.parse_args(argv)
-    try:
-        code = run_script(options.script, options.args, options.out, options.every, options.rank_wait)
-    except LoadoptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return code
+    """`python -m loadopt.measure ARGS`: `loadopt measure ARGS`; returns the exit status."""
+    from loadopt.cli import app
 
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from loadopt.measuring import measure
-
-        return measure(*args, **kwargs)
-
-
-if __name__ == "__main__":
-    _configure_logging()
-    raise SystemExit(main())
-sys.modules[__name__].__class__ = _CallableModule
+    args = sys.argv[1:] if argv is None else argv
+    code = app(["measure", *args], prog_name="python -m loadopt.measure", standalone_mode=False)
+    return code if isinstance(code, int) else 0

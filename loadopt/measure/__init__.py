@@ -1,0 +1,18 @@
+"""Measuring an existing training loop where it runs: `loadopt.measure(loader)`, `loadopt.measure_steps()`,
+and the zero-code form `loadopt measure train.py ARGS` (also `python -m loadopt.measure train.py ARGS`).
+
+- `measuring.py`: the `Measurement` (per-step wait and step, CUDA events on a GPU) and its two forms;
+- `results.py`: its metrics (those of `loadopt bench`), the verdict, the results files and the ranks;
+- `cuda.py`: the device's busy and idle time from CUDA events read back a few steps late;
+- `batch_structure.py`: the tensors of a batch of any structure, its samples, the batch rebuilt;
+- `script.py`: an unmodified script run with every torch DataLoader iteration measured.
+
+`loadopt.measure` is the function (`loadopt/__init__.py` binds it after importing this package), so
+`loadopt.measure(loader)` works whichever was imported first; this package is `sys.modules["loadopt.measure"]`.
+"""
+
+from loadopt.measure.batch_structure import count_samples
+from loadopt.measure.measuring import Measurement, measure, measure_steps
+from loadopt.measure.script import ScriptError, main, run_script
+
+__all__ = ["Measurement", "ScriptError", "count_samples", "main", "measure", "measure_steps", "run_script"]
