@@ -17,13 +17,22 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 try:  # the faster libjpeg-turbo binding, GIL released while decoding
     import simplejpeg
 except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay usable without it
     simplejpeg = None
+
+try:  # OpenCV's SIMD mirror of a resized crop into its slot
+    import cv2
+except ImportError:  # pragma: no cover - a dependency; torch's flip (a copy) stays for installs without it
+    cv2 = None
+
+try:  # libjpeg-turbo's region decoding (loadopt/_jpeg.c), built at install where libjpeg-turbo's headers are
+    from loadopt import _jpeg as jpeg_region
+except ImportError:  # pragma: no cover - optional; JPEGs are then decoded whole
+    jpeg_region = None
 
 Box = tuple[float, float, float, float]  # left, top, right, bottom in source pixels
 EVAL_CROP_FRACTION = 0.875  # resize to size/0.875, centre-crop size: the usual ImageNet eval recipe
@@ -103,6 +112,38 @@ def decode_array(data: bytes, decoder: Literal["pil", "simplejpeg"]) -> np.ndarr
     return np.array(decode_pil(data))
 
 
+def whole_pixels(box: Box) -> tuple[int, int, int, int]:
+    """A box rounded to whole pixels, as the torch kernel's crop takes it."""
+    left, top, right, bottom = (int(round(v)) for v in box)
+    return left, top, right, bottom
+
+
+def decode_planned(data: bytes, decoder: Literal["pil", "simplejpeg"], augment: Literal["train", "eval"],
+                   seed: int, epoch: int, index: int, region: bool = True) -> tuple[np.ndarray, Box, bool]:
+    """Decode what one sample's crop needs: (HWC uint8 pixels, the crop box in their coordinates, flip).
+
+    With `region` (the default) and libjpeg-turbo's region decoding built (`loadopt/_jpeg.c`), a JPEG
+    for simplejpeg is decoded only over the crop's whole-pixel box: rows above it skipped, columns
+    outside it never inverse-transformed, nothing below it read; the pixels equal the full decode's
+    crop (tests/test_transforms.py), at 0.6-0.7x the time here. Otherwise the whole image is decoded.
+    A JPEG the region decoder refuses (CMYK, corrupt) goes to the whole-image decoder, which reports it;
+    damage below the crop goes unnoticed by the region decoder (it never reads there)."""
+    if region and decoder == "simplejpeg" and jpeg_region is not None and bytes(data[:2]) == b"\xff\xd8":
+        try:
+            width, height = jpeg_region.header(data)
+            box, flip = plan(width, height, augment, seed, epoch, index)
+            left, top, right, bottom = whole_pixels(box)
+            pixels = jpeg_region.decode_region(data, 1, left, top, right, bottom)
+        except ValueError:
+            pass
+        else:
+            return (np.frombuffer(pixels, np.uint8).reshape(bottom - top, right - left, 3),
+                    (0, 0, right - left, bottom - top), flip)
+    pixels = decode_array(data, decoder)
+    box, flip = plan(pixels.shape[1], pixels.shape[0], augment, seed, epoch, index)
+    return pixels, box, flip
+
+
 def decode_fast(data: bytes) -> Image.Image:
     """simplejpeg for JPEGs when installed, PIL for anything else; as a PIL image."""
     return Image.fromarray(decode_array(data, "simplejpeg"))
@@ -116,25 +157,45 @@ def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.
     return np.asarray(out)
 
 
-def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor) -> None:
+def resize_aa(crop: torch.Tensor, size: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's antialiased bilinear resize of an NCHW batch (uint8 on the CPU: its integer kernel), as
+    `F.interpolate(..., mode="bilinear", antialias=True)` computes it, optionally written into `out`."""
+    if out is None:
+        return torch.ops.aten._upsample_bilinear2d_aa(crop, size, False, None, None)
+    return torch.ops.aten._upsample_bilinear2d_aa.out(crop, size, False, None, None, out=out)
+
+
+def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor,
+                          fused: bool = True) -> None:
     """The crop of an HWC uint8 array, resized with torch's uint8 antialiased bilinear kernel and
-    flipped, written into `out` (CHW uint8, e.g. one slot of a batch)."""
-    left, top, right, bottom = (int(round(v)) for v in box)  # torch's kernel takes whole-pixel crops
+    flipped, written into `out` (CHW uint8, e.g. one slot of a batch).
+
+    `fused` (the default): an unflipped crop is resized straight into `out`, a flipped one mirrored
+    into it by OpenCV where `out` is a view of HWC pixels; the same pixels as resizing into a new
+    tensor, flipping that (a copy) and copying it into `out`, which `fused` False does (bench/levers.py)."""
+    left, top, right, bottom = whole_pixels(box)  # torch's kernel takes whole-pixel crops
     crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
-    resized = F.interpolate(crop, size=tuple(out.shape[-2:]), mode="bilinear", antialias=True,
-                            align_corners=False)[0]
-    out.copy_(resized.flip(-1) if flip else resized)
+    size = list(out.shape[-2:])
+    if fused and not flip:
+        resize_aa(crop, size, out.unsqueeze(0))
+        return
+    resized = resize_aa(crop, size)[0]
+    hwc_in, hwc_out = resized.permute(1, 2, 0), out.permute(1, 2, 0)
+    if fused and cv2 is not None and hwc_in.is_contiguous() and hwc_out.is_contiguous():  # both HWC in memory
+        cv2.flip(hwc_in.numpy(), 1, dst=hwc_out.numpy())
+    else:
+        out.copy_(resized.flip(-1) if flip else resized)
 
 
 def crop_resize_flip_chw(chw: torch.Tensor, box: Box, flip: bool, out: torch.Tensor) -> None:
     """`crop_resize_flip_into` for a decoded CHW uint8 tensor on any device (e.g. a GPU decoder's
     output): torch's uint8 kernel on the CPU (so equal to `crop_resize_flip_into`), its float
     kernel rounded back to uint8 elsewhere (CUDA has no uint8 antialiased kernel: within a level)."""
-    left, top, right, bottom = (int(round(v)) for v in box)
+    left, top, right, bottom = whole_pixels(box)
     crop = chw.unsqueeze(0)[:, :, top:bottom, left:right]
     if crop.device.type != "cpu":
         crop = crop.float()
-    resized = F.interpolate(crop, size=tuple(out.shape[-2:]), mode="bilinear", antialias=True, align_corners=False)[0]
+    resized = resize_aa(crop, list(out.shape[-2:]))[0]
     if resized.dtype != torch.uint8:
         resized = resized.round_().clamp_(0, 255)
     out.copy_(resized.flip(-1) if flip else resized)
@@ -149,11 +210,11 @@ def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], see
 
 
 def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
-                 seed: int, epoch: int, index: int) -> None:
-    """Decode one sample, crop/resize/flip it and write it into `slot` (CHW uint8, e.g. of a batch)."""
+                 seed: int, epoch: int, index: int, region: bool = True) -> None:
+    """Decode one sample, crop/resize/flip it and write it into `slot` (CHW uint8, e.g. of a batch).
+    `resize` torch: only the crop is decoded where it can be (`decode_planned`; `region` False: whole)."""
     if resize == "torch":
-        pixels = decode_array(data, decoder)
-        box, flip = plan(pixels.shape[1], pixels.shape[0], augment, seed, epoch, index)
+        pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, region)
         crop_resize_flip_into(pixels, box, flip, slot)
     else:
         slot.numpy()[...] = pil_pixels(data, decoder, augment, seed, epoch, index, slot.shape[-1]).transpose(2, 0, 1)

@@ -1,0 +1,93 @@
+"""The shared image primitives' levers deliver the same pixels as the plain paths they replace:
+region decoding (loadopt/_jpeg.c) equals the full decode's crop, the fused resize equals resize,
+flip, copy; reduced-scale decoding stays near the full decode's crop (its pixels differ by design)."""
+
+import io
+
+import cv2
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from loadopt.loaders import transforms
+
+needs_region = pytest.mark.skipif(transforms.jpeg_region is None,
+                                  reason="loadopt._jpeg not built (libjpeg-turbo headers missing at install)")
+SAMPLINGS = {"4:4:4": 0x111111, "4:2:2": 0x211111, "4:2:0": 0x221111, "4:1:1": 0x411111}
+
+
+def photo(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """Smooth colour ramps plus noise: chroma that changes from pixel to pixel, so an edge pixel
+    upsampled without its neighbour would differ."""
+    rng = np.random.default_rng(seed)
+    x, y = np.meshgrid(np.linspace(0, 1, width), np.linspace(0, 1, height))
+    base = np.stack([200 * x, 200 * y, 100 + 80 * np.sin(9 * x * y)], -1) + rng.normal(0, 25, (height, width, 3))
+    return np.clip(base, 0, 255).astype(np.uint8)
+
+
+def encode(pixels: np.ndarray, sampling: str = "4:2:0", progressive: bool = False) -> bytes:
+    ok, data = cv2.imencode(".jpg", pixels[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90,
+                                                          cv2.IMWRITE_JPEG_PROGRESSIVE, int(progressive),
+                                                          cv2.IMWRITE_JPEG_SAMPLING_FACTOR, SAMPLINGS[sampling]])
+    assert ok
+    return data.tobytes()
+
+
+@needs_region
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_decoded_region_equals_the_full_decodes_crop(sampling, progressive):
+    data = encode(photo(517, 333), sampling, progressive)
+    full = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    assert transforms.jpeg_region.header(data) == (517, 333)
+    rng = np.random.default_rng(1)
+    boxes = [(0, 0, 517, 333), (1, 1, 2, 2), (16, 16, 200, 100), (15, 17, 300, 250), (200, 100, 517, 333)]
+    boxes += [tuple(int(v) for v in (*lt, *(lt + rng.integers(1, 200, 2)))) for lt in rng.integers(0, 300, (20, 2))]
+    for left, top, right, bottom in boxes:
+        right, bottom = min(right, 517), min(bottom, 333)
+        region = transforms.jpeg_region.decode_region(data, 1, left, top, right, bottom)
+        got = np.frombuffer(region, np.uint8).reshape(bottom - top, right - left, 3)
+        assert np.array_equal(got, full[top:bottom, left:right]), (left, top, right, bottom)
+
+
+@needs_region
+def test_the_region_decoder_refuses_bad_input_with_a_value_error():
+    data = encode(photo(64, 48))
+    cases = [(b"", (0, 0, 8, 8)), (b"\xff\xd8 not a jpeg", (0, 0, 8, 8)), (data[: len(data) // 3], (0, 0, 64, 48)),
+             (data, (0, 0, 65, 48)), (data, (5, 5, 5, 9))]  # empty, garbage, truncated, outside, empty box
+    for bad, box in cases:
+        with pytest.raises(ValueError):
+            transforms.jpeg_region.decode_region(bad, 1, *box)
+
+
+@pytest.mark.parametrize("augment", ["train", "eval"])
+def test_write_sample_is_the_same_with_and_without_region_decoding(augment):
+    """The JPEG path's whole output: region decoding (and the fused resize) change no pixel, also for
+    a greyscale JPEG and a PNG (decoded whole)."""
+    grey = io.BytesIO()
+    Image.fromarray(photo(300, 200)[..., 0]).save(grey, format="JPEG", quality=90)
+    png = io.BytesIO()
+    Image.fromarray(photo(120, 90)).save(png, format="PNG")
+    samples = [encode(photo(400 + 13 * i, 300 - 7 * i, i)) for i in range(6)] + [grey.getvalue(), png.getvalue()]
+    for index, data in enumerate(samples):
+        fast, plain = (torch.empty(3, 96, 96, dtype=torch.uint8) for _ in range(2))
+        transforms.write_sample(data, fast, "simplejpeg", "torch", augment, 5, 2, index)
+        transforms.write_sample(data, plain, "simplejpeg", "torch", augment, 5, 2, index, region=False)
+        assert torch.equal(fast, plain), index
+
+
+def test_the_fused_resize_equals_resize_flip_copy():
+    """Into a CHW slot and into a CHW view of an HWC batch (the decoded paths'), flipped or not."""
+    pixels = photo(333, 250)
+    hwc = torch.zeros(4, 64, 64, 3, dtype=torch.uint8)
+    for slots in (torch.zeros(4, 3, 64, 64, dtype=torch.uint8), hwc.permute(0, 3, 1, 2)):
+        for k, (box, flip) in enumerate([((0, 0, 333, 250), False), ((10, 20, 200, 150), True),
+                                         ((3.4, 5.6, 100.2, 77.7), True), ((50, 50, 90, 70), False)]):
+            left, top, right, bottom = transforms.whole_pixels(box)
+            crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]
+            want = F.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True, align_corners=False)[0]
+            transforms.crop_resize_flip_into(pixels, box, flip, slots[k])
+            assert torch.equal(slots[k], want.flip(-1) if flip else want), (k, box, flip)
