@@ -87,6 +87,8 @@ class Loader(ABC):
 
     name: ClassVar[str] = "base"
     Settings: ClassVar[type[BaseModel]] = NoSettings
+    # False: another library orders the samples (the peer backends; their labels say `order=<library>`)
+    shared_order: ClassVar[bool] = True
 
     def __init__(self, dataset: ImageDataset | TokenDataset, pipeline: PipelineConfig,
                  settings: BaseModel | None = None, *,
@@ -294,7 +296,12 @@ _BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader"
                              "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
                              "posix": "loadopt.loaders.posix_loader:PosixLoader",
                              "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader",
-                             "dali": "loadopt.loaders.dali_loader:DaliLoader"}
+                             "dali": "loadopt.loaders.dali_loader:DaliLoader",
+                             # other libraries' input paths, measured by the same harness (loaders/peer_*.py)
+                             "webdataset": "loadopt.loaders.peer_webdataset:WebDatasetLoader",
+                             "streaming": "loadopt.loaders.peer_streaming:StreamingLoader",
+                             "litdata": "loadopt.loaders.peer_litdata:LitDataLoader",
+                             "ffcv": "loadopt.loaders.peer_ffcv:FfcvLoader"}
 _registered: dict[str, type[Loader]] = {}
 
 

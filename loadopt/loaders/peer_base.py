@@ -1,0 +1,338 @@
+"""What the peer backends share: other libraries' input paths (WebDataset, MosaicML Streaming, LitData,
+FFCV) run as loadopt backends, so that the same harness measures them beside loadopt's own paths.
+
+A peer converts the dataset to its library's format once (`convert_once`: keyed by the source's
+fingerprint, written under a temporary name and renamed, in the cache or `storage.converted` like
+loadopt's own conversions), then each epoch runs the library's own loader: its reader, its order
+(shard and buffer shuffles seeded by (seed, epoch)), its worker processes. Where the library lets a
+transform be supplied, the transform is the config's pipeline (`CropSample`: the shared crop plan of
+`transforms.plan`, so the recipe is loadopt's JPEG paths' own); a peer with its own augmentation
+(FFCV) names the difference in its recipe. Workers deliver uint8 NCHW crops; normalisation is the
+shared finishing on the device, as for loadopt's tuned paths.
+
+The order is the library's, not the shared one: the batches the base class plans are used for their
+sizes only (`rebatch` cuts the library's stream to them: a library's workers each end on a partial
+batch), and labels say `order=<library>`. Resuming mid-epoch replays the library's epoch (deterministic
+for a given seed and epoch) and drops the samples already delivered, so nothing repeats or is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadopt.config import PipelineConfig, cache_dir
+from loadopt.device import usable_cores
+from loadopt.errors import ConfigError, DatasetError, describe_sample_error
+from loadopt.loaders import transforms
+from loadopt.loaders.base import HostBatch, Loader
+from loadopt.storage import tier_reads
+from loadopt.storage.tokens import TokenDataset
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DONE = "loadopt-peer.json"  # written last into a finished conversion: its metadata
+INSTALL_HINT = "pip install 'loadopt[peers]'"
+
+
+class PeerSettings(BaseModel):
+    """The knobs every peer built on a torch DataLoader has (a library's own knobs are added by its backend)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_workers: int = Field(default_factory=lambda: min(8, usable_cores()), ge=0)
+    prefetch_factor: int = Field(2, ge=1)
+    decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # auto: the fastest installed (simplejpeg)
+    shuffle_buffer: int = Field(1000, ge=1)  # samples a worker shuffles among (shard formats' approximate shuffle)
+
+
+def library_available(module: str, dist: str) -> tuple[bool, str]:
+    """Whether `module` imports (any failure counts: a library may pull a broken dependency)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason shown
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return False, f"{dist} is not usable ({text}); {INSTALL_HINT}"
+    return True, ""
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """One integer seed for a library's shuffles from (seed, epoch)."""
+    return int(transforms.sample_hash(seed, epoch, np.zeros(1, np.int64))[0] % np.uint64(2**31 - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversion
+
+
+def conversion_path(dataset, library: str, settings: dict[str, Any]) -> Path:
+    """Where `dataset` converted to `library`'s format with `settings` lives (a folder)."""
+    key_fields = {"version": FORMAT_VERSION, "source": dataset.fingerprint, "library": library, **settings}
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+    return tier_reads.local_dir(dataset, cache_dir()) / "peers" / f"{dataset.fingerprint}-{library}-{key}"
+
+
+def read_meta(path: Path) -> dict[str, Any] | None:
+    """The metadata of a finished conversion at `path`, or None when there is none."""
+    try:
+        return json.loads((path / DONE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def convert_once(path: Path, write: Callable[[Path, list], dict[str, Any]]) -> dict[str, Any]:
+    """The conversion at `path`, made by `write(folder, skipped)` into a temporary folder beside it and
+    renamed into place when finished (an interrupted one is never used; one finished by another process
+    meanwhile wins). `write` returns metadata; `skipped` collects `[index, reason]` of unreadable samples."""
+    meta = read_meta(path)
+    if meta is not None:
+        return meta
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        temp.mkdir()
+        skipped: list = []
+        meta = {**write(temp, skipped), "skipped": skipped}
+        (temp / DONE).write_text(json.dumps(meta))
+        try:
+            os.rename(temp, path)
+        except OSError:  # another process finished the same conversion first
+            if read_meta(path) is None:
+                raise
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot write the conversion ({exc.strerror or exc})") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return read_meta(path)
+
+
+def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int, int, bytes]]:
+    """(index, label, stored bytes) of every sample in index order; unreadable ones raise, or are
+    appended to `skipped` as `[index, reason]` under `on_error: skip`."""
+    for index in range(len(dataset)):
+        try:
+            data = dataset.read(index)
+        except OSError as exc:
+            reason = f"cannot read ({type(exc).__name__}: {exc})".splitlines()[0]
+            if on_error == "raise":
+                raise DatasetError(f"{dataset.path(index)}: {reason} (set dataset.on_error: skip to skip it)") from None
+            skipped.append([index, reason])
+            continue
+        yield index, int(dataset.labels[index]), data
+
+
+# ---------------------------------------------------------------------------------------------
+# In the library's workers
+
+
+class CropSample:
+    """The config's pipeline on one stored sample, run in a library's worker: decode, the shared crop plan
+    of (seed, epoch, index), resize, flip. Returns (CHW uint8 or None, label, index, failure or None)."""
+
+    def __init__(self, pipeline: PipelineConfig, seed: int, epoch: int, decoder: str) -> None:
+        self.augment, self.size = pipeline.augment, pipeline.image_size
+        self.seed, self.epoch, self.decoder = seed, epoch, transforms.decoder_name(decoder)
+
+    def __call__(self, data: bytes, index: int, label: int) -> tuple:
+        out = torch.empty((3, self.size, self.size), dtype=torch.uint8)
+        try:
+            transforms.write_sample(data, out, self.decoder, "torch", self.augment, self.seed, self.epoch, index)
+        except Exception as exc:  # noqa: BLE001 - a bad sample is reported, by policy, in the consumer
+            return None, label, index, f"{describe_sample_error(exc)} (sample {index})"
+        return out, label, index, None
+
+
+def collate(samples: list[tuple]) -> dict[str, Any]:
+    """A batch of `CropSample` results: uint8 NCHW inputs, labels, indices, and the samples that failed."""
+    good = [s for s in samples if s[3] is None]
+    size = samples[0][0].shape[-1] if good else 0
+    inputs = torch.stack([s[0] for s in good]) if good else torch.empty((0, 3, size, size), dtype=torch.uint8)
+    return {"inputs": inputs, "labels": torch.tensor([s[1] for s in good], dtype=torch.int64),
+            "indices": torch.tensor([s[2] for s in good], dtype=torch.int64),
+            "failures": [(int(s[2]), s[3]) for s in samples if s[3] is not None]}
+
+
+# ---------------------------------------------------------------------------------------------
+# In the consumer
+
+
+def rebatch(stream: Iterator[dict[str, Any]], sizes: list[int], skip: int = 0) -> Iterator[HostBatch]:
+    """Cut the library's batches (`collate`'s dicts) into batches of `sizes` samples (failed ones count),
+    after dropping the first `skip` samples (a resumed epoch). A batch that already has the size passes
+    through uncopied; the stream ending early ends the last batch short."""
+    parts: list[dict[str, Any]] = []
+    have = 0
+
+    def take(count: int) -> HostBatch:
+        nonlocal have
+        chosen, failures, left = [], [], count
+        while left and parts:
+            part = parts[0]
+            part_failures = part["failures"]
+            n = len(part["indices"]) + len(part_failures)
+            if n <= left:
+                chosen.append(part)
+                failures += part_failures
+                parts.pop(0)
+                left -= n
+                continue
+            good = max(0, left - len(part_failures))  # the part's failures go with its first samples
+            failures += part_failures[:left]
+            chosen.append({k: part[k][:good] for k in ("inputs", "labels", "indices")})
+            parts[0] = {**{k: part[k][good:] for k in ("inputs", "labels", "indices")},
+                        "failures": part_failures[left:]}
+            left = 0
+        have -= count - left
+        if len(chosen) == 1:
+            inputs, labels, indices = chosen[0]["inputs"], chosen[0]["labels"], chosen[0]["indices"]
+        else:
+            inputs = torch.cat([c["inputs"] for c in chosen])
+            labels = torch.cat([c["labels"] for c in chosen])
+            indices = torch.cat([c["indices"] for c in chosen])
+        return HostBatch(inputs, labels, np.asarray(indices, np.int64), "NCHW", normalised=False, failures=failures)
+
+    sizes = list(sizes)
+    for part in stream:
+        parts.append(part)
+        have += len(part["indices"]) + len(part["failures"])
+        if skip:
+            dropped = min(skip, have)
+            take(dropped)
+            skip -= dropped
+        while sizes and have >= sizes[0]:
+            yield take(sizes.pop(0))
+        if not sizes:
+            return
+    if sizes and have:
+        yield take(have)
+
+
+class PeerLoader(Loader):
+    """A backend that runs another library's input path. Subclasses set `module`, `dist`, implement
+    `_write` (the conversion into a folder) and `library_batches` (the library's own loop over one epoch,
+    yielding `collate`'s dicts: what a training script written for that library iterates)."""
+
+    module: ClassVar[str]  # the library's import name
+    dist: ClassVar[str]  # its pip name
+    reads_through_tier: ClassVar[bool] = False  # whether its reader can be handed the tier's file objects
+    shared_order = False
+    Settings = PeerSettings
+    settings: PeerSettings
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.dataset, TokenDataset):
+            raise ConfigError(f"loaders.{self.name}: a peer backend reads image datasets only")
+        if self.world_size > 1:
+            raise ConfigError(f"loaders.{self.name}: peer backends run one rank here (their own node splitting "
+                              "differs from loadopt's shared order)")
+        self.path: Path | None = None
+        self.meta: dict[str, Any] | None = None
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return library_available(cls.module, cls.dist)
+
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list]:
+        return {"num_workers": [n for n in (1, 2, 4, 8, 16, 32) if n < cores] + [cores], "prefetch_factor": [2, 4]}
+
+    @classmethod
+    def cpu_demand(cls, settings: PeerSettings) -> int:
+        return max(1, settings.num_workers)
+
+    @classmethod
+    def memory_demand(cls, settings: PeerSettings, pipeline: PipelineConfig) -> dict[str, int]:
+        in_flight = max(1, settings.num_workers) * settings.prefetch_factor + 2
+        return {"shared": in_flight * pipeline.batch_size * 3 * pipeline.image_size ** 2, "pinned": 0}
+
+    def conversion_settings(self) -> dict[str, Any]:
+        """What the conversion depends on beyond the source (a shard size, a stored form)."""
+        return {}
+
+    def describe(self) -> str:
+        s = self.settings
+        return f"num_workers={s.num_workers} prefetch={s.prefetch_factor} order={self.name}" + \
+            tier_reads.via_tier(self.dataset)
+
+    def _local_only(self) -> None:
+        if self.reads_through_tier:
+            return
+        if tier_reads.tier_fs(self.dataset) is not None or tier_reads.remote_home(self.dataset) is not None:
+            raise ConfigError(f"loaders.{self.name}: {self.dist} reads its conversion from the local disk itself; "
+                              "it cannot read through storage.tier (use storage.tier: local)")
+
+    def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        self._local_only()
+        path = conversion_path(self.dataset, self.name, self.conversion_settings())
+        meta = read_meta(path)
+        if meta is None:
+            if not convert_missing:
+                raise DatasetError(f"{path}: no {self.dist} conversion of {self.dataset.root}; run `loadopt bench` "
+                                   f"with loaders.{self.name} to make it")
+            log.info("converting %s to %s at %s", self.dataset.root, self.dist, path)
+            meta = convert_once(path, self._write)
+        self.path, self.meta = path, meta
+        self.unreadable = {int(i): str(why) for i, why in meta.get("skipped", [])}
+        self._opened()
+
+    def _opened(self) -> None:  # noqa: B027 - optional hook: a library that opens its files once
+        """Open the finished conversion at `self.path` (after `prepare`)."""
+
+    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def storage_files(self) -> list[str]:
+        if self.path is None:
+            self.prepare(convert_missing=False)
+        if tier_reads.remote_home(self.dataset) is not None:
+            return []
+        return sorted(str(p) for p in self.path.rglob("*") if p.is_file() and p.name != DONE)
+
+    def crop_sample(self, epoch: int) -> CropSample:
+        return CropSample(self.pipeline, self.seed, epoch, self.settings.decoder)
+
+    def dataloader_options(self) -> dict[str, Any]:
+        """The torch DataLoader arguments a library's loader takes (workers, prefetch)."""
+        workers = self.settings.num_workers
+        return {"num_workers": workers, "prefetch_factor": self.settings.prefetch_factor if workers else None,
+                "persistent_workers": False}
+
+    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+        """The library's own loop over epoch `epoch`: `collate`'s dicts in the library's order."""
+        raise NotImplementedError
+
+    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        if self.path is None:
+            self.prepare()
+        planned = self.order().batches()
+        done = len(planned) - len(batches)  # a resumed epoch: batches already delivered
+        known = np.fromiter(self.unreadable, np.int64)  # never in the conversion
+        skip = sum(int((~np.isin(b, known)).sum()) for b in planned[:done])
+        stream = self.library_batches(self.epoch)
+        try:
+            yield from rebatch(stream, [len(b) for b in batches], skip)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
+
+def shutdown(iterator: Any) -> None:
+    """Stop a torch DataLoader iterator's worker processes now (not whenever it is collected)."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if stop is not None:
+        stop()

@@ -1,0 +1,158 @@
+"""The `ffcv` peer backend: an FFCV .beton file (JPEG or raw pixels) read by FFCV's own Loader.
+
+Conversion: FFCV's `DatasetWriter` with an `RGBImageField` (`form: jpg` re-encodes each decoded image
+as FFCV does; `raw` stores the pixels), longer side at most `pipeline.max_side` (FFCV's
+`max_resolution`), a label and the sample's index. Each epoch is FFCV's ImageNet example pipeline:
+`RandomResizedCropRGBImageDecoder` (train; `CenterCropRGBImageDecoder` for eval), `RandomHorizontalFlip`,
+`ToTensor`, `ToTorchImage`, in FFCV's threads (`num_workers`) with its order (`order: random` or
+`quasi_random`, seeded). FFCV takes no Python transform, so the crops are its own: same scale and ratio
+ranges as loadopt's plan, its own random draws and resize kernel; the recipe names that difference,
+so the decision and `auto` never pick it for the config's recipe.
+
+FFCV builds from source: a C compiler, OpenCV's development files (found by pkg-config) and
+libturbojpeg; `available()` (and so `loadopt doctor`) says which of them this machine lacks.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from loadopt.loaders import transforms
+from loadopt.loaders.peer_base import PeerLoader, PeerSettings, epoch_seed, library_available, source_samples
+
+FFCV_TRAIN_CROP = "FFCV RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, FFCV's own draws and kernel) + flip"
+FFCV_EVAL_CROP = "FFCV centre crop (ratio 224/256)"
+
+
+class FfcvSettings(PeerSettings):
+    form: Literal["jpg", "raw"] = "jpg"
+    order: Literal["random", "quasi_random"] = "random"
+    jpeg_quality: int = Field(90, ge=1, le=100)  # form jpg: FFCV re-encodes every image
+    os_cache: bool = True  # FFCV reads the file through the page cache (False: its own process cache)
+
+
+def build_requirements() -> list[str]:
+    """What building FFCV needs that this machine lacks (empty: all found)."""
+    missing = []
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        missing.append("a C compiler (cc/gcc)")
+    if not shutil.which("pkg-config"):
+        missing.append("pkg-config")
+    else:
+        found = [name for name in ("opencv4", "opencv") if subprocess.run(
+            ["pkg-config", "--exists", name], capture_output=True).returncode == 0]
+        if not found:
+            missing.append("OpenCV development files found by pkg-config (e.g. apt install libopencv-dev)")
+    if ctypes.util.find_library("turbojpeg") is None:
+        missing.append("libturbojpeg (e.g. apt install libturbojpeg0-dev)")
+    return missing
+
+
+class _Indexed:
+    """The source as FFCV's writer reads it: `(HWC uint8 pixels, label, index)` per position."""
+
+    def __init__(self, samples: list[tuple[int, int, bytes]]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, position: int) -> tuple:
+        index, label, data = self.samples[position]
+        return transforms.decode_array(data, "simplejpeg"), label, index
+
+
+class FfcvLoader(PeerLoader):
+    name = "ffcv"
+    module = "ffcv"
+    dist = "ffcv"
+    Settings = FfcvSettings
+    settings: FfcvSettings
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._loader = None
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        ok, reason = library_available(cls.module, cls.dist)
+        if ok:
+            return ok, reason
+        missing = build_requirements()
+        needs = f"; building it here needs {', '.join(missing)}" if missing else ""
+        return False, reason + needs
+
+    @classmethod
+    def knob_space(cls, cores: int) -> dict[str, list]:
+        # FFCV's workers are threads in the consumer process; `form` is the stored form (like arrow's).
+        return {"form": ["jpg", "raw"], "num_workers": [n for n in (1, 2, 4, 8, 16, 32) if n < cores] + [cores]}
+
+    def conversion_settings(self) -> dict[str, Any]:
+        s = self.settings
+        quality = s.jpeg_quality if s.form == "jpg" else None
+        return {"form": s.form, "max_side": self.pipeline.max_side, "quality": quality}
+
+    def describe(self) -> str:
+        return f"{self.settings.form} threads={self.settings.num_workers} order=ffcv ({self.settings.order})"
+
+    def recipe(self) -> dict[str, Any]:
+        from loadopt import recipe
+
+        crop = FFCV_TRAIN_CROP if self.pipeline.augment == "train" else FFCV_EVAL_CROP
+        stored = (f"FFCV JPEG q{self.settings.jpeg_quality} re-encoded, " if self.settings.form == "jpg" else "") + \
+            f"whole frame <= {self.pipeline.max_side} px"
+        return {**recipe.delivered(self.pipeline, "whole", self.pipeline.max_side), "crop": crop, "stored": stored}
+
+    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.writer import DatasetWriter
+
+        samples = list(source_samples(self.dataset, self.on_error, skipped))
+        image = RGBImageField(write_mode=self.settings.form, max_resolution=self.pipeline.max_side,
+                              jpeg_quality=self.settings.jpeg_quality)
+        writer = DatasetWriter(str(folder / "data.beton"), {"image": image, "label": IntField(), "index": IntField()},
+                               num_workers=max(1, self.settings.num_workers))
+        writer.from_indexed_dataset(_Indexed(samples))
+        return {"samples": len(samples)}
+
+    def _ffcv_loader(self):
+        from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder
+        from ffcv.loader import Loader as FfcvReader
+        from ffcv.loader import OrderOption
+        from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+
+        size = (self.pipeline.image_size, self.pipeline.image_size)
+        if self.pipeline.augment == "train":
+            image = [RandomResizedCropRGBImageDecoder(size), RandomHorizontalFlip()]
+        else:
+            image = [CenterCropRGBImageDecoder(size, ratio=transforms.EVAL_CROP_FRACTION)]
+        pipelines = {"image": [*image, ToTensor(), ToTorchImage()],
+                     "label": [IntDecoder(), ToTensor(), Squeeze()], "index": [IntDecoder(), ToTensor(), Squeeze()]}
+        order = OrderOption.RANDOM if self.settings.order == "random" else OrderOption.QUASI_RANDOM
+        return FfcvReader(str(self.path / "data.beton"), batch_size=self.pipeline.batch_size,
+                          num_workers=max(1, self.settings.num_workers), order=order, os_cache=self.settings.os_cache,
+                          drop_last=self.pipeline.drop_last, pipelines=pipelines, seed=epoch_seed(self.seed, 0),
+                          batches_ahead=self.settings.prefetch_factor)
+
+    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+        if self.path is None:
+            self.prepare()
+        if self._loader is None:
+            self._loader = self._ffcv_loader()
+        self._loader.next_epoch = epoch  # FFCV's order is drawn from (seed, epoch)
+        for images, labels, indices in self._loader:
+            # FFCV reuses its batch buffers: copied out, as a training step would consume them before the next
+            yield {"inputs": images.contiguous().clone(), "labels": labels.to(torch.int64),
+                   "indices": np.asarray(indices, np.int64), "failures": []}
+
+    def close(self) -> None:
+        self._loader = None

@@ -1,0 +1,100 @@
+"""The `streaming` peer backend: MosaicML Streaming's MDS shards and its own loop.
+
+Conversion: the JPEG bytes, label and index of each sample in index order, in MDS shards of about
+`shard_mib` MiB written with Streaming's `MDSWriter` (uncompressed: JPEGs do not compress). Each
+epoch is Streaming's idiomatic loop: a `StreamingDataset` over the local shards, subclassed to run
+the config's pipeline in `__getitem__` (`peer_base.CropSample`, as Streaming's own vision datasets
+run their transforms there), shuffled by Streaming's algorithm with `shuffle_seed` from (seed,
+epoch), batched by a `StreamingDataLoader` of `num_workers` processes. Streaming reads its shards from
+the local disk itself (its `remote` downloads whole shards into `local` first), so it runs on the local
+tier only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from loadopt.loaders.peer_base import (
+    CropSample,
+    PeerLoader,
+    PeerSettings,
+    collate,
+    epoch_seed,
+    shutdown,
+    source_samples,
+)
+
+
+class StreamingSettings(PeerSettings):
+    shard_mib: float = Field(32, gt=0)  # MDS shard size of the conversion
+
+
+_classes: dict[str, type] = {}
+
+
+def cropped_dataset_class() -> type:
+    """A `StreamingDataset` whose `__getitem__` runs the config's pipeline (made on first use: Streaming
+    is optional; kept at module level under its name so that worker processes can find it)."""
+    if "CroppedStreamingDataset" not in _classes:
+        from streaming import StreamingDataset
+
+        class CroppedStreamingDataset(StreamingDataset):
+            def __init__(self, crop: CropSample, **kwargs: Any) -> None:
+                super().__init__(**kwargs)
+                self.crop = crop
+
+            def __getitem__(self, sample_id: int) -> tuple:
+                item = super().__getitem__(sample_id)
+                return self.crop(item["jpg"], int(item["idx"]), int(item["cls"]))
+
+        CroppedStreamingDataset.__qualname__ = "CroppedStreamingDataset"
+        globals()["CroppedStreamingDataset"] = CroppedStreamingDataset
+        _classes["CroppedStreamingDataset"] = CroppedStreamingDataset
+    return _classes["CroppedStreamingDataset"]
+
+
+class StreamingLoader(PeerLoader):
+    name = "streaming"
+    module = "streaming"
+    dist = "mosaicml-streaming"
+    Settings = StreamingSettings
+    settings: StreamingSettings
+
+    def conversion_settings(self) -> dict[str, Any]:
+        return {"shard_mib": self.settings.shard_mib}
+
+    def describe(self) -> str:
+        return f"MDS shards {self.settings.shard_mib:g} MiB " + super().describe()
+
+    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+        from streaming import MDSWriter
+
+        columns = {"jpg": "bytes", "cls": "int", "idx": "int"}
+        with MDSWriter(out=str(folder), columns=columns, size_limit=int(self.settings.shard_mib * 2**20)) as writer:
+            for index, label, data in source_samples(self.dataset, self.on_error, skipped):
+                writer.write({"jpg": data, "cls": label, "idx": index})
+        return {"samples": len(self.dataset) - len(skipped)}
+
+    def dataset_for(self, epoch: int):
+        """Streaming's dataset for one epoch (its shuffle seeded by (seed, epoch))."""
+        return cropped_dataset_class()(self.crop_sample(epoch), local=str(self.path), shuffle=True,
+                                       shuffle_seed=epoch_seed(self.seed, epoch),
+                                       batch_size=self.pipeline.batch_size)
+
+    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+        from streaming import StreamingDataLoader
+
+        if self.path is None:
+            self.prepare()
+        dataset = self.dataset_for(epoch)
+        loader = StreamingDataLoader(dataset, batch_size=self.pipeline.batch_size, collate_fn=collate,
+                                     drop_last=self.pipeline.drop_last, **self.dataloader_options())
+        iterator = iter(loader)
+        try:
+            yield from iterator
+        finally:
+            shutdown(iterator)

@@ -1,0 +1,131 @@
+"""The `webdataset` peer backend: WebDataset's tar shards and its own loop.
+
+Conversion: the JPEG bytes, label and index of each sample in index order, in tar shards of about
+`shard_mib` MiB written with WebDataset's `TarWriter`. Each epoch is WebDataset's idiomatic pipeline
+(`wds.DataPipeline` in a `wds.WebLoader` of `num_workers` processes): the shard list shuffled, shards
+split over the workers, each worker's samples shuffled in a `shuffle_buffer` buffer (both seeded by
+(seed, epoch)), the config's pipeline mapped over them (`peer_base.CropSample`), batched in the worker.
+Its tar streams are opened through the storage tier when there is one (`reads_through_tier`), so
+an emulated tier's limits apply to every byte and a remote home is read from its storage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from loadopt.loaders.peer_base import (
+    CropSample,
+    PeerLoader,
+    PeerSettings,
+    collate,
+    epoch_seed,
+    shutdown,
+    source_samples,
+)
+from loadopt.storage import tier_reads
+
+
+class WebDatasetSettings(PeerSettings):
+    shard_mib: float = Field(32, gt=0)  # tar shard size of the conversion
+
+
+class _Sample:
+    """A worker's map over WebDataset's sample dicts (picklable for any start method)."""
+
+    def __init__(self, crop: CropSample) -> None:
+        self.crop = crop
+
+    def __call__(self, sample: dict[str, Any]) -> tuple:
+        return self.crop(sample["jpg"], int(sample["idx"]), int(sample["cls"]))
+
+
+class _Opener:
+    """Opens each shard URL: through the tier's filesystem when there is one, else as a local file."""
+
+    def __init__(self, fs) -> None:
+        self.fs = fs
+
+    def __call__(self, urls: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for item in urls:
+            url = item["url"]
+            # closed by WebDataset's tar expander when the shard is read
+            yield {**item, "stream": self.fs.open(url, "rb") if self.fs is not None else open(url, "rb")}  # noqa: SIM115
+
+
+class WebDatasetLoader(PeerLoader):
+    name = "webdataset"
+    module = "webdataset"
+    dist = "webdataset"
+    reads_through_tier = True
+    Settings = WebDatasetSettings
+    settings: WebDatasetSettings
+
+    def conversion_settings(self) -> dict[str, Any]:
+        return {"shard_mib": self.settings.shard_mib}
+
+    def describe(self) -> str:
+        return f"tar shards {self.settings.shard_mib:g} MiB " + super().describe()
+
+    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+        import webdataset as wds
+
+        total = int(self.dataset.sizes.sum())
+        # at least 8 shards, so that up to 8 workers each get one (WebDataset splits shards over workers)
+        limit = min(self.settings.shard_mib * 2**20, math.ceil(total / 8))
+        digits = max(4, len(str(math.ceil(total / limit))))
+        shards: list[str] = []
+        writer, written = None, 0
+        try:
+            for index, label, data in source_samples(self.dataset, self.on_error, skipped):
+                if writer is None or written >= limit:
+                    if writer is not None:
+                        writer.close()
+                    shards.append(f"shard-{len(shards):0{digits}d}.tar")
+                    writer, written = wds.TarWriter(str(folder / shards[-1])), 0
+                writer.write({"__key__": f"{index:09d}", "jpg": data, "cls": str(label).encode(),
+                              "idx": str(index).encode()})
+                written += len(data)
+        finally:
+            if writer is not None:
+                writer.close()
+        return {"shards": shards, "samples": len(self.dataset) - len(skipped)}
+
+    def shard_urls(self) -> list[str]:
+        """The shards as the tier names them (the local files, or their copies on a remote home)."""
+        remote = tier_reads.publish(self.dataset, self.path, marker="loadopt-peer.json")
+        base = remote if remote is not None else str(self.path)
+        return [f"{base}/{name}" for name in self.meta["shards"]]
+
+    def pipeline_for(self, epoch: int):
+        """WebDataset's pipeline for one epoch, as a WebDataset user writes it."""
+        import webdataset as wds
+        from webdataset.tariterators import group_by_keys, tar_file_expander
+
+        seed = epoch_seed(self.seed, epoch)
+        return wds.DataPipeline(
+            wds.SimpleShardList(self.shard_urls(), seed=seed),
+            wds.split_by_worker,
+            _Opener(tier_reads.tier_fs(self.dataset)),
+            tar_file_expander,
+            group_by_keys,
+            wds.shuffle(self.settings.shuffle_buffer, initial=min(100, self.settings.shuffle_buffer), seed=seed),
+            wds.map(_Sample(self.crop_sample(epoch))),
+            wds.batched(self.pipeline.batch_size, collation_fn=collate, partial=True),
+        )
+
+    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+        import webdataset as wds
+
+        if self.path is None:
+            self.prepare()
+        loader = wds.WebLoader(self.pipeline_for(epoch), batch_size=None, **self.dataloader_options())
+        iterator = iter(loader)
+        try:
+            yield from iterator
+        finally:
+            shutdown(iterator)

@@ -1,0 +1,209 @@
+"""The peer backends (other libraries' input paths): WebDataset for real (a test dependency), MosaicML
+Streaming and LitData where installed (`pip install 'loadopt[peers]'`), FFCV's declarations without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loadopt import recipe
+from loadopt.config import config_from_dict
+from loadopt.errors import ConfigError
+from loadopt.loaders import peer_base
+from loadopt.loaders.base import backend_class, backend_names
+from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import tiny_config_dict
+
+PEERS = ["webdataset", "streaming", "litdata"]
+
+
+def config(tmp_path, **pipeline):
+    raw = tiny_config_dict(tmp_path / "out", pipeline={"dtype": "uint8", **pipeline})
+    return config_from_dict(raw, "peers.yaml")
+
+
+def peer(name: str, cfg, seed: int = 3, **settings):
+    cls = backend_class(name)
+    ok, reason = cls.available()
+    if not ok:
+        pytest.skip(f"{name}: {reason}")
+    return cls(open_dataset(cfg), cfg.pipeline, cls.Settings(**settings), seed=seed)
+
+
+def epoch_indices(loader) -> list[np.ndarray]:
+    return [batch.indices.copy() for batch in loader.host_batches()]
+
+
+def test_peers_are_registered_and_say_why_not():
+    names = backend_names()
+    for name in [*PEERS, "ffcv"]:
+        assert name in names
+        ok, reason = backend_class(name).available()
+        assert ok or "pip install" in reason, reason
+
+
+def test_a_missing_library_is_a_reason_not_an_exception(monkeypatch):
+    def broken(name, *args, **kwargs):
+        raise RuntimeError(f"{name} is broken here")
+
+    monkeypatch.setattr(peer_base.importlib, "import_module", broken)
+    ok, reason = peer_base.library_available("webdataset", "webdataset")
+    assert not ok and "RuntimeError" in reason and "loadopt[peers]" in reason
+
+
+def test_ffcv_names_what_its_build_lacks():
+    ok, reason = backend_class("ffcv").available()
+    if ok:
+        pytest.skip("ffcv is installed here")
+    from loadopt.loaders.peer_ffcv import build_requirements
+
+    for missing in build_requirements():
+        assert missing in reason
+
+
+def test_ffcv_recipe_is_named_as_its_own(tmp_path):
+    """FFCV takes no Python transform: its crops are its own, and the recipe says so."""
+    cfg = config(tmp_path, dtype="float32")
+    cls = backend_class("ffcv")
+    if cls.__name__.startswith("Broken_"):
+        pytest.skip(cls.available()[1])
+    for form in ("jpg", "raw"):
+        loader = cls(open_dataset(cfg), cfg.pipeline, cls.Settings(form=form, num_workers=1))
+        found = recipe.differences(loader.recipe(), recipe.wanted(cfg.pipeline))
+        assert found and "FFCV" in found[0]
+        assert "order=ffcv" in loader.describe()
+
+
+@pytest.mark.parametrize("name", PEERS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_delivers_every_sample_once_in_the_librarys_order(tmp_path, name, workers):
+    cfg = config(tmp_path)
+    loader = peer(name, cfg, num_workers=workers)
+    try:
+        loader.prepare()
+        first = epoch_indices(loader)
+        assert [len(b) for b in first] == [len(b) for b in loader.order().batches()]
+        assert sorted(np.concatenate(first).tolist()) == list(range(48))
+        assert loader.epoch == 1
+        second = epoch_indices(loader)
+        assert sorted(np.concatenate(second).tolist()) == list(range(48))
+        assert not np.array_equal(np.concatenate(first), np.concatenate(second))  # shuffled per epoch
+        assert f"order={name}" in loader.describe()
+    finally:
+        loader.close()
+    again = peer(name, cfg, num_workers=workers)
+    try:
+        assert [b.tolist() for b in epoch_indices(again)] == [b.tolist() for b in first]  # seeded: reproducible
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_the_crops_are_the_shared_plan(tmp_path, name):
+    """Where the library takes a transform, each sample's pixels are the torch tuned path's for that sample."""
+    cfg = config(tmp_path)
+    loader = peer(name, cfg, num_workers=1)
+    try:
+        assert recipe.differences(loader.recipe(), recipe.wanted(cfg.pipeline)) == []
+        got = {}
+        finished = [inputs for inputs, _ in loader]  # one pass: the finishing runs
+        loader.set_epoch(0)
+        for batch in loader.host_batches():
+            got.update({int(i): batch.inputs[k].clone() for k, i in enumerate(batch.indices)})
+    finally:
+        loader.close()
+    reference = TorchLoader(open_dataset(cfg), cfg.pipeline, TorchSettings(num_workers=0), seed=3)
+    for batch in reference.host_batches():
+        for k, index in enumerate(batch.indices):
+            assert torch.equal(got[int(index)], batch.inputs[k]), f"sample {index}"
+    assert finished[0].dtype == torch.uint8 and finished[0].shape[1:] == (3, 48, 48)
+
+
+def test_webdataset_conversion_is_made_once(tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    loader = peer("webdataset", cfg, num_workers=0)
+    loader.prepare()
+    files = loader.storage_files()
+    assert files and all(f.endswith(".tar") for f in files)
+    assert loader.meta["samples"] == 48 and len(loader.meta["shards"]) >= 2
+    before = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
+
+    def again(*args):
+        raise AssertionError("converted a second time")
+
+    monkeypatch.setattr(type(loader), "_write", again)
+    second = peer("webdataset", cfg, num_workers=0)
+    second.prepare()
+    assert second.path == loader.path and {f: (tmp_path / f).stat().st_mtime_ns for f in files} == before
+    assert not [p for p in loader.path.parent.iterdir() if ".tmp-" in p.name]  # no temporary folder left
+
+
+def test_webdataset_missing_conversion_is_an_error_when_asked_not_to_convert(tmp_path, own_cache):
+    from loadopt.errors import DatasetError
+
+    loader = peer("webdataset", config(tmp_path), num_workers=0)
+    with pytest.raises(DatasetError, match="no webdataset conversion"):
+        loader.prepare(convert_missing=False)
+
+
+def test_webdataset_resumes_mid_epoch_without_repeats(tmp_path):
+    cfg = config(tmp_path)
+    whole = peer("webdataset", cfg, num_workers=2)
+    full = epoch_indices(whole)
+    whole.close()
+    first = peer("webdataset", cfg, num_workers=2)
+    batches = first.host_batches()
+    taken = [next(batches).indices.copy() for _ in range(2)]
+    batches.close()
+    state = first.state_dict()
+    first.close()
+    resumed = peer("webdataset", cfg, num_workers=2)
+    resumed.load_state_dict(state)
+    rest = [batch.indices.copy() for _, batch in zip(range(100), resumed.host_batches(), strict=False)]
+    assert [b.tolist() for b in taken + rest] == [b.tolist() for b in full]
+
+
+def test_webdataset_runs_in_the_harness(tmp_path):
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    cfg = config(tmp_path, dtype="float32")
+    loader = peer("webdataset", cfg, num_workers=1)
+    try:
+        loader.prepare()
+        transfer = DeviceTransfer(loader.device, emulate=True)
+        result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device), transfer, warmup_batches=1,
+                            measure_batches=8)  # crosses into the second epoch
+    finally:
+        loader.close()
+    assert result.metrics["samples"] == 8 * 8 and result.metrics["samples_per_s"] > 0
+
+
+def test_peers_refuse_what_they_cannot_do(tmp_path):
+    cfg = config(tmp_path)
+    cls = backend_class("webdataset")
+    with pytest.raises(ConfigError, match="one rank"):
+        cls(open_dataset(cfg), cfg.pipeline, cls.Settings(), rank=0, world_size=2)
+
+
+def test_rebatch_cuts_the_librarys_batches_to_the_planned_sizes():
+    def part(indices, failed=()):
+        n = len(indices)
+        return {"inputs": torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1) + indices[0] if n else
+                torch.empty((0, 1, 1, 1), dtype=torch.uint8), "labels": torch.zeros(n, dtype=torch.int64),
+                "indices": torch.tensor(indices, dtype=torch.int64), "failures": [(i, "bad") for i in failed]}
+
+    stream = [part([0, 1, 2]), part([3, 4], failed=[5]), part([6, 7, 8])]
+    out = list(peer_base.rebatch(iter(stream), [4, 4, 1]))
+    # a part's failures count first: batch 0 is samples 0-2 and the failed 5
+    assert [b.indices.tolist() for b in out] == [[0, 1, 2], [3, 4, 6, 7], [8]]
+    assert [b.failures for b in out] == [[(5, "bad")], [], []]
+    assert out[1].inputs.flatten().tolist() == [3, 4, 6, 7] and out[0].inputs.flatten().tolist() == [0, 1, 2]
+    resumed = list(peer_base.rebatch(iter(stream), [4, 1], skip=4))
+    assert [b.indices.tolist() for b in resumed] == [[3, 4, 6, 7], [8]]
+    short = list(peer_base.rebatch(iter(stream[:1]), [4, 4]))
+    assert [b.indices.tolist() for b in short] == [[0, 1, 2]]
