@@ -1,4 +1,5 @@
-"""`torchrun -m loadopt bench` with 2 ranks on CPU (gloo): shards, one result, per-rank figures."""
+"""`torchrun -m loadopt bench` with 2 ranks on CPU (gloo): shards, one result, per-rank figures; every option
+of a bench (--tune, the attribution, the decision) and a setting that fails on one rank failing alone."""
 
 import json
 import os
@@ -8,10 +9,19 @@ import sys
 import numpy as np
 import yaml
 
-from loadopt.bench.distributed import aggregate_ranks, indices_digest
+from loadopt.bench.rank_figures import aggregate_ranks, indices_digest
 from loadopt.loaders.sampler import EpochOrder
 
-from .conftest import tiny_config_dict
+from .conftest import REPO, tiny_config_dict
+
+
+def torchrun(tmp_path, cache_dir, config: dict, *args: str, program: tuple[str, ...] = ("-m", "loadopt")):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "LOADOPT_CACHE": str(cache_dir), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *program,
+                           "bench", str(path), *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_two_ranks_each_sample_once_per_epoch_one_result(tmp_path, cache_dir):
@@ -19,15 +29,11 @@ def test_two_ranks_each_sample_once_per_epoch_one_result(tmp_path, cache_dir):
     # 48 samples, batches of 8, 2 ranks: 3 batches a rank per epoch; 6 steps = 2 full epochs each
     config = tiny_config_dict(out, workload={"warmup_batches": 1, "measure_batches": 5, "repeats": 1},
                               loaders={"torch": {"variant": "tuned", "num_workers": 0}})
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "LOADOPT_CACHE": str(cache_dir), "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "loadopt",
-                           "bench", str(path), "--out", str(out)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = torchrun(tmp_path, cache_dir, config, "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("results: ") == 1  # rank 0 alone writes and prints
-    assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["results.json"]
+    # one results file, and the decision beside it (as in one process)
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["decision.json", "results.json"]
     results = json.loads((out / "results.json").read_text())
     assert results["distributed"]["world_size"] == 2 and results["distributed"]["backend"] == "gloo"
     run = results["runs"][0]
@@ -60,3 +66,75 @@ def test_aggregate_over_ranks():
     assert job["accelerator_utilisation"] == 0.375 and job["stall_fraction"] == 0.625
     assert job["wait_p99_ms"] == 30.0 and job["wait_s"] == 2.5 and job["mb_per_s"] == 4.0
     assert job["cpu_seconds_per_1k_samples"] == 2.0 / 160 * 1000
+
+
+def test_tune_attribution_and_decision_under_torchrun(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    config = tiny_config_dict(out, workload={"warmup_batches": 1, "measure_batches": 5, "repeats": 1},
+                              loaders={"torch": {"variant": "tuned", "num_workers": [0, 1]}})
+    proc = torchrun(tmp_path, cache_dir, config, "--out", str(out), "--tune", "--budget", "1m")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("results: ") == 1
+    results = json.loads((out / "results.json").read_text())
+    decision = json.loads((out / "decision.json").read_text())
+    assert results["distributed"]["world_size"] == 2
+    best = results["runs"][0]
+    assert best["status"] == "ok" and [r["rank"] for r in best["ranks"]] == [0, 1]
+    assert decision["label"] == results["ranking"][0] == best["label"]
+    assert results["tuning"]["backends"][0]["tried"] >= 1 and best["tuned"]["tried"] >= 1
+    # the attribution: the ceilings (the job's demand is both ranks' accelerators), a verdict, the stages apart
+    job = results["ceilings"]["job"]
+    assert job["ranks"] == 2 and job["demand_samples_per_s"] == 2 * 8 / (job["step_ms"] / 1000.0)
+    assert best["ceiling"]["samples_per_s"] and [v["label"] for v in results["verdicts"]] == [best["label"]]
+    assert [s["label"] for s in results["stages"]] == [best["label"]]
+    assert results["verdicts"][0]["by"] == "stages measured apart"
+
+
+FAILING_BACKENDS = """
+from loadopt.cli import main
+from loadopt.loaders.base import register
+from tests.backends import DelayLoader
+
+
+@register("t_fails_mid_run")
+class FailsMidRunOnRank1(DelayLoader):
+    def _produce(self, batches):
+        for n, batch in enumerate(super()._produce(batches)):
+            if self.rank == 1 and n == 2:  # rank 0 waits in the step's all-reduce meanwhile
+                raise RuntimeError("rank 1's device fell over")
+            yield batch
+
+
+@register("t_fails_to_open")
+class FailsToOpenOnRank1(DelayLoader):
+    def prepare(self, progress=None, convert_missing=True):
+        if self.rank == 1:
+            raise RuntimeError("rank 1 cannot open its shard")
+        super().prepare(progress, convert_missing)
+
+
+main()
+"""
+
+
+def test_a_backend_failing_on_one_rank_fails_alone(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    script = tmp_path / "bench_with_failing_backends.py"
+    script.write_text(FAILING_BACKENDS)
+    config = tiny_config_dict(out, workload={"warmup_batches": 1, "measure_batches": 5, "repeats": 2},
+                              loaders={"t_fails_mid_run": {"delay_s": 0.001, "background": False},
+                                       "torch": {"variant": "tuned", "num_workers": 0},
+                                       "t_fails_to_open": {"delay_s": 0.001, "background": False}})
+    proc = torchrun(tmp_path, cache_dir, config, "--out", str(out), program=(str(script),))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["backend"]: r for r in results["runs"]}
+    assert runs["t_fails_mid_run"]["status"] == "error"
+    assert runs["t_fails_mid_run"]["reason"] == "rank 1: RuntimeError: rank 1's device fell over"
+    assert runs["t_fails_to_open"]["status"] == "error"
+    assert runs["t_fails_to_open"]["reason"] == "rank 1: RuntimeError: rank 1 cannot open its shard"
+    torch_run = runs["torch"]
+    assert torch_run["status"] == "ok" and len(torch_run["repeats"]) == 2  # both repeats, after the failures
+    assert [r["rank"] for r in torch_run["ranks"]] == [0, 1]
+    assert results["ranking"] == [torch_run["label"]]
+    assert (out / "decision.json").exists()

@@ -1,43 +1,59 @@
-"""`loadopt bench` under `torchrun`: one emulated accelerator per rank, each on its shard of the data.
+"""Where a bench process stands among the ranks: `Ranks` (one process, rank 0 of 1) and, under `torchrun`,
+`TorchrunRanks`; `ranks_here` gives the one this process is. The runner (bench/runner.py) runs one loop
+over both:
 
-    torchrun --nproc-per-node N -m loadopt bench CONFIG
+    torchrun --nproc-per-node N -m loadopt bench CONFIG [--tune] ...
 
-Every rank builds each configured loader for its rank of the world (the shared sample order gives
-each rank a disjoint share: every sample once per epoch across ranks), runs it through the same
-harness as a single-process bench, and after every step joins an all-reduce of one element: the
-stand-in for a data-parallel job's gradient all-reduce, so a rank that waits for data holds every
-other rank up, as it would in training (gloo on CPU, nccl on GPU). The time a rank spends in that
-all-reduce counts neither as its data wait nor as compute, so it lowers that rank's utilisation.
+Under torchrun every rank builds each planned loader for its rank of the world (the shared sample order
+gives each rank a disjoint share: every sample once per epoch across ranks), runs it through the same
+harness as a single-process bench, and after every step joins an all-reduce: the stand-in for a
+data-parallel job's gradient all-reduce, so a rank that waits for data holds every other rank up, as it
+would in training (gloo on CPU, nccl on GPU). The time a rank spends in that all-reduce counts neither as
+its data wait nor as compute, so it lowers that rank's utilisation.
 
-Rank 0 generates the dataset and any format conversion first (the others then find them cached),
-gathers every rank's metrics after each run, and writes one results.json: per-rank figures, the
-aggregate over ranks and the slowest rank (the one that waited longest for data). The other ranks
-write nothing. The per-batch timings file holds rank 0's batches.
+The all-reduce also carries each rank's status, so that a setting that fails on one rank fails alone, as
+in one process: the failing rank keeps joining the all-reduces, flagged, until every rank has left the
+run (the others stop at the next step they see the flag), then all ranks share their outcomes; nobody
+waits in a collective that a failed rank will never join.
+
+What the bench does once for the machine (the output folder, the plan and its conversions, the `--tune`
+search, the ceilings) rank 0 does alone while the others wait (`alone`), and every rank gets its result;
+an error there is every rank's. Rank 0 gathers every rank's figures after each run and writes one
+results.json: per-rank figures, the aggregate over ranks and the slowest rank (the one that waited longest
+for data); after the runs it measures the ceilings again, the stages apart and the decision alone. The
+other ranks write nothing. The per-batch timings file holds rank 0's batches. (The ranks' figures:
+bench/rank_figures.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-import hashlib
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
-from loadopt.bench.harness import RepeatResult, run_repeat
-from loadopt.bench.metrics import median
-from loadopt.config import Config
-from loadopt.device import DeviceTransfer, Elapsed, resolve_device
+from loadopt.bench.knobs import MachineLimits
+from loadopt.bench.rank_figures import RecordingLoader, add_ranks, aggregate_ranks
+from loadopt.device import Elapsed, resolve_device, usable_cores
+from loadopt.errors import LoadoptError, Terminated
 
 T = TypeVar("T")
 
-# Summed over ranks (extensive), the worst over ranks, or the mean over ranks; the rates are recomputed.
-_SUMMED = ("samples", "compute_s", "wait_s", "h2d_s", "finish_s", "sample_bytes_delivered", "bytes_read",
-           "storage_bytes_read", "cpu_seconds", "peak_rss_mb", "peak_pss_mb")
-_WORST = ("wall_s", "batches", "wait_p50_ms", "wait_p95_ms", "wait_p99_ms", "wait_max_ms")
-_MEAN = ("accelerator_utilisation", "h2d_gb_per_s", "device_idle_fraction")
+
+class PeerFailed(Exception):
+    """Another rank failed this run: this rank stops it too (the failing rank's report says why)."""
+
+
+class PeerError(LoadoptError):
+    """A user error that another rank met (the bench stops on every rank), with that rank's exit status."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def launched() -> bool:
@@ -45,211 +61,245 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def secondary_rank() -> bool:
-    """A rank other than 0 under torchrun: it measures, but rank 0 writes and prints."""
-    return launched() and int(os.environ["RANK"]) != 0
+class Ranks:
+    """One process: rank 0 of 1. Each method is what the bench does at that point under torchrun
+    (`TorchrunRanks`); here it does it directly."""
+
+    rank = 0
+    world_size = 1
+    local_world_size = 1
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: it writes the results and prints; the others measure."""
+        return self.rank == 0
+
+    def first(self, work: Callable[[], T]) -> T:
+        """`work` on every rank, rank 0's first (dataset generation lands in the shared cache)."""
+        return work()
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """`work` on rank 0 only, its result (picklable) handed to every rank."""
+        return work()
+
+    def limits(self) -> MachineLimits:
+        """What one rank's loader may use of this machine (the tuner's limits)."""
+        return MachineLimits.here()
+
+    def decode_workers(self, per_rank: int) -> int:
+        """The decode ceiling's worker processes: what every rank on this machine runs at once."""
+        return per_rank
+
+    def job_ceilings(self, ceilings: dict[str, Any]) -> dict[str, Any]:
+        """The ceilings with the job's demand: every rank's accelerator."""
+        return ceilings
+
+    def wrap_loader(self, loader: Any) -> Any:
+        return loader
+
+    def step_sync(self, accelerator: Any) -> Any:
+        """The accelerator whose every step is followed by the per-step collective."""
+        return accelerator
+
+    def start(self) -> None:
+        """Every rank starts its run together; raises `PeerFailed` when another failed before it started."""
+
+    def settle(self, label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+        """This rank's report of one run (`metrics` or `error`, ...) -> every rank's, in rank order."""
+        return [{**report, "rank": 0}]
+
+    def job_metrics(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        return reports[0]["metrics"]
+
+    def run_suffix(self) -> str:
+        return ""
+
+    def annotate(self, results: dict[str, Any]) -> None:
+        """Add what the ranks alone know to rank 0's results."""
 
 
-class _StepSync:
-    """The emulated accelerator's step followed by an all-reduce of one element across ranks."""
+class TorchrunRanks(Ranks):
+    """One rank of a torchrun job (module docstring); the process group is set up by `ranks_here`."""
 
-    def __init__(self, accelerator, device: torch.device) -> None:
-        self.accelerator = accelerator
-        self._token = torch.zeros(1, device=device)
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        dist = torch.distributed
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        # The status travels on the host (gloo): on CPU in the step's own all-reduce; with nccl the step's
+        # all-reduce stays on the device and a host one beside it carries the status.
+        on_device = dist.get_backend() != "gloo"
+        self._objects = dist.new_group(backend="gloo") if on_device else None
+        self._token = torch.zeros(1, device=device) if on_device else None
+        self._status = torch.zeros(2)  # [ranks failed, ranks out of the run]
+        self._recording: RecordingLoader | None = None
+        self._per_rank: dict[str, list[list[dict[str, Any]]]] = {}
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
-        elapsed = self.accelerator.step(inputs, labels)
-        torch.distributed.all_reduce(self._token)
-        return elapsed
+    # -- once for the machine ------------------------------------------------------------------------
 
-    def drain(self) -> None:
-        self.accelerator.drain()
+    def first(self, work: Callable[[], T]) -> T:
+        if self.rank == 0:
+            value = self._agreed(work)
+            self._agreed(lambda: None)
+            return value
+        self._agreed(lambda: None)
+        return self._agreed(work)
 
-
-class _RecordingLoader:
-    """A loader that remembers which samples it delivered in which epoch (for the per-rank record)."""
-
-    def __init__(self, loader) -> None:
-        self._loader = loader
-        self.delivered: dict[int, list[np.ndarray]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def host_batches(self) -> Iterator[Any]:
-        for batch in self._loader.host_batches():
-            self.delivered.setdefault(self._loader.epoch, []).append(np.asarray(batch.indices, dtype=np.int64))
-            yield batch
-
-    def record(self) -> list[dict[str, Any]]:
-        """Per epoch: how many samples, an order-free digest of which, and whether the epoch was complete."""
-        out = []
-        per_epoch = len(self._loader.order().indices())
-        for epoch, batches in sorted(self.delivered.items()):
-            indices = np.sort(np.concatenate(batches))
-            out.append({"epoch": epoch, "samples": len(indices), "complete": len(indices) == per_epoch,
-                        "digest": indices_digest(indices)})
-        return out
-
-
-def indices_digest(indices: np.ndarray) -> str:
-    """A digest of a set of sample indices (sorted first, so the order does not matter)."""
-    return hashlib.sha256(np.sort(np.asarray(indices, dtype=np.int64)).tobytes()).hexdigest()[:16]
-
-
-def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """The job's figures from its ranks': totals, the worst wait percentiles, the mean utilisation."""
-    first = per_rank[0]
-    out: dict[str, Any] = {}
-    for key, value in first.items():
-        values = [m[key] for m in per_rank if m.get(key) is not None]
-        if key in _SUMMED and values:
-            out[key] = sum(values)
-        elif key in _WORST and values:
-            out[key] = max(values)
-        elif key in _MEAN and values:
-            out[key] = sum(values) / len(values)
-        else:
-            out[key] = value
-    wall = out["wall_s"]
-    out["samples_per_s"] = out["samples"] / wall if wall > 0 else 0.0
-    out["mb_per_s"] = out["sample_bytes_delivered"] / wall / 1e6 if wall > 0 else 0.0
-    if "tokens_per_s" in first:
-        out["tokens_per_s"] = sum(m["tokens_per_s"] for m in per_rank)
-    out["stall_fraction"] = 1.0 - out["accelerator_utilisation"]
-    out["goodput_ratio"] = out["sample_bytes_delivered"] / out["bytes_read"] if out["bytes_read"] else None
-    out["cpu_seconds_per_1k_samples"] = out["cpu_seconds"] / out["samples"] * 1000.0 if out["samples"] else None
-    return out
-
-
-def slowest_rank(per_rank_repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """The rank that waited longest for data (median over repeats): the one the others waited for."""
-    waits = [float(np.median([r["metrics"]["wait_s"] for r in repeats])) for repeats in per_rank_repeats]
-    rank = int(np.argmax(waits))
-    rates = [float(np.median([r["metrics"]["samples_per_s"] for r in per_rank_repeats[rank]]))]
-    return {"rank": rank, "wait_s": waits[rank], "samples_per_s": rates[0],
-            "accelerator_utilisation": float(np.median([r["metrics"]["accelerator_utilisation"]
-                                                        for r in per_rank_repeats[rank]]))}
-
-
-def _rank0_first(rank: int, work: Callable[[], T]) -> T:
-    """Rank 0 does `work` first (dataset generation, conversions land in the shared cache), then the others."""
-    if rank == 0:
-        value = work()
-        torch.distributed.barrier()
+    def alone(self, work: Callable[[], T]) -> T:
+        value: Any = None
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                value = work()
+            except BaseException as exc:  # noqa: BLE001 - every rank learns of it, then it is raised here
+                failure = exc
+        box = [(value, described(failure)) if self.rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self._objects)
+        value, told = box[0]
+        if failure is not None:
+            raise failure
+        raise_told(told, 0)
         return value
-    torch.distributed.barrier()
-    return work()
+
+    def _agreed(self, work: Callable[[], T]) -> T:
+        """`work` here; then every rank learns whether it failed on any rank (and raises if so)."""
+        value: Any = None
+        failure: BaseException | None = None
+        try:
+            value = work()
+        except BaseException as exc:  # noqa: BLE001 - every rank learns of it, then it is raised here
+            failure = exc
+        told: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(told, described(failure), group=self._objects)
+        if failure is not None:
+            raise failure
+        for rank, failed_there in enumerate(told):
+            raise_told(failed_there, rank)
+        return value
+
+    def limits(self) -> MachineLimits:
+        here = MachineLimits.here()
+        share = max(1, self.local_world_size)
+        return dataclasses.replace(here, cores=max(1, here.cores // share), shared_bytes=here.shared_bytes // share,
+                                   pinned_bytes=here.pinned_bytes // share)
+
+    def decode_workers(self, per_rank: int) -> int:
+        return min(usable_cores(), per_rank * self.local_world_size)
+
+    def job_ceilings(self, ceilings: dict[str, Any]) -> dict[str, Any]:
+        job = dict(ceilings.get("job") or {})
+        if job.get("demand_samples_per_s"):
+            job["demand_samples_per_s"] *= self.world_size
+        job["ranks"] = self.world_size
+        return {**ceilings, "job": job}
+
+    # -- each run --------------------------------------------------------------------------------------
+
+    def wrap_loader(self, loader: Any) -> Any:
+        self._recording = RecordingLoader(loader)
+        return self._recording
+
+    def step_sync(self, accelerator: Any) -> Any:
+        return _StepSync(accelerator, self)
+
+    def start(self) -> None:
+        if self._exchange(failed=False, out=False)[0]:
+            raise PeerFailed()
+
+    def step(self) -> None:
+        if self._exchange(failed=False, out=False)[0]:
+            raise PeerFailed()
+
+    def _exchange(self, failed: bool, out: bool) -> tuple[int, int]:
+        """One per-step collective: (ranks that failed, ranks out of the run) over the world."""
+        if self._token is not None:
+            torch.distributed.all_reduce(self._token)
+        self._status[0], self._status[1] = float(failed), float(out)
+        torch.distributed.all_reduce(self._status, group=self._objects)
+        return int(self._status[0]), int(self._status[1])
+
+    def settle(self, label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+        failed = report.get("error") is not None or report.get("fatal") is not None
+        while self._exchange(failed=failed, out=True)[1] < self.world_size:
+            pass  # a rank still running (or stopping at its next step) needs this rank in its collective
+        mine = {**report, "rank": self.rank, "host": os.uname().nodename, "device": str(self.device),
+                "delivered": self._recording.record() if self._recording is not None else []}
+        self._recording = None
+        reports: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(reports, mine, group=self._objects)
+        if self.rank == 0 and all(r.get("metrics") is not None for r in reports):
+            ranks = self._per_rank.setdefault(label, [[] for _ in range(self.world_size)])
+            for entry in reports:
+                ranks[entry["rank"]].append(entry)
+        return reports
+
+    def job_metrics(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        return aggregate_ranks([r["metrics"] for r in reports])
+
+    def run_suffix(self) -> str:
+        return f", rank 0 of {self.world_size}"
+
+    def annotate(self, results: dict[str, Any]) -> None:
+        add_ranks(results, self._per_rank, self.world_size, torch.distributed.get_backend())
 
 
-def _device_for_rank(requested: str) -> torch.device:
-    device = resolve_device(requested)
+@contextmanager
+def ranks_here(requested_device: str, timeout_s: float) -> Iterator[Ranks]:
+    """This process's `Ranks`: under torchrun the process group is set up here (`timeout_s`: how long a rank
+    may wait for the others, e.g. while rank 0 tunes alone) and torn down after."""
+    if not launched():
+        yield Ranks(resolve_device(requested_device))
+        return
+    device = resolve_device(requested_device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    return device
-
-
-def run_bench_distributed(config: Config, *, loaders: list[str] | None, out: str | None, quick: bool,
-                          reporter, convert: bool):
-    """`run_bench` for one rank under torchrun (see the module docstring); rank 0 returns the outcome,
-    the other ranks an outcome without results (`json_path` None)."""
-    from loadopt.bench.accelerator import make_accelerator
-    from loadopt.bench.results import prepare_output, write_results
-    from loadopt.bench.runner import (
-        BenchOutcome,
-        Reporter,
-        _evict,
-        _plan,
-        _results,
-        _timing_rows,
-        effective_workload,
-        setting_loader,
-    )
-    from loadopt.storage.imagefolder import open_dataset
-
     dist = torch.distributed
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = _device_for_rank(config.workload.device)
     started_here = not dist.is_initialized()
     if started_here:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(minutes=10))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(seconds=timeout_s))
     try:
-        reporter = reporter if rank == 0 and reporter is not None else Reporter()
-        folder = prepare_output(out or config.report.out) if rank == 0 else None
-        workload = effective_workload(config.workload, quick)
-        dataset = _rank0_first(rank, lambda: open_dataset(config, progress=reporter.dataset_progress))
-        plan = _rank0_first(rank, lambda: _plan(config, loaders or list(config.loaders), dataset, device, reporter,
-                                                convert if rank == 0 else False))
-        accelerator = _StepSync(make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), device),
-                                device)
-        per_rank: dict[str, list[list[dict[str, Any]]]] = {}
-        cache_note = "warm: the page cache was left as it was"
-        for repeat in range(workload.repeats):
-            for setting in plan:
-                if setting.status != "ok":
-                    continue
-                reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats}, rank 0 of {world})",
-                                     workload.warmup_batches + workload.measure_batches)
-                loader = setting_loader(config, setting, dataset, device, rank, world)
-                try:
-                    if config.storage.cache == "cold":
-                        cache_note = _evict(loader.storage_files())
-                    recording = _RecordingLoader(loader)
-                    dist.barrier()  # every rank starts its run together
-                    result = run_repeat(recording, accelerator, DeviceTransfer(device, emulate=True),
-                                        workload.warmup_batches, workload.measure_batches,
-                                        on_batch=reporter.batch_done)
-                finally:
-                    loader.close()
-                mine = {"rank": rank, "host": os.uname().nodename, "device": str(device), "metrics": result.metrics,
-                        "delivered": recording.record()}
-                gathered: list[Any] | None = [None] * world if rank == 0 else None
-                dist.gather_object(mine, gathered, dst=0)
-                if rank != 0:
-                    continue
-                ranks = per_rank.setdefault(setting.label, [[] for _ in range(world)])
-                for entry in gathered:
-                    ranks[entry["rank"]].append(entry)
-                job = aggregate_ranks([entry["metrics"] for entry in gathered])
-                setting.repeats.append(RepeatResult(job, result.probes, result.skipped))
-                reporter.run_finished(setting.label, job, None)
-        if rank != 0:
-            return BenchOutcome({"rank": rank}, None, None, False)
-        results = _results(config, plan, dataset, device, workload, quick, False, cache_note)
-        _add_ranks(results, per_rank, world, dist.get_backend())
-        json_path, parquet_path = write_results(folder, results, _timing_rows(plan))
-        return BenchOutcome(results, json_path, parquet_path, False)
+        yield TorchrunRanks(device)
     finally:
         if started_here:
             dist.destroy_process_group()
 
 
-def _add_ranks(results: dict[str, Any], per_rank: dict[str, list[list[dict[str, Any]]]], world: int,
-               backend: str) -> None:
-    results["command"] = f"torchrun --nproc-per-node {world} -m loadopt bench"
-    results["distributed"] = {
-        "world_size": world, "backend": backend,
-        "step_sync": "an all-reduce of one element after every step (stand-in for the gradient all-reduce)",
-        "aggregate": "samples/s and MB/s: all ranks' samples over the longest rank's window; utilisation: the "
-                     "mean over ranks; wait percentiles: the worst rank's; CPU, memory, bytes: summed",
-        "timings": "timings.parquet holds rank 0's batches",
-    }
-    slowest_text = []
-    for run in results["runs"]:
-        ranks = per_rank.get(run["label"])
-        if not ranks:
-            continue
-        run["ranks"] = [{"rank": r, "host": repeats[0]["host"], "device": repeats[0]["device"],
-                         "metrics": [x["metrics"] for x in repeats], "delivered": [x["delivered"] for x in repeats]}
-                        for r, repeats in enumerate(ranks)]
-        run["slowest_rank"] = slowest_rank(ranks)
-        slow = run["slowest_rank"]
-        slowest_text.append(f"{run['label']}: rank {slow['rank']} (waited {slow['wait_s']:.2f} s for data, "
-                            f"AU {slow['accelerator_utilisation']:.0%})")
-    if results["ranking"]:
-        best = next(r for r in results["runs"] if r["label"] == results["ranking"][0])
-        rate = median(best["metrics"], "samples_per_s")
-        results["summary"] = (f"fastest on {world} ranks: {best['label']} at {rate:,.0f} samples/s in all; "
-                              f"slowest rank {best['slowest_rank']['rank']}")
-    results["distributed"]["slowest_ranks"] = slowest_text
+def described(failure: BaseException | None) -> dict[str, Any] | None:
+    """A failure as every rank can be told of it (plain data: the exception itself may not pickle)."""
+    if failure is None:
+        return None
+    kind = ("interrupt" if isinstance(failure, KeyboardInterrupt) else
+            "user" if isinstance(failure, LoadoptError) else "bug")
+    return {"kind": kind, "terminated": isinstance(failure, Terminated),
+            "text": str(failure).splitlines()[0] if str(failure) else type(failure).__name__,
+            "type": type(failure).__name__, "exit_code": getattr(failure, "exit_code", 1)}
+
+
+def raise_told(described: dict[str, Any] | None, rank: int) -> None:
+    """Raise here what another rank met (`described`)."""
+    if described is None:
+        return
+    if described["kind"] == "interrupt":
+        raise Terminated() if described["terminated"] else KeyboardInterrupt()
+    if described["kind"] == "user":
+        raise PeerError(f"rank {rank}: {described['text']}", described["exit_code"])
+    raise RuntimeError(f"rank {rank} failed: {described['type']}: {described['text']}")
+
+
+class _StepSync:
+    """The emulated accelerator's step followed by the per-step collective across ranks."""
+
+    def __init__(self, accelerator: Any, ranks: TorchrunRanks) -> None:
+        self.accelerator, self._ranks = accelerator, ranks
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
+        elapsed = self.accelerator.step(inputs, labels)
+        self._ranks.step()
+        return elapsed
+
+    def drain(self) -> None:
+        self.accelerator.drain()

@@ -3,51 +3,34 @@
 Repeats are interleaved (repeat 1 of every setting, then repeat 2, ...) so that a slow phase of a
 shared, noisy machine does not land on one setting only. A backend that cannot run here is listed
 with its reason; a backend that fails at run time is listed with its error and the bench goes on;
-Ctrl-C stops the bench and keeps the runs already finished.
+Ctrl-C stops the bench and keeps the runs already finished. Under `torchrun` every rank runs this same
+loop, each on its shard with an all-reduce per step; what differs is behind `distributed.Ranks`
+(bench/distributed.py): what rank 0 does alone, the per-step collective, the gather of each run.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
-from loadopt import recipe
-from loadopt.bench import attribution, decision, stages, tuner
+from loadopt.bench import attribution, decision, distributed, stages, tuner
 from loadopt.bench import ceilings as ceiling_measures
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
 from loadopt.bench.harness import RepeatResult, run_repeat
-from loadopt.bench.metrics import aggregate, median
+from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
-from loadopt.bench.results import (
-    SCHEMA_VERSION,
-    machine_fingerprint,
-    machine_info,
-    prepare_output,
-    write_results,
-)
+from loadopt.bench.results import prepare_output, write_results
+from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import Config, WorkloadConfig, backend_settings
-from loadopt.device import DeviceTransfer, resolve_device
+from loadopt.device import DeviceTransfer
 from loadopt.errors import LoadoptError, StorageError, Terminated
 from loadopt.loaders.base import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
-from loadopt.storage.remote import redact
-from loadopt.storage.tier_reads import bytes_source
-from loadopt.storage.tiers import (
-    counters_delta,
-    resolve_tier,
-    sum_counters,
-    tier_counters,
-    tier_failure,
-    tier_label,
-)
-from loadopt.storage.tokens import TokenDataset
+from loadopt.storage.tiers import counters_delta, sum_counters, tier_counters, tier_failure, tier_label
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +50,10 @@ class Reporter:
 
 
 @dataclass
-class _Setting:
-    backend: str
-    settings: BaseModel | None
-    label: str
-    status: str = "ok"  # ok | unavailable | error
-    reason: str = ""
-    repeats: list[RepeatResult] = field(default_factory=list)
-    tier_counters: list[dict[str, float]] = field(default_factory=list)  # per repeat: retries, faults, ...
-
-
-@dataclass
 class BenchOutcome:
     results: dict[str, Any]
-    json_path: Path
-    parquet_path: Path
+    json_path: Path | None  # None on a rank other than 0 under torchrun: rank 0 writes
+    parquet_path: Path | None
     interrupted: bool
 
 
@@ -94,13 +66,13 @@ def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
 
 
 def _plan(config: Config, names: list[str], dataset: ImageDataset, device, reporter: Reporter,
-          convert: bool) -> list[_Setting]:
-    plan: list[_Setting] = []
+          convert: bool) -> list[Setting]:
+    plan: list[Setting] = []
     for name in names:
         cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
         if not available:
-            plan.append(_Setting(name, None, name, "unavailable", reason))
+            plan.append(Setting(name, None, name, "unavailable", reason))
             continue
         for settings in backend_settings(config, name):
             probe = cls(dataset, config.pipeline, settings, device=device, seed=config.seed)
@@ -109,11 +81,11 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
                 probe.prepare(lambda done, total, label=label: reporter.conversion_progress(label, done, total),
                               convert)
             except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
-                plan.append(_Setting(name, settings, label, "error", str(exc).splitlines()[0]))
+                plan.append(Setting(name, settings, label, "error", str(exc).splitlines()[0]))
                 continue
             finally:
                 probe.close()
-            plan.append(_Setting(name, settings, label))
+            plan.append(Setting(name, settings, label))
     return plan
 
 
@@ -128,50 +100,62 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     `tune` first searches each backend's knobs within `budget_s` seconds (bench/tuner.py) and then
     measures each backend's best setting; `attribute_stages` (implied by `tune`) runs the stages of each
     backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/stages.py)."""
-    from loadopt.bench import distributed
+    # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
+    timeout_s = 1800.0 + (budget_s if tune else 0.0)
+    with distributed.ranks_here(config.workload.device, timeout_s) as ranks:
+        return _bench(config, ranks, loaders or list(config.loaders), out, quick,
+                      (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
+                      attribute_stages)
 
-    if distributed.launched():  # under torchrun: one emulated accelerator per rank (bench/distributed.py)
-        return distributed.run_bench_distributed(config, loaders=loaders, out=out, quick=quick, reporter=reporter,
-                                                 convert=convert)
-    reporter = reporter or Reporter()
-    folder = prepare_output(out or config.report.out)
-    device = resolve_device(config.workload.device)
+
+def _bench(config: Config, ranks: distributed.Ranks, names: list[str], out: str | None, quick: bool,
+           reporter: Reporter, convert: bool, attribute: bool, tune: bool, budget_s: float,
+           attribute_stages: bool) -> BenchOutcome:
+    folder = ranks.alone(lambda: prepare_output(out or config.report.out))
+    device = ranks.device
     workload = effective_workload(config.workload, quick)
-    dataset = open_dataset(config, progress=reporter.dataset_progress)
+    dataset = ranks.first(lambda: open_dataset(config, progress=reporter.dataset_progress))
     tunings = None
     if tune:  # the search's trials, then each backend's best setting measured as any configured one
-        tunings = tuner.Tuner(config, dataset, device, budget_s, reporter=reporter, convert=convert).tune(
-            loaders or list(config.loaders))
-        plan = [_Setting(t.backend, t.best_settings, t.best.label, "ok") if t.best is not None else
-                _Setting(t.backend, None, t.backend, t.status if t.status != "ok" else "error", t.reason)
+        tunings = ranks.alone(lambda: tuner.Tuner(config, dataset, device, budget_s, reporter=reporter,
+                                                  convert=convert, limits=ranks.limits()).tune(names))
+        plan = [Setting(t.backend, t.best_settings, t.best.label, "ok") if t.best is not None else
+                Setting(t.backend, None, t.backend, t.status if t.status != "ok" else "error", t.reason)
                 for t in tunings]
     else:
-        plan = _plan(config, loaders or list(config.loaders), dataset, device, reporter, convert)
-    accelerator = make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes), device)
+        plan = ranks.alone(lambda: _plan(config, names, dataset, device, reporter, convert))
+    accelerator = ranks.step_sync(make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes),
+                                                   device))
     cache_note = "warm: the page cache was left as it was"
-    interrupted = False
+    interrupted, stopped_by = False, "SIGINT"
     user_error: LoadoptError | None = None
     ceilings: dict[str, Any] | None = None
-    machine_load = MachineLoad().start()  # results.json `machine.load`: is the machine busy with other work?
+    machine_load = MachineLoad().start() if ranks.lead else None  # results.json `machine.load`: a busy machine?
     try:
         if attribute and any(s.status == "ok" for s in plan):
             # The decode ceiling runs as many worker processes as the busiest setting (bench/parallel.py).
             workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == "ok")
-            ceilings = ceiling_measures.measure_ceilings(config, dataset, device, workers)
+            ceilings = ranks.alone(lambda: ceiling_measures.measure_ceilings(config, dataset, device,
+                                                                             ranks.decode_workers(workers)))
         for repeat in range(workload.repeats):
             for setting in plan:
                 if setting.status != "ok":
                     continue
-                cache_note = _run_one(setting, repeat, config, dataset, device, accelerator, workload,
+                cache_note = _run_one(setting, repeat, config, dataset, ranks, accelerator, workload,
                                       reporter) or cache_note
-        if ceilings is not None:  # measured again after the runs: the higher of the two is kept
+        if ceilings is not None and ranks.lead:  # measured again after the runs: the higher of the two is kept
             ceilings = ceiling_measures.keep_best(ceilings, config, dataset)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
         interrupted = True
         stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     except LoadoptError as exc:
         user_error = exc
-    results = _results(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+    if not ranks.lead or machine_load is None:  # a rank other than 0: rank 0 writes and prints
+        if user_error is not None:
+            raise user_error
+        return BenchOutcome({"rank": ranks.rank}, None, None, interrupted)
+    results = results_document(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+    ranks.annotate(results)
     if interrupted:
         results["interrupted_by"] = stopped_by
     results["machine"]["load"] = machine_load.stop()
@@ -183,7 +167,7 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
             run["tuned"] = {"tried": count, "space_size": size, "note": note}
     if ceilings is not None:
         try:
-            _attribute(results, ceilings)
+            _attribute(results, ranks.job_ceilings(ceilings))
             if (tune or attribute_stages) and not interrupted and user_error is None:
                 stages.attribute_stages(config, dataset, device, results, ceilings, reporter)
         except KeyboardInterrupt as exc:
@@ -194,22 +178,12 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     if not interrupted and user_error is None:
         tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
         results["decision"] = decision.make_decision(results, tier)
-    json_path, parquet_path = write_results(folder, results, _timing_rows(plan))
+    json_path, parquet_path = write_results(folder, results, timing_rows(plan))
     if user_error is not None:
         raise user_error
     if results.get("decision"):
         decision.record(results["decision"], folder)
     return BenchOutcome(results, json_path, parquet_path, interrupted)
-
-
-def skipped_files(per_repeat) -> list[dict[str, Any]]:
-    """One entry per unreadable file (path, what was wrong, how many times a repeat met it): a file
-    met in every epoch of every repeat is still one file."""
-    files: dict[str, dict[str, Any]] = {}
-    for skipped in per_repeat:
-        for path, why in skipped:
-            files.setdefault(path, {"path": path, "reason": why, "times": 0})["times"] += 1
-    return list(files.values())
 
 
 def _evict(files: list[str]) -> str:
@@ -220,7 +194,7 @@ def _evict(files: list[str]) -> str:
             "or a backend's converted files) evicted from the page cache (posix_fadvise DONTNEED) before each run")
 
 
-def setting_loader(config: Config, setting: _Setting, dataset, device, rank: int = 0, world_size: int = 1):
+def setting_loader(config: Config, setting: Setting, dataset, device, rank: int = 0, world_size: int = 1):
     """The loader of one planned setting (for one rank under torchrun), opened: it was converted when
     planned, and opening it is not timed."""
     loader = backend_class(setting.backend)(dataset, config.pipeline, setting.settings, device=device,
@@ -234,102 +208,60 @@ def setting_loader(config: Config, setting: _Setting, dataset, device, rank: int
     return loader
 
 
-def _run_one(setting: _Setting, repeat: int, config: Config, dataset: ImageDataset, device, accelerator,
-             workload: WorkloadConfig, reporter: Reporter) -> str | None:
-    """One repeat of one setting; returns the cache note when the page cache was evicted first."""
-    reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats})",
+def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDataset, ranks: distributed.Ranks,
+             accelerator, workload: WorkloadConfig, reporter: Reporter) -> str | None:
+    """One repeat of one setting (on every rank); returns the cache note when the page cache was evicted
+    first. A failure on any rank is the setting's error on every rank; a user error stops the bench."""
+    reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats}{ranks.run_suffix()})",
                          workload.warmup_batches + workload.measure_batches)
-    loader = None
+    loader, result, note, error = None, None, None, None
     counters = tier_counters(dataset.fs)
     try:
-        loader = setting_loader(config, setting, dataset, device)
+        loader = setting_loader(config, setting, dataset, ranks.device, ranks.rank, ranks.world_size)
         # Cold: evict what this loader reads (the JPEGs, or the Arrow file / raw shards it converted to).
         note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
-        result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), workload.warmup_batches,
-                            workload.measure_batches, on_batch=reporter.batch_done)
+        ranks.start()
+        result = run_repeat(ranks.wrap_loader(loader), accelerator, DeviceTransfer(ranks.device, emulate=True),
+                            workload.warmup_batches, workload.measure_batches, on_batch=reporter.batch_done)
     except KeyboardInterrupt:
         raise
+    except distributed.PeerFailed:
+        pass  # another rank failed this run: its report says why
     except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
-        recorded = _tier_delta(setting, counters, dataset)
-        failure = tier_failure(exc, dataset.fs, setting.tier_counters[-1] if recorded else None)
-        if isinstance(exc, LoadoptError) and failure is None:
-            raise
         log.debug("run %s failed", setting.label, exc_info=True)
-        setting.status, setting.reason = "error", str(failure or f"{type(exc).__name__}: {exc}").splitlines()[0]
-        reporter.run_finished(setting.label, None, setting.reason)
-        return None
+        error = exc
     finally:
         if loader is not None:
             loader.close()
-    _tier_delta(setting, counters, dataset)
-    setting.repeats.append(result)
-    reporter.run_finished(setting.label, result.metrics, None)
+    delta = counters_delta(counters, tier_counters(dataset.fs))  # shared by the loader's processes
+    report: dict[str, Any] = {"metrics": result.metrics if result else None, "skipped": result.skipped if result
+                              else [], "tier": delta, "error": None, "fatal": None}
+    if error is not None:
+        failure = tier_failure(error, dataset.fs, delta)
+        if isinstance(error, LoadoptError) and failure is None:  # the user's to fix: the bench stops
+            report["fatal"] = distributed.described(error)
+        else:
+            report["error"] = str(failure or f"{type(error).__name__}: {error}").splitlines()[0]
+    reports = ranks.settle(setting.label, report)
+    deltas = [r["tier"] for r in reports if r["tier"] is not None]
+    if deltas:  # reads, retries and faults of the storage tier, over every rank
+        setting.tier_counters.append(sum_counters(deltas))
+    for other in reports:
+        if other["fatal"] is not None:
+            if other["rank"] == ranks.rank and error is not None:
+                raise error
+            distributed.raise_told(other["fatal"], other["rank"])
+    failed = [r for r in reports if r["error"] is not None]
+    if failed or result is None:
+        first = failed[0] if failed else {"rank": ranks.rank, "error": "no figures"}
+        setting.status = "error"
+        setting.reason = first["error"] if ranks.world_size == 1 else f"rank {first['rank']}: {first['error']}"
+        reporter.run_finished(setting.label, None, setting.reason)
+        return None
+    job = ranks.job_metrics(reports)
+    setting.repeats.append(RepeatResult(job, result.probes, [s for r in reports for s in r["skipped"]]))
+    reporter.run_finished(setting.label, job, None)
     return note
-
-
-def _tier_delta(setting: _Setting, before: dict[str, float] | None, dataset: ImageDataset) -> bool:
-    """Record what this repeat added to the tier's counters (shared by the loader's processes)."""
-    delta = counters_delta(before, tier_counters(dataset.fs))
-    if delta is not None:
-        setting.tier_counters.append(delta)
-    return delta is not None
-
-
-def _results(config: Config, plan: list[_Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
-             quick: bool, interrupted: bool, cache_note: str) -> dict[str, Any]:
-    machine = machine_info()
-    runs = []
-    for setting in plan:
-        run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
-                               "settings": setting.settings.model_dump() if setting.settings else None,
-                               "status": setting.status, "reason": setting.reason,
-                               "bytes_source": bytes_source(dataset),
-                               "recipe": _recipe_of(setting, config, dataset)}
-        if setting.repeats and setting.status == "ok":
-            run["metrics"] = aggregate([r.metrics for r in setting.repeats])
-            run["repeats"] = [r.metrics for r in setting.repeats]
-            run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
-        elif setting.status == "ok":
-            run["status"], run["reason"] = "not run", "the bench was interrupted first"
-        if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
-            run["tier_counters"] = sum_counters(setting.tier_counters)
-        runs.append(run)
-    measured = sorted((r for r in runs if "metrics" in r), key=lambda r: -median(r["metrics"], "samples_per_s"))
-    want = recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset))
-    # "fastest" among the settings that deliver the config's training input (loadopt.recipe)
-    summary = _summary([r for r in measured if not recipe.differences(r.get("recipe"), want)] or measured)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "loadopt bench",
-        "config_source": config.source,
-        "config": redact(config.model_dump(mode="json")),
-        "quick": quick,
-        "interrupted": interrupted,
-        "device": str(device),
-        "machine": machine,
-        "machine_fingerprint": machine_fingerprint(machine),
-        "tier": resolve_tier(config.storage.tier).redacted(),
-        "dataset": {"root": redact(dataset.root), "fingerprint": dataset.fingerprint, "synthetic": dataset.synthetic,
-                    "num_samples": len(dataset), "num_classes": len(dataset.classes),
-                    "total_bytes": int(dataset.sizes.sum()), "mean_sample_bytes": float(dataset.sizes.mean())},
-        "workload": workload.model_dump(),
-        "cache": {"mode": config.storage.cache, "note": cache_note},
-        "recipe": want,  # the config's
-        "runs": runs,
-        "ranking": [r["label"] for r in measured],
-        "summary": summary,
-    }
-
-
-def _recipe_of(setting: _Setting, config: Config, dataset) -> dict[str, Any] | None:
-    """The recipe a setting delivers (`loadopt.recipe`), from a loader built but never prepared."""
-    if setting.settings is None:
-        return None
-    try:
-        return backend_class(setting.backend)(dataset, config.pipeline, setting.settings, seed=config.seed).recipe()
-    except LoadoptError:
-        return None
 
 
 def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:
@@ -350,30 +282,3 @@ def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:
             verdicts.append({"label": label, "bottleneck": found["bottleneck"],
                              "text": found["text"] + (f"; {busy}" if busy else "")})
     results["verdicts"] = verdicts
-
-
-def _summary(measured: list[dict[str, Any]]) -> str:
-    if not measured:
-        return "no loader setting was measured"
-    best = measured[0]
-    rate = median(best["metrics"], "samples_per_s")
-    text = f"fastest: {best['label']} at {rate:,.0f} samples/s"
-    if len(measured) > 1:
-        second = measured[1]
-        other = median(second["metrics"], "samples_per_s")
-        text += f", {rate / other:.2f}x the next ({second['label']}, {other:,.0f} samples/s)" if other else ""
-    return text
-
-
-def _timing_rows(plan: list[_Setting]) -> dict[str, list]:
-    columns = ("run", "backend", "label", "repeat", "batch", "measured", "start_s", "wait_s", "h2d_s",
-               "finish_s", "compute_s", "samples", "sample_bytes")
-    rows: dict[str, list] = {c: [] for c in columns}
-    for run_index, setting in enumerate(plan):
-        for repeat, result in enumerate(setting.repeats):
-            for p in result.probes:
-                values = (run_index, setting.backend, setting.label, repeat, p.index, p.measured, p.start_s,
-                          p.wait_s, p.h2d.seconds(), p.finish_s, p.compute.seconds(), p.samples, p.sample_bytes)
-                for column, value in zip(columns, values, strict=True):
-                    rows[column].append(value)
-    return rows

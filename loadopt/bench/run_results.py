@@ -1,0 +1,134 @@
+"""The results document of a bench (`results.json`): each planned setting's run, the ranking and the summary
+line; and the per-batch rows of `timings.parquet`. (bench/results.py writes both files.)"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from loadopt import recipe
+from loadopt.bench.harness import RepeatResult
+from loadopt.bench.metrics import aggregate, median
+from loadopt.bench.results import SCHEMA_VERSION, machine_fingerprint, machine_info
+from loadopt.config import Config, WorkloadConfig
+from loadopt.errors import LoadoptError
+from loadopt.loaders.base import backend_class
+from loadopt.storage.imagefolder import ImageDataset
+from loadopt.storage.remote import redact
+from loadopt.storage.tier_reads import bytes_source
+from loadopt.storage.tiers import resolve_tier, sum_counters
+from loadopt.storage.tokens import TokenDataset
+
+
+@dataclass
+class Setting:
+    """One loader setting of the bench's plan, and what its runs gave."""
+
+    backend: str
+    settings: BaseModel | None
+    label: str
+    status: str = "ok"  # ok | unavailable | error
+    reason: str = ""
+    repeats: list[RepeatResult] = field(default_factory=list)
+    tier_counters: list[dict[str, float]] = field(default_factory=list)  # per repeat: retries, faults, ...
+
+
+def results_document(config: Config, plan: list[Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
+                     quick: bool, interrupted: bool, cache_note: str) -> dict[str, Any]:
+    """results.json of a bench: every planned setting's run (its metrics over the repeats, or why it has
+    none), fastest first in `ranking`, and the summary line."""
+    machine = machine_info()
+    runs = []
+    for setting in plan:
+        run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
+                               "settings": setting.settings.model_dump() if setting.settings else None,
+                               "status": setting.status, "reason": setting.reason,
+                               "bytes_source": bytes_source(dataset),
+                               "recipe": recipe_of(setting, config, dataset)}
+        if setting.repeats and setting.status == "ok":
+            run["metrics"] = aggregate([r.metrics for r in setting.repeats])
+            run["repeats"] = [r.metrics for r in setting.repeats]
+            run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
+        elif setting.status == "ok":
+            run["status"], run["reason"] = "not run", "the bench was interrupted first"
+        if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
+            run["tier_counters"] = sum_counters(setting.tier_counters)
+        runs.append(run)
+    measured = sorted((r for r in runs if "metrics" in r), key=lambda r: -median(r["metrics"], "samples_per_s"))
+    want = recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset))
+    # "fastest" among the settings that deliver the config's training input (loadopt.recipe)
+    summary = summary_line([r for r in measured if not recipe.differences(r.get("recipe"), want)] or measured)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "loadopt bench",
+        "config_source": config.source,
+        "config": redact(config.model_dump(mode="json")),
+        "quick": quick,
+        "interrupted": interrupted,
+        "device": str(device),
+        "machine": machine,
+        "machine_fingerprint": machine_fingerprint(machine),
+        "tier": resolve_tier(config.storage.tier).redacted(),
+        "dataset": {"root": redact(dataset.root), "fingerprint": dataset.fingerprint, "synthetic": dataset.synthetic,
+                    "num_samples": len(dataset), "num_classes": len(dataset.classes),
+                    "total_bytes": int(dataset.sizes.sum()), "mean_sample_bytes": float(dataset.sizes.mean())},
+        "workload": workload.model_dump(),
+        "cache": {"mode": config.storage.cache, "note": cache_note},
+        "recipe": want,  # the config's
+        "runs": runs,
+        "ranking": [r["label"] for r in measured],
+        "summary": summary,
+    }
+
+
+def recipe_of(setting: Setting, config: Config, dataset) -> dict[str, Any] | None:
+    """The recipe a setting delivers (`loadopt.recipe`), from a loader built but never prepared."""
+    if setting.settings is None:
+        return None
+    try:
+        return backend_class(setting.backend)(dataset, config.pipeline, setting.settings, seed=config.seed).recipe()
+    except LoadoptError:
+        return None
+
+
+def summary_line(measured: list[dict[str, Any]]) -> str:
+    """The fastest of the measured runs (fastest first) and its margin over the next."""
+    if not measured:
+        return "no loader setting was measured"
+    best = measured[0]
+    rate = median(best["metrics"], "samples_per_s")
+    text = f"fastest: {best['label']} at {rate:,.0f} samples/s"
+    if len(measured) > 1:
+        second = measured[1]
+        other = median(second["metrics"], "samples_per_s")
+        text += f", {rate / other:.2f}x the next ({second['label']}, {other:,.0f} samples/s)" if other else ""
+    return text
+
+
+def skipped_files(per_repeat) -> list[dict[str, Any]]:
+    """One entry per unreadable file (path, what was wrong, how many times a repeat met it): a file
+    met in every epoch of every repeat is still one file."""
+    files: dict[str, dict[str, Any]] = {}
+    for skipped in per_repeat:
+        for path, why in skipped:
+            files.setdefault(path, {"path": path, "reason": why, "times": 0})["times"] += 1
+    return list(files.values())
+
+
+def timing_rows(plan: list[Setting]) -> dict[str, list]:
+    """The columns of timings.parquet: one row per batch of every repeat of every setting."""
+    columns = ("run", "backend", "label", "repeat", "batch", "measured", "start_s", "wait_s", "h2d_s",
+               "finish_s", "compute_s", "samples", "sample_bytes")
+    rows: dict[str, list] = {c: [] for c in columns}
+    for run_index, setting in enumerate(plan):
+        for repeat, result in enumerate(setting.repeats):
+            for p in result.probes:
+                values = (run_index, setting.backend, setting.label, repeat, p.index, p.measured, p.start_s,
+                          p.wait_s, p.h2d.seconds(), p.finish_s, p.compute.seconds(), p.samples, p.sample_bytes)
+                for column, value in zip(columns, values, strict=True):
+                    rows[column].append(value)
+    return rows
