@@ -91,3 +91,28 @@ def test_the_fused_resize_equals_resize_flip_copy():
             want = F.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True, align_corners=False)[0]
             transforms.crop_resize_flip_into(pixels, box, flip, slots[k])
             assert torch.equal(slots[k], want.flip(-1) if flip else want), (k, box, flip)
+
+
+def test_the_dct_denominator_keeps_the_crop_at_least_the_output_size():
+    assert transforms.dct_denominator((0, 0, 447, 900), 224) == 1
+    assert transforms.dct_denominator((10, 10, 458, 458), 224) == 2
+    assert transforms.dct_denominator((0, 0, 1800, 900), 224) == 4
+    assert transforms.dct_denominator((0, 0, 1792, 1792), 224) == 8
+
+
+@needs_region
+def test_reduced_scale_decoding_stays_near_the_exact_pixels():
+    """Its pixels differ by design (the DCT's downscale, then the resize): close to the exact path's,
+    and the exact path where the crop is under twice the output."""
+    data = encode(photo(1200, 900))
+    differences = []
+    for index in range(8):
+        reduced, exact = (torch.empty(3, 96, 96, dtype=torch.uint8) for _ in range(2))
+        transforms.write_sample(data, reduced, "simplejpeg", "torch", "train", 0, 0, index, reduced_scale=True)
+        transforms.write_sample(data, exact, "simplejpeg", "torch", "train", 0, 0, index)
+        box, _ = transforms.plan(1200, 900, "train", 0, 0, index)
+        if transforms.dct_denominator(transforms.whole_pixels(box), 96) == 1:
+            assert torch.equal(reduced, exact), index
+        differences.append((reduced.float() - exact.float()).abs().mean().item())
+    print("mean |reduced - exact| per sample, levels:", [round(d, 2) for d in differences])
+    assert max(differences) < 4

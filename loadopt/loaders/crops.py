@@ -131,11 +131,12 @@ def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train
 
 def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray,
                 starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
-                pool, threads: int) -> None:
+                pool, threads: int, fused: bool = True) -> None:
     """Crop, resize and flip every whole frame of a batch into `out` (B, size, size, 3) uint8: position
     k's (height, width, 3) frame starts at byte `starts[k]` of `sources[which[k]]`, its dims in
     `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`transforms`, the
-    `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`."""
+    `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`.
+    `fused`: each crop resized straight into its slot (`transforms.crop_resize_flip_into`)."""
     boxes, flips = frame_boxes(indices, frames, augment, seed, epoch)
     slots = torch.from_numpy(out).permute(0, 3, 1, 2)  # CHW views of the HWC slots
     # Memory-mapped frames are read-only; torch only reads them here (its warning would say otherwise).
@@ -148,7 +149,7 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
             height, width = int(frames[k][0]), int(frames[k][1])
             start = int(starts[k])
             pixels = np.asarray(sources[which[k]])[start : start + height * width * 3].reshape(height, width, 3)
-            transforms.crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k])
+            transforms.crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k], fused)
 
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list(pool.map(run, chunks))

@@ -118,8 +118,16 @@ def whole_pixels(box: Box) -> tuple[int, int, int, int]:
     return left, top, right, bottom
 
 
+def dct_denominator(box: tuple[int, int, int, int], size: int) -> int:
+    """The largest JPEG DCT scale 1/d (d in 1, 2, 4, 8) at which the crop `box` still has at least
+    `size` pixels each way: a crop at least twice the output is decoded at half scale or smaller."""
+    width, height = box[2] - box[0], box[3] - box[1]
+    return next(d for d in (8, 4, 2, 1) if d == 1 or (width >= d * size and height >= d * size))
+
+
 def decode_planned(data: bytes, decoder: Literal["pil", "simplejpeg"], augment: Literal["train", "eval"],
-                   seed: int, epoch: int, index: int, region: bool = True) -> tuple[np.ndarray, Box, bool]:
+                   seed: int, epoch: int, index: int, region: bool = True,
+                   reduced_for: int | None = None) -> tuple[np.ndarray, Box, bool]:
     """Decode what one sample's crop needs: (HWC uint8 pixels, the crop box in their coordinates, flip).
 
     With `region` (the default) and libjpeg-turbo's region decoding built (`loadopt/_jpeg.c`), a JPEG
@@ -127,13 +135,23 @@ def decode_planned(data: bytes, decoder: Literal["pil", "simplejpeg"], augment: 
     outside it never inverse-transformed, nothing below it read; the pixels equal the full decode's
     crop (tests/test_transforms.py), at 0.6-0.7x the time here. Otherwise the whole image is decoded.
     A JPEG the region decoder refuses (CMYK, corrupt) goes to the whole-image decoder, which reports it;
-    damage below the crop goes unnoticed by the region decoder (it never reads there)."""
+    damage below the crop goes unnoticed by the region decoder (it never reads there).
+
+    `reduced_for` = the output size: a crop at least twice that is decoded at a reduced DCT scale
+    (`dct_denominator`), the box in the scaled image's whole pixels. Other pixels than the full
+    decode's (the DCT's downscale, then the resize), far less work on large photos; off by default."""
     if region and decoder == "simplejpeg" and jpeg_region is not None and bytes(data[:2]) == b"\xff\xd8":
         try:
             width, height = jpeg_region.header(data)
             box, flip = plan(width, height, augment, seed, epoch, index)
             left, top, right, bottom = whole_pixels(box)
-            pixels = jpeg_region.decode_region(data, 1, left, top, right, bottom)
+            denom = dct_denominator((left, top, right, bottom), reduced_for) if reduced_for else 1
+            if denom > 1:  # the scaled image is ceil(width / denom) wide; the box in its whole pixels
+                scaled_width, scaled_height = -(-width // denom), -(-height // denom)
+                left, top = min(round(left / denom), scaled_width - 1), min(round(top / denom), scaled_height - 1)
+                right = max(min(round(right / denom), scaled_width), left + 1)
+                bottom = max(min(round(bottom / denom), scaled_height), top + 1)
+            pixels = jpeg_region.decode_region(data, denom, left, top, right, bottom)
         except ValueError:
             pass
         else:
@@ -171,8 +189,9 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     flipped, written into `out` (CHW uint8, e.g. one slot of a batch).
 
     `fused` (the default): an unflipped crop is resized straight into `out`, a flipped one mirrored
-    into it by OpenCV where `out` is a view of HWC pixels; the same pixels as resizing into a new
-    tensor, flipping that (a copy) and copying it into `out`, which `fused` False does (bench/levers.py)."""
+    into it by OpenCV where `out` is a view of HWC pixels, else by one reversed strided copy; the same
+    pixels as resizing into a new tensor, flipping that (a copy) and copying it into `out`, which
+    `fused` False does (bench/levers.py)."""
     left, top, right, bottom = whole_pixels(box)  # torch's kernel takes whole-pixel crops
     crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
     size = list(out.shape[-2:])
@@ -183,6 +202,8 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     hwc_in, hwc_out = resized.permute(1, 2, 0), out.permute(1, 2, 0)
     if fused and cv2 is not None and hwc_in.is_contiguous() and hwc_out.is_contiguous():  # both HWC in memory
         cv2.flip(hwc_in.numpy(), 1, dst=hwc_out.numpy())
+    elif fused and out.device.type == "cpu":  # one strided copy, no flipped temporary
+        np.copyto(out.numpy(), resized.numpy()[:, :, ::-1])
     else:
         out.copy_(resized.flip(-1) if flip else resized)
 
@@ -210,11 +231,13 @@ def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], see
 
 
 def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
-                 seed: int, epoch: int, index: int, region: bool = True) -> None:
+                 seed: int, epoch: int, index: int, region: bool = True, reduced_scale: bool = False) -> None:
     """Decode one sample, crop/resize/flip it and write it into `slot` (CHW uint8, e.g. of a batch).
-    `resize` torch: only the crop is decoded where it can be (`decode_planned`; `region` False: whole)."""
+    `resize` torch: only the crop is decoded where it can be (`decode_planned`; `region` False: whole),
+    at a reduced DCT scale with `reduced_scale` where the crop is at least twice the slot's size."""
     if resize == "torch":
-        pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, region)
+        pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, region,
+                                           slot.shape[-1] if reduced_scale else None)
         crop_resize_flip_into(pixels, box, flip, slot)
     else:
         slot.numpy()[...] = pil_pixels(data, decoder, augment, seed, epoch, index, slot.shape[-1]).transpose(2, 0, 1)

@@ -1,0 +1,173 @@
+"""Each lever of loadopt's image paths measured alone: the work with it against the same work without it,
+side by side in every round (rounds interleaved, the order alternated), held on the median ratio.
+
+The work is the per-sample pipeline the loaders run (`loadopt.loaders.transforms` / `crops`), on the
+config's first `--samples` images held in memory (no storage in the figure), spread over `--threads`
+threads (the decode and the resize release the GIL, as in the loaders' threads), in images/s:
+- lever_region_decode: the JPEG path (decode, crop plan, resize into the slot, flip) decoding only the
+  crop's rows and columns (`loadopt/_jpeg.c`) against decoding the whole image (simplejpeg). Same pixels.
+- lever_reduced_scale: the same with the crop decoded at a reduced DCT scale where it is at least twice
+  the output each way, against scale 1 (both decoding only the crop). Other pixels: the share of
+  samples it applies to and the mean |difference| in levels are printed.
+- lever_fused_resize: the decoded whole-frame paths' crop + resize + flip (`crops.crop_frames` on frames
+  stored as the decoded forms store them) resizing straight into the batch's slot and mirroring with
+  OpenCV, against resize into a new tensor, flip (a copy), copy into the slot. Same pixels.
+- lever_jpeg_path: every JPEG-path lever that is on by default (region decode + fused resize) against none.
+Shown beside them (not levers loadopt applies): OpenCV's INTER_AREA resize against torch's antialiased
+bilinear kernel on the same crops (another kernel, other pixels).
+
+Each RESULT is `with / without`, target >= 1.1 (a lever worth its code gains 10%). The machine is shared
+(other agents run beside it): the spread is printed.
+
+    python bench/levers.py [--config configs/imagenet.yaml] [--rounds 5] [--samples 256] [--threads 2]
+    python bench/levers.py --config configs/photos_large.yaml --samples 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import _common  # noqa: F401 - puts the repo on sys.path
+import numpy as np
+import torch
+from _common import ratio_result, spread
+
+TARGET = 1.1
+
+
+def timed_rate(work, count: int, pool: ThreadPoolExecutor, threads: int) -> float:
+    """Images/s of `work(positions)` over `count` samples split across `threads` threads."""
+    chunks = [c for c in np.array_split(np.arange(count), threads) if len(c)]
+    start = time.perf_counter()
+    list(pool.map(work, chunks))
+    return count / (time.perf_counter() - start)
+
+
+def one_thread_each() -> None:
+    """The loaders' resize threads run one intra-op thread each (crops.ONE_TORCH_THREAD_EACH)."""
+    torch.set_num_threads(1)
+
+
+def main() -> int:
+    from loadopt.config import load_config
+    from loadopt.loaders import crops, transforms
+    from loadopt.storage.arrow_format import stored_frame
+    from loadopt.storage.imagefolder import open_dataset
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/imagenet.yaml")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    config = load_config(args.config)
+    pipe, seed = config.pipeline, config.seed
+    dataset = open_dataset(config)
+    count = min(args.samples, len(dataset))
+    blobs = [dataset.read(i) for i in range(count)]
+    decoder = transforms.decoder_name("auto")
+    if transforms.jpeg_region is None:
+        print("loadopt._jpeg is not built here (libjpeg-turbo headers missing at install): "
+              "region decoding and reduced-scale decoding cannot be measured")
+        return 1
+    size, threads = pipe.image_size, args.threads
+    out = torch.empty((count, 3, size, size), dtype=torch.uint8)
+    pool = ThreadPoolExecutor(threads, initializer=one_thread_each)
+
+    def jpeg_work(region: bool, reduced: bool, fused: bool):
+        def work(positions: np.ndarray) -> None:
+            for k in positions:
+                pixels, box, flip = transforms.decode_planned(blobs[k], decoder, pipe.augment, seed, 0, int(k),
+                                                              region, size if reduced else None)
+                transforms.crop_resize_flip_into(pixels, box, flip, out[k], fused)
+        return work
+
+    frames = [stored_frame(blob, pipe.max_side) for blob in blobs]
+    sources = [np.frombuffer(blob, np.uint8) for blob, _ in frames]
+    dims = np.asarray([dim for _, dim in frames], np.int32)
+    batch_out = np.empty((count, size, size, 3), np.uint8)
+
+    def frames_work(fused: bool):
+        def work(positions: np.ndarray) -> None:
+            crops.crop_frames(batch_out[positions[0]: positions[-1] + 1], positions,
+                              [sources[k] for k in positions], np.arange(len(positions)),
+                              np.zeros(len(positions), np.int64), dims[positions], pipe.augment, seed, 0,
+                              _Inline, 1, fused)
+        return work
+
+    plans = []
+    for k, blob in enumerate(blobs):
+        pixels = transforms.decode_array(blob, decoder)
+        box, flip = transforms.plan(pixels.shape[1], pixels.shape[0], pipe.augment, seed, 0, k)
+        plans.append((pixels, transforms.whole_pixels(box)))
+
+    def area_work(cv2_area: bool):
+        import cv2
+
+        hwc = np.empty((size, size, 3), np.uint8)
+        slot = torch.empty((3, size, size), dtype=torch.uint8)
+
+        def work(positions: np.ndarray) -> None:
+            for k in positions:
+                pixels, (left, top, right, bottom) = plans[k]
+                if cv2_area:
+                    cv2.resize(pixels[top:bottom, left:right], (size, size), dst=hwc, interpolation=cv2.INTER_AREA)
+                else:
+                    transforms.crop_resize_flip_into(pixels, (left, top, right, bottom), False, slot)
+        return work
+
+    levers = {
+        "lever_region_decode": (jpeg_work(True, False, True), jpeg_work(False, False, True)),
+        "lever_reduced_scale": (jpeg_work(True, True, True), jpeg_work(True, False, True)),
+        "lever_fused_resize": (frames_work(True), frames_work(False)),
+        "lever_jpeg_path": (jpeg_work(True, False, True), jpeg_work(False, False, False)),
+        "cv2_area_vs_torch_resize": (area_work(True), area_work(False)),
+    }
+    print(f"{args.config}: {count} samples in memory, mean {np.mean([len(b) for b in blobs]) / 1e3:.0f} KB, "
+          f"mean {np.mean([p.shape[1] for p, _ in plans]):.0f} x {np.mean([p.shape[0] for p, _ in plans]):.0f} px; "
+          f"{threads} threads, {args.rounds} rounds; stored frames <= {pipe.max_side} px; machine shared", flush=True)
+    denoms = [transforms.dct_denominator(box, size) for _, box in plans]
+    print("reduced scale applies to " + ", ".join(f"1/{d}: {denoms.count(d)}" for d in (1, 2, 4, 8)) + " samples")
+    exact, reduced = torch.empty_like(out), torch.empty_like(out)
+    jpeg_work(True, False, True)(np.arange(count))
+    exact.copy_(out)
+    jpeg_work(True, True, True)(np.arange(count))
+    reduced.copy_(out)
+    print(f"reduced scale: mean |difference| {(exact.float() - reduced.float()).abs().mean():.2f} levels, "
+          f"max {(exact.int() - reduced.int()).abs().max()} (over every pixel of every sample)")
+    for work in [w for pair in levers.values() for w in pair]:  # warm every path once
+        timed_rate(work, min(count, 2 * threads), pool, threads)
+    rates: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in levers}
+    for r in range(args.rounds):
+        for name, (with_lever, without) in levers.items():
+            order = [(0, with_lever), (1, without)] if r % 2 == 0 else [(1, without), (0, with_lever)]
+            for slot, work in order:
+                rates[name][slot].append(timed_rate(work, count, pool, threads))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {w[-1]:.0f}/{wo[-1]:.0f}" for n, (w, wo) in rates.items()),
+              flush=True)
+    lines = []
+    for name, (with_lever, without) in rates.items():
+        print(f"{name}: with {spread(with_lever, '.0f')} img/s; without {spread(without, '.0f')} img/s")
+        ratios = [a / b for a, b in zip(with_lever, without, strict=True)]
+        if name.startswith("lever_"):
+            lines.append(ratio_result(name, ratios, ">=", TARGET))
+        else:
+            print(f"{name} (not applied: another kernel): per-round ratio median {statistics.median(ratios):.3g}")
+    pool.shutdown()
+    print("\n".join(lines))
+    return 0
+
+
+class _Inline:
+    """A pool that runs the work in the calling thread (the bench's own threads split the samples)."""
+
+    @staticmethod
+    def map(fn, items):
+        return [fn(item) for item in items]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
