@@ -64,6 +64,9 @@ class PipelineConfig(_Strict):
     # The decoded forms' whole frames keep their longer side at most this (FFCV's max_resolution):
     # 512 keeps ImageNet-sized frames at their own pixels (README: storage cost per form).
     max_side: int = Field(512, ge=8)
+    # The JPEG paths: `reduced` decodes a crop at least twice the output each way at a reduced DCT scale
+    # (1/2-1/8: other pixels, far less work on large photos; README: the JPEG path's levers); `full`: scale 1.
+    jpeg_scale: Literal["full", "reduced"] = "full"
     dtype: Literal["float32", "uint8"] = "float32"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)

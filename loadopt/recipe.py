@@ -7,7 +7,8 @@ name the difference. Fields:
 - `crop`: the crop plan (RandomResizedCrop + flip on the whole frame for train, the 0.875 centre box for
   eval; a decoded centre square gives a plain random crop of that square instead: no border, no resize);
 - `image_size`, `normalise` (dtype, mean, std);
-- `stored`: what the crop runs on: `source` (the JPEG, decoded every epoch), `whole frame <= N px`
+- `stored`: what the crop runs on: `source` (the JPEG, decoded every epoch; with `pipeline.jpeg_scale:
+  reduced`, a crop at least twice the output decoded at a reduced DCT scale), `whole frame <= N px`
   (the decoded frames, longer side bounded by `pipeline.max_side`), `centre N px square`;
 - `max_side`: the bound of a stored whole frame (None: the source's own resolution).
 Tokens: `kind: tokens` and `seq_len`.
@@ -73,7 +74,9 @@ def delivered(pipeline, frame: str | None = None, stored_size: int | None = None
     crop = TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP
     if frame == "whole":
         return {**recipe, "crop": crop, "stored": f"whole frame <= {stored_size} px", "max_side": stored_size}
-    return {**recipe, "crop": crop, "stored": "source", "max_side": None}
+    stored = "source" if getattr(pipeline, "jpeg_scale", "full") == "full" else \
+        "source, a crop >= 2x the output decoded at 1/2-1/8 DCT scale"
+    return {**recipe, "crop": crop, "stored": stored, "max_side": None}
 
 
 def differences(run: dict[str, Any] | None, want: dict[str, Any] | None) -> list[str]:

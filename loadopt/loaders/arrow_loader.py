@@ -159,7 +159,8 @@ class ArrowLoader(RingLoader):
             offsets, data = self._views[record]
             try:
                 transforms.write_sample(memoryview(data[offsets[local] : offsets[local + 1]]), slot[position],
-                                        self._decoder(), "torch", self.pipeline.augment, self.seed, epoch, index)
+                                        self._decoder(), "torch", self.pipeline.augment, self.seed, epoch, index,
+                                        reduced_scale=self.pipeline.jpeg_scale == "reduced")
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                 self._conversion.check("all", [record])  # damage in the Arrow file is not the source's fault
                 failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))

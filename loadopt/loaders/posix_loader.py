@@ -232,7 +232,8 @@ class PosixLoader(RingLoader):
                 index = int(indices[k])
                 try:
                     transforms.write_sample(memoryview(staging[starts[k] : starts[k] + length[k]]), slot[k], decoder,
-                                            "torch", self.pipeline.augment, self.seed, epoch, index)
+                                            "torch", self.pipeline.augment, self.seed, epoch, index,
+                                            reduced_scale=self.pipeline.jpeg_scale == "reduced")
                 except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                     failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
             return failures

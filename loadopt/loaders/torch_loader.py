@@ -90,7 +90,7 @@ class _Samples(torch.utils.data.Dataset):
         """Decode, crop, resize and flip one sample into `slot` (CHW uint8)."""
         epoch, index, _ = item
         transforms.write_sample(self.dataset.read(index), slot, self.decoder, self.resize, self.pipeline.augment,
-                                self.seed, epoch, index)
+                                self.seed, epoch, index, reduced_scale=self.pipeline.jpeg_scale == "reduced")
 
     def __getitem__(self, item: Item):
         """The plain path: one sample, CHW float normalised (or uint8 CHW when so configured)."""
