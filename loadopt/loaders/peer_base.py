@@ -59,13 +59,13 @@ class PeerSettings(BaseModel):
     shuffle_buffer: int = Field(1000, ge=1)  # samples a worker shuffles among (shard formats' approximate shuffle)
 
 
-def library_available(module: str, dist: str) -> tuple[bool, str]:
+def library_available(module: str, dist: str, hint: str = INSTALL_HINT) -> tuple[bool, str]:
     """Whether `module` imports (any failure counts: a library may pull a broken dependency)."""
     try:
         importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - any import failure is the reason shown
         text = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        return False, f"{dist} is not usable ({text}); {INSTALL_HINT}"
+        return False, f"{dist} is not usable ({text}); {hint}"
     return True, ""
 
 

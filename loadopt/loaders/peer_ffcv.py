@@ -84,7 +84,7 @@ class FfcvLoader(PeerLoader):
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
-        ok, reason = library_available(cls.module, cls.dist)
+        ok, reason = library_available(cls.module, cls.dist, "pip install 'loadopt[peers-ffcv]'")
         if ok:
             return ok, reason
         missing = build_requirements()
