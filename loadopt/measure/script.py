@@ -163,5 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     from loadopt.cli import app
 
     args = sys.argv[1:] if argv is None else argv
-    code = app(["measure", *args], prog_name="python -m loadopt.measure", standalone_mode=False)
-    return code if isinstance(code, int) else 0
+    try:
+        app(["measure", *args], prog_name="python -m loadopt")
+    except SystemExit as exc:  # the command ends with the script's exit status, a usage error with 2
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return 0
