@@ -154,6 +154,36 @@ class CropSample:
             return None, label, index, f"{describe_sample_error(exc)} (sample {index})"
         return out, label, index, None
 
+    def on_record(self, record: dict[str, Any]) -> tuple:
+        """The pipeline on one stored record (`record`'s fields; ints may come back as text or bytes)."""
+        return self(record["jpg"], int(record["idx"]), int(record["cls"]))
+
+
+def record(index: int, label: int, data: bytes) -> dict[str, Any]:
+    """What a peer's conversion stores per sample: the stored JPEG bytes, its label and dataset index."""
+    return {"jpg": data, "cls": label, "idx": index}
+
+
+_CROPPED: dict[str, type] = {}
+
+
+def cropped(base: type, name: str) -> type:
+    """`base` (a library's dataset class whose items are `record`s) with `__getitem__` running the config's
+    pipeline on each (`CropSample`, given first to `__init__`): how these libraries take a transform.
+    Made on first use (the library is optional) and kept here under `name`, so workers can find it."""
+    if name not in _CROPPED:
+
+        def __init__(self, crop: CropSample, **kwargs: Any) -> None:
+            base.__init__(self, **kwargs)
+            self.crop = crop
+
+        def __getitem__(self, key: Any) -> tuple:
+            return self.crop.on_record(base.__getitem__(self, key))
+
+        cls = type(name, (base,), {"__init__": __init__, "__getitem__": __getitem__, "__module__": __name__})
+        globals()[name] = _CROPPED[name] = cls
+    return _CROPPED[name]
+
 
 def collate(samples: list[tuple]) -> dict[str, Any]:
     """A batch of `CropSample` results: uint8 NCHW inputs, labels, indices, and the samples that failed."""
@@ -222,7 +252,7 @@ def rebatch(stream: Iterator[dict[str, Any]], sizes: list[int], skip: int = 0) -
 
 class PeerLoader(Loader):
     """A backend that runs another library's input path. Subclasses set `module`, `dist`, implement
-    `_write` (the conversion into a folder) and `library_batches` (the library's own loop over one epoch,
+    `_write` (the conversion into a folder) and `library_loader` (the library's loader for one epoch,
     yielding `collate`'s dicts: what a training script written for that library iterates)."""
 
     module: ClassVar[str]  # the library's import name
@@ -311,9 +341,19 @@ class PeerLoader(Loader):
         return {"num_workers": workers, "prefetch_factor": self.settings.prefetch_factor if workers else None,
                 "persistent_workers": False}
 
-    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
-        """The library's own loop over epoch `epoch`: `collate`'s dicts in the library's order."""
+    def library_loader(self, epoch: int) -> Any:
+        """The library's loader for epoch `epoch` (an iterable of `collate`'s dicts in the library's order)."""
         raise NotImplementedError
+
+    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+        """The library's own loop over epoch `epoch`: what a training script written for it iterates."""
+        if self.path is None:
+            self.prepare()
+        iterator = iter(self.library_loader(epoch))
+        try:
+            yield from iterator
+        finally:
+            shutdown(iterator)
 
     def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if self.path is None:

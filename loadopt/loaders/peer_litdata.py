@@ -11,49 +11,16 @@ from the local disk itself, so it runs on the local tier only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from loadopt.loaders.peer_base import (
-    CropSample,
-    PeerLoader,
-    PeerSettings,
-    collate,
-    epoch_seed,
-    shutdown,
-    source_samples,
-)
+from loadopt.loaders.peer_base import PeerLoader, PeerSettings, collate, cropped, epoch_seed, record, source_samples
 
 
 class LitDataSettings(PeerSettings):
     chunk_mib: float = Field(32, gt=0)  # chunk size of the conversion
-
-
-_classes: dict[str, type] = {}
-
-
-def cropped_dataset_class() -> type:
-    """A `litdata.StreamingDataset` whose `__getitem__` runs the config's pipeline (made on first use:
-    LitData is optional; kept at module level under its name so that worker processes can find it)."""
-    if "CroppedLitDataset" not in _classes:
-        from litdata import StreamingDataset
-
-        class CroppedLitDataset(StreamingDataset):
-            def __init__(self, crop: CropSample, **kwargs: Any) -> None:
-                super().__init__(**kwargs)
-                self.crop = crop
-
-            def __getitem__(self, index: Any) -> tuple:
-                item = super().__getitem__(index)
-                return self.crop(item["jpg"], int(item["idx"]), int(item["cls"]))
-
-        CroppedLitDataset.__qualname__ = "CroppedLitDataset"
-        globals()["CroppedLitDataset"] = CroppedLitDataset
-        _classes["CroppedLitDataset"] = CroppedLitDataset
-    return _classes["CroppedLitDataset"]
 
 
 class LitDataLoader(PeerLoader):
@@ -74,27 +41,19 @@ class LitDataLoader(PeerLoader):
 
         writer = BinaryWriter(str(folder), chunk_bytes=int(self.settings.chunk_mib * 2**20))
         count = 0
-        for index, label, data in source_samples(self.dataset, self.on_error, skipped):
-            writer.add_item(count, {"jpg": data, "cls": label, "idx": index})
+        for sample in source_samples(self.dataset, self.on_error, skipped):
+            writer.add_item(count, record(*sample))
             count += 1
         writer.done()
         writer.merge()
         return {"samples": count}
 
-    def dataset_for(self, epoch: int):
-        """LitData's dataset for one epoch (its shuffle seeded by (seed, epoch))."""
-        return cropped_dataset_class()(self.crop_sample(epoch), input_dir=str(self.path), shuffle=True,
-                                       seed=epoch_seed(self.seed, epoch), drop_last=self.pipeline.drop_last)
+    def library_loader(self, epoch: int):
+        """LitData's dataset for one epoch (its shuffle seeded by (seed, epoch)) in its DataLoader."""
+        from litdata import StreamingDataLoader, StreamingDataset
 
-    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
-        from litdata import StreamingDataLoader
-
-        if self.path is None:
-            self.prepare()
-        loader = StreamingDataLoader(self.dataset_for(epoch), batch_size=self.pipeline.batch_size, collate_fn=collate,
-                                     **self.dataloader_options())
-        iterator = iter(loader)
-        try:
-            yield from iterator
-        finally:
-            shutdown(iterator)
+        dataset = cropped(StreamingDataset, "CroppedLitDataset")(
+            self.crop_sample(epoch), input_dir=str(self.path), shuffle=True, seed=epoch_seed(self.seed, epoch),
+            drop_last=self.pipeline.drop_last)
+        return StreamingDataLoader(dataset, batch_size=self.pipeline.batch_size, collate_fn=collate,
+                                   **self.dataloader_options())

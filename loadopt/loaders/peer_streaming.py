@@ -12,49 +12,16 @@ tier only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from loadopt.loaders.peer_base import (
-    CropSample,
-    PeerLoader,
-    PeerSettings,
-    collate,
-    epoch_seed,
-    shutdown,
-    source_samples,
-)
+from loadopt.loaders.peer_base import PeerLoader, PeerSettings, collate, cropped, epoch_seed, record, source_samples
 
 
 class StreamingSettings(PeerSettings):
     shard_mib: float = Field(32, gt=0)  # MDS shard size of the conversion
-
-
-_classes: dict[str, type] = {}
-
-
-def cropped_dataset_class() -> type:
-    """A `StreamingDataset` whose `__getitem__` runs the config's pipeline (made on first use: Streaming
-    is optional; kept at module level under its name so that worker processes can find it)."""
-    if "CroppedStreamingDataset" not in _classes:
-        from streaming import StreamingDataset
-
-        class CroppedStreamingDataset(StreamingDataset):
-            def __init__(self, crop: CropSample, **kwargs: Any) -> None:
-                super().__init__(**kwargs)
-                self.crop = crop
-
-            def __getitem__(self, sample_id: int) -> tuple:
-                item = super().__getitem__(sample_id)
-                return self.crop(item["jpg"], int(item["idx"]), int(item["cls"]))
-
-        CroppedStreamingDataset.__qualname__ = "CroppedStreamingDataset"
-        globals()["CroppedStreamingDataset"] = CroppedStreamingDataset
-        _classes["CroppedStreamingDataset"] = CroppedStreamingDataset
-    return _classes["CroppedStreamingDataset"]
 
 
 class StreamingLoader(PeerLoader):
@@ -75,26 +42,16 @@ class StreamingLoader(PeerLoader):
 
         columns = {"jpg": "bytes", "cls": "int", "idx": "int"}
         with MDSWriter(out=str(folder), columns=columns, size_limit=int(self.settings.shard_mib * 2**20)) as writer:
-            for index, label, data in source_samples(self.dataset, self.on_error, skipped):
-                writer.write({"jpg": data, "cls": label, "idx": index})
+            for sample in source_samples(self.dataset, self.on_error, skipped):
+                writer.write(record(*sample))
         return {"samples": len(self.dataset) - len(skipped)}
 
-    def dataset_for(self, epoch: int):
-        """Streaming's dataset for one epoch (its shuffle seeded by (seed, epoch))."""
-        return cropped_dataset_class()(self.crop_sample(epoch), local=str(self.path), shuffle=True,
-                                       shuffle_seed=epoch_seed(self.seed, epoch),
-                                       batch_size=self.pipeline.batch_size)
+    def library_loader(self, epoch: int):
+        """Streaming's dataset for one epoch (its shuffle seeded by (seed, epoch)) in its DataLoader."""
+        from streaming import StreamingDataLoader, StreamingDataset
 
-    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
-        from streaming import StreamingDataLoader
-
-        if self.path is None:
-            self.prepare()
-        dataset = self.dataset_for(epoch)
-        loader = StreamingDataLoader(dataset, batch_size=self.pipeline.batch_size, collate_fn=collate,
-                                     drop_last=self.pipeline.drop_last, **self.dataloader_options())
-        iterator = iter(loader)
-        try:
-            yield from iterator
-        finally:
-            shutdown(iterator)
+        dataset = cropped(StreamingDataset, "CroppedStreamingDataset")(
+            self.crop_sample(epoch), local=str(self.path), shuffle=True, shuffle_seed=epoch_seed(self.seed, epoch),
+            batch_size=self.pipeline.batch_size)
+        return StreamingDataLoader(dataset, batch_size=self.pipeline.batch_size, collate_fn=collate,
+                                   drop_last=self.pipeline.drop_last, **self.dataloader_options())

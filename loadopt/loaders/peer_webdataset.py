@@ -19,12 +19,10 @@ from typing import Any
 from pydantic import Field
 
 from loadopt.loaders.peer_base import (
-    CropSample,
     PeerLoader,
     PeerSettings,
     collate,
     epoch_seed,
-    shutdown,
     source_samples,
 )
 from loadopt.storage import tier_reads
@@ -32,16 +30,6 @@ from loadopt.storage import tier_reads
 
 class WebDatasetSettings(PeerSettings):
     shard_mib: float = Field(32, gt=0)  # tar shard size of the conversion
-
-
-class _Sample:
-    """A worker's map over WebDataset's sample dicts (picklable for any start method)."""
-
-    def __init__(self, crop: CropSample) -> None:
-        self.crop = crop
-
-    def __call__(self, sample: dict[str, Any]) -> tuple:
-        return self.crop(sample["jpg"], int(sample["idx"]), int(sample["cls"]))
 
 
 class _Opener:
@@ -114,18 +102,11 @@ class WebDatasetLoader(PeerLoader):
             tar_file_expander,
             group_by_keys,
             wds.shuffle(self.settings.shuffle_buffer, initial=min(100, self.settings.shuffle_buffer), seed=seed),
-            wds.map(_Sample(self.crop_sample(epoch))),
+            wds.map(self.crop_sample(epoch).on_record),
             wds.batched(self.pipeline.batch_size, collation_fn=collate, partial=True),
         )
 
-    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+    def library_loader(self, epoch: int):
         import webdataset as wds
 
-        if self.path is None:
-            self.prepare()
-        loader = wds.WebLoader(self.pipeline_for(epoch), batch_size=None, **self.dataloader_options())
-        iterator = iter(loader)
-        try:
-            yield from iterator
-        finally:
-            shutdown(iterator)
+        return wds.WebLoader(self.pipeline_for(epoch), batch_size=None, **self.dataloader_options())
