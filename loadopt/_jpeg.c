@@ -113,18 +113,25 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
             int first = left > 0 ? left - 1 : 0, last = (unsigned)right < cinfo.output_width ? right + 1 : right;
             JDIMENSION x = (JDIMENSION)first, w = (JDIMENSION)(last - first);
             jpeg_crop_scanline(&cinfo, &x, &w);
-            row = malloc((size_t)w * 3);
+            /* rec_outbuf_height rows a call (2 for 4:2:0): one row at a time makes the library upsample
+             * into a spare row and copy it out */
+            int block = cinfo.rec_outbuf_height > 0 && cinfo.rec_outbuf_height <= 16 ? cinfo.rec_outbuf_height : 1;
+            row = malloc((size_t)w * 3 * (size_t)block);
             if (row == NULL) {
                 why = "out of memory";
             } else {
+                JSAMPROW rows[16];
+                for (int i = 0; i < block; i++) rows[i] = (JSAMPROW)row + (size_t)i * w * 3;
                 if (top > 0 && jpeg_skip_scanlines(&cinfo, (JDIMENSION)top) != (JDIMENSION)top) why = "truncated";
                 size_t skip = (size_t)(left - (int)x) * 3, bytes = (size_t)width * 3;
-                for (int y = 0; why == NULL && y < height; y++) {
-                    if (jpeg_read_scanlines(&cinfo, (JSAMPARRAY)&row, 1) != 1) {
+                for (int y = 0; why == NULL && y < height;) {
+                    JDIMENSION got = jpeg_read_scanlines(&cinfo, rows, (JDIMENSION)block);
+                    if (got == 0) {
                         why = "truncated";
                         break;
                     }
-                    memcpy(pixels + (size_t)y * bytes, row + skip, bytes);
+                    for (JDIMENSION i = 0; i < got && y < height; i++, y++)
+                        memcpy(pixels + (size_t)y * bytes, rows[i] + skip, bytes);
                 }
             }
         }
