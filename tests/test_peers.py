@@ -207,3 +207,29 @@ def test_rebatch_cuts_the_librarys_batches_to_the_planned_sizes():
     assert [b.indices.tolist() for b in resumed] == [[3, 4, 6, 7], [8]]
     short = list(peer_base.rebatch(iter(stream[:1]), [4, 4]))
     assert [b.indices.tolist() for b in short] == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_webdataset_reads_its_shards_through_the_tier(tmp_path, workers):
+    from loadopt.storage.tiers import tier_counters
+
+    cfg = config_from_dict(tiny_config_dict(tmp_path / "out", pipeline={"dtype": "uint8"},
+                                            storage={"tier": {"name": "fast", "bandwidth_mb_s": 2000}}), "tier.yaml")
+    loader = peer("webdataset", cfg, num_workers=workers)
+    loader.prepare()
+    assert "via tier" in loader.describe()
+    before = tier_counters(loader.dataset.fs)
+    indices = np.concatenate(epoch_indices(loader))
+    after = tier_counters(loader.dataset.fs)
+    loader.close()
+    assert sorted(indices.tolist()) == list(range(48))
+    assert after["bytes"] - before["bytes"] >= 0.95 * loader.counters.bytes_read > 0  # the tar shards, headers too
+
+
+@pytest.mark.parametrize("name", ["streaming", "litdata"])
+def test_peers_that_read_local_files_refuse_a_tier(tmp_path, name):
+    tier = {"tier": {"name": "fast", "bandwidth_mb_s": 2000}}
+    cfg = config_from_dict(tiny_config_dict(tmp_path / "out", storage=tier), "tier.yaml")
+    loader = peer(name, cfg, num_workers=0)
+    with pytest.raises(ConfigError, match="storage.tier"):
+        loader.prepare()
