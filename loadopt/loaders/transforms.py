@@ -177,10 +177,11 @@ def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.
 
 def resize_aa(crop: torch.Tensor, size: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """torch's antialiased bilinear resize of an NCHW batch (uint8 on the CPU: its integer kernel), as
-    `F.interpolate(..., mode="bilinear", antialias=True)` computes it, optionally written into `out`."""
+    `F.interpolate(..., mode="bilinear", antialias=True)` computes it (the binding it calls: `torch.ops`'
+    dispatch costs ~3x its Python overhead here), optionally written into `out`."""
     if out is None:
-        return torch.ops.aten._upsample_bilinear2d_aa(crop, size, False, None, None)
-    return torch.ops.aten._upsample_bilinear2d_aa.out(crop, size, False, None, None, out=out)
+        return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None)
+    return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None, out=out)
 
 
 def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor,
