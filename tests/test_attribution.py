@@ -106,7 +106,9 @@ def test_run_bench_writes_ceilings_and_verdicts_and_the_report_renders(tmp_path)
     assert len(measured) == 2
     for run in measured:
         assert run["ceiling"]["name"] and run["ceiling"]["samples_per_s"] > 0
-        assert run["fraction_of_ceiling"] > 0
+        # a fraction, or none where the run beat its ceiling by over 10% (a busy phase while measuring it)
+        assert run["fraction_of_ceiling"] > 0 if not run["ceiling"].get("unreliable") else \
+            run["fraction_of_ceiling"] is None
     assert {v["label"] for v in results["verdicts"]} == {r["label"] for r in measured}
     # augment: train stores arrow's decoded form as whole frames: held to the crop + resize ceiling
     arrow = next(r for r in measured if r["backend"] == "arrow")
