@@ -238,15 +238,16 @@ def test_peers_that_read_local_files_refuse_a_tier(tmp_path, name):
 
 
 def test_loadopt_bench_measures_a_peer_beside_a_builtin(tmp_path):
-    """`loadopt bench` treats a peer like any backend: a row with its label, recipe and metrics; an absent
-    peer is a row that says why."""
+    """`loadopt bench` treats a peer like any backend: a row with its label, recipe and metrics, held to the
+    ceiling its recipe says bounds it (it decodes the source JPEGs); an absent peer is a row that says why."""
     from loadopt.bench.runner import run_bench
 
     raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0},
                                                        "webdataset": {"num_workers": 1}, "ffcv": {"num_workers": 1}})
-    results = run_bench(config_from_dict(raw, "tiny.yaml"), attribute=False).results
+    results = run_bench(config_from_dict(raw, "tiny.yaml")).results
     rows = {r["backend"]: r for r in results["runs"]}
     assert rows["webdataset"]["metrics"] and "order=webdataset" in rows["webdataset"]["label"]
+    assert "decode" in rows["webdataset"]["ceiling"]["name"], rows["webdataset"]["ceiling"]
     assert recipe.differences(rows["webdataset"]["recipe"], results["recipe"]) == []
     if not backend_class("ffcv").available()[0]:
         assert "metrics" not in rows["ffcv"] and "ffcv" in json.dumps(rows["ffcv"])

@@ -68,7 +68,9 @@ def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, A
     decoded = "decoded" in words or settings.get("form") == "decoded" or job.get("kind") == "tokens"
     if stores_whole_frames(label, settings, recipe, job):
         stage = _crop_resize_stage(ceilings)
-    elif decoded or backend not in ("torch", "arrow", "posix", "kvikio", "dali"):
+    # an outside backend (a peer library) is held to the decode ceiling when its recipe says it decodes the source
+    elif decoded or (backend not in ("torch", "arrow", "posix", "kvikio", "dali")
+                     and (recipe or {}).get("stored") != "source"):
         copy = ceilings.get("memcpy", {}).get("bytes_per_s")
         per_sample = _delivered_bytes(metrics)
         rate = copy / per_sample if copy and per_sample else None
