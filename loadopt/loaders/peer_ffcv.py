@@ -10,7 +10,8 @@ ranges as loadopt's plan, its own random draws and resize kernel; the recipe nam
 so the decision and `auto` never pick it for the config's recipe.
 
 FFCV builds from source: a C compiler, OpenCV's development files (found by pkg-config) and
-libturbojpeg; `available()` (and so `loadopt doctor`) says which of them this machine lacks.
+libturbojpeg; `available()` (and so `loadopt doctor`) says which of them this machine lacks. Written to
+FFCV 1.0's documented API (its ImageNet example); not run here, where FFCV does not build.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class FfcvLoader(PeerLoader):
         from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder
         from ffcv.loader import Loader as FfcvReader
         from ffcv.loader import OrderOption
-        from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+        from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+        from ffcv.transforms.common import Squeeze
 
         size = (self.pipeline.image_size, self.pipeline.image_size)
         if self.pipeline.augment == "train":
