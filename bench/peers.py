@@ -1,0 +1,249 @@
+"""loadopt's input paths beside the peers' (WebDataset, MosaicML Streaming, LitData, FFCV), on the same files.
+
+Every path delivers the config's training input (RandomResizedCrop + flip, float32 normalised) from the
+same synthetic JPEGs, with 2 workers or threads, in its second epoch, loader-bound (no step time):
+- peers: each library's own loop (`PeerLoader.library_batches`: its format, reader, order and worker
+  processes, the config's crop plan as its transform where it takes one; FFCV its own crops), a float
+  normalisation per batch as the training script does, timed bare (no harness);
+- loadopt: its backends through the harness (`harness_run`, the emulated device's finishing included).
+Rounds interleave every path (the order rotates each round); the table gives the median img/s with its
+spread and CPU seconds of the process tree per 1,000 samples. The ratios compare the best loadopt path
+with the best peer path of the same kind (JPEG decoded every epoch; pre-decoded), over the paths whose
+recipe is the config's (a path with another recipe is shown, named, and left out of the ratios).
+`--truth` instead runs each peer backend through the harness beside its own loop (step 0, second epoch)
+and prints `RESULT peer_truth_<peer>` (harness / own loop: the harness handicaps no one at >= 0.9).
+
+    python bench/peers.py [--config configs/peers.yaml] [--rounds 5] [--batches 40] [--truth] [--only a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from _common import REPO, build_loader, harness_run, ratio_result, spread
+
+WARMUP = 3
+WORKERS = 2
+
+
+@dataclass
+class Path:
+    label: str
+    backend: str
+    kind: str  # jpeg | predecoded
+    peer: bool
+    settings: dict = field(default_factory=dict)
+    rates: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    recipe: dict | None = None
+    error: str | None = None
+
+
+def paths() -> list[Path]:
+    jpeg, pre = "jpeg", "predecoded"
+    return [
+        Path("webdataset (own loop)", "webdataset", jpeg, True, {"num_workers": WORKERS}),
+        Path("streaming (own loop)", "streaming", jpeg, True, {"num_workers": WORKERS}),
+        Path("litdata (own loop)", "litdata", jpeg, True, {"num_workers": WORKERS}),
+        Path("ffcv jpg (own loop)", "ffcv", jpeg, True, {"num_workers": WORKERS, "form": "jpg"}),
+        Path("ffcv raw (own loop)", "ffcv", pre, True, {"num_workers": WORKERS, "form": "raw"}),
+        Path("loadopt torch plain (DataLoader+PIL)", "torch", jpeg, False,
+             {"variant": "plain", "num_workers": WORKERS}),
+        Path("loadopt torch tuned", "torch", jpeg, False, {"variant": "tuned", "num_workers": WORKERS}),
+        Path("loadopt arrow encoded", "arrow", jpeg, False, {"form": "encoded", "threads": WORKERS}),
+        Path("loadopt posix encoded", "posix", jpeg, False, {"form": "encoded", "threads": WORKERS}),
+        Path("loadopt dali cpu", "dali", jpeg, False,
+             {"num_threads": WORKERS, "normalise": "device", "layout": "NHWC"}),
+        Path("loadopt arrow decoded", "arrow", pre, False, {"form": "decoded", "threads": WORKERS}),
+        Path("loadopt posix decoded", "posix", pre, False, {"form": "decoded", "threads": WORKERS}),
+    ]
+
+
+def own_loop(loader, batches: int, epoch: int) -> tuple[float, float]:
+    """(img/s, CPU s per 1k samples) of the library's own loop: `WARMUP` batches, then `batches` timed,
+    each normalised to float32 as the training script would (what the harness's finishing does)."""
+    import torch
+
+    from loadopt.bench.monitor import ProcessTreeMonitor
+
+    mean = torch.tensor(loader.pipeline.mean).view(1, 3, 1, 1)
+    std = torch.tensor(loader.pipeline.std).view(1, 3, 1, 1)
+    monitor = ProcessTreeMonitor()
+    samples, start, stream = 0, None, loader.library_batches(epoch)
+    try:
+        while True:
+            for n, batch in enumerate(stream):
+                if n == WARMUP and start is None:
+                    monitor.start()
+                    start = time.perf_counter()
+                images = batch["inputs"].float().div_(255).sub_(mean).div_(std)
+                if start is not None:
+                    samples += len(images)
+                    if samples >= batches * loader.pipeline.batch_size:
+                        wall = time.perf_counter() - start
+                        monitor.stop()
+                        return samples / wall, monitor.usage.cpu_seconds / samples * 1000
+            stream.close()
+            epoch += 1  # a short epoch: carry on into the next, as the harness does
+            stream = loader.library_batches(epoch)
+    finally:
+        stream.close()
+        if monitor.running:
+            monitor.stop()
+
+
+def measure(config, path: Path, batches: int, epoch: int, bare: bool) -> tuple[float, float]:
+    loader = build_loader(config, path.backend, **path.settings)
+    if path.recipe is None:
+        path.recipe = loader.recipe()
+    if not bare:
+        metrics = harness_run(loader, batches, warmup=WARMUP, epoch=epoch).metrics
+        return metrics["samples_per_s"], metrics["cpu_seconds_per_1k_samples"]
+    try:
+        loader.prepare()
+        return own_loop(loader, batches, epoch)
+    finally:
+        loader.close()
+
+
+def prepare(config, chosen: list[Path]) -> list[Path]:
+    """Convert once for every path that can run here (not timed); a path that cannot says why."""
+    from loadopt.loaders.base import backend_class
+
+    usable = []
+    for path in chosen:
+        ok, reason = backend_class(path.backend).available()
+        if not ok:
+            path.error = reason
+            continue
+        try:
+            loader = build_loader(config, path.backend, **path.settings)
+            loader.prepare()
+            path.recipe = loader.recipe()
+            loader.close()
+            usable.append(path)
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a row that says why
+            path.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return usable
+
+
+def table(rows: list[Path], wanted: dict) -> None:
+    from loadopt import recipe
+
+    print(f"\n{'path':40} {'kind':10} {'img/s (median, spread)':28} {'CPU s/1k':>9}  recipe")
+    for path in rows:
+        if path.error or not path.rates:
+            print(f"{path.label:40} {path.kind:10} {'not run: ' + (path.error or 'no rounds')}")
+            continue
+        rate = f"{statistics.median(path.rates):7.0f} ({min(path.rates):.0f}-{max(path.rates):.0f})"
+        found = recipe.differences(path.recipe, wanted)
+        note = recipe.describe(path.recipe) + ("" if not found else "  DIFFERS: " + "; ".join(found))
+        print(f"{path.label:40} {path.kind:10} {rate:28} {statistics.median(path.cpu):9.2f}  {note}")
+
+
+def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int) -> tuple[list[float], str] | None:
+    """Per round, the best loadopt path of `kind` over the best peer path of `kind` (same recipe only)."""
+    from loadopt import recipe
+
+    same = [p for p in rows if p.kind == kind and p.rates and not recipe.differences(p.recipe, wanted)]
+    ours, peers = [p for p in same if not p.peer], [p for p in same if p.peer]
+    if not ours or not peers:
+        return None
+    best_ours = max(ours, key=lambda p: statistics.median(p.rates))
+    best_peer = max(peers, key=lambda p: statistics.median(p.rates))
+    ratios = [a / b for a, b in zip(best_ours.rates, best_peer.rates, strict=True)][:rounds]
+    return ratios, f"{best_ours.label} / {best_peer.label}"
+
+
+def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
+    from loadopt import recipe
+
+    wanted = recipe.wanted(config.pipeline)
+    usable = prepare(config, chosen)
+    for round_index in range(rounds):
+        turn = usable[round_index % len(usable):] + usable[: round_index % len(usable)]
+        for path in turn:
+            try:
+                rate, cpu = measure(config, path, batches, epoch=1, bare=path.peer)
+            except Exception as exc:  # noqa: BLE001 - shown as a row that failed
+                path.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                continue
+            path.rates.append(rate)
+            path.cpu.append(cpu)
+        print(f"round {round_index + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
+    table(chosen, wanted)
+    print("\nPeers: each library's own loop, timed bare; loadopt: its backends through the harness (step 0). "
+          f"{WORKERS} workers or threads each, second epoch, {batches} batches of {config.pipeline.batch_size} "
+          f"after {WARMUP} warm-up batches, {rounds} interleaved rounds on {os.cpu_count()} cores shared with "
+          "other processes (medians; the spread is min-max over the rounds).")
+    lines, measured = [], 0
+    for kind, name in (("jpeg", "loadopt_vs_best_peer_jpeg"), ("predecoded", "loadopt_vs_best_peer_predecoded")):
+        found = best_ratio([p for p in usable if not p.error], kind, wanted, rounds)
+        if found is None:
+            print(f"{name}: not measured: no peer path of this kind ran here under the config's recipe "
+                  f"({', '.join(p.label + ': ' + p.error for p in chosen if p.kind == kind and p.peer and p.error)})")
+            continue
+        ratios, which = found
+        print(f"{name}: {which}")
+        lines.append(ratio_result(name, ratios, ">=", 1.3))
+        measured += 1
+    for line in lines:
+        print(line)
+    return 0 if measured else 1
+
+
+def truth(config, chosen: list[Path], rounds: int, batches: int) -> int:
+    """Each peer backend in the harness (step 0) against its own bare loop, interleaved."""
+    peers = prepare(config, [p for p in chosen if p.peer])
+    ratios: dict[str, list[float]] = {p.label: [] for p in peers}
+    rates: dict[tuple[str, bool], list[float]] = {}
+    for round_index in range(rounds):
+        for path in peers:
+            bare_first = round_index % 2 == 0  # alternate which goes first
+            for bare in (bare_first, not bare_first):
+                rate, _ = measure(config, path, batches, epoch=1, bare=bare)
+                rates.setdefault((path.label, bare), []).append(rate)
+            ratios[path.label].append(rates[(path.label, False)][-1] / rates[(path.label, True)][-1])
+        print(f"round {round_index + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
+    lines = []
+    for path in peers:
+        print(f"{path.label}: harness {spread(rates[(path.label, False)], '.0f')} img/s; "
+              f"own loop {spread(rates[(path.label, True)], '.0f')} img/s")
+        name = "peer_truth_" + path.backend + ("_" + path.settings["form"] if path.backend == "ffcv" else "")
+        lines.append(ratio_result(name, ratios[path.label], ">=", 0.9))
+    for path in chosen:
+        if path.peer and path.error:
+            print(f"{path.label}: not measured: {path.error}")
+    for line in lines:
+        print(line)
+    return 0 if lines else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "peers.yaml"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--truth", action="store_true", help="each peer in the harness against its own loop")
+    parser.add_argument("--only", default="", help="comma-separated backends to run (default: all)")
+    args = parser.parse_args()
+
+    from loadopt.config import load_config
+
+    config = load_config(args.config)
+    only = {name for name in args.only.split(",") if name}
+    chosen = [p for p in paths() if not only or p.backend in only]
+    print(f"config {args.config}: {config.dataset.synthetic.num_samples if config.dataset.synthetic else ''} "
+          f"samples, batch {config.pipeline.batch_size}, image {config.pipeline.image_size}, "
+          f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    run = truth if args.truth else side_by_side
+    return run(config, chosen, args.rounds, args.batches)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
