@@ -41,7 +41,7 @@ class DelayLoader(Loader):
         inputs = torch.zeros((len(indices), 3, 8, 8))
         return HostBatch(inputs, torch.from_numpy(self.dataset.labels[indices]), indices)
 
-    def _produce(self, batches):
+    def produce(self, batches):
         delay = self.settings.delay_s
         if not self.settings.background:
             for indices in batches:

@@ -98,8 +98,8 @@ from tests.backends import DelayLoader
 
 @register("t_fails_mid_run")
 class FailsMidRunOnRank1(DelayLoader):
-    def _produce(self, batches):
-        for n, batch in enumerate(super()._produce(batches)):
+    def produce(self, batches):
+        for n, batch in enumerate(super().produce(batches)):
             if self.rank == 1 and n == 2:  # rank 0 waits in the step's all-reduce meanwhile
                 raise RuntimeError("rank 1's device fell over")
             yield batch

@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+import torch
 
 from loadopt.loaders import base
 
@@ -45,3 +46,133 @@ def test_builtin_torch_backend_declares_its_knobs():
     cls = base.backend_class("torch")
     assert {"variant", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers"} <= set(
         cls.Settings.model_fields)
+
+
+# -- one list of built-ins; clashes; the declared work ---------------------------------------------------
+
+def _dist(tmp_path, name: str, entry_points: str, module: str = "") -> None:
+    if module:
+        (tmp_path / f"{name}.py").write_text(module)
+    info = tmp_path / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[loadopt.loaders]\n{entry_points}\n")
+
+
+def test_the_builtins_are_one_list_in_the_package_not_in_the_metadata():
+    from pathlib import Path
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '[project.entry-points."loadopt.loaders"]' not in pyproject  # one list: base.BUILTINS
+    assert base.backend_names()[:len(base.BUILTINS)] == list(base.BUILTINS)
+
+
+def test_an_outside_entry_point_with_a_builtins_name_is_warned_about_and_the_builtin_kept(tmp_path, monkeypatch):
+    _dist(tmp_path, "clashing_backend", "torch = clashing_backend:MyTorch")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_clashes_warned", set())
+    with pytest.warns(UserWarning) as caught:
+        names = base.backend_names()
+    text = " ".join(str(w.message) for w in caught)
+    assert "clashing_backend:MyTorch" in text and base.BUILTINS["torch"] in text and "clashing-backend" in text
+    assert names.count("torch") == 1
+    assert base.backend_class("torch").__module__ == "loadopt.loaders.torch_loader"
+
+
+def test_an_entry_point_naming_the_builtins_own_target_is_no_clash(tmp_path, monkeypatch):
+    import warnings
+
+    _dist(tmp_path, "old_loadopt_metadata", f"torch = {base.BUILTINS['torch']}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_clashes_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base.backend_names()
+
+
+PLUGIN_MODULE = '''
+from loadopt.loaders import WorkKind
+from tests.backends import DelayLoader
+
+class ReadOnly(DelayLoader):
+    @classmethod
+    def work_kind(cls, settings, recipe=None):
+        return WorkKind.IO
+
+class Undeclared(DelayLoader):
+    pass
+'''
+
+
+@pytest.fixture
+def declaring_package(tmp_path, monkeypatch):
+    _dist(tmp_path, "declaring_backend",
+          "readonly = declaring_backend:ReadOnly\nundeclared = declaring_backend:Undeclared", PLUGIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("readonly", "undeclared"):
+        base._registered.pop(name, None)
+    sys.modules.pop("declaring_backend", None)
+
+
+def test_attribution_holds_an_outside_backend_to_the_ceiling_it_declares(declaring_package):
+    from loadopt.bench.attribution import attribute, declared_work_kind
+
+    from .test_attribution import CEILINGS, JOB, metrics
+
+    run = metrics(0.6, wait_s=6.0, finish_s=0.3, rate=650.0)
+    assert declared_work_kind("readonly delay_s=0.01", {"delay_s": 0.01}, None, JOB) == "io"
+    found = attribute(run, "readonly delay_s=0.01", CEILINGS, JOB, {"delay_s": 0.01})
+    assert found["ceiling"]["name"] == "storage read (200 MB/s)"  # 200 MB/s / 110 KB a sample
+    assert abs(found["ceiling"]["samples_per_s"] - 200e6 / 110e3) < 1
+    # Declaring nothing: what its recipe says (the source JPEGs decoded), never the memory copy by default.
+    found = attribute(run, "undeclared delay_s=0.01", CEILINGS, JOB, {"delay_s": 0.01},
+                      {"kind": "images", "stored": "source"})
+    assert found["ceiling"]["name"] == "decode simplejpeg x 2 cores" and "memory copies" not in found["text"]
+    assert declared_work_kind("undeclared", {}, None, JOB) == "jpeg_decode"
+
+
+def test_the_builtins_declare_what_bounds_them():
+    images = {"kind": "images", "stored": "source"}
+    frames = {"kind": "images", "stored": "whole frame <= 512 px"}
+    assert base.backend_class("torch").work_kind(base.backend_class("torch").Settings(), images) == "jpeg_decode"
+    arrow = base.backend_class("arrow")
+    assert arrow.work_kind(arrow.Settings(form="decoded"), frames) == "crop_resize"
+    assert arrow.work_kind(arrow.Settings(form="decoded"), {"kind": "images", "stored": "centre 256 px square"}) \
+        == "pixel_copy"
+    assert arrow.work_kind(arrow.Settings(), {"kind": "tokens"}) == "token_gather"
+    kvikio = base.backend_class("kvikio")
+    if kvikio.__name__ == "KvikioLoader":  # its module imports without kvikio installed
+        assert kvikio.work_kind(kvikio.Settings(form="decoded"), frames) == "pixel_copy"  # resized on the GPU
+    dali = base.backend_class("dali")
+    if dali.available()[0]:
+        assert dali.work_kind(dali.Settings(decoder="mixed"), images) == "device_decode"
+        assert dali.work_kind(dali.Settings(decoder="cpu"), images) == "jpeg_decode"
+    assert base.backend_class("webdataset").work_kind(None, images) == "jpeg_decode"
+
+
+def test_supports_says_which_datasets_a_backend_reads():
+    from loadopt.storage.tokens import TokenDataset
+
+    tokens = TokenDataset.__new__(TokenDataset)
+    assert base.backend_class("torch").supports(tokens) == (True, "")
+    assert base.backend_class("arrow").supports(tokens) == (True, "")
+    ok, why = base.backend_class("webdataset").supports(tokens)
+    assert not ok and "image datasets only" in why
+
+
+def test_a_subclass_still_defining_the_old_private_name_works_with_a_warning():
+    from .backends import DelaySettings, memory_dataset
+
+    with pytest.warns(DeprecationWarning, match="`_produce` is now `produce`"):
+        class Old(base.Loader):
+            Settings = DelaySettings
+
+            def _produce(self, batches):
+                for indices in batches:
+                    yield base.HostBatch(torch.zeros((len(indices), 3, 8, 8)), torch.zeros(len(indices)), indices)
+
+    from loadopt.config import PipelineConfig
+
+    loader = Old(memory_dataset(8), PipelineConfig(batch_size=4, memory_format="contiguous"))
+    assert sum(len(b.indices) for b in loader.host_batches()) == 8

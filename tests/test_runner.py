@@ -19,7 +19,7 @@ class Unavailable(DelayLoader):
 
 
 class FailsAtRunTime(DelayLoader):
-    def _produce(self, batches):
+    def produce(self, batches):
         raise RuntimeError("the device fell over")
         yield
 
@@ -34,10 +34,10 @@ class InterruptedOnSecondRun(DelayLoader):
         type(self).built += 1
         self.interrupt = type(self).built == 4  # two built to describe the settings, then the runs
 
-    def _produce(self, batches):
+    def produce(self, batches):
         if self.interrupt:
             raise KeyboardInterrupt
-        yield from super()._produce(batches)
+        yield from super().produce(batches)
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Bottleneck attribution (DESIGN.md): a one-sentence verdict per loader setting on which stage bounds
 the job. The job's demand is batch_size / step time; a loader setting is shown against the ceiling of
-what it does (JPEG decode; crop + resize of stored whole frames for the decoded forms' whole-frame
-path; a memory copy of decoded centre squares or tokens; or the storage read when the cache is cold; the
-ceilings are measured by loadopt/bench/ceilings.py), and the verdict says which stage bounds it.
+what its backend declares it does (`Loader.work_kind`, outside backends included: JPEG decode; crop +
+resize of stored whole frames for the decoded forms' whole-frame path; a memory copy of decoded centre
+squares or tokens; the storage read for a backend that only reads, or when the cache is cold; the ceilings
+are measured by loadopt/bench/ceilings.py), and the verdict says which stage bounds it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadopt.device import usable_cores
+from loadopt.loaders.base import WorkKind
 
 CEILING_OVERSHOOT = 1.1  # a run this far above its ceiling shows the ceiling was measured low
 STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input path, sets the pace
@@ -59,18 +61,49 @@ def _crop_resize_stage(ceilings: dict[str, Any]) -> tuple[str, str, float | None
     return "prep-bound", f"crop + resize of stored frames x {workers} cores", rate, words_, lift
 
 
+def _recorded_or_implied_recipe(label: str, settings: dict[str, Any], recipe: dict[str, Any] | None,
+                                job: dict[str, Any]) -> dict[str, Any]:
+    """The run's recorded recipe, else what its settings imply (results written before runs recorded one)."""
+    if recipe:
+        return recipe
+    if job.get("kind") == "tokens":
+        return {"kind": "tokens"}
+    if stores_whole_frames(label, settings, None, job):
+        return {"kind": "images", "stored": "whole frame"}
+    decoded = "decoded" in label.split() or settings.get("form") == "decoded"
+    return {"kind": "images", "stored": "centre square" if decoded else "source"}
+
+
+def declared_work_kind(label: str, settings: dict[str, Any] | None, recipe: dict[str, Any] | None,
+                       job: dict[str, Any]) -> str:
+    """What bounds a run, as its backend declares it (`Loader.work_kind`, a `WorkKind` value): the backend is
+    the label's first word, looked up in the registry (outside backends included); a backend no longer
+    known here, or settings it no longer accepts, get what the recipe implies."""
+    from pydantic import ValidationError
+
+    from loadopt.loaders.base import backend_class, work_kind_of_recipe
+
+    settings = settings or {}
+    recipe = _recorded_or_implied_recipe(label, settings, recipe, job)
+    try:
+        cls = backend_class((label.split() or [""])[0])
+        model = cls.Settings(**{k: v for k, v in settings.items() if k in cls.Settings.model_fields})
+        return str(WorkKind(cls.work_kind(model, recipe)).value)
+    except (KeyError, ValueError, TypeError, ValidationError):
+        return work_kind_of_recipe(recipe).value
+
+
 def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
                       settings: dict[str, Any] | None,
                       recipe: dict[str, Any] | None = None) -> tuple[str, str, float | None, str, str]:
-    """(stage, ceiling name, its capacity in samples/s, the capacity in words, what would lift it)."""
+    """(stage, ceiling name, its capacity in samples/s, the capacity in words, what would lift it), for the
+    work the run's backend declares (`declared_work_kind`)."""
     words, settings = label.split(), settings or {}
     backend = words[0] if words else ""
-    decoded = "decoded" in words or settings.get("form") == "decoded" or job.get("kind") == "tokens"
-    if stores_whole_frames(label, settings, recipe, job):
+    kind = declared_work_kind(label, settings, recipe, job)
+    if kind == WorkKind.CROP_RESIZE:
         stage = _crop_resize_stage(ceilings)
-    # an outside backend (a peer library) is held to the decode ceiling when its recipe says it decodes the source
-    elif decoded or (backend not in ("torch", "arrow", "posix", "kvikio", "dali")
-                     and (recipe or {}).get("stored") != "source"):
+    elif kind in (WorkKind.PIXEL_COPY, WorkKind.TOKEN_GATHER):
         copy = ceilings.get("memcpy", {}).get("bytes_per_s")
         per_sample = _delivered_bytes(metrics)
         rate = copy / per_sample if copy and per_sample else None
@@ -79,12 +112,21 @@ def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, A
                   if rate and per_sample else f"{name} (capacity not measured)")
         stage = ("copy-bound", name, rate, words_,
                  "uint8 batches (pipeline.dtype: uint8), fewer copies per batch or more threads lift this bound")
-    else:
+    elif kind == WorkKind.IO:
+        storage = ceilings.get("storage", {}).get("bytes_per_s")
+        per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
+        rate = storage / per_sample if storage and per_sample else None
+        name = f"storage read ({storage / 1e6:,.0f} MB/s)" if storage else "storage read"
+        words_ = (f"the storage reads {storage / 1e6:,.0f} MB/s = {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB"
+                  if rate else "storage read capacity not measured")
+        stage = ("fetch-bound", name, rate, words_, "a faster tier or a smaller stored form lifts this bound")
+    else:  # JPEG_DECODE, DEVICE_DECODE (no device decode ceiling is measured: the host's decode stands in)
         decode = ceilings.get("decode", {})
         slow = settings.get("decoder") == "pil" or (
             backend == "torch" and "plain" in words and settings.get("decoder", "auto") == "auto")
         chosen = decode.get("pil" if slow else "fast") or {}
-        if backend == "dali" and (decode.get("dali") or {}).get("samples_per_s") and "mixed" not in words:
+        if backend == "dali" and (decode.get("dali") or {}).get("samples_per_s") and "mixed" not in words \
+                and kind != WorkKind.DEVICE_DECODE:
             chosen = decode["dali"]  # DALI's CPU engine, measured on its own
         cores = decode.get("cores", usable_cores())
         lift = "GPU decode (dali mixed) or a pre-decoded format (arrow --decoded) lifts this bound"

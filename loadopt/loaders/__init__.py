@@ -1,5 +1,30 @@
-"""Loader backends: the protocol and registry (`base`) and one module per backend."""
+"""Loader backends: the protocol and registry (`base`), one module per backend, and what a plugin author
+builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` for a producer thread filling a batch
+ring), `HostBatch`, `WorkKind`, `register`, and the shared crop plan in `loadopt.loaders.transforms`
+(source JPEGs) and `loadopt.loaders.crops` (stored pixels)."""
 
-from loadopt.loaders.base import HostBatch, Loader, backend_class, backend_names, register
+from loadopt.loaders.base import (
+    BUILTINS,
+    ENTRY_POINT_GROUP,
+    HostBatch,
+    Loader,
+    LoaderCounters,
+    NoSettings,
+    WorkKind,
+    backend_class,
+    backend_names,
+    register,
+)
 
-__all__ = ["HostBatch", "Loader", "backend_class", "backend_names", "register"]
+
+def __getattr__(name: str):
+    # RingLoader imports the storage and transform modules: loaded when a plugin asks for it, not by the registry.
+    if name == "RingLoader":
+        from loadopt.loaders.ring import RingLoader
+
+        return RingLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "HostBatch", "Loader", "LoaderCounters", "NoSettings", "RingLoader",
+           "WorkKind", "backend_class", "backend_names", "register"]

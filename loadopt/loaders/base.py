@@ -1,20 +1,24 @@
 """The Loader protocol every backend implements, and the registry of backends by name.
 
 A backend subclasses `Loader`, declares its knobs as a pydantic `Settings` model and implements
-`_produce(batches)`: turn the given batches of sample indices into `HostBatch`es, in order. The base
+`produce(batches)`: turn the given batches of sample indices into `HostBatch`es, in order. The base
 class owns everything that must be the same for every backend: the shared sample order, epochs,
 mid-epoch resumption, the `on_error` policy, the counters, and finishing a batch on the device
-(copy, NHWC->NCHW, normalisation). Backends are registered by name through the `loadopt.loaders`
-entry-point group, so an outside package can add one without touching loadopt.
+(copy, NHWC->NCHW, normalisation). A backend also declares what bounds it (`work_kind`, one of
+`WorkKind`: the ceiling the attribution holds it to) and what it can read (`supports`). Outside packages
+register backends through the `loadopt.loaders` entry-point group; the built-ins are listed once, in
+`BUILTINS` below (docs/plugins.md is the contract).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Literal
 
@@ -35,6 +39,33 @@ ENTRY_POINT_GROUP = "loadopt.loaders"
 
 # fn(inputs, labels) -> (inputs, labels) on each finished batch (see `Loader`)
 BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class WorkKind(str, Enum):
+    """What bounds a loader setting: the work per sample whose measured capacity (bench/ceilings.py) the
+    attribution holds the setting to."""
+
+    JPEG_DECODE = "jpeg_decode"  # decode each source JPEG every epoch, crop, resize (the decode ceiling)
+    CROP_RESIZE = "crop_resize"  # crop + resize stored decoded whole frames (the crop + resize ceiling)
+    PIXEL_COPY = "pixel_copy"  # copy crops of stored decoded pixels (the memory-copy ceiling)
+    TOKEN_GATHER = "token_gather"  # gather token windows (the memory-copy ceiling)
+    DEVICE_DECODE = "device_decode"  # decode on the accelerator (no device-decode ceiling is measured yet:
+    #                                  held to the host decode ceiling, and to the host-to-device link)
+    IO = "io"  # read the stored bytes and little else (the storage read ceiling)
+
+
+def work_kind_of_recipe(recipe: dict[str, Any] | None) -> WorkKind:
+    """The work a recipe (`loadopt.recipe`) implies: token windows, stored whole frames cropped and resized,
+    stored centre squares copied, or the source JPEG decoded every epoch."""
+    recipe = recipe or {}
+    if recipe.get("kind") == "tokens":
+        return WorkKind.TOKEN_GATHER
+    stored = str(recipe.get("stored", "source"))
+    if stored.startswith("whole frame"):
+        return WorkKind.CROP_RESIZE
+    if stored.startswith("centre"):
+        return WorkKind.PIXEL_COPY
+    return WorkKind.JPEG_DECODE
 
 
 class NoSettings(BaseModel):
@@ -140,9 +171,36 @@ class Loader(ABC):
         never proposes more than is free."""
         return {"shared": 0, "pinned": 0}
 
+    @classmethod
+    def work_kind(cls, settings: BaseModel, recipe: dict[str, Any] | None = None) -> str:
+        """What bounds `settings` (a `WorkKind` value): the attribution holds the setting's runs to the
+        ceiling of this work. `recipe` is what the setting's `recipe()` returned (None: not recorded).
+        By default the recipe says it: the source JPEG decoded every epoch unless it stores something else."""
+        return work_kind_of_recipe(recipe).value
+
+    @classmethod
+    def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
+        """Whether this backend can read `dataset` (an image folder, a token corpus), and why not. Never
+        raises. `make_loader(backend="auto")` and `loadopt bench` pass over a backend that cannot."""
+        if isinstance(dataset, TokenDataset):
+            return False, f"{cls.name} reads image datasets only"
+        return True, ""
+
     @abstractmethod
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
-        """Yield one `HostBatch` per entry of `batches`, in order."""
+    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+        """Yield one `HostBatch` per entry of `batches`, in order: the extension point of every backend.
+
+        `batches` are the shared order's batches of dataset indices (samples known to be unreadable already
+        dropped); the base class counts, resumes and finishes what is yielded (docs/plugins.md)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Transition: the extension point was `_produce` before it was public; a subclass still defining it
+        # keeps working (with a warning) until it is renamed.
+        if "_produce" in cls.__dict__ and "produce" not in cls.__dict__:
+            warnings.warn(f"{cls.__module__}.{cls.__qualname__}: `_produce` is now `produce`; rename it",
+                          DeprecationWarning, stacklevel=2)
+            cls.produce = cls.__dict__["_produce"]  # type: ignore[method-assign]
 
     def prepare(self, progress: Callable[[int, int], None] | None = None,  # noqa: B027 - optional hook
                 convert_missing: bool = True) -> None:
@@ -216,7 +274,7 @@ class Loader(ABC):
             known = np.fromiter(unreadable, np.int64)
             dropped = [b[np.isin(b, known)] for b in batches]
             batches = [b[~np.isin(b, known)] for b in batches]
-        for n, batch in enumerate(self._produce(batches)):
+        for n, batch in enumerate(self.produce(batches)):
             if unreadable and len(dropped[n]):
                 batch.failures = [*batch.failures, *((int(i), unreadable[int(i)]) for i in dropped[n])]
             self._account(batch)
@@ -292,16 +350,19 @@ class Loader(ABC):
 # ---------------------------------------------------------------------------------------------
 # Registry
 
-_BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
-                             "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
-                             "posix": "loadopt.loaders.posix_loader:PosixLoader",
-                             "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader",
-                             "dali": "loadopt.loaders.dali_loader:DaliLoader",
-                             # other libraries' input paths, measured by the same harness (loaders/peer_*.py)
-                             "webdataset": "loadopt.loaders.peer_webdataset:WebDatasetLoader",
-                             "streaming": "loadopt.loaders.peer_streaming:StreamingLoader",
-                             "litdata": "loadopt.loaders.peer_litdata:LitDataLoader",
-                             "ffcv": "loadopt.loaders.peer_ffcv:FfcvLoader"}
+# The one list of built-in backends. Kept here rather than as entry points in pyproject.toml: entry points
+# exist only once the package is installed, and loadopt must list its own backends when imported from a
+# checkout (PYTHONPATH, a vendored copy) too. Outside packages use the entry-point group.
+BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
+                            "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
+                            "posix": "loadopt.loaders.posix_loader:PosixLoader",
+                            "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader",
+                            "dali": "loadopt.loaders.dali_loader:DaliLoader",
+                            # other libraries' input paths, measured by the same harness (loaders/peer_*.py)
+                            "webdataset": "loadopt.loaders.peer_webdataset:WebDatasetLoader",
+                            "streaming": "loadopt.loaders.peer_streaming:StreamingLoader",
+                            "litdata": "loadopt.loaders.peer_litdata:LitDataLoader",
+                            "ffcv": "loadopt.loaders.peer_ffcv:FfcvLoader"}
 _registered: dict[str, type[Loader]] = {}
 
 
@@ -316,10 +377,26 @@ def register(name: str):
     return decorate
 
 
+_clashes_warned: set[tuple[str, str]] = set()
+
+
 def _targets() -> dict[str, str]:
-    targets = dict(_BUILTINS)
+    """name -> "module:attribute" of every backend: the built-ins, then the entry points of the group.
+
+    A name taken twice keeps the first: a built-in over an entry point (an outside package cannot replace
+    torch by accident), the first installed package over a later one; either clash is warned about once,
+    naming both targets. An entry point naming a built-in's own target (loadopt's metadata from an older
+    install) is no clash."""
+    targets = dict(BUILTINS)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        targets.setdefault(ep.name, ep.value)
+        kept = targets.setdefault(ep.name, ep.value)
+        if kept != ep.value and (ep.name, ep.value) not in _clashes_warned:
+            _clashes_warned.add((ep.name, ep.value))
+            dist = getattr(getattr(ep, "dist", None), "name", None)
+            whose = "the built-in" if ep.name in BUILTINS else "the first one installed"
+            warnings.warn(f"backend {ep.name!r}: the entry point {ep.value}{f' (package {dist})' if dist else ''} "
+                          f"is ignored: {ep.name!r} is already {kept} ({whose}); register it under another name",
+                          UserWarning, stacklevel=2)
     return targets
 
 
@@ -365,5 +442,5 @@ class _BrokenLoader(Loader):
     def available(cls) -> tuple[bool, str]:
         return False, cls._reason
 
-    def _produce(self, batches):  # pragma: no cover - never built: available() is false
+    def produce(self, batches):  # pragma: no cover - never built: available() is false
         raise RuntimeError(self._reason)

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders import transforms
-from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.base import HostBatch, Loader, WorkKind
 from loadopt.loaders.dali_feed import Feed, Prepared, SampleFeed, dali_error, image_size
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.tokens import TokenDataset
@@ -101,6 +101,11 @@ class DaliLoader(Loader):
     @classmethod
     def cpu_demand(cls, settings: BaseModel) -> int:
         return int(settings.num_threads)
+
+    @classmethod
+    def work_kind(cls, settings, recipe=None) -> str:
+        # auto decodes on the GPU on a CUDA device: the run's label says `mixed` there (attribution reads it)
+        return WorkKind.DEVICE_DECODE if settings.decoder == "mixed" else WorkKind.JPEG_DECODE
 
     def describe(self) -> str:
         s = self.settings
@@ -305,7 +310,7 @@ class DaliLoader(Loader):
                               "is its own); use reader: external to resume exactly")
         super().load_state_dict(state)
 
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if self.settings.reader == "native":
             return self._produce_native(batches)
         return self._produce_external(batches)

@@ -33,6 +33,7 @@ import torch
 
 from loadopt.errors import BackendUnavailable, DatasetError, describe_sample_error
 from loadopt.loaders import crops, transforms
+from loadopt.loaders.base import WorkKind
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
 from loadopt.storage.raw_format import align_up
 from loadopt.storage.tier_reads import TierReader
@@ -172,6 +173,14 @@ class KvikioLoader(PosixLoader):
     @classmethod
     def memory_demand(cls, settings: PosixSettings, pipeline) -> dict[str, int]:
         return {"shared": 0, "pinned": 0}  # staging and ring live in device memory
+
+    @classmethod
+    def work_kind(cls, settings, recipe=None) -> str:
+        # Crops and resizes run on the GPU, off the host: what bounds the host is the copy of the stored
+        # pixels or tokens; the encoded form is decoded on the GPU.
+        if (recipe or {}).get("kind") == "tokens":
+            return WorkKind.TOKEN_GATHER
+        return WorkKind.PIXEL_COPY if settings.form == "decoded" else WorkKind.DEVICE_DECODE
 
     def describe(self) -> str:
         text = f"{super().describe()}{f' cuFile {self.mode}' if self.mode else ''}"

@@ -37,7 +37,7 @@ from loadopt.config import PipelineConfig, cache_dir
 from loadopt.device import usable_cores
 from loadopt.errors import ConfigError, DatasetError, describe_sample_error
 from loadopt.loaders import transforms
-from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.base import HostBatch, Loader, WorkKind
 from loadopt.storage import tier_reads
 from loadopt.storage.tokens import TokenDataset
 
@@ -293,6 +293,10 @@ class PeerLoader(Loader):
         """What the conversion depends on beyond the source (a shard size, a stored form)."""
         return {}
 
+    @classmethod
+    def work_kind(cls, settings, recipe=None) -> str:
+        return WorkKind.JPEG_DECODE  # the libraries store the source JPEGs and decode them every epoch
+
     def describe(self) -> str:
         s = self.settings
         return f"num_workers={s.num_workers} prefetch={s.prefetch_factor} order={self.name}" + \
@@ -355,7 +359,7 @@ class PeerLoader(Loader):
         finally:
             shutdown(iterator)
 
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if self.path is None:
             self.prepare()
         planned = self.order().batches()

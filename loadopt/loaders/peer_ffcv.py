@@ -28,6 +28,7 @@ import torch
 from pydantic import Field
 
 from loadopt.loaders import transforms
+from loadopt.loaders.base import WorkKind
 from loadopt.loaders.peer_base import PeerLoader, PeerSettings, epoch_seed, library_available, source_samples
 
 FFCV_TRAIN_CROP = "FFCV RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, FFCV's own draws and kernel) + flip"
@@ -104,6 +105,10 @@ class FfcvLoader(PeerLoader):
 
     def describe(self) -> str:
         return f"{self.settings.form} threads={self.settings.num_workers} order=ffcv ({self.settings.order})"
+
+    @classmethod
+    def work_kind(cls, settings, recipe=None) -> str:
+        return WorkKind.JPEG_DECODE if settings.form == "jpg" else WorkKind.CROP_RESIZE  # raw: stored frames
 
     def recipe(self) -> dict[str, Any]:
         from loadopt import recipe

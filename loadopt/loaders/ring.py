@@ -102,6 +102,10 @@ class RingLoader(Loader):
                                f"{self.pipeline.image_size}")
         self._ring: list[torch.Tensor] | None = None
 
+    @classmethod
+    def supports(cls, dataset) -> tuple[bool, str]:
+        return True, ""  # image folders (converted), and token corpora (windows gathered)
+
     def recipe(self) -> dict[str, Any]:
         from loadopt import recipe
 
@@ -127,7 +131,7 @@ class RingLoader(Loader):
     def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest) -> HostBatch:
         """The batch over a filled slot, from what the producer put on `ready`."""
 
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if not self._opened():
             self.prepare()
         if self._ring is None:

@@ -220,6 +220,10 @@ class TorchLoader(Loader):
         shared = in_flight * per_batch if settings.num_workers or settings.variant == "tuned" else 0
         return {"shared": shared, "pinned": in_flight * per_batch if settings.pin_memory else 0}
 
+    @classmethod
+    def supports(cls, dataset) -> tuple[bool, str]:
+        return True, ""  # image folders, and token corpora (windows from a memmap)
+
     def describe(self) -> str:
         s = self.settings
         text = f"{'memmap' if self._tokens else s.variant} num_workers={s.num_workers}"
@@ -267,7 +271,7 @@ class TorchLoader(Loader):
                 raise RuntimeError(f"cudaHostRegister of the batch ring failed with CUDA error {int(error)}")
         return ring
 
-    def _produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         epoch = self.epoch
         tuned = self.settings.variant == "tuned" and not self._tokens
         if tuned and self._ring is None:
