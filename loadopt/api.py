@@ -13,7 +13,7 @@ from loadopt.bench.knobs import start_settings
 from loadopt.config import Config, PipelineConfig, config_from_dict, load_config
 from loadopt.device import resolve_device
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
-from loadopt.loaders.base import BatchTransform, Loader, backend_class, backend_for, backend_names
+from loadopt.loaders.base import BUILTINS, BatchTransform, Loader, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
 from loadopt.recipe import RecipeMismatch
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
@@ -136,8 +136,11 @@ def _auto(config: Config, dataset, build: dict[str, Any]) -> Loader:
     # No decision: the first available backend of the fixed order that is ready to read this dataset.
     # `auto` never starts a conversion on its own (a decoded ImageNet is ~250 GB): that takes a bench
     # decision, `loadopt convert`, or asking for the backend by name.
-    for name in FALLBACK_ORDER:
-        if name not in backend_names() or not backend_class(name).available()[0]:
+    # Outside backends (entry points) come after the built-ins; a decision picks any backend that won a bench.
+    outside = [name for name in backend_names() if name not in BUILTINS]
+    for name in (*FALLBACK_ORDER, *outside):
+        if name not in backend_names() or not backend_class(name).available()[0] \
+                or not backend_class(name).supports(dataset)[0]:
             continue
         try:
             return _build(config, dataset, name, dict(config.loaders.get(name) or {}), f"loaders.{name}",

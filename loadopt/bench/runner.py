@@ -71,6 +71,8 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
     for name in names:
         cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
+        if available:  # and it reads this kind of dataset (Loader.supports)
+            available, reason = cls.supports(dataset)
         if not available:
             plan.append(Setting(name, None, name, "unavailable", reason))
             continue
