@@ -7,6 +7,14 @@ printed beside it as that bound). Latency: one reader of the `nvme` profile's 0.
 the median observed. Every setting is measured once per round, the rounds interleaved (5 by default);
 each setting's figure is its median over the rounds, the worst setting's held, its spread printed.
 
+What the tier is told to deliver and what a reader can ask of it are two things: on a busy machine
+(other work on the cores) 16 Python readers could not issue 4,000 requests a second, and the 2 ms x8
+setting came out at 0.32 of its cap. A tier cannot serve a request before it is asked, so each round
+also measures the same readers through the same latency without the cap (the client's own bound on
+this machine at that moment): the held figure is delivered / min(told, that bound), both ways round
+(too fast is as wrong as too slow). The cap's machinery is in the capped run and not in the bound, so
+its own cost per request still counts against it. The plain delivered / told is printed beside it.
+
     python bench/tier_accuracy.py [--seconds 2] [--rounds 5]
 """
 
@@ -44,22 +52,37 @@ def main() -> int:
         path.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
         got: dict[tuple[float, int], list[float]] = {}
         bound: dict[tuple[float, int], list[float]] = {}
+        client: dict[tuple[float, int], list[float]] = {}  # the same readers, no cap: what they can ask
         for round_index in range(args.rounds):
             for latency_ms, cap in SETTINGS:
                 got.setdefault((latency_ms, cap), []).append(random_reads(
                     str(path), TierSpec(latency_ms=latency_ms, max_concurrency=cap), 2 * cap, args.seconds)["iops"])
-                bound.setdefault((latency_ms, cap), []).append(
-                    random_reads(str(path), TierSpec(latency_ms=latency_ms), cap, args.seconds)["iops"])
-            print(f"round {round_index + 1}: " + ", ".join(f"{lat:g} ms x{cap} {values[-1]:,.0f} IOPS"
-                                                           for (lat, cap), values in got.items()), flush=True)
-        worst_per_round = [1.0] * args.rounds
+                if latency_ms >= 2:
+                    client.setdefault((latency_ms, cap), []).append(random_reads(
+                        str(path), TierSpec(latency_ms=latency_ms), 2 * cap, args.seconds)["iops"])
+                else:
+                    bound.setdefault((latency_ms, cap), []).append(
+                        random_reads(str(path), TierSpec(latency_ms=latency_ms), cap, args.seconds)["iops"])
+            print(f"round {round_index + 1}: " + ", ".join(
+                f"{lat:g} ms x{cap} {values[-1]:,.0f} IOPS" + (f" (uncapped {client[(lat, cap)][-1]:,.0f})"
+                                                              if (lat, cap) in client else "")
+                for (lat, cap), values in got.items()), flush=True)
+        worst_per_round, worst_raw = [1.0] * args.rounds, [1.0] * args.rounds
         for (latency_ms, cap), values in got.items():
             told = cap / (latency_ms / 1000)
             print(f"latency {latency_ms:g} ms, cap {cap}: told {told:,.0f} IOPS, delivered "
-                  f"{spread([v / told for v in values])} of it; uncapped with {cap} readers "
-                  f"{spread([v / told for v in bound[(latency_ms, cap)]])}")
-            if latency_ms >= 2:
-                worst_per_round = [min(w, v / told, told / v) for w, v in zip(worst_per_round, values, strict=True)]
+                  f"{spread([v / told for v in values])} of it", end="")
+            if latency_ms < 2:
+                print(f"; uncapped with {cap} readers {spread([v / told for v in bound[(latency_ms, cap)]])}")
+                continue
+            # what could be asked of it this round: the told rate, or less when the readers could not ask that much
+            asked = [min(told, c) for c in client[(latency_ms, cap)]]
+            print(f"; the same {2 * cap} readers uncapped {spread([c / told for c in client[(latency_ms, cap)]])};"
+                  f" delivered / min(told, uncapped) {spread([v / a for v, a in zip(values, asked, strict=True)])}")
+            worst_per_round = [min(w, v / a, a / v) for w, v, a in zip(worst_per_round, values, asked, strict=True)]
+            worst_raw = [min(w, v / told, told / v) for w, v in zip(worst_raw, values, strict=True)]
+        print(f"for information: the worst setting's delivered / told from 2 ms up, without the readers' bound: "
+              f"{spread(worst_raw)}")
         for latency_ms in (0.09, 0.5):
             one = random_reads(str(path), TierSpec(latency_ms=latency_ms), 1, args.seconds)
             print(f"one reader, latency {latency_ms:g} ms: median {one['lat_p50_ms']:.3f} ms observed")

@@ -12,9 +12,9 @@ Transient errors are retried with capped exponential backoff (storage/remote.py)
 
 The limits hold for the tier as a whole, across threads and processes (forked DataLoader workers,
 spawned consumers): the clock and the counters live in a small file mapped shared (in /dev/shm when
-there is one), updated under `flock`; the slots are `flock`s on one file each, queued behind a `door`
-flock. The state folder travels with the filesystem when it is pickled, so a spawned process joins the
-same tier. Sleeping is the emulated device's time: every sleep is computed from the tier's figures.
+there is one), updated under `flock`; the slots are `flock`s on one file each, booked in arrival
+order on a virtual clock. The state folder travels with the filesystem when it is pickled, so a spawned
+process joins the same tier. Sleeping is the emulated device's time: every sleep is computed from the tier's figures.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ COUNTERS = ("requests", "bytes", "retries", "errors", "injected_errors", "inject
             "throttle_s")
 _CLOCK = 0  # the state file's first value; the counters start at index 2 (1 is unused)
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
-_SLOT_RELEASES = 64  # from here on, one value per slot: when its holder expects to release it
-_SLOT_POLL_S = 0.0002  # how soon the request at the door looks again when no holder has said yet
-_BLOCK_WITHIN_S = 0.002  # a slot due this soon is waited for with a blocking flock
-_LONGEST_WAIT_S = 0.05  # look again at least this often (a holder killed mid-request said a late time)
+# From here on, one value per slot: when its holder expects to release it; then one per slot: when the
+# last request booked on it is due to end (the end of its queue).
+_SLOT_RELEASES = 64
+_BLOCK_WITHIN_S = 0.002  # a request wakes this long before its turn and blocks on its slot's flock
 _LOGNORMAL_SIGMA = 0.5  # spread of lognormal latencies (the mean is latency_ms)
 
 
@@ -73,6 +73,23 @@ def _fresh_attach_lock() -> None:
 
 
 os.register_at_fork(after_in_child=_fresh_attach_lock)
+
+# Every attached state of this process: a forked child closes its copies of the parent's slot handles
+# (an inherited copy of an open description would keep a dead parent's flock held, and an unlock
+# through it would release the parent's), and opens its own.
+_STATES: weakref.WeakSet[SharedTierState] = weakref.WeakSet()
+
+
+def _forget_handles() -> None:
+    for state in list(_STATES):
+        pool, state._pool = getattr(state, "_pool", []), []
+        for handles in pool:
+            for fd in handles.slots:
+                with suppress(OSError):
+                    os.close(fd)
+
+
+os.register_at_fork(after_in_child=_forget_handles)
 
 
 def _state_root() -> Path:
@@ -103,7 +120,7 @@ class SharedTierState:
     def _open_state(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.folder / "state", os.O_RDWR | os.O_CREAT, 0o600)
-        state_bytes = -(-8 * (_SLOT_RELEASES + (self.slots or 0)) // 4096) * 4096
+        state_bytes = -(-8 * (_SLOT_RELEASES + 2 * (self.slots or 0)) // 4096) * 4096
         if os.fstat(fd).st_size < state_bytes:
             os.ftruncate(fd, state_bytes)  # zero-filled: clock 0, counters 0, every slot released long ago
         self._fd = fd
@@ -111,6 +128,8 @@ class SharedTierState:
         self._values = memoryview(self._map).cast("d")
         self._thread_lock = threading.Lock()
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+        self._pool: list[_SlotHandles] = []  # free handle sets; list.pop and append are atomic
+        _STATES.add(self)
         self._pid = os.getpid()
 
     @contextmanager
@@ -147,83 +166,81 @@ class SharedTierState:
             return end
 
     @contextmanager
-    def slot(self, arrival: float) -> Iterator[tuple[float, Callable[[float], None]]]:
-        """Hold one of the tier's concurrency slots (no-op without a cap). Yields (when the request's
-        service began, `releases_at(t)`): `arrival` when it did not queue, so that taking a free
-        slot costs the request none of its latency; and a function for the holder to say when it
-        expects to let the slot go (a monotonic time), which is also when the next request's service
-        begins.
+    def slot(self, arrival: float, hold_s: float = 0.0) -> Iterator[tuple[float, Callable[[float], None]]]:
+        """Hold one of the tier's concurrency slots for about `hold_s` (no-op without a cap). Yields
+        (when the request's service began, `releases_at(t)`): `arrival` when it did not queue, so that
+        taking a free slot costs the request none of its latency; and a function for the holder to say
+        when it will let the slot go (a monotonic time) when that is later than `arrival + hold_s`.
 
-        Requests queue on one `door` flock; the one at the door takes the first slot that frees: it
-        sleeps until shortly before the earliest release a holder announced, then blocks on that
-        slot. No slot idles while a request waits. (A queue per slot let one queue run dry while the
-        other still had waiters: up to 15% fewer IOPS than the cap.) flocks end with their process,
-        so a killed DataLoader worker never keeps a slot or the door."""
+        A request reserves its turn as it arrives, under the state's lock: the slot whose queue ends
+        first, from the end of that queue (a virtual clock, like the bandwidth's: FIFO over the whole
+        tier, and no slot idles while a request waits). It then waits for its turn and for the slot's
+        flock (its last holder really letting go). Service begins at the reserved time, not when this
+        thread got round to it, so wake-ups and bookkeeping do not eat into the tier's IOPS; never
+        after now (a holder killed early said a release still to come), and not before the slot's last
+        holder said it would let go. (A `door` flock that one waiter at a time held while it waited for a
+        slot made every hand-over two thread wake-ups in a row: on a busy machine 2 ms x8 delivered a
+        third of its cap.) flocks end with their process, so a killed DataLoader worker never keeps a slot."""
         if not self.slots:
             yield arrival, _no_release_hint
             return
         self._attach()  # creates the state folder in a process that has not touched the tier yet
         releases = self._values[_SLOT_RELEASES:_SLOT_RELEASES + self.slots]
-        door = os.open(self.folder / "door", os.O_RDWR | os.O_CREAT, 0o600)
-        opened: dict[int, int] = {}
-        taken = None
+        tails = self._values[_SLOT_RELEASES + self.slots:_SLOT_RELEASES + 2 * self.slots]
+        handles = self._handles()
         try:
-            fcntl.flock(door, fcntl.LOCK_EX)
-            taken = self._first_free_slot(opened, releases)
-            # Service begins when the slot was due to free (its last holder's announced release), not
-            # when this thread got round to taking it: a virtual clock, like the bandwidth's, so that
-            # wake-ups and bookkeeping do not eat into the tier's IOPS. Never before arrival, never
-            # after now (a holder killed early announced a release still to come).
-            began = max(arrival, min(releases[taken], time.monotonic()))
-            releases[taken] = math.inf  # announced by the holder once it knows
+            with self._locked():
+                taken = min(range(self.slots), key=tails.__getitem__)
+                began = max(arrival, tails[taken])
+                booked = tails[taken] = began + hold_s
+            # Wake just before the turn (a request booked behind another on the same slot does not race it
+            # for the flock), then block on the flock: the kernel wakes us as the last holder lets go.
+            _sleep_until(began - _BLOCK_WITHIN_S)
+            fcntl.flock(handles.slots[taken], fcntl.LOCK_EX)
+            try:
+                began = max(began, min(releases[taken], time.monotonic()))
+                releases[taken] = math.inf  # said by the holder once it knows
+
+                def releases_at(when: float) -> None:
+                    releases[taken] = when
+                    if when > booked:  # longer than booked: the requests booked after it move back
+                        with self._locked():
+                            tails[taken] = max(tails[taken], when)
+
+                yield began, releases_at
+            finally:
+                if releases[taken] == math.inf:  # it never said (an error before it knew): released now
+                    releases[taken] = time.monotonic()
+                fcntl.flock(handles.slots[taken], fcntl.LOCK_UN)
         finally:
-            os.close(door)  # the next request in the queue may look for a slot now
-            for k, fd in opened.items():
-                if k != taken:
+            self._pool.append(handles)
+
+    def _handles(self) -> _SlotHandles:
+        """A set of this process's own open descriptions of the slot files, used by one request at a time
+        (flocks conflict between open descriptions, so each concurrent request needs its own set; opening
+        and closing them per request cost more CPU than the rest of the request)."""
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return _SlotHandles(self.folder, self.slots or 0)
+
+
+class _SlotHandles:
+    """One open description of each slot file, closed when no longer referenced."""
+
+    def __init__(self, folder: Path, slots: int) -> None:
+        self.pid = os.getpid()
+        self.slots = [os.open(folder / f"slot-{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(slots)]
+
+    def __del__(self) -> None:
+        if self.pid == os.getpid():  # a forked child's copies are closed at the fork (`_forget_handles`)
+            for fd in self.slots:
+                with suppress(OSError):
                     os.close(fd)
-
-        def releases_at(when: float) -> None:
-            releases[taken] = when
-
-        try:
-            yield began, releases_at
-        finally:
-            if releases[taken] == math.inf:  # it never said (an error before it knew): released now
-                releases[taken] = time.monotonic()
-            os.close(opened[taken])  # closing the only descriptor of its open file releases the flock
-
-    def _first_free_slot(self, opened: dict[int, int], releases: memoryview) -> int:
-        """Wait for a slot and take it (its flock held on `opened[slot]`); called at the door."""
-        while (taken := self._try_slots(opened, releases)) is None:
-            first = min(range(self.slots), key=releases.__getitem__)
-            wait = releases[first] - time.monotonic()
-            if wait < _BLOCK_WITHIN_S:  # due now: block on it, the kernel wakes us as it is let go
-                fcntl.flock(opened[first], fcntl.LOCK_EX)
-                return first
-            # wake just inside the blocking window (or poll while every holder is yet to announce)
-            _precise_sleep(min(wait - _BLOCK_WITHIN_S / 2, _LONGEST_WAIT_S) if wait != math.inf else _SLOT_POLL_S)
-        return taken
-
-    def _try_slots(self, opened: dict[int, int], releases: memoryview) -> int | None:
-        """The first slot free, tried in the order their holders said they would release them."""
-        for k in sorted(range(self.slots), key=releases.__getitem__):
-            if k not in opened:
-                opened[k] = os.open(self.folder / f"slot-{k}", os.O_RDWR | os.O_CREAT, 0o600)
-            if _try_flock(opened[k]):
-                return k
-        return None
 
 
 def _no_release_hint(when: float) -> None:
     pass
-
-
-def _try_flock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 def _remove_state(folder: str, owner_pid: int) -> None:
@@ -326,31 +343,39 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
 
     def _request(self, path: str, start: int | None, end: int | None) -> bytes:
         spec, state = self.spec, self.state
-        with state.slot(time.monotonic()) as (began, releases_at):
-            ready = began + self._latency_s()
-            releases_at(ready)
+        latency = self._latency_s()
+        # The slot's flock is held for the real read only; the tier's time is its booking (the slot is
+        # booked until `done`), waited out after letting the flock go. Holding the flock through the
+        # wait made the next request on the slot wait for this thread to wake up before its own service
+        # could start: two wake-ups in a row per request, a third of the cap on a busy machine.
+        with state.slot(time.monotonic(), latency) as (began, releases_at):
+            ready = done = began + latency
             draw = state.rng.random()
-            if draw < spec.error_rate:
-                _sleep_until(ready)
-                state.add(requests=1, errors=1, injected_errors=1)
-                raise InjectedReadError(5, "injected read error (emulated tier)", path)
-            if draw < spec.error_rate + spec.timeout_rate:
-                releases_at(began + spec.timeout_s)
-                _sleep_until(began + spec.timeout_s)
-                state.add(requests=1, errors=1, injected_timeouts=1)
-                raise InjectedTimeout(f"{path}: no answer in {spec.timeout_s:g} s (emulated tier)")
-            try:
-                data = self.base_fs.cat_file(path, start=start, end=end)
-            except Exception:
-                state.add(requests=1, errors=1)
-                raise
-            done = ready
-            if spec.bandwidth_mb_s is not None:
-                done = state.reserve_transfer(len(data), ready, spec.bandwidth_mb_s * 1e6)
+            if draw < spec.error_rate + spec.timeout_rate:  # an injected fault: no read
+                if draw >= spec.error_rate:
+                    done = began + spec.timeout_s
                 releases_at(done)
-            # counted before the wait, so that the bookkeeping hides inside the tier's time
-            state.add(requests=1, bytes=len(data), throttle_s=max(0.0, done - time.monotonic()))
+            else:
+                releases_at(ready)
+                try:
+                    data = self.base_fs.cat_file(path, start=start, end=end)
+                except Exception:
+                    state.add(requests=1, errors=1)
+                    raise
+                if spec.bandwidth_mb_s is not None:
+                    done = state.reserve_transfer(len(data), ready, spec.bandwidth_mb_s * 1e6)
+                    releases_at(done)
+        if draw < spec.error_rate:
             _sleep_until(done)
+            state.add(requests=1, errors=1, injected_errors=1)
+            raise InjectedReadError(5, "injected read error (emulated tier)", path)
+        if draw < spec.error_rate + spec.timeout_rate:
+            _sleep_until(done)
+            state.add(requests=1, errors=1, injected_timeouts=1)
+            raise InjectedTimeout(f"{path}: no answer in {spec.timeout_s:g} s (emulated tier)")
+        # counted before the wait, so that the bookkeeping hides inside the tier's time
+        state.add(requests=1, bytes=len(data), throttle_s=max(0.0, done - time.monotonic()))
+        _sleep_until(done)
         return data
 
     def _latency_s(self) -> float:
