@@ -8,7 +8,10 @@
 4. kvikio (cuFile into GPU memory) against posix + copy on decoded and encoded raw shards, warm and
    cold (page cache evicted; posix with O_DIRECT), with the storage bandwidth each reached.
 
-Exits 0 when it ran (whatever the results), 1 when there is no CUDA device. Meant to finish in a few
+Exits 0 when every check passed, 1 when there is no CUDA device, 2 when any check failed: the GPU tests
+(pytest's exit not 0) or a benchmark that raised (a backend refusing with `BackendUnavailable`, e.g. a
+missing GPU JPEG decoder, is reported as unavailable with its reason, not failed) or DALI's mixed decode
+copying bytes host-to-device. The failed rows are listed after the table. Meant to finish in a few
 minutes on one GPU: `python bench/gpu_check.py [--batches 60]`.
 """
 
@@ -45,14 +48,18 @@ def main() -> int:
         print("unavailable: torch.cuda.is_available() is False on this machine; nothing to check")
         return 1
     from loadopt.bench.ceilings import copy_to_device_bandwidth
+    from loadopt.errors import BackendUnavailable
 
     rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name(0))]
+    failed: list[str] = []  # the rows that failed: any one makes the exit non-zero
     start = time.perf_counter()
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
                            cwd=REPO, capture_output=True, text=True)
     summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(tests.stdout[-4000:])
     rows.append(("pytest -m gpu", f"{summary} (exit {tests.returncode}, {time.perf_counter() - start:.0f} s)"))
+    if tests.returncode != 0:  # a failed test, or none collected (5): either way the GPU paths were not shown
+        failed.append("pytest -m gpu")
     for pinned in (True, False):
         rate = copy_to_device_bandwidth(torch.device("cuda"), pinned)
         rows.append((f"h2d {'pinned' if pinned else 'pageable'}", f"{rate / 1e9:.1f} GB/s"))
@@ -77,9 +84,15 @@ def main() -> int:
                          f"device idle {m.get('device_idle_fraction') or 0:.1%}, h2d {m['h2d_gb_per_s'] or 0:.1f} GB/s "
                          f"({'pinned' if m['h2d_pinned'] else 'pageable'})"
                          + (f", h2d bytes {m.get('h2d_bytes', 0):,}" if backend == "dali" else ""))
+                if settings.get("decoder") == "mixed" and m.get("h2d_bytes", 0):
+                    value = f"failed: mixed decode delivers on the GPU, yet the harness copied: {value}"
+            except BackendUnavailable as exc:
+                value = f"unavailable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
                 value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             rows.append((f"{label}, step {step_ms:g} ms", value))
+            if value.startswith("failed"):
+                failed.append(rows[-1][0])
     # GPUDirect Storage against the classic path: kvikio (cuFile into GPU memory; true GDS or compat mode
     # in its label) and posix (preadv into pinned host memory, then the copy), raw shards, warm and cold,
     # step 0: the storage bandwidth each reached and its h2d traffic.
@@ -92,11 +105,19 @@ def main() -> int:
                     m = harness(config, backend, 0.0, args.batches, cold=cold, **settings)
                     value = (f"{m['samples_per_s']:,.0f} samples/s, storage {m['bytes_read'] / m['wall_s'] / 1e9:.2f} "
                              f"GB/s, h2d bytes {m.get('h2d_bytes', 0):,}")
-                except Exception as exc:  # noqa: BLE001 - e.g. kvikio's encoded form: refused with its reason
+                except BackendUnavailable as exc:  # e.g. kvikio's encoded form without a GPU JPEG decoder
+                    value = f"unavailable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
                     value = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 rows.append((label, value))
+                if value.startswith("failed"):
+                    failed.append(label)
     width = max(len(name) for name, _ in rows)
     print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    if failed:
+        print(f"\ngpu_check: {len(failed)} failed: " + "; ".join(failed))
+        return 2
+    print("\ngpu_check: every check passed")
     return 0
 
 
