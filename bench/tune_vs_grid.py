@@ -6,8 +6,9 @@ the harness (`--warmup` + `--measure` batches, samples/s over the last two third
 batches: `tuner.steady_rate`); the grid runs every setting to the end, the tuner climbs from the
 configured start and stops clearly worse settings early. Conversions are done before either clock.
 
-Then the grid's best setting and the tuner's best setting are measured again, side by side, in
-`--rounds` interleaved rounds of a longer run (`--confirm` batches), and compared by their medians:
+Then the grid's best setting and the tuner's best setting are measured again, each in its own runs
+(also when both picked the same setting), side by side, in `--rounds` interleaved rounds of a longer
+run (`--confirm` batches), and compared round by round (held on the median):
 - quality: tuner's best / grid's best samples/s, target >= 0.95;
 - time: the tuner's search time / the grid's time, target <= 0.40.
 
@@ -113,18 +114,18 @@ def main() -> int:
     picks = {"grid": (grid_pick[1], grid_pick[2]), "tuner": (tuner_pick.backend, tuner_pick.best_settings)}
     same = picks["grid"][0] == picks["tuner"][0] and picks["grid"][1] == picks["tuner"][1]
 
-    # Both picks measured again, side by side, over interleaved rounds of a longer run.
+    # Both picks measured again, each in its own runs (also when they are the same setting: the tuner's
+    # figure is never the grid's copied), side by side, over interleaved rounds of a longer run, the
+    # order alternating so that neither always runs second.
     confirmed: dict[str, list[float]] = {"grid": [], "tuner": []}
-    for _ in range(args.rounds):
-        for who in ("grid", "tuner") if not same else ("grid",):
+    for round_index in range(args.rounds):
+        for who in ("grid", "tuner") if round_index % 2 == 0 else ("tuner", "grid"):
             confirmed[who].append(measure(tuner, *picks[who], args.warmup, args.confirm))
-    if same:
-        confirmed["tuner"] = confirmed["grid"]
     grid_rate, tuner_rate = statistics.median(confirmed["grid"]), statistics.median(confirmed["tuner"])
     print(f"\ngrid's pick:  {picks['grid'][0]} {picks['grid'][1].model_dump()}: {grid_rate:,.0f} samples/s "
           f"(median of {args.rounds} runs of {args.confirm} batches)")
     print(f"tuner's pick: {picks['tuner'][0]} {picks['tuner'][1].model_dump()}: {tuner_rate:,.0f} samples/s"
-          f"{' (the same setting)' if same else ''}")
+          f"{' (the same setting, measured in its own runs)' if same else ''}")
     trials = sum(len(t.trials) for t in tunings)
     size = sum(len(p) for p in grid.values())
     print(f"time: tuner {tune_s:,.1f} s ({trials} settings tried, "
