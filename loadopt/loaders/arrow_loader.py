@@ -170,10 +170,10 @@ class ArrowLoader(RingLoader):
         choice = self.settings.decoder
         return transforms.decoder_name("auto") if choice == "auto" else choice
 
-    def _opened(self) -> bool:
+    def is_open(self) -> bool:
         return self._views is not None
 
-    def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
+    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
         # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
         read = len(indices) * self.size * self.size * 3 if self.form == "decoded" else None
@@ -182,7 +182,7 @@ class ArrowLoader(RingLoader):
                        for r, i in zip(*np.divmod(indices, ROWS_PER_BATCH), strict=True))
         return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, self.layout, read)
 
-    def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+    def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         if self._shadow is not None:
             self._producer_via_tier(batches, epoch, free, ready, stop)
             return

@@ -248,13 +248,13 @@ class PosixLoader(RingLoader):
             return []  # read from the dataset's storage: no local page cache to evict
         return [str(shard) for shard in self._raw.shards]
 
-    def _opened(self) -> bool:
+    def is_open(self) -> bool:
         return self._raw is not None
 
-    def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
+    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
         return slot_batch(self._ring[slot], indices, failures, self._raw.index["label"], self.layout, nbytes)
 
-    def _producer(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+    def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
         if self.sample_reads and self.stored_form == "decoded" and not self.settings.o_direct and \

@@ -83,7 +83,9 @@ def slot_batch(buffer: torch.Tensor, indices: np.ndarray, failures: list[tuple[i
 
 class RingLoader(Loader):
     """A backend that reads a converted form of the dataset (`decoded` pixels, `encoded` JPEGs, or
-    token windows) into a ring of batch slots; its Settings have `form`, `decoded_size`, `prefetch`."""
+    token windows) into a ring of batch slots; its Settings have `form`, `decoded_size`, `prefetch`.
+    A subclass implements `is_open`, `fill_ring` (the producer thread) and `ring_batch`; `produce` runs
+    them and hands each slot back once its batch's device copy is done (docs/plugins.md)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -119,27 +121,27 @@ class RingLoader(Loader):
         return "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
 
     @abstractmethod
-    def _opened(self) -> bool:
+    def is_open(self) -> bool:
         """Whether `prepare` has opened the converted form (the producer reads it)."""
 
     @abstractmethod
-    def _producer(self, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
+    def fill_ring(self, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
                   stop: threading.Event) -> None:
         """Fill free slots with `batches` in order; put `(slot, indices, failures[, ...])` on `ready`."""
 
     @abstractmethod
-    def _host_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest) -> HostBatch:
+    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest) -> HostBatch:
         """The batch over a filled slot, from what the producer put on `ready`."""
 
     def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
-        if not self._opened():
+        if not self.is_open():
             self.prepare()
         if self._ring is None:
             self._ring = self._make_ring()
         epoch = self.epoch
         return ring_batches(len(batches), len(self._ring),
-                            lambda free, ready, stop: self._producer(batches, epoch, free, ready, stop),
-                            self._host_batch, f"loadopt-{self.name}")
+                            lambda free, ready, stop: self.fill_ring(batches, epoch, free, ready, stop),
+                            self.ring_batch, f"loadopt-{self.name}")
 
     @classmethod
     def memory_demand(cls, settings, pipeline) -> dict[str, int]:
