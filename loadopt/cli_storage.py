@@ -115,12 +115,12 @@ def tiers(
 ) -> None:
     """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
     and which backend is fastest through it."""
-    import json
     from pathlib import Path
 
     from loadopt.bench.procurement import run_tiers
     from loadopt.bench.results import atomic_write_text, prepare_output
     from loadopt.config import load_config
+    from loadopt.schema import results_text
     from loadopt.storage.tiers import load_tier_profiles
 
     with user_errors():
@@ -143,7 +143,7 @@ def tiers(
                                backends_out=str(Path(folder) / "backends") if backends else None,
                                backend_warmup=2 if quick else 3, backend_batches=backend_batches)
         json_path = Path(folder) / "tiers.json"
-        atomic_write_text(json_path, json.dumps(result, indent=2) + "\n")
+        atomic_write_text(json_path, results_text(result))
     console.print(tiers_table(result))
     need = result["demand"]
     console.print(f"[dim]each accelerator needs {need['mb_per_s']:,.1f} MB/s at full use "
@@ -166,7 +166,7 @@ def backends_table(result: dict[str, Any]) -> Table:
                   title_justify="left")
     table.add_column("backend setting", justify="left")
     for row in rows:
-        table.add_column(f"{row['tier']}: samples/s (AU)", justify="right")
+        table.add_column(f"{row['name']}: samples/s (AU)", justify="right")
     labels: list[str] = []
     for row in rows:
         labels += [run["label"].removesuffix(" via tier") for run in row["backends"]["runs"]
@@ -197,11 +197,11 @@ def backend_lines(result: dict[str, Any]) -> list[str]:
             continue
         decision = backends.get("decision") or {}
         sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
-        lines.append(f"{row['tier']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
+        lines.append(f"{row['name']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
                      f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
         for run in backends["runs"]:
             if run.get("samples_per_s") is None:
-                lines.append(f"  {row['tier']}, {run['label']}: {run['status']}: {run['reason']}")
+                lines.append(f"  {row['name']}, {run['label']}: {run['status']}: {run['reason']}")
     return lines
 
 
@@ -212,10 +212,11 @@ def tiers_table(result: dict[str, Any]) -> Table:
                    "$/accelerator-month", "search"):
         table.add_column(column, justify="left" if column in ("tier", "search") else "right")
     for row in result["tiers"]:
-        cost = row["cost"]
-        money = ["-" if cost[k] is None else f"{cost[k]:,.2f}" for k in ("per_month", "per_accelerator_month")]
+        costs = (row["cost"]["per_month"], row["cost_per_supported_accelerator"])
+        money = ["-" if cost is None else f"{cost:,.2f}" for cost in costs]
         au = "-" if row["accelerator_utilisation"] is None else f"{row['accelerator_utilisation']:.1%}"
         load = "-" if row["cpu_load"] is None else f"{row['cpu_load']:.0%}"
-        table.add_row(escape(row["tier"]), str(row["measured"]), str(row["predicted"]), f"{row['delivered_mb_s']:,.1f}",
+        table.add_row(escape(row["name"]), str(row["accelerators_supported"]), str(row["predicted_accelerators"]),
+                      f"{row['delivered_mb_s']:,.1f}",
                       f"{row['samples_per_s']:,.0f}", au, load, *money, escape(row["measured_note"]))
     return table

@@ -41,7 +41,7 @@ def test_bench_end_to_end(tiny_config, tmp_path):
         assert label in proc.stdout
     assert "fastest: torch " in proc.stdout
     results = json.loads((out / "results.json").read_text())
-    assert results["schema_version"] == 1
+    assert results["schema_version"] == 2
     assert results["machine"]["cpu_count"] >= 1 and "torch" in results["machine"]["libraries"]
     assert results["dataset"]["num_samples"] == 48 and results["dataset"]["fingerprint"]
     assert len(results["ranking"]) == 4

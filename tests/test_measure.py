@@ -190,7 +190,7 @@ def test_to_json_has_the_shape_of_bench_results(tmp_path):
     run_loop(m, 0.001)
     path = m.to_json(tmp_path / "sub" / "measure.json")
     doc = json.loads(path.read_text())
-    assert doc["schema_version"] == 1 and doc["command"] == "loadopt.measure" and doc["steps"] == 5
+    assert doc["schema_version"] == 2 and doc["command"] == "loadopt.measure" and doc["steps"] == 5
     assert doc["device"] == "cpu" and doc["machine"]["cpu_count"] and doc["machine_fingerprint"]
     run = doc["runs"][0]
     assert run["backend"] == "measured" and run["label"] == "generator" and run["status"] == "ok"

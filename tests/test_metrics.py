@@ -101,3 +101,35 @@ def test_emulated_device_buffers_are_freed_without_the_cycle_collector():
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_one_function_for_bench_and_measure():
+    """The same window, as bench's probes and as measure's record, gives the same step metrics
+    (loadopt.bench.metrics.step_metrics computes both), with the values DESIGN.md defines."""
+    import numpy as np
+
+    from loadopt.bench.metrics import BatchProbe, step_metrics, window_metrics
+    from loadopt.bench.monitor import TreeUsage
+    from loadopt.device import Elapsed
+    from loadopt.measure.results import Recorded, recorded_metrics
+
+    waits, steps, samples = [0.010, 0.030, 0.020, 0.040], [0.050, 0.050, 0.050, 0.050], [8, 8, 8, 4]
+    wall = sum(waits) + sum(steps)  # 0.3 s
+    probes = [BatchProbe(i, True, 0.0, w, Elapsed(0.001), 2_000_000, 0.0, Elapsed(s), n, n * 1000)
+              for i, (w, s, n) in enumerate(zip(waits, steps, samples, strict=True))]
+    usage = TreeUsage(cpu_seconds=0.56, storage_bytes_read=10**6, chars_read=0, peak_rss_bytes=2**30,
+                      peak_pss_bytes=2**29, processes_seen=1, others_cpu_share=0.0)
+    bench = window_metrics(probes, wall, usage, loader_bytes_read=56_000, h2d_pinned=True, h2d_emulated=False)
+    measured = recorded_metrics(Recorded(
+        wait_ns=np.array(waits) * 1e9, step_ns=np.array(steps) * 1e9, samples=np.array(samples), sample_bytes=1000.0,
+        cpu_seconds=0.56, storage_bytes_read=10**6, peak_rss_bytes=2**30, peak_pss_bytes=2**29,
+        h2d_bytes=8_000_000, h2d_s=0.004, h2d_pinned=True, device_busy_s=None, device_idle_s=None, unmarked_waits=0))
+    assert bench["samples_per_s"] == pytest.approx(28 / 0.3) and bench["mb_per_s"] == pytest.approx(28_000 / 0.3 / 1e6)
+    assert bench["stall_fraction"] == pytest.approx(0.1 / 0.3) and bench["compute_s"] == pytest.approx(0.2)
+    assert bench["wait_p50_ms"] == pytest.approx(25.0) and bench["wait_max_ms"] == pytest.approx(40.0)
+    assert bench["h2d_gb_per_s"] == pytest.approx(8e6 / 0.004 / 1e9) and bench["goodput_ratio"] == pytest.approx(0.5)
+    assert bench["cpu_seconds_per_1k_samples"] == pytest.approx(20.0) and bench["peak_pss_mb"] == 512
+    for key in step_metrics(waits_s=np.array(waits), wall_s=wall, compute_s=0.2, samples=28, batches=4,
+                            sample_bytes=28_000, h2d_s=0.004, h2d_bytes=8_000_000, cpu_seconds=0.56,
+                            storage_bytes_read=10**6, peak_rss_bytes=2**30, peak_pss_bytes=2**29):
+        assert measured[key] == pytest.approx(bench[key]), key

@@ -31,15 +31,17 @@ def test_supported_accelerators_known_by_construction(tmp_path):
     result = run_tiers(config, tiers, au=AU, max_accelerators=12, warmup_s=0.4, measure_s=1.2)
     for row, truth in zip(result["tiers"], (2, 5), strict=True):
         assert math.floor(row["spec"]["bandwidth_mb_s"] / need) == truth
-        assert abs(row["measured"] - truth) <= 1, row["trials"]
+        measured, predicted = row["accelerators_supported"], row["predicted_accelerators"]
+        assert abs(measured - truth) <= 1, row["trials"]
         # measured and predicted agree within 20% (or one accelerator, for counts this small)
-        assert abs(row["predicted"] - row["measured"]) <= max(1, 0.2 * row["measured"]), row["prediction"]
-        at = next(t for t in row["trials"] if t["accelerators"] == row["measured"])
+        assert abs(predicted - measured) <= max(1, 0.2 * measured), row["prediction"]
+        at = next(t for t in row["trials"] if t["accelerators"] == measured)
         assert at["accelerator_utilisation"] >= AU and row["delivered_mb_s"] == at["mb_per_s"]
-        above = [t for t in row["trials"] if t["accelerators"] == row["measured"] + 1]
+        above = [t for t in row["trials"] if t["accelerators"] == measured + 1]
         assert above and above[0]["accelerator_utilisation"] < AU  # the next count was tried and fell short
         assert row["delivered_mb_s"] <= row["spec"]["bandwidth_mb_s"] * 1.05  # never more than the tier gives
-    assert result["tiers"][0]["cost"] == {"per_month": None, "per_accelerator_month": None}
+    assert result["tiers"][0]["cost"] == {"per_month": None}
+    assert result["tiers"][0]["cost_per_supported_accelerator"] is None
     # The report renders the tiers section from this file (the keys report/data.py reads).
     from loadopt.report import write_report
 
@@ -47,7 +49,8 @@ def test_supported_accelerators_known_by_construction(tmp_path):
     path.write_text(json.dumps(result))
     page = write_report([path]).read_text()
     assert "Storage tiers" in page and "bw2" in page and "bw5" in page
-    assert [row["accelerators_supported"] for row in result["tiers"]] == [row["measured"] for row in result["tiers"]]
+    # each value under one key (loadopt.schema, version 2)
+    assert not {"tier", "measured", "predicted"} & set(result["tiers"][0]) and result["schema_version"] == 2
 
 
 def test_search_doubles_then_bisects():
@@ -86,7 +89,8 @@ def test_cli_tiers_table_and_errors(tmp_path):
     assert "loadopt tiers" in proc.stdout and "tiny" in proc.stdout
     result = json.loads((tmp_path / "out" / "tiers.json").read_text())
     row = result["tiers"][0]
-    assert row["tier"] == "tiny" and row["measured"] == 0 and row["predicted"] == 0  # 0.1 MB/s feeds nobody
+    # 0.1 MB/s feeds nobody
+    assert row["name"] == "tiny" and row["accelerators_supported"] == 0 and row["predicted_accelerators"] == 0
     assert row["cost"]["per_month"] == pytest.approx(20 * row["capacity_tb"])
     line = one_line_error(loadopt("tiers", path, "--tiers", "nonesuch"), code=2)
     assert "unknown tier 'nonesuch'" in line
@@ -109,7 +113,7 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
         runs = row["backends"]["runs"]
         assert sorted((r["backend"], r["form"]) for r in runs) == [("arrow", "decoded"), ("arrow", "encoded"),
                                                                    ("posix", "decoded"), ("posix", "encoded")]
-        assert all(r["status"] == "ok" and r["bytes_source"].startswith(f"tier {row['tier']}") for r in runs)
+        assert all(r["status"] == "ok" and r["bytes_source"].startswith(f"tier {row['name']}") for r in runs)
         assert all(r["tier_bytes"] > 0 for r in runs)  # (the exact count is test_tier_backends.py's)
     starved = result["tiers"][0]["backends"]
     rates = {(r["backend"], r["form"]): r["samples_per_s"] for r in starved["runs"]}

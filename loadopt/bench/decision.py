@@ -25,6 +25,7 @@ from loadopt import recipe
 from loadopt.bench.metrics import median
 from loadopt.bench.results import atomic_write_text, library_versions, machine_fingerprint, machine_info
 from loadopt.config import cache_dir
+from loadopt.schema import SCHEMA_VERSION, SchemaError, as_dict, decision_text, parse_decision
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     text = f"{best['label']} at {rate:,.0f} samples/s"
     text += f", {margin:.2f}x the runner-up {other['label']}" if margin else " (no other backend measured)"
     return {
+        "schema_version": SCHEMA_VERSION,
         "backend": best["backend"], "settings": best["settings"], "label": best["label"], "samples_per_s": rate,
         "runner_up": {"label": other["label"], "backend": other["backend"], "samples_per_s": other_rate}
         if other else None,
@@ -119,9 +121,15 @@ def _entries(path: Path) -> list[dict[str, Any]]:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    if isinstance(doc, dict) and isinstance(doc.get("entries"), list):
-        return [e for e in doc["entries"] if isinstance(e, dict) and e.get("backend")]
-    return [doc] if isinstance(doc, dict) and doc.get("backend") else []  # one decision (written before entries)
+    # a list of entries, or one decision (written before entries)
+    raw = doc["entries"] if isinstance(doc, dict) and isinstance(doc.get("entries"), list) else [doc]
+    entries = []
+    for entry in raw:  # through the schema; an entry of an unknown version or shape is not this loadopt's to use
+        try:
+            entries.append(as_dict(parse_decision(entry, path)))
+        except SchemaError as exc:
+            log.debug("%s", exc)
+    return entries
 
 
 def _same_machine(entry: dict[str, Any], here: dict[str, Any]) -> bool:
@@ -131,7 +139,7 @@ def _same_machine(entry: dict[str, Any], here: dict[str, Any]) -> bool:
 
 def record(decision: dict[str, Any], folder: Path | None) -> None:
     """Write a decision beside the results (`folder/decision.json`) and into the cache's entries."""
-    text = json.dumps(decision, indent=2) + "\n"
+    text = decision_text(decision)
     if folder is not None:
         try:
             atomic_write_text(folder / FILE_NAME, text)
@@ -142,7 +150,8 @@ def record(decision: dict[str, Any], folder: Path | None) -> None:
                                               and e.get("pipeline") == decision["pipeline"])]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"entries": [decision, *keep]}, indent=2) + "\n")
+        atomic_write_text(path, json.dumps({"schema_version": SCHEMA_VERSION, "entries": [decision, *keep]},
+                                           indent=2) + "\n")
     except OSError as exc:  # the results are written; a missing decision only costs `auto` its memory
         log.warning("could not record the decision in %s: %s", path, exc)
 

@@ -48,48 +48,65 @@ def percentile_ms(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q) * 1000.0) if len(values) else 0.0
 
 
-def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, loader_bytes_read: int,
-                   h2d_pinned: bool, h2d_emulated: bool, device_idle_s: float | None = None,
-                   tokens_per_sample: int | None = None) -> dict[str, Any]:
-    """The metrics of one repeat from the probes of its measured batches."""
-    measured = [p for p in probes if p.measured]
-    samples = sum(p.samples for p in measured)
-    sample_bytes = sum(p.sample_bytes for p in measured)
-    waits = np.array([p.wait_s for p in measured])
-    compute_s = sum(p.compute.seconds() for p in measured)
-    h2d_s = sum(p.h2d.seconds() for p in measured)
-    h2d_bytes = sum(p.h2d_bytes for p in measured)
-    utilisation = min(1.0, compute_s / wall_s) if wall_s > 0 else 0.0
-    metrics: dict[str, Any] = {
+def step_metrics(*, waits_s: np.ndarray, wall_s: float, compute_s: float, samples: int, batches: int,
+                 sample_bytes: float | None, h2d_s: float, h2d_bytes: int, cpu_seconds: float | None,
+                 storage_bytes_read: int, peak_rss_bytes: int | None, peak_pss_bytes: int | None,
+                 utilisation: float | None = None) -> dict[str, Any]:
+    """The step metrics of DESIGN.md from one measured window's totals: the one place they are computed,
+    for `loadopt bench` (`window_metrics`) and `loadopt measure` (loadopt.measure.results).
+
+    `utilisation` defaults to compute_s / wall_s; a caller that timed the device itself (CUDA events)
+    passes its own. `sample_bytes` None: the stored bytes are unknown (no `mb_per_s`)."""
+    if utilisation is None:
+        utilisation = compute_s / wall_s if wall_s > 0 else 0.0
+    utilisation = min(1.0, utilisation)
+    return {
         "samples": samples,
-        "batches": len(measured),
+        "batches": batches,
         "wall_s": wall_s,
         "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
-        "mb_per_s": sample_bytes / wall_s / 1e6 if wall_s > 0 else 0.0,
+        "mb_per_s": (sample_bytes / wall_s / 1e6 if wall_s > 0 else 0.0) if sample_bytes is not None else None,
         "accelerator_utilisation": utilisation,
         "stall_fraction": 1.0 - utilisation,
         "compute_s": compute_s,
-        "wait_s": float(waits.sum()),
-        "wait_p50_ms": percentile_ms(waits, 50),
-        "wait_p95_ms": percentile_ms(waits, 95),
-        "wait_p99_ms": percentile_ms(waits, 99),
-        "wait_max_ms": float(waits.max() * 1000.0) if len(waits) else 0.0,
+        "wait_s": float(waits_s.sum()),
+        "wait_p50_ms": percentile_ms(waits_s, 50),
+        "wait_p95_ms": percentile_ms(waits_s, 95),
+        "wait_p99_ms": percentile_ms(waits_s, 99),
+        "wait_max_ms": float(waits_s.max() * 1000.0) if len(waits_s) else 0.0,
         "h2d_s": h2d_s,
-        "finish_s": sum(p.finish_s for p in measured),
         "h2d_gb_per_s": h2d_bytes / h2d_s / 1e9 if h2d_s > 0 else None,
+        "storage_bytes_read": storage_bytes_read,
+        "cpu_seconds": cpu_seconds,
+        "cpu_seconds_per_1k_samples": cpu_seconds / samples * 1000.0 if cpu_seconds is not None and samples else None,
+        "peak_rss_mb": peak_rss_bytes / 2**20 if peak_rss_bytes is not None else None,
+        "peak_pss_mb": peak_pss_bytes / 2**20 if peak_pss_bytes is not None else None,
+    }
+
+
+def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, loader_bytes_read: int,
+                   h2d_pinned: bool, h2d_emulated: bool, device_idle_s: float | None = None,
+                   tokens_per_sample: int | None = None) -> dict[str, Any]:
+    """The metrics of one repeat of `loadopt bench` from the probes of its measured batches."""
+    measured = [p for p in probes if p.measured]
+    sample_bytes = sum(p.sample_bytes for p in measured)
+    metrics = step_metrics(
+        waits_s=np.array([p.wait_s for p in measured]), wall_s=wall_s,
+        compute_s=sum(p.compute.seconds() for p in measured), samples=sum(p.samples for p in measured),
+        batches=len(measured), sample_bytes=sample_bytes, h2d_s=sum(p.h2d.seconds() for p in measured),
+        h2d_bytes=sum(p.h2d_bytes for p in measured), cpu_seconds=usage.cpu_seconds,
+        storage_bytes_read=usage.storage_bytes_read, peak_rss_bytes=usage.peak_rss_bytes,
+        peak_pss_bytes=usage.peak_pss_bytes)
+    metrics.update({
+        "finish_s": sum(p.finish_s for p in measured),
         "h2d_pinned": h2d_pinned,
         "h2d_emulated": h2d_emulated,
         "sample_bytes_delivered": sample_bytes,
         "bytes_read": loader_bytes_read,
-        "storage_bytes_read": usage.storage_bytes_read,
         "goodput_ratio": sample_bytes / loader_bytes_read if loader_bytes_read > 0 else None,
-        "cpu_seconds": usage.cpu_seconds,
-        "cpu_seconds_per_1k_samples": usage.cpu_seconds / samples * 1000.0 if samples else None,
-        "peak_rss_mb": usage.peak_rss_bytes / 2**20,
-        "peak_pss_mb": usage.peak_pss_bytes / 2**20,
         # The share of all cores other processes used meanwhile: above ~0.25 the rate is the busy machine's.
         "others_cpu_share": usage.others_cpu_share,
-    }
+    })
     if tokens_per_sample is not None:
         metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample
     if device_idle_s is not None:

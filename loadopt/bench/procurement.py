@@ -42,6 +42,7 @@ import numpy as np
 from loadopt.bench.consumers import ConsumerSettings, run_consumers
 from loadopt.config import Config
 from loadopt.errors import ConfigError
+from loadopt.schema import SCHEMA_VERSION
 from loadopt.storage.probe import probe
 from loadopt.storage.tiers import TierSpec, resolve_tier, tier_filesystem
 
@@ -238,20 +239,19 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
         measured, trials, note = search(trial, au, max_accelerators, budget_s)
         at = next((t for t in trials if t["accelerators"] == measured), None)
         cost = tier_costs(spec, capacity, measured)
-        rows.append({"tier": spec.name, "spec": spec.redacted(), "measured": measured, "measured_note": note,
-                     # the keys `loadopt report` reads (report/data.py), beside the detail above
-                     "name": spec.name, "au_threshold": au, "accelerators_supported": measured,
-                     "predicted_accelerators": predicted["accelerators"],
+        # one key each (loadopt.schema.TierRow, schema version 2): the keys `loadopt report` reads
+        rows.append({"name": spec.name, "spec": spec.redacted(), "accelerators_supported": measured,
+                     "measured_note": note, "au_threshold": au, "predicted_accelerators": predicted["accelerators"],
                      "au_by_accelerators": sorted([t["accelerators"], t["accelerator_utilisation"]] for t in trials
                                                   if t.get("accelerator_utilisation") is not None),
                      "price_per_tb_month": spec.price_per_tb_month,
                      "cost_per_supported_accelerator": cost["per_accelerator_month"],
-                     "predicted": predicted["accelerators"], "prediction": predicted,
+                     "prediction": predicted,
                      "delivered_mb_s": at["mb_per_s"] if at else 0.0,
                      "samples_per_s": at["samples_per_s"] if at else 0.0,
                      "accelerator_utilisation": at["accelerator_utilisation"] if at else None,
                      "cpu_load": at["cpu_load"] if at else None,
-                     "cost": cost, "capacity_tb": capacity,
+                     "cost": {"per_month": cost["per_month"]}, "capacity_tb": capacity,
                      "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
                      "probe": probed})
         if backends_out is not None:
@@ -260,7 +260,8 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
                                                     backend_warmup, backend_batches)
     from loadopt.bench.results import machine_info
 
-    return {"command": "loadopt tiers", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    return {"schema_version": SCHEMA_VERSION, "command": "loadopt tiers",
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "config_source": config.source, "config": {"name": config.name}, "machine": machine_info(),
             "device": "emulated accelerators", "au_threshold": au,
             "demand": need,
@@ -283,10 +284,3 @@ def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64) -> dict[
     return probe(root, fs=dataset.fs, block_sizes=(), concurrencies=tuple(levels), duration_s=duration_s,
                  seq_bytes=64 << 20, whole_files=True, cold=False, max_requests=200_000)
 
-
-def agreement(row: dict[str, Any]) -> float | None:
-    """predicted / measured (None when either is unknown or zero)."""
-    measured, predicted = row["measured"], row["predicted"]
-    if not measured or predicted is None:
-        return None
-    return predicted / measured

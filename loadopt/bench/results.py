@@ -20,8 +20,10 @@ import psutil
 
 from loadopt.device import usable_cores
 from loadopt.errors import OutputError
+from loadopt.schema import SCHEMA_VERSION, results_text
 
-SCHEMA_VERSION = 1
+__all__ = ["SCHEMA_VERSION", "atomic_write", "atomic_write_text", "machine_fingerprint", "machine_info",
+           "prepare_output", "write_results"]
 LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simplejpeg", "nvidia-dali-cuda120",
              "nvidia-dali-cuda130", "kvikio-cu12", "kvikio-cu13", "torchvision")
 
@@ -128,15 +130,8 @@ def write_results(folder: Path, results: dict[str, Any], timing_rows: dict[str, 
     try:
         table = pa.table(timing_rows)
         atomic_write(parquet_path, lambda tmp: pq.write_table(table, tmp))
-        atomic_write_text(json_path, json.dumps(results, indent=2, default=_jsonable) + "\n")
+        atomic_write_text(json_path, results_text(results))  # validated against loadopt.schema
     except OSError as exc:
         raise OutputError(f"{folder}: cannot write results ({exc.strerror or exc})") from None
     return json_path, parquet_path
 
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

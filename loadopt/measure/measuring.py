@@ -34,7 +34,7 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.measure.batch_structure import count_samples, rebuilt, tensors_of
-from loadopt.measure.results import Recorded, rank_info, results_document, step_metrics, verdict, write_json
+from loadopt.measure.results import Recorded, rank_info, recorded_metrics, results_document, verdict, write_json
 from loadopt.measure.results import write_ranked as _write_ranked
 
 log = logging.getLogger("loadopt.measure")
@@ -303,7 +303,7 @@ class Measurement:
             self._start_monitor()
         if not self._step:
             return None
-        return step_metrics(self.recorded())
+        return recorded_metrics(self.recorded())
 
     def summary(self) -> str:
         """The verdict paragraph for what has been measured so far."""

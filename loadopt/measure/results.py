@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-from loadopt.bench.metrics import aggregate, percentile_ms
-from loadopt.bench.results import SCHEMA_VERSION, atomic_write_text, machine_fingerprint, machine_info
+from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
+from loadopt.bench.results import atomic_write_text, machine_fingerprint, machine_info
 from loadopt.errors import OutputError
+from loadopt.schema import SCHEMA_VERSION, SchemaError, as_dict, parse_results, results_text
 
 COMMAND = "loadopt.measure"
 CPU_NOTE = "on the CPU the loop body stands for the accelerator"
@@ -48,7 +49,7 @@ class Recorded:
     unmarked_waits: int  # measure_steps: steps whose batch was never marked (wait unknown)
 
 
-def step_metrics(rec: Recorded) -> dict[str, Any]:
+def recorded_metrics(rec: Recorded) -> dict[str, Any]:
     """The flat metrics of one measurement, named as `loadopt bench` names them."""
     waits, steps = rec.wait_ns / 1e9, rec.step_ns / 1e9
     wall = float(waits.sum() + steps.sum())
@@ -59,37 +60,22 @@ def step_metrics(rec: Recorded) -> dict[str, Any]:
         compute_s = rec.device_busy_s
         utilisation = rec.device_busy_s / (rec.device_busy_s + rec.device_idle_s)
     else:
-        compute_s = float(steps.sum())
-        utilisation = compute_s / wall if wall > 0 else 0.0
-    metrics: dict[str, Any] = {
-        "samples": samples,
-        "batches": len(steps),
-        "wall_s": wall,
-        "samples_per_s": samples / wall if wall > 0 else 0.0,
-        "mb_per_s": samples * rec.sample_bytes / wall / 1e6 if rec.sample_bytes and wall > 0 else None,
-        "accelerator_utilisation": min(1.0, utilisation),
-        "stall_fraction": 1.0 - min(1.0, utilisation),
-        "compute_s": compute_s,
+        compute_s, utilisation = float(steps.sum()), None  # None: compute_s / wall, as bench
+    metrics = step_metrics(
+        waits_s=waits, wall_s=wall, compute_s=compute_s, samples=samples, batches=len(steps),
+        # no mb_per_s when the stored bytes are unknown, or nothing was timed
+        sample_bytes=samples * rec.sample_bytes if rec.sample_bytes and wall > 0 else None, h2d_s=rec.h2d_s,
+        h2d_bytes=rec.h2d_bytes, cpu_seconds=rec.cpu_seconds, storage_bytes_read=rec.storage_bytes_read,
+        peak_rss_bytes=rec.peak_rss_bytes or None, peak_pss_bytes=rec.peak_pss_bytes or None,
+        utilisation=utilisation)
+    metrics.update({
         "compute_source": "cuda events" if on_device else f"loop body ({CPU_NOTE})",
-        "wait_s": float(waits.sum()),
-        "wait_fraction": float(waits.sum()) / wall if wall > 0 else 0.0,
-        "wait_p50_ms": percentile_ms(waits, 50),
-        "wait_p95_ms": percentile_ms(waits, 95),
-        "wait_p99_ms": percentile_ms(waits, 99),
-        "wait_max_ms": float(waits.max() * 1000.0) if len(waits) else 0.0,
+        "wait_fraction": metrics["wait_s"] / wall if wall > 0 else 0.0,
         "step_p50_ms": percentile_ms(steps, 50),
         "step_p95_ms": percentile_ms(steps, 95),
-        "h2d_s": rec.h2d_s,
-        "h2d_gb_per_s": rec.h2d_bytes / rec.h2d_s / 1e9 if rec.h2d_bytes and rec.h2d_s > 0 else None,
         "h2d_pinned": rec.h2d_pinned,
-        "storage_bytes_read": rec.storage_bytes_read,
-        "cpu_seconds": rec.cpu_seconds,
-        "cpu_seconds_per_1k_samples": (rec.cpu_seconds / samples * 1000.0
-                                       if rec.cpu_seconds is not None and samples else None),
-        "peak_rss_mb": rec.peak_rss_bytes / 2**20 if rec.peak_rss_bytes else None,
-        "peak_pss_mb": rec.peak_pss_bytes / 2**20 if rec.peak_pss_bytes else None,
         "unmarked_waits": rec.unmarked_waits,
-    }
+    })
     if on_device:
         metrics["device_idle_fraction"] = metrics["stall_fraction"]
     return metrics
@@ -173,16 +159,10 @@ def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     target = Path(path).expanduser()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target, json.dumps(document, indent=2, default=_jsonable) + "\n")
+        atomic_write_text(target, results_text(document))  # validated against loadopt.schema
     except OSError as exc:
         raise OutputError(f"{target}: cannot write the measure results ({exc.strerror or exc})") from None
     return target
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def rank_info() -> tuple[int, int]:
@@ -222,9 +202,9 @@ def _gather(folder: Path, own: dict[str, Any], world_size: int, wait_s: float) -
         for rank in range(1, world_size):
             if rank in docs:
                 continue
-            try:
-                doc = json.loads((folder / f"measure-rank{rank}.json").read_text())
-            except (OSError, ValueError):
+            try:  # a rank's file half-written or of another version: not (yet) reported
+                doc = as_dict(parse_results(json.loads((folder / f"measure-rank{rank}.json").read_text()), folder))
+            except (OSError, ValueError, SchemaError):
                 continue
             if doc.get("created_unix", 0) >= since and doc.get("sequence", 0) >= own["sequence"]:
                 docs[rank] = doc

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from loadopt.errors import LoadoptError
+from loadopt.schema import SchemaError, as_dict, parse_results
 
 OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
@@ -264,6 +265,10 @@ def load(path: str | Path, tag: str = "A", timings: bool = True) -> Results:
                         str(raw.get("reason") or ""), metrics,
                         [r for r in raw.get("repeats") or [] if isinstance(r, dict)],
                         raw["ceiling"] if isinstance(raw.get("ceiling"), dict) else None))
+    try:  # the schema's shape and version (loadopt.schema); version 1 files are upgraded as read
+        doc = as_dict(parse_results(doc, p))
+    except SchemaError as exc:
+        raise ResultsFileError(str(exc)) from None
     results = Results(p, doc, runs, tag)
     if timings:
         results.timings, results.timings_note = _timings(p.parent / "timings.parquet", runs)
