@@ -20,7 +20,6 @@ printed for each round.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import subprocess
@@ -48,7 +47,9 @@ def bench_round(config: str, out: Path, busy: int, loaders: str | None) -> dict:
     if proc.returncode != 0 or not (out / "results.json").exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"loadopt bench exited {proc.returncode}: {' / '.join(tail)}")
-    return json.loads((out / "results.json").read_text())
+    from loadopt.schema import read_results
+
+    return read_results(out / "results.json")
 
 
 def overshoot(results: dict) -> dict:
