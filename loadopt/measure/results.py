@@ -1,9 +1,9 @@
 """What `loadopt.measure` reports: the metrics of `loadopt bench`, a verdict, results files, ranks.
 
-Metric names and the results file shape are those of `loadopt bench` (loadopt.bench.metrics and
-loadopt.bench.runner), so `loadopt report` and other readers take both. Under `torchrun` every rank
-writes `measure-rank<r>.json` into a shared folder and rank 0 gathers them by polling that folder
-with a timeout: no collective call that could hang a job whose other ranks died.
+The metrics are computed by `loadopt bench`'s function (loadopt.bench.metrics.step_metrics) and the file
+is written through the one results schema (loadopt.schema), so `loadopt report` and other readers take both.
+Under `torchrun` every rank writes `measure-rank<r>.json` into a shared folder and rank 0 gathers them
+by polling that folder with a timeout: no collective call that could hang a job whose other ranks died.
 """
 
 from __future__ import annotations
