@@ -285,7 +285,7 @@ def test_mixed_decode_resumes_and_skips_corrupt_files(tmp_path):
 def test_dali_is_judged_against_its_own_engine(tmp_path):
     """The bench measures DALI's CPU engine alone (one thread x cores) when the config runs dali, and a
     dali run's verdict is against that ceiling, not PIL's or simplejpeg's."""
-    from loadopt.bench.attribution import _bounding_ceiling
+    from loadopt.bench.attribution import bounding_ceiling
     from loadopt.bench.ceilings import decode_rates
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out", loaders={"dali": {}}), "d.yaml")
@@ -294,6 +294,6 @@ def test_dali_is_judged_against_its_own_engine(tmp_path):
     assert engine["decoder"] == "dali cpu" and engine["per_core"] > 0
     assert engine["samples_per_s"] == pytest.approx(engine["per_core"] * decode["cores"])
     metrics = {"samples_per_s": {"median": 10.0}}
-    stage, _, capacity, words, _ = _bounding_ceiling(metrics, "dali cpu num_threads=2", {"decode": decode},
-                                                     {"kind": "images"}, {"decoder": "auto"})
+    stage, _, capacity, words, _ = bounding_ceiling(metrics, "dali cpu num_threads=2", {"decode": decode},
+                                                    {"kind": "images"}, {"decoder": "auto"})
     assert stage == "prep-bound" and capacity == engine["samples_per_s"] and "dali cpu" in words

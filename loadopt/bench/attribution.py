@@ -93,9 +93,9 @@ def declared_work_kind(label: str, settings: dict[str, Any] | None, recipe: dict
         return work_kind_of_recipe(recipe).value
 
 
-def _bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
-                      settings: dict[str, Any] | None,
-                      recipe: dict[str, Any] | None = None) -> tuple[str, str, float | None, str, str]:
+def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
+                     settings: dict[str, Any] | None,
+                     recipe: dict[str, Any] | None = None) -> tuple[str, str, float | None, str, str]:
     """(stage, ceiling name, its capacity in samples/s, the capacity in words, what would lift it), for the
     work the run's backend declares (`declared_work_kind`)."""
     words, settings = label.split(), settings or {}
@@ -164,7 +164,7 @@ def attribute(run_metrics: dict[str, Any], backend_label: str, ceilings: dict[st
     `recipe`: the run's recorded recipe (what it stores decides which ceiling applies)."""
     from loadopt.bench.metrics import median
 
-    stage, name, capacity, cap, lift = _bounding_ceiling(run_metrics, backend_label, ceilings, job, settings, recipe)
+    stage, name, capacity, cap, lift = bounding_ceiling(run_metrics, backend_label, ceilings, job, settings, recipe)
     rate = median(run_metrics, "samples_per_s") or 0.0
     stall = median(run_metrics, "stall_fraction") or 0.0
     batches = median(run_metrics, "batches") or 1

@@ -103,8 +103,8 @@ def measure_stages(config, dataset, device, backend: str, settings: dict[str, An
     cold.pop("files"), cold.pop("metrics")
     run_metrics = warm.pop("metrics")  # what a batch of this setting carries to the device, for the copy ceiling
     # Decode + transform from memory: the ceiling of what this setting does, as if the cache were warm.
-    prep_stage = attribution._bounding_ceiling(run_metrics, label, ceilings, {**ceilings["job"], "cache": "warm"},
-                                               settings)
+    prep_stage = attribution.bounding_ceiling(run_metrics, label, ceilings, {**ceilings["job"], "cache": "warm"},
+                                              settings)
     per_sample = cold["bytes_read_per_sample"] or float(dataset.sizes.mean())
     storage_rate = storage["bytes_per_s"] / per_sample if storage.get("bytes_per_s") else None
     stages = {
