@@ -21,7 +21,7 @@ from loadopt.config import PipelineConfig
 try:  # one-pass normalisation on the CPU (loadopt/_native.c), built at install where a C compiler is
     from loadopt import _native as native
 except ImportError:  # pragma: no cover - built by `pip install`; torch's ops stay for installs without it
-    native = None
+    native = None  # type: ignore[assignment]  # None where the optional module is absent
 
 
 def usable_cores() -> int:
@@ -130,6 +130,7 @@ class DeviceTransfer:
     def _to_cuda(self, tensors, nbytes: int, pinned: bool):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         consumer = torch.cuda.current_stream(self.device)
+        assert self._stream is not None  # a CUDA device's copy stream, made in __init__
         with torch.cuda.stream(self._stream):
             start.record()
             out = [t.to(self.device, non_blocking=True) for t in tensors]

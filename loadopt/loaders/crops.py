@@ -27,12 +27,12 @@ from loadopt.loaders import transforms
 try:  # streaming stores and a 16-pixel mirror (loadopt/_native.c), built at install where a C compiler is
     from loadopt import _native as native
 except ImportError:  # pragma: no cover - built by `pip install`; the paths below stay for installs without it
-    native = None
+    native = None  # type: ignore[assignment]  # None where the optional module is absent
 
 try:  # OpenCV's SIMD mirror: 12 us per 224 px crop here, against 74 us for the byte `take`
     import cv2
 except ImportError:  # pragma: no cover - a dependency; the numpy path stays for installs without it
-    cv2 = None
+    cv2 = None  # type: ignore[assignment]  # None where the optional module is absent
 
 
 def plan_crops(indices: np.ndarray, span: int, augment: Literal["train", "eval"], seed: int,

@@ -27,12 +27,12 @@ except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay u
 try:  # OpenCV's SIMD mirror of a resized crop into its slot
     import cv2
 except ImportError:  # pragma: no cover - a dependency; torch's flip (a copy) stays for installs without it
-    cv2 = None
+    cv2 = None  # type: ignore[assignment]  # None where the optional module is absent
 
 try:  # libjpeg-turbo's region decoding (loadopt/_jpeg.c), built at install where libjpeg-turbo's headers are
     from loadopt import _jpeg as jpeg_region
 except ImportError:  # pragma: no cover - optional; JPEGs are then decoded whole
-    jpeg_region = None
+    jpeg_region = None  # type: ignore[assignment]  # None where the optional module is absent
 
 Box = tuple[float, float, float, float]  # left, top, right, bottom in source pixels
 EVAL_CROP_FRACTION = 0.875  # resize to size/0.875, centre-crop size: the usual ImageNet eval recipe
@@ -151,11 +151,11 @@ def decode_planned(data: bytes, decoder: Literal["pil", "simplejpeg"], augment: 
                 left, top = min(round(left / denom), scaled_width - 1), min(round(top / denom), scaled_height - 1)
                 right = max(min(round(right / denom), scaled_width), left + 1)
                 bottom = max(min(round(bottom / denom), scaled_height), top + 1)
-            pixels = jpeg_region.decode_region(data, denom, left, top, right, bottom)
+            region_pixels = jpeg_region.decode_region(data, denom, left, top, right, bottom)
         except ValueError:
             pass
         else:
-            return (np.frombuffer(pixels, np.uint8).reshape(bottom - top, right - left, 3),
+            return (np.frombuffer(region_pixels, np.uint8).reshape(bottom - top, right - left, 3),
                     (0, 0, right - left, bottom - top), flip)
     pixels = decode_array(data, decoder)
     box, flip = plan(pixels.shape[1], pixels.shape[0], augment, seed, epoch, index)
@@ -169,9 +169,9 @@ def decode_fast(data: bytes) -> Image.Image:
 
 def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.ndarray:
     """The crop, resized to size x size (bilinear, antialiased) and flipped: HWC uint8."""
-    out = image.resize((size, size), Image.BILINEAR, box=box)
+    out = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
     if flip:
-        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.asarray(out)
 
 
@@ -180,8 +180,9 @@ def resize_aa(crop: torch.Tensor, size: list[int], out: torch.Tensor | None = No
     `F.interpolate(..., mode="bilinear", antialias=True)` computes it (the binding it calls: `torch.ops`'
     dispatch costs ~3x its Python overhead here), optionally written into `out`."""
     if out is None:
-        return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None)
-    return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None, out=out)
+        # torch's stub lists only the (input, output_size, align_corners, scale_factors) overload of this binding
+        return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None)  # type: ignore[call-arg]
+    return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None, out=out)  # type: ignore[call-arg]
 
 
 def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor,
