@@ -12,14 +12,15 @@
    intra-op thread each), measured just before and just after the loader in every round (their mean
    taken: this machine's load swings within seconds). Target >= 0.7: the loader runs `crops.crop_frames`
    itself, but on 2 threads of one process, which share one GIL (the per-sample torch calls) after the
-   batch's crop plan is drawn serially (about a tenth of a batch here); measured at a median of 0.80
-   with the 2 cores at a load average of about 12.
+   batch's crop plan is drawn serially (about a tenth of a batch here); measured at a median of 1.02
+   (spread 0.95-1.11) with the 2 cores at a load average of about 15 (0.80 with the ceiling measured
+   once a round, before the loader only).
 3. Images: decoded arrow (the config's pipeline: whole frames under train, the same recipe as torch)
    against the `torch` backend's best setting (tuned, the best worker count), both through the harness
    (step time 0), images/s, interleaved in every round; each round's ratio against the worker count
    with the best median. Target >= 1.5: the whole frame is resized every epoch on both paths, so arrow
-   saves the JPEG decode only (measured: 3.6x on a quieter machine, a median of 2.57 at a load average of
-   about 12); the centre form's 10x and more came from storing a different training input.
+   saves the JPEG decode only (measured: 3.6x on a quieter machine, medians of 2.57 and 2.53 at load
+   averages of 12-15); the centre form's 10x and more came from storing a different training input.
 4. Tokens: arrow against the torch memmap loader (best worker count), tokens/s. Target >= 1.0.
 
 Every figure: rounds interleaved (5 by default), the median held, the spread printed.
