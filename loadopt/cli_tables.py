@@ -29,7 +29,7 @@ def results_table(results: dict[str, Any]) -> Table:
                             ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
                             ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
                             ("bytes from", "left"), ("recipe", "left")):
-        table.add_column(column, justify=justify)
+        table.add_column(column, justify="right" if justify == "right" else "left")
     for rank, label in enumerate(results["ranking"], start=1):
         m = by_label[label]["metrics"]
         rate = m["samples_per_s"]

@@ -29,9 +29,9 @@ class Accelerator:
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> Elapsed:
         if self.device.type != "cuda":
-            start = time.perf_counter()
+            began = time.perf_counter()
             self._work(inputs, labels)
-            return Elapsed(time.perf_counter() - start)
+            return Elapsed(time.perf_counter() - began)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         self._work(inputs, labels)

@@ -69,7 +69,8 @@ def storage_bandwidth(dataset: Any, budget_bytes: int = _STORAGE_BUDGET_BYTES) -
         seconds = time.perf_counter() - start
         return {"name": "storage read", "bytes_per_s": nbytes / seconds if seconds > 0 else None, "bytes": nbytes,
                 "note": "dataset.read of a sample of remote objects (no page cache to evict)"}
-    chosen, total = [], 0
+    chosen: list = []
+    total = 0
     for i in rng.permutation(len(files)):
         size = os.path.getsize(files[i])
         if chosen and total + size > budget_bytes:

@@ -36,7 +36,7 @@ def _worker(work: WorkItem, ready, go, seconds: float, results) -> None:
 
 
 def _collect(queue, count: int, processes: list, deadline: float, what: str) -> list:
-    got = []
+    got: list = []
     while len(got) < count:
         if not queue.empty():
             got.append(queue.get())

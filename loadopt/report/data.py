@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,7 +234,7 @@ class Results:
         return "samples_per_s", "samples/s"
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | os.PathLike[str]) -> Path:
     """A results file, or a folder holding `results.json` (or `measure.json`)."""
     p = Path(path).expanduser()
     if p.is_dir():
@@ -243,7 +245,7 @@ def resolve(path: str | Path) -> Path:
     return p
 
 
-def load(path: str | Path, tag: str = "A", timings: bool = True) -> Results:
+def load(path: str | os.PathLike[str], tag: str = "A", timings: bool = True) -> Results:
     """Read one results file (and, with `timings`, its timings.parquet); user errors name the file in one line."""
     p = resolve(path)
     try:
@@ -294,7 +296,7 @@ def _timings(path: Path, runs: list[Run]) -> tuple[dict[str, Timings], str]:
     return out, "" if out else f"{path.name} holds no batch of these runs"
 
 
-def load_all(paths: list[str | Path]) -> list[Results]:
+def load_all(paths: Sequence[str | os.PathLike[str]]) -> list[Results]:
     if not paths:
         raise ResultsFileError("no results file given")
     return [load(p, tag=chr(ord("A") + i) if i < 26 else str(i + 1)) for i, p in enumerate(paths)]

@@ -58,7 +58,7 @@ figure,table,tr{break-inside:avoid}
 """
 
 
-def _table(head: list[str], rows: Iterable[list[str]], numeric: set[int] = frozenset()) -> str:
+def _table(head: list[str], rows: Iterable[list[str]], numeric: set[int] | frozenset[int] = frozenset()) -> str:
     """Cells are escaped here; numeric columns are right-aligned."""
     cls = lambda i: ' class="n"' if i in numeric else ""  # noqa: E731
     out = ["<table><thead><tr>" + "".join(f"<th{cls(i)}>{escape(h)}</th>" for i, h in enumerate(head))

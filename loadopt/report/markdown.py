@@ -26,10 +26,10 @@ def _header(res: Results) -> list[str]:
     detail = " · ".join(p for p in (res.machine_line(), res.workload_line()) if p)
     if detail:
         lines += [detail, ""]
-    if res.busy_note():
-        lines += [f"**Busy machine:** {_cell(res.busy_note())}", ""]
-    if res.bytes_sources():
-        lines += [f"**Bytes from:** {_cell(res.bytes_sources())}", ""]
+    if busy := res.busy_note():
+        lines += [f"**Busy machine:** {_cell(busy)}", ""]
+    if sources := res.bytes_sources():
+        lines += [f"**Bytes from:** {_cell(sources)}", ""]
     return lines
 
 

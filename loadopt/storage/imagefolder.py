@@ -246,8 +246,8 @@ def _open_tokens(config: Config, progress: Callable[[int, int], None] | None):
             raise DatasetError(f"{path}: token files are memory-mapped and must be on a local file system")
         return open_tokens(path.removeprefix("file://"), spec, seq_len)
     try:
-        path = ensure_tokens(spec, cache_dir(), progress=progress)
+        corpus = ensure_tokens(spec, cache_dir(), progress=progress)
     except OSError as exc:
         raise DatasetError(f"{cache_dir()}: cannot write the synthetic token corpus into the cache ({exc}); "
                            "set LOADOPT_CACHE to a writable folder") from None
-    return open_tokens(path, spec, seq_len, synthetic=True)
+    return open_tokens(corpus, spec, seq_len, synthetic=True)
