@@ -54,13 +54,12 @@ def recorded_metrics(rec: Recorded) -> dict[str, Any]:
     waits, steps = rec.wait_ns / 1e9, rec.step_ns / 1e9
     wall = float(waits.sum() + steps.sum())
     samples = int(rec.samples.sum())
-    on_device = rec.device_busy_s is not None and rec.device_idle_s is not None and (
-        rec.device_busy_s + rec.device_idle_s) > 0
-    if on_device:
-        compute_s = rec.device_busy_s
-        utilisation = rec.device_busy_s / (rec.device_busy_s + rec.device_idle_s)
-    else:
-        compute_s, utilisation = float(steps.sum()), None  # None: compute_s / wall, as bench
+    busy, idle = rec.device_busy_s, rec.device_idle_s
+    utilisation: float | None = None  # None: compute_s / wall, as bench
+    compute_s = float(steps.sum())
+    on_device = False  # CUDA events timed the device: its busy share is the utilisation
+    if busy is not None and idle is not None and busy + idle > 0:
+        on_device, compute_s, utilisation = True, busy, busy / (busy + idle)
     metrics = step_metrics(
         waits_s=waits, wall_s=wall, compute_s=compute_s, samples=samples, batches=len(steps),
         # no mb_per_s when the stored bytes are unknown, or nothing was timed
