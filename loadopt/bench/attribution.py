@@ -93,6 +93,18 @@ def declared_work_kind(label: str, settings: dict[str, Any] | None, recipe: dict
         return work_kind_of_recipe(recipe).value
 
 
+def _storage_stage(metrics: dict[str, Any], ceilings: dict[str, Any], job: dict[str, Any],
+                   lift: str) -> tuple[str, str, float | None, str, str]:
+    """The storage read as a stage: its capacity in samples of what this run reads per sample."""
+    storage = ceilings.get("storage", {}).get("bytes_per_s")
+    per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
+    if not storage or not per_sample:
+        return "fetch-bound", "storage read", None, "storage read capacity not measured", lift
+    rate = storage / per_sample
+    return ("fetch-bound", f"storage read ({storage / 1e6:,.0f} MB/s)", rate,
+            f"the storage reads {storage / 1e6:,.0f} MB/s = {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB", lift)
+
+
 def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
                      settings: dict[str, Any] | None,
                      recipe: dict[str, Any] | None = None) -> tuple[str, str, float | None, str, str]:
@@ -113,13 +125,7 @@ def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, An
         stage = ("copy-bound", name, rate, words_,
                  "uint8 batches (pipeline.dtype: uint8), fewer copies per batch or more threads lift this bound")
     elif kind == WorkKind.IO:
-        storage = ceilings.get("storage", {}).get("bytes_per_s")
-        per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
-        rate = storage / per_sample if storage and per_sample else None
-        name = f"storage read ({storage / 1e6:,.0f} MB/s)" if storage else "storage read"
-        words_ = (f"the storage reads {storage / 1e6:,.0f} MB/s = {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB"
-                  if rate else "storage read capacity not measured")
-        stage = ("fetch-bound", name, rate, words_, "a faster tier or a smaller stored form lifts this bound")
+        stage = _storage_stage(metrics, ceilings, job, "a faster tier or a smaller stored form lifts this bound")
     else:  # JPEG_DECODE, DEVICE_DECODE (no device decode ceiling is measured: the host's decode stands in)
         decode = ceilings.get("decode", {})
         slow = settings.get("decoder") == "pil" or (
@@ -147,14 +153,10 @@ def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, An
                  "uint8 batches, smaller crops on the host or decoding on the GPU lift this bound")
     if job.get("cache") == "cold":
         # Cold: the read from storage is a stage of its own; the lower of the two capacities bounds.
-        storage = ceilings.get("storage", {}).get("bytes_per_s")
-        per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
-        rate = storage / per_sample if storage and per_sample else None
-        if rate and (stage[2] is None or rate < stage[2]):
-            return ("fetch-bound", f"storage read ({storage / 1e6:,.0f} MB/s)", rate,
-                    f"the storage reads {storage / 1e6:,.0f} MB/s = {rate:,.0f} samples/s of "
-                    f"{per_sample / 1e3:,.0f} KB",
-                    "a faster tier, a warm page cache or a smaller stored form (encoded JPEGs) lifts this bound")
+        read = _storage_stage(metrics, ceilings, job, "a faster tier, a warm page cache or a smaller stored form "
+                              "(encoded JPEGs) lifts this bound")
+        if read[2] and (stage[2] is None or read[2] < stage[2]):
+            return read
     return stage
 
 
