@@ -116,3 +116,22 @@ def test_reduced_scale_decoding_stays_near_the_exact_pixels():
         differences.append((reduced.float() - exact.float()).abs().mean().item())
     print("mean |reduced - exact| per sample, levels:", [round(d, 2) for d in differences])
     assert max(differences) < 4
+
+
+@pytest.mark.parametrize("decoder", ["pil", "simplejpeg"])
+def test_the_pil_path_reduces_the_scale_too(decoder):
+    """torch plain (PIL's resize) honours `reduced_scale` as the torch-kernel paths do (its recipe says so):
+    near the exact pixels where the crop is at least twice the output, equal where it is not."""
+    data = encode(photo(1200, 900))
+    reduced_any = False
+    for index in range(6):
+        box, _ = transforms.plan(1200, 900, "train", 0, 0, index)
+        reduced = transforms.pil_pixels(data, decoder, "train", 0, 0, index, 96, reduced_scale=True)
+        exact = transforms.pil_pixels(data, decoder, "train", 0, 0, index, 96)
+        difference = np.abs(reduced.astype(float) - exact).mean()
+        if transforms.dct_denominator(transforms.whole_pixels(box), 96) == 1:
+            assert decoder == "simplejpeg" or np.array_equal(reduced, exact), index
+        else:
+            reduced_any = True
+        assert difference < 4, (index, difference)
+    assert reduced_any

@@ -99,7 +99,8 @@ class _Samples(torch.utils.data.Dataset):
         try:
             if self.resize == "pil":  # as torchvision's PIL transforms + ToTensor + Normalize do
                 pixels = transforms.pil_pixels(self.dataset.read(item[1]), self.decoder, self.pipeline.augment,
-                                               self.seed, item[0], item[1], size)
+                                               self.seed, item[0], item[1], size,
+                                               self.pipeline.jpeg_scale == "reduced")
                 if self.pipeline.dtype == "uint8":
                     return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), label, item[1], None
                 return transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std), label, item[1], None

@@ -225,11 +225,26 @@ def crop_resize_flip_chw(chw: torch.Tensor, box: Box, flip: bool, out: torch.Ten
 
 
 def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, index: int,
-               size: int) -> np.ndarray:
-    """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8."""
-    image = decode_pil(data) if decoder == "pil" else decode_fast(data)
-    box, flip = plan(image.width, image.height, augment, seed, epoch, index)
-    return crop_resize_flip(image, box, flip, size)
+               size: int, reduced_scale: bool = False) -> np.ndarray:
+    """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8. `reduced_scale`: a crop
+    at least twice `size` decoded at a reduced DCT scale (`decode_planned`; PIL's `draft` for `pil`)."""
+    if reduced_scale and decoder != "pil":
+        pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, True, size)
+        return crop_resize_flip(Image.fromarray(pixels), box, flip, size)
+    if not reduced_scale:
+        image = decode_pil(data) if decoder == "pil" else decode_fast(data)
+        box, flip = plan(image.width, image.height, augment, seed, epoch, index)
+        return crop_resize_flip(image, box, flip, size)
+    image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    box, flip = plan(width, height, augment, seed, epoch, index)
+    denom = dct_denominator(whole_pixels(box), size)
+    if denom > 1 and image.format == "JPEG":  # PIL picks the largest DCT scale that keeps this size
+        image.draft("RGB", (-(-width // denom), -(-height // denom)))
+    image.load()
+    image = image.convert("RGB") if image.mode != "RGB" else image
+    sx, sy = image.width / width, image.height / height
+    return crop_resize_flip(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), flip, size)
 
 
 def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
@@ -242,7 +257,8 @@ def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, aug
                                            slot.shape[-1] if reduced_scale else None)
         crop_resize_flip_into(pixels, box, flip, slot)
     else:
-        slot.numpy()[...] = pil_pixels(data, decoder, augment, seed, epoch, index, slot.shape[-1]).transpose(2, 0, 1)
+        slot.numpy()[...] = pil_pixels(data, decoder, augment, seed, epoch, index, slot.shape[-1],
+                                       reduced_scale).transpose(2, 0, 1)
 
 
 def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
