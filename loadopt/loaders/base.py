@@ -384,7 +384,7 @@ def _targets() -> dict[str, str]:
     """name -> "module:attribute" of every backend: the built-ins, then the entry points of the group.
 
     A name taken twice keeps the first: a built-in over an entry point (an outside package cannot replace
-    torch by accident), the first installed package over a later one; either clash is warned about once,
+    torch by accident), the package found first on sys.path over a later one; either clash is warned about once,
     naming both targets. An entry point naming a built-in's own target (loadopt's metadata from an older
     install) is no clash."""
     targets = dict(BUILTINS)
@@ -393,7 +393,7 @@ def _targets() -> dict[str, str]:
         if kept != ep.value and (ep.name, ep.value) not in _clashes_warned:
             _clashes_warned.add((ep.name, ep.value))
             dist = getattr(getattr(ep, "dist", None), "name", None)
-            whose = "the built-in" if ep.name in BUILTINS else "the first one installed"
+            whose = "the built-in" if ep.name in BUILTINS else "found first on sys.path"
             warnings.warn(f"backend {ep.name!r}: the entry point {ep.value}{f' (package {dist})' if dist else ''} "
                           f"is ignored: {ep.name!r} is already {kept} ({whose}); register it under another name",
                           UserWarning, stacklevel=2)
