@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from loadopt.errors import ConfigError
 
@@ -161,7 +162,7 @@ def _key_path(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
     if kind == "extra_forbidden":
         return "unknown key"

@@ -64,13 +64,14 @@ class MeasureSession:
             return session.measurement_for(loader).iterate(lambda: original(loader))
 
         __iter__.__wrapped__ = original  # type: ignore[attr-defined]
-        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        # a method patched on the class, yielding what the original did: not the declared iterator type
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign, assignment]
 
     def unpatch(self) -> None:
         from torch.utils.data import DataLoader
 
         if self._original is not None:
-            DataLoader.__iter__ = self._original  # type: ignore[method-assign]
+            DataLoader.__iter__ = self._original  # type: ignore[method-assign, assignment]  # restored as above
             self._original = None
 
     def finish(self, out: str | os.PathLike[str] | None, wait_s: float = 30.0) -> Path | None:

@@ -102,8 +102,9 @@ def why_unreachable(url: str, exc: BaseException) -> str | None:
         endpoint = (getattr(cause, "kwargs", None) or {}).get("endpoint_url")
         if isinstance(endpoint, str):
             host = urlsplit(endpoint).netloc or host
-        elif isinstance(getattr(cause, "host", None), str) and getattr(cause, "port", None):
-            host = f"{cause.host}:{cause.port}"
+        elif isinstance(cause_host := getattr(cause, "host", None), str) and (
+                cause_port := getattr(cause, "port", None)):
+            host = f"{cause_host}:{cause_port}"
     for cause in _causes(exc):
         if isinstance(cause, ConnectionRefusedError):
             return f"the host {host} refused the connection (is the server running, on that port?)"
