@@ -13,11 +13,16 @@ threads (the decode and the resize release the GIL, as in the loaders' threads),
   stored as the decoded forms store them) resizing straight into the batch's slot and mirroring with
   OpenCV, against resize into a new tensor, flip (a copy), copy into the slot. Same pixels.
 - lever_jpeg_path: every JPEG-path lever that is on by default (region decode + fused resize) against none.
+- lever_region_decode_loader (with `--loader-batches N`): the same lever end to end, the `torch` tuned
+  loader (2 worker processes) in the harness, step time 0, with region decoding against without it
+  (the module switched off before the workers fork): the rate a training loop sees.
 Shown beside them (not levers loadopt applies): OpenCV's INTER_AREA resize against torch's antialiased
 bilinear kernel on the same crops (another kernel, other pixels).
 
-Each RESULT is `with / without`, target >= 1.1 (a lever worth its code gains 10%). The machine is shared
-(other agents run beside it): the spread is printed.
+Each RESULT is `with / without` in images/s, target >= 1.1 (a lever worth its code gains 10%). The
+machine is shared (other agents run beside it): the spread is printed, and beside each the ratio of
+images per CPU second of this process (all threads; the loader: the harness's CPU seconds), which
+another process's load disturbs far less than the wall-clock rate: the work the lever saves.
 
     python bench/levers.py [--config configs/imagenet.yaml] [--rounds 5] [--samples 256] [--threads 2]
     python bench/levers.py --config configs/photos_large.yaml --samples 48
@@ -26,6 +31,7 @@ Each RESULT is `with / without`, target >= 1.1 (a lever worth its code gains 10%
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,12 +44,19 @@ from _common import ratio_result, spread
 TARGET = 1.1
 
 
-def timed_rate(work, count: int, pool: ThreadPoolExecutor, threads: int) -> float:
-    """Images/s of `work(positions)` over `count` samples split across `threads` threads."""
+def cpu_seconds() -> float:
+    """CPU time of this process, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_rate(work, count: int, pool: ThreadPoolExecutor, threads: int) -> tuple[float, float]:
+    """(images/s, images per CPU second) of `work(positions)` over `count` samples split across `threads`
+    threads."""
     chunks = [c for c in np.array_split(np.arange(count), threads) if len(c)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     list(pool.map(work, chunks))
-    return count / (time.perf_counter() - start)
+    return count / (time.perf_counter() - start), count / max(cpu_seconds() - cpu, 1e-9)
 
 
 def one_thread_each() -> None:
@@ -62,6 +75,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--loader-batches", type=int, default=0, help="also time the torch tuned loader end to end")
     args = parser.parse_args()
     config = load_config(args.config)
     pipe, seed = config.pipeline, config.seed
@@ -138,20 +152,42 @@ def main() -> int:
     reduced.copy_(out)
     print(f"reduced scale: mean |difference| {(exact.float() - reduced.float()).abs().mean():.2f} levels, "
           f"max {(exact.int() - reduced.int()).abs().max()} (over every pixel of every sample)")
-    for work in [w for pair in levers.values() for w in pair]:  # warm every path once
+    for work in [w for pair in levers.values() for w in pair]:  # warm every in-process path once
         timed_rate(work, min(count, 2 * threads), pool, threads)
-    rates: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in levers}
+    region_module = transforms.jpeg_region
+
+    def loader_rate(region: bool, epoch: int) -> float:
+        from _common import build_loader, harness_run
+
+        transforms.jpeg_region = region_module if region else None  # the forked workers inherit it
+        try:
+            loader = build_loader(config, "torch", variant="tuned", num_workers=2)
+            metrics = harness_run(loader, args.loader_batches, warmup=3, epoch=epoch).metrics
+            return metrics["samples_per_s"], 1000.0 / metrics["cpu_seconds_per_1k_samples"]
+        finally:
+            transforms.jpeg_region = region_module
+
+    if args.loader_batches:
+        levers["lever_region_decode_loader"] = (lambda r: loader_rate(True, r), lambda r: loader_rate(False, r))
+    # [with, without] x [images/s, images per CPU second], one entry a round
+    rates: dict[str, list[list[list[float]]]] = {name: [[[], []], [[], []]] for name in levers}
     for r in range(args.rounds):
         for name, (with_lever, without) in levers.items():
             order = [(0, with_lever), (1, without)] if r % 2 == 0 else [(1, without), (0, with_lever)]
             for slot, work in order:
-                rates[name][slot].append(timed_rate(work, count, pool, threads))
-        print(f"round {r + 1}: " + ", ".join(f"{n} {w[-1]:.0f}/{wo[-1]:.0f}" for n, (w, wo) in rates.items()),
-              flush=True)
+                wall, per_cpu = work(r) if name.endswith("_loader") else timed_rate(work, count, pool, threads)
+                rates[name][slot][0].append(wall)
+                rates[name][slot][1].append(per_cpu)
+        print(f"round {r + 1} (img/s with/without): " + ", ".join(
+            f"{n} {w[0][-1]:.0f}/{wo[0][-1]:.0f}" for n, (w, wo) in rates.items()), flush=True)
     lines = []
     for name, (with_lever, without) in rates.items():
-        print(f"{name}: with {spread(with_lever, '.0f')} img/s; without {spread(without, '.0f')} img/s")
-        ratios = [a / b for a, b in zip(with_lever, without, strict=True)]
+        print(f"{name}: with {spread(with_lever[0], '.0f')} img/s, {spread(with_lever[1], '.0f')} img per CPU s; "
+              f"without {spread(without[0], '.0f')} img/s, {spread(without[1], '.0f')} img per CPU s")
+        cpu_ratios = [a / b for a, b in zip(with_lever[1], without[1], strict=True)]
+        print(f"{name} per CPU second: per round " + ", ".join(f"{x:.3g}" for x in cpu_ratios)
+              + f"; {spread(cpu_ratios)}")
+        ratios = [a / b for a, b in zip(with_lever[0], without[0], strict=True)]
         if name.startswith("lever_"):
             lines.append(ratio_result(name, ratios, ">=", TARGET))
         else:
