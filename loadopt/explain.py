@@ -28,7 +28,7 @@ def explain_config(config) -> str:
              f"storage tier {tier}"]
     found, match, why = decision.find(config.pipeline.model_dump(mode="json"), dataset.fingerprint, tier)
     differs = _recipe_differences(found, config, dataset) if found is not None else []
-    if differs:  # auto never moves a job onto another training input
+    if differs and found is not None:  # auto never moves a job onto another training input
         why = (f"the recorded decision {found['label']} delivers another training input than this config "
                f"({'; '.join(differs)}): auto does not use it")
         found = None

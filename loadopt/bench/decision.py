@@ -97,7 +97,7 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     machine = machine_key(results["machine"], tier)
     pipeline = results["config"]["pipeline"]
     text = f"{best['label']} at {rate:,.0f} samples/s"
-    text += f", {margin:.2f}x the runner-up {other['label']}" if margin else " (no other backend measured)"
+    text += f", {margin:.2f}x the runner-up {other['label']}" if margin and other else " (no other backend measured)"
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": best["backend"], "settings": best["settings"], "label": best["label"], "samples_per_s": rate,

@@ -96,5 +96,7 @@ def _device_idle(probes: list[BatchProbe]) -> float | None:
         return None
     idle_ms = 0.0
     for before, after in zip(measured, measured[1:], strict=False):
+        if before.compute.events is None or after.compute.events is None:  # steps timed on the host
+            return None
         idle_ms += max(0.0, before.compute.events[1].elapsed_time(after.compute.events[0]))
     return idle_ms / 1000.0

@@ -57,7 +57,8 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
         if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
             run["tier_counters"] = sum_counters(setting.tier_counters)
         runs.append(run)
-    measured = sorted((r for r in runs if "metrics" in r), key=lambda r: -median(r["metrics"], "samples_per_s"))
+    measured = sorted((r for r in runs if "metrics" in r),
+                      key=lambda r: -(median(r["metrics"], "samples_per_s") or 0.0))
     want = recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset))
     # "fastest" among the settings that deliver the config's training input (loadopt.recipe)
     summary = summary_line([r for r in measured if not recipe.differences(r.get("recipe"), want)] or measured)
@@ -105,7 +106,7 @@ def summary_line(measured: list[dict[str, Any]]) -> str:
     if len(measured) > 1:
         second = measured[1]
         other = median(second["metrics"], "samples_per_s")
-        text += f", {rate / other:.2f}x the next ({second['label']}, {other:,.0f} samples/s)" if other else ""
+        text += f", {rate / other:.2f}x the next ({second['label']}, {other:,.0f} samples/s)" if rate and other else ""
     return text
 
 

@@ -53,7 +53,7 @@ def all_cached(fds: list[int], places: list[tuple[int, int]], nbytes: int) -> bo
     flag = getattr(os, "RWF_NOWAIT", 0)
     if not flag:
         return True
-    buffer = [memoryview(np.empty(nbytes, np.uint8))]
+    buffer = [np.empty(nbytes, np.uint8).data]  # its memoryview
     try:
         return all(os.preadv(fds[shard], buffer, offset, flag) == nbytes for shard, offset in places)
     except BlockingIOError:
@@ -76,7 +76,7 @@ def read_front_to_back(shards: list, block: int, o_direct: bool = False) -> int:
     `bench/raw_ceiling.py`."""
     from loadopt.loaders.posix_loader import aligned_empty  # posix_loader imports this module
 
-    buffer, total = [memoryview(aligned_empty(block))], 0
+    buffer, total = [aligned_empty(block).data], 0  # its memoryview
     for shard in shards:
         try:
             fd = os.open(shard, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))

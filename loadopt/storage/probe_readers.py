@@ -55,6 +55,7 @@ class Reader:
         views = self._views.get(length)
         if views is None:  # one view per read length (blocks: one in all), made once
             span = align_up(length) if self.direct else length
+            assert self._buffer is not None  # a local reader owns its buffer (made in __init__)
             views = self._views[length] = [memoryview(self._buffer)[:span]]
         return min(os.preadv(fd, views, offset), length)
 
@@ -88,7 +89,7 @@ def direct_works(path: str) -> bool:
         os.close(fd)
 
 
-def latency_stats(latencies: list[float], nbytes: int, seconds: float) -> dict[str, Any]:
+def latency_stats(latencies: list[float] | np.ndarray, nbytes: int, seconds: float) -> dict[str, Any]:
     lat = np.asarray(latencies) * 1000.0
     requests = len(lat)
     return {"requests": requests, "bytes": nbytes, "seconds": seconds,

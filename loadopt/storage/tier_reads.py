@@ -115,17 +115,17 @@ def remote_path(dataset: Any, local: Path) -> str | None:
 def publish(dataset: Any, local: Path, marker: str | None = None) -> str | None:
     """The remote copy of the finished local conversion `local` (a file, or a folder whose `marker` file
     marks it finished), uploaded unless already there; None when the conversions' home is local."""
-    target = remote_path(dataset, local)
-    if target is None:
+    target, home = remote_path(dataset, local), remote_home(dataset)
+    if target is None or home is None:
         return None
-    base, _ = remote_home(dataset)
+    base, _ = home
     done = f"{target}/{marker}" if marker else target
     try:
         if base.exists(done):
             return target
         base.makedirs(target if marker else target.rsplit("/", 1)[0], exist_ok=True)
         if local.is_dir():
-            for path in sorted(p for p in local.iterdir() if p.name != marker) + [local / marker]:
+            for path in sorted(p for p in local.iterdir() if p.name != marker) + ([local / marker] if marker else []):
                 base.put_file(str(path), f"{target}/{path.name}")
         else:
             base.put_file(str(local), target)
