@@ -278,7 +278,7 @@ def measure_ceilings(config: Config, dataset: Any, device: torch.device, workers
     decode ceiling's worker processes (the most any loader setting of the bench runs; default the cores)."""
     started = time.perf_counter()
     memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth()})
-    ceilings = {"memcpy": memcpy, "storage": _guarded(storage_bandwidth, dataset),
+    ceilings: dict[str, Any] = {"memcpy": memcpy, "storage": _guarded(storage_bandwidth, dataset),
                 "decode": _guarded(decode_rates, config, dataset, workers),
                 "crop_resize": _guarded(crop_resize_rate, config, dataset, workers),
                 "h2d": _guarded(h2d_bandwidth, device),

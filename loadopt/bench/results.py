@@ -28,7 +28,7 @@ LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simple
              "nvidia-dali-cuda130", "kvikio-cu12", "kvikio-cu13", "torchvision")
 
 
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """Call `write(tmp_path)`, then rename the temporary file onto `path`, which gets the mode a plain
     `open` gives (the umask's: a teammate can read the report), not mkstemp's 0600. A full disk is
     one line naming the folder; the previous file stays as it was."""

@@ -139,6 +139,7 @@ class Tuner:
         seen: dict[str, set[tuple]] = {t.backend: set() for t in todo}
         firsts: dict[str, Trial | None] = {}
         for index, tuning in enumerate(todo):
+            assert tuning.start is not None  # an "ok" backend has its start point (_setup)
             now = self.clock()
             share = max(0.0, (deadline - now) / (len(todo) - index))
             firsts[tuning.backend] = self._trial(backend_class(tuning.backend), tuning, tuning.start, None,
@@ -219,6 +220,7 @@ class Tuner:
             tuning.reason = incumbent.reason if incumbent is not None else "the budget was spent before its first run"
             return
         best_settings = tuning.start
+        assert best_settings is not None  # it ran in the first round
         for _ in range(self.window.max_passes):
             moved = False
             for key, values in tuning.space.items():

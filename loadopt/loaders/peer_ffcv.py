@@ -82,7 +82,7 @@ class FfcvLoader(PeerLoader):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._loader = None
+        self._loader: Any = None  # FFCV's Loader (an untyped library), made on the first epoch
 
     @classmethod
     def available(cls) -> tuple[bool, str]:

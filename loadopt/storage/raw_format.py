@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any, overload
 
 import numpy as np
 
@@ -46,6 +47,10 @@ INDEX_DTYPE = np.dtype([("sample_id", "<i8"), ("shard", "<i4"), ("offset", "<i8"
                         ("label", "<i8")])
 
 
+@overload
+def align_up(n: int) -> int: ...
+@overload
+def align_up(n: np.ndarray) -> np.ndarray: ...
 def align_up(n: np.ndarray | int) -> np.ndarray | int:
     """`n` rounded up to the next multiple of 4096."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -119,6 +124,7 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
         for i in range(n):
             yield dataset.read(i)
     else:  # the Arrow decoded form's own decode function: bit-equal pixels in both forms
+        assert size is not None  # the decoded form is stored at a size
         arrow_format._set_pool_globals(dataset, size)
         decode = partial(integrity.guarded, arrow_format._decode_one)
         pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
@@ -134,7 +140,8 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
 def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
            on_error: str = "raise", digest: str = "") -> None:
     limit, n = shard_bytes(shard_mib), len(dataset)
-    sums, skipped = [integrity.ChunkSums()], []
+    sums = [integrity.ChunkSums()]
+    skipped: list = []
     index = np.zeros(n, INDEX_DTYPE)
     index["sample_id"] = np.arange(n)
     if form != "tokens":
@@ -158,7 +165,7 @@ def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float
                 progress(i + 1, n)
     finally:
         out.close()
-    extra = {"frames": np.array(dims, np.int32).reshape(n, 4)} if form == "frames" else {}
+    extra: dict[str, Any] = {"frames": np.array(dims, np.int32).reshape(n, 4)} if form == "frames" else {}
     meta = {**_meta(dataset, form, size, shard_mib), "source_content": digest, "skipped": skipped,
             "checksums": {"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
                           "shards": [s.finish() for s in sums]}}
