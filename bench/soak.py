@@ -4,8 +4,8 @@ Each backend runs `--epochs` epochs through `make_loader` (the library path a tr
 `for inputs, labels in loader`), step time 0. Mid-epoch (at half of the epoch's batches) the process
 tree's PSS is sampled (shared pages split between the processes that map them, so the ring of batches
 shared by the workers counts once), with each process's PSS, USS and anonymous PSS beside it (and
-the tree's PSS at a quarter and three quarters of the epoch). The figure is the median PSS of the
-last 5 epochs over that of epochs 3-7 (the first two epochs warm up: allocator arenas, the page
+the tree's PSS at a quarter and three quarters of the epoch). The figure is the median own memory
+(below) of the last 5 epochs over that of epochs 3-7 (the first two epochs warm up: allocator arenas, the page
 cache of the mapped files, the first workers' imports); the spread is the smallest and largest of
 every epoch's PSS over the first window's median. Target <= 1.10. A leak (memory that grows with
 the epochs) moves the last window as far as it moves the last epoch; one sample does not.
@@ -21,10 +21,17 @@ batch of 64 x 3 x 224 x 224: malloc maps each in its own region), and its brk he
 freed) up to ~144 MB and back; a 36 MB anonymous region holding the 9.6 MB transposed-pixel buffer
 (`Loader._intermediate`) with freed memory that malloc keeps around it; no full garbage collection
 in the consumer during any sampled epoch (counted). The workers forked each epoch share whatever
-the consumer's heap holds at that moment, so their anonymous PSS follows it. The split by kind says what grew: anonymous
-memory (heaps: a leak or allocator retention would show here), file-backed pages (a memory-mapped
-file's pages count in PSS as they are touched, up to the file's size: the page cache, not the
-process's memory) and shared memory (the batch ring).
+the consumer's heap holds at that moment, so their anonymous PSS follows it.
+
+What is held is the tree's own memory: anonymous and shared-memory PSS (heaps: a leak or allocator
+retention would show here; the batch ring), not file-backed pages. A shared library's pages (libtorch:
+hundreds of MB) count in PSS divided among every process on the machine that maps them, so the tree's
+file-backed PSS moves when other users' processes start and exit: in a 30-epoch run during which the
+machine's load fell from 29 to 2 (other helpers' processes ended) torch's file-backed PSS went
+37 -> 124 MB and the consumer's USS 57 -> 150-193 MB with it, while its anonymous PSS went x1.07: the
+whole tree's PSS read x1.17 over the same windows. A memory-mapped file's pages (arrow) likewise count
+as they are touched, up to the file's size: the page cache. The whole PSS and its file-backed part
+are printed beside the figure held.
 
 Found with it (issue 17): torch tuned's tree PSS rose from ~400 to 800-1100 MB over the first epochs,
 then wandered there. Not a leak (Python's traced heap stayed ~1 MB; with glibc's mmap threshold pinned,
@@ -225,12 +232,19 @@ def main() -> int:
             print(f"{backend}: cannot measure: {type(exc).__name__}: {exc}")
             return 1
         pss = [s["tree_pss"] for s in found["samples"]][FIRST_EPOCH - 1:]
+        own = [s["tree_anon"] + s["tree_shmem"] for s in found["samples"]][FIRST_EPOCH - 1:]
         first, last = found["samples"][FIRST_EPOCH - 1], found["samples"][-1]
         window = min(WINDOW, len(pss) // 2)
+        own_start, own_end = statistics.median(own[:window]), statistics.median(own[-window:])
+        growth = own_end / own_start
+        print(f"{backend}: the tree's own memory (anonymous + shared-memory PSS), median of epochs {FIRST_EPOCH}-"
+              f"{FIRST_EPOCH + window - 1} {own_start:.1f} MB -> of epochs {args.epochs - window + 1}-{args.epochs} "
+              f"{own_end:.1f} MB (x{growth:.3f}; every epoch from {FIRST_EPOCH}: x{min(own) / own_start:.3f} to "
+              f"x{max(own) / own_start:.3f})")
         start, end = statistics.median(pss[:window]), statistics.median(pss[-window:])
-        growth = end / start
-        print(f"{backend}: tree PSS, median of epochs {FIRST_EPOCH}-{FIRST_EPOCH + window - 1} {start:.1f} MB -> of "
-              f"epochs {args.epochs - window + 1}-{args.epochs} {end:.1f} MB (x{growth:.3f}; every epoch from "
+        print(f"{backend}: for information, with file-backed pages: tree PSS, median of epochs {FIRST_EPOCH}-"
+              f"{FIRST_EPOCH + window - 1} {start:.1f} MB -> of "
+              f"epochs {args.epochs - window + 1}-{args.epochs} {end:.1f} MB (x{end / start:.3f}; every epoch from "
               f"{FIRST_EPOCH}: x{min(pss) / start:.3f} to x{max(pss) / start:.3f}); one sample each, for information: "
               f"epoch {FIRST_EPOCH} {pss[0]:.1f} MB -> epoch {args.epochs} {pss[-1]:.1f} MB (x{pss[-1] / pss[0]:.3f})")
         print(f"{backend}: by kind from epoch {FIRST_EPOCH} to {args.epochs}: anon {first['tree_anon']:.1f} -> "
