@@ -67,6 +67,7 @@ def _terminate_as_interrupt() -> Iterator[list[bool]]:
         return
 
     owner = os.getpid()
+    interrupted: list[bool] = []
 
     def stop(signum: int, frame: Any) -> None:
         if os.getpid() != owner:  # a forked worker inherited this handler: end it as SIGTERM always did
@@ -79,15 +80,28 @@ def _terminate_as_interrupt() -> Iterator[list[bool]]:
         raise Terminated()
 
     def unraisable(info: Any) -> None:  # our raise landed where Python ignores exceptions: raised again later
-        if not isinstance(info.exc_value, Terminated):
-            previous_hook(info)
+        if isinstance(info.exc_value, Terminated):
+            return
+        if received or interrupted:  # a finaliser of an object the stop cut short mid-construction (seen:
+            # torch's DataLoader iterator without `_workers_status`): the stop is the cause, not a fault to print
+            logging.getLogger("loadopt").debug("after the stop, ignored in %r: %r", info.object, info.exc_value)
+            return
+        previous_hook(info)
+
+    def interrupt(signum: int, frame: Any) -> None:  # Ctrl-C as always, remembered for `unraisable`
+        interrupted.append(True)
+        signal.default_int_handler(signum, frame)
 
     previous, previous_hook = signal.signal(signal.SIGTERM, stop), sys.unraisablehook
+    previous_int = signal.signal(signal.SIGINT, interrupt) if signal.getsignal(signal.SIGINT) is \
+        signal.default_int_handler else None
     sys.unraisablehook = unraisable
     try:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
         sys.unraisablehook = previous_hook
 
 

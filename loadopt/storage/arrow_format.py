@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 from collections.abc import Callable
 from functools import partial
@@ -33,7 +32,7 @@ import pyarrow as pa
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
 from loadopt.loaders.crops import FRAME_FIELDS, scaled_frame
-from loadopt.storage import integrity
+from loadopt.storage import decode_pool, integrity
 from loadopt.storage.tier_reads import local_dir
 
 log = logging.getLogger(__name__)
@@ -118,8 +117,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
     pool = None
     if form in ("decoded", "frames"):
         _set_pool_globals(dataset, size)
-        if workers > 1:
-            pool = multiprocessing.get_context("fork").Pool(workers)
+        pool = decode_pool.start(workers)
     try:
         for start in range(0, n, ROWS_PER_BATCH):
             ids = np.arange(start, min(n, start + ROWS_PER_BATCH), dtype=np.int64)
@@ -153,8 +151,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
             if progress is not None:
                 progress(int(ids[-1]) + 1, n)
     finally:
-        if pool is not None:
-            pool.terminate()
+        decode_pool.stop(pool)
 
 
 def _set_pool_globals(dataset, size) -> None:

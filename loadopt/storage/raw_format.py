@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import zipfile
@@ -34,7 +33,7 @@ import numpy as np
 
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
-from loadopt.storage import arrow_format, integrity
+from loadopt.storage import arrow_format, decode_pool, integrity
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.tier_reads import local_dir
 
@@ -105,7 +104,7 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
     skipped = [] if skipped is None else skipped
     if form == "frames":  # the Arrow frames form's own function; each frame's dims appended to `dims`
         arrow_format._set_pool_globals(dataset, size)
-        pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+        pool = decode_pool.start(workers)
         decode = partial(integrity.guarded, arrow_format.decode_frame)
         try:
             for i, result in enumerate(pool.imap(decode, range(n), chunksize=16) if pool else map(decode, range(n))):
@@ -114,8 +113,7 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
                 dims.append(frame)
                 yield blob
         finally:
-            if pool is not None:
-                pool.terminate()
+            decode_pool.stop(pool)
     elif form == "tokens":
         windows = dataset.windows()
         for i in range(n):
@@ -127,14 +125,13 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
         assert size is not None  # the decoded form is stored at a size
         arrow_format._set_pool_globals(dataset, size)
         decode = partial(integrity.guarded, arrow_format._decode_one)
-        pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+        pool = decode_pool.start(workers)
         try:
             for i, result in enumerate(pool.imap(decode, range(n), chunksize=16) if pool else map(decode, range(n))):
                 yield integrity.keep_or_skip(dataset, [i], [result], on_error, skipped,
                                              lambda: bytes(size * size * 3))[0]
         finally:
-            if pool is not None:
-                pool.terminate()
+            decode_pool.stop(pool)
 
 
 def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,

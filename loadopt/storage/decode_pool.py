@@ -1,0 +1,29 @@
+"""The conversions' decode pools: forked workers, stopped without waiting on them forever."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from multiprocessing.pool import Pool
+
+log = logging.getLogger(__name__)
+
+
+def start(workers: int) -> Pool | None:
+    """A pool of `workers` forked processes (they inherit the dataset set up for them), or None for one."""
+    return multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+
+
+def stop(pool: Pool | None, timeout_s: float = 30.0) -> None:
+    """`pool.terminate()`, bounded. CPython's terminate waits on the result queue's lock, and a conversion
+    stopped mid-stream (ENOSPC, a damaged file, Ctrl-C) once hung there for good in CI; past the timeout
+    the pool is left to the interpreter's exit (its workers are daemonic) and a warning says so."""
+    if pool is None:
+        return
+    stopper = threading.Thread(target=pool.terminate, name="loadopt-pool-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    if stopper.is_alive():
+        log.warning("a conversion's decode workers did not stop within %.0f s; they end with this process",
+                    timeout_s)
