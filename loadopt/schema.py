@@ -86,7 +86,18 @@ class TierRow(_Open):
         return row
 
 
-class ResultsFile(_Open):
+class _Versioned(_Open):
+    """A file's top level: its `schema_version` checked (and set for version 1 files, which had none)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _versioned(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {**data, "schema_version": _version(data)}
+        return data
+
+
+class ResultsFile(_Versioned):
     """results.json, measure.json and tiers.json: runs (none for tiers), ranking, summary."""
 
     schema_version: int = SCHEMA_VERSION
@@ -100,15 +111,8 @@ class ResultsFile(_Open):
     # a row that is not a tier (no name) is kept as it is: the report skips it, the rest still renders
     tiers: list[Annotated[TierRow | Any, Field(union_mode="left_to_right")]] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _versioned(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = {**data, "schema_version": _version(data)}
-        return data
 
-
-class Decision(_Open):
+class Decision(_Versioned):
     """What a bench (or a tier of `loadopt tiers`) decided: `decision.json` and each cache entry."""
 
     schema_version: int = SCHEMA_VERSION
@@ -122,13 +126,6 @@ class Decision(_Open):
     pipeline: dict[str, Any] | None = None
     machine: dict[str, Any] | None = None
     machine_fingerprint: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _versioned(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = {**data, "schema_version": _version(data)}
-        return data
 
 
 def _version(data: dict[str, Any]) -> int:
