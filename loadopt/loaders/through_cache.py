@@ -29,6 +29,7 @@ import psutil
 
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops
+from loadopt.storage.sequential import read_sequential
 
 PREFILL_BLOCK = 8 << 20  # sequential reads this large make the kernel's readahead use large folios
 
@@ -71,25 +72,9 @@ def prefill(shards: list) -> None:
 
 
 def read_front_to_back(shards: list, block: int, o_direct: bool = False) -> int:
-    """Read each file from start to end, one `block`-byte preadv after another (into a page-aligned
-    buffer, as O_DIRECT needs); returns the bytes read. Also the sequential reference of
-    `bench/raw_ceiling.py`."""
-    from loadopt.loaders.posix_loader import aligned_empty  # posix_loader imports this module
-
-    buffer, total = [aligned_empty(block).data], 0  # its memoryview
-    for shard in shards:
-        try:
-            fd = os.open(shard, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
-            try:
-                offset = 0
-                while got := os.preadv(fd, buffer, offset):
-                    offset += got
-            finally:
-                os.close(fd)
-        except OSError as exc:  # e.g. a shard removed under a running job
-            raise DatasetError(f"{shard}: cannot read ({exc.strerror or exc})") from None
-        total += offset
-    return total
+    """Read each file from start to end, `block` bytes a read; returns the bytes read (the one
+    sequential reader, storage/sequential.py)."""
+    return read_sequential([str(shard) for shard in shards], block, direct=o_direct).nbytes
 
 
 def produce(loader, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +42,7 @@ from loadopt.storage.probe_readers import (
     run_concurrent,
 )
 from loadopt.storage.remote import is_local_fs
+from loadopt.storage.sequential import read_sequential
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_BLOCKS = (4 * KiB, 128 * KiB, MiB)
@@ -151,7 +151,7 @@ def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[File], is_
         max_length = max(f.size for f in fitting) if kind == "files" else block
         make_reader = lambda max_length=max_length: Reader(fs, local, direct, max_length)  # noqa: E731
         if kind == "sequential":
-            entry.update(_sequential(make_reader(), files, seq_block, seq_bytes, duration_s))
+            entry.update(_sequential(fs, local, direct, files, seq_block, seq_bytes, duration_s))
         else:
             pick = _file_picker(fitting) if kind == "files" else _offset_picker(fitting, block)
             entry.update(run_concurrent(make_reader, fitting, pick, concurrency, processes_for(concurrency, local),
@@ -207,35 +207,15 @@ def _file_picker(files: list[File]) -> Picker:
     return pick
 
 
-def _sequential(reader: Reader, files: list[File], block: int, max_bytes: int, duration_s: float) -> dict[str, Any]:
+def _sequential(fs: fsspec.AbstractFileSystem, local: bool, direct: bool, files: list[File], block: int,
+                max_bytes: int, duration_s: float) -> dict[str, Any]:
     """Read the files in order, `block` bytes at a time, pass after pass (as fio's `time_based` does),
     until `max_bytes` or the time is up."""
     latencies: list[float] = []
-    nbytes = 0
-    began = time.perf_counter()
-    deadline = began + duration_s
-    try:
-        while nbytes < max_bytes and time.perf_counter() < deadline:
-            before = nbytes
-            for file in files:
-                offset = 0
-                while offset < file.size and nbytes < max_bytes:
-                    length = min(block, file.size - offset)
-                    start = time.perf_counter()
-                    got = reader.read(file, offset, length)
-                    end = time.perf_counter()
-                    latencies.append(end - start)
-                    nbytes += got
-                    offset += length
-                    if got == 0 or end >= deadline:
-                        break
-                if nbytes >= max_bytes or time.perf_counter() >= deadline:
-                    break
-            if nbytes == before:  # nothing to read (empty files)
-                break
-    finally:
-        reader.close()
-    return latency_stats(latencies, nbytes, time.perf_counter() - began)
+    done = read_sequential([f.path for f in files], block, fs=None if local else fs, sizes=[f.size for f in files],
+                           direct=direct, max_bytes=max_bytes, max_seconds=duration_s, passes=True,
+                           latencies=latencies)
+    return latency_stats(latencies, done.nbytes, done.seconds)
 
 
 def summary(result: dict[str, Any]) -> dict[str, float | None]:
