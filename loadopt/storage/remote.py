@@ -69,10 +69,6 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-def is_url(path: str) -> bool:
-    return "://" in path
-
-
 def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether `fs` is the local disk (fsspec's `file` protocol), read with plain system calls."""
     protocol = fs.protocol
