@@ -22,7 +22,7 @@ def build_loader(config, backend: str, **settings):
     """A loader of `backend` for the config's train split, settings given as keywords."""
     from loadopt.config import expand_settings
     from loadopt.device import resolve_device
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
     from loadopt.storage.imagefolder import open_dataset
 
     cls = backend_class(backend)

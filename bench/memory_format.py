@@ -50,7 +50,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from loadopt.config import load_config
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     settings = {"arrow": {"form": "decoded"}, "posix": {"form": "decoded"}, "torch": {"variant": "tuned"},
                 "dali": {"normalise": "device", "layout": "NHWC"}}

@@ -113,7 +113,7 @@ def measure(config, path: Path, batches: int, epoch: int, bare: bool) -> tuple[f
 
 def prepare(config, chosen: list[Path]) -> list[Path]:
     """Convert once for every path that can run here (not timed); a path that cannot says why."""
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     usable = []
     for path in chosen:

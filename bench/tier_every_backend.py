@@ -37,7 +37,7 @@ def one_run(config, backend: str, settings: dict) -> dict:
     from loadopt.bench.harness import run_repeat
     from loadopt.config import expand_settings
     from loadopt.device import DeviceTransfer, resolve_device
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.pagecache import evict
 
@@ -67,7 +67,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from loadopt.config import load_config
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     config = load_config(args.config, [
         f"dataset.synthetic.num_samples={args.samples}", f"pipeline.batch_size={args.batch}",

@@ -31,7 +31,7 @@ from _common import REPO, ratio_result, result_line
 def grid_points(tuner, name: str) -> list:
     """Every setting of the backend's searched space that fits the machine (the same space the tuner searches)."""
     from loadopt.bench.knobs import search_space
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     cls = backend_class(name)
     space, start = search_space(tuner.config, name, cls, tuner.limits.cores)
@@ -47,7 +47,7 @@ def measure(tuner, name: str, settings, warmup: int, batches: int) -> float:
     from loadopt.bench.harness import run_repeat
     from loadopt.bench.tuner import steady_rate
     from loadopt.device import DeviceTransfer
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     loader = tuner._build(backend_class(name), settings)
     try:
@@ -70,7 +70,7 @@ def main() -> int:
     from loadopt.bench.tuner import Tuner, Window
     from loadopt.config import load_config
     from loadopt.device import resolve_device
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
     from loadopt.storage.imagefolder import open_dataset
 
     config = load_config(args.config)

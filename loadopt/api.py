@@ -13,7 +13,8 @@ from loadopt.bench.knobs import start_settings
 from loadopt.config import Config, PipelineConfig, config_from_dict, load_config
 from loadopt.device import resolve_device
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
-from loadopt.loaders.base import BUILTINS, BatchTransform, Loader, backend_class, backend_for, backend_names
+from loadopt.loaders.base import BatchTransform, Loader
+from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
 from loadopt.recipe import RecipeMismatch
 from loadopt.storage.imagefolder import ImageDataset, open_dataset

@@ -11,7 +11,7 @@ import itertools
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -72,6 +72,9 @@ class PipelineConfig(_Strict):
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     shuffle: bool = True
+    # `shared`: batches in the sampler's order, as DataLoader's (every loadopt backend); `any` also lets `auto`
+    # pick a backend whose library orders the samples itself (the peers, dali reader native): loadopt.recipe.
+    order: Literal["shared", "any"] = "shared"
     drop_last: bool = False
     # Image batches in memory: channels_last (NCHW shape over NHWC memory: what pre-decoded backends hold and
     # convolutions prefer) or contiguous (NCHW memory, as DataLoader's default_collate gives); README: cost.
@@ -128,7 +131,7 @@ class Config(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
     workload: WorkloadConfig = WorkloadConfig()
     # backend name -> raw settings; validated against the backend's own model by `backend_settings`.
-    loaders: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"torch": {}})
+    loaders: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"torch": dict[str, Any]()})
     storage: StorageConfig = StorageConfig()
     report: ReportConfig = ReportConfig()
     # Where the config came from, for error messages and results; not a YAML key.
@@ -333,7 +336,7 @@ def expand_settings(model: type[BaseModel], raw: dict[str, Any], where: str, sou
         values = value if isinstance(value, list) else [value]
         if not values:
             raise ConfigError(f"{_source_for(path, source, overrides)}: {path}: empty list, nothing to sweep")
-        adapter = TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
+        adapter: TypeAdapter[Any] = TypeAdapter(field.rebuild_annotation())  # the type with its constraints
         checked = []
         for index, item in enumerate(values):
             try:
@@ -354,7 +357,7 @@ def expand_settings(model: type[BaseModel], raw: dict[str, Any], where: str, sou
 
 def backend_settings(config: Config, name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[BaseModel]:
     """The validated sweep points of backend `name` as configured (one point when nothing is a list)."""
-    from loadopt.loaders.base import backend_class  # import here: the registry imports this module
+    from loadopt.loaders.registry import backend_class  # import here: the registry imports this module
 
     try:
         cls = backend_class(name)

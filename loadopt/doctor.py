@@ -110,7 +110,7 @@ def run_checks() -> list[Check]:
     except OSError as exc:
         checks.append(Check("/dev/shm", False, f"unavailable: {exc}"))
     from loadopt.device import usable_cores
-    from loadopt.loaders.base import backend_class, backend_names
+    from loadopt.loaders.registry import backend_class, backend_names
 
     for name in backend_names():
         available, reason = backend_class(name).available()

@@ -60,7 +60,7 @@ def _recipe_differences(found: dict, config, dataset) -> list[str]:
     """How the decision's setting, built for this config (never prepared), differs from the config's recipe."""
     from loadopt import recipe
     from loadopt.errors import LoadoptError
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
     from loadopt.storage.tokens import TokenDataset
 
     try:

@@ -31,7 +31,7 @@ class DelaySettings(BaseModel):
     prefetch: int = 2
 
 
-class DelayLoader(Loader):
+class DelayLoader(Loader[DelaySettings]):
     """Produces each batch `delay_s` after the previous one (background) or on request (foreground)."""
 
     name = "delay"

@@ -167,7 +167,7 @@ def stage_case(tmp_path, cache: str, loaders=None):
 
 def stages_of(config):
     from loadopt.bench import stages
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     dataset = open_dataset(config)
     device = torch.device("cpu")

@@ -17,9 +17,9 @@ import yaml
 from loadopt import make_loader
 from loadopt.config import PipelineConfig, config_from_dict
 from loadopt.errors import ConfigError, DatasetError
-from loadopt.loaders.base import backend_class
 from loadopt.loaders.dali_feed import dali_error
 from loadopt.loaders.dali_loader import DaliLoader, DaliSettings
+from loadopt.loaders.registry import backend_class
 from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
 from loadopt.storage.imagefolder import open_dataset, scan_image_folder
 

@@ -92,7 +92,7 @@ def test_tune_attribution_and_decision_under_torchrun(tmp_path, cache_dir):
 
 FAILING_BACKENDS = """
 from loadopt.cli import main
-from loadopt.loaders.base import register
+from loadopt.loaders.registry import register
 from tests.backends import DelayLoader
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from loadopt import make_loader
 from loadopt.errors import ConfigError, DatasetError
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.registry import backend_class
 
 from .conftest import make_image_folder
 

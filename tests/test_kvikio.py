@@ -14,7 +14,7 @@ from .test_raw import SMALL, config, tokens_config
 
 
 def test_kvikio_is_unavailable_here_with_the_reason():
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     available, reason = backend_class("kvikio").available()
     if torch.cuda.is_available():
@@ -57,9 +57,9 @@ def test_kvikio_logic_tokens_and_resume(tmp_path):
 
 def cpu_jpeg_decoder(streams, device):
     """Stands in for the GPU decoder: the same bitstreams in, CHW uint8 tensors out (simplejpeg)."""
-    from loadopt.loaders import transforms
+    from loadopt.imaging.decode import decode_array
 
-    return [torch.from_numpy(transforms.decode_array(bytes(s.numpy()), "simplejpeg")).permute(2, 0, 1)
+    return [torch.from_numpy(decode_array(bytes(s.numpy()), "simplejpeg")).permute(2, 0, 1)
             for s in streams]
 
 
@@ -152,8 +152,8 @@ def test_cufile_mode_says_which_path_reads_and_why(monkeypatch, setting, kvikio_
 def test_kvikio_encoded_on_a_gpu_is_close_to_posix(tmp_path):
     """cuFile reads of the JPEG bytes, the installed GPU decoder, the float resize kernel: the labels
     and order of posix, pixels within a few levels (nvJPEG's IDCT and the float kernel round apart)."""
-    from loadopt.loaders.base import backend_class
     from loadopt.loaders.kvikio_loader import gpu_jpeg_decoder
+    from loadopt.loaders.registry import backend_class
 
     available, reason = backend_class("kvikio").available()
     if not available or gpu_jpeg_decoder()[0] is None:

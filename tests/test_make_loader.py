@@ -190,8 +190,8 @@ def test_swept_knobs_take_the_backends_default_for_this_machine_and_say_so(tmp_p
     from loadopt.bench.knobs import search_space
     from loadopt.config import load_config
     from loadopt.device import usable_cores
-    from loadopt.loaders.base import backend_class
     from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+    from loadopt.loaders.registry import backend_class
 
     cores = usable_cores()
     path = tmp_path / "sweep.yaml"

@@ -13,7 +13,7 @@ from loadopt import recipe
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError
 from loadopt.loaders import peer_base
-from loadopt.loaders.base import backend_class, backend_names
+from loadopt.loaders.registry import backend_class, backend_names
 from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
 from loadopt.storage.imagefolder import open_dataset
 

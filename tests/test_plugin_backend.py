@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from loadopt.loaders import base
+from loadopt.loaders import registry
 
 from .conftest import tiny_config_dict
 
@@ -44,8 +44,8 @@ def bench(tmp_path, loaders: dict, name: str) -> tuple[dict, object]:
 
 
 def test_the_installed_example_is_registered_by_its_entry_point():
-    cls = base.backend_class(NAME)
-    assert NAME in base.backend_names() and NAME not in base.BUILTINS
+    cls = registry.backend_class(NAME)
+    assert NAME in registry.backend_names() and NAME not in registry.BUILTINS
     assert cls.__module__ == "loadopt_example_backend" and cls.available() == (True, "")
     assert cls.work_kind(cls.Settings(), None) == "jpeg_decode"
 

@@ -306,7 +306,7 @@ def test_an_interrupted_conversion_leaves_nothing_used(tmp_path, monkeypatch):
 @pytest.mark.parametrize("backend", ["posix", "kvikio"])
 def test_on_a_gpu_equals_arrow(tmp_path, backend):
     """posix with its pinned ring, kvikio with real cuFile reads into GPU memory (where installed)."""
-    from loadopt.loaders.base import backend_class
+    from loadopt.loaders.registry import backend_class
 
     cls = backend_class(backend)
     available, reason = cls.available()

@@ -18,7 +18,7 @@ from loadopt import make_loader, recipe
 from loadopt.bench import decision
 from loadopt.config import config_from_dict
 from loadopt.loaders import crops, transforms
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.registry import backend_class
 
 LOW, SPAN = 20.0, 215.0  # the ramps run from 20 to 235: away from clipping at 0 and 255
 SIZE, MAX_SIDE, SEED = 64, 200, 3

@@ -3,9 +3,8 @@
 import sys
 
 import pytest
-import torch
 
-from loadopt.loaders import base
+from loadopt.loaders import registry
 
 
 @pytest.fixture
@@ -21,29 +20,29 @@ def outside_package(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     for name in ("outside", "broken"):
-        base._registered.pop(name, None)
+        registry.unregister(name)
     sys.modules.pop("outside_backend", None)
 
 
 def test_entry_point_backend_is_found_and_builds(outside_package):
-    assert {"torch", "outside", "broken"} <= set(base.backend_names())
-    cls = base.backend_class("outside")
+    assert {"torch", "outside", "broken"} <= set(registry.backend_names())
+    cls = registry.backend_class("outside")
     assert cls.__name__ == "OutsideLoader" and cls.name == "outside"
     assert cls.available() == (True, "")
 
 
 def test_a_backend_that_fails_to_import_is_listed_unavailable(outside_package):
-    available, reason = base.backend_class("broken").available()
+    available, reason = registry.backend_class("broken").available()
     assert not available and "outside_backend_missing" in reason
 
 
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(KeyError, match="unknown backend 'nope' \\(known: torch"):
-        base.backend_class("nope")
+        registry.backend_class("nope")
 
 
 def test_builtin_torch_backend_declares_its_knobs():
-    cls = base.backend_class("torch")
+    cls = registry.backend_class("torch")
     assert {"variant", "num_workers", "prefetch_factor", "pin_memory", "persistent_workers"} <= set(
         cls.Settings.model_fields)
 
@@ -63,31 +62,31 @@ def test_the_builtins_are_one_list_in_the_package_not_in_the_metadata():
     from pathlib import Path
 
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert '[project.entry-points."loadopt.loaders"]' not in pyproject  # one list: base.BUILTINS
-    assert base.backend_names()[:len(base.BUILTINS)] == list(base.BUILTINS)
+    assert '[project.entry-points."loadopt.loaders"]' not in pyproject  # one list: registry.BUILTINS
+    assert registry.backend_names()[:len(registry.BUILTINS)] == list(registry.BUILTINS)
 
 
 def test_an_outside_entry_point_with_a_builtins_name_is_warned_about_and_the_builtin_kept(tmp_path, monkeypatch):
     _dist(tmp_path, "clashing_backend", "torch = clashing_backend:MyTorch")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(base, "_clashes_warned", set())
+    monkeypatch.setattr(registry, "_clashes_warned", set())
     with pytest.warns(UserWarning) as caught:
-        names = base.backend_names()
+        names = registry.backend_names()
     text = " ".join(str(w.message) for w in caught)
-    assert "clashing_backend:MyTorch" in text and base.BUILTINS["torch"] in text and "clashing-backend" in text
+    assert "clashing_backend:MyTorch" in text and registry.BUILTINS["torch"] in text and "clashing-backend" in text
     assert names.count("torch") == 1
-    assert base.backend_class("torch").__module__ == "loadopt.loaders.torch_loader"
+    assert registry.backend_class("torch").__module__ == "loadopt.loaders.torch_loader"
 
 
 def test_an_entry_point_naming_the_builtins_own_target_is_no_clash(tmp_path, monkeypatch):
     import warnings
 
-    _dist(tmp_path, "old_loadopt_metadata", f"torch = {base.BUILTINS['torch']}")
+    _dist(tmp_path, "old_loadopt_metadata", f"torch = {registry.BUILTINS['torch']}")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(base, "_clashes_warned", set())
+    monkeypatch.setattr(registry, "_clashes_warned", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        base.backend_names()
+        registry.backend_names()
 
 
 PLUGIN_MODULE = '''
@@ -111,7 +110,7 @@ def declaring_package(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     for name in ("readonly", "undeclared"):
-        base._registered.pop(name, None)
+        registry.unregister(name)
     sys.modules.pop("declaring_backend", None)
 
 
@@ -135,44 +134,28 @@ def test_attribution_holds_an_outside_backend_to_the_ceiling_it_declares(declari
 def test_the_builtins_declare_what_bounds_them():
     images = {"kind": "images", "stored": "source"}
     frames = {"kind": "images", "stored": "whole frame <= 512 px"}
-    assert base.backend_class("torch").work_kind(base.backend_class("torch").Settings(), images) == "jpeg_decode"
-    arrow = base.backend_class("arrow")
+    torch_loader = registry.backend_class("torch")
+    assert torch_loader.work_kind(torch_loader.Settings(), images) == "jpeg_decode"
+    arrow = registry.backend_class("arrow")
     assert arrow.work_kind(arrow.Settings(form="decoded"), frames) == "crop_resize"
     assert arrow.work_kind(arrow.Settings(form="decoded"), {"kind": "images", "stored": "centre 256 px square"}) \
         == "pixel_copy"
     assert arrow.work_kind(arrow.Settings(), {"kind": "tokens"}) == "token_gather"
-    kvikio = base.backend_class("kvikio")
+    kvikio = registry.backend_class("kvikio")
     if kvikio.__name__ == "KvikioLoader":  # its module imports without kvikio installed
         assert kvikio.work_kind(kvikio.Settings(form="decoded"), frames) == "pixel_copy"  # resized on the GPU
-    dali = base.backend_class("dali")
+    dali = registry.backend_class("dali")
     if dali.available()[0]:
         assert dali.work_kind(dali.Settings(decoder="mixed"), images) == "device_decode"
         assert dali.work_kind(dali.Settings(decoder="cpu"), images) == "jpeg_decode"
-    assert base.backend_class("webdataset").work_kind(None, images) == "jpeg_decode"
+    assert registry.backend_class("webdataset").work_kind(None, images) == "jpeg_decode"
 
 
 def test_supports_says_which_datasets_a_backend_reads():
     from loadopt.storage.tokens import TokenDataset
 
     tokens = TokenDataset.__new__(TokenDataset)
-    assert base.backend_class("torch").supports(tokens) == (True, "")
-    assert base.backend_class("arrow").supports(tokens) == (True, "")
-    ok, why = base.backend_class("webdataset").supports(tokens)
+    assert registry.backend_class("torch").supports(tokens) == (True, "")
+    assert registry.backend_class("arrow").supports(tokens) == (True, "")
+    ok, why = registry.backend_class("webdataset").supports(tokens)
     assert not ok and "image datasets only" in why
-
-
-def test_a_subclass_still_defining_the_old_private_name_works_with_a_warning():
-    from .backends import DelaySettings, memory_dataset
-
-    with pytest.warns(DeprecationWarning, match="`_produce` is now `produce`"):
-        class Old(base.Loader):
-            Settings = DelaySettings
-
-            def _produce(self, batches):
-                for indices in batches:
-                    yield base.HostBatch(torch.zeros((len(indices), 3, 8, 8)), torch.zeros(len(indices)), indices)
-
-    from loadopt.config import PipelineConfig
-
-    loader = Old(memory_dataset(8), PipelineConfig(batch_size=4, memory_format="contiguous"))
-    assert sum(len(b.indices) for b in loader.host_batches()) == 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loadopt.config import backend_settings, config_from_dict
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.registry import backend_class
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.tiers import tier_counters
 

@@ -6,7 +6,7 @@ import pytest
 
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
-from loadopt.loaders.base import _registered, register
+from loadopt.loaders.registry import register, unregister
 
 from .backends import DelayLoader
 from .conftest import tiny_config_dict
@@ -48,7 +48,7 @@ def backends():
     register("t_interrupted")(InterruptedOnSecondRun)
     yield
     for name in ("t_delay", "t_unavailable", "t_fails", "t_interrupted"):
-        _registered.pop(name, None)
+        unregister(name)
 
 
 def config(tmp_path, loaders, repeats=1):

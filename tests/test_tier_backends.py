@@ -14,7 +14,7 @@ import torch
 from loadopt.bench.runner import run_bench
 from loadopt.config import backend_settings, config_from_dict
 from loadopt.errors import DatasetError, StorageError
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.registry import backend_class
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.tiers import tier_counters
 

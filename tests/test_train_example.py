@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from loadopt.errors import DatasetError
-from loadopt.loaders.base import backend_class, backend_names
+from loadopt.loaders.registry import backend_class, backend_names
 
 from .conftest import REPO, tiny_config_dict
 

@@ -13,7 +13,7 @@ from loadopt.bench.runner import run_bench
 from loadopt.bench.tuner import Tuner, Window, parse_budget
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError
-from loadopt.loaders.base import _registered, backend_class, register
+from loadopt.loaders.registry import backend_class, register, unregister
 from loadopt.storage.imagefolder import open_dataset
 
 from .backends import DelayLoader
@@ -60,7 +60,7 @@ def knobs():
     KnobLoader.proposed = []
     register("t_knobs")(KnobLoader)
     yield
-    _registered.pop("t_knobs", None)
+    unregister("t_knobs")
 
 
 def tiny(tmp_path, loaders, **workload):
@@ -148,7 +148,7 @@ def test_the_budget_is_respected_with_a_fake_clock(tmp_path, knobs):
                       limits=MachineLimits(64, BIG, BIG))
         knobbed, delay = tuner.tune(["t_knobs", "t_delay"])
     finally:
-        _registered.pop("t_delay", None)
+        unregister("t_delay")
     # Each batch reads the clock once (one "second" a batch): 20 s of budget cannot hold the 36 trials of
     # the space. Round 1 runs each backend's start (each within its share of what is left), then the
     # climbs share what remains; no trial starts past its deadline and a running one ends at the first
@@ -176,7 +176,7 @@ def test_a_backend_far_behind_is_not_climbed(tmp_path, knobs):
             if not climbed:
                 assert slow.reason.startswith("not climbed: its start ran at") and slow.best_settings == slow.start
     finally:
-        _registered.pop("t_slow", None)
+        unregister("t_slow")
 
 
 def test_a_tiny_real_budget_ends_the_search_in_time(tmp_path, knobs):

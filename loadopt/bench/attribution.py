@@ -81,7 +81,8 @@ def declared_work_kind(label: str, settings: dict[str, Any] | None, recipe: dict
     known here, or settings it no longer accepts, get what the recipe implies."""
     from pydantic import ValidationError
 
-    from loadopt.loaders.base import backend_class, work_kind_of_recipe
+    from loadopt.loaders.base import work_kind_of_recipe
+    from loadopt.loaders.registry import backend_class
 
     settings = settings or {}
     recipe = _recorded_or_implied_recipe(label, settings, recipe, job)

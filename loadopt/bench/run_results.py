@@ -15,7 +15,7 @@ from loadopt.bench.metrics import aggregate, median
 from loadopt.bench.results import SCHEMA_VERSION, machine_fingerprint, machine_info
 from loadopt.config import Config, WorkloadConfig
 from loadopt.errors import LoadoptError
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.registry import backend_class
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bytes_source

@@ -27,7 +27,7 @@ from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer
 from loadopt.errors import LoadoptError, StorageError, Terminated
-from loadopt.loaders.base import backend_class, backend_for
+from loadopt.loaders.registry import backend_class, backend_for
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.tiers import counters_delta, sum_counters, tier_counters, tier_failure, tier_label

@@ -25,7 +25,7 @@ from loadopt.bench import attribution
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.harness import run_repeat
 from loadopt.device import DeviceTransfer
-from loadopt.loaders.base import backend_class
+from loadopt.loaders.registry import backend_class
 from loadopt.storage.pagecache import evict
 
 STORAGE_BUDGET_BYTES = 128 << 20

@@ -37,7 +37,8 @@ from loadopt.bench.metrics import BatchProbe
 from loadopt.config import Config
 from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
-from loadopt.loaders.base import Loader, backend_class, backend_for
+from loadopt.loaders.base import Loader
+from loadopt.loaders.registry import backend_class, backend_for
 
 log = logging.getLogger(__name__)
 

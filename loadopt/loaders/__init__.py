@@ -1,20 +1,10 @@
-"""Loader backends: the protocol and registry (`base`), one module per backend, and what a plugin author
-builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` for a producer thread filling a batch
-ring), `HostBatch`, `WorkKind`, `register`, and the shared crop plan in `loadopt.loaders.transforms`
-(source JPEGs) and `loadopt.loaders.crops` (stored pixels)."""
+"""Loader backends: the contract (`base`), the registry by name (`registry`), one module per backend, and
+what a plugin author builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` for a producer
+thread filling a batch ring), `HostBatch`, `WorkKind`, `register`, and the shared crop plan in
+`loadopt.loaders.transforms` (source JPEGs) and `loadopt.loaders.crops` (stored pixels)."""
 
-from loadopt.loaders.base import (
-    BUILTINS,
-    ENTRY_POINT_GROUP,
-    HostBatch,
-    Loader,
-    LoaderCounters,
-    NoSettings,
-    WorkKind,
-    backend_class,
-    backend_names,
-    register,
-)
+from loadopt.loaders.base import HostBatch, Loader, LoaderCounters, NoSettings, WorkKind
+from loadopt.loaders.registry import BUILTINS, ENTRY_POINT_GROUP, backend_class, backend_names, register
 
 
 def __getattr__(name: str):

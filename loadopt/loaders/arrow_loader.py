@@ -27,33 +27,26 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from loadopt.errors import DatasetError, describe_sample_error
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
-from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
+from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
 from loadopt.storage import tier_reads
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
 
 
-class ArrowSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    form: Literal["decoded", "encoded"] = "decoded"  # token datasets are always stored as windows
-    decoded_size: int | None = Field(None, ge=8)  # frame centre: image_size / 0.875 (256 for 224)
-    # decoded: `whole` frames (longer side <= pipeline.max_side) or `centre` squares; auto: whole for train
-    frame: Literal["auto", "whole", "centre"] = "auto"
+class ArrowSettings(RingSettings):
+    # form, decoded_size, frame, prefetch: RingSettings
     threads: int = Field(2, ge=1)  # threads sharing each batch: decode (encoded) or crop copies (decoded)
-    prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
     io_threads: int = Field(8, ge=1)  # range requests in flight on a tier that is not the local disk
 
 
-class ArrowLoader(RingLoader):
+class ArrowLoader(RingLoader[ArrowSettings]):
     name = "arrow"
     Settings = ArrowSettings
-    settings: ArrowSettings
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

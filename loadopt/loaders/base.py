@@ -1,26 +1,22 @@
-"""The Loader protocol every backend implements, and the registry of backends by name.
+"""The Loader contract every backend implements (docs/plugins.md): `Loader`, the `HostBatch` it produces,
+the `WorkKind` that bounds it, and its counters. The registry of backends by name is `registry.py`.
 
-A backend subclasses `Loader`, declares its knobs as a pydantic `Settings` model and implements
+A backend subclasses `Loader[MySettings]`, declares its knobs as a pydantic `Settings` model and implements
 `produce(batches)`: turn the given batches of sample indices into `HostBatch`es, in order. The base
 class owns everything that must be the same for every backend: the shared sample order, epochs,
 mid-epoch resumption, the `on_error` policy, the counters, and finishing a batch on the device
 (copy, NHWC->NCHW, normalisation). A backend also declares what bounds it (`work_kind`, one of
-`WorkKind`: the ceiling the attribution holds it to) and what it can read (`supports`). Outside packages
-register backends through the `loadopt.loaders` entry-point group; the built-ins are listed once, in
-`BUILTINS` below (docs/plugins.md is the contract).
+`WorkKind`: the ceiling the attribution holds it to) and what it can read (`supports`).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from importlib.metadata import entry_points
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -35,7 +31,8 @@ from loadopt.storage.tokens import TokenDataset
 
 log = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "loadopt.loaders"
+# The memory layout of a produced batch's inputs: NCHW or NHWC pixels, or (B, seq_len) token ids.
+Layout = Literal["NCHW", "NHWC", "tokens"]
 
 # fn(inputs, labels) -> (inputs, labels) on each finished batch (see `Loader`)
 BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -72,6 +69,10 @@ class NoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A backend's settings model: `Loader[TorchSettings]` types `self.settings` and the classmethods' settings.
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
 @dataclass
 class HostBatch:
     """One batch as a backend produced it, before it is finished on the device."""
@@ -79,7 +80,7 @@ class HostBatch:
     inputs: torch.Tensor  # NCHW float (normalised) or uint8 in `layout`; token ids (B, seq_len) for tokens
     labels: torch.Tensor  # class ids; the shifted token ids for tokens
     indices: np.ndarray  # the dataset indices actually in the batch, in order
-    layout: Literal["NCHW", "NHWC", "tokens"] = "NCHW"
+    layout: Layout = "NCHW"
     normalised: bool = True
     # (index, reason) of samples that could not be read or decoded; not in `inputs`.
     failures: list[tuple[int, str]] = field(default_factory=list)
@@ -107,8 +108,8 @@ class LoaderCounters:
                 "bytes_read": self.bytes_read, "skipped": len(self.skipped)}
 
 
-class Loader(ABC):
-    """A data-loading backend. Iterating yields `(inputs, labels)` on `device`.
+class Loader(ABC, Generic[SettingsT]):
+    """A data-loading backend, generic over its `Settings` model. Iterating yields `(inputs, labels)` on `device`.
 
     As a DataLoader, each `for` over the loader is a pass over the current epoch from its first batch
     (a `break` leaves nothing half-done behind), and a pass that runs to the end moves to the next epoch;
@@ -117,19 +118,22 @@ class Loader(ABC):
     device (mixup, cutmix: what a DataLoader's `collate_fn` did on the host)."""
 
     name: ClassVar[str] = "base"
+    # The model of `SettingsT` (a class variable cannot name the type variable: each subclass sets its own).
     Settings: ClassVar[type[BaseModel]] = NoSettings
+    settings: SettingsT
     # False: another library orders the samples (the peer backends; their labels say `order=<library>`)
     shared_order: ClassVar[bool] = True
 
     def __init__(self, dataset: ImageDataset | TokenDataset, pipeline: PipelineConfig,
-                 settings: BaseModel | None = None, *,
+                 settings: SettingsT | None = None, *,
                  device: str | torch.device = "cpu", rank: int = 0, world_size: int = 1, seed: int = 0,
                  epoch: int = 0, on_error: Literal["raise", "skip"] = "raise") -> None:
         if len(dataset) == 0:
             raise DatasetError(f"{dataset.root}: the dataset has no samples")
         self.dataset = dataset
         self.pipeline = pipeline
-        self.settings = settings if settings is not None else self.Settings()
+        # `Settings` is the model of `SettingsT` (one per subclass), so its default instance is one.
+        self.settings = settings if settings is not None else cast(SettingsT, self.Settings())
         self.device = torch.device(device)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.on_error = on_error
@@ -160,19 +164,19 @@ class Loader(ABC):
         return {}
 
     @classmethod
-    def cpu_demand(cls, settings: BaseModel) -> int:
+    def cpu_demand(cls, settings: SettingsT) -> int:
         """The most cores a setting can keep busy at once (worker processes x threads per process),
         so that the tuner never proposes more than the machine has."""
         return 1
 
     @classmethod
-    def memory_demand(cls, settings: BaseModel, pipeline: PipelineConfig) -> dict[str, int]:
+    def memory_demand(cls, settings: SettingsT, pipeline: PipelineConfig) -> dict[str, int]:
         """Bytes of shared (`shared`) and page-locked (`pinned`) memory a setting holds, so that the tuner
         never proposes more than is free."""
         return {"shared": 0, "pinned": 0}
 
     @classmethod
-    def work_kind(cls, settings: BaseModel, recipe: dict[str, Any] | None = None) -> str:
+    def work_kind(cls, settings: SettingsT, recipe: dict[str, Any] | None = None) -> str:
         """What bounds `settings` (a `WorkKind` value): the attribution holds the setting's runs to the
         ceiling of this work. `recipe` is what the setting's `recipe()` returned (None: not recorded).
         By default the recipe says it: the source JPEG decoded every epoch unless it stores something else."""
@@ -192,15 +196,6 @@ class Loader(ABC):
 
         `batches` are the shared order's batches of dataset indices (samples known to be unreadable already
         dropped); the base class counts, resumes and finishes what is yielded (docs/plugins.md)."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # Transition: the extension point was `_produce` before it was public; a subclass still defining it
-        # keeps working (with a warning) until it is renamed.
-        if "_produce" in cls.__dict__ and "produce" not in cls.__dict__:
-            warnings.warn(f"{cls.__module__}.{cls.__qualname__}: `_produce` is now `produce`; rename it",
-                          DeprecationWarning, stacklevel=2)
-            cls.produce = cls.__dict__["_produce"]  # type: ignore[method-assign]
 
     def prepare(self, progress: Callable[[int, int], None] | None = None,  # noqa: B027 - optional hook
                 convert_missing: bool = True) -> None:
@@ -345,102 +340,3 @@ class Loader(ABC):
         if read is None:
             read = int(sizes[batch.indices].sum()) + int(sizes[failed].sum())
         self.counters.bytes_read += read
-
-
-# ---------------------------------------------------------------------------------------------
-# Registry
-
-# The one list of built-in backends. Kept here rather than as entry points in pyproject.toml: entry points
-# exist only once the package is installed, and loadopt must list its own backends when imported from a
-# checkout (PYTHONPATH, a vendored copy) too. Outside packages use the entry-point group.
-BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
-                            "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
-                            "posix": "loadopt.loaders.posix_loader:PosixLoader",
-                            "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader",
-                            "dali": "loadopt.loaders.dali_loader:DaliLoader",
-                            # other libraries' input paths, measured by the same harness (loaders/peer_*.py)
-                            "webdataset": "loadopt.loaders.peer_webdataset:WebDatasetLoader",
-                            "streaming": "loadopt.loaders.peer_streaming:StreamingLoader",
-                            "litdata": "loadopt.loaders.peer_litdata:LitDataLoader",
-                            "ffcv": "loadopt.loaders.peer_ffcv:FfcvLoader"}
-_registered: dict[str, type[Loader]] = {}
-
-
-def register(name: str):
-    """Class decorator registering a backend in this process (entry points do it across packages)."""
-
-    def decorate(cls: type[Loader]) -> type[Loader]:
-        cls.name = name
-        _registered[name] = cls
-        return cls
-
-    return decorate
-
-
-_clashes_warned: set[tuple[str, str]] = set()
-
-
-def _targets() -> dict[str, str]:
-    """name -> "module:attribute" of every backend: the built-ins, then the entry points of the group.
-
-    A name taken twice keeps the first: a built-in over an entry point (an outside package cannot replace
-    torch by accident), the package found first on sys.path over a later one; either clash is warned about once,
-    naming both targets. An entry point naming a built-in's own target (loadopt's metadata from an older
-    install) is no clash."""
-    targets = dict(BUILTINS)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        kept = targets.setdefault(ep.name, ep.value)
-        if kept != ep.value and (ep.name, ep.value) not in _clashes_warned:
-            _clashes_warned.add((ep.name, ep.value))
-            dist = getattr(getattr(ep, "dist", None), "name", None)
-            whose = "the built-in" if ep.name in BUILTINS else "found first on sys.path"
-            warnings.warn(f"backend {ep.name!r}: the entry point {ep.value}{f' (package {dist})' if dist else ''} "
-                          f"is ignored: {ep.name!r} is already {kept} ({whose}); register it under another name",
-                          UserWarning, stacklevel=2)
-    return targets
-
-
-def backend_names() -> list[str]:
-    """Every backend known here, installed or not, built-ins first."""
-    names = list(_targets())
-    return names + [n for n in _registered if n not in names]
-
-
-def backend_class(name: str) -> type[Loader]:
-    """The backend registered as `name`. A backend whose module fails to import comes back as a
-    class whose `available()` gives the import error, so listing backends never crashes."""
-    if name in _registered:
-        return _registered[name]
-    target = _targets().get(name)
-    if target is None:
-        raise KeyError(f"unknown backend {name!r} (known: {', '.join(backend_names())})")
-    module_name, _, attr = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except Exception as exc:  # an outside package may fail in any way; report, don't crash
-        reason = f"cannot import {target}: {type(exc).__name__}: {exc}"
-        cls = type(f"Broken_{name}", (_BrokenLoader,), {"_reason": reason})
-    cls.name = name
-    _registered[name] = cls
-    return cls
-
-
-def backend_for(name: str, where: str) -> type[Loader]:
-    """`backend_class(name)`, an unknown name being a user error that names `where` it was asked for."""
-    from loadopt.errors import ConfigError
-
-    try:
-        return backend_class(name)
-    except KeyError as exc:
-        raise ConfigError(f"{where}: {exc.args[0]}") from None
-
-
-class _BrokenLoader(Loader):
-    _reason = ""
-
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        return False, cls._reason
-
-    def produce(self, batches):  # pragma: no cover - never built: available() is false
-        raise RuntimeError(self._reason)

@@ -59,10 +59,9 @@ class DaliSettings(BaseModel):
     host_memory_padding: int | None = Field(None, ge=0)  # mixed: nvJPEG pinned buffer growth, bytes
 
 
-class DaliLoader(Loader):
+class DaliLoader(Loader[DaliSettings]):
     name = "dali"
     Settings = DaliSettings
-    settings: DaliSettings
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -27,7 +27,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ class PeerSettings(BaseModel):
     prefetch_factor: int = Field(2, ge=1)
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # auto: the fastest installed (simplejpeg)
     shuffle_buffer: int = Field(1000, ge=1)  # samples a worker shuffles among (shard formats' approximate shuffle)
+
+
+PeerSettingsT = TypeVar("PeerSettingsT", bound=PeerSettings)
 
 
 def library_available(module: str, dist: str, hint: str = INSTALL_HINT) -> tuple[bool, str]:
@@ -250,7 +253,7 @@ def rebatch(stream: Iterator[dict[str, Any]], sizes: list[int], skip: int = 0) -
         yield take(have)
 
 
-class PeerLoader(Loader):
+class PeerLoader(Loader[PeerSettingsT]):
     """A backend that runs another library's input path. Subclasses set `module`, `dist`, implement
     `_write` (the conversion into a folder) and `library_loader` (the library's loader for one epoch,
     yielding `collate`'s dicts: what a training script written for that library iterates)."""
@@ -260,7 +263,6 @@ class PeerLoader(Loader):
     reads_through_tier: ClassVar[bool] = False  # whether its reader can be handed the tier's file objects
     shared_order = False
     Settings = PeerSettings
-    settings: PeerSettings
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -281,11 +283,11 @@ class PeerLoader(Loader):
         return {"num_workers": [n for n in (1, 2, 4, 8, 16, 32) if n < cores] + [cores], "prefetch_factor": [2, 4]}
 
     @classmethod
-    def cpu_demand(cls, settings: PeerSettings) -> int:
+    def cpu_demand(cls, settings: PeerSettingsT) -> int:
         return max(1, settings.num_workers)
 
     @classmethod
-    def memory_demand(cls, settings: PeerSettings, pipeline: PipelineConfig) -> dict[str, int]:
+    def memory_demand(cls, settings: PeerSettingsT, pipeline: PipelineConfig) -> dict[str, int]:
         in_flight = max(1, settings.num_workers) * settings.prefetch_factor + 2
         return {"shared": in_flight * pipeline.batch_size * 3 * pipeline.image_size ** 2, "pinned": 0}
 

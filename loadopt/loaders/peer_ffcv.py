@@ -73,12 +73,11 @@ class _Indexed:
         return transforms.decode_array(data, "simplejpeg"), label, index
 
 
-class FfcvLoader(PeerLoader):
+class FfcvLoader(PeerLoader[FfcvSettings]):
     name = "ffcv"
     module = "ffcv"
     dist = "ffcv"
     Settings = FfcvSettings
-    settings: FfcvSettings
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

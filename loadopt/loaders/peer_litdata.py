@@ -23,12 +23,11 @@ class LitDataSettings(PeerSettings):
     chunk_mib: float = Field(32, gt=0)  # chunk size of the conversion
 
 
-class LitDataLoader(PeerLoader):
+class LitDataLoader(PeerLoader[LitDataSettings]):
     name = "litdata"
     module = "litdata"
     dist = "litdata"
     Settings = LitDataSettings
-    settings: LitDataSettings
 
     def conversion_settings(self) -> dict[str, Any]:
         return {"chunk_mib": self.settings.chunk_mib}

@@ -24,12 +24,11 @@ class StreamingSettings(PeerSettings):
     shard_mib: float = Field(32, gt=0)  # MDS shard size of the conversion
 
 
-class StreamingLoader(PeerLoader):
+class StreamingLoader(PeerLoader[StreamingSettings]):
     name = "streaming"
     module = "streaming"
     dist = "mosaicml-streaming"
     Settings = StreamingSettings
-    settings: StreamingSettings
 
     def conversion_settings(self) -> dict[str, Any]:
         return {"shard_mib": self.settings.shard_mib}

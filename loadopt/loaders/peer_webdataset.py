@@ -45,13 +45,12 @@ class _Opener:
             yield {**item, "stream": self.fs.open(url, "rb") if self.fs is not None else open(url, "rb")}  # noqa: SIM115
 
 
-class WebDatasetLoader(PeerLoader):
+class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
     name = "webdataset"
     module = "webdataset"
     dist = "webdataset"
     reads_through_tier = True
     Settings = WebDatasetSettings
-    settings: WebDatasetSettings
 
     def conversion_settings(self) -> dict[str, Any]:
         return {"shard_mib": self.settings.shard_mib}

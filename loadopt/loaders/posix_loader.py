@@ -27,24 +27,19 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from loadopt.device import usable_cores
 from loadopt.errors import DatasetError, describe_sample_error
 from loadopt.loaders import crops, through_cache, transforms
 from loadopt.loaders.base import HostBatch
-from loadopt.loaders.ring import RingLoader, next_slot, slot_batch
+from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
 from loadopt.storage import raw_format, tier_reads
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 
 
-class PosixSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    form: Literal["decoded", "encoded"] = "decoded"  # token datasets are always stored as windows
-    decoded_size: int | None = Field(None, ge=8)  # frame centre: image_size / 0.875 (256 for 224)
-    # decoded: `whole` frames (longer side <= pipeline.max_side) or `centre` squares; auto: whole for train
-    frame: Literal["auto", "whole", "centre"] = "auto"
+class PosixSettings(RingSettings):
+    # form, decoded_size, frame, prefetch: RingSettings
     shard_mib: float = Field(raw_format.DEFAULT_SHARD_MIB, gt=0)  # shard file size of the conversion
     o_direct: bool = False  # bypass the page cache (needs a filesystem that allows O_DIRECT: not tmpfs)
     # preadv calls in flight: one per usable core (a page-cache read is a copy on a core), 2 to 8 (8: the
@@ -52,7 +47,6 @@ class PosixSettings(BaseModel):
     io_threads: int = Field(default_factory=lambda: min(8, max(2, usable_cores())), ge=1)
     task_kib: int = Field(4096, ge=4)  # the largest single read; longer runs are split for parallelism
     threads: int = Field(2, ge=1)  # threads finishing each batch: crop copies (decoded) or decode (encoded)
-    prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
     read_ahead: int = Field(2, ge=1)  # batches whose reads are in flight while one is finished
     # Decoded, through the page cache: when a batch misses it and the shards fit in half the free memory,
     # read them all in sequentially first (see `through_cache.prefill`).
@@ -113,10 +107,9 @@ class PosixReader:
             self.close()
 
 
-class PosixLoader(RingLoader):
+class PosixLoader(RingLoader[PosixSettings]):
     name = "posix"
     Settings = PosixSettings
-    settings: PosixSettings
     reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
     sample_reads = True  # decoded pixels through the page cache: per sample, see `through_cache.produce`
 

@@ -12,14 +12,17 @@ import queue
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
+from loadopt.config import PipelineConfig
 from loadopt.errors import DatasetError
-from loadopt.loaders import transforms
-from loadopt.loaders.base import HostBatch, Loader
+from loadopt.imaging.geometry import EVAL_CROP_FRACTION
+from loadopt.loaders.base import HostBatch, Layout, Loader
+from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
 Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
@@ -68,7 +71,7 @@ def next_slot(free: queue.Queue, stop: threading.Event) -> int | None:
 
 
 def slot_batch(buffer: torch.Tensor, indices: np.ndarray, failures: list[tuple[int, str]], labels: np.ndarray,
-               layout: str, bytes_read: int | None = None) -> HostBatch:
+               layout: Layout, bytes_read: int | None = None) -> HostBatch:
     """The host batch over one ring slot: token (inputs, targets) pairs, or images without the samples
     that failed (their slots hold garbage)."""
     if layout == "tokens":
@@ -81,31 +84,47 @@ def slot_batch(buffer: torch.Tensor, indices: np.ndarray, failures: list[tuple[i
                      failures=failures, bytes_read=bytes_read, borrowed=True)
 
 
-class RingLoader(Loader):
+class RingSettings(BaseModel):
+    """The knobs every ring backend has: its `Settings` subclass this and add their own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    form: Literal["decoded", "encoded"] = "decoded"  # token datasets are always stored as windows
+    decoded_size: int | None = Field(None, ge=8)  # frame centre: image_size / 0.875 (256 for 224)
+    # decoded: `whole` frames (longer side <= pipeline.max_side) or `centre` squares; auto: whole for train
+    frame: Literal["auto", "whole", "centre"] = "auto"
+    prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
+
+
+RingSettingsT = TypeVar("RingSettingsT", bound=RingSettings)
+
+
+class RingLoader(Loader[RingSettingsT]):
     """A backend that reads a converted form of the dataset (`decoded` pixels, `encoded` JPEGs, or
-    token windows) into a ring of batch slots; its Settings have `form`, `decoded_size`, `prefetch`.
+    token windows) into a ring of batch slots; its Settings subclass `RingSettings` (`form`,
+    `decoded_size`, `frame`, `prefetch`).
     A subclass implements `is_open`, `fill_ring` (the producer thread) and `ring_batch`; `produce` runs
     them and hands each slot back once its batch's device copy is done (docs/plugins.md)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._tokens = isinstance(self.dataset, TokenDataset)
-        self.form = "tokens" if self._tokens else self.settings.form
+        self.form: str = "tokens" if self._tokens else self.settings.form
         # The decoded form's frame: `whole` (longer side <= pipeline.max_side, the JPEG paths' crop plan)
         # or `centre` (a decoded_size centre square: the eval recipe); auto: whole for train.
-        frame = getattr(self.settings, "frame", "auto")
+        frame = self.settings.frame
         frame = ("whole" if self.pipeline.augment == "train" else "centre") if frame == "auto" else frame
         self.frame = frame if self.form == "decoded" else None
         self.stored_form = "frames" if self.frame == "whole" else self.form  # the storage form it reads
-        size = self.settings.decoded_size or round(self.pipeline.image_size / transforms.EVAL_CROP_FRACTION)
+        size = self.settings.decoded_size or round(self.pipeline.image_size / EVAL_CROP_FRACTION)
         self.size = (self.pipeline.max_side if self.frame == "whole" else size) if self.form == "decoded" else None
-        if self.frame == "centre" and self.size < self.pipeline.image_size:
-            raise DatasetError(f"loaders.{self.name}.decoded_size {self.size} is smaller than pipeline.image_size "
+        if self.frame == "centre" and size < self.pipeline.image_size:
+            raise DatasetError(f"loaders.{self.name}.decoded_size {size} is smaller than pipeline.image_size "
                                f"{self.pipeline.image_size}")
         self._ring: list[torch.Tensor] | None = None
 
     @classmethod
-    def supports(cls, dataset) -> tuple[bool, str]:
+    def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
         return True, ""  # image folders (converted), and token corpora (windows gathered)
 
     def recipe(self) -> dict[str, Any]:
@@ -116,7 +135,7 @@ class RingLoader(Loader):
         return recipe.delivered(self.pipeline, self.frame, self.size)
 
     @property
-    def layout(self) -> str:
+    def layout(self) -> Layout:
         # Crops of decoded HWC rows stay HWC (row copies, no transposition); decoding writes CHW.
         return "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
 
@@ -130,7 +149,7 @@ class RingLoader(Loader):
         """Fill free slots with `batches` in order; put `(slot, indices, failures[, ...])` on `ready`."""
 
     @abstractmethod
-    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest) -> HostBatch:
+    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest: Any) -> HostBatch:
         """The batch over a filled slot, from what the producer put on `ready`."""
 
     def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
@@ -144,13 +163,14 @@ class RingLoader(Loader):
                             self.ring_batch, f"loadopt-{self.name}")
 
     @classmethod
-    def memory_demand(cls, settings, pipeline) -> dict[str, int]:
+    def memory_demand(cls, settings: RingSettingsT, pipeline: PipelineConfig) -> dict[str, int]:
         """The batch ring (`prefetch` + 2 slots of uint8 batches), pinned on CUDA; staging is ordinary memory."""
         return {"shared": 0, "pinned": (settings.prefetch + 2) * pipeline.batch_size * 3 * pipeline.image_size ** 2}
 
     def _make_ring(self) -> list[torch.Tensor]:
         slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
-        if self._tokens:
+        shape: tuple[int, ...]
+        if isinstance(self.dataset, TokenDataset):
             shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
         elif self.form == "decoded":
             shape, dtype = (slots, b, size, size, 3), torch.uint8

@@ -184,10 +184,9 @@ class _BatchPlan:
         return len(self.items)
 
 
-class TorchLoader(Loader):
+class TorchLoader(Loader[TorchSettings]):
     name = "torch"
     Settings = TorchSettings
-    settings: TorchSettings
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

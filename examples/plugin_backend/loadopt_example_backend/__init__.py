@@ -28,14 +28,13 @@ class ThreadedJpegSettings(BaseModel):
     delay_ms: float = Field(0.0, ge=0.0)  # injected per batch, on top of the work (testing only)
 
 
-class ThreadedJpegLoader(Loader):
+class ThreadedJpegLoader(Loader[ThreadedJpegSettings]):
     """Source JPEGs decoded with the shared crop plan in `threads` threads; one batch at a time."""
 
     Settings = ThreadedJpegSettings
-    settings: ThreadedJpegSettings
 
     @classmethod
-    def work_kind(cls, settings: BaseModel, recipe: dict | None = None) -> str:
+    def work_kind(cls, settings: ThreadedJpegSettings, recipe: dict | None = None) -> str:
         return WorkKind.JPEG_DECODE
 
     @classmethod
