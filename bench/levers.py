@@ -1,9 +1,10 @@
 """Each lever of loadopt's image paths measured alone: the work with it against the same work without it,
 side by side in every round (rounds interleaved, the order alternated), held on the median ratio.
 
-The work is the per-sample pipeline the loaders run (`loadopt.loaders.transforms` / `crops`), on the
-config's first `--samples` images held in memory (no storage in the figure), spread over `--threads`
-threads (the decode and the resize release the GIL, as in the loaders' threads), in images/s:
+The work is the per-sample pipeline the loaders run (`loadopt.loaders.transforms` / `crops` over the
+`loadopt.imaging` primitives), on the config's first `--samples` images held in memory (no storage in
+the figure), spread over `--threads` threads (the decode and the resize release the GIL, as in the
+loaders' threads), in images/s:
 - lever_region_decode: the JPEG path (decode, crop plan, resize into the slot, flip) decoding only the
   crop's rows and columns (`loadopt/_jpeg.c`) against decoding the whole image (simplejpeg). Same pixels.
 - lever_reduced_scale: the same with the crop decoded at a reduced DCT scale where it is at least twice
@@ -66,8 +67,12 @@ def one_thread_each() -> None:
 
 def main() -> int:
     from loadopt.config import load_config
+    from loadopt.imaging import decode
+    from loadopt.imaging.decode import dct_denominator, decode_array
+    from loadopt.imaging.frames import stored_frame
+    from loadopt.imaging.geometry import whole_pixels
+    from loadopt.imaging.resize import crop_resize_flip_into
     from loadopt.loaders import crops, transforms
-    from loadopt.storage.arrow_format import stored_frame
     from loadopt.storage.imagefolder import open_dataset
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -83,7 +88,7 @@ def main() -> int:
     count = min(args.samples, len(dataset))
     blobs = [dataset.read(i) for i in range(count)]
     decoder = transforms.decoder_name("auto")
-    if transforms.jpeg_region is None:
+    if decode.jpeg_region is None:
         print("loadopt._jpeg is not built here (libjpeg-turbo headers missing at install): "
               "region decoding and reduced-scale decoding cannot be measured")
         return 1
@@ -96,7 +101,7 @@ def main() -> int:
             for k in positions:
                 pixels, box, flip = transforms.decode_planned(blobs[k], decoder, pipe.augment, seed, 0, int(k),
                                                               region, size if reduced else None)
-                transforms.crop_resize_flip_into(pixels, box, flip, out[k], fused)
+                crop_resize_flip_into(pixels, box, flip, out[k], fused)
         return work
 
     frames = [stored_frame(blob, pipe.max_side) for blob in blobs]
@@ -114,9 +119,9 @@ def main() -> int:
 
     plans = []
     for k, blob in enumerate(blobs):
-        pixels = transforms.decode_array(blob, decoder)
+        pixels = decode_array(blob, decoder)
         box, flip = transforms.plan(pixels.shape[1], pixels.shape[0], pipe.augment, seed, 0, k)
-        plans.append((pixels, transforms.whole_pixels(box)))
+        plans.append((pixels, whole_pixels(box)))
 
     def area_work(cv2_area: bool):
         import cv2
@@ -130,7 +135,7 @@ def main() -> int:
                 if cv2_area:
                     cv2.resize(pixels[top:bottom, left:right], (size, size), dst=hwc, interpolation=cv2.INTER_AREA)
                 else:
-                    transforms.crop_resize_flip_into(pixels, (left, top, right, bottom), False, slot)
+                    crop_resize_flip_into(pixels, (left, top, right, bottom), False, slot)
         return work
 
     levers = {
@@ -143,7 +148,7 @@ def main() -> int:
     print(f"{args.config}: {count} samples in memory, mean {np.mean([len(b) for b in blobs]) / 1e3:.0f} KB, "
           f"mean {np.mean([p.shape[1] for p, _ in plans]):.0f} x {np.mean([p.shape[0] for p, _ in plans]):.0f} px; "
           f"{threads} threads, {args.rounds} rounds; stored frames <= {pipe.max_side} px; machine shared", flush=True)
-    denoms = [transforms.dct_denominator(box, size) for _, box in plans]
+    denoms = [dct_denominator(box, size) for _, box in plans]
     print("reduced scale applies to " + ", ".join(f"1/{d}: {denoms.count(d)}" for d in (1, 2, 4, 8)) + " samples")
     exact, reduced = torch.empty_like(out), torch.empty_like(out)
     jpeg_work(True, False, True)(np.arange(count))
@@ -154,18 +159,18 @@ def main() -> int:
           f"max {(exact.int() - reduced.int()).abs().max()} (over every pixel of every sample)")
     for work in [w for pair in levers.values() for w in pair]:  # warm every in-process path once
         timed_rate(work, min(count, 2 * threads), pool, threads)
-    region_module = transforms.jpeg_region
+    region_module = decode.jpeg_region
 
     def loader_rate(region: bool, epoch: int) -> float:
         from _common import build_loader, harness_run
 
-        transforms.jpeg_region = region_module if region else None  # the forked workers inherit it
+        decode.jpeg_region = region_module if region else None  # the forked workers inherit it
         try:
             loader = build_loader(config, "torch", variant="tuned", num_workers=2)
             metrics = harness_run(loader, args.loader_batches, warmup=3, epoch=epoch).metrics
             return metrics["samples_per_s"], 1000.0 / metrics["cpu_seconds_per_1k_samples"]
         finally:
-            transforms.jpeg_region = region_module
+            decode.jpeg_region = region_module
 
     if args.loader_batches:
         levers["lever_region_decode_loader"] = (lambda r: loader_rate(True, r), lambda r: loader_rate(False, r))

@@ -30,12 +30,12 @@ def decode_ceiling(config, decoder: str, samples: int = 300) -> float:
     """Images/s the usable cores decode (decode alone, files already in memory), one worker process
     per core with one intra-op thread each (bench/parallel.py: the way the loaders' workers run)."""
     from loadopt.bench.parallel import rate_in_workers
-    from loadopt.loaders import transforms
+    from loadopt.imaging.decode import decode_fast, decode_pil
     from loadopt.storage.imagefolder import open_dataset
 
     dataset = open_dataset(config)
     blobs = [dataset.read(i) for i in range(min(samples, len(dataset)))]
-    decode = transforms.decode_fast if decoder == "simplejpeg" else transforms.decode_pil
+    decode = decode_fast if decoder == "simplejpeg" else decode_pil
     return rate_in_workers(lambda i: decode(blobs[i % len(blobs)]), usable_cores())["samples_per_s"]
 
 

@@ -89,7 +89,7 @@ def _native_check() -> Check:
 
 def run_checks() -> list[Check]:
     from loadopt.config import cache_dir
-    from loadopt.loaders.transforms import simplejpeg
+    from loadopt.imaging.decode import simplejpeg
 
     checks = [Check("python", None, f"{platform.python_version()} on {platform.platform()}")]
     checks += _torch_checks()

@@ -17,7 +17,8 @@ from PIL import Image
 from loadopt import make_loader, recipe
 from loadopt.bench import decision
 from loadopt.config import config_from_dict
-from loadopt.loaders import crops, transforms
+from loadopt.imaging.frames import scaled_frame
+from loadopt.loaders import transforms
 from loadopt.loaders.registry import backend_class
 
 LOW, SPAN = 20.0, 215.0  # the ramps run from 20 to 235: away from clipping at 0 and 255
@@ -116,7 +117,7 @@ def test_every_backend_delivers_the_same_boxes_and_flips(folder, tmp_path):
         worst, worst_source, flips = 0.0, 0.0, 0
         for index, (box, flip) in got.items():
             width, height = sizes[index]
-            kept = crops.scaled_frame(width, height, MAX_SIDE) if stored else (width, height)
+            kept = scaled_frame(width, height, MAX_SIDE) if stored else (width, height)
             pixel = max(width / kept[0], height / kept[1])  # one stored pixel, in source pixels
             deviation = np.abs(box - np.array(plan[index][0])).max()
             assert deviation <= pixel, f"{name}: sample {index} box {box.round(2)} vs the plan's {plan[index][0]}"

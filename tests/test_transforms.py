@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from loadopt.imaging import decode, geometry, resize
 from loadopt.loaders import transforms
 
-needs_region = pytest.mark.skipif(transforms.jpeg_region is None,
+needs_region = pytest.mark.skipif(decode.jpeg_region is None,
                                   reason="loadopt._jpeg not built (libjpeg-turbo headers missing at install)")
 SAMPLINGS = {"4:4:4": 0x111111, "4:2:2": 0x211111, "4:2:0": 0x221111, "4:1:1": 0x411111}
 
@@ -42,13 +43,13 @@ def encode(pixels: np.ndarray, sampling: str = "4:2:0", progressive: bool = Fals
 def test_a_decoded_region_equals_the_full_decodes_crop(sampling, progressive):
     data = encode(photo(517, 333), sampling, progressive)
     full = simplejpeg.decode_jpeg(data, colorspace="RGB")
-    assert transforms.jpeg_region.header(data) == (517, 333)
+    assert decode.jpeg_region.header(data) == (517, 333)
     rng = np.random.default_rng(1)
     boxes = [(0, 0, 517, 333), (1, 1, 2, 2), (16, 16, 200, 100), (15, 17, 300, 250), (200, 100, 517, 333)]
     boxes += [tuple(int(v) for v in (*lt, *(lt + rng.integers(1, 200, 2)))) for lt in rng.integers(0, 300, (20, 2))]
     for left, top, right, bottom in boxes:
         right, bottom = min(right, 517), min(bottom, 333)
-        region = transforms.jpeg_region.decode_region(data, 1, left, top, right, bottom)
+        region = decode.jpeg_region.decode_region(data, 1, left, top, right, bottom)
         got = np.frombuffer(region, np.uint8).reshape(bottom - top, right - left, 3)
         assert np.array_equal(got, full[top:bottom, left:right]), (left, top, right, bottom)
 
@@ -60,7 +61,7 @@ def test_the_region_decoder_refuses_bad_input_with_a_value_error():
              (data, (0, 0, 65, 48)), (data, (5, 5, 5, 9))]  # empty, garbage, truncated, outside, empty box
     for bad, box in cases:
         with pytest.raises(ValueError):
-            transforms.jpeg_region.decode_region(bad, 1, *box)
+            decode.jpeg_region.decode_region(bad, 1, *box)
 
 
 @pytest.mark.parametrize("augment", ["train", "eval"])
@@ -86,18 +87,18 @@ def test_the_fused_resize_equals_resize_flip_copy():
     for slots in (torch.zeros(4, 3, 64, 64, dtype=torch.uint8), hwc.permute(0, 3, 1, 2)):
         for k, (box, flip) in enumerate([((0, 0, 333, 250), False), ((10, 20, 200, 150), True),
                                          ((3.4, 5.6, 100.2, 77.7), True), ((50, 50, 90, 70), False)]):
-            left, top, right, bottom = transforms.whole_pixels(box)
+            left, top, right, bottom = geometry.whole_pixels(box)
             crop = torch.from_numpy(pixels).permute(2, 0, 1)[None, :, top:bottom, left:right]
             want = F.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True, align_corners=False)[0]
-            transforms.crop_resize_flip_into(pixels, box, flip, slots[k])
+            resize.crop_resize_flip_into(pixels, box, flip, slots[k])
             assert torch.equal(slots[k], want.flip(-1) if flip else want), (k, box, flip)
 
 
 def test_the_dct_denominator_keeps_the_crop_at_least_the_output_size():
-    assert transforms.dct_denominator((0, 0, 447, 900), 224) == 1
-    assert transforms.dct_denominator((10, 10, 458, 458), 224) == 2
-    assert transforms.dct_denominator((0, 0, 1800, 900), 224) == 4
-    assert transforms.dct_denominator((0, 0, 1792, 1792), 224) == 8
+    assert decode.dct_denominator((0, 0, 447, 900), 224) == 1
+    assert decode.dct_denominator((10, 10, 458, 458), 224) == 2
+    assert decode.dct_denominator((0, 0, 1800, 900), 224) == 4
+    assert decode.dct_denominator((0, 0, 1792, 1792), 224) == 8
 
 
 @needs_region
@@ -111,7 +112,7 @@ def test_reduced_scale_decoding_stays_near_the_exact_pixels():
         transforms.write_sample(data, reduced, "simplejpeg", "torch", "train", 0, 0, index, reduced_scale=True)
         transforms.write_sample(data, exact, "simplejpeg", "torch", "train", 0, 0, index)
         box, _ = transforms.plan(1200, 900, "train", 0, 0, index)
-        if transforms.dct_denominator(transforms.whole_pixels(box), 96) == 1:
+        if decode.dct_denominator(geometry.whole_pixels(box), 96) == 1:
             assert torch.equal(reduced, exact), index
         differences.append((reduced.float() - exact.float()).abs().mean().item())
     print("mean |reduced - exact| per sample, levels:", [round(d, 2) for d in differences])
@@ -129,7 +130,7 @@ def test_the_pil_path_reduces_the_scale_too(decoder):
         reduced = transforms.pil_pixels(data, decoder, "train", 0, 0, index, 96, reduced_scale=True)
         exact = transforms.pil_pixels(data, decoder, "train", 0, 0, index, 96)
         difference = np.abs(reduced.astype(float) - exact).mean()
-        if transforms.dct_denominator(transforms.whole_pixels(box), 96) == 1:
+        if decode.dct_denominator(geometry.whole_pixels(box), 96) == 1:
             assert decoder == "simplejpeg" or np.array_equal(reduced, exact), index
         else:
             reduced_any = True

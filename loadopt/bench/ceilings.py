@@ -158,10 +158,10 @@ class _Inline:
 def crop_resize_rate(config: Config, dataset: Any, workers: int | None = None) -> dict[str, Any]:
     """Stored whole frames -> training samples: the shared crop plan (RandomResizedCrop + flip on the
     source size, scaled into stored pixels) and the loaders' own crop/resize (`crops.crop_frames`), from
-    frames in memory stored as the decoded forms store them (`arrow_format.stored_frame`, longer side
+    frames in memory stored as the decoded forms store them (`imaging.frames.stored_frame`, longer side
     <= `pipeline.max_side`), a batch at a time, `workers` processes at once, one intra-op thread each
     (bench/parallel.py): the most the decoded whole-frame paths can deliver on this machine."""
-    from loadopt.storage.arrow_format import stored_frame
+    from loadopt.imaging.frames import stored_frame
 
     if config.dataset.kind != "images":
         return {"skipped": "token samples are not cropped"}

@@ -29,7 +29,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from loadopt.errors import DatasetError, describe_sample_error
+from loadopt.errors import DatasetError
+from loadopt.imaging.frames import FRAME_FIELDS
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
@@ -101,7 +102,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         rows = batch.num_rows
         if self.stored_form == "frames":  # (pixel offsets, pixel data, (rows, 4) int32 dims)
             offsets = np.frombuffer(column.buffers()[1], np.int64, rows + 1, column.offset * 8)
-            dims = np.stack([batch.column(name).to_numpy() for name in crops.FRAME_FIELDS], axis=1)
+            dims = np.stack([batch.column(name).to_numpy() for name in FRAME_FIELDS], axis=1)
             return offsets, np.frombuffer(column.buffers()[2], np.uint8), dims
         if self.form == "encoded":
             offsets = np.frombuffer(column.buffers()[1], np.int32, rows + 1, column.offset * 4)
@@ -125,9 +126,10 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         if self.form == "decoded":
             self._crops(slot.numpy(), indices, epoch, pool)
             return []
-        chunks = np.array_split(np.arange(len(indices)), min(self.settings.threads, len(indices)))
-        results = pool.map(lambda positions: self._encoded_chunk(slot, indices, positions, epoch), chunks)
-        return [failure for chunk in results for failure in chunk]
+        return transforms.decode_batch(slot, indices, lambda k: self._encoded(int(indices[k])), self._decoder(),
+                                       self.pipeline.augment, self.seed, epoch,
+                                       reduced_scale=self.pipeline.jpeg_scale == "reduced", pool=pool,
+                                       threads=self.settings.threads, damaged=self._check_record)
 
     def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
         """A crop per sample: of whole frames (`crops.crop_frames`) or of centre squares (`crops.crop_batch`)."""
@@ -142,22 +144,16 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         crops.crop_batch(out, indices, self._views, record, local * (self.size * self.size * 3), self.size,
                          self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
 
-    def _encoded_chunk(self, slot: torch.Tensor, indices: np.ndarray, positions: np.ndarray,
-                       epoch: int) -> list[tuple[int, str]]:
-        """Decode these positions of the batch into the slot (one pool thread: decoding releases the GIL)."""
-        failures = []
-        for position in positions:
-            index = int(indices[position])
-            record, local = divmod(index, ROWS_PER_BATCH)
-            offsets, data = self._views[record]
-            try:
-                transforms.write_sample(memoryview(data[offsets[local] : offsets[local + 1]]), slot[position],
-                                        self._decoder(), "torch", self.pipeline.augment, self.seed, epoch, index,
-                                        reduced_scale=self.pipeline.jpeg_scale == "reduced")
-            except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-                self._conversion.check("all", [record])  # damage in the Arrow file is not the source's fault
-                failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
-        return failures
+    def _encoded(self, index: int) -> memoryview:
+        """The stored JPEG bytes of sample `index`: a view of the mapped (or fetched) file."""
+        record, local = divmod(index, ROWS_PER_BATCH)
+        offsets, data = self._views[record]
+        return memoryview(data[offsets[local] : offsets[local + 1]])
+
+    def _check_record(self, index: int) -> None:
+        """Raise when the record batch of a sample that failed to decode is damaged in the Arrow file:
+        that is not the source's fault, so not a failure of the sample."""
+        self._conversion.check("all", [index // ROWS_PER_BATCH])
 
     def _decoder(self) -> str:
         choice = self.settings.decoder

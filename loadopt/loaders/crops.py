@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from loadopt.imaging.resize import crop_resize_flip_into
 from loadopt.loaders import transforms
 
 try:  # streaming stores and a 16-pixel mirror (loadopt/_native.c), built at install where a C compiler is
@@ -101,15 +102,6 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
 # Under OpenMP, torch.set_num_threads in a thread sets that thread's team size only (the pool threads'
 # resizes then never spawn teams that oversubscribe the cores the pool already fills); elsewhere it is global.
 ONE_TORCH_THREAD_EACH = "OpenMP" in torch.__config__.parallel_info()
-FRAME_FIELDS = ("height", "width", "source_height", "source_width")  # per-sample int32 dims of a whole frame
-
-
-def scaled_frame(width: int, height: int, max_side: int) -> tuple[int, int]:
-    """(width, height) of a frame stored with its longer side at most `max_side` (never enlarged)."""
-    longer = max(width, height)
-    if longer <= max_side:
-        return width, height
-    return max(1, round(width * max_side / longer)), max(1, round(height * max_side / longer))
 
 
 def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int,
@@ -134,9 +126,9 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
                 pool, threads: int, fused: bool = True) -> None:
     """Crop, resize and flip every whole frame of a batch into `out` (B, size, size, 3) uint8: position
     k's (height, width, 3) frame starts at byte `starts[k]` of `sources[which[k]]`, its dims in
-    `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`transforms`, the
+    `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`imaging.resize`, the
     `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`.
-    `fused`: each crop resized straight into its slot (`transforms.crop_resize_flip_into`)."""
+    `fused`: each crop resized straight into its slot (`crop_resize_flip_into`)."""
     boxes, flips = frame_boxes(indices, frames, augment, seed, epoch)
     slots = torch.from_numpy(out).permute(0, 3, 1, 2)  # CHW views of the HWC slots
     # Memory-mapped frames are read-only; torch only reads them here (its warning would say otherwise).
@@ -149,7 +141,7 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
             height, width = int(frames[k][0]), int(frames[k][1])
             start = int(starts[k])
             pixels = np.asarray(sources[which[k]])[start : start + height * width * 3].reshape(height, width, 3)
-            transforms.crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k], fused)
+            crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k], fused)
 
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list(pool.map(run, chunks))

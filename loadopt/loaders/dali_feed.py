@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadopt.loaders import transforms
+from loadopt.imaging.decode import simplejpeg
 
 
 def dali_error(exc: BaseException) -> str:
@@ -25,9 +25,9 @@ def dali_error(exc: BaseException) -> str:
 
 def image_size(data) -> tuple[int, int]:
     """(width, height) from the image header: simplejpeg for JPEGs, PIL for anything else."""
-    if transforms.simplejpeg is not None and bytes(data[:2]) == b"\xff\xd8":
+    if simplejpeg is not None and bytes(data[:2]) == b"\xff\xd8":
         try:
-            height, width, _, _ = transforms.simplejpeg.decode_jpeg_header(data)
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             return width, height
         except ValueError:
             pass  # e.g. an unusual subsampling: PIL reads more headers

@@ -25,16 +25,17 @@ buffer is on, so the tests run it on the CPU with the reader swapped for the POS
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from loadopt.errors import BackendUnavailable, DatasetError, describe_sample_error
+from loadopt.errors import BackendUnavailable, DatasetError
+from loadopt.imaging.resize import crop_resize_flip_chw
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import WorkKind
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
+from loadopt.loaders.transforms import DeviceDecoder
 from loadopt.storage.raw_format import align_up
 from loadopt.storage.tier_reads import TierReader
 
@@ -66,10 +67,7 @@ def cufile_mode() -> tuple[bool, str]:
     return True, f"true GDS (compat_mode {name}, nvidia-fs loaded)"
 
 
-JpegDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
-
-
-def gpu_jpeg_decoder() -> tuple[JpegDecoder | None, str]:
+def gpu_jpeg_decoder() -> tuple[DeviceDecoder | None, str]:
     """A batched GPU JPEG decoder (host bitstreams in, CHW uint8 device tensors out) and its name, or
     None and why: torchvision's `decode_jpeg(device="cuda")`, else nvImageCodec."""
     try:
@@ -140,7 +138,7 @@ class KvikioLoader(PosixLoader):
     reader_class: type = KvikioReader
     sample_reads = False  # whole batches into device memory, finished there
     staging_device: str = "cuda"
-    jpeg_decoder: JpegDecoder | None = None  # the encoded form's; None: the GPU decoder installed here
+    jpeg_decoder: DeviceDecoder | None = None  # the encoded form's; None: the GPU decoder installed here
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -251,8 +249,7 @@ class KvikioLoader(PosixLoader):
             for k in range(len(indices)):
                 height, width = int(frames[k][0]), int(frames[k][1])
                 pixels = staging[int(starts[k]) : int(starts[k]) + height * width * 3].view(height, width, 3)
-                transforms.crop_resize_flip_chw(pixels.permute(2, 0, 1), tuple(boxes[k]), bool(flips[k]),
-                                                slot[k].permute(2, 0, 1))
+                crop_resize_flip_chw(pixels.permute(2, 0, 1), tuple(boxes[k]), bool(flips[k]), slot[k].permute(2, 0, 1))
             self._sync(staging)
             return []
         shape, size = (self.size, self.size, 3), self.pipeline.image_size
@@ -267,27 +264,15 @@ class KvikioLoader(PosixLoader):
     def _decode_into(self, slot: torch.Tensor, staging: torch.Tensor, starts: np.ndarray, length: np.ndarray,
                      indices: np.ndarray, epoch: int) -> list[tuple[int, str]]:
         """Decode the batch's JPEGs in one call on the slot's device, then crop/resize/flip each with the
-        plan every backend shares. A failing batch is decoded again sample by sample to name the bad ones."""
-        streams = [staging[int(starts[k]) : int(starts[k] + length[k])] for k in range(len(indices))]
-        try:
-            images: list[torch.Tensor | None] = list(self.jpeg_decoder(streams, slot.device))
-        except Exception:  # noqa: BLE001 - find the culprits below
-            images = []
-        failures = []
-        if len(images) != len(streams):
-            images = []
-            for k, stream in enumerate(streams):
-                try:
-                    images.append(self.jpeg_decoder([stream], slot.device)[0])
-                except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-                    index = int(indices[k])
-                    failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
-                    images.append(None)
-        for k, chw in enumerate(images):
-            if chw is not None:
-                box, flip = transforms.plan(chw.shape[2], chw.shape[1], self.pipeline.augment, self.seed, epoch,
-                                            int(indices[k]))
-                transforms.crop_resize_flip_chw(chw, box, flip, slot[k])
+        plan every backend shares (`transforms.decode_batch`; a failing batch is decoded again sample by
+        sample to name the bad ones)."""
+        decoder = self.jpeg_decoder
+        if decoder is None:  # set by `prepare` for the encoded form
+            raise BackendUnavailable("loaders.kvikio.form encoded: no GPU JPEG decoder was set up")
+        def stream(k: int) -> torch.Tensor:  # sample k's bitstream, a view of the (pinned) staging buffer
+            return staging[int(starts[k]) : int(starts[k] + length[k])]
+
+        failures = transforms.decode_batch(slot, indices, stream, decoder, self.pipeline.augment, self.seed, epoch)
         self._sync(slot)  # the decoder may still copy bitstreams from this staging buffer asynchronously
         return failures
 

@@ -1,41 +1,34 @@
-"""The image pipeline every CPU backend shares: decode, crop box, resize, flip, normalise.
+"""The per-sample image pipeline every backend shares: the crop plan, and decoding a batch's encoded
+samples into their slots by it.
 
 loadopt's own equivalents of torchvision's RandomResizedCrop / Resize+CenterCrop / flip /
 ToTensor+Normalize (torchvision is optional). Random choices come from a generator seeded by
 (seed, epoch, sample index), so a sample gets the same crop whichever worker or backend decodes it.
-Two resize kernels, both bilinear with antialiasing: PIL's
-(`resize(box=...)`, what torchvision does on PIL images) and torch's uint8 kernel on a view of the
-decoded array (what torchvision v2 does on tensors: about 3x cheaper here, no PIL<->numpy copies;
-pixels differ from PIL's by rounding, mean |diff| < 0.1 of a level).
+The primitives (decoders, boxes, resize kernels) are `loadopt.imaging`'s; this module binds them to the
+plan: `write_sample` for one sample, `decode_batch` for a batch (the one loop the `arrow`, `posix` and
+`kvikio` backends decode their encoded forms with).
 """
 
 from __future__ import annotations
 
 import io
-import math
-from typing import Literal
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
-try:  # the faster libjpeg-turbo binding, GIL released while decoding
-    import simplejpeg
-except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay usable without it
-    simplejpeg = None
+from loadopt.errors import describe_sample_error
+from loadopt.imaging import decode
+from loadopt.imaging.decode import Encoded, dct_denominator
+from loadopt.imaging.geometry import Box, center_crop_box, random_resized_crop_box, whole_pixels
+from loadopt.imaging.resize import crop_resize_flip, crop_resize_flip_chw, crop_resize_flip_into
 
-try:  # OpenCV's SIMD mirror of a resized crop into its slot
-    import cv2
-except ImportError:  # pragma: no cover - a dependency; torch's flip (a copy) stays for installs without it
-    cv2 = None  # type: ignore[assignment]  # None where the optional module is absent
-
-try:  # libjpeg-turbo's region decoding (loadopt/_jpeg.c), built at install where libjpeg-turbo's headers are
-    from loadopt import _jpeg as jpeg_region
-except ImportError:  # pragma: no cover - optional; JPEGs are then decoded whole
-    jpeg_region = None  # type: ignore[assignment]  # None where the optional module is absent
-
-Box = tuple[float, float, float, float]  # left, top, right, bottom in source pixels
-EVAL_CROP_FRACTION = 0.875  # resize to size/0.875, centre-crop size: the usual ImageNet eval recipe
+# A batched device JPEG decoder: host bitstreams in, CHW uint8 tensors on the device out (kvikio_loader.py).
+DeviceDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+Failures = list[tuple[int, str]]  # (sample index, why) of the samples that could not be decoded
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -53,42 +46,6 @@ def sample_hash(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
-                            scale: tuple[float, float] = (0.08, 1.0),
-                            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
-    """torchvision's RandomResizedCrop parameters: ten tries at a random area and aspect ratio,
-    then a centre crop clamped to the allowed ratios."""
-    area = width * height
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return (left, top, left + w, top + h)
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    left, top = (width - w) // 2, (height - h) // 2
-    return (left, top, left + w, top + h)
-
-
-def center_crop_box(width: int, height: int, fraction: float = EVAL_CROP_FRACTION) -> Box:
-    """The centred square of `fraction` of the shorter side, in exact (fractional) source pixels:
-    resampling it to the output size equals resizing the shorter side to size/fraction, then
-    centre-cropping, as torchvision's Resize + CenterCrop do."""
-    side = min(width, height) * fraction
-    left, top = (width - side) / 2, (height - side) / 2
-    return (left, top, left + side, top + side)
-
-
 def plan(width: int, height: int, augment: Literal["train", "eval"], seed: int, epoch: int,
          index: int) -> tuple[Box, bool]:
     """The crop box (in source pixels) and whether to flip, for one sample."""
@@ -99,132 +56,22 @@ def plan(width: int, height: int, augment: Literal["train", "eval"], seed: int, 
     return box, bool(rng.random() < 0.5)
 
 
-def decode_pil(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()  # decode errors surface here, not later
-    return image.convert("RGB") if image.mode != "RGB" else image
+def decoder_name(choice: str) -> str:
+    """The decoder a backend's `decoder` setting (auto|pil|simplejpeg) resolves to here."""
+    if choice == "auto":
+        return "simplejpeg" if decode.simplejpeg is not None else "pil"
+    return choice
 
 
-def decode_array(data: bytes, decoder: Literal["pil", "simplejpeg"]) -> np.ndarray:
-    """Decode to a writable HWC uint8 array: simplejpeg for JPEGs when asked, PIL otherwise."""
-    if decoder == "simplejpeg" and simplejpeg is not None and data[:2] == b"\xff\xd8":
-        return simplejpeg.decode_jpeg(data, colorspace="RGB")
-    return np.array(decode_pil(data))
+def decode_planned(data: Encoded, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int,
+                   index: int, region: bool = True, reduced_for: int | None = None) -> tuple[np.ndarray, Box, bool]:
+    """Decode what one sample's crop needs: (HWC uint8 pixels, the crop box in their coordinates, flip);
+    only the crop's region of a JPEG where it can (`imaging.decode.decode_for_crop`)."""
+    return decode.decode_for_crop(data, decoder, lambda width, height: plan(width, height, augment, seed, epoch, index),
+                                  region, reduced_for)
 
 
-def whole_pixels(box: Box) -> tuple[int, int, int, int]:
-    """A box rounded to whole pixels, as the torch kernel's crop takes it."""
-    left, top, right, bottom = (int(round(v)) for v in box)
-    return left, top, right, bottom
-
-
-def dct_denominator(box: tuple[int, int, int, int], size: int) -> int:
-    """The largest JPEG DCT scale 1/d (d in 1, 2, 4, 8) at which the crop `box` still has at least
-    `size` pixels each way: a crop at least twice the output is decoded at half scale or smaller."""
-    width, height = box[2] - box[0], box[3] - box[1]
-    return next(d for d in (8, 4, 2, 1) if d == 1 or (width >= d * size and height >= d * size))
-
-
-def decode_planned(data: bytes, decoder: Literal["pil", "simplejpeg"], augment: Literal["train", "eval"],
-                   seed: int, epoch: int, index: int, region: bool = True,
-                   reduced_for: int | None = None) -> tuple[np.ndarray, Box, bool]:
-    """Decode what one sample's crop needs: (HWC uint8 pixels, the crop box in their coordinates, flip).
-
-    With `region` (the default) and libjpeg-turbo's region decoding built (`loadopt/_jpeg.c`), a JPEG
-    for simplejpeg is decoded only over the crop's whole-pixel box: rows above it skipped, columns
-    outside it never inverse-transformed, nothing below it read; the pixels equal the full decode's
-    crop (tests/test_transforms.py), at 0.6-0.7x the time here. Otherwise the whole image is decoded.
-    A JPEG the region decoder refuses (CMYK, corrupt) goes to the whole-image decoder, which reports it;
-    damage below the crop goes unnoticed by the region decoder (it never reads there).
-
-    `reduced_for` = the output size: a crop at least twice that is decoded at a reduced DCT scale
-    (`dct_denominator`), the box in the scaled image's whole pixels. Other pixels than the full
-    decode's (the DCT's downscale, then the resize), far less work on large photos; off by default."""
-    if region and decoder == "simplejpeg" and jpeg_region is not None and bytes(data[:2]) == b"\xff\xd8":
-        try:
-            width, height = jpeg_region.header(data)
-            box, flip = plan(width, height, augment, seed, epoch, index)
-            left, top, right, bottom = whole_pixels(box)
-            denom = dct_denominator((left, top, right, bottom), reduced_for) if reduced_for else 1
-            if denom > 1:  # the scaled image is ceil(width / denom) wide; the box in its whole pixels
-                scaled_width, scaled_height = -(-width // denom), -(-height // denom)
-                left, top = min(round(left / denom), scaled_width - 1), min(round(top / denom), scaled_height - 1)
-                right = max(min(round(right / denom), scaled_width), left + 1)
-                bottom = max(min(round(bottom / denom), scaled_height), top + 1)
-            region_pixels = jpeg_region.decode_region(data, denom, left, top, right, bottom)
-        except ValueError:
-            pass
-        else:
-            return (np.frombuffer(region_pixels, np.uint8).reshape(bottom - top, right - left, 3),
-                    (0, 0, right - left, bottom - top), flip)
-    pixels = decode_array(data, decoder)
-    box, flip = plan(pixels.shape[1], pixels.shape[0], augment, seed, epoch, index)
-    return pixels, box, flip
-
-
-def decode_fast(data: bytes) -> Image.Image:
-    """simplejpeg for JPEGs when installed, PIL for anything else; as a PIL image."""
-    return Image.fromarray(decode_array(data, "simplejpeg"))
-
-
-def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.ndarray:
-    """The crop, resized to size x size (bilinear, antialiased) and flipped: HWC uint8."""
-    out = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
-    if flip:
-        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return np.asarray(out)
-
-
-def resize_aa(crop: torch.Tensor, size: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch's antialiased bilinear resize of an NCHW batch (uint8 on the CPU: its integer kernel), as
-    `F.interpolate(..., mode="bilinear", antialias=True)` computes it (the binding it calls: `torch.ops`'
-    dispatch costs ~3x its Python overhead here), optionally written into `out`."""
-    if out is None:
-        # torch's stub lists only the (input, output_size, align_corners, scale_factors) overload of this binding
-        return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None)  # type: ignore[call-arg]
-    return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None, out=out)  # type: ignore[call-arg]
-
-
-def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.Tensor,
-                          fused: bool = True) -> None:
-    """The crop of an HWC uint8 array, resized with torch's uint8 antialiased bilinear kernel and
-    flipped, written into `out` (CHW uint8, e.g. one slot of a batch).
-
-    `fused` (the default): an unflipped crop is resized straight into `out`, a flipped one mirrored
-    into it by OpenCV where `out` is a view of HWC pixels, else by one reversed strided copy; the same
-    pixels as resizing into a new tensor, flipping that (a copy) and copying it into `out`, which
-    `fused` False does (bench/levers.py)."""
-    left, top, right, bottom = whole_pixels(box)  # torch's kernel takes whole-pixel crops
-    crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
-    size = list(out.shape[-2:])
-    if fused and not flip:
-        resize_aa(crop, size, out.unsqueeze(0))
-        return
-    resized = resize_aa(crop, size)[0]
-    hwc_in, hwc_out = resized.permute(1, 2, 0), out.permute(1, 2, 0)
-    if fused and cv2 is not None and hwc_in.is_contiguous() and hwc_out.is_contiguous():  # both HWC in memory
-        cv2.flip(hwc_in.numpy(), 1, dst=hwc_out.numpy())
-    elif fused and out.device.type == "cpu":  # one strided copy, no flipped temporary
-        np.copyto(out.numpy(), resized.numpy()[:, :, ::-1])
-    else:
-        out.copy_(resized.flip(-1) if flip else resized)
-
-
-def crop_resize_flip_chw(chw: torch.Tensor, box: Box, flip: bool, out: torch.Tensor) -> None:
-    """`crop_resize_flip_into` for a decoded CHW uint8 tensor on any device (e.g. a GPU decoder's
-    output): torch's uint8 kernel on the CPU (so equal to `crop_resize_flip_into`), its float
-    kernel rounded back to uint8 elsewhere (CUDA has no uint8 antialiased kernel: within a level)."""
-    left, top, right, bottom = whole_pixels(box)
-    crop = chw.unsqueeze(0)[:, :, top:bottom, left:right]
-    if crop.device.type != "cpu":
-        crop = crop.float()
-    resized = resize_aa(crop, list(out.shape[-2:]))[0]
-    if resized.dtype != torch.uint8:
-        resized = resized.round_().clamp_(0, 255)
-    out.copy_(resized.flip(-1) if flip else resized)
-
-
-def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, index: int,
+def pil_pixels(data: Encoded, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, index: int,
                size: int, reduced_scale: bool = False) -> np.ndarray:
     """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8. `reduced_scale`: a crop
     at least twice `size` decoded at a reduced DCT scale (`decode_planned`; PIL's `draft` for `pil`)."""
@@ -232,7 +79,7 @@ def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], see
         pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, True, size)
         return crop_resize_flip(Image.fromarray(pixels), box, flip, size)
     if not reduced_scale:
-        image = decode_pil(data) if decoder == "pil" else decode_fast(data)
+        image = decode.decode_pil(data) if decoder == "pil" else decode.decode_fast(data)
         box, flip = plan(image.width, image.height, augment, seed, epoch, index)
         return crop_resize_flip(image, box, flip, size)
     image = Image.open(io.BytesIO(data))
@@ -247,7 +94,7 @@ def pil_pixels(data: bytes, decoder: str, augment: Literal["train", "eval"], see
     return crop_resize_flip(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), flip, size)
 
 
-def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
+def write_sample(data: Encoded, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
                  seed: int, epoch: int, index: int, region: bool = True, reduced_scale: bool = False) -> None:
     """Decode one sample, crop/resize/flip it and write it into `slot` (CHW uint8, e.g. of a batch).
     `resize` torch: only the crop is decoded where it can be (`decode_planned`; `region` False: whole),
@@ -261,6 +108,60 @@ def write_sample(data: bytes, slot: torch.Tensor, decoder: str, resize: str, aug
                                        reduced_scale).transpose(2, 0, 1)
 
 
+def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int], Any],
+                 decoder: str | DeviceDecoder, augment: Literal["train", "eval"], seed: int, epoch: int, *,
+                 reduced_scale: bool = False, pool: Executor | None = None, threads: int = 1,
+                 damaged: Callable[[int], None] | None = None) -> Failures:
+    """Decode each encoded sample of a batch into its slot by the shared plan: batch position k (sample
+    `indices[k]`, bytes `sample(k)`) cropped, resized and flipped into `slot[k]` (CHW uint8). Returns the
+    samples that could not be decoded, for the consumer's `on_error` policy (their slots hold garbage);
+    `damaged(index)` is called first for each of them, to raise when the stored form itself is damaged
+    (not the source's fault).
+
+    `decoder` a CPU decoder's name (`decoder_name`): each sample decoded on the host (`write_sample`,
+    torch's kernel, the region decode and `reduced_scale` as configured), the positions split over
+    `threads` threads of `pool` (decoding and resizing release the GIL). A `DeviceDecoder`: the batch's
+    bitstreams decoded in one call onto the slot's device (a failing batch again sample by sample, to
+    name the bad ones), each image then cropped there (`crop_resize_flip_chw`), in the calling thread."""
+    n = len(indices)
+    if callable(decoder):
+        device_decode, device = decoder, slot.device
+        streams = [sample(k) for k in range(n)]
+        try:
+            images: list[torch.Tensor] | None = list(device_decode(streams, device))
+        except Exception:  # noqa: BLE001 - the culprits are found sample by sample below
+            images = None
+        if images is not None and len(images) != n:
+            images = None
+
+        def write(k: int, index: int) -> None:
+            chw = images[k] if images is not None else device_decode([streams[k]], device)[0]
+            box, flip = plan(chw.shape[2], chw.shape[1], augment, seed, epoch, index)
+            crop_resize_flip_chw(chw, box, flip, slot[k])
+    else:
+        name = decoder
+
+        def write(k: int, index: int) -> None:
+            write_sample(sample(k), slot[k], name, "torch", augment, seed, epoch, index, reduced_scale=reduced_scale)
+
+    def run(positions: Iterable[int]) -> Failures:
+        failures = []
+        for k in positions:
+            index = int(indices[k])
+            try:
+                write(int(k), index)
+            except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
+                if damaged is not None:
+                    damaged(index)
+                failures.append((index, f"{describe_sample_error(exc)} (sample {index})"))
+        return failures
+
+    if pool is None or callable(decoder) or n == 0:
+        return run(range(n))
+    chunks = np.array_split(np.arange(n), min(threads, n))
+    return [failure for chunk in pool.map(run, chunks) for failure in chunk]
+
+
 def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """HWC uint8 -> CHW float32, (x/255 - mean) / std: what ToTensor + Normalize do."""
     tensor = torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32)).div_(255.0)
@@ -272,10 +173,3 @@ def to_normalised_chw(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[fl
 def normalise_chw(chw: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """CHW uint8 -> CHW float32 normalised, as `to_normalised_chw` does for HWC arrays."""
     return chw.float().div_(255.0).sub_(torch.tensor(mean).view(3, 1, 1)).div_(torch.tensor(std).view(3, 1, 1))
-
-
-def decoder_name(choice: str) -> str:
-    """The decoder `choice` (auto|pil|simplejpeg) resolves to here."""
-    if choice == "auto":
-        return "simplejpeg" if simplejpeg is not None else "pil"
-    return choice

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
-from loadopt.loaders.crops import FRAME_FIELDS, scaled_frame
+from loadopt.imaging.frames import FRAME_FIELDS, FrameDims, centre_square, stored_frame
 from loadopt.storage import decode_pool, integrity
 from loadopt.storage.tier_reads import local_dir
 
@@ -70,42 +70,31 @@ def _schema(dataset, form: Form, size: int | None) -> pa.Schema:
     return pa.schema([("sample_id", pa.int64()), ("label", pa.int64()), column], metadata=metadata)
 
 
-# Decoding for the `decoded` form runs in a process pool; forked workers inherit these.
+# Decoding for the `decoded` and `frames` forms runs in a process pool; forked workers inherit these.
 _POOL_DATASET = None
 _POOL_SIZE = 0
 
 
-def _decode_one(index: int) -> bytes:
-    from PIL import Image
-
-    from loadopt.loaders import transforms
-
-    pixels = transforms.decode_array(_POOL_DATASET.read(index), "simplejpeg")
-    height, width = pixels.shape[:2]
-    box = transforms.center_crop_box(width, height, fraction=1.0)
-    out = Image.fromarray(pixels).resize((_POOL_SIZE, _POOL_SIZE), Image.BILINEAR, box=box)
-    return out.tobytes()
+def set_pool_dataset(dataset, size: int | None) -> None:
+    """The dataset and size the pool's decode functions read (set before the pool forks)."""
+    global _POOL_DATASET, _POOL_SIZE
+    _POOL_DATASET, _POOL_SIZE = dataset, size or 0
 
 
-def decode_frame(index: int) -> tuple[bytes, tuple[int, int, int, int]]:
-    """The `frames` form of one sample of the pool's dataset (`stored_frame`)."""
-    return stored_frame(_POOL_DATASET.read(index), _POOL_SIZE)
+def _pool_sample(index: int) -> bytes:
+    if _POOL_DATASET is None:
+        raise RuntimeError("set_pool_dataset was not called before decoding")
+    return _POOL_DATASET.read(index)
 
 
-def stored_frame(data: bytes, max_side: int) -> tuple[bytes, tuple[int, int, int, int]]:
-    """The `frames` form of one encoded sample: its whole frame, longer side at most `max_side`
-    (PIL's antialiased bilinear where it shrinks; as decoded otherwise), and
-    (height, width, source height, source width)."""
-    from PIL import Image
+def decode_centre(index: int) -> bytes:
+    """The `decoded` form of one sample of the pool's dataset (`imaging.frames.centre_square`)."""
+    return centre_square(_pool_sample(index), _POOL_SIZE)
 
-    from loadopt.loaders import transforms
 
-    pixels = transforms.decode_array(data, "simplejpeg")
-    source_height, source_width = pixels.shape[:2]
-    width, height = scaled_frame(source_width, source_height, max_side)
-    if (width, height) != (source_width, source_height):
-        pixels = np.asarray(Image.fromarray(pixels).resize((width, height), Image.BILINEAR))
-    return np.ascontiguousarray(pixels).tobytes(), (height, width, source_height, source_width)
+def decode_frame(index: int) -> tuple[bytes, FrameDims]:
+    """The `frames` form of one sample of the pool's dataset (`imaging.frames.stored_frame`)."""
+    return stored_frame(_pool_sample(index), _POOL_SIZE)
 
 
 def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, progress, workers: int,
@@ -116,7 +105,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
     skipped = [] if skipped is None else skipped
     pool = None
     if form in ("decoded", "frames"):
-        _set_pool_globals(dataset, size)
+        set_pool_dataset(dataset, size)
         pool = decode_pool.start(workers)
     try:
         for start in range(0, n, ROWS_PER_BATCH):
@@ -140,7 +129,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
                         progress(int(ids[-1]) + 1, n)
                     continue
                 if form == "decoded":
-                    decode = partial(integrity.guarded, _decode_one)
+                    decode = partial(integrity.guarded, decode_centre)
                     results = pool.map(decode, ids.tolist(), chunksize=16) if pool else [decode(int(i)) for i in ids]
                     blobs = integrity.keep_or_skip(dataset, ids, results, on_error, skipped,
                                                    lambda: bytes(size * size * 3))
@@ -152,11 +141,6 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
                 progress(int(ids[-1]) + 1, n)
     finally:
         decode_pool.stop(pool)
-
-
-def _set_pool_globals(dataset, size) -> None:
-    global _POOL_DATASET, _POOL_SIZE
-    _POOL_DATASET, _POOL_SIZE = dataset, size
 
 
 def convert(dataset, form: Form, size: int | None = None, progress: Callable[[int, int], None] | None = None,

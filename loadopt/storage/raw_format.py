@@ -103,7 +103,7 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
     n = len(dataset)
     skipped = [] if skipped is None else skipped
     if form == "frames":  # the Arrow frames form's own function; each frame's dims appended to `dims`
-        arrow_format._set_pool_globals(dataset, size)
+        arrow_format.set_pool_dataset(dataset, size)
         pool = decode_pool.start(workers)
         decode = partial(integrity.guarded, arrow_format.decode_frame)
         try:
@@ -123,8 +123,8 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
             yield dataset.read(i)
     else:  # the Arrow decoded form's own decode function: bit-equal pixels in both forms
         assert size is not None  # the decoded form is stored at a size
-        arrow_format._set_pool_globals(dataset, size)
-        decode = partial(integrity.guarded, arrow_format._decode_one)
+        arrow_format.set_pool_dataset(dataset, size)
+        decode = partial(integrity.guarded, arrow_format.decode_centre)
         pool = decode_pool.start(workers)
         try:
             for i, result in enumerate(pool.imap(decode, range(n), chunksize=16) if pool else map(decode, range(n))):
