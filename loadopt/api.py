@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -105,7 +105,7 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     config = _as_config(config_or_path)
     dataset = open_dataset(config, split)
     overrides = {**_split_defaults(split, overrides), **overrides}
-    build = dict(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch)
+    build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch)
     if backend != "auto":
         loader = _build(config, dataset, backend, dict(config.loaders.get(backend) or {}), f"loaders.{backend}",
                         "asked for by name", convert=True, **build)
@@ -125,7 +125,18 @@ def _split_defaults(split: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return defaults
 
 
-def _auto(config: Config, dataset, build: dict[str, Any]) -> Loader:
+class _Placement(TypedDict):
+    """What `make_loader` was asked for beyond the backend: the same for whichever backend is built."""
+
+    overrides: dict[str, Any]
+    device: str | torch.device | None
+    rank: int | None
+    world_size: int | None
+    seed: int | None
+    epoch: int
+
+
+def _auto(config: Config, dataset, build: _Placement) -> Loader:
     chosen, settings_raw, why = _choose(config, dataset)
     if chosen:  # never onto another training input (loadopt.recipe): then the fallback order below
         try:
@@ -176,8 +187,8 @@ def _dataloader_keywords(cls: type[Loader], backend: str, overrides: dict[str, A
 
 
 def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], where: str, why: str, *,
-           overrides: dict[str, Any], device, rank: int | None, world_size: int | None, seed: int | None, epoch: int,
-           convert: bool, same_recipe: bool = False) -> Loader:
+           overrides: dict[str, Any], device: str | torch.device | None, rank: int | None, world_size: int | None,
+           seed: int | None, epoch: int, convert: bool, same_recipe: bool = False) -> Loader:
     cls = backend_for(backend, f"make_loader: backend={backend!r}")
     available, reason = cls.available()
     if not available:

@@ -156,7 +156,8 @@ class TorchrunRanks(Ranks):
                 value = work()
             except BaseException as exc:  # noqa: BLE001 - every rank learns of it, then it is raised here
                 failure = exc
-        box = [(value, described(failure)) if self.rank == 0 else None]
+        # (value, failure told) from rank 0: the broadcast fills it in on every other rank
+        box: list[Any] = [(value, described(failure)) if self.rank == 0 else None]
         torch.distributed.broadcast_object_list(box, src=0, group=self._objects)
         value, told = box[0]
         if failure is not None:

@@ -10,6 +10,7 @@ loop, each on its shard with an all-reduce per step; what differs is behind `dis
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +81,7 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
             probe = cls(dataset, config.pipeline, settings, device=device, seed=config.seed)
             label = f"{name} {probe.describe()}"
             try:
-                probe.prepare(lambda done, total, label=label: reporter.conversion_progress(label, done, total),
-                              convert)
+                probe.prepare(functools.partial(reporter.conversion_progress, label), convert)
             except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
                 plan.append(Setting(name, settings, label, "error", str(exc).splitlines()[0]))
                 continue
@@ -255,7 +255,7 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDatase
             distributed.raise_told(other["fatal"], other["rank"])
     failed = [r for r in reports if r["error"] is not None]
     if failed or result is None:
-        first = failed[0] if failed else {"rank": ranks.rank, "error": "no figures"}
+        first: dict[str, Any] = failed[0] if failed else {"rank": ranks.rank, "error": "no figures"}
         setting.status = "error"
         setting.reason = first["error"] if ranks.world_size == 1 else f"rank {first['rank']}: {first['error']}"
         reporter.run_finished(setting.label, None, setting.reason)

@@ -240,7 +240,9 @@ class Tuner:
                             tuning.best, tuning.best_settings = incumbent, best_settings
                             return
                         gain = 1 + self.window.min_gain
-                        if trial.outcome == "ok" and trial.samples_per_s > incumbent.samples_per_s * gain:
+                        rate, best_rate = trial.samples_per_s, incumbent.samples_per_s
+                        if trial.outcome == "ok" and rate is not None and best_rate is not None \
+                                and rate > best_rate * gain:
                             incumbent, best_settings, moved = trial, point, True
                         elif len(values) > 2 and numeric(values):
                             break  # a numeric knob: past a value that did not help, the next ones are not tried

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
@@ -260,7 +260,7 @@ class Loader(ABC, Generic[SettingsT]):
         self._epoch, self._position = int(state["epoch"]), int(state["batches_done"])
         self._resume = True
 
-    def host_batches(self) -> Iterator[HostBatch]:
+    def host_batches(self) -> Generator[HostBatch, None, None]:
         """Batches as produced (host tensors, or device tensors for device backends), position kept."""
         order = self.order()
         batches = order.batches(self._position)

@@ -1,17 +1,22 @@
-"""What the `dali` backend feeds its pipeline: each batch's encoded bytes and crop plan (`Prepared`),
-read ahead by a thread pool and handed to DALI's external source in order (`Feed`), or one sample at
-a time to find the files DALI cannot decode (`SampleFeed`); and DALI's errors cut to one line.
+"""What the `dali` backend feeds its pipeline: each batch's encoded bytes and crop plan (`Prepared`,
+made by `plan_batch` with the shared crop plan from each JPEG's header), read ahead by a thread pool and
+handed to DALI's external source in order (`Feed`), or one sample at a time to find the files DALI
+cannot decode (`SampleFeed`); and DALI's errors cut to one line.
 """
 
 from __future__ import annotations
 
 import io
+import math
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from loadopt.config import PipelineConfig
 from loadopt.imaging.decode import simplejpeg
+from loadopt.loaders import transforms
 
 
 def dali_error(exc: BaseException) -> str:
@@ -55,21 +60,65 @@ class Prepared:
         return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep]
 
 
+def plan_batch(indices: np.ndarray, epoch: int, encoded: Callable[[int], np.ndarray], pipeline: PipelineConfig,
+               seed: int, roi_decode: bool) -> Prepared:
+    """Read a batch (`encoded(index)`: a sample's stored bytes) and plan each sample's crop with the shared
+    crop plan (in a reader thread). A sample that cannot be read or whose header cannot be parsed is a failure."""
+    size = pipeline.image_size
+    kept, data, rows, failures, nbytes = [], [], [], [], 0
+    for index in indices.tolist():
+        try:
+            blob = encoded(index)
+            nbytes += len(blob)
+            width, height = image_size(blob)
+        except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
+            failures.append((index, f"cannot read or decode ({type(exc).__name__}: {exc})"))
+            continue
+        (left, top, right, bottom), flip = transforms.plan(width, height, pipeline.augment, seed, epoch, index)
+        y0 = x0 = 0
+        y1, x1 = height, width
+        if roi_decode:  # the slice holds the crop and the pixels the antialiasing filter reads around it
+            margin = math.ceil(max(right - left, bottom - top) / size) + 1
+            y0, x0 = max(0, math.floor(top) - margin), max(0, math.floor(left) - margin)
+            y1, x1 = min(height, math.ceil(bottom) + margin), min(width, math.ceil(right) + margin)
+        kept.append(index)
+        data.append(blob)
+        # A flip is the crop's columns taken right to left: DALI's resize mirrors an ROI whose start
+        # is past its end, in the same pass (no separate mirror over the output).
+        x_start, x_end = (right - x0, left - x0) if flip else (left - x0, right - x0)
+        rows.append((y0, x0, y1 - y0, x1 - x0, top - y0, x_start, bottom - y0, x_end))
+    table = np.asarray(rows, dtype=np.float64).reshape(-1, 8)
+    return Prepared(np.asarray(kept, dtype=np.int64), data, table[:, 0:2].astype(np.int32),
+                    table[:, 2:4].astype(np.int32), table[:, 4:6].astype(np.float32),
+                    table[:, 6:8].astype(np.float32), failures, nbytes)
+
+
 class Feed:
     """The external source's callback: the planned batches in order, read `ahead` batches early.
 
     Batches whose every sample failed before DALI (unreadable header) are never fed; the consumer
     skips them too, so the n-th DALI output is the n-th fed batch."""
 
-    def __init__(self, prepare, batches: list[np.ndarray], pool: ThreadPoolExecutor, ahead: int) -> None:
+    def __init__(self, prepare: Callable[[np.ndarray], Prepared] | None, batches: list[np.ndarray],
+                 pool: ThreadPoolExecutor | None, ahead: int) -> None:
         self.prepare, self.batches, self.pool, self.ahead = prepare, batches, pool, ahead
-        self.futures: dict[int, Future] = {}
+        self.futures: dict[int, Future[Prepared]] = {}
         self.cursor = 0  # the next batch DALI gets
 
+    @classmethod
+    def of_prepared(cls, prepared: list[Prepared]) -> Feed:
+        """A feed of batches already read and planned: it only hands them out (no pool, nothing ahead)."""
+        feed = cls(None, [p.indices for p in prepared], None, ahead=0)
+        for k, batch in enumerate(prepared):
+            feed.futures[k] = Future()
+            feed.futures[k].set_result(batch)
+        return feed
+
     def get(self, k: int) -> Prepared:
-        for j in range(k, min(k + self.ahead + 1, len(self.batches))):
-            if j not in self.futures:
-                self.futures[j] = self.pool.submit(self.prepare, self.batches[j])
+        if self.pool is not None and self.prepare is not None:
+            for j in range(k, min(k + self.ahead + 1, len(self.batches))):
+                if j not in self.futures:
+                    self.futures[j] = self.pool.submit(self.prepare, self.batches[j])
         return self.futures[k].result()
 
     def forget(self, k: int) -> None:

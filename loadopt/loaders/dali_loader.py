@@ -8,7 +8,8 @@ with `transforms.plan` from the JPEG header, so crops and flips are the other ba
 then decodes only the rows and columns the crop needs (`decoders.image_slice`, plus the filter's
 margin), resizes the crop (linear, antialiased: PIL's bilinear filter) and runs
 `crop_mirror_normalize` to NCHW float or uint8. On a GPU the decoder is `mixed` (nvImageCodec,
-the hardware JPEG decoder where there is one) and the batch stays on the device.
+the hardware JPEG decoder where there is one) and the batch stays on the device. The pipeline's graph is
+`dali_pipeline.py`; the reading ahead and crop planning that feed it, `dali_feed.py`.
 
 `reader: native` is DALI's own `fn.readers.file` (local files only) with `decoders.image_random_crop`:
 its order, shards and crops are DALI's (describe() says `order=dali`), and it cannot resume mid-epoch.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,9 +32,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
-from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader, WorkKind
-from loadopt.loaders.dali_feed import Feed, Prepared, SampleFeed, dali_error, image_size
+from loadopt.loaders.dali_feed import Feed, Prepared, SampleFeed, dali_error, plan_batch
+from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.tokens import TokenDataset
 
@@ -74,9 +75,10 @@ class DaliLoader(Loader[DaliSettings]):
         if s.reader == "native" and (s.source != "images" or not self.dataset.is_local()):
             raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; "
                               "use reader: external for remote datasets or source: arrow")
+        self.graph = DaliGraph(s, self.pipeline, self.decoder, self.device, self.seed)
         self._views: list | None = None  # Arrow: (offsets, data) per record batch
         self._tier_ranges: tuple | None = None  # Arrow on a tier: (fs, path, sample offsets, lengths)
-        self._pipe = None
+        self._pipe: Any = None
         self._native_done = 0  # native: batches DALI has delivered in its current epoch
 
     # -- the registry's questions ----------------------------------------------------------------
@@ -98,11 +100,11 @@ class DaliLoader(Loader[DaliSettings]):
                 "normalise": ["dali", "device"], "layout": ["NCHW", "NHWC"]}
 
     @classmethod
-    def cpu_demand(cls, settings: BaseModel) -> int:
-        return int(settings.num_threads)
+    def cpu_demand(cls, settings: DaliSettings) -> int:
+        return settings.num_threads
 
     @classmethod
-    def work_kind(cls, settings, recipe=None) -> str:
+    def work_kind(cls, settings: DaliSettings, recipe: dict[str, Any] | None = None) -> str:
         # auto decodes on the GPU on a CUDA device: the run's label says `mixed` there (attribution reads it)
         return WorkKind.DEVICE_DECODE if settings.decoder == "mixed" else WorkKind.JPEG_DECODE
 
@@ -121,7 +123,7 @@ class DaliLoader(Loader[DaliSettings]):
 
     # -- storage ---------------------------------------------------------------------------------
 
-    def prepare(self, progress=None, convert_missing: bool = True) -> None:
+    def prepare(self, progress: Callable[[int, int], None] | None = None, convert_missing: bool = True) -> None:
         if self.settings.source != "arrow" or self._views is not None:
             return
         from loadopt.storage.arrow_format import arrow_path, convert, open_arrow
@@ -166,134 +168,38 @@ class DaliLoader(Loader[DaliSettings]):
             return data[offsets[local] : offsets[local + 1]]  # a view of the mapped file: no copy
         return np.frombuffer(self.dataset.read(index), np.uint8)
 
-    def _prepare_batch(self, indices: np.ndarray, epoch: int) -> Prepared:
-        """Read a batch and plan each sample's crop (in a reader thread)."""
-        size, roi_decode = self.pipeline.image_size, self.settings.roi_decode
-        kept, data, rows, failures, nbytes = [], [], [], [], 0
-        for index in indices.tolist():
-            try:
-                blob = self._encoded(index)
-                nbytes += len(blob)
-                width, height = image_size(blob)
-            except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-                failures.append((index, f"cannot read or decode ({type(exc).__name__}: {exc})"))
-                continue
-            (left, top, right, bottom), flip = transforms.plan(width, height, self.pipeline.augment, self.seed,
-                                                               epoch, index)
-            y0 = x0 = 0
-            y1, x1 = height, width
-            if roi_decode:  # the slice holds the crop and the pixels the antialiasing filter reads around it
-                margin = math.ceil(max(right - left, bottom - top) / size) + 1
-                y0, x0 = max(0, math.floor(top) - margin), max(0, math.floor(left) - margin)
-                y1, x1 = min(height, math.ceil(bottom) + margin), min(width, math.ceil(right) + margin)
-            kept.append(index)
-            data.append(blob)
-            # A flip is the crop's columns taken right to left: DALI's resize mirrors an ROI whose start
-            # is past its end, in the same pass (no separate mirror over the output).
-            x_start, x_end = (right - x0, left - x0) if flip else (left - x0, right - x0)
-            rows.append((y0, x0, y1 - y0, x1 - x0, top - y0, x_start, bottom - y0, x_end))
-        table = np.asarray(rows, dtype=np.float64).reshape(-1, 8)
-        return Prepared(np.asarray(kept, dtype=np.int64), data, table[:, 0:2].astype(np.int32),
-                        table[:, 2:4].astype(np.int32), table[:, 4:6].astype(np.float32),
-                        table[:, 6:8].astype(np.float32), failures, nbytes)
-
     # -- the pipeline ----------------------------------------------------------------------------
 
-    def _new_pipeline(self, source, depth: int | None = None):
-        from nvidia.dali import Pipeline, fn, types
+    def _prepare_batch(self, indices: np.ndarray, epoch: int) -> Prepared:
+        """Read a batch and plan each sample's crop (in a reader thread)."""
+        return plan_batch(indices, epoch, self._encoded, self.pipeline, self.seed, self.settings.roi_decode)
 
-        s, size = self.settings, self.pipeline.image_size
-        gpu = self.decoder == "mixed"
-        device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
-            if gpu else None
-        pipe = Pipeline(batch_size=self.pipeline.batch_size, num_threads=s.num_threads, device_id=device_id,
-                        prefetch_queue_depth=depth or s.prefetch_queue_depth, seed=self.seed + 7919 * self.epoch,
-                        bytes_per_sample=s.bytes_per_sample_hint or 0)
-        decode_args: dict[str, Any] = {"device": self.decoder, "output_type": types.RGB}
-        if gpu:
-            decode_args["hw_decoder_load"] = s.hw_decoder_load
-            for key in ("device_memory_padding", "host_memory_padding"):
-                if getattr(s, key) is not None:
-                    decode_args[key] = getattr(s, key)
-        with pipe:
-            if s.reader == "native":
-                images, labels = self._native_graph(fn, types, decode_args)
-                mirror = fn.random.coin_flip() if self.pipeline.augment == "train" else 0
-                crop = (size, size)
-            else:
-                data, anchor, shape, roi_start, roi_end = fn.external_source(
-                    source=source, num_outputs=5, batch=True, no_copy=True,
-                    dtype=[types.UINT8, types.INT32, types.INT32, types.FLOAT, types.FLOAT])
-                images = fn.decoders.image_slice(data, anchor, shape, axis_names="HW", **decode_args)
-                images = fn.resize(images, size=[size, size], roi_start=roi_start, roi_end=roi_end,
-                                   roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
-                labels, crop, mirror = None, None, 0  # flips are done by the resize (see `_prepare_batch`)
-            if self._normalised():
-                norm = {"dtype": types.FLOAT, "mean": [255 * m for m in self.pipeline.mean],
-                        "std": [255 * v for v in self.pipeline.std]}
-                images = fn.crop_mirror_normalize(images, mirror=mirror, output_layout=s.layout[1:], crop=crop, **norm)
-            elif crop is not None or s.layout == "NCHW":
-                images = fn.crop_mirror_normalize(images, mirror=mirror, output_layout=s.layout[1:], crop=crop,
-                                                  dtype=types.UINT8)
-            # else: uint8 HWC straight from the resize, one pass over the output fewer
-            pipe.set_outputs(images, *([labels] if labels is not None else []))
-        pipe.build()
-        return pipe
-
-    def _native_graph(self, fn, types, decode_args):
-        size = self.pipeline.image_size
-        # The "label" is the dataset index: the consumer takes labels (and sizes) from the dataset.
-        files, labels = fn.readers.file(
-            files=self.dataset.local_files(), labels=list(range(len(self.dataset))), shard_id=self.rank,
-            num_shards=self.world_size, random_shuffle=self.pipeline.shuffle, pad_last_batch=True,
-            stick_to_shard=True, name="reader")
-        if self.pipeline.augment == "train":
-            images = fn.decoders.image_random_crop(files, random_area=[0.08, 1.0],
-                                                   random_aspect_ratio=[3 / 4, 4 / 3], **decode_args)
-            images = fn.resize(images, size=[size, size], interp_type=types.INTERP_LINEAR, antialias=True)
-        else:
-            images = fn.decoders.image(files, **decode_args)
-            images = fn.resize(images, resize_shorter=round(size / transforms.EVAL_CROP_FRACTION),
-                               interp_type=types.INTERP_LINEAR, antialias=True)
-        return images, labels
-
-    def _normalised(self) -> bool:
-        return self.pipeline.dtype == "float32" and self.settings.normalise == "dali"
-
-    def _run(self, pipe) -> list[torch.Tensor]:
-        from nvidia.dali.plugin.pytorch.torch_utils import to_torch_tensor
-
-        # Mixed: outputs ordered on torch's current stream (no host sync); a CPU-only pipeline has no stream.
-        stream = torch.cuda.current_stream(self.device) if self.decoder == "mixed" else None
-        outputs = pipe.run(stream) if stream is not None else pipe.run()
-        # A view of DALI's output through DLPack: DALI's dynamic executor never reuses memory still referenced.
-        return [to_torch_tensor(out.as_tensor(), copy=False) for out in outputs]
+    def _new_pipeline(self, source: Callable[[], tuple] | None, depth: int | None = None) -> Any:
+        native = None
+        if self.settings.reader == "native":
+            native = NativeFiles(self.dataset.local_files(), self.rank, self.world_size)
+        return self.graph.build(source, self.epoch, depth, native)
 
     def engine_rate(self, batches: int = 6) -> tuple[float, float]:
         """(images/s, CPU seconds per wall second) of this pipeline alone: decode, crop, resize, flip and
         normalise over batches read and planned beforehand (not timed), the first one not timed either.
         With `num_threads: 1`, times the cores, it is DALI's ceiling on this machine."""
-        from concurrent.futures import Future
-
         planned = self.order().batches()[: batches + 1]
         prepared = [self._prepare_batch(indices, self.epoch) for indices in planned]
-        feed = Feed(None, planned, None, ahead=0)
-        for k, batch in enumerate(prepared):  # every batch already read and planned: the feed only hands them out
-            feed.futures[k] = Future()
-            feed.futures[k].set_result(batch)
-        pipe = self._new_pipeline(feed)
-        self._run(pipe)  # allocations
+        pipe = self._new_pipeline(Feed.of_prepared(prepared))  # every batch already read and planned
+        self.graph.run(pipe)  # allocations
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(len(planned) - 1):
-            self._run(pipe)
+            self.graph.run(pipe)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         return sum(len(p.indices) for p in prepared[1:]) / wall, cpu / wall
 
-    def _host_batch(self, images: torch.Tensor, indices: np.ndarray, failures, nbytes: int | None) -> HostBatch:
+    def _host_batch(self, images: torch.Tensor, indices: np.ndarray, failures: list[tuple[int, str]],
+                    nbytes: int | None) -> HostBatch:
         labels = torch.from_numpy(self.dataset.labels[indices])
         if images.is_cuda:
             labels = labels.to(images.device, non_blocking=True)  # the whole batch is on the device: no h2d
-        return HostBatch(images, labels, indices, self.settings.layout, normalised=self._normalised(),
+        return HostBatch(images, labels, indices, self.settings.layout, normalised=self.graph.normalised(),
                          failures=failures, bytes_read=nbytes)
 
     # -- batches ---------------------------------------------------------------------------------
@@ -329,7 +235,7 @@ class DaliLoader(Loader[DaliSettings]):
                                     s.layout, failures=prepared.failures, bytes_read=prepared.bytes_read)
                     continue
                 try:
-                    (images,) = self._run(pipe)
+                    (images,) = self.graph.run(pipe)
                     indices, failures = prepared.indices, prepared.failures
                 except RuntimeError as exc:  # a sample DALI cannot decode fails its whole batch
                     del pipe
@@ -349,7 +255,7 @@ class DaliLoader(Loader[DaliSettings]):
             while pending:
                 position = pending.pop(0)
                 try:
-                    good.append((position, self._run(pipe)[0]))
+                    good.append((position, self.graph.run(pipe)[0]))
                 except RuntimeError as error:
                     failures.append((int(prepared.indices[position]), f"DALI cannot decode it ({dali_error(error)})"))
                     break  # the pipeline is no longer valid after an error
@@ -368,13 +274,13 @@ class DaliLoader(Loader[DaliSettings]):
                 raise ConfigError("loaders.dali.reader native cannot start an epoch in its middle")
             self._pipe, self._native_done = self._new_pipeline(None), 0
         for batch in batches:
-            images, positions = self._run(self._pipe)
+            images, positions = self.graph.run(self._pipe)
             n = len(batch)  # the shard's last batch is padded by DALI: cut to the shard's end
             indices = positions.reshape(-1)[:n].cpu().numpy().astype(np.int64)
             self._native_done += 1
             if self._native_done == planned:  # the epoch's end: skip what drop_last leaves out
                 for _ in range(dali_batches - planned):
-                    self._run(self._pipe)
+                    self.graph.run(self._pipe)
                 self._native_done = 0
             yield self._host_batch(images[:n], indices, [], None)
 

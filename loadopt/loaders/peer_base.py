@@ -119,7 +119,10 @@ def convert_once(path: Path, write: Callable[[Path, list], dict[str, Any]]) -> d
         raise DatasetError(f"{path}: cannot write the conversion ({exc.strerror or exc})") from None
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    return read_meta(path)
+    done = read_meta(path)
+    if done is None:
+        raise DatasetError(f"{path}: the finished conversion has no {DONE} (removed meanwhile?)")
+    return done
 
 
 def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int, int, bytes]]:
@@ -167,10 +170,10 @@ def record(index: int, label: int, data: bytes) -> dict[str, Any]:
     return {"jpg": data, "cls": label, "idx": index}
 
 
-_CROPPED: dict[str, type] = {}
+_CROPPED: dict[str, type[Any]] = {}
 
 
-def cropped(base: type, name: str) -> type:
+def cropped(base: type[Any], name: str) -> type[Any]:
     """`base` (a library's dataset class whose items are `record`s) with `__getitem__` running the config's
     pipeline on each (`CropSample`, given first to `__init__`): how these libraries take a transform.
     Made on first use (the library is optional) and kept here under `name`, so workers can find it."""
@@ -331,12 +334,18 @@ class PeerLoader(Loader[PeerSettingsT]):
     def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
         raise NotImplementedError
 
-    def storage_files(self) -> list[str]:
-        if self.path is None:
+    def conversion(self) -> tuple[Path, dict[str, Any]]:
+        """The finished conversion's folder and metadata (`prepare`d first when it is not yet)."""
+        if self.path is None or self.meta is None:
             self.prepare(convert_missing=False)
+        assert self.path is not None and self.meta is not None  # prepare sets both, or raises
+        return self.path, self.meta
+
+    def storage_files(self) -> list[str]:
+        path, _ = self.conversion()
         if tier_reads.remote_home(self.dataset) is not None:
             return []
-        return sorted(str(p) for p in self.path.rglob("*") if p.is_file() and p.name != DONE)
+        return sorted(str(p) for p in path.rglob("*") if p.is_file() and p.name != DONE)
 
     def crop_sample(self, epoch: int) -> CropSample:
         return CropSample(self.pipeline, self.seed, epoch, self.settings.decoder)

@@ -84,9 +84,10 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
 
     def shard_urls(self) -> list[str]:
         """The shards as the tier names them (the local files, or their copies on a remote home)."""
-        remote = tier_reads.publish(self.dataset, self.path, marker="loadopt-peer.json")
-        base = remote if remote is not None else str(self.path)
-        return [f"{base}/{name}" for name in self.meta["shards"]]
+        path, meta = self.conversion()
+        remote = tier_reads.publish(self.dataset, path, marker="loadopt-peer.json")
+        base = remote if remote is not None else str(path)
+        return [f"{base}/{name}" for name in meta["shards"]]
 
     def pipeline_for(self, epoch: int):
         """WebDataset's pipeline for one epoch, as a WebDataset user writes it."""

@@ -18,8 +18,8 @@ persistent workers, which never see the consumer's state after they start.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from loadopt.config import PipelineConfig
 from loadopt.device import usable_cores
+from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
 from loadopt.storage.tokens import TokenDataset
@@ -52,7 +53,7 @@ class TorchSettings(BaseModel):
     def resolved_decoder(self) -> str:
         if self.decoder == "auto":
             return "pil" if self.variant == "plain" else transforms.decoder_name("auto")
-        if self.decoder == "simplejpeg" and transforms.simplejpeg is None:
+        if self.decoder == "simplejpeg" and simplejpeg is None:
             raise ValueError("decoder simplejpeg is not installed (pip install simplejpeg)")
         return self.decoder
 
@@ -114,6 +115,8 @@ class _Samples(torch.utils.data.Dataset):
 
     def tuned_batch(self, items: list[Item]) -> dict:
         """The tuned path: decode each sample straight into the batch's ring slot (uint8 NCHW)."""
+        if self.ring is None:
+            raise RuntimeError("the tuned path writes into the batch ring: it is made before the DataLoader")
         out = self.ring[items[0][2]]
         kept: list[int] = []
         failures: list[tuple[int, str]] = []
@@ -147,8 +150,8 @@ def _collate_plain(samples: list) -> dict:
             "normalised": True}
 
 
-def _collate_tuned(batch: dict) -> dict:
-    return batch
+def _collate_tuned(batch: Any) -> dict:
+    return batch  # the dict `tuned_batch` made (DataLoader hands its collate what `__getitems__` returned)
 
 
 class _Windows(torch.utils.data.Dataset):
@@ -200,8 +203,8 @@ class TorchLoader(Loader[TorchSettings]):
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
         # Worker processes up to the cores (0: the consumer decodes); pinning only means something on CUDA.
-        space = {"variant": ["plain", "tuned"], "num_workers": [0] + [n for n in (1, 2, 4, 8, 16, 32) if n < cores]
-                 + [cores], "prefetch_factor": [2, 4]}
+        workers = [0] + [n for n in (1, 2, 4, 8, 16, 32) if n < cores] + [cores]
+        space: dict[str, list[Any]] = {"variant": ["plain", "tuned"], "num_workers": workers, "prefetch_factor": [2, 4]}
         if torch.cuda.is_available():
             space["pin_memory"] = [False, True]
         return space
@@ -242,7 +245,9 @@ class TorchLoader(Loader[TorchSettings]):
         workers = s.num_workers
         # More workers than cores is a setting a sweep tries on purpose; torch's warning adds nothing.
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-        if self._tokens:
+        samples: torch.utils.data.Dataset
+        collate: Callable[[list[Any]], dict]
+        if isinstance(self.dataset, TokenDataset):
             samples, collate = _Windows(self.dataset), _collate_windows
         else:
             samples, collate = _Samples(self), _collate_tuned if s.variant == "tuned" else _collate_plain
@@ -277,6 +282,7 @@ class TorchLoader(Loader[TorchSettings]):
         if tuned and self._ring is None:
             self._ring = self._make_ring()
             self._dataloader = None  # workers must see the ring
+        ring = self._ring
         slots = self._ring_slots()
         start = self._ring_cursor
         self._plan.items = [[(epoch, int(i), (start + k) % slots if tuned else -1) for i in batch]
@@ -295,9 +301,9 @@ class TorchLoader(Loader[TorchSettings]):
                     out = next(iterator)
                 except StopIteration:
                     break
-                if tuned:
+                if ring is not None and tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
-                    inputs = self._ring[out["slot"]][: len(out["indices"])]
+                    inputs = ring[out["slot"]][: len(out["indices"])]
                     previous = HostBatch(inputs, out["labels"], out["indices"], "NCHW", normalised=False,
                                          failures=out["failures"], borrowed=True)
                     yield previous

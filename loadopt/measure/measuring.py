@@ -61,7 +61,7 @@ class Measurement:
         self.log_summary = summary
         self.rank_wait_s = rank_wait_s
         self._wait, self._step, self._samples = array("q"), array("q"), array("q")
-        self._t_request: int | None = None  # the wait in progress began here
+        self._t_request = 0  # the wait in progress began here (while the window is open)
         self._t_batch: int | None = None  # the step in progress began here
         self._open = False
         self._next_line = self.every
@@ -83,8 +83,8 @@ class Measurement:
         if self._cuda is not None:
             self._cuda.step_begins()
 
-    def _request(self, t: int) -> None:
-        self._step.append(t - self._t_batch)
+    def _request(self, t: int, step_began: int) -> None:
+        self._step.append(t - step_began)
         self._t_batch = None
         self._t_request = t
         if self._cuda is not None:
@@ -112,9 +112,10 @@ class Measurement:
                     batch = next(iterator)
                 except StopIteration:
                     return
-                self._got(_clock(), batch)
+                got = _clock()
+                self._got(got, batch)
                 yield batch
-                self._request(_clock())
+                self._request(_clock(), got)
         finally:
             # Normal end, `break` (GeneratorExit) or an exception from the wrapped iterable, which
             # propagates unchanged: the window closes in every case.
@@ -154,7 +155,7 @@ class Measurement:
             self._step.append(t - self._t_batch)
             if self._cuda is not None:
                 self._cuda.step_ends()
-        self._t_batch = self._t_request = None
+        self._t_batch, self._t_request = None, 0
         if self._cuda is not None:
             synced = _clock()
             self._cuda.drain()
@@ -223,7 +224,7 @@ class Measurement:
         if not self._open:
             t = self._begin()
         elif self._t_batch is not None:  # two batches without a step() between: the step ended here
-            self._request(t)
+            self._request(t, self._t_batch)
         self._got(t, batch)
 
     def step(self) -> None:
@@ -232,10 +233,12 @@ class Measurement:
         if not self._open:
             self._begin()
             return
-        if self._t_batch is None:  # no batch() since the last step: its wait is unknown
+        step_began = self._t_batch
+        if step_began is None:  # no batch() since the last step: its wait is unknown
             self._unmarked += 1
-            self._got(self._t_request, None)  # type: ignore[arg-type]
-        self._request(t)
+            step_began = self._t_request
+            self._got(step_began, None)
+        self._request(t, step_began)
 
     def __call__(self, fn: F) -> F:
         """Decorate a step function: each call is one step (its first argument the batch), the time

@@ -262,7 +262,8 @@ def load(path: str | os.PathLike[str], tag: str = "A", timings: bool = True) -> 
     for i, raw in enumerate(doc["runs"]):
         if not isinstance(raw, dict) or not isinstance(raw.get("label"), str):
             raise ResultsFileError(f"{p}: runs[{i}] is not a loader setting with a label")
-        metrics = raw.get("metrics") if isinstance(raw.get("metrics"), dict) else {}
+        found = raw.get("metrics")
+        metrics: dict[str, Any] = found if isinstance(found, dict) else {}
         runs.append(Run(raw["label"], str(raw.get("backend") or ""), str(raw.get("status") or "ok"),
                         str(raw.get("reason") or ""), metrics,
                         [r for r in raw.get("repeats") or [] if isinstance(r, dict)],

@@ -12,7 +12,7 @@ import io
 import itertools
 import re
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import numpy as np
@@ -20,6 +20,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from loadopt.report.data import Results, Timings, median_repeat
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType  # the rc keys matplotlib knows (a Literal)
 
 # Okabe & Ito (2008): distinguishable with the common colour-vision deficiencies. Yellow comes last:
 # it is the weakest on white.
@@ -29,7 +32,7 @@ GREY = "#999999"
 SEGMENTS = (("compute", "compute (accelerator busy)", "#0072B2"), ("wait", "waiting for data", "#D55E00"),
             ("h2d", "host-to-device copy", "#E69F00"), ("finish", "finishing (layout, normalise)", "#CC79A7"),
             ("other", "other (harness, Python)", GREY))
-STYLE: dict[str, Any] = {
+STYLE: dict[RcKeyType, Any] = {
     "svg.fonttype": "none",
     "svg.hashsalt": "loadopt",  # stable ids: the same data gives the same SVG
     "font.family": "sans-serif",
@@ -148,7 +151,7 @@ def _ranking(res: Results, palette: Palette) -> Figure:
         shown = "unreliable" if run.ceiling_unreliable() else f"{fraction:.0%}"  # never a fraction above 110%
         ax.text(xmax * 0.005, i, shown, va="center", fontsize=7, zorder=5,
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.85, "linewidth": 0})
-        name = run.ceiling.get("name", "ceiling")
+        name = (run.ceiling or {}).get("name", "ceiling")
         beyond = f", at {ceiling:,.0f}" if off else ""
         ax.text(max(rate, at) + xmax * 0.015, i, f"{rate:,.0f} ({shown} of {name}{beyond})", va="center",
                 fontsize=7.5)
@@ -182,8 +185,9 @@ def _comparison(files: list[Results], labels: list[str]) -> Figure:
         if j:
             first = {r.label: r.value("samples_per_s") for r in base.ranked}
             for yi, label, rate in zip(y, labels, rates, strict=True):
-                if first.get(label):
-                    ax.text(rate, yi, f" {rate / first[label]:.2f}x", va="center", fontsize=8)
+                baseline = first.get(label)
+                if baseline:
+                    ax.text(rate, yi, f" {rate / baseline:.2f}x", va="center", fontsize=8)
     ax.set_yticks(np.arange(len(labels)) + height * (len(files) - 1) / 2, [_short(label) for label in labels])
     ax.invert_yaxis()
     ax.set_xlabel(f"throughput (samples/s); ratios against {base.tag}")
@@ -327,7 +331,7 @@ def tier_plots(res: Results, palette: Palette) -> list[tuple[str, str]]:
 def _tier_bars(width: float, tiers: list[dict[str, Any]], key: str, xlabel: str, fmt: str) -> Figure:
     fig = Figure(figsize=(width, 0.9 + 0.4 * len(tiers)))
     ax = fig.add_subplot()
-    values = [t.get(key) if isinstance(t.get(key), (int, float)) else 0.0 for t in tiers]
+    values = [float(t[key]) if isinstance(t.get(key), (int, float)) else 0.0 for t in tiers]
     y = np.arange(len(tiers))
     ax.barh(y, values, color=[OKABE_ITO[i % len(OKABE_ITO)] for i in range(len(tiers))], height=0.6)
     for i, (tier, value) in enumerate(zip(tiers, values, strict=True)):
