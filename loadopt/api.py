@@ -54,6 +54,9 @@ def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any],
     margin = f", {found['margin']:.2f}x the runner-up" if found.get("margin") else ""
     reason = (f"fastest in the last bench on this machine ({found.get('samples_per_s', 0):,.0f} samples/s{margin}, "
               f"{found.get('created', '?')})")
+    if found.get("passed_over_for_order"):  # peers and dali reader native: their library's order, not the sampler's
+        reason += (f"; passed over for their library's own order ({decision.ORDER_OPT_IN}): "
+                   f"{', '.join(found['passed_over_for_order'])}")
     return found["backend"], found.get("settings") or {}, reason
 
 
@@ -86,7 +89,9 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
 
     `backend="auto"` uses the setting the last `loadopt bench` found fastest for this dataset on this
     machine, else the first backend of `FALLBACK_ORDER` that is available and can read the dataset
-    as it is (without a decision, `auto` starts no format conversion). Keyword overrides name pipeline
+    as it is (without a decision, `auto` starts no format conversion). `auto` keeps the sampler's order, as
+    DataLoader does: a backend whose library orders the samples itself (the peers, dali `reader: native`)
+    is passed over, named in the reason, unless `pipeline.order: any` allows it. Keyword overrides name pipeline
     keys (`batch_size=32`) or the backend's settings and always win; DataLoader's `num_workers` and
     `pin_memory` are accepted by every backend (mapped to its own knobs, said in the log), its
     `collate_fn`/`sampler` refused with what to use instead. A split other than `train` defaults to

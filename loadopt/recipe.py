@@ -10,7 +10,10 @@ name the difference. Fields:
 - `stored`: what the crop runs on: `source` (the JPEG, decoded every epoch; with `pipeline.jpeg_scale:
   reduced`, a crop at least twice the output decoded at a reduced DCT scale), `whole frame <= N px`
   (the decoded frames, longer side bounded by `pipeline.max_side`), `centre N px square`;
-- `max_side`: the bound of a stored whole frame (None: the source's own resolution).
+- `max_side`: the bound of a stored whole frame (None: the source's own resolution);
+- `order`: set (to the library's name) by a loader whose library orders the samples itself (the peers,
+  dali `reader: native`): not the same samples in the same order as the sampler's, as DataLoader's would
+  be. It differs from the config's unless `pipeline.order: any` (the wanted recipe's `order`) allows it.
 Tokens: `kind: tokens` and `seq_len`.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadopt.errors import DatasetError
-from loadopt.loaders.transforms import EVAL_CROP_FRACTION
+from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 
 TRAIN_CROP = "RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) + flip"
 EVAL_CROP = f"centre {EVAL_CROP_FRACTION:g} of the shorter side"
@@ -51,6 +54,7 @@ def _base(pipeline, tokens: bool) -> dict[str, Any]:
 def wanted(pipeline, tokens: bool = False) -> dict[str, Any]:
     """The recipe the config asks for: the crop plan on the whole frame, at most `max_side` stored."""
     recipe = _base(pipeline, tokens)
+    recipe["order"] = getattr(pipeline, "order", "shared")  # `any`: a library's own order is allowed
     if not tokens:
         recipe.update(crop=TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP,
                       stored=f"whole frame <= {pipeline.max_side} px", max_side=pipeline.max_side)
@@ -86,6 +90,8 @@ def differences(run: dict[str, Any] | None, want: dict[str, Any] | None) -> list
         return []
     out = [f"{key} {run.get(key)!r}, the config's {want.get(key)!r}" for key in COMPARED
            if run.get(key) != want.get(key)]
+    if run.get("order") not in (None, "shared") and want.get("order") != "any":
+        out.append(f"order {run['order']}'s own, not the sampler's (pipeline.order: any allows it)")
     if want.get("kind") == "images" and run.get("max_side") is not None and want.get("max_side") is not None \
             and run.get("stored", "").startswith("whole") and run["max_side"] < want["max_side"]:
         out.append(f"stored frames <= {run['max_side']} px, the config's max_side {want['max_side']}")
@@ -102,4 +108,6 @@ def describe(recipe: dict[str, Any] | None) -> str:
         return f"tokens seq_len={recipe.get('seq_len')}"
     crop = recipe.get("crop", "?")
     crop = "RRC+flip" if crop == TRAIN_CROP else "centre 0.875" if crop == EVAL_CROP else crop.split(" (")[0]
-    return f"{crop} {recipe.get('image_size')} {str(recipe.get('normalise', '?')).split()[0]} / {recipe.get('stored')}"
+    order = f" / order={recipe['order']}" if recipe.get("order") not in (None, "shared", "any") else ""
+    normalise = str(recipe.get("normalise", "?")).split()[0]
+    return f"{crop} {recipe.get('image_size')} {normalise} / {recipe.get('stored')}{order}"

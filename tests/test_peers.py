@@ -185,6 +185,34 @@ def test_webdataset_runs_in_the_harness(tmp_path):
     assert result.metrics["samples"] == 8 * 8 and result.metrics["samples_per_s"] > 0
 
 
+@pytest.mark.parametrize("form", ["jpg", "raw"])
+def test_ffcv_delivers_every_sample_once_per_epoch_in_its_order(tmp_path, form):
+    """FFCV where it is installed (`pip install 'loadopt[peers-ffcv]'`): its .beton, its threads and order,
+    every sample once per epoch, reshuffled the next, uint8 NCHW crops of the config's size; in the harness too."""
+    from loadopt.bench.accelerator import EmulatedAccelerator
+    from loadopt.bench.harness import run_repeat
+    from loadopt.device import DeviceTransfer
+
+    cfg = config(tmp_path)
+    loader = peer("ffcv", cfg, num_workers=1, form=form)
+    try:
+        loader.prepare()
+        batches = list(loader.host_batches())
+        assert all(b.inputs.dtype == torch.uint8 and b.inputs.shape == (8, 3, 48, 48) for b in batches)
+        first = [b.indices for b in batches]
+        second = epoch_indices(loader)
+        for epoch in (first, second):
+            assert sorted(np.concatenate(epoch).tolist()) == list(range(48))
+        assert not np.array_equal(np.concatenate(first), np.concatenate(second))  # shuffled per epoch
+        assert "order=ffcv" in loader.describe() and loader.recipe()["order"] == "ffcv"
+        transfer = DeviceTransfer(loader.device, emulate=True)
+        result = run_repeat(loader, EmulatedAccelerator(0.0, loader.device), transfer, warmup_batches=1,
+                            measure_batches=8)  # crosses into the next epoch
+        assert result.metrics["samples"] == 8 * 8 and result.metrics["samples_per_s"] > 0
+    finally:
+        loader.close()
+
+
 def test_peers_refuse_what_they_cannot_do(tmp_path):
     cfg = config(tmp_path)
     cls = backend_class("webdataset")
@@ -251,3 +279,67 @@ def test_loadopt_bench_measures_a_peer_beside_a_builtin(tmp_path):
     assert recipe.differences(rows["webdataset"]["recipe"], results["recipe"]) == []
     if not backend_class("ffcv").available()[0]:
         assert "metrics" not in rows["ffcv"] and "ffcv" in json.dumps(rows["ffcv"])
+
+
+def _bench_results(pipeline, dataset, runs: list[tuple[str, str, dict, float, dict]]) -> dict:
+    """A finished bench's results (fastest first) as `decision.make_decision` reads them."""
+    from loadopt.bench import decision
+
+    return json.loads(json.dumps({
+        "created": "2026-12-01T00:00:00+00:00", "device": "cpu", "config_source": "peers.yaml",
+        "machine": decision.machine_info(), "config": {"pipeline": pipeline.model_dump(mode="json")},
+        "dataset": {"fingerprint": dataset.fingerprint}, "recipe": recipe.wanted(pipeline),
+        "runs": [{"backend": backend, "label": label, "settings": settings, "status": "ok", "recipe": delivered,
+                  "metrics": {"samples_per_s": {"median": rate}}}
+                 for label, backend, settings, rate, delivered in runs],
+        "ranking": [run[0] for run in runs]}))
+
+
+def test_auto_keeps_the_samplers_order_unless_the_config_allows_a_librarys(tmp_path, own_cache, caplog):
+    """A drop-in for DataLoader keeps the user's order: a peer (its library's order) that won the bench is
+    passed over by the decision and `auto`, named in the reason, unless `pipeline.order: any` allows it;
+    a decision naming it anyway (an older loadopt's) is not followed."""
+    from loadopt import make_loader
+    from loadopt.bench import decision
+
+    cls = backend_class("webdataset")
+    if not cls.available()[0]:
+        pytest.skip(cls.available()[1])
+    raw = tiny_config_dict(tmp_path / "out", loaders={})
+    for order, winner in (("shared", "torch"), ("any", "webdataset")):
+        raw["pipeline"] = {**raw["pipeline"], "order": order}
+        cfg = config_from_dict(raw, "peers.yaml")
+        dataset = open_dataset(cfg)
+        webdataset = cls(dataset, cfg.pipeline, cls.Settings(num_workers=0))
+        torch_tuned = TorchLoader(dataset, cfg.pipeline, TorchSettings(variant="tuned", num_workers=0))
+        assert webdataset.recipe()["order"] == "webdataset" and "order" not in torch_tuned.recipe()
+        results = _bench_results(cfg.pipeline, dataset, [
+            ("webdataset", "webdataset", {"num_workers": 0}, 900.0, webdataset.recipe()),
+            ("torch tuned", "torch", {"variant": "tuned", "num_workers": 0}, 600.0, torch_tuned.recipe())])
+        made = decision.make_decision(results, decision.storage_tier(cfg.storage.tier, dataset.root))
+        assert made["backend"] == winner
+        if order == "shared":
+            assert made["passed_over_for_order"] == ["webdataset"] and "webdataset" in made["text"]
+            assert "order webdataset's own" in made["excluded"][0]["differences"][0]
+        else:
+            assert made["passed_over_for_order"] == [] and made["excluded"] == []
+        decision.record(made, None)
+        caplog.clear()
+        caplog.set_level("INFO", logger="loadopt.api")
+        chosen = make_loader(cfg, num_workers=0)  # auto
+        try:
+            assert chosen.name == winner
+            if order == "shared":
+                assert "passed over for their library's own order" in caplog.text and "webdataset" in caplog.text
+        finally:
+            chosen.close()
+
+    raw["pipeline"] = {**raw["pipeline"], "order": "shared"}
+    cfg = config_from_dict(raw, "peers.yaml")
+    decision.record({**made, "pipeline": cfg.pipeline.model_dump(mode="json")}, None)  # names webdataset
+    caplog.clear()
+    chosen = make_loader(cfg, num_workers=0)
+    try:
+        assert chosen.shared_order and "not used" in caplog.text and "order webdataset's own" in caplog.text
+    finally:
+        chosen.close()

@@ -80,6 +80,16 @@ def recipe_exclusions(results: dict[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+ORDER_OPT_IN = "not the sampler's order a DataLoader keeps; pipeline.order: any allows them"
+
+
+def order_passed_over(results: dict[str, Any], excluded: dict[str, list[str]]) -> list[str]:
+    """The excluded settings whose library orders the samples itself (peers, dali reader native), by label:
+    a drop-in for DataLoader keeps the sampler's order, so `auto` takes them only under `pipeline.order: any`."""
+    by_label = {r["label"]: r for r in results.get("runs", [])}
+    return [label for label in excluded if (by_label[label].get("recipe") or {}).get("order") not in (None, "shared")]
+
+
 def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     """The decision of a finished bench: the fastest setting whose recipe is the config's, its margin
     over the runner-up backend (also of that recipe); the faster settings of other recipes are listed."""
@@ -98,6 +108,9 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     pipeline = results["config"]["pipeline"]
     text = f"{best['label']} at {rate:,.0f} samples/s"
     text += f", {margin:.2f}x the runner-up {other['label']}" if margin and other else " (no other backend measured)"
+    own_order = order_passed_over(results, excluded)
+    if own_order:
+        text += f"; passed over for their library's own order ({ORDER_OPT_IN}): {', '.join(own_order)}"
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": best["backend"], "settings": best["settings"], "label": best["label"], "samples_per_s": rate,
@@ -107,6 +120,7 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
         "recipe": best.get("recipe") or results.get("recipe"),
         # faster or not, never chosen: they deliver another training input
         "excluded": [{"label": label, "differences": why} for label, why in excluded.items()],
+        "passed_over_for_order": own_order,
         "created": results["created"], "date": results["created"][:10],
         "loadopt_version": library_versions().get("loadopt"), "config_source": results.get("config_source"),
         "device": results["device"],

@@ -121,6 +121,11 @@ class DaliLoader(Loader[DaliSettings]):
             text += f" normalise={s.normalise}"
         return text + (" NHWC" if s.layout == "NHWC" else "")
 
+    def recipe(self) -> dict[str, Any]:
+        found = super().recipe()
+        # reader native: DALI's file reader orders the samples, not the sampler (`auto` needs pipeline.order: any)
+        return {**found, "order": "dali"} if self.settings.reader == "native" else found
+
     # -- storage ---------------------------------------------------------------------------------
 
     def prepare(self, progress: Callable[[int, int], None] | None = None, convert_missing: bool = True) -> None:

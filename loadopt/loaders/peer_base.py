@@ -307,6 +307,10 @@ class PeerLoader(Loader[PeerSettingsT]):
         return f"num_workers={s.num_workers} prefetch={s.prefetch_factor} order={self.name}" + \
             tier_reads.via_tier(self.dataset)
 
+    def recipe(self) -> dict[str, Any]:
+        # the library's order, not the sampler's: `auto` passes it over unless pipeline.order is `any`
+        return {**super().recipe(), "order": self.name}
+
     def _local_only(self) -> None:
         if self.reads_through_tier:
             return

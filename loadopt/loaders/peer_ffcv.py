@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from loadopt.loaders import transforms
+from loadopt.imaging.decode import decode_array
+from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.loaders.base import WorkKind
 from loadopt.loaders.peer_base import PeerLoader, PeerSettings, epoch_seed, library_available, source_samples
 
@@ -70,7 +71,7 @@ class _Indexed:
 
     def __getitem__(self, position: int) -> tuple:
         index, label, data = self.samples[position]
-        return transforms.decode_array(data, "simplejpeg"), label, index
+        return decode_array(data, "simplejpeg"), label, index
 
 
 class FfcvLoader(PeerLoader[FfcvSettings]):
@@ -115,7 +116,8 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         crop = FFCV_TRAIN_CROP if self.pipeline.augment == "train" else FFCV_EVAL_CROP
         stored = (f"FFCV JPEG q{self.settings.jpeg_quality} re-encoded, " if self.settings.form == "jpg" else "") + \
             f"whole frame <= {self.pipeline.max_side} px"
-        return {**recipe.delivered(self.pipeline, "whole", self.pipeline.max_side), "crop": crop, "stored": stored}
+        return {**recipe.delivered(self.pipeline, "whole", self.pipeline.max_side), "crop": crop, "stored": stored,
+                "order": self.name}
 
     def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
         from ffcv.fields import IntField, RGBImageField
@@ -140,7 +142,7 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         if self.pipeline.augment == "train":
             image = [RandomResizedCropRGBImageDecoder(size), RandomHorizontalFlip()]
         else:
-            image = [CenterCropRGBImageDecoder(size, ratio=transforms.EVAL_CROP_FRACTION)]
+            image = [CenterCropRGBImageDecoder(size, ratio=EVAL_CROP_FRACTION)]
         pipelines = {"image": [*image, ToTensor(), ToTorchImage()],
                      "label": [IntDecoder(), ToTensor(), Squeeze()], "index": [IntDecoder(), ToTensor(), Squeeze()]}
         order = OrderOption.RANDOM if self.settings.order == "random" else OrderOption.QUASI_RANDOM
@@ -156,9 +158,10 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
             self._loader = self._ffcv_loader()
         self._loader.next_epoch = epoch  # FFCV's order is drawn from (seed, epoch)
         for images, labels, indices in self._loader:
-            # FFCV reuses its batch buffers: copied out, as a training step would consume them before the next
-            yield {"inputs": images.contiguous().clone(), "labels": labels.to(torch.int64),
-                   "indices": np.asarray(indices, np.int64), "failures": []}
+            # FFCV reuses its batch buffers (labels and indices too): copied out, as a training step would
+            # consume them before the next
+            yield {"inputs": images.contiguous().clone(), "labels": labels.to(torch.int64, copy=True),
+                   "indices": np.array(indices, np.int64), "failures": []}
 
     def close(self) -> None:
         self._loader = None
