@@ -201,7 +201,7 @@ def test_storage_converted_names_another_place_and_a_read_only_one_is_one_line(t
 def test_the_bench_table_names_each_rows_bytes_source_and_puts_reasons_under_it():
     from rich.console import Console
 
-    from loadopt.cli import bytes_source_lines, not_run_lines, results_table
+    from loadopt.cli.tables import bytes_source_lines, not_run_lines, results_table
 
     reason = "nvidia-dali not usable (ModuleNotFoundError: No module named 'nvidia'); pip install 'loadopt[dali]'"
     metrics = {"samples_per_s": {"median": 100.0, "min": 90.0, "max": 110.0}, "mb_per_s": 11.0,

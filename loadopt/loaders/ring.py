@@ -19,9 +19,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.config import PipelineConfig
-from loadopt.errors import DatasetError
-from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.loaders.base import HostBatch, Layout, Loader
+from loadopt.storage import conversions
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
@@ -109,18 +108,14 @@ class RingLoader(Loader[RingSettingsT]):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._tokens = isinstance(self.dataset, TokenDataset)
-        self.form: str = "tokens" if self._tokens else self.settings.form
-        # The decoded form's frame: `whole` (longer side <= pipeline.max_side, the JPEG paths' crop plan)
-        # or `centre` (a decoded_size centre square: the eval recipe); auto: whole for train.
-        frame = self.settings.frame
-        frame = ("whole" if self.pipeline.augment == "train" else "centre") if frame == "auto" else frame
-        self.frame = frame if self.form == "decoded" else None
-        self.stored_form = "frames" if self.frame == "whole" else self.form  # the storage form it reads
-        size = self.settings.decoded_size or round(self.pipeline.image_size / EVAL_CROP_FRACTION)
-        self.size = (self.pipeline.max_side if self.frame == "whole" else size) if self.form == "decoded" else None
-        if self.frame == "centre" and size < self.pipeline.image_size:
-            raise DatasetError(f"loaders.{self.name}.decoded_size {size} is smaller than pipeline.image_size "
-                               f"{self.pipeline.image_size}")
+        self.form: Literal["decoded", "encoded", "tokens"] = "tokens" if self._tokens else self.settings.form
+        # What it reads, resolved as `loadopt convert` resolves it (storage/conversions.py): the decoded
+        # frame (`whole`: longer side <= pipeline.max_side, the JPEG paths' crop plan; `centre`: a
+        # decoded_size square, the eval recipe; auto: whole for train), the stored form and the pixel size.
+        converted = conversions.converted_form(self.pipeline, self.settings.form, self.settings.decoded_size,
+                                               self.settings.frame, self._tokens,
+                                               where=f"loaders.{self.name}.decoded_size")
+        self.frame, self.stored_form, self.size = converted.frame, converted.stored, converted.size
         self._ring: list[torch.Tensor] | None = None
 
     @classmethod

@@ -1,6 +1,6 @@
 """The storage commands of the `loadopt` CLI: `probe` (what a location delivers) and `tiers` (how many
 accelerators each storage tier keeps busy). Thin commands over loadopt/storage/probe.py and
-loadopt/bench/procurement.py; registered on the app of loadopt/cli.py when that module imports this one.
+loadopt/bench/procurement.py; registered on the app in loadopt/cli/__init__.py, their tables in tables.py.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from loadopt.cli import SetOption, app, auto_report, console, progress_bar, user_errors
+from loadopt.cli.console import SetOption, console, progress_bar, user_errors
+from loadopt.cli.results import auto_report
+from loadopt.cli.tables import backend_lines, backends_table, probe_table, tiers_table
 
 
-@app.command()
 def probe(
     url: str = typer.Argument(..., help="A file or folder to read: a local path or an fsspec URL."),
     out: str = typer.Option("results/probe", "--out", help="Output folder of probe.json."),
@@ -74,25 +74,6 @@ def probe(
     console.print(f"results: {json_path}", highlight=False)
 
 
-def probe_table(result: dict[str, Any]) -> Table:
-    """One row per read pattern of `loadopt probe`."""
-    table = Table(title=f"loadopt probe: {result['url']} (tier {result.get('tier', 'local')})", title_justify="left")
-    for column in ("pattern", "block", "readers", "IOPS", "MB/s", "lat p50 ms", "lat p99 ms"):
-        table.add_column(column, justify="left" if column == "pattern" else "right")
-    for p in result["patterns"]:
-        block = p["block_bytes"]
-        size = f"{block / 1024:,.0f} KiB" if block < 1 << 20 else f"{block / (1 << 20):,.1f} MiB"
-        if "skipped" in p:
-            table.add_row(p["pattern"], size, str(p["concurrency"]), f"[yellow]skipped: {escape(p['skipped'])}[/]",
-                          "", "", "")
-            continue
-        latency = ["-" if p[k] is None else f"{p[k]:,.3f}" for k in ("lat_p50_ms", "lat_p99_ms")]
-        table.add_row(p["pattern"], size, str(p["concurrency"]), f"{p['iops']:,.0f}", f"{p['mb_per_s']:,.1f}",
-                      *latency)
-    return table
-
-
-@app.command()
 def tiers(
     config: str = typer.Argument(..., help="The config YAML whose workload (batch size, samples, step time) to serve."),
     tier_names: str = typer.Option(None, "--tiers", help="Comma-separated tier profiles (default: the config's "
@@ -156,67 +137,3 @@ def tiers(
             console.print(escape(line), highlight=False)
     console.print(f"results: {json_path}", highlight=False)
     auto_report(json_path)
-
-
-def backends_table(result: dict[str, Any]) -> Table:
-    """Every backend setting (rows) through every tier (columns): samples/s and accelerator utilisation of
-    one accelerator, the tier's winner marked."""
-    rows = [row for row in result["tiers"] if "backends" in row]
-    table = Table(title="every backend through each tier (one accelerator, cold; * = the tier's decision)",
-                  title_justify="left")
-    table.add_column("backend setting", justify="left")
-    for row in rows:
-        table.add_column(f"{row['name']}: samples/s (AU)", justify="right")
-    labels: list[str] = []
-    for row in rows:
-        labels += [run["label"].removesuffix(" via tier") for run in row["backends"]["runs"]
-                   if run["label"].removesuffix(" via tier") not in labels]
-    for label in labels:
-        cells = []
-        for row in rows:
-            run = next((r for r in row["backends"]["runs"] if r["label"].removesuffix(" via tier") == label), None)
-            if run is None:
-                cells.append("-")
-            elif run.get("samples_per_s") is None:
-                cells.append(f"[yellow]{run['status']}[/]")
-            else:
-                chosen = (row["backends"].get("decision") or {}).get("label") == run["label"]
-                au = run.get("accelerator_utilisation")
-                cells.append(f"{'* ' if chosen else ''}{run['samples_per_s']:,.0f}"
-                             f"{f' ({au:.0%})' if au is not None else ''}")
-        table.add_row(escape(label), *cells)
-    return table
-
-
-def backend_lines(result: dict[str, Any]) -> list[str]:
-    """Per tier: the decision and where the bytes came from; then the settings that did not run, and why."""
-    lines = []
-    for row in result["tiers"]:
-        backends = row.get("backends")
-        if not backends:
-            continue
-        decision = backends.get("decision") or {}
-        sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
-        lines.append(f"{row['name']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
-                     f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
-        for run in backends["runs"]:
-            if run.get("samples_per_s") is None:
-                lines.append(f"  {row['name']}, {run['label']}: {run['status']}: {run['reason']}")
-    return lines
-
-
-def tiers_table(result: dict[str, Any]) -> Table:
-    """One row per tier of `loadopt tiers`."""
-    table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result['au_threshold']:.0%}", title_justify="left")
-    for column in ("tier", "measured", "predicted", "delivered MB/s", "samples/s", "AU", "CPU load", "$/month",
-                   "$/accelerator-month", "search"):
-        table.add_column(column, justify="left" if column in ("tier", "search") else "right")
-    for row in result["tiers"]:
-        costs = (row["cost"]["per_month"], row["cost_per_supported_accelerator"])
-        money = ["-" if cost is None else f"{cost:,.2f}" for cost in costs]
-        au = "-" if row["accelerator_utilisation"] is None else f"{row['accelerator_utilisation']:.1%}"
-        load = "-" if row["cpu_load"] is None else f"{row['cpu_load']:.0%}"
-        table.add_row(escape(row["name"]), str(row["accelerators_supported"]), str(row["predicted_accelerators"]),
-                      f"{row['delivered_mb_s']:,.1f}",
-                      f"{row['samples_per_s']:,.0f}", au, load, *money, escape(row["measured_note"]))
-    return table

@@ -1,5 +1,6 @@
-"""The `loadopt bench` results as the terminal shows them: the ranked table, and the lines under it
-(settings that did not run and why, where each run's bytes came from, each row's training recipe)."""
+"""The results of the commands as the terminal shows them: `loadopt bench`'s ranked table and the lines
+under it (settings that did not run and why, where each run's bytes came from, each row's training
+recipe); `loadopt probe`'s patterns; `loadopt tiers`' tiers and backends through each tier."""
 
 from __future__ import annotations
 
@@ -97,3 +98,85 @@ def bytes_source_lines(results: dict[str, Any]) -> list[str]:
     sources = sorted({str(r["bytes_source"]) for r in results["runs"] if r.get("bytes_source")})
     return [f"bytes from {source}" + ("; tier_bytes in results.json counts what crossed it" if
                                       source.startswith("tier") else "") for source in sources]
+
+
+def probe_table(result: dict[str, Any]) -> Table:
+    """One row per read pattern of `loadopt probe`."""
+    table = Table(title=f"loadopt probe: {result['url']} (tier {result.get('tier', 'local')})", title_justify="left")
+    for column in ("pattern", "block", "readers", "IOPS", "MB/s", "lat p50 ms", "lat p99 ms"):
+        table.add_column(column, justify="left" if column == "pattern" else "right")
+    for p in result["patterns"]:
+        block = p["block_bytes"]
+        size = f"{block / 1024:,.0f} KiB" if block < 1 << 20 else f"{block / (1 << 20):,.1f} MiB"
+        if "skipped" in p:
+            table.add_row(p["pattern"], size, str(p["concurrency"]), f"[yellow]skipped: {escape(p['skipped'])}[/]",
+                          "", "", "")
+            continue
+        latency = ["-" if p[k] is None else f"{p[k]:,.3f}" for k in ("lat_p50_ms", "lat_p99_ms")]
+        table.add_row(p["pattern"], size, str(p["concurrency"]), f"{p['iops']:,.0f}", f"{p['mb_per_s']:,.1f}",
+                      *latency)
+    return table
+
+
+def backends_table(result: dict[str, Any]) -> Table:
+    """Every backend setting (rows) through every tier (columns): samples/s and accelerator utilisation of
+    one accelerator, the tier's winner marked."""
+    rows = [row for row in result["tiers"] if "backends" in row]
+    table = Table(title="every backend through each tier (one accelerator, cold; * = the tier's decision)",
+                  title_justify="left")
+    table.add_column("backend setting", justify="left")
+    for row in rows:
+        table.add_column(f"{row['name']}: samples/s (AU)", justify="right")
+    labels: list[str] = []
+    for row in rows:
+        labels += [run["label"].removesuffix(" via tier") for run in row["backends"]["runs"]
+                   if run["label"].removesuffix(" via tier") not in labels]
+    for label in labels:
+        cells = []
+        for row in rows:
+            run = next((r for r in row["backends"]["runs"] if r["label"].removesuffix(" via tier") == label), None)
+            if run is None:
+                cells.append("-")
+            elif run.get("samples_per_s") is None:
+                cells.append(f"[yellow]{run['status']}[/]")
+            else:
+                chosen = (row["backends"].get("decision") or {}).get("label") == run["label"]
+                au = run.get("accelerator_utilisation")
+                cells.append(f"{'* ' if chosen else ''}{run['samples_per_s']:,.0f}"
+                             f"{f' ({au:.0%})' if au is not None else ''}")
+        table.add_row(escape(label), *cells)
+    return table
+
+
+def backend_lines(result: dict[str, Any]) -> list[str]:
+    """Per tier: the decision and where the bytes came from; then the settings that did not run, and why."""
+    lines = []
+    for row in result["tiers"]:
+        backends = row.get("backends")
+        if not backends:
+            continue
+        decision = backends.get("decision") or {}
+        sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
+        lines.append(f"{row['name']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
+                     f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
+        for run in backends["runs"]:
+            if run.get("samples_per_s") is None:
+                lines.append(f"  {row['name']}, {run['label']}: {run['status']}: {run['reason']}")
+    return lines
+
+
+def tiers_table(result: dict[str, Any]) -> Table:
+    """One row per tier of `loadopt tiers`."""
+    table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result['au_threshold']:.0%}", title_justify="left")
+    for column in ("tier", "measured", "predicted", "delivered MB/s", "samples/s", "AU", "CPU load", "$/month",
+                   "$/accelerator-month", "search"):
+        table.add_column(column, justify="left" if column in ("tier", "search") else "right")
+    for row in result["tiers"]:
+        costs = (row["cost"]["per_month"], row["cost_per_supported_accelerator"])
+        money = ["-" if cost is None else f"{cost:,.2f}" for cost in costs]
+        au = "-" if row["accelerator_utilisation"] is None else f"{row['accelerator_utilisation']:.1%}"
+        load = "-" if row["cpu_load"] is None else f"{row['cpu_load']:.0%}"
+        table.add_row(escape(row["name"]), str(row["accelerators_supported"]), str(row["predicted_accelerators"]),
+                      f"{row['delivered_mb_s']:,.1f}",
+                      f"{row['samples_per_s']:,.0f}", au, load, *money, escape(row["measured_note"]))
+    return table

@@ -1,0 +1,128 @@
+"""The measuring commands: `loadopt bench` (every configured loader setting through the harness, ranked)
+and `loadopt measure` (an unmodified training script's DataLoader iterations, measured in place)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.markup import escape
+
+from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
+from loadopt.cli.process import setup_logging, terminate_as_interrupt
+from loadopt.cli.results import auto_report
+from loadopt.cli.tables import bytes_source_lines, not_run_lines, recipe_lines, results_table
+from loadopt.errors import Terminated
+
+
+def bench(
+    config: str = typer.Argument(..., help="The config YAML, e.g. configs/imagenet.yaml."),
+    loaders: str = typer.Option(None, "--loaders", help="Comma-separated backends to run (default: all configured)."),
+    out: str = typer.Option(None, "--out", help="Output folder (default: report.out of the config)."),
+    quick: bool = typer.Option(False, "--quick", help="One short repeat per setting: a first look in < 2 minutes."),
+    set_: list[str] = SetOption,
+    no_convert: bool = typer.Option(False, "--no-convert", help="Fail instead of converting the dataset to a "
+                                                                  "backend's format (e.g. Arrow) when it is missing."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log what loadopt decides and why."),
+    tune: bool = typer.Option(False, "--tune", help="Search each backend's knobs (its own knob space; lists in the "
+                                                    "config narrow it) and measure each backend's best setting."),
+    budget: str = typer.Option("10m", "--budget", help="Time for the --tune search, e.g. 90s, 10m, 1h."),
+    attribute_stages: bool = typer.Option(False, "--attribute-stages", help="Run the stages of each backend's best "
+                                          "setting apart (loader warm and cold, storage read); implied by --tune."),
+) -> None:
+    """Run every configured loader setting through the harness and rank them."""
+    from loadopt.bench.runner import run_bench
+    from loadopt.config import load_config
+
+    setup_logging(verbose)
+    with user_errors(), terminate_as_interrupt() as terminated:
+        from loadopt.bench.tuner import parse_budget
+
+        cfg = load_config(config, set_ or [])
+        budget_s = parse_budget(budget)
+        names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
+        with progress_bar() as progress:
+            try:
+                outcome = run_bench(cfg, loaders=names, out=out, quick=quick,
+                                    reporter=RichReporter(progress, terminated), convert=not no_convert, tune=tune,
+                                    budget_s=budget_s, attribute_stages=attribute_stages)
+            except Terminated:  # before any run started (generating, converting): nothing half-written is kept
+                err_console.print("interrupted (SIGTERM) before any run finished: no results were written",
+                                  highlight=False, markup=False)
+                raise typer.Exit(Terminated.exit_code) from None
+    if outcome.json_path is None:  # a rank other than 0 under torchrun: rank 0 writes and prints
+        return
+    results = outcome.results
+    console.print(results_table(results))
+    for line in not_run_lines(results):
+        console.print(f"[yellow]{escape(line)}[/]", highlight=False)
+    for line in bytes_source_lines(results):
+        console.print(f"[dim]{escape(line)}[/]", highlight=False)
+    for n, line in enumerate(recipe_lines(results)):
+        console.print(f"[dim]{escape(line)}[/]" if n == 0 else f"[yellow]{escape(line)}[/]", highlight=False)
+    console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
+    busy = (results["machine"].get("load") or {}).get("note")
+    if busy:
+        console.print(f"[yellow]{escape(busy)}[/]", highlight=False)
+    unreliable = [r for r in results["runs"] if (r.get("ceiling") or {}).get("unreliable")]
+    for run in unreliable:
+        console.print(f"[yellow]of ceiling, {escape(run['label'])}: unreliable: {escape(run['ceiling']['reason'])}[/]",
+                      highlight=False)
+    console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
+                  f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
+    _print_verdicts(results)
+    if results.get("tuning"):
+        tuning = results["tuning"]
+        console.print(f"[dim]tuning: {sum(b['tried'] for b in tuning['backends'])} settings tried in "
+                      f"{tuning['seconds']:,.0f} s of a {tuning['budget_s']:,.0f} s budget ({tuning['method']})[/]",
+                      highlight=False)
+        for backend in tuning["backends"]:
+            if backend.get("reason"):
+                console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
+    console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
+    auto_report(outcome.json_path)
+    skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
+    if skipped:
+        listed = "; ".join(f"{path}: {why}" for path, why in list(skipped.items())[:5])
+        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
+                      f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)
+    if outcome.interrupted:
+        signal_name = results.get("interrupted_by") or ("SIGTERM" if terminated else "SIGINT")
+        err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",
+                          highlight=False)
+        raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130)
+    if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
+        reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
+        err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'})",
+                          highlight=False, markup=False)
+        raise typer.Exit(1)
+    console.print(f"[bold]{results['summary']}[/]", highlight=False)
+
+
+def _print_verdicts(results: dict[str, Any]) -> None:
+    """The measured ceilings, then one bottleneck verdict per backend's best setting."""
+    from loadopt.bench.attribution import ceilings_summary
+
+    if results.get("ceilings"):
+        console.print(f"[dim]ceilings measured in this run: {escape(ceilings_summary(results['ceilings']))}[/]",
+                      highlight=False)
+    for verdict in results.get("verdicts") or []:
+        console.print(f"[bold]{escape(verdict['label'])}[/]: {escape(verdict['text'])}", highlight=False)
+
+
+def measure(
+    script: str = typer.Argument(..., help="The training script, run unmodified, e.g. train.py."),
+    args: list[str] = typer.Argument(None, help="Its arguments (everything after the script is the script's)."),
+    out: str = typer.Option("results/measure", "--out", help="Folder for measure.json."),
+    every: int = typer.Option(None, "--every", help="Log a progress line every N steps."),
+    rank_wait: float = typer.Option(30.0, "--rank-wait", help="Seconds rank 0 waits for the other ranks' files."),
+) -> None:
+    """Measure every torch DataLoader iteration of an unmodified training script; keeps its exit status."""
+    from loadopt.measure.script import run_script, verdicts_on_stderr
+
+    with user_errors(), verdicts_on_stderr():
+        code = run_script(script, args or [], out, every, rank_wait)
+    raise typer.Exit(code)
+
+

@@ -1,0 +1,93 @@
+"""What every `loadopt` command shares: the consoles, the one-line report of a user error, the `--set`
+option, and the rich progress the long commands draw."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loadopt.bench.runner import Reporter
+from loadopt.errors import LoadoptError, Terminated
+
+# Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
+WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
+console = Console(width=WIDTH)
+err_console = Console(stderr=True, width=WIDTH)
+
+SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set workload.step_time_ms=40 "
+                                             "(repeatable; the value is parsed as YAML).")
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    try:
+        yield
+    except LoadoptError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+
+
+
+class RichReporter(Reporter):
+    """Draws the bench's progress: the dataset generation, then one bar per run."""
+
+    def __init__(self, progress: Progress, terminated: list[bool] | None = None) -> None:
+        self.progress = progress
+        self.terminated = terminated if terminated is not None else []
+        self._task: Any = None
+        self._dataset_task: Any = None
+        self._conversions: dict[str, Any] = {}
+
+    def stop_if_terminated(self) -> None:
+        """Raise `Terminated` again where it is safe: the signal handler's own raise can land where Python
+        ignores exceptions (a logging lock released around a fork: "Exception ignored in ...")."""
+        if self.terminated:
+            raise Terminated()
+
+    def dataset_progress(self, done: int, total: int) -> None:
+        self.stop_if_terminated()
+        if self._dataset_task is None:
+            self._dataset_task = self.progress.add_task("generating the synthetic dataset", total=total)
+        self.progress.update(self._dataset_task, completed=done)
+
+    def conversion_progress(self, label: str, done: int, total: int) -> None:
+        self.stop_if_terminated()
+        if label not in self._conversions:
+            self._conversions[label] = self.progress.add_task(f"converting for {label}", total=total)
+        self.progress.update(self._conversions[label], completed=done)
+
+    def run_started(self, label: str, total_batches: int) -> None:
+        self.stop_if_terminated()
+        self._task = self.progress.add_task(label, total=total_batches)
+
+    def batch_done(self, done: int) -> None:
+        self.stop_if_terminated()
+        self.progress.update(self._task, completed=done)
+
+    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None:
+        if error is not None:
+            self.progress.console.print(f"[red]{escape(label)}: failed: {escape(error)}[/]", highlight=False)
+        elif metrics is not None:
+            self.progress.console.print(
+                f"  {label}: {metrics['samples_per_s']:,.0f} samples/s, stall {metrics['stall_fraction']:.0%}",
+                highlight=False)
+
+    def tuning_trial(self, label: str, outcome: str, samples_per_s: float | None, reason: str) -> None:
+        rate = f"{samples_per_s:,.0f} samples/s" if samples_per_s is not None else "no rate"
+        why = f" ({reason})" if reason and outcome != "ok" else ""
+        self.progress.console.print(f"  [dim]tried {escape(label)}: {rate}, {outcome}{escape(why)}[/]", highlight=False)
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=False, disable=not err_console.is_terminal)
+

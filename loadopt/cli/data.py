@@ -1,0 +1,70 @@
+"""The dataset commands of the `loadopt` CLI: `make-dataset` (generate or check the config's dataset) and
+`convert` (to a backend's format, cached; `--verify` checks it, `--force` rebuilds it). Thin commands over
+loadopt/storage/ (the formats and their conversions: storage/conversions.py); registered on the app in
+loadopt/cli/__init__.py.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from loadopt.cli.console import RichReporter, SetOption, console, progress_bar, user_errors
+
+
+def make_dataset(
+    config: str = typer.Argument(..., help="The config YAML whose dataset to prepare."),
+    set_: list[str] = SetOption,
+) -> None:
+    """Generate (or check) the config's dataset, and nothing else."""
+    from loadopt.config import load_config
+    from loadopt.storage.imagefolder import open_dataset
+
+    with user_errors():
+        cfg = load_config(config, set_ or [])
+        with progress_bar() as progress:
+            reporter = RichReporter(progress)
+            dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+    console.print(f"{dataset.root}: {len(dataset):,} images in {len(dataset.classes)} classes, "
+                  f"mean {dataset.sizes.mean() / 1e3:,.1f} KB, {dataset.sizes.sum() / 1e6:,.1f} MB in all",
+                  highlight=False)
+
+
+def convert(
+    config: str = typer.Argument(..., help="The config YAML whose dataset to convert."),
+    to: str = typer.Option(..., "--to", help="The format: arrow or raw (4 KiB-aligned shards)."),
+    decoded: bool = typer.Option(False, "--decoded", help="Store decoded uint8 pixels instead of the JPEG bytes."),
+    size: int = typer.Option(None, "--size", help="Decoded centre square (default: pipeline.image_size / 0.875)."),
+    frame: str = typer.Option("auto", "--frame", help="Decoded: whole (longer side <= pipeline.max_side), centre, "
+                              "or auto (whole for augment: train)."),
+    shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size of the raw format, MiB."),
+    verify: bool = typer.Option(False, "--verify", help="Check every chunk of an existing conversion against its "
+                                                        "checksums and the source's content against the digest it "
+                                                        "recorded (reads the whole source); reconverts on a change."),
+    force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
+    set_: list[str] = SetOption,
+) -> None:
+    """Convert the config's dataset to a backend's format (cached; reused when already done)."""
+    from loadopt.config import load_config
+    from loadopt.storage import conversions
+    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.tokens import TokenDataset
+
+    with user_errors():
+        conversions.check_options(to, frame, size, shard_mib)
+        cfg = load_config(config, set_ or [])
+        with progress_bar() as progress:
+            reporter = RichReporter(progress)
+            dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+            form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
+                                              frame, isinstance(dataset, TokenDataset), where="--size")
+            label = f"{to} {form.describe()}"
+            done = conversions.convert(to, dataset, form, shard_mib, on_error=cfg.dataset.on_error, force=force,
+                                       verify=verify,
+                                       progress=lambda n, total: reporter.conversion_progress(label, n, total))
+    how = ("reused: converted earlier" + (", every chunk verified, source unchanged" if verify else "")) \
+        if done.reused else f"converted in {done.seconds:.1f} s"
+    console.print(f"{done.path}: {done.samples:,} samples, {done.stored}, {done.nbytes / 1e6:,.1f} MB ({how})",
+                  highlight=False)
+    if done.skipped:
+        console.print(f"[yellow]{done.skipped} unreadable file(s) skipped (dataset.on_error: skip); every run "
+                      "reports them[/]", highlight=False)

@@ -1,0 +1,153 @@
+"""The dataset's conversions to a backend's format, in one place: which formats exist (`FORMATS`, and
+the backend that reads each), what a conversion stores for a pipeline and a backend's settings
+(`converted_form`: the form, the decoded frame, the pixel size; the ring backends resolve theirs here
+too, loaders/ring.py), where it lives, and building, reusing or verifying one (`convert`, what
+`loadopt convert` runs; the backends' `prepare` calls the same format modules' `convert`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from loadopt.config import PipelineConfig
+from loadopt.errors import ConfigError, DatasetError
+from loadopt.imaging.geometry import EVAL_CROP_FRACTION
+from loadopt.storage import arrow_format, raw_format
+from loadopt.storage.arrow_format import Form
+from loadopt.storage.imagefolder import ImageDataset
+from loadopt.storage.tokens import TokenDataset
+
+FRAMES = ("auto", "whole", "centre")  # of decoded conversions; auto: whole for train augmentation
+MIN_DECODED_SIZE = 8  # as the backends' `decoded_size` (pydantic: ge=8)
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """A storage format a backend reads: its name, that backend, and what it is, for messages."""
+
+    name: str
+    backend: str
+    description: str
+
+
+FORMATS: dict[str, FormatInfo] = {
+    "arrow": FormatInfo("arrow", "arrow", "one Arrow IPC file, memory-mapped"),
+    "raw": FormatInfo("raw", "posix", "4 KiB-aligned shards and an index"),
+}
+
+
+@dataclass(frozen=True)
+class ConvertedForm:
+    """What a backend reads of a dataset: `form` (decoded, encoded or tokens), the decoded `frame` (whole
+    or centre; None otherwise), the `stored` form of the conversion (frames for whole decoded frames) and
+    the pixel `size` (whole: the longer side's bound; centre: the square's side; None when not decoded)."""
+
+    form: Literal["decoded", "encoded", "tokens"]
+    frame: Literal["whole", "centre"] | None
+    stored: Form
+    size: int | None
+
+    def describe(self) -> str:
+        return self.form + (f" {self.frame} {self.size}px" if self.size else "")
+
+
+def converted_form(pipeline: PipelineConfig, form: str, decoded_size: int | None, frame: str, tokens: bool,
+                   where: str) -> ConvertedForm:
+    """The form a backend with these settings reads. `frame` auto: whole frames (longer side <=
+    pipeline.max_side, the JPEG paths' crop plan) for train augmentation, else a `decoded_size` centre
+    square (default image_size / 0.875: the eval recipe). `where` names the size in the error."""
+    if tokens:  # token corpora are stored as windows, whatever the form asked for
+        return ConvertedForm("tokens", None, "tokens", None)
+    if form == "encoded":
+        return ConvertedForm("encoded", None, "encoded", None)
+    if form != "decoded":
+        raise ConfigError(f"form {form}: unknown (known: decoded, encoded)")
+    if frame == "auto":
+        frame = "whole" if pipeline.augment == "train" else "centre"
+    if frame == "whole":
+        return ConvertedForm("decoded", "whole", "frames", pipeline.max_side)
+    if frame != "centre":
+        raise ConfigError(f"frame {frame}: unknown (known: {', '.join(FRAMES)})")
+    size = decoded_size or round(pipeline.image_size / EVAL_CROP_FRACTION)
+    if size < pipeline.image_size:
+        raise DatasetError(f"{where} {size} is smaller than pipeline.image_size {pipeline.image_size}")
+    return ConvertedForm("decoded", "centre", "decoded", size)
+
+
+def check_options(to: str, frame: str, decoded_size: int | None, shard_mib: float) -> None:
+    """`loadopt convert`'s options, checked before anything is generated or read."""
+    if to not in FORMATS:
+        raise ConfigError(f"--to {to}: unknown format (known: {', '.join(FORMATS)})")
+    if frame not in FRAMES:
+        raise ConfigError(f"--frame {frame}: unknown (known: {', '.join(FRAMES)})")
+    if decoded_size is not None and decoded_size < MIN_DECODED_SIZE:
+        raise ConfigError(f"--size {decoded_size}: too small (at least {MIN_DECODED_SIZE} pixels)")
+    if not shard_mib > 0:
+        raise ConfigError(f"--shard-mib {shard_mib:g}: must be more than 0")
+
+
+def conversion_path(to: str, dataset: ImageDataset | TokenDataset, stored: Form, size: int | None,
+                    shard_mib: float = raw_format.DEFAULT_SHARD_MIB) -> Path:
+    """Where the conversion lives: the Arrow file, or the folder of raw shards."""
+    if to == "raw":
+        return raw_format.raw_path(dataset, stored, size, shard_mib)
+    return arrow_format.arrow_path(dataset, stored, size)
+
+
+def _finished_file(to: str, path: Path) -> Path:
+    """The file whose presence says the conversion finished (raw: the index, written last)."""
+    return path / "index.npz" if to == "raw" else path
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What `convert` did: the conversion's path, its stored form, size on disk, the samples it skipped
+    as unreadable (on_error: skip), and whether the finished one was reused (else: the seconds it took)."""
+
+    path: Path
+    samples: int
+    stored: Form
+    nbytes: int
+    skipped: int
+    reused: bool
+    seconds: float
+
+
+def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
+            shard_mib: float = raw_format.DEFAULT_SHARD_MIB, progress: Callable[[int, int], None] | None = None,
+            on_error: str = "raise", force: bool = False, verify: bool = False) -> Conversion:
+    """Convert `dataset` to format `to` in `form`, or reuse the finished conversion. `force` rebuilds it;
+    `verify` checks every chunk against its checksums and the source against the digest it recorded,
+    reconverting when the source changed (the format modules' `convert`)."""
+    if to not in FORMATS:
+        raise ConfigError(f"{to}: unknown format (known: {', '.join(FORMATS)})")
+    if len(dataset) == 0:
+        raise DatasetError(f"{dataset.root}: the dataset has no samples")
+    path = conversion_path(to, dataset, form.stored, form.size, shard_mib)
+    finished = _finished_file(to, path)
+    existed, before = finished.exists(), _mtime(finished)
+    start = time.perf_counter()
+    if to == "raw":
+        raw_format.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
+                           force=force, verify=verify)
+        skipped = len(raw_format.open_raw(path, dataset, form.stored, form.size, shard_mib).meta["skipped"])
+        nbytes = sum(f.stat().st_size for f in path.iterdir())
+    else:
+        arrow_format.convert(dataset, form.stored, form.size, progress=progress, on_error=on_error, force=force,
+                             verify=verify)
+        skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size).skipped)
+        nbytes = path.stat().st_size
+    seconds = time.perf_counter() - start
+    return Conversion(path, len(dataset), form.stored, nbytes, skipped, existed and _mtime(finished) == before,
+                      seconds)
