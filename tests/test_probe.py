@@ -1,6 +1,7 @@
 """`loadopt probe`: the read patterns on small temp files, through an emulated tier, and the CLI."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -122,3 +123,40 @@ def test_reader_keeps_few_files_open(tmp_path):
         assert len(reader._fds) == probe_readers._OPEN_FILES
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+def test_random_reads_in_c_and_in_python_count_the_same(data_file, monkeypatch, in_c):
+    from loadopt.storage import probe_readers
+
+    if in_c and probe_readers.native is None:
+        pytest.skip("loadopt.storage._preads is not compiled here (setup.py builds it)")
+    if not in_c:
+        monkeypatch.setattr(probe_readers, "native", None)
+    result = probe(str(data_file), block_sizes=(4096, 65536), concurrencies=(1, 16), sequential=False, **FAST)
+    for p in result["patterns"]:
+        assert p["requests"] > 0 and p["bytes"] == p["requests"] * p["block_bytes"]
+        assert p["seconds"] == pytest.approx(FAST["duration_s"], rel=0.5)
+    budget = probe(str(data_file), block_sizes=(4096,), concurrencies=(4,), max_requests=40, duration_s=5.0,
+                   sequential=False)["patterns"][0]
+    assert budget["requests"] == 40
+
+
+def test_a_reader_slow_to_start_does_not_shorten_the_others(data_file, monkeypatch):
+    """The clock starts once every reader is ready: one slow to open (a fork under load) costs no time."""
+    from loadopt.storage import probe_readers
+
+    made = []
+    original = probe_readers.Reader.__init__
+
+    def slow_first(self, *args, **kwargs):
+        made.append(1)
+        if len(made) == 1:
+            time.sleep(0.5)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(probe_readers.Reader, "__init__", slow_first)
+    pattern = probe(str(data_file), block_sizes=(4096,), concurrencies=(4,), duration_s=0.3,
+                    sequential=False)["patterns"][0]
+    assert pattern["seconds"] == pytest.approx(0.3, rel=0.5)  # not 0.8: the wait for the slow one is not counted
+    assert pattern["requests"] > 4  # every reader read through the whole duration, not one read after the end
