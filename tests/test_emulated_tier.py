@@ -131,10 +131,10 @@ def test_a_queued_request_starts_when_the_slot_was_due_to_free(tmp_path):
     began = {}
 
     def second() -> None:
-        with state.slot(arrival + 0.005) as (start, _):
+        with state.slot(arrival + 0.005) as (start, _, _):
             began["second"] = start
 
-    with state.slot(arrival) as (start, releases_at):
+    with state.slot(arrival) as (start, releases_at, _):
         assert start == arrival  # a free slot: service begins at arrival
         releases_at(arrival + 0.010)
         waiter = threading.Thread(target=second)
