@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -35,7 +35,8 @@ from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
 from loadopt.storage import tier_reads
-from loadopt.storage.arrow_format import ROWS_PER_BATCH, arrow_path, convert, open_arrow
+from loadopt.storage.arrow_format import ROWS_PER_BATCH, ArrowConversion, arrow_path, convert, open_arrow
+from loadopt.storage.tokens import TokenDataset
 
 
 class ArrowSettings(RingSettings):
@@ -51,8 +52,8 @@ class ArrowLoader(RingLoader[ArrowSettings]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._views: list | None = None
-        self._conversion = None  # the opened file's record batches and checksums (storage/arrow_format.py)
+        self._views: list[Any] | None = None  # per record batch: numpy views of its samples (`_view`)
+        self._conversion: ArrowConversion | None = None  # the opened file's record batches and checksums
         self._windows: tuple[np.ndarray, np.ndarray, int] | None = None  # tokens: see `_windows_view`
         self._shadow: tier_reads.ShadowFile | None = None  # on a tier: the file's image, fetched through it
 
@@ -80,15 +81,16 @@ class ArrowLoader(RingLoader[ArrowSettings]):
                 raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
             convert(self.dataset, self.stored_form, self.size, progress=progress, on_error=self.on_error)
-        batches = open_arrow(path, self.dataset, self.stored_form, self.size)
-        self.unreadable, self._conversion = batches.skipped, batches  # samples the conversion skipped
+        conversion = open_arrow(path, self.dataset, self.stored_form, self.size)
+        self.unreadable, self._conversion = conversion.skipped, conversion  # samples the conversion skipped
+        batches: list[pa.RecordBatch] = conversion
         tier = tier_reads.tier_fs(self.dataset)
         if tier is not None:  # every byte through the tier: no memory map of the file
             remote = tier_reads.publish(self.dataset, path)
             self._shadow = tier_reads.ShadowFile(tier, remote or str(path), path, self.settings.io_threads)
             batches = self._shadow.record_batches()
         self._views = [self._view(b) for b in batches]
-        if self.form == "tokens":
+        if isinstance(self.dataset, TokenDataset):
             self._windows = _windows_view(batches, self.dataset.tokens.dtype)
 
     def storage_files(self) -> list[str]:
@@ -109,13 +111,29 @@ class ArrowLoader(RingLoader[ArrowSettings]):
             return offsets, np.frombuffer(column.buffers()[2], np.uint8)
         width = column.type.byte_width
         data = np.frombuffer(column.buffers()[1], np.uint8, rows * width, column.offset * width)
-        if self.form == "tokens":
+        if isinstance(self.dataset, TokenDataset):
             return data.view(self.dataset.tokens.dtype).reshape(rows, -1)
-        return data.reshape(rows, self.size, self.size, 3)
+        return data.reshape(rows, self._square(), self._square(), 3)
 
     # -- batches -------------------------------------------------------------------------------
 
+    @property
+    def views(self) -> list[Any]:
+        """Per record batch, numpy views of its samples (`_view`); `prepare` opens them."""
+        assert self._views is not None, "prepare() opens the Arrow file"
+        return self._views
+
+    def _square(self) -> int:
+        """The side of the stored centre squares (the decoded form)."""
+        assert self.size is not None, "the decoded form is stored at a size"
+        return self.size
+
+    def _slot(self, slot: int) -> torch.Tensor:
+        assert self._ring is not None, "produce() makes the ring before the producer fills it"
+        return self._ring[slot]
+
     def _fill_tokens(self, slot: torch.Tensor, indices: np.ndarray) -> None:
+        assert self._windows is not None, "prepare() maps a token corpus's windows"
         tokens, starts, width = self._windows
         windows = tokens[starts[indices][:, None] + np.arange(width)]  # one gather for the whole batch
         n = len(indices)
@@ -134,26 +152,28 @@ class ArrowLoader(RingLoader[ArrowSettings]):
     def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
         """A crop per sample: of whole frames (`crops.crop_frames`) or of centre squares (`crops.crop_batch`)."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
+        views = self.views
         if self.stored_form == "frames":
-            views = self._views
             starts = np.array([views[r][0][i] for r, i in zip(record, local, strict=True)], np.int64)
             dims = np.stack([views[r][2][i] for r, i in zip(record, local, strict=True)])
             crops.crop_frames(out, indices, [v[1] for v in views], record, starts, dims, self.pipeline.augment,
                               self.seed, epoch, pool, self.settings.threads)
             return
-        crops.crop_batch(out, indices, self._views, record, local * (self.size * self.size * 3), self.size,
-                         self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
+        size = self._square()
+        crops.crop_batch(out, indices, views, record, local * (size * size * 3), size, self.pipeline.augment,
+                         self.seed, epoch, pool, self.settings.threads)
 
     def _encoded(self, index: int) -> memoryview:
         """The stored JPEG bytes of sample `index`: a view of the mapped (or fetched) file."""
         record, local = divmod(index, ROWS_PER_BATCH)
-        offsets, data = self._views[record]
+        offsets, data = self.views[record]
         return memoryview(data[offsets[local] : offsets[local + 1]])
 
     def _check_record(self, index: int) -> None:
         """Raise when the record batch of a sample that failed to decode is damaged in the Arrow file:
         that is not the source's fault, so not a failure of the sample."""
-        self._conversion.check("all", [index // ROWS_PER_BATCH])
+        if self._conversion is not None:
+            self._conversion.check("all", [index // ROWS_PER_BATCH])
 
     def _decoder(self) -> str:
         choice = self.settings.decoder
@@ -165,11 +185,14 @@ class ArrowLoader(RingLoader[ArrowSettings]):
     def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
         # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
-        read = len(indices) * self.size * self.size * 3 if self.form == "decoded" else None
+        read: int | None = None
         if self.stored_form == "frames":  # the stored frames' bytes
-            read = sum(int(self._views[r][0][i + 1] - self._views[r][0][i])
+            views = self.views
+            read = sum(int(views[r][0][i + 1] - views[r][0][i])
                        for r, i in zip(*np.divmod(indices, ROWS_PER_BATCH), strict=True))
-        return slot_batch(self._ring[slot], indices, failures, self.dataset.labels, self.layout, read)
+        elif self.form == "decoded":
+            read = len(indices) * self._square() ** 2 * 3
+        return slot_batch(self._slot(slot), indices, failures, self.dataset.labels, self.layout, read)
 
     def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         if self._shadow is not None:
@@ -181,10 +204,10 @@ class ArrowLoader(RingLoader[ArrowSettings]):
                 if slot is None:
                     return
                 if self._tokens:
-                    self._fill_tokens(self._ring[slot], indices)
+                    self._fill_tokens(self._slot(slot), indices)
                     failures: list[tuple[int, str]] = []
                 else:
-                    failures = self._fill_images(self._ring[slot], indices, epoch, pool)
+                    failures = self._fill_images(self._slot(slot), indices, epoch, pool)
                 ready.put((slot, indices, failures))
 
     def _producer_via_tier(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
@@ -192,17 +215,19 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         """The producer on a tier: batch n+1's samples are fetched into the file's image while batch n is
         assembled from it, then batch n's pages are let go."""
         shadow = self._shadow
+        assert shadow is not None, "fill_ring takes this path on a tier only"
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool, \
                 ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="loadopt-arrow-io") as io, \
                 ThreadPoolExecutor(1, thread_name_prefix="loadopt-arrow-fetch") as fetcher:
             ahead = fetcher.submit(shadow.fetch, batches[0], io) if batches else None
             for n, indices in enumerate(batches):
-                ahead.result()
+                if ahead is not None:  # batch n's samples, fetched while batch n-1 was assembled
+                    ahead.result()
                 ahead = fetcher.submit(shadow.fetch, batches[n + 1], io) if n + 1 < len(batches) else None
                 slot = next_slot(free, stop)
                 if slot is None:
                     return
-                failures = self._fill_images(self._ring[slot], indices, epoch, pool)
+                failures = self._fill_images(self._slot(slot), indices, epoch, pool)
                 shadow.drop(indices)
                 ready.put((slot, indices, failures))
 

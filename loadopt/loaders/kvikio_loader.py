@@ -25,7 +25,9 @@ buffer is on, so the tests run it on the CPU with the reader swapped for the POS
 from __future__ import annotations
 
 import ctypes
+import importlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_emp
 from loadopt.loaders.transforms import DeviceDecoder
 from loadopt.storage.raw_format import align_up
 from loadopt.storage.tier_reads import TierReader
+from loadopt.storage.tokens import TokenDataset
 
 
 def nvidia_fs_loaded() -> bool:
@@ -80,8 +83,8 @@ def gpu_jpeg_decoder() -> tuple[DeviceDecoder | None, str]:
     except Exception:  # noqa: BLE001 - torchvision is optional and may fail to import beside this torch
         pass
     try:
-        from nvidia import nvimgcodec
-
+        # `nvidia` is a namespace package (DALI's too) whose modules mypy cannot see: imported by name
+        nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
         decoder = nvimgcodec.Decoder()
 
         def nvimgcodec_decode(streams: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -216,7 +219,8 @@ class KvikioLoader(PosixLoader):
 
     def _make_ring(self) -> list[torch.Tensor]:
         slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
-        if self._tokens:
+        shape: tuple[int, ...]
+        if isinstance(self.dataset, TokenDataset):
             shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
         elif self.form == "encoded":
             shape, dtype = (slots, b, 3, size, size), torch.uint8
@@ -225,15 +229,19 @@ class KvikioLoader(PosixLoader):
         return list(torch.empty(shape, dtype=dtype, device=self.staging_device))
 
     def _submit(self, staging, tasks, io) -> list:
-        if not hasattr(self._reader, "submit"):  # a host reader: its blocking reads go to the pool
+        reader = self._reader
+        if not isinstance(reader, KvikioReader):  # a host reader: its blocking reads go to the pool
             return super()._submit(staging, tasks, io)
-        return [self._reader.submit(shard, offset, staging[at : at + nbytes]) for shard, offset, at, nbytes in tasks]
+        return [reader.submit(shard, offset, staging[at : at + nbytes]) for shard, offset, at, nbytes in tasks]
 
-    def _fill(self, slot: torch.Tensor, staging: torch.Tensor, starts: np.ndarray, indices: np.ndarray, epoch: int,
-              pool) -> list[tuple[int, str]]:
-        length = self._raw.length[indices]
+    def _fill(self, slot: torch.Tensor, staging: np.ndarray | torch.Tensor, starts: np.ndarray, indices: np.ndarray,
+              epoch: int, pool: Any) -> list[tuple[int, str]]:
+        staging = torch.as_tensor(staging)  # `_new_staging`'s tensor (a numpy buffer viewed, for the POSIX reader)
+        raw = self._raw
+        assert raw is not None, "prepare() opens the shards"
+        length = raw.length[indices]
         if self._tokens:
-            dtype = torch.from_numpy(np.zeros(0, self._raw.meta["dtype"])).dtype
+            dtype = torch.from_numpy(np.zeros(0, raw.meta["dtype"])).dtype
             width, n = int(length[0]), len(indices)
             stride = int(align_up(width))  # fixed-size windows: staging row r holds batch position order[r]
             windows = staging[: n * stride].view(n, stride)[:, :width].contiguous().view(dtype).long()
@@ -244,7 +252,8 @@ class KvikioLoader(PosixLoader):
         if self.form == "encoded":
             return self._decode_into(slot, staging, starts, length, indices, epoch)
         if self.stored_form == "frames":  # whole frames: the shared plan's box, resized on the device
-            frames = self._raw.frames[indices]
+            assert raw.frames is not None, "the frames form stores each frame's dims"
+            frames = raw.frames[indices]
             boxes, flips = crops.frame_boxes(indices, frames, self.pipeline.augment, self.seed, epoch)
             for k in range(len(indices)):
                 height, width = int(frames[k][0]), int(frames[k][1])
@@ -252,10 +261,11 @@ class KvikioLoader(PosixLoader):
                 crop_resize_flip_chw(pixels.permute(2, 0, 1), tuple(boxes[k]), bool(flips[k]), slot[k].permute(2, 0, 1))
             self._sync(staging)
             return []
-        shape, size = (self.size, self.size, 3), self.pipeline.image_size
-        tops, lefts, flips = crops.plan_crops(indices, self.size - size, self.pipeline.augment, self.seed, epoch)
+        stored, size = self.size, self.pipeline.image_size
+        assert stored is not None, "the decoded form is stored at a size"
+        tops, lefts, flips = crops.plan_crops(indices, stored - size, self.pipeline.augment, self.seed, epoch)
         for k in range(len(indices)):  # views and one copy kernel per sample, no host round trip
-            pixels = staging[int(starts[k]) : int(starts[k] + length[k])].view(shape)
+            pixels = staging[int(starts[k]) : int(starts[k] + length[k])].view(stored, stored, 3)
             crop = pixels[tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
             slot[k].copy_(crop.flip(1) if flips[k] else crop)
         self._sync(staging)

@@ -51,6 +51,13 @@ def arrow_path(dataset, form: Form, size: int | None) -> Path:
     return local_dir(dataset, cache_dir()) / "arrow" / f"{dataset.fingerprint}-{form}-{key}.arrow"
 
 
+def _square_bytes(size: int | None) -> int:
+    """Bytes of one `decoded` row: a size x size HWC uint8 square."""
+    if size is None:
+        raise ValueError("the decoded form is stored at a size: none was given")
+    return size * size * 3
+
+
 def _schema(dataset, form: Form, size: int | None) -> pa.Schema:
     metadata = {"loadopt.form": form, "loadopt.source": dataset.fingerprint, "loadopt.rows": str(len(dataset))}
     if form == "tokens":
@@ -59,7 +66,7 @@ def _schema(dataset, form: Form, size: int | None) -> pa.Schema:
         return pa.schema([("sample_id", pa.int64()), ("window", pa.binary(width))], metadata=metadata)
     if form == "decoded":
         metadata["loadopt.size"] = str(size)
-        column = ("pixels", pa.binary(size * size * 3))
+        column = ("pixels", pa.binary(_square_bytes(size)))
     elif form == "frames":
         metadata["loadopt.max_side"] = str(size)
         dims = [(name, pa.int32()) for name in FRAME_FIELDS]
@@ -104,6 +111,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
     n = len(dataset)
     skipped = [] if skipped is None else skipped
     pool = None
+    square = _square_bytes(size) if form == "decoded" else 0  # bytes of a decoded row
     if form in ("decoded", "frames"):
         set_pool_dataset(dataset, size)
         pool = decode_pool.start(workers)
@@ -131,9 +139,8 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
                 if form == "decoded":
                     decode = partial(integrity.guarded, decode_centre)
                     results = pool.map(decode, ids.tolist(), chunksize=16) if pool else [decode(int(i)) for i in ids]
-                    blobs = integrity.keep_or_skip(dataset, ids, results, on_error, skipped,
-                                                   lambda: bytes(size * size * 3))
-                    column = pa.array(blobs, type=pa.binary(size * size * 3))
+                    blobs = integrity.keep_or_skip(dataset, ids, results, on_error, skipped, lambda: bytes(square))
+                    column = pa.array(blobs, type=pa.binary(square))
                 else:
                     column = pa.array([dataset.read(int(i)) for i in ids], type=pa.binary())
                 yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
@@ -213,7 +220,7 @@ def _regions(batch: pa.RecordBatch) -> list[tuple[str, memoryview]]:
         if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
             dtype = np.int64 if pa.types.is_large_binary(kind) else np.int32
             offsets = np.frombuffer(buffers[1], dtype, n + 1, first * np.dtype(dtype).itemsize)
-            regions.append((f"{field.name}.lengths", memoryview(np.diff(offsets))))
+            regions.append((f"{field.name}.lengths", np.diff(offsets).data))
             regions.append((field.name, memoryview(buffers[2])[int(offsets[0]):int(offsets[-1])]))
         else:
             width = kind.byte_width
@@ -254,11 +261,11 @@ class ArrowConversion(list):
             samples = self[b].schema.names[-1]
             for name, view in _regions(self[b]):
                 if verify == "all" or name == samples:
-                    chunks += [(b, name, view, k) for k in range(len(sums.get(name, [])))]
+                    chunks += [(b, name, view, k, crc) for k, crc in enumerate(sums.get(name, []))]
         for position in integrity.chunks_to_check(len(chunks), verify if records else "none"):
-            b, name, view, k = chunks[position]
+            b, name, view, k, crc = chunks[position]
             at = k * integrity.CHUNK_BYTES
-            if zlib.crc32(view[at:at + integrity.CHUNK_BYTES]) != self.checksums[b][name][k]:
+            if zlib.crc32(view[at:at + integrity.CHUNK_BYTES]) != crc:
                 first = b * ROWS_PER_BATCH
                 raise integrity.damaged(f"{self.path}: record batch {b} (samples {first}-"
                                         f"{first + self[b].num_rows - 1}), chunk {k} of column {name} (bytes "
