@@ -1,4 +1,5 @@
-"""Shared fixtures: a private cache, tiny synthetic configs, small real ImageFolder trees."""
+"""Shared fixtures: a private cache, tiny synthetic configs, small real ImageFolder trees, a backend's
+prepared loader and one epoch of its inputs."""
 
 from __future__ import annotations
 
@@ -84,3 +85,26 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 4, corrupt:
         path.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 4)
         bad.append(path)
     return bad
+
+
+def prepared_loader(config, dataset, backend: str, settings: dict, seed: int = 3):
+    """Backend `backend` over `dataset` with `settings` (validated as the config's own would be), prepared
+    (converted); the test is skipped where the backend cannot run here."""
+    from loadopt.config import backend_settings
+    from loadopt.loaders.registry import backend_class
+
+    cls = backend_class(backend)
+    if not cls.available()[0]:
+        pytest.skip(f"{backend}: {cls.available()[1]}")
+    (parsed,) = backend_settings(config.model_copy(update={"loaders": {backend: settings}}), backend)
+    loader = cls(dataset, config.pipeline, parsed, seed=seed)
+    loader.prepare()
+    return loader
+
+
+def epoch_inputs(loader) -> list[torch.Tensor]:
+    """The inputs of one epoch of `loader` (copied out); the loader is closed after it."""
+    try:
+        return [x.clone() for x, _ in loader]
+    finally:
+        loader.close()

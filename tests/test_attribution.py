@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from loadopt.bench.attribution import attribute
-from loadopt.bench.ceilings import measure_ceilings
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.report import render_report
-from loadopt.storage.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 
@@ -82,21 +78,6 @@ def test_step_time_zero_has_no_demand():
     assert found["bottleneck"] == "prep-bound" and "step time 0" in found["text"]
 
 
-def test_ceilings_measured_on_the_tiny_config_are_positive_and_named(tmp_path):
-    config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
-    ceilings = measure_ceilings(config, open_dataset(config), torch.device("cpu"))
-    for key in ("memcpy", "storage", "compute"):
-        assert ceilings[key]["name"] and ceilings[key]["bytes_per_s" if key != "compute" else "samples_per_s"] > 0
-    for key in ("pil", "fast"):
-        assert ceilings["decode"][key]["samples_per_s"] > 0 and ceilings["decode"][key]["decoder"]
-    crop = ceilings["crop_resize"]  # the loaders' own primitive on frames stored as the decoded forms store them
-    assert crop["samples_per_s"] > 0 and crop["primitive"] == "loadopt.loaders.crops.crop_frames"
-    assert crop["max_side"] == config.pipeline.max_side and 0 < crop["mean_frame_pixels"] <= 512 * 512
-    assert crop["how"].endswith("one intra-op thread each") or crop["how"].startswith("one thread")
-    assert "skipped" in ceilings["h2d"]  # no CUDA here
-    assert ceilings["job"]["demand_samples_per_s"] == 8 / 0.002
-
-
 def test_run_bench_writes_ceilings_and_verdicts_and_the_report_renders(tmp_path):
     raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0},
                                                        "arrow": {"form": "decoded", "threads": 1}})
@@ -144,129 +125,6 @@ def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
     assert found["bottleneck"] == "prep-bound" and "normalising on the device adds 12.0 ms" in found["text"]
 
 
-def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
-    from types import SimpleNamespace
-
-    from loadopt.bench.ceilings import storage_bandwidth
-
-    big = tmp_path / "corpus.bin"
-    big.write_bytes(b"\0" * (3 << 20))
-    found = storage_bandwidth(SimpleNamespace(local_files=lambda: [str(big)]), budget_bytes=1 << 20)
-    assert found["bytes"] == 1 << 20 and found["bytes_per_s"] > 0
-
-
-# -- stages run apart (bench/stages.py) -----------------------------------------------------------
-
-
-def stage_case(tmp_path, cache: str, loaders=None):
-    raw = tiny_config_dict(tmp_path / "out", loaders=loaders or {"torch": {"variant": "tuned", "num_workers": 0}},
-                           storage={"cache": cache}, workload={"step_time_ms": 1, "warmup_batches": 2,
-                                                               "measure_batches": 12})
-    return config_from_dict(raw, "stages.yaml")
-
-
-def stages_of(config):
-    from loadopt.bench import stages
-    from loadopt.loaders.registry import backend_class
-
-    dataset = open_dataset(config)
-    device = torch.device("cpu")
-    name, settings = next(iter(config.loaders.items()))
-    cls = backend_class(name)
-    cls(dataset, config.pipeline, cls.Settings(**settings)).prepare()  # the conversion, as the bench's plan does
-    ceilings = measure_ceilings(config, dataset, device)
-    return stages.measure_stages(config, dataset, device, name, settings, f"{name} {settings}", ceilings)
-
-
-def test_stages_name_decode_when_the_decoder_is_slow(tmp_path, monkeypatch):
-    """A loader made slow on purpose in decode: 10 ms a sample, in decode alone and in the loader's 2 workers
-    (forked: they inherit the slow decoder)."""
-    import time
-
-    from loadopt.loaders import transforms
-
-    real = transforms.write_sample
-
-    def slow_write(*args, **kwargs):
-        time.sleep(0.010)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(transforms, "write_sample", slow_write)
-    # persistent workers: the 6-batch epochs of the tiny dataset would otherwise restart them every 6 batches
-    found = stages_of(stage_case(tmp_path, "cold", {"torch": {"variant": "tuned", "num_workers": 2,
-                                                              "persistent_workers": True}}))
-    stages = found["stages"]
-    assert found["bottleneck"] == "prep-bound", found["text"]
-    assert stages["prep"]["samples_per_s"] < 250 < stages["storage"]["samples_per_s"]  # decode, not the disk
-    assert stages["loader_warm"]["samples_per_s"] < 250 and stages["loader_cold"]["samples_per_s"] < 250
-    assert "decode" in found["text"] and "the job needs 8,000 samples/s" in found["text"]
-
-
-def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
-    """A tier made slow on purpose: 1 MB/s shared by every read of the raw shards (the posix loader's
-    preadv threads and the storage-alone stage), one read at a time, as a link of that bandwidth would."""
-    import threading
-    import time
-
-    from loadopt.bench import stages
-    from loadopt.loaders.posix_loader import PosixReader
-
-    rate, link = 1e6, threading.Lock()
-    real_read, real_file = PosixReader.read, stages._read_file
-
-    def slow_read(self, shard, offset, out):
-        with link:
-            time.sleep(len(memoryview(out).cast("B")) / rate)
-        return real_read(self, shard, offset, out)
-
-    def slow_file(path, limit):
-        nbytes = real_file(path, limit)
-        with link:
-            time.sleep(nbytes / rate)
-        return nbytes
-
-    monkeypatch.setattr(PosixReader, "read", slow_read)
-    monkeypatch.setattr(stages, "_read_file", slow_file)
-    found = stages_of(stage_case(tmp_path, "cold", {"posix": {"form": "decoded", "io_threads": 4}}))
-    s = found["stages"]
-    assert found["bottleneck"] == "fetch-bound", found["text"]
-    assert s["storage"]["bytes_per_s"] < 1.3e6 and s["storage"]["samples_per_s"] < s["prep"]["samples_per_s"]
-    assert "the storage reads 1 MB/s" in found["text"] and "a faster tier" in found["text"]
-
-
-def test_stage_verdict_on_constructed_stages():
-    from loadopt.bench.stages import stage_verdict
-
-    job = {"demand_samples_per_s": 2560.0, "cache": "warm", "device": "cpu"}
-    base = {"compute": {"samples_per_s": 2560.0},
-            "storage": {"samples_per_s": 5000.0, "bytes_per_s": 550e6, "bytes_per_sample": 110e3},
-            "prep": {"kind": "prep-bound", "samples_per_s": 700.0, "words": "2 cores decode 700 img/s", "lift": "x"}}
-
-    def run(rate, stall, wait_ms=20.0, finish_ms=1.0):
-        return {"samples_per_s": rate, "stall_fraction": stall, "wait_ms": wait_ms, "finish_ms": finish_ms}
-
-    assert stage_verdict({**base, "loader_warm": run(2550, 0.01), "loader_cold": run(2500, 0.02)},
-                         job)["bottleneck"] == "compute-bound"
-    assert stage_verdict({**base, "loader_warm": run(680, 0.7), "loader_cold": run(650, 0.7)},
-                         job)["bottleneck"] == "prep-bound"
-    short = stage_verdict({**base, "loader_warm": run(300, 0.8), "loader_cold": run(290, 0.8)}, job)
-    assert short["bottleneck"] == "loader-bound" and "43% of that capacity" in short["text"]
-    slow_finish = {"loader_warm": run(1200, 0.5, 0.5, 12.0), "loader_cold": run(1100, 0.5)}
-    # A decoded form (copy-bound preparation): finishing on the device is the stall.
-    copying = {**base, "prep": {**base["prep"], "kind": "copy-bound"}}
-    assert stage_verdict({**copying, **slow_finish}, job)["bottleneck"] == "finish-bound"
-    # A decoding loader on the emulated device: decoding and finishing share the CPU's cores.
-    shared = stage_verdict({**base, **slow_finish}, job)
-    assert shared["bottleneck"] == "cpu-bound" and "share the same cores" in shared["text"]
-    assert stage_verdict({**base, **slow_finish}, {**job, "device": "cuda"})["bottleneck"] == "finish-bound"
-    slow_disk = {**base, "storage": {"samples_per_s": 200.0, "bytes_per_s": 22e6, "bytes_per_sample": 110e3}}
-    cold = stage_verdict({**slow_disk, "loader_warm": run(680, 0.7), "loader_cold": run(190, 0.9)},
-                         {**job, "cache": "cold"})
-    assert cold["bottleneck"] == "fetch-bound" and "22 MB/s" in cold["text"]
-    warm = stage_verdict({**slow_disk, "loader_warm": run(680, 0.7), "loader_cold": run(190, 0.9)}, job)
-    assert warm["bottleneck"] == "prep-bound" and "cold it would be fetch-bound" in warm["text"]
-
-
 # -- issue 17: ceilings that hold on a busy machine -----------------------------------------------------------
 
 
@@ -291,63 +149,6 @@ def test_the_verdict_never_states_a_fraction_above_110pct_nor_recommends_a_decod
     assert "631%" not in fast["text"] and "unreliable" in fast["text"]
     plain = attribute(metrics(0.8, 30.0, 0.2, 300.0), "torch plain num_workers=2", ceilings, JOB)
     assert "a faster decoder" not in plain["text"]
-
-
-def test_decode_rate_in_worker_processes_runs_one_intra_op_thread_in_each():
-    from loadopt.bench.parallel import rate_in_workers
-
-    def work(_index: int) -> None:
-        if torch.get_num_threads() != 1:
-            raise AssertionError("a measuring process runs more than one intra-op thread")
-        sum(range(2000))
-
-    measured = rate_in_workers(work, workers=2, seconds=0.2)
-    assert measured["workers"] == 2 and measured["samples"] > 2 and measured["samples_per_s"] > 0
-
-    def fails(_index: int) -> None:
-        raise ValueError("broken")
-
-    try:
-        rate_in_workers(fails, workers=2, seconds=0.2)
-    except RuntimeError as exc:
-        assert "measuring processes gave no" in str(exc)
-    else:
-        raise AssertionError("a measurement whose processes all failed gave a rate")
-
-
-def test_keep_best_keeps_the_higher_measurement_of_each_ceiling_and_both_values(tmp_path):
-    from loadopt.bench.ceilings import keep_best
-
-    config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
-    dataset = open_dataset(config)
-    low = {"memcpy": {"name": "memory copy bandwidth", "bytes_per_s": 1.0},
-           "storage": {"name": "storage sequential read", "bytes_per_s": 1e15},
-           "decode": {"cores": 2, "workers": 2, "pil": {"decoder": "pil", "samples_per_s": 0.5},
-                      "fast": {"decoder": "simplejpeg", "samples_per_s": 1e9}}}
-    low["crop_resize"] = {"name": "crop + resize of stored frames", "samples_per_s": 0.5, "workers": 1}
-    best = keep_best(low, config, dataset)
-    assert best["crop_resize"]["samples_per_s"] > 0.5 and best["crop_resize"]["measured"]["before"] == 0.5
-    assert best["crop_resize"]["workers"] == 1
-    assert best["memcpy"]["bytes_per_s"] > 1.0 and best["memcpy"]["measured"]["before"] == 1.0
-    assert best["storage"]["bytes_per_s"] == 1e15 and best["storage"]["measured"]["after"] < 1e15
-    assert best["decode"]["pil"]["samples_per_s"] > 0.5 and best["decode"]["fast"]["samples_per_s"] == 1e9
-    assert best["decode"]["pil"]["how"].startswith("2 worker processes")
-
-
-def test_others_cpu_share_and_the_busy_note():
-    from loadopt.bench.monitor import MachineLoad, load_note, others_share
-
-    assert others_share(busy_s=3.0, own_s=1.0, wall_s=2.0, cores=2) == 0.5
-    assert others_share(busy_s=1.0, own_s=1.5, wall_s=2.0, cores=2) == 0.0  # never negative
-    assert others_share(1.0, 0.0, 0.0, 2) is None
-    quiet = {"busy": False, "cores": 2, "others_cpu_share": {"mean": 0.05, "max": 0.1}}
-    assert load_note(quiet) is None and load_note(None) is None
-    busy = {"busy": True, "cores": 2, "others_cpu_share": {"mean": 0.6, "max": 0.9},
-            "load_average_1m": {"mean": 3.0, "max": 4.2}}
-    assert "busy" in load_note(busy) and "60%" in load_note(busy) and "4.2" in load_note(busy)
-    summary = MachineLoad(interval_s=0.05).start().stop()
-    assert summary["samples"] >= 2 and 0.0 <= summary["others_cpu_share"]["mean"] <= 1.0
-    assert isinstance(summary["busy"], bool) and summary["load_average_1m"]["max"] >= 0
 
 
 # Whole frames (the decoded forms under augment: train): crop + resize, 2 cores 900 samples/s.

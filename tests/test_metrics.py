@@ -117,8 +117,8 @@ def test_one_function_for_bench_and_measure():
     wall = sum(waits) + sum(steps)  # 0.3 s
     probes = [BatchProbe(i, True, 0.0, w, Elapsed(0.001), 2_000_000, 0.0, Elapsed(s), n, n * 1000)
               for i, (w, s, n) in enumerate(zip(waits, steps, samples, strict=True))]
-    usage = TreeUsage(cpu_seconds=0.56, storage_bytes_read=10**6, chars_read=0, peak_rss_bytes=2**30,
-                      peak_pss_bytes=2**29, processes_seen=1, others_cpu_share=0.0)
+    usage = TreeUsage(cpu_seconds=0.56, storage_bytes_read=10**6, peak_rss_bytes=2**30, peak_pss_bytes=2**29,
+                      others_cpu_share=0.0)
     bench = window_metrics(probes, wall, usage, loader_bytes_read=56_000, h2d_pinned=True, h2d_emulated=False)
     measured = recorded_metrics(Recorded(
         wait_ns=np.array(waits) * 1e9, step_ns=np.array(steps) * 1e9, samples=np.array(samples), sample_bytes=1000.0,

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadopt.config import backend_settings, config_from_dict
-from loadopt.loaders.registry import backend_class
+from loadopt.config import config_from_dict
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.tiers import tier_counters
 
-from .conftest import make_image_folder, tiny_config_dict
+from .conftest import epoch_inputs, make_image_folder, prepared_loader, tiny_config_dict
 from .servers import s3_endpoint  # noqa: F401 - a fixture
 
 BUCKET = "loadopt-conversions"
@@ -43,20 +42,6 @@ def _config(tmp_path, base: str, endpoint: str | None = None, **storage):
     return config_from_dict(raw, "s3.yaml")
 
 
-def _loader(config, dataset, backend: str, settings: dict):
-    (parsed,) = backend_settings(config.model_copy(update={"loaders": {backend: settings}}), backend)
-    loader = backend_class(backend)(dataset, config.pipeline, parsed, seed=3)
-    loader.prepare()
-    return loader
-
-
-def _epoch(loader) -> list[torch.Tensor]:
-    try:
-        return [x.clone() for x, _ in loader]
-    finally:
-        loader.close()
-
-
 def _s3():
     import s3fs
 
@@ -70,7 +55,7 @@ def test_a_conversion_of_an_s3_dataset_is_written_to_s3_and_read_back_through_th
     config = _config(tmp_path, url, endpoint)
     dataset = open_dataset(config)
     assert dataset.converted == f"{url}/train/.loadopt"
-    loader = _loader(config, dataset, backend, settings)
+    loader = prepared_loader(config, dataset, backend, settings)
     names = {path.rsplit("/", 1)[-1] for path in _s3().find(f"{BUCKET}/images/train/.loadopt")}
     if backend == "posix":  # the index (written last) and its shards, beside any other form's
         assert "index.npz" in names, names
@@ -79,7 +64,7 @@ def test_a_conversion_of_an_s3_dataset_is_written_to_s3_and_read_back_through_th
         assert any(n.endswith(".arrow") for n in names), names
     assert loader.storage_files() == []  # nothing on the local disk: every byte comes from S3
     before = tier_counters(dataset.fs)
-    batches = _epoch(loader)
+    batches = epoch_inputs(loader)
     after = tier_counters(dataset.fs)
     assert len(batches) == 4 and loader.counters.bytes_read > 0
     assert after["bytes"] - before["bytes"] >= 0.95 * loader.counters.bytes_read
@@ -87,7 +72,7 @@ def test_a_conversion_of_an_s3_dataset_is_written_to_s3_and_read_back_through_th
     # The same images converted on the local disk (an NFS-like base: conversions beside them) give the
     # same batches: the conversion on S3 is the same conversion.
     reference_config = _config(tmp_path, str(local))
-    reference = _epoch(_loader(reference_config, open_dataset(reference_config), backend, settings))
+    reference = epoch_inputs(prepared_loader(reference_config, open_dataset(reference_config), backend, settings))
     assert all(torch.equal(a, b) for a, b in zip(batches, reference, strict=True))
 
 
@@ -96,6 +81,6 @@ def test_storage_converted_puts_an_s3_datasets_conversion_elsewhere_on_s3(tmp_pa
     elsewhere = f"s3://{BUCKET}/conversions-{tmp_path.name}"
     config = _config(tmp_path, url, endpoint, converted=elsewhere)
     dataset = open_dataset(config)
-    batches = _epoch(_loader(config, dataset, "arrow", {"form": "encoded"}))
+    batches = epoch_inputs(prepared_loader(config, dataset, "arrow", {"form": "encoded"}))
     assert len(batches) == 4
     assert any(path.endswith(".arrow") for path in _s3().find(elsewhere.removeprefix("s3://")))

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from loadopt.bench.runner import run_bench
-from loadopt.config import backend_settings, config_from_dict
+from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError, StorageError
-from loadopt.loaders.registry import backend_class
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.tiers import tier_counters
 
-from .conftest import make_image_folder, tiny_config_dict
+from .conftest import epoch_inputs, make_image_folder, prepared_loader, tiny_config_dict
 from .test_kvikio import cpu_jpeg_decoder
 
 FAST_TIER = {"name": "fast", "bandwidth_mb_s": 2000}
@@ -35,38 +34,21 @@ def _config(tmp_path, tier, **sections):
     return config_from_dict(raw, "tier.yaml")
 
 
-def _loader(config, dataset, backend: str, settings: dict, seed: int = 3):
-    cls = backend_class(backend)
-    if not cls.available()[0]:
-        pytest.skip(f"{backend}: {cls.available()[1]}")
-    (parsed,) = backend_settings(config.model_copy(update={"loaders": {backend: settings}}), backend)
-    loader = cls(dataset, config.pipeline, parsed, seed=seed)
-    loader.prepare()
-    return loader
-
-
-def _epoch(loader) -> list[torch.Tensor]:
-    try:
-        return [x.clone() for x, _ in loader]
-    finally:
-        loader.close()
-
-
 @pytest.mark.parametrize(("backend", "settings"), SETTINGS, ids=[f"{b}-{'-'.join(map(str, s.values()))}"
                                                                  for b, s in SETTINGS])
 def test_every_backend_reads_through_the_tier(tmp_path, backend, settings):
     config = _config(tmp_path, FAST_TIER)
     dataset = open_dataset(config)
-    loader = _loader(config, dataset, backend, settings)
+    loader = prepared_loader(config, dataset, backend, settings)
     before = tier_counters(dataset.fs)
-    tiered = _epoch(loader)
+    tiered = epoch_inputs(loader)
     after = tier_counters(dataset.fs)
     read = loader.counters.bytes_read
     assert read > 0 and after["bytes"] - before["bytes"] >= 0.95 * read, (after["bytes"] - before["bytes"], read)
     assert after["requests"] > before["requests"]
     # the tier changes nothing but speed: the same batches as straight from the local disk
     local_config = _config(tmp_path, "local")
-    local = _epoch(_loader(local_config, open_dataset(local_config), backend, settings))
+    local = epoch_inputs(prepared_loader(local_config, open_dataset(local_config), backend, settings))
     assert len(local) == len(tiered) and all(torch.equal(a, b) for a, b in zip(local, tiered, strict=True))
 
 
@@ -83,7 +65,7 @@ def test_kvikio_reads_through_the_tier_into_host_memory(tmp_path):
     loader.prepare()
     assert isinstance(loader._reader, TierReader) and "via tier" in loader.describe()
     before = tier_counters(dataset.fs)["bytes"]
-    batches = _epoch(loader)
+    batches = epoch_inputs(loader)
     assert len(batches) == 6 and tier_counters(dataset.fs)["bytes"] - before >= 0.95 * loader.counters.bytes_read > 0
 
 
@@ -93,8 +75,8 @@ def test_plain_local_disk_keeps_the_direct_paths(tmp_path):
     config = _config(tmp_path, "local")
     dataset = open_dataset(config)
     assert tier_counters(dataset.fs) is None
-    posix = _loader(config, dataset, "posix", {"shard_mib": 0.25})
-    arrow = _loader(config, dataset, "arrow", {})
+    posix = prepared_loader(config, dataset, "posix", {"shard_mib": 0.25})
+    arrow = prepared_loader(config, dataset, "arrow", {})
     assert isinstance(posix._reader, PosixReader) and arrow._shadow is None
     assert "via tier" not in posix.describe() + arrow.describe()
     posix.close()
@@ -105,12 +87,12 @@ def test_a_failing_tier_fails_every_backend(tmp_path):
     tier = {"name": "broken", "error_rate": 1.0, "retry": {"max_attempts": 2, "base_delay_s": 0.001}}
     config = _config(tmp_path, "local")  # convert first, through no tier
     for backend, settings in SETTINGS[4:]:
-        _loader(config, open_dataset(config), backend, settings).close()
+        prepared_loader(config, open_dataset(config), backend, settings).close()
     config = _config(tmp_path, tier)
     dataset = open_dataset(config)
     for backend, settings in SETTINGS[4:]:
         with pytest.raises(StorageError, match="read failed 2 times"):
-            _epoch(_loader(config, dataset, backend, settings))
+            epoch_inputs(prepared_loader(config, dataset, backend, settings))
 
 
 def test_bench_records_tier_bytes_and_where_the_bytes_came_from(tmp_path):
@@ -158,7 +140,8 @@ def test_conversions_of_a_remote_dataset_live_and_are_read_on_its_storage(tmp_pa
                      pipeline={"batch_size": 4, "image_size": 24})
     dataset = open_dataset(config)
     assert dataset.converted == f"memory://{root}/train/.loadopt"
-    loader = _loader(config, dataset, backend, {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25})
+    loader = prepared_loader(config, dataset, backend,
+                             {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25})
     fs = fsspec.filesystem("memory")
     stored = fs.find(f"{root}/train/.loadopt")
     names = {path.rsplit("/", 1)[-1] for path in stored}
@@ -168,13 +151,14 @@ def test_conversions_of_a_remote_dataset_live_and_are_read_on_its_storage(tmp_pa
         assert len(names) == 1 and stored[0].endswith(".arrow"), names
     assert loader.storage_files() == []  # nothing local to evict: the bytes come from that storage
     before = tier_counters(dataset.fs)["bytes"]
-    batches = _epoch(loader)
+    batches = epoch_inputs(loader)
     assert len(batches) == 4 and tier_counters(dataset.fs)["bytes"] - before >= 0.95 * loader.counters.bytes_read
     # the reads are of the copy on that storage: remove it under an opened loader and they fail
-    loader = _loader(config, dataset, backend, {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25})
+    loader = prepared_loader(config, dataset, backend,
+                             {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25})
     fs.rm(f"{root}/train/.loadopt", recursive=True)
     with pytest.raises((FileNotFoundError, DatasetError, StorageError)):
-        _epoch(loader)
+        epoch_inputs(loader)
 
 
 def test_storage_converted_names_another_place_and_a_read_only_one_is_one_line(tmp_path):
@@ -183,7 +167,7 @@ def test_storage_converted_names_another_place_and_a_read_only_one_is_one_line(t
     config = _config(tmp_path, tier, pipeline={"batch_size": 4, "image_size": 24},
                      storage={"converted": f"memory://{root}-conversions"})
     dataset = open_dataset(config)
-    _epoch(_loader(config, dataset, "arrow", {"form": "encoded"}))
+    epoch_inputs(prepared_loader(config, dataset, "arrow", {"form": "encoded"}))
     assert fsspec.filesystem("memory").find(f"{root}-conversions")
     # a base on the local disk (an NFS mount): conversions go beside the source; a read-only one names the key
     make_image_folder(tmp_path / "nfs", classes=2, per_class=3)
@@ -194,7 +178,7 @@ def test_storage_converted_names_another_place_and_a_read_only_one_is_one_line(t
     dataset = open_dataset(config)
     assert dataset.converted == str(blocker)
     with pytest.raises(DatasetError, match="storage.converted") as info:
-        _loader(config, dataset, "arrow", {"form": "encoded"})
+        prepared_loader(config, dataset, "arrow", {"form": "encoded"})
     assert "\n" not in str(info.value)
 
 

@@ -20,27 +20,25 @@ import psutil
 class TreeUsage:
     cpu_seconds: float
     storage_bytes_read: int  # /proc/<pid>/io read_bytes: what came from the block device
-    chars_read: int  # /proc/<pid>/io rchar: bytes returned by read calls, page cache included
     peak_rss_bytes: int  # sum of RSS: pages shared between processes (a worker ring) count once per process
     peak_pss_bytes: int  # sum of PSS (shared pages split between the processes mapping them), sampled ~1/s
-    processes_seen: int
     others_cpu_share: float | None = None  # the CPU other processes used over the window, of all the cores
 
 
 @dataclass
 class _Seen:
-    first_io: tuple[int, int]
-    last_io: tuple[int, int]
+    first_io: int  # read_bytes
+    last_io: int
     first_cpu: float
     last_cpu: float
 
 
-def _io(proc: psutil.Process) -> tuple[int, int]:
+def _io(proc: psutil.Process) -> int:
+    """Bytes the process read from the block device (/proc/<pid>/io read_bytes); 0 where it cannot be read."""
     try:
-        counters = proc.io_counters()
-        return counters.read_bytes, getattr(counters, "read_chars", 0)
+        return proc.io_counters().read_bytes
     except (psutil.Error, AttributeError):
-        return 0, 0
+        return 0
 
 
 def _memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int | None]:
@@ -106,7 +104,7 @@ class ProcessTreeMonitor:
         self.usage: TreeUsage | None = None
         self._root = psutil.Process(os.getpid())
         self._children: dict[int, tuple[psutil.Process, _Seen]] = {}
-        self._root_io = (0, 0)
+        self._root_io = 0
         self._peak_rss = 0
         self._peak_pss = 0
         self._stop = threading.Event()
@@ -171,23 +169,20 @@ class ProcessTreeMonitor:
         self._stop.set()
         self._thread.join()
         self._sample(with_pss=True)
-        root_io = _io(self._root)
-        storage = root_io[0] - self._root_io[0]
-        chars = root_io[1] - self._root_io[1]
+        storage = _io(self._root) - self._root_io
         cpu = sum(os.times()[:2]) - self._root_cpu
         # Reaped children: exact from os.times (includes the CPU they used before the window began,
         # which is subtracted below for those that were alive at the start).
         cpu += self._reaped_cpu() - self._start_reaped
         for pid, (proc, seen) in self._children.items():
-            storage += seen.last_io[0] - seen.first_io[0]
-            chars += seen.last_io[1] - seen.first_io[1]
+            storage += seen.last_io - seen.first_io
             alive = proc.is_running()
             if alive:
                 cpu += seen.last_cpu - self._live_at_start.get(pid, 0.0)
             else:
                 cpu -= self._live_at_start.get(pid, 0.0)
         busy, wall = machine_busy_seconds() - self._machine_start[0], time.perf_counter() - self._machine_start[1]
-        self.usage = TreeUsage(cpu, storage, chars, self._peak_rss, self._peak_pss, 1 + len(self._children),
+        self.usage = TreeUsage(cpu, storage, self._peak_rss, self._peak_pss,
                                others_share(busy, cpu, wall, psutil.cpu_count() or 1))
 
 

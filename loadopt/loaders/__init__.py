@@ -1,20 +1,20 @@
 """Loader backends: the contract (`base`), the registry by name (`registry`), one module per backend, and
-what a plugin author builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` for a producer
-thread filling a batch ring), `HostBatch`, `WorkKind`, `register`, and the shared crop plan in
-`loadopt.loaders.transforms` (source JPEGs) and `loadopt.loaders.crops` (stored pixels)."""
+what a plugin author builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` and its
+`RingSettings` for a producer thread filling a batch ring), `HostBatch`, `WorkKind`, `register`, and the
+shared crop plan in `loadopt.loaders.transforms` (source JPEGs) and `loadopt.loaders.crops` (stored pixels)."""
 
 from loadopt.loaders.base import HostBatch, Loader, LoaderCounters, NoSettings, WorkKind
 from loadopt.loaders.registry import BUILTINS, ENTRY_POINT_GROUP, backend_class, backend_names, register
 
 
 def __getattr__(name: str):
-    # RingLoader imports the storage and transform modules: loaded when a plugin asks for it, not by the registry.
-    if name == "RingLoader":
-        from loadopt.loaders.ring import RingLoader
+    # The ring imports the storage and transform modules: loaded when a plugin asks for it, not by the registry.
+    if name in ("RingLoader", "RingSettings"):
+        from loadopt.loaders import ring
 
-        return RingLoader
+        return getattr(ring, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "HostBatch", "Loader", "LoaderCounters", "NoSettings", "RingLoader",
-           "WorkKind", "backend_class", "backend_names", "register"]
+           "RingSettings", "WorkKind", "backend_class", "backend_names", "register"]

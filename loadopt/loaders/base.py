@@ -103,10 +103,6 @@ class LoaderCounters:
     bytes_read: int = 0  # bytes read from storage, re-reads and amplification included
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) under on_error=skip
 
-    def snapshot(self) -> dict[str, int]:
-        return {"batches": self.batches, "samples": self.samples, "bytes_delivered": self.bytes_delivered,
-                "bytes_read": self.bytes_read, "skipped": len(self.skipped)}
-
 
 class Loader(ABC, Generic[SettingsT]):
     """A data-loading backend, generic over its `Settings` model. Iterating yields `(inputs, labels)` on `device`.
