@@ -136,3 +136,49 @@ def test_the_pil_path_reduces_the_scale_too(decoder):
             reduced_any = True
         assert difference < 4, (index, difference)
     assert reduced_any
+
+
+def test_decode_batch_writes_each_sample_as_write_sample_does_and_names_the_bad_ones():
+    """The backends' one per-sample loop: over a pool's threads, every good sample's slot equals
+    `write_sample`'s, a corrupt one is reported by index (after `damaged` saw it), the rest unharmed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    samples = [encode(photo(300 + 11 * i, 200 + 7 * i, i)) for i in range(7)]
+    samples[3] = samples[3][: len(samples[3]) // 4]  # truncated: no decoder can read it
+    indices = np.arange(100, 107)
+    slot = torch.zeros(7, 3, 64, 64, dtype=torch.uint8)
+    damaged: list[int] = []
+    with ThreadPoolExecutor(3) as pool:
+        failures = transforms.decode_batch(slot, indices, lambda k: memoryview(samples[k]), "simplejpeg", "train",
+                                           5, 1, pool=pool, threads=3, damaged=damaged.append)
+    assert [index for index, _ in failures] == [103] and damaged == [103]
+    assert "sample 103" in failures[0][1]
+    for k in (0, 1, 2, 4, 5, 6):
+        want = torch.empty(3, 64, 64, dtype=torch.uint8)
+        transforms.write_sample(samples[k], want, "simplejpeg", "torch", "train", 5, 1, int(indices[k]))
+        assert torch.equal(slot[k], want), k
+
+
+def test_decode_batch_with_a_device_decoder_finds_the_bad_sample_one_by_one():
+    """A batched decoder that fails the whole batch: each sample decoded again alone, the bad one named,
+    the others cropped as the CPU path crops them (torch's uint8 kernel on the CPU: equal pixels)."""
+    from loadopt.imaging.decode import decode_array
+
+    samples = [encode(photo(280 + 9 * i, 190 + 5 * i, i)) for i in range(4)]
+    samples[1] = b"\xff\xd8 not a jpeg"
+    calls = []
+
+    def batched(streams, device):
+        calls.append(len(streams))
+        return [torch.from_numpy(decode_array(bytes(s.numpy()), "simplejpeg")).permute(2, 0, 1) for s in streams]
+
+    indices = np.arange(4)
+    slot = torch.zeros(4, 3, 48, 48, dtype=torch.uint8)
+    streams = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in samples]
+    failures = transforms.decode_batch(slot, indices, lambda k: streams[k], batched, "eval", 0, 0)
+    assert calls == [4, 1, 1, 1, 1]  # the batch, then sample by sample
+    assert [index for index, _ in failures] == [1]
+    for k in (0, 2, 3):
+        want = torch.empty(3, 48, 48, dtype=torch.uint8)
+        transforms.write_sample(samples[k], want, "simplejpeg", "torch", "eval", 0, 0, k, region=False)
+        assert torch.equal(slot[k], want), k
