@@ -9,7 +9,11 @@ same synthetic JPEGs, with 2 workers or threads, in its second epoch, loader-bou
 Rounds interleave every path (the order rotates each round); the table gives the median img/s with its
 spread and CPU seconds of the process tree per 1,000 samples. The ratios compare the best loadopt path
 with the best peer path of the same kind (JPEG decoded every epoch; pre-decoded), over the paths whose
-recipe is the config's (a path with another recipe is shown, named, and left out of the ratios).
+recipe is the config's (a path with another recipe is shown, named, and left out of the ratios). For the
+ratios, as speed comparisons, a library's own order is allowed (`pipeline.order: any`), and FFCV counts as
+the config's recipe where its work is the same (`same_work`): its RandomResizedCrop has the plan's scale and
+ratio ranges (its own draws and resize kernel), and its re-encoded JPEGs hold the sources' own pixels
+when every source frame is within `pipeline.max_side` (else FFCV jpg decodes smaller frames: left out).
 `--truth` instead runs each peer backend through the harness beside its own loop (step 0, second epoch)
 and prints `RESULT peer_truth_<peer>` (harness / own loop: the harness handicaps no one at >= 0.9).
 
@@ -132,6 +136,32 @@ def prepare(config, chosen: list[Path]) -> list[Path]:
     return usable
 
 
+def sources_within(dataset, max_side: int) -> bool:
+    """Whether every source frame's longer side is at most `max_side` (read from the JPEG headers)."""
+    from PIL import Image
+
+    for index in range(len(dataset)):
+        with Image.open(dataset.path(index)) as image:
+            if max(image.size) > max_side:
+                return False
+    return True
+
+
+def same_work(path: Path, wanted: dict, sources_fit: bool) -> dict | None:
+    """The recipe the ratios compare: FFCV's crops as the plan's (same ranges; its draws and kernel), its
+    re-encoded JPEGs as the sources where they keep the sources' pixels (`sources_fit`)."""
+    from loadopt import recipe
+
+    if path.recipe is None or path.backend != "ffcv":
+        return path.recipe
+    same = dict(path.recipe)
+    if same.get("crop", "").startswith("FFCV RandomResizedCrop"):
+        same["crop"] = recipe.TRAIN_CROP
+    if path.settings.get("form") == "jpg" and sources_fit:
+        same["stored"], same["max_side"] = "source", None
+    return same
+
+
 def table(rows: list[Path], wanted: dict) -> None:
     from loadopt import recipe
 
@@ -146,11 +176,13 @@ def table(rows: list[Path], wanted: dict) -> None:
         print(f"{path.label:40} {path.kind:10} {rate:28} {statistics.median(path.cpu):9.2f}  {note}")
 
 
-def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int) -> tuple[list[float], str] | None:
+def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int,
+               sources_fit: bool) -> tuple[list[float], str] | None:
     """Per round, the best loadopt path of `kind` over the best peer path of `kind` (same recipe only)."""
     from loadopt import recipe
 
-    same = [p for p in rows if p.kind == kind and p.rates and not recipe.differences(p.recipe, wanted)]
+    same = [p for p in rows if p.kind == kind and p.rates
+            and not recipe.differences(same_work(p, wanted, sources_fit), wanted)]
     ours, peers = [p for p in same if not p.peer], [p for p in same if p.peer]
     if not ours or not peers:
         return None
@@ -162,9 +194,11 @@ def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int) -> tuple[
 
 def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
     from loadopt import recipe
+    from loadopt.storage.imagefolder import open_dataset
 
     wanted = recipe.wanted(config.pipeline)
     usable = prepare(config, chosen)
+    sources_fit = sources_within(open_dataset(config), config.pipeline.max_side)
     for round_index in range(rounds):
         turn = usable[round_index % len(usable):] + usable[: round_index % len(usable)]
         for path in turn:
@@ -176,14 +210,19 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
             path.rates.append(rate)
             path.cpu.append(cpu)
         print(f"round {round_index + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
-    table(chosen, wanted)
+    same = {**wanted, "order": "any"}  # a library's own order: allowed in a speed comparison (shown in the recipe)
+    table(chosen, same)
     print("\nPeers: each library's own loop, timed bare; loadopt: its backends through the harness (step 0). "
           f"{WORKERS} workers or threads each, second epoch, {batches} batches of {config.pipeline.batch_size} "
           f"after {WARMUP} warm-up batches, {rounds} interleaved rounds on {os.cpu_count()} cores shared with "
           "other processes (medians; the spread is min-max over the rounds).")
+    if any(p.backend == "ffcv" and p.rates for p in usable):
+        print("FFCV in the ratios: its RandomResizedCrop has the plan's ranges (its own draws and kernel); its jpg "
+              + ("re-encodes the sources at their own size (every frame <= max_side)" if sources_fit else
+                 "stores frames <= max_side, smaller than the sources: left out of the JPEG ratio"))
     lines, measured = [], 0
     for kind, name in (("jpeg", "loadopt_vs_best_peer_jpeg"), ("predecoded", "loadopt_vs_best_peer_predecoded")):
-        found = best_ratio([p for p in usable if not p.error], kind, wanted, rounds)
+        found = best_ratio([p for p in usable if not p.error], kind, same, rounds, sources_fit)
         if found is None:
             print(f"{name}: not measured: no peer path of this kind ran here under the config's recipe "
                   f"({', '.join(p.label + ': ' + p.error for p in chosen if p.kind == kind and p.peer and p.error)})")

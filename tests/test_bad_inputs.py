@@ -8,6 +8,7 @@ Rows run in process through typer's runner; SIGTERM runs a real `loadopt bench` 
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -106,6 +107,45 @@ def damaged_raw_shard(tmp_path, cache):
                  backend="posix", overrides={"form": "encoded"})
 
 
+def peer_on_a_tier(name: str):
+    """A peer whose library reads its conversion from the local disk itself, asked to read through a tier."""
+
+    def make(tmp_path, cache):
+        from loadopt.loaders.registry import backend_class
+
+        cls = backend_class(name)
+        ok, reason = cls.available()
+        if not ok:
+            pytest.skip(f"{name}: {reason}")
+        root, _ = images(tmp_path, corrupt=0)
+        config = write_config(tmp_path, dataset={"path": str(root)}, loaders={name: {"num_workers": 0}},
+                              storage={"tier": {"name": "fast", "bandwidth_mb_s": 2000}})
+        results = tmp_path / "results"
+        return Setup(["bench", str(config)], f"loaders.{name}: {cls.dist} reads its conversion from the local disk "
+                     "itself; it cannot read through storage.tier", config=config, backend=name,
+                     leftovers=lambda: temps(cache)() + list(results.rglob("*")))
+
+    return make
+
+
+def results_of_an_unknown_version(tmp_path, cache):
+    from .test_schema import raw
+
+    path = tmp_path / "future" / "results.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({**raw("results"), "schema_version": 99}))
+    page = tmp_path / "report.html"
+    return Setup(["report", str(path), "--out", str(page)], f"{path}: not a loadopt results file of a known shape "
+                 "(schema_version 99 is not one this loadopt reads",
+                 leftovers=lambda: [p for p in [page] if p.exists()])
+
+
+def corrupt_results_explained(tmp_path, cache):
+    path = tmp_path / "results.json"
+    path.write_text('{"runs": [')  # cut short
+    return Setup(["explain", str(path)], f"{path}: not valid JSON")
+
+
 CASES = {  # name: (setup, exit code)
     "empty config file": (empty_config, 2),
     "corrupt JPEG, decoded Arrow conversion": (corrupt_jpeg_decoded_arrow, 1),
@@ -116,6 +156,10 @@ CASES = {  # name: (setup, exit code)
     "ENOSPC while converting": (no_space_converting, 1),
     "damaged Arrow file": (damaged_arrow_file, 1),
     "damaged raw shard": (damaged_raw_shard, 1),
+    "streaming on a non-local tier": (peer_on_a_tier("streaming"), 2),
+    "litdata on a non-local tier": (peer_on_a_tier("litdata"), 2),
+    "results file of an unknown schema version, report": (results_of_an_unknown_version, 1),
+    "corrupt results file, explain": (corrupt_results_explained, 1),
 }
 
 
