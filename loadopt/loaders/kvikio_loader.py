@@ -279,6 +279,7 @@ class KvikioLoader(PosixLoader):
         decoder = self.jpeg_decoder
         if decoder is None:  # set by `prepare` for the encoded form
             raise BackendUnavailable("loaders.kvikio.form encoded: no GPU JPEG decoder was set up")
+
         def stream(k: int) -> torch.Tensor:  # sample k's bitstream, a view of the (pinned) staging buffer
             return staging[int(starts[k]) : int(starts[k] + length[k])]
 
