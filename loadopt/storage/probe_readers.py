@@ -20,6 +20,7 @@ import numpy as np
 
 from loadopt.device import usable_cores
 from loadopt.storage.raw_format import ALIGN, align_up
+from loadopt.storage.sequential import AlignedBuffer
 
 try:  # optional (setup.py): without it, each read is issued and timed in Python
     from loadopt.storage import _preads as native
@@ -44,8 +45,8 @@ class Reader:
     def __init__(self, fs: fsspec.AbstractFileSystem, local: bool, direct: bool, max_length: int) -> None:
         self.fs, self.local, self.direct = fs, local, direct
         self._fds: dict[str, int] = {}
-        # mmap memory is page-aligned, as O_DIRECT requires; reused for every read of this thread.
-        self._buffer = mmap.mmap(-1, align_up(max(max_length, 1))) if local else None
+        # page-aligned (huge pages for large blocks), as O_DIRECT requires; reused for every read of this thread.
+        self._buffer = AlignedBuffer(max(max_length, 1)) if local else None
         self._views: dict[int, list[memoryview]] = {}
 
     def read(self, file: File, offset: int, length: int) -> int:
@@ -61,7 +62,7 @@ class Reader:
         if views is None:  # one view per read length (blocks: one in all), made once
             span = align_up(length) if self.direct else length
             assert self._buffer is not None  # a local reader owns its buffer (made in __init__)
-            views = self._views[length] = [memoryview(self._buffer)[:span]]
+            views = self._views[length] = [self._buffer.view[:span]]
         return min(os.preadv(fd, views, offset), length)
 
     def native_batch(self, files: list[File]) -> tuple[np.ndarray, memoryview] | None:
@@ -73,7 +74,7 @@ class Reader:
         for file in files:
             if file.path not in self._fds:
                 self._fds[file.path] = os.open(file.path, flags)
-        return np.array([self._fds[f.path] for f in files], np.int32), memoryview(self._buffer)
+        return np.array([self._fds[f.path] for f in files], np.int32), self._buffer.view[:]
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -26,6 +26,24 @@ from loadopt.storage.raw_format import ALIGN, align_up
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a file system that does not do O_DIRECT answers
 
 
+class AlignedBuffer:
+    """`nbytes` of private anonymous memory at a page boundary, as O_DIRECT requires, touched once so that
+    no read pays its page faults. In 4 KiB pages, as fio's buffers are: the same reads into a
+    transparent huge page (MADV_HUGEPAGE on a 2 MiB boundary) ran 3-4x faster here for 1 MiB O_DIRECT
+    reads (the virtio disk gets one segment per page), so a buffer in huge pages would measure the
+    probe against a different reader than fio's."""
+
+    def __init__(self, nbytes: int) -> None:
+        size = max(ALIGN, align_up(nbytes))
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self.view[:] = bytes(size)
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()
+
+
 class SequentialRead(NamedTuple):
     nbytes: int
     seconds: float
@@ -69,8 +87,8 @@ class _Local:
     def __init__(self, block: int, direct: bool) -> None:
         self.block, self.direct = block, direct
         self.all_direct = direct
-        self._buffer = mmap.mmap(-1, max(ALIGN, align_up(block)))
-        self._view = memoryview(self._buffer)
+        self._buffer = AlignedBuffer(block)
+        self._view = self._buffer.view
 
     def read_file(self, _index: int, path: str, budget: int, deadline: float, latencies: list[float] | None) -> int:
         try:
@@ -116,7 +134,6 @@ class _Local:
         return os.open(path, os.O_RDONLY), False
 
     def close(self) -> None:
-        self._view.release()
         self._buffer.close()
 
 
