@@ -7,14 +7,15 @@
  * buffer (non-temporal stores) moves 2; streaming stores bring crops to the copy's rate. The mirror
  * of 3-byte pixels is done 16 pixels at a time with byte shuffles (SSSE3) instead of per pixel.
  *
- * crop_batch(out, sources, which, offsets, flips, stride, size, first, last)
+ * crop_batch(out, sources, which, offsets, flips, stride, size, first, last[, threads])
  *   out      writable buffer, C-contiguous (n, size, size, 3) uint8
  *   sources  sequence of buffers holding the stored images
  *   which    int32[n]: the source of each sample
  *   offsets  int64[n]: byte offset in its source of the crop's top-left pixel
  *   flips    uint8[n]: 1 to mirror the crop left-right
  *   stride   bytes from one stored row to the next
- *   first, last: the samples [first, last) to write (threads split a batch this way)
+ *   first, last: the samples [first, last) to write
+ *   threads  threads copying (this one and threads - 1 started for the call), a sample at a time
  * The GIL is released while copying.
  *
  * read_crops(out, maps, fds, which, offsets, flips, stride, size, first, last, threads)
@@ -150,13 +151,94 @@ static int get_array(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssi
     return 0;
 }
 
+/* Read `length` bytes at `offset` into `buffer`: 0, or the errno (-1: the file ended first). */
+static int read_fully(int fd, uint8_t *buffer, Py_ssize_t length, int64_t offset) {
+    Py_ssize_t done = 0;
+    while (done < length) {
+        ssize_t got = pread(fd, buffer + done, (size_t)(length - done), (off_t)(offset + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return errno;
+        if (got == 0) return -1;
+        done += got;
+    }
+    return 0;
+}
+
+/* Whether every page of [at, at + length) of a mapping is in the page cache (mincore: no read started,
+   nothing mapped). `vector` holds a byte per page of the range. False where mincore fails. */
+static int resident(const uint8_t *at, Py_ssize_t length, unsigned char *vector) {
+    uintptr_t first = (uintptr_t)at & ~(uintptr_t)(page_size - 1);
+    size_t pages = ((uintptr_t)at + (uintptr_t)length - first + page_size - 1) / page_size;
+    if (mincore((void *)first, pages * page_size, vector) != 0) return 0;
+    for (size_t i = 0; i < pages; i++)
+        if (!(vector[i] & 1)) return 0;
+    return 1;
+}
+
+/* One batch of crops, shared by the threads of one `crop_batch` or `read_crops` call: each takes the
+   next sample until none is left or one failed. From buffers (`fd_at` NULL), or from mapped files. */
+typedef struct {
+    uint8_t *base;
+    const Py_buffer *views;
+    const int32_t *fd_at, *which_at;
+    const int64_t *offset_at;
+    const uint8_t *flip_at;
+    Py_ssize_t stride, size, span, sample_bytes, last;
+    Py_ssize_t next, misses, failed; /* atomics */
+    int error;                       /* of the sample `failed` */
+} crop_job;
+
+static void *crop_worker(void *arg) {
+    crop_job *job = arg;
+    uint8_t *scratch = NULL;
+    unsigned char *vector = malloc((size_t)(job->span / page_size + 2));
+    for (;;) {
+        Py_ssize_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (k >= job->last || __atomic_load_n(&job->failed, __ATOMIC_RELAXED) >= 0) break;
+        const uint8_t *from = (const uint8_t *)job->views[job->which_at[k]].buf + job->offset_at[k];
+        if (job->fd_at != NULL && (vector == NULL || !resident(from, job->span, vector))) { /* read, not fault */
+            __atomic_fetch_add(&job->misses, 1, __ATOMIC_RELAXED);
+            int error = scratch == NULL && (scratch = malloc((size_t)job->span)) == NULL ? ENOMEM : 0;
+            if (error == 0) error = read_fully(job->fd_at[job->which_at[k]], scratch, job->span, job->offset_at[k]);
+            if (error != 0) {
+                Py_ssize_t none = -1;
+                if (__atomic_compare_exchange_n(&job->failed, &none, k, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+                    job->error = error;
+                break;
+            }
+            from = scratch;
+        }
+        uint8_t *dst = job->base + k * job->sample_bytes;
+        for (Py_ssize_t row = 0; row < job->size; row++) {
+            uint8_t *to = dst + row * 3 * job->size;
+            copy_row(to, from + row * job->stride, job->size, job->flip_at[k] != 0, ((uintptr_t)to & 15) == 0);
+        }
+    }
+#if LOADOPT_SIMD
+    _mm_sfence(); /* this thread's streaming stores, visible before the join hands the batch over */
+#endif
+    free(scratch);
+    free(vector);
+    return NULL;
+}
+
+/* `threads` threads on `job` (this one and threads - 1 started for it; fewer where one cannot start). */
+static void run_job(crop_job *job, Py_ssize_t threads) {
+    pthread_t helpers[63];
+    int started = 0;
+    for (Py_ssize_t t = 1; t < threads && t < 64 && t < job->last - job->next; t++)
+        if (pthread_create(&helpers[started], NULL, crop_worker, job) == 0) started++;
+    crop_worker(job);
+    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+}
+
 static PyObject *crop_batch(PyObject *self, PyObject *args) {
     PyObject *out_obj, *sources_obj, *which_obj, *offsets_obj, *flips_obj;
-    Py_ssize_t stride, size, first, last;
-    if (!PyArg_ParseTuple(args, "OOOOOnnnn", &out_obj, &sources_obj, &which_obj, &offsets_obj, &flips_obj,
-                          &stride, &size, &first, &last))
+    Py_ssize_t stride, size, first, last, threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOnnnn|n", &out_obj, &sources_obj, &which_obj, &offsets_obj, &flips_obj,
+                          &stride, &size, &first, &last, &threads))
         return NULL;
-    if (size <= 0 || first < 0 || last < first || stride < 3 * size) {
+    if (size <= 0 || first < 0 || last < first || stride < 3 * size || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "crop_batch: bad size, stride or sample range");
         return NULL;
     }
@@ -194,19 +276,10 @@ static PyObject *crop_batch(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    uint8_t *base = out.buf;
+    crop_job job = {out.buf, views, NULL, which_at, offset_at, flip_at, stride, size, span, sample_bytes, last, first,
+                    0, -1, 0};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = first; k < last; k++) {
-        const uint8_t *src = (const uint8_t *)views[which_at[k]].buf + offset_at[k];
-        uint8_t *dst = base + k * sample_bytes;
-        for (Py_ssize_t row = 0; row < size; row++) {
-            uint8_t *to = dst + row * 3 * size;
-            copy_row(to, src + row * stride, size, flip_at[k] != 0, ((uintptr_t)to & 15) == 0);
-        }
-    }
-#if LOADOPT_SIMD
-    _mm_sfence(); /* streaming stores are weakly ordered: visible before the batch is handed over */
-#endif
+    run_job(&job, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -218,77 +291,6 @@ done:
     if (flips.obj) PyBuffer_Release(&flips);
     Py_DECREF(sources);
     return result;
-}
-
-/* Read `length` bytes at `offset` into `buffer`: 0, or the errno (-1: the file ended first). */
-static int read_fully(int fd, uint8_t *buffer, Py_ssize_t length, int64_t offset) {
-    Py_ssize_t done = 0;
-    while (done < length) {
-        ssize_t got = pread(fd, buffer + done, (size_t)(length - done), (off_t)(offset + done));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return errno;
-        if (got == 0) return -1;
-        done += got;
-    }
-    return 0;
-}
-
-/* Whether every page of [at, at + length) of a mapping is in the page cache (mincore: no read started,
-   nothing mapped). `vector` holds a byte per page of the range. False where mincore fails. */
-static int resident(const uint8_t *at, Py_ssize_t length, unsigned char *vector) {
-    uintptr_t first = (uintptr_t)at & ~(uintptr_t)(page_size - 1);
-    size_t pages = ((uintptr_t)at + (uintptr_t)length - first + page_size - 1) / page_size;
-    if (mincore((void *)first, pages * page_size, vector) != 0) return 0;
-    for (size_t i = 0; i < pages; i++)
-        if (!(vector[i] & 1)) return 0;
-    return 1;
-}
-
-/* One batch of crops from mapped files, shared by the threads of one `read_crops` call: each takes the
-   next sample until none is left or one failed. */
-typedef struct {
-    uint8_t *base;
-    const Py_buffer *views;
-    const int32_t *fd_at, *which_at;
-    const int64_t *offset_at;
-    const uint8_t *flip_at;
-    Py_ssize_t stride, size, span, sample_bytes, last;
-    Py_ssize_t next, misses, failed; /* atomics */
-    int error;                       /* of the sample `failed` */
-} crop_job;
-
-static void *crop_worker(void *arg) {
-    crop_job *job = arg;
-    uint8_t *scratch = NULL;
-    unsigned char *vector = malloc((size_t)(job->span / page_size + 2));
-    for (;;) {
-        Py_ssize_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (k >= job->last || __atomic_load_n(&job->failed, __ATOMIC_RELAXED) >= 0) break;
-        const uint8_t *from = (const uint8_t *)job->views[job->which_at[k]].buf + job->offset_at[k];
-        if (vector == NULL || !resident(from, job->span, vector)) { /* read it rather than fault it in */
-            __atomic_fetch_add(&job->misses, 1, __ATOMIC_RELAXED);
-            int error = scratch == NULL && (scratch = malloc((size_t)job->span)) == NULL ? ENOMEM : 0;
-            if (error == 0) error = read_fully(job->fd_at[job->which_at[k]], scratch, job->span, job->offset_at[k]);
-            if (error != 0) {
-                Py_ssize_t none = -1;
-                if (__atomic_compare_exchange_n(&job->failed, &none, k, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-                    job->error = error;
-                break;
-            }
-            from = scratch;
-        }
-        uint8_t *dst = job->base + k * job->sample_bytes;
-        for (Py_ssize_t row = 0; row < job->size; row++) {
-            uint8_t *to = dst + row * 3 * job->size;
-            copy_row(to, from + row * job->stride, job->size, job->flip_at[k] != 0, ((uintptr_t)to & 15) == 0);
-        }
-    }
-#if LOADOPT_SIMD
-    _mm_sfence(); /* this thread's streaming stores, visible before the join hands the batch over */
-#endif
-    free(scratch);
-    free(vector);
-    return NULL;
 }
 
 static PyObject *read_crops(PyObject *self, PyObject *args) {
@@ -335,12 +337,7 @@ static PyObject *read_crops(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_t helpers[63];
-    int started = 0;
-    for (Py_ssize_t t = 1; t < threads && t < 64 && t < last - first; t++) /* fewer where one cannot start */
-        if (pthread_create(&helpers[started], NULL, crop_worker, &job) == 0) started++;
-    crop_worker(&job);
-    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+    run_job(&job, threads);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nni", job.misses, job.failed, job.failed < 0 ? 0 : job.error);
 done:

@@ -94,6 +94,9 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
     tops, lefts, flips = plan_crops(indices, stored - size, augment, seed, epoch)
     offsets = crop_offsets(starts, tops, lefts, stored)
     which32, flags = np.asarray(which, np.int32), flips.astype(np.uint8)
+    if native is not None:  # one call, its threads in C: no GIL hand-over per chunk (a fifth of the rate here)
+        native.crop_batch(out, sources, which32, offsets, flags, stored * 3, size, 0, len(indices), threads)
+        return
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list(pool.map(lambda c: copy_crops(out, sources, which32, offsets, flags, stored * 3, int(c[0]), int(c[-1]) + 1),
                   chunks))
