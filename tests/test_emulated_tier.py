@@ -20,7 +20,8 @@ import loadopt
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError, StorageError
-from loadopt.storage.emulated import _SLOT_RELEASES, EmulatedFileSystem, SharedTierState
+from loadopt.storage.emulated import EmulatedFileSystem, SharedTierState
+from loadopt.storage.tier_state import SLOT_RELEASES
 from loadopt.storage.tiers import (
     DEFAULT_TIERS_FILE,
     TierSpec,
@@ -159,7 +160,7 @@ def test_a_killed_reader_gives_its_slot_back(tmp_path):
     try:
         deadline = time.monotonic() + 60
         fs.state._attach()  # maps the tier's shared state in this process
-        while fs.state._values[_SLOT_RELEASES] == 0:  # the child has taken the slot once it says when it ends
+        while fs.state._values[SLOT_RELEASES] == 0:  # the child has taken the slot once it says when it ends
             assert time.monotonic() < deadline and child.is_alive(), "the child never took the slot"
             time.sleep(0.01)
         reader = threading.Thread(target=fs.cat_file, args=(path,))
