@@ -28,13 +28,14 @@ SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set 
 
 @contextmanager
 def user_errors() -> Iterator[None]:
+    """A `LoadoptError` (something the user can fix) as one `error:` line per line of its message, and its
+    exit code; anything else keeps its traceback."""
     try:
         yield
     except LoadoptError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
-
 
 
 class RichReporter(Reporter):

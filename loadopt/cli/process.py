@@ -23,7 +23,6 @@ def setup_logging(verbose: bool) -> None:
             handler.addFilter(RedactingFilter())
 
 
-
 @contextmanager
 def terminate_as_interrupt() -> Iterator[list[bool]]:
     """SIGTERM (Slurm, Kubernetes, `timeout`) stops the command as Ctrl-C does: `errors.Terminated`, a
