@@ -14,7 +14,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from loadopt.device import usable_cores
 from loadopt.loaders import crops, transforms
 from loadopt.storage.pagecache import evict
 from loadopt.storage.sequential import read_sequential
+
+if TYPE_CHECKING:
+    from loadopt.loaders.dali_loader import DaliLoader
 
 _STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
 _DECODE_SECONDS = 1.0  # per decoder: a few hundred samples or this long, whichever comes first
@@ -134,7 +137,8 @@ def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> di
     return out
 
 
-def _decodable_samples(dataset: Any, count: int, slot: torch.Tensor, augment: str, seed: int) -> list[bytes]:
+def _decodable_samples(dataset: Any, count: int, slot: torch.Tensor, augment: Literal["train", "eval"],
+                       seed: int) -> list[bytes]:
     """The first `count` samples that read and decode: a damaged file is the loaders' to report (by
     `on_error`), while a ceiling measured on it would fail in its worker processes or count errors as work."""
     blobs = []
@@ -211,7 +215,7 @@ def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any
     settings = cls.Settings(num_threads=1, prefetch_queue_depth=1, decoder="cpu", normalise="device", layout="NHWC")
     loader = cls(dataset, config.pipeline, settings, seed=config.seed)
     try:
-        per_core, _ = loader.engine_rate(batches=3)
+        per_core, _ = cast("DaliLoader", loader).engine_rate(batches=3)  # backend_class names the base type
     finally:
         loader.close()
     return {"decoder": "dali cpu", "resize": "dali", "per_core": per_core, "samples_per_s": per_core * cores}

@@ -25,7 +25,7 @@ from loadopt.storage.sequential import AlignedBuffer
 try:  # optional (setup.py): without it, each read is issued and timed in Python
     from loadopt.storage import _preads as native
 except ImportError:
-    native = None
+    native = None  # type: ignore[assignment]  # None where the optional module is absent
 
 _OPEN_FILES = 8  # descriptors each reader keeps open
 
@@ -221,14 +221,15 @@ def _starting_now(duration_s: float) -> Agree:
     return agree
 
 
-def _process_main(queue, ready, shared, *args) -> None:
+def _process_main(queue: Any, ready: Any, shared: Any, make_reader: Callable[[], Reader], files: list[File],
+                  pick: Picker, threads: int, seed: int, quota: int) -> None:
     def agree() -> tuple[float, float]:  # every process ready: the parent sets the clock for all
         ready.wait(_READY_TIMEOUT_S)
         ready.wait(_READY_TIMEOUT_S)
         return shared[0], shared[1]
 
     try:
-        lat, nbytes, started, ended = _threads(*args, agree)
+        lat, nbytes, started, ended = _threads(make_reader, files, pick, threads, seed, quota, agree)
         queue.put((np.asarray(lat, dtype=np.int64), nbytes, started, ended, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as text
         ready.abort()
