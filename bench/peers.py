@@ -10,10 +10,10 @@ Rounds interleave every path (the order rotates each round); the table gives the
 spread and CPU seconds of the process tree per 1,000 samples. The ratios compare the best loadopt path
 with the best peer path of the same kind (JPEG decoded every epoch; pre-decoded), over the paths whose
 recipe is the config's (a path with another recipe is shown, named, and left out of the ratios). For the
-ratios, as speed comparisons, a library's own order is allowed (`pipeline.order: any`), and FFCV counts as
-the config's recipe where its work is the same (`same_work`): its RandomResizedCrop has the plan's scale and
-ratio ranges (its own draws and resize kernel), and its re-encoded JPEGs hold the sources' own pixels
-when every source frame is within `pipeline.max_side` (else FFCV jpg decodes smaller frames: left out).
+ratios, as speed comparisons, a library's own order is allowed (`pipeline.order: any`), and FFCV's crops count
+as the plan (`same_work`: its RandomResizedCrop has the plan's scale and ratio ranges; its own draws and
+resize kernel). FFCV jpg re-encodes frames bounded by `pipeline.max_side` (the config's recipe allows that
+bound): where sources are larger it decodes fewer pixels than loadopt's JPEG paths, which the run says.
 `--truth` instead runs each peer backend through the harness beside its own loop (step 0, second epoch)
 and prints `RESULT peer_truth_<peer>` (harness / own loop: the harness handicaps no one at >= 0.9).
 
@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from _common import REPO, build_loader, harness_run, ratio_result, spread
 
@@ -46,6 +47,7 @@ class Path:
     cpu: list[float] = field(default_factory=list)
     recipe: dict | None = None
     error: str | None = None
+    own: Any = None  # a peer's backend kept for its own loop across rounds (FFCV compiles its pipeline once)
 
 
 def paths() -> list[Path]:
@@ -101,8 +103,11 @@ def own_loop(loader, batches: int, epoch: int) -> tuple[float, float]:
             monitor.stop()
 
 
-def measure(config, path: Path, batches: int, epoch: int, bare: bool) -> tuple[float, float]:
-    loader = build_loader(config, path.backend, **path.settings)
+def measure(config, path: Path, batches: int, epoch: int, bare: bool, keep: bool = False) -> tuple[float, float]:
+    """One timed run of `path`: through the harness, or (`bare`) the library's own loop; `keep` holds the
+    peer's backend for the next rounds, as a training script holds one loader over its epochs (FFCV
+    generates and compiles its pipeline's code when its Loader is made: a minute here, outside any window)."""
+    loader = path.own if bare and keep and path.own is not None else build_loader(config, path.backend, **path.settings)
     if path.recipe is None:
         path.recipe = loader.recipe()
     if not bare:
@@ -112,7 +117,10 @@ def measure(config, path: Path, batches: int, epoch: int, bare: bool) -> tuple[f
         loader.prepare()
         return own_loop(loader, batches, epoch)
     finally:
-        loader.close()
+        if keep:
+            path.own = loader
+        else:
+            loader.close()
 
 
 def prepare(config, chosen: list[Path]) -> list[Path]:
@@ -147,19 +155,13 @@ def sources_within(dataset, max_side: int) -> bool:
     return True
 
 
-def same_work(path: Path, wanted: dict, sources_fit: bool) -> dict | None:
-    """The recipe the ratios compare: FFCV's crops as the plan's (same ranges; its draws and kernel), its
-    re-encoded JPEGs as the sources where they keep the sources' pixels (`sources_fit`)."""
+def same_work(path: Path) -> dict | None:
+    """The recipe the ratios compare: FFCV's crops as the plan's (same ranges; its own draws and kernel)."""
     from loadopt import recipe
 
-    if path.recipe is None or path.backend != "ffcv":
+    if path.recipe is None or not path.recipe.get("crop", "").startswith("FFCV RandomResizedCrop"):
         return path.recipe
-    same = dict(path.recipe)
-    if same.get("crop", "").startswith("FFCV RandomResizedCrop"):
-        same["crop"] = recipe.TRAIN_CROP
-    if path.settings.get("form") == "jpg" and sources_fit:
-        same["stored"], same["max_side"] = "source", None
-    return same
+    return {**path.recipe, "crop": recipe.TRAIN_CROP}
 
 
 def table(rows: list[Path], wanted: dict) -> None:
@@ -176,13 +178,12 @@ def table(rows: list[Path], wanted: dict) -> None:
         print(f"{path.label:40} {path.kind:10} {rate:28} {statistics.median(path.cpu):9.2f}  {note}")
 
 
-def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int,
-               sources_fit: bool) -> tuple[list[float], str] | None:
+def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int) -> tuple[list[float], str] | None:
     """Per round, the best loadopt path of `kind` over the best peer path of `kind` (same recipe only)."""
     from loadopt import recipe
 
     same = [p for p in rows if p.kind == kind and p.rates
-            and not recipe.differences(same_work(p, wanted, sources_fit), wanted)]
+            and not recipe.differences(same_work(p), wanted)]
     ours, peers = [p for p in same if not p.peer], [p for p in same if p.peer]
     if not ours or not peers:
         return None
@@ -203,13 +204,16 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
         turn = usable[round_index % len(usable):] + usable[: round_index % len(usable)]
         for path in turn:
             try:
-                rate, cpu = measure(config, path, batches, epoch=1, bare=path.peer)
+                rate, cpu = measure(config, path, batches, epoch=1, bare=path.peer, keep=True)
             except Exception as exc:  # noqa: BLE001 - shown as a row that failed
                 path.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 continue
             path.rates.append(rate)
             path.cpu.append(cpu)
         print(f"round {round_index + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
+    for path in usable:
+        if path.own is not None:
+            path.own.close()
     same = {**wanted, "order": "any"}  # a library's own order: allowed in a speed comparison (shown in the recipe)
     table(chosen, same)
     print("\nPeers: each library's own loop, timed bare; loadopt: its backends through the harness (step 0). "
@@ -219,10 +223,11 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
     if any(p.backend == "ffcv" and p.rates for p in usable):
         print("FFCV in the ratios: its RandomResizedCrop has the plan's ranges (its own draws and kernel); its jpg "
               + ("re-encodes the sources at their own size (every frame <= max_side)" if sources_fit else
-                 "stores frames <= max_side, smaller than the sources: left out of the JPEG ratio"))
+                 f"re-encodes frames bounded at max_side {config.pipeline.max_side} px, some sources are larger: "
+                 "it decodes fewer pixels than loadopt's JPEG paths (which decode the sources)"))
     lines, measured = [], 0
     for kind, name in (("jpeg", "loadopt_vs_best_peer_jpeg"), ("predecoded", "loadopt_vs_best_peer_predecoded")):
-        found = best_ratio([p for p in usable if not p.error], kind, same, rounds, sources_fit)
+        found = best_ratio([p for p in usable if not p.error], kind, same, rounds)
         if found is None:
             print(f"{name}: not measured: no peer path of this kind ran here under the config's recipe "
                   f"({', '.join(p.label + ': ' + p.error for p in chosen if p.kind == kind and p.peer and p.error)})")
