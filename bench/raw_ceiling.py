@@ -17,11 +17,13 @@ crop + resize ceiling instead.
    posix with the page cache warmed by random reads only (prefill off), and arrow.
    Target >= 0.6 (the arrow backend's ceiling target); the decoded arrow backend's rate is shown beside
    it for context (no preadv copy: it crops straight from the mapped file).
-   The page-cache state this figure needs: the shards read in sequentially from an evicted start
-   (posix's prefill, which leaves large folios); a cache that random reads filled (4 KiB pages) costs
-   each sample's read 2.2x here, and a user's machine does not reset its cache. So the bench checks
-   the state it measures from (the share of the shards' pages still cached after the eviction, by
-   RWF_NOWAIT reads) and the verdict states it, beside the rate from the other state (prefill off).
+   Posix crops cached samples straight from read-only mappings of the shards (`through_cache`), so the
+   page cache's history matters little once they are mapped; the bench measures from both states and
+   states them: the shards read in sequentially from an evicted start (posix's prefill: large folios),
+   and a cache that random reads filled (prefill off: 4 KiB pages; the pread path this replaced cost
+   2.2x per sample from those). The share of the shards' pages still cached after the eviction is
+   checked by mincore (reads nothing; the RWF_NOWAIT probe used before started reading what it missed,
+   so a second look found it cached).
 3. Whole frames, warm cache (the frames' shards read in by one epoch with prefill first): posix's
    images/s against the rate at which this machine turns the same stored frames into samples
    (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop plan + the loaders' own `crops.crop_frames`,
@@ -41,25 +43,27 @@ rounds of each part are interleaved (subject and reference measured in every rou
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import os
 import shutil
 import statistics
 import time
 
+import numpy as np
 from _common import REPO, build_loader, host_batches_forever, ratio_result, result_line, spread
 from probe_vs_fio import fio
 
 from loadopt.bench.ceilings import crop_resize_rate, memcpy_bandwidth  # shared with the bench's ceilings
 from loadopt.storage.raw_format import align_up
+from loadopt.storage.sequential import read_sequential
 
 
-def sequential_o_direct(shards: list, block: int = 4 << 20) -> float:
-    """Bytes/s of reading every shard front to back with O_DIRECT, one 4 MiB preadv at a time."""
-    from loadopt.loaders.through_cache import read_front_to_back
-
-    start = time.perf_counter()
-    total = read_front_to_back(shards, block, o_direct=True)
-    return total / (time.perf_counter() - start)
+def sequential_o_direct(shards: list, block: int = 4 << 20) -> tuple[float, bool]:
+    """(bytes/s, whether O_DIRECT held) of reading every shard front to back, one 4 MiB preadv at a time
+    (the one sequential reader, `storage/sequential.py`)."""
+    read = read_sequential([str(shard) for shard in shards], block, direct=True)
+    return read.nbytes / read.seconds, read.direct
 
 
 def evict(shards: list) -> None:
@@ -68,30 +72,34 @@ def evict(shards: list) -> None:
     drop([str(s) for s in shards])
 
 
-def cached_fraction(shards: list, probes: int = 256) -> float:
-    """The share of `probes` 4 KiB pages, spread over the shards, that are in the page cache
-    (RWF_NOWAIT reads: served only from the cache). 1.0 where the kernel cannot tell."""
-    import numpy as np
-
-    flag = getattr(os, "RWF_NOWAIT", 0)
-    if not flag:
-        return 1.0
-    buffer, hits, total = [memoryview(np.empty(4096, np.uint8))], 0, 0
+def cached_fraction(shards: list) -> float:
+    """The share of the shards' pages in the page cache, by mincore over a read-only mapping of each: it
+    reads nothing (an RWF_NOWAIT read of a missing page starts reading it in: the next look finds it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page, cached, total = mmap.PAGESIZE, 0, 0
     for shard in shards:
-        size = shard.stat().st_size
+        size = os.path.getsize(shard)
+        if not size:
+            continue
         fd = os.open(shard, os.O_RDONLY)
         try:
-            for offset in np.linspace(0, max(size - 4096, 0), max(1, probes // len(shards)), dtype=np.int64):
-                total += 1
-                try:
-                    hits += os.preadv(fd, buffer, int(offset) // 4096 * 4096, flag) > 0
-                except BlockingIOError:
-                    pass
-                except OSError:  # EOPNOTSUPP: the kernel cannot tell
-                    return 1.0
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"{shard}: cannot map it")
+            vector = np.zeros((size + page - 1) // page, np.uint8)
+            try:
+                if libc.mincore(address, size, vector.ctypes.data) != 0:
+                    raise OSError(ctypes.get_errno(), f"{shard}: mincore failed")
+            finally:
+                libc.munmap(address, size)
         finally:
             os.close(fd)
-    return hits / total if total else 1.0
+        cached, total = cached + int((vector & 1).sum()), total + len(vector)
+    return cached / total if total else 0.0
 
 
 def epoch_rate(loader, warm: bool) -> tuple[float, float]:
@@ -140,7 +148,7 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - e.g. O_DIRECT refused: cannot measure
         print(f"cannot measure: {exc}")
         return 1
-    shards = cold._raw.shards
+    shards = cold.raw.shards
     size = sum(s.stat().st_size for s in shards)
     print(f"{len(cold.dataset)} decoded samples in {len(shards)} shards, {size / 1e6:,.0f} MB "
           f"({cold.size}px, crops to {config.pipeline.image_size}, {config.pipeline.augment} pipeline)")
@@ -149,11 +157,13 @@ def main() -> int:
     # 2.6 GB/s for sequential reads from one read to the next (not a slow drift), so the medians of the
     # rates are compared rather than each round's pair.
     # Context: the disk's own rate for random reads of one sample (fio, 32 in flight), where fio is installed.
-    sample_bytes = int(align_up(int(cold._raw.length.max())))
-    sequential, posix, device_random = [], {label: [] for label in colds}, []
+    sample_bytes = int(align_up(int(cold.raw.length.max())))
+    sequential, posix, device_random, direct = [], {label: [] for label in colds}, [], True
     for _ in range(args.rounds):
         evict(shards)
-        sequential.append(sequential_o_direct(shards))
+        rate, held = sequential_o_direct(shards)
+        sequential.append(rate)
+        direct = direct and held
         for label, cold in colds.items():
             evict(shards)
             posix[label].append(epoch_rate(cold, warm=False)[0])
@@ -171,6 +181,8 @@ def main() -> int:
     per_round = [r / q for r, q in zip(posix[best], sequential, strict=True)]
     print(f"cold, each round's posix / sequential: {spread(per_round)} (held on the ratio of the medians: the "
           "disk's rate swings from one read to the next, so a round's pair is not a pair)")
+    if not direct:
+        print("the sequential reference fell back to buffered reads (the file system refused O_DIRECT)")
     print(f"cold (median of {args.rounds}): posix O_DIRECT {best} {statistics.median(posix[best]) / 1e6:,.0f} MB/s "
           f"read, sequential O_DIRECT {statistics.median(sequential) / 1e6:,.0f} MB/s"
           + (f"; the disk's random reads of a sample (fio) {statistics.median(device_random) / 1e6:,.0f} MB/s: posix "
@@ -210,7 +222,7 @@ def main() -> int:
                   f"({statistics.median(copies) / 1e9:.2f} GB/s); of the copy per round: "
                   f"{spread(ratios[label or name])}")
     state = (f"the shards read in sequentially by posix's prefill from an evicted start ({left_cached['posix']:.0%} "
-             "of their sampled pages were still cached after the eviction"
+             "of their pages were still cached after the eviction (mincore)"
              + (": the state was NOT reached, the figure below reflects the earlier cache" if
                 left_cached["posix"] > 0.1 else "") + ")")
     print(f"posix_warm_vs_memcpy needs {state}; from a cache filled by random reads (4 KiB pages, prefill off) "
@@ -225,13 +237,13 @@ def main() -> int:
     train = with_overrides(config, ["pipeline.augment=train"])
     frames = build_loader(train, "posix", form="decoded", frame="whole", io_threads=args.io_threads)
     frames.prepare()
-    frame_shards = frames._raw.shards
+    frame_shards = frames.raw.shards
     evict(frame_shards)
     epoch_rate(frames, warm=True)
     frames_cached = cached_fraction(frame_shards)
     dataset, threads = open_dataset(train), frames.settings.threads
     print(f"whole frames <= {frames.size} px: {sum(s.stat().st_size for s in frame_shards) / 1e6:,.0f} MB in "
-          f"{len(frame_shards)} shards, {frames_cached:.0%} of their sampled pages cached after one epoch; "
+          f"{len(frame_shards)} shards, {frames_cached:.0%} of their pages cached after one epoch; "
           f"crop + resize ceiling in {threads} worker processes")
     whole_ratios = []
     for round_index in range(args.rounds):

@@ -28,6 +28,10 @@
  *   call) take the samples one at a time. Returns (misses, failed position or -1, errno or -1 for a file
  *   that ended). One call per batch: no Python per sample or per thread; the GIL released throughout.
  *
+ * uncached(maps, which, offsets, lengths) -> int
+ *   How many of the samples (`lengths[k]` bytes at `offsets[k]` of mapping `maps[which[k]]`) are not all
+ *   in the page cache (mincore: nothing read or mapped). The GIL is released.
+ *
  * normalise(out, inputs, scale, shift) -> bool
  *   out[i] = inputs[i] * scale[i % 3] + shift[i % 3] (one fused multiply-add), uint8 HWC in, float32
  *   out, in one pass with streaming stores; torch needs a conversion copy (a scalar loop) and then an
@@ -352,6 +356,59 @@ done:
     return result;
 }
 
+static PyObject *uncached(PyObject *self, PyObject *args) {
+    PyObject *maps_obj, *which_obj, *offsets_obj, *lengths_obj;
+    if (!PyArg_ParseTuple(args, "OOOO", &maps_obj, &which_obj, &offsets_obj, &lengths_obj)) return NULL;
+    PyObject *maps = PySequence_Fast(maps_obj, "uncached: maps must be a sequence of buffers");
+    if (maps == NULL) return NULL;
+    Py_ssize_t nmaps = PySequence_Fast_GET_SIZE(maps), acquired = 0, count = 0, missing = 0, longest = 0;
+    Py_buffer which = {0}, offsets = {0}, lengths = {0};
+    Py_buffer *views = PyMem_Calloc((size_t)(nmaps > 0 ? nmaps : 1), sizeof(Py_buffer));
+    unsigned char *vector = NULL;
+    PyObject *result = NULL;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyObject_GetBuffer(lengths_obj, &lengths, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    count = lengths.len / 8;
+    if (get_array(which_obj, &which, 4, count, "which") < 0) goto done;
+    if (get_array(offsets_obj, &offsets, 8, count, "offsets") < 0) goto done;
+    for (; acquired < nmaps; acquired++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(maps, acquired), &views[acquired], PyBUF_SIMPLE) < 0)
+            goto done;
+    const int32_t *which_at = which.buf;
+    const int64_t *offset_at = offsets.buf, *length_at = lengths.buf;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (which_at[k] < 0 || which_at[k] >= nmaps || offset_at[k] < 0 || length_at[k] < 0 ||
+            offset_at[k] + length_at[k] > views[which_at[k]].len) {
+            PyErr_Format(PyExc_IndexError, "uncached: sample %zd lies past the end of shard %d", k, (int)which_at[k]);
+            goto done;
+        }
+        if (length_at[k] > longest) longest = length_at[k];
+    }
+    if ((vector = PyMem_Malloc((size_t)(longest / page_size + 2))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < count; k++)
+        if (length_at[k] > 0 &&
+            !resident((const uint8_t *)views[which_at[k]].buf + offset_at[k], length_at[k], vector))
+            missing++;
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(missing);
+done:
+    for (Py_ssize_t i = 0; i < acquired; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(vector);
+    if (which.obj) PyBuffer_Release(&which);
+    if (offsets.obj) PyBuffer_Release(&offsets);
+    if (lengths.obj) PyBuffer_Release(&lengths);
+    Py_DECREF(maps);
+    return result;
+}
+
 #if LOADOPT_SIMD
 __attribute__((target("avx2,fma"))) static void normalise_avx2(float *out, const uint8_t *in, Py_ssize_t n,
                                                               const float scale[3], const float shift[3]) {
@@ -420,6 +477,7 @@ done:
 static PyMethodDef methods[] = {
     {"normalise", normalise, METH_VARARGS, "uint8 HWC -> float32 (x * scale + shift per channel), one pass."},
     {"crop_batch", crop_batch, METH_VARARGS, "Crop (and mirror) stored HWC uint8 images into a batch."},
+    {"uncached", uncached, METH_VARARGS, "How many samples of mapped files are not all in the page cache."},
     {"read_crops", read_crops, METH_VARARGS, "Crop samples from mapped files where cached, else read through a scratch buffer."},
     {NULL, NULL, 0, NULL},
 };

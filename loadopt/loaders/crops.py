@@ -126,13 +126,15 @@ def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train
 
 def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray,
                 starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
-                pool, threads: int, fused: bool = True) -> None:
+                pool, threads: int, fused: bool = True,
+                planned: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Crop, resize and flip every whole frame of a batch into `out` (B, size, size, 3) uint8: position
     k's (height, width, 3) frame starts at byte `starts[k]` of `sources[which[k]]`, its dims in
     `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`imaging.resize`, the
     `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`.
-    `fused`: each crop resized straight into its slot (`crop_resize_flip_into`)."""
-    boxes, flips = frame_boxes(indices, frames, augment, seed, epoch)
+    `fused`: each crop resized straight into its slot (`crop_resize_flip_into`). `planned`: the batch's
+    `frame_boxes`, drawn beforehand (a producer draws the next batch's while this one is cropped)."""
+    boxes, flips = planned if planned is not None else frame_boxes(indices, frames, augment, seed, epoch)
     slots = torch.from_numpy(out).permute(0, 3, 1, 2)  # CHW views of the HWC slots
     # Memory-mapped frames are read-only; torch only reads them here (its warning would say otherwise).
     warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
