@@ -17,6 +17,7 @@ built: one read per sample's crop rows into a buffer that stays in cache, then t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -94,7 +95,7 @@ class PosixReader:
 
     def read(self, shard: int, offset: int, out: np.ndarray) -> None:
         """Fill `out` (a uint8 view of the staging buffer, numpy or CPU tensor) from `offset` of shard `shard`."""
-        view, done = memoryview(np.asarray(out)), 0
+        view, done = np.asarray(out).data, 0
         while done < len(view):
             try:
                 got = os.preadv(self.fds[shard], [view[done:]], offset + done)
@@ -181,16 +182,17 @@ class PosixLoader(RingLoader[PosixSettings]):
             raw_format.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib, progress=progress,
                                on_error=self.on_error)
         self._raw = raw_format.open_raw(path, self.dataset, self.stored_form, self.size, self.settings.shard_mib)
-        self.unreadable = {int(i): str(why) for i, why in self._raw.meta.get("skipped", [])}  # skipped in conversion
+        raw = self._raw
+        self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion
         self.close_maps()
         if self._reader is not None:
             self._reader.close()
         tier = tier_reads.tier_fs(self.dataset)
         if tier is None:
-            self._reader = self.reader_class(self._raw.shards, self.settings.o_direct)
+            self._reader = self.reader_class(raw.shards, self.settings.o_direct)
         else:  # every read through the tier (its limits, faults, counters); o_direct does not apply there
             remote = tier_reads.publish(self.dataset, path, marker="index.npz")
-            names = [f"{remote}/{shard.name}" for shard in self._raw.shards] if remote else self._raw.shards
+            names = [f"{remote}/{shard.name}" if remote else str(shard) for shard in raw.shards]
             self._reader = tier_reads.TierReader(tier, names)
 
     # -- reading -------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class PosixLoader(RingLoader[PosixSettings]):
     def plan(self, indices: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int, int]], int]:
         """Where each sample of the batch lands in the staging buffer, and the read tasks
         (shard, file offset, staging offset, nbytes) covering them; also the bytes to read."""
-        raw = self._raw
+        raw = self.raw
         shard, offset = raw.shard[indices], raw.offset[indices]
         padded = align_up(raw.length[indices])
         order = np.lexsort((offset, shard))
@@ -223,7 +225,7 @@ class PosixLoader(RingLoader[PosixSettings]):
         """One future per io thread, each reading its share of the tasks one after another: as many
         reads in flight as a future per task gives (the cold case), without a pool hand-off per
         sample (2.3x the read time of one thread on a warm cache here, with 62 tasks a batch)."""
-        read = self._reader.read
+        read = self.reader.read
 
         def run(share: list[tuple[int, int, int, int]]) -> None:
             for shard, offset, at, nbytes in share:
@@ -236,9 +238,10 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def _fill(self, slot: torch.Tensor, staging: np.ndarray, starts: np.ndarray, indices: np.ndarray, epoch: int,
               pool) -> list[tuple[int, str]]:
-        length = self._raw.length[indices]
+        raw = self.raw
+        length = raw.length[indices]
         if self._tokens:
-            dtype, n = np.dtype(self._raw.meta["dtype"]), len(indices)
+            dtype, n = np.dtype(raw.meta["dtype"]), len(indices)
             stride = int(align_up(int(length[0])))  # fixed-size windows: one strided view of all of them
             rows = np.lib.stride_tricks.as_strided(staging, (n, int(length[0])), (stride, 1))
             windows = np.ascontiguousarray(rows).view(dtype)
@@ -248,14 +251,15 @@ class PosixLoader(RingLoader[PosixSettings]):
             return []
         if self.stored_form == "frames":
             crops.crop_frames(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts,
-                              self._raw.frames[indices], self.pipeline.augment, self.seed, epoch, pool,
+                              raw.frames_of(indices), self.pipeline.augment, self.seed, epoch, pool,
                               self.settings.threads)
             return []
         if self.form == "decoded":
+            assert self.size is not None  # the decoded form is stored at a size
             crops.crop_batch(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts, self.size,
                              self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
             return []
-        return transforms.decode_batch(slot, indices, lambda k: memoryview(staging[starts[k] : starts[k] + length[k]]),
+        return transforms.decode_batch(slot, indices, lambda k: staging[starts[k] : starts[k] + length[k]].data,
                                        transforms.decoder_name(self.settings.decoder), self.pipeline.augment,
                                        self.seed, epoch, reduced_scale=self.pipeline.jpeg_scale == "reduced",
                                        pool=pool, threads=self.settings.threads)
@@ -265,30 +269,34 @@ class PosixLoader(RingLoader[PosixSettings]):
             self.prepare(convert_missing=False)
         if tier_reads.remote_home(self.dataset) is not None:
             return []  # read from the dataset's storage: no local page cache to evict
-        return [str(shard) for shard in self._raw.shards]
+        return [str(shard) for shard in self.raw.shards]
 
     def is_open(self) -> bool:
         return self._raw is not None
 
     def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
-        return slot_batch(self._ring[slot], indices, failures, self._raw.index["label"], self.layout, nbytes)
+        ring = self._ring
+        assert ring is not None  # produce made it
+        return slot_batch(ring[slot], indices, failures, self.raw.index["label"], self.layout, nbytes)
 
     def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
+        raw, ring = self.raw, self._ring
+        assert ring is not None  # produce made it
         if self.sample_reads and self.stored_form == "decoded" and not self.settings.o_direct and \
                 crops.native is not None and isinstance(self._reader, PosixReader):
-            through_cache.produce(self, self._reader, self._ring, batches, epoch, free, ready, stop)
+            through_cache.produce(self, self._reader, ring, batches, epoch, free, ready, stop)
             return
-        most = int(align_up(self._raw.length).max()) * self.pipeline.batch_size
+        most = int(align_up(raw.length).max()) * self.pipeline.batch_size
         depth = self.settings.read_ahead
         staging = [self._new_staging(most) for _ in range(depth + 1)]
         pending: dict[int, tuple] = {}
         # Whole frames through the page cache: a batch whose frames are all cached is cropped from the
         # shards' mappings (no staging copy of whole frames: the crop reads only its box).
-        maps = self.mapped_shards() if self.sample_reads and self.stored_form == "frames" and \
-            not self.settings.o_direct and crops.native is not None and isinstance(self._reader, PosixReader) \
-            else None
+        cached_frames = self.sample_reads and self.stored_form == "frames" and not self.settings.o_direct and \
+            crops.native is not None and isinstance(self._reader, PosixReader)
+        maps = [np.frombuffer(m, np.uint8) for m in self.mapped_shards()] if cached_frames else None
         # A mapped batch is cropped by `finisher` while this thread draws the next batch's crop plan (the
         # plan is Python, a tenth of a batch's time here: drawn serially it left the crop threads idle).
         cropping: tuple | None = None  # (future, slot, indices, bytes) of the mapped batch being cropped
@@ -300,7 +308,7 @@ class PosixLoader(RingLoader[PosixSettings]):
                     if ahead not in pending:
                         pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps)
                 starts, nbytes, reads, shards = pending.pop(n)
-                planned = crops.frame_boxes(indices, self._raw.frames[indices], self.pipeline.augment, self.seed,
+                planned = crops.frame_boxes(indices, raw.frames_of(indices), self.pipeline.augment, self.seed,
                                             epoch) if shards is not None else None
                 if cropping is not None:
                     cropping[0].result()
@@ -312,18 +320,19 @@ class PosixLoader(RingLoader[PosixSettings]):
                 if slot is None:
                     return
                 if shards is not None and maps is not None:
-                    cropping = (finisher.submit(crops.crop_frames, self._ring[slot].numpy(), indices, maps, shards,
-                                                starts, self._raw.frames[indices], self.pipeline.augment, self.seed,
+                    cropping = (finisher.submit(crops.crop_frames, ring[slot].numpy(), indices, maps, shards,
+                                                starts, raw.frames_of(indices), self.pipeline.augment, self.seed,
                                                 epoch, pool, self.settings.threads, planned=planned),
                                 slot, indices, nbytes)
                     continue
-                failures = self._fill(self._ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
+                failures = self._fill(ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
                 ready.put((slot, indices, failures, nbytes))
             if cropping is not None:
                 cropping[0].result()
                 ready.put((*cropping[1:3], [], cropping[3]))
 
-    def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor, maps: list | None = None):
+    def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor,
+               maps: list[np.ndarray] | None = None) -> tuple[np.ndarray, int, list[Future], np.ndarray | None]:
         """(starts, bytes, reads in flight, shards): the samples' places in `staging` once `reads` are
         done; or, where `maps` are given and every sample is cached, their offsets in their `shards`'
         mappings (nothing read)."""
@@ -344,7 +353,8 @@ class PosixLoader(RingLoader[PosixSettings]):
         """Unmap the shards (`mapped_shards`); the next epoch maps them again."""
         for mapping in self._maps or []:
             if isinstance(mapping, mmap.mmap):
-                mapping.close()
+                with contextlib.suppress(BufferError):  # a view still alive (in a traceback): unmapped when it goes
+                    mapping.close()
         self._maps = None
 
     def close(self) -> None:

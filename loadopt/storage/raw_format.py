@@ -91,9 +91,15 @@ class RawIndex:
     frames: np.ndarray | None = None  # the `frames` form: (n, 4) int32 height, width, source height, width
 
     def __post_init__(self) -> None:
-        self.shard = self.index["shard"].astype(np.int64)
-        self.offset = self.index["offset"]
-        self.length = self.index["length"]
+        self.shard: np.ndarray = self.index["shard"].astype(np.int64)
+        self.offset: np.ndarray = self.index["offset"]
+        self.length: np.ndarray = self.index["length"]
+
+    def frames_of(self, indices: np.ndarray) -> np.ndarray:
+        """The `frames` form's (height, width, source height, source width) rows of these samples."""
+        if self.frames is None:
+            raise ValueError(f"{self.root}: not the frames form (no frame dims)")
+        return self.frames[indices]
 
 
 def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_error: str = "raise",
