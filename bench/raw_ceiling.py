@@ -17,6 +17,7 @@ crop + resize ceiling instead.
    posix with the page cache warmed by random reads only (prefill off), and arrow.
    Target >= 0.6 (the arrow backend's ceiling target); the decoded arrow backend's rate is shown beside
    it for context (no preadv copy: it crops straight from the mapped file).
+   The copy is measured just before and just after each loader's epoch and their mean taken.
    Posix crops cached samples straight from read-only mappings of the shards (`through_cache`), so the
    page cache's history matters little once they are mapped; the bench measures from both states and
    states them: the shards read in sequentially from an evicted start (posix's prefill: large folios),
@@ -29,11 +30,11 @@ crop + resize ceiling instead.
    (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop plan + the loaders' own `crops.crop_frames`,
    as many worker processes as posix's finishing threads, one intra-op thread each), measured just before
    and just after the loader in every round (their mean taken: this machine's load swings within seconds).
-   Target >= 0.7: the loader runs `crops.crop_frames` itself, but on 2 threads of one process, which
-   share one GIL (the per-sample torch calls) after the batch's crop plan is drawn serially (about a
-   tenth of a batch here), and besides the reads into the staging buffer (profiled: a batch's time is
-   all inside `crop_frames`). Measured at a median of 0.955 (spread 0.72-1.0) with the 2 cores at a load
-   average of 30; 0.62 with the ceiling measured once a round, before the loader only.
+   Target >= 0.7: the loader runs `crops.crop_frames` itself, on 2 threads of one process, which share
+   one GIL (the per-sample torch calls). Cached frames are cropped from the shards' mappings (no staging
+   copy of whole frames) and the next batch's crop plan is drawn while one is cropped (it was drawn
+   serially, about a tenth of a batch here). Measured at a median of 0.97 (spread 0.87-1.01) at a
+   load average of 11-16 on the 2 cores (0.61 on a quieter machine before those two changes).
 Every figure is printed with its spread over the rounds (5 by default) and held on the median; the
 rounds of each part are interleaved (subject and reference measured in every round).
 
@@ -208,14 +209,21 @@ def main() -> int:
         for loader in loaders.values():
             loader.prepare()
             epoch_rate(loader, warm=True)
+        # The copy measured just before and just after each loader's epoch, their mean taken (as the
+        # frames part below): on this shared machine the copy rate moves 2x within seconds.
         copies, rates = [], {label: [] for label in loaders}
+        bracketing: dict[str, list[float]] = {label: [] for label in loaders}
         for _ in range(args.rounds):
-            copies.append(memcpy_bandwidth.__wrapped__())
+            before = memcpy_bandwidth.__wrapped__()
             for label, loader in loaders.items():
                 rates[label].append(epoch_rate(loader, warm=False)[1])
+                after = memcpy_bandwidth.__wrapped__()
+                bracketing[label].append((before + after) / 2)
+                before = after
+            copies.append(before)
         for label, loader in loaders.items():
             loader.close()
-            ratios[label or name] = [r / c for r, c in zip(rates[label], copies, strict=True)]
+            ratios[label or name] = [r / c for r, c in zip(rates[label], bracketing[label], strict=True)]
             print(f"warm (median of {args.rounds}): {label or name} delivers "
                   f"{statistics.median(rates[label]) / 1e9:.2f} GB/s of batches, "
                   f"{statistics.median(ratios[label or name]):.2f} of the memory copy "

@@ -8,6 +8,9 @@ scratch buffer first (the kernel's copy) took as long as the crop copy itself, h
 sample that is not cached is read with one pread of its rows into a scratch buffer that stays in
 the core's cache, then cropped from there, and counted as a miss. Staging whole batches instead (the
 O_DIRECT path) sends every byte through memory twice more: 0.25 of the memory copy rate warm here.
+(Linux's mincore tells the page cache's state only for files the process owns or may write, as the
+conversions in the user's own cache are; for others it says "cached", and misses are then page faults
+that read around the sample, as the `arrow` backend's, and are not counted.)
 The mappings are held until the loader is closed: mapping them again every epoch cost a third of the
 warm rate here (a page fault per 16 pages, and the unmapping). Mapped pages cannot be evicted, so a
 cold run evicts before the first epoch or after `close()` (as the bench does).
