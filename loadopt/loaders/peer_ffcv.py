@@ -157,11 +157,15 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         if self._loader is None:
             self._loader = self._ffcv_loader()
         self._loader.next_epoch = epoch  # FFCV's order is drawn from (seed, epoch)
-        for images, labels, indices in self._loader:
-            # FFCV reuses its batch buffers (labels and indices too): copied out, as a training step would
-            # consume them before the next
-            yield {"inputs": images.contiguous().clone(), "labels": labels.to(torch.int64, copy=True),
-                   "indices": np.array(indices, np.int64), "failures": []}
+        epoch_iterator = iter(self._loader)  # FFCV's reading thread for this epoch
+        try:
+            for images, labels, indices in epoch_iterator:
+                # FFCV reuses its batch buffers (labels and indices too): copied out, as a training step would
+                # consume them before the next
+                yield {"inputs": images.contiguous().clone(), "labels": labels.to(torch.int64, copy=True),
+                       "indices": np.array(indices, np.int64), "failures": []}
+        finally:  # an epoch broken off: its thread stops now, not when the iterator is collected
+            epoch_iterator.close()
 
     def close(self) -> None:
         self._loader = None
