@@ -57,7 +57,7 @@ def convert(
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
             form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
                                               frame, isinstance(dataset, TokenDataset), where="--size")
-            label = f"{to} {form.describe()}"
+            label = f"{conversions.FORMATS[to]} {form.describe()}"  # as the backend names it
             done = conversions.convert(to, dataset, form, shard_mib, on_error=cfg.dataset.on_error, force=force,
                                        verify=verify,
                                        progress=lambda n, total: reporter.conversion_progress(label, n, total))

@@ -25,19 +25,8 @@ FRAMES = ("auto", "whole", "centre")  # of decoded conversions; auto: whole for 
 MIN_DECODED_SIZE = 8  # as the backends' `decoded_size` (pydantic: ge=8)
 
 
-@dataclass(frozen=True)
-class FormatInfo:
-    """A storage format a backend reads: its name, that backend, and what it is, for messages."""
-
-    name: str
-    backend: str
-    description: str
-
-
-FORMATS: dict[str, FormatInfo] = {
-    "arrow": FormatInfo("arrow", "arrow", "one Arrow IPC file, memory-mapped"),
-    "raw": FormatInfo("raw", "posix", "4 KiB-aligned shards and an index"),
-}
+# The formats a dataset converts to, each with the backend that reads it.
+FORMATS: dict[str, str] = {"arrow": "arrow", "raw": "posix"}
 
 
 @dataclass(frozen=True)
