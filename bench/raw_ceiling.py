@@ -33,8 +33,8 @@ crop + resize ceiling instead.
    Target >= 0.7: the loader runs `crops.crop_frames` itself, on 2 threads of one process, which share
    one GIL (the per-sample torch calls). Cached frames are cropped from the shards' mappings (no staging
    copy of whole frames) and the next batch's crop plan is drawn while one is cropped (it was drawn
-   serially, about a tenth of a batch here). Measured at a median of 0.97 (spread 0.87-1.01) at a
-   load average of 11-16 on the 2 cores (0.61 on a quieter machine before those two changes).
+   serially, about a tenth of a batch here). Measured at medians of 0.738 (spread 0.645-0.805; ceiling
+   about 2,070 samples/s, load average 2-7) and 0.97 (load 11-16); 0.614 before those two changes.
 Every figure is printed with its spread over the rounds (5 by default) and held on the median; the
 rounds of each part are interleaved (subject and reference measured in every round).
 
