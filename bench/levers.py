@@ -20,7 +20,8 @@ loaders' threads), in images/s:
 Shown beside them (not levers loadopt applies): OpenCV's INTER_AREA resize against torch's antialiased
 bilinear kernel on the same crops (another kernel, other pixels).
 
-Each RESULT is `with / without` in images/s, target >= 1.1 (a lever worth its code gains 10%). The
+Each RESULT is `with / without` in images/s, target >= 1.1 (a lever worth its code gains 10%; reduced scale
+is held only where it acts on at least a quarter of the samples, i.e. large photos). The
 machine is shared (other agents run beside it): the spread is printed, and beside each the ratio of
 images per CPU second of this process (all threads; the loader: the harness's CPU seconds), which
 another process's load disturbs far less than the wall-clock rate: the work the lever saves.
@@ -43,6 +44,7 @@ import torch
 from _common import ratio_result, spread
 
 TARGET = 1.1
+REDUCED_SHARE_HELD = 0.25  # the share of samples reduced-scale decoding must act on to be held to TARGET
 
 
 def cpu_seconds() -> float:
@@ -149,6 +151,7 @@ def main() -> int:
           f"mean {np.mean([p.shape[1] for p, _ in plans]):.0f} x {np.mean([p.shape[0] for p, _ in plans]):.0f} px; "
           f"{threads} threads, {args.rounds} rounds; stored frames <= {pipe.max_side} px; machine shared", flush=True)
     denoms = [dct_denominator(box, size) for _, box in plans]
+    reduced_share = sum(d > 1 for d in denoms) / len(denoms)
     print("reduced scale applies to " + ", ".join(f"1/{d}: {denoms.count(d)}" for d in (1, 2, 4, 8)) + " samples")
     exact, reduced = torch.empty_like(out), torch.empty_like(out)
     jpeg_work(True, False, True)(np.arange(count))
@@ -193,7 +196,13 @@ def main() -> int:
         print(f"{name} per CPU second: per round " + ", ".join(f"{x:.3g}" for x in cpu_ratios)
               + f"; {spread(cpu_ratios)}")
         ratios = [a / b for a, b in zip(with_lever[0], without[0], strict=True)]
-        if name.startswith("lever_"):
+        if name == "lever_reduced_scale" and reduced_share < REDUCED_SHARE_HELD:
+            # A lever held to a 10% gain only where it acts: on ImageNet-sized images almost no crop is
+            # twice the output, so both sides run the same work and the ratio is noise around 1.
+            print(f"{name}: applies to {reduced_share:.1%} of these samples (held only where >= "
+                  f"{REDUCED_SHARE_HELD:.0%}: see configs/photos_large.yaml); per-round median "
+                  f"{statistics.median(ratios):.3g}, printed, not held")
+        elif name.startswith("lever_"):
             lines.append(ratio_result(name, ratios, ">=", TARGET))
         else:
             print(f"{name} (not applied: another kernel): per-round ratio median {statistics.median(ratios):.3g}")
