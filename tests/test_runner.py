@@ -141,3 +141,16 @@ def test_a_token_bench_runs_every_token_backend(tmp_path):
     for run in runs.values():
         assert run["status"] == "ok", run["reason"]
         assert run["metrics"]["tokens_per_s"]["median"] > 0
+
+
+def test_a_bench_refused_before_any_run_leaves_no_empty_results_folder(tmp_path, backends):
+    from loadopt.errors import LoadoptError
+
+    cfg = config(tmp_path, {"t_delay": {"delay_s": 0.001}})
+    with pytest.raises(LoadoptError, match="no_such_backend"):
+        run_bench(cfg, loaders=["no_such_backend"])
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()  # a folder the user had is kept, even empty
+    with pytest.raises(LoadoptError, match="no_such_backend"):
+        run_bench(cfg, loaders=["no_such_backend"])
+    assert (tmp_path / "out").is_dir()

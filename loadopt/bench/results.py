@@ -6,6 +6,7 @@ file and an interrupted bench never destroys the previous results.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ from loadopt.errors import OutputError
 from loadopt.schema import SCHEMA_VERSION, results_text
 
 __all__ = ["SCHEMA_VERSION", "atomic_write", "atomic_write_text", "machine_fingerprint", "machine_info",
-           "prepare_output", "write_results"]
+           "discard_output", "prepare_output", "write_results"]
 LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simplejpeg", "nvidia-dali-cuda120",
              "nvidia-dali-cuda130", "kvikio-cu12", "kvikio-cu13", "torchvision")
 
@@ -56,7 +57,8 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def prepare_output(out: str | os.PathLike[str]) -> Path:
-    """Create the output folder and check it can be written, before any work is done."""
+    """Create the output folder and check it can be written, before any work is done (`discard_output`
+    removes it again if the job fails before writing anything)."""
     folder = Path(out).expanduser()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -66,6 +68,15 @@ def prepare_output(out: str | os.PathLike[str]) -> Path:
     except OSError as exc:
         raise OutputError(f"{folder}: cannot write the output folder ({exc.strerror or exc})") from None
     return folder
+
+
+def discard_output(folder: Path, existed: bool) -> None:
+    """Remove an output folder that `prepare_output` created for a job that then failed before writing a
+    file: a refused run leaves no empty results folder behind. A folder the user had is never touched."""
+    if existed:
+        return
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only succeeds while empty
 
 
 def _cpu_model() -> str:

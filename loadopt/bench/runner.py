@@ -23,7 +23,7 @@ from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's de
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
-from loadopt.bench.results import prepare_output, write_results
+from loadopt.bench.results import discard_output, prepare_output, write_results
 from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import Config, WorkloadConfig, backend_settings
 from loadopt.device import DeviceTransfer
@@ -113,7 +113,21 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
 def _bench(config: Config, ranks: distributed.Ranks, names: list[str], out: str | None, quick: bool,
            reporter: Reporter, convert: bool, attribute: bool, tune: bool, budget_s: float,
            attribute_stages: bool) -> BenchOutcome:
-    folder = ranks.alone(lambda: prepare_output(out or config.report.out))
+    requested = Path(out or config.report.out).expanduser()
+    existed = requested.exists()
+    folder = ranks.alone(lambda: prepare_output(requested))
+    try:
+        return _measure(config, ranks, names, folder, quick, reporter, convert, attribute, tune, budget_s,
+                        attribute_stages)
+    except BaseException:
+        if ranks.lead:
+            discard_output(folder, existed)
+        raise
+
+
+def _measure(config: Config, ranks: distributed.Ranks, names: list[str], folder: Path, quick: bool,
+             reporter: Reporter, convert: bool, attribute: bool, tune: bool, budget_s: float,
+             attribute_stages: bool) -> BenchOutcome:
     device = ranks.device
     workload = effective_workload(config.workload, quick)
     dataset = ranks.first(lambda: open_dataset(config, progress=reporter.dataset_progress))
