@@ -7,7 +7,6 @@ only ever read; the synthetic one is generated into the cache on first use.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import numpy as np
 
 from loadopt.config import Config, cache_dir
 from loadopt.errors import ConfigError, DatasetError
+from loadopt.storage import manifest
 from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact, why_denied, why_unreachable
 from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
@@ -78,11 +78,13 @@ class ImageDataset:
 
 
 def scan_image_folder(root_url: str, split: str = "train",
-                      storage_options: dict[str, Any] | None = None) -> ImageDataset:
+                      storage_options: dict[str, Any] | None = None, relist: bool = False) -> ImageDataset:
     """List `<root>/<split>/<class>/*`; when `<root>/<split>` is absent, `root` is taken as the split.
 
     `root_url` is a path or any fsspec URL (`s3://`, `http(s)://`, `memory://`, ...), opened with
-    `storage_options`; messages show it with its credentials redacted."""
+    `storage_options`; messages show it with its credentials redacted. A local folder's listing is kept
+    in the cache and reused while its folders' mtimes are unchanged (storage/manifest.py says what that
+    misses); `relist` lists it again regardless."""
     fs, root = open_url(root_url, storage_options)
     root_url = redact(root_url)
     try:
@@ -97,6 +99,15 @@ def scan_image_folder(root_url: str, split: str = "train",
                                f"there: {', '.join(splits) or 'none'})")
         elif not fs.isdir(root):
             raise DatasetError(f"{root_url}: is not a folder (expected an ImageFolder tree <root>/{split}/<class>/)")
+        if is_local_fs(fs):  # one listing, kept with its fingerprint
+            # A local tree is named by its real path: the same files reached through a symlink reuse its conversions.
+            listing = manifest.local_listing(root.rstrip("/") or "/", fs.unstrip_protocol(os.path.realpath(root)),
+                                             IMAGE_EXTENSIONS, cache_dir(), relist)
+            if not len(listing.paths):
+                raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg "
+                                   "under it)")
+            return ImageDataset(root=root, fs=fs, paths=listing.paths, labels=listing.labels, sizes=listing.sizes,
+                                classes=listing.classes, fingerprint=listing.fingerprint)
         files = fs.find(root, detail=True)
     except DatasetError:
         raise
@@ -123,20 +134,19 @@ def scan_image_folder(root_url: str, split: str = "train",
     entries.sort()
     classes = sorted({c for c, _, _ in entries})
     class_index = {c: i for i, c in enumerate(classes)}
-    # A local tree is named by its real path: the same files reached through a symlink reuse its conversions.
-    digest = hashlib.sha256(fs.unstrip_protocol(os.path.realpath(root) if is_local_fs(fs) else root).encode())
     # Modification times too: a file replaced by other bytes of the same size makes a new dataset (its
     # conversions are not reused); `loadopt convert --verify` also compares the content.
-    for _, name, size in entries:
-        digest.update(f"{name[len(prefix):]}\0{size}\0{modified(files.get(name) or {})}\n".encode())
+    digest = manifest.fingerprint(fs.unstrip_protocol(root), [name[len(prefix):] for _, name, _ in entries],
+                                  [size for _, _, size in entries],
+                                  [modified(files.get(name) or {}) for _, name, _ in entries])
     return ImageDataset(
-        root=fs.unstrip_protocol(root) if not is_local_fs(fs) else root,
+        root=fs.unstrip_protocol(root),
         fs=fs,
         paths=np.array([n.encode() for _, n, _ in entries]),
         labels=np.array([class_index[c] for c, _, _ in entries], dtype=np.int64),
         sizes=np.array([s for _, _, s in entries], dtype=np.int64),
         classes=classes,
-        fingerprint=digest.hexdigest()[:16],
+        fingerprint=digest,
     )
 
 

@@ -1,0 +1,166 @@
+"""The listing of a local ImageFolder split, kept in the cache beside its fingerprint (the manifest).
+
+Opening a dataset lists every file and fingerprints the listing (names, sizes, modification times):
+one `stat` a file, minutes at ImageNet-21k's 14M files. The listing is saved as numpy arrays
+(`<cache>/manifests/<key>.npz`: paths, labels, sizes, the class names, the fingerprint, and the
+modification time of the split folder and of each of its subfolders) and reused while none of those
+folders' modification times changed: one `stat` a folder (1,001 for ImageNet-1k), no per-sample
+Python work, the arrays loaded in bulk.
+
+What a folder's modification time sees: a file added, removed or renamed in it (so a file replaced by
+writing a temporary and renaming it, as most tools do), a class folder added, removed or renamed.
+What it misses: a file rewritten in place (opened for writing, same name: its own mtime and size change,
+its folder's do not) or its mtime touched. Such a change keeps the old fingerprint, so a conversion of
+the old bytes would be reused; `loadopt convert --verify` compares the content and reconverts, and
+`relist=True` (`scan_image_folder`) or deleting the manifest lists the folder again. A listing taken
+while a folder was being written (its mtime within `RACY_SECONDS` of the listing: the kernel's
+timestamps are coarse) is not saved, so a file added in the same clock tick is never missed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+RACY_SECONDS = 2.0  # a folder modified this recently when listed may change again within its mtime's tick
+
+
+@dataclass
+class Listing:
+    """One split's samples, sorted by (class, file name), as `ImageDataset` holds them."""
+
+    paths: np.ndarray  # fixed-width UTF-8 bytes: the file names as the filesystem lists them
+    labels: np.ndarray  # int64, index into `classes`
+    sizes: np.ndarray  # int64, stored bytes
+    classes: list[str]
+    fingerprint: str
+    cached: bool = False  # read from the manifest (no listing)
+
+
+def fingerprint(identity: str, relative: list[str], sizes: list[int], mtimes: list[str]) -> str:
+    """16 hex digits naming the dataset: `identity` (its root) and every file's relative name, size and
+    modification time (the listing's own form of it; "" where it has none), fed to one digest in bulk."""
+    digest = hashlib.sha256(identity.encode())
+    lines = "".join([f"{name}\0{size}\0{mtime}\n" for name, size, mtime in zip(relative, sizes, mtimes, strict=True)])
+    digest.update(lines.encode())
+    return digest.hexdigest()[:16]
+
+
+def manifest_path(root: str, cache: Path) -> Path:
+    """Where the listing of the split folder `root` is kept (keyed by the name it is opened by)."""
+    return cache / "manifests" / f"{hashlib.sha256(root.encode()).hexdigest()[:24]}.npz"
+
+
+def _is_image(name: str, extensions: tuple[str, ...]) -> bool:
+    return name.lower().endswith(extensions)
+
+
+def list_local(root: str, identity: str, extensions: tuple[str, ...]) -> tuple[Listing, np.ndarray, np.ndarray]:
+    """Walk `<root>/<class>/<file>` with `os.scandir` (a `stat` per file, as fsspec's local `find`
+    gives the same names, sizes and mtimes: a symlinked file's own mtime, its target's size; symlinked
+    folders are not followed). Also returns the folders watched (root first) and their mtimes (ns)."""
+    started = time.time()
+    root_stat = os.stat(root)
+    folders, folder_mtimes = [root], [root_stat.st_mtime_ns]
+    entries: list[tuple[str, str, int, str]] = []  # (class, file, size, mtime)
+    with os.scandir(root) as top:
+        classes_found = sorted((e.name, e.path) for e in top if e.is_dir(follow_symlinks=False))
+    for class_name, class_path in classes_found:
+        try:
+            folder_mtimes.append(os.stat(class_path).st_mtime_ns)
+            with os.scandir(class_path) as inside:
+                for entry in inside:
+                    if entry.is_dir(follow_symlinks=False) or not _is_image(entry.name, extensions):
+                        continue
+                    own = entry.stat(follow_symlinks=False)
+                    size = own.st_size
+                    if entry.is_symlink():
+                        try:
+                            size = entry.stat().st_size
+                        except OSError:
+                            size = 0
+                    entries.append((class_name, entry.name, size, str(own.st_mtime)))
+        except FileNotFoundError:  # removed while listed: the next open lists again (mtimes differ)
+            folder_mtimes.pop()
+            continue
+        folders.append(class_path)
+    entries.sort()
+    relative = [f"{c}/{f}" for c, f, _, _ in entries]
+    sizes = [s for _, _, s, _ in entries]
+    classes = sorted({c for c, _, _, _ in entries})
+    class_index = {c: i for i, c in enumerate(classes)}
+    listing = Listing(
+        paths=np.array([f"{root}/{r}".encode() for r in relative]) if entries else np.array([], dtype="S1"),
+        labels=np.array([class_index[c] for c, _, _, _ in entries], dtype=np.int64),
+        sizes=np.array(sizes, dtype=np.int64),
+        classes=classes,
+        fingerprint=fingerprint(identity, relative, sizes, [m for _, _, _, m in entries]),
+    )
+    mtimes = np.array(folder_mtimes, dtype=np.int64)
+    racy = bool(len(mtimes)) and mtimes.max() / 1e9 > started - RACY_SECONDS
+    return listing, np.array(folders if not racy else [], dtype=str), mtimes
+
+
+def save(path: Path, listing: Listing, identity: str, folders: np.ndarray, mtimes: np.ndarray) -> None:
+    """Write the manifest (temp file + rename); best effort: a cache that cannot be written costs the
+    next open a listing, nothing else. `folders` empty: the listing was racy, nothing is saved."""
+    if not len(folders):
+        return
+    from loadopt.bench.results import atomic_write
+    from loadopt.errors import OutputError
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, version=np.int64(MANIFEST_VERSION), paths=listing.paths, labels=listing.labels,
+                     sizes=listing.sizes, classes=np.array(listing.classes, dtype=str),
+                     fingerprint=np.array(listing.fingerprint), identity=np.array(identity), folders=folders,
+                     mtimes=mtimes)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, write)
+    except (OSError, OutputError) as exc:
+        log.debug("listing manifest not saved at %s: %s", path, exc)
+
+
+def load(path: Path, identity: str) -> Listing | None:
+    """The saved listing when every watched folder's mtime is unchanged (one `stat` each), else None."""
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            if int(saved["version"]) != MANIFEST_VERSION:
+                return None
+            if str(saved["identity"]) != identity:
+                return None
+            folders, mtimes = saved["folders"], saved["mtimes"]
+            for folder, mtime in zip(folders.tolist(), mtimes.tolist(), strict=True):
+                if os.stat(folder).st_mtime_ns != mtime:
+                    return None
+            return Listing(paths=saved["paths"], labels=saved["labels"], sizes=saved["sizes"],
+                           classes=saved["classes"].tolist(), fingerprint=str(saved["fingerprint"]), cached=True)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # missing, damaged, other layout: relist
+        return None
+
+
+def local_listing(root: str, identity: str, extensions: tuple[str, ...], cache: Path,
+                  relist: bool = False) -> Listing:
+    """The listing of the local split folder `root`: from its manifest when no folder changed since it
+    was saved (and not `relist`), else walked and saved."""
+    path = manifest_path(root, cache)
+    if not relist:
+        found = load(path, identity)
+        if found is not None:
+            return found
+    listing, folders, mtimes = list_local(root, identity, extensions)
+    if len(listing.paths):
+        save(path, listing, identity, folders, mtimes)
+    return listing

@@ -1,0 +1,109 @@
+"""The listing manifest of a local ImageFolder (storage/manifest.py): same listing and fingerprint as
+fsspec's walk, reused while no folder changed, refreshed when one did."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+
+from loadopt.storage import manifest
+from loadopt.storage.imagefolder import IMAGE_EXTENSIONS, modified, scan_image_folder
+
+OLD = 1_600_000_000  # folders' mtimes set this far in the past: the listing is not racy
+
+
+def _tree(root: Path) -> Path:
+    split = root / "train"
+    for cls, names in {"cat": ["b.jpg", "a.JPEG", "notes.txt"], "dog": ["c.png"], "emu": []}.items():
+        (split / cls).mkdir(parents=True)
+        for name in names:
+            (split / cls / name).write_bytes(name.encode() * 3)
+    (split / "dog" / "nested").mkdir()
+    (split / "dog" / "nested" / "deep.jpg").write_bytes(b"x")  # deeper than <class>/<file>: not a sample
+    (split / "loose.jpg").write_bytes(b"y")  # no class: not a sample
+    os.symlink(split / "cat" / "b.jpg", split / "dog" / "link.jpg")  # a symlinked file is a sample
+    _age(split)
+    return split
+
+
+def _age(split: Path, when: int = OLD) -> None:
+    for folder in [split, *[p for p in split.rglob("*") if p.is_dir()]]:
+        os.utime(folder, (when, when))
+
+
+def _fsspec_fingerprint(split: Path) -> tuple[str, list[str]]:
+    """The listing as fsspec's `find` gives it and the fingerprint computed from it (the walk it replaces)."""
+    fs = fsspec.filesystem("file")
+    files = fs.find(str(split), detail=True)
+    prefix = str(split) + "/"
+    entries = sorted((n[len(prefix):].split("/")[0], n, info["size"]) for n, info in files.items()
+                     if len(n[len(prefix):].split("/")) == 2 and n.lower().endswith(IMAGE_EXTENSIONS))
+    identity = fs.unstrip_protocol(os.path.realpath(split))
+    digest = manifest.fingerprint(identity, [n[len(prefix):] for _, n, _ in entries], [s for _, _, s in entries],
+                                  [modified(files[n]) for _, n, _ in entries])
+    return digest, [n for _, n, _ in entries]
+
+
+def test_listing_matches_fsspec_and_is_reused(tmp_path: Path, own_cache: Path) -> None:
+    split = _tree(tmp_path / "data")
+    first = scan_image_folder(str(tmp_path / "data"))
+    expected, names = _fsspec_fingerprint(split)
+    assert first.fingerprint == expected
+    assert [p.decode() for p in first.paths] == names
+    assert first.classes == ["cat", "dog"] and first.labels.tolist() == [0, 0, 1, 1]
+    assert first.sizes.tolist() == [len(b"a.JPEG") * 3, len(b"b.jpg") * 3, len(b"b.jpg") * 3, len(b"c.png") * 3]
+    assert manifest.manifest_path(str(split), own_cache).is_file()
+    again = manifest.local_listing(str(split), fsspec.filesystem("file").unstrip_protocol(str(split)),
+                                   IMAGE_EXTENSIONS, own_cache)
+    assert again.cached and again.fingerprint == first.fingerprint
+    assert np.array_equal(again.paths, first.paths) and np.array_equal(again.labels, first.labels)
+    assert again.labels.dtype == np.int64 and again.paths.dtype.kind == "S"  # arrays, no Python objects
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "rename_class", "new_class"])
+def test_a_changed_folder_is_listed_again(tmp_path: Path, own_cache: Path, change: str) -> None:
+    split = _tree(tmp_path / "data")
+    before = scan_image_folder(str(split))
+    if change == "add":
+        (split / "cat" / "z.jpg").write_bytes(b"new")
+    elif change == "remove":
+        (split / "cat" / "a.JPEG").unlink()
+    elif change == "rename_class":
+        (split / "cat").rename(split / "cow")
+    else:
+        (split / "emu" / "e.jpg").write_bytes(b"e")
+    _age(split, OLD + 60)  # the changed folders' mtimes differ from the saved ones, not racy either
+    after = scan_image_folder(str(split))
+    assert after.fingerprint != before.fingerprint
+    assert after.fingerprint == _fsspec_fingerprint(split)[0]
+
+
+def test_in_place_rewrite_is_missed_until_relisted(tmp_path: Path, own_cache: Path) -> None:
+    """The documented limit: a file rewritten in place changes no folder's mtime."""
+    split = _tree(tmp_path / "data")
+    before = scan_image_folder(str(split))
+    (split / "cat" / "a.JPEG").write_bytes(b"rewritten, longer than before")  # no folder's mtime changes
+    assert scan_image_folder(str(split)).fingerprint == before.fingerprint
+    relisted = scan_image_folder(str(split), relist=True)
+    assert relisted.fingerprint != before.fingerprint
+    assert relisted.fingerprint == _fsspec_fingerprint(split)[0]
+    assert scan_image_folder(str(split)).fingerprint == relisted.fingerprint  # the relisting was saved
+
+
+def test_a_folder_written_just_now_is_not_saved(tmp_path: Path, own_cache: Path) -> None:
+    split = _tree(tmp_path / "data")
+    (split / "cat" / "fresh.jpg").write_bytes(b"f")  # its folder's mtime is now: racy
+    scan_image_folder(str(split))
+    assert not manifest.manifest_path(str(split), own_cache).exists()
+
+
+def test_a_damaged_manifest_is_listed_again(tmp_path: Path, own_cache: Path) -> None:
+    split = _tree(tmp_path / "data")
+    first = scan_image_folder(str(split))
+    path = manifest.manifest_path(str(split), own_cache)
+    path.write_bytes(path.read_bytes()[:100])
+    assert scan_image_folder(str(split)).fingerprint == first.fingerprint
