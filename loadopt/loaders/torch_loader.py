@@ -175,16 +175,27 @@ def _collate_windows(samples: list) -> dict:
 
 
 class _BatchPlan:
-    """The batch sampler: replays the batches the base class planned (replaced every epoch)."""
+    """The batch sampler: replays the batches the base class planned (replaced every epoch). The epoch's
+    indices stay in numpy arrays; a batch's `(epoch, index, slot)` items are made only as it is handed
+    out (a million tuples made up front would be touched by the consumer through the epoch, and with
+    them the pages it shares with the workers forked from it: pytorch/pytorch#13246)."""
 
     def __init__(self) -> None:
-        self.items: list[list[Item]] = []
+        self.batches: list[np.ndarray] = []
+        self.epoch = 0
+        self.first_slot = 0
+        self.slots = 0  # ring slots; 0: no ring (plain), every item's slot is -1
+
+    def plan(self, batches: list[np.ndarray], epoch: int, first_slot: int, slots: int) -> None:
+        self.batches, self.epoch, self.first_slot, self.slots = batches, epoch, first_slot, slots
 
     def __iter__(self) -> Iterator[list[Item]]:
-        return iter(self.items)
+        for k, batch in enumerate(self.batches):
+            slot = (self.first_slot + k) % self.slots if self.slots else -1
+            yield [(self.epoch, index, slot) for index in batch.tolist()]
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.batches)
 
 
 class TorchLoader(Loader[TorchSettings]):
@@ -285,8 +296,7 @@ class TorchLoader(Loader[TorchSettings]):
         ring = self._ring
         slots = self._ring_slots()
         start = self._ring_cursor
-        self._plan.items = [[(epoch, int(i), (start + k) % slots if tuned else -1) for i in batch]
-                            for k, batch in enumerate(batches)]
+        self._plan.plan(batches, epoch, start, slots if tuned else 0)
         if self._dataloader is None or not self.settings.persistent_workers:
             self._dataloader = self._make_dataloader()
         iterator = iter(self._dataloader)
