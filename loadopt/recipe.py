@@ -8,8 +8,10 @@ name the difference. Fields:
   eval; a decoded centre square gives a plain random crop of that square instead: no border, no resize);
 - `image_size`, `normalise` (dtype, mean, std);
 - `stored`: what the crop runs on: `source` (the JPEG, decoded every epoch; with `pipeline.jpeg_scale:
-  reduced`, a crop at least twice the output decoded at a reduced DCT scale), `whole frame <= N px`
-  (the decoded frames, longer side bounded by `pipeline.max_side`), `centre N px square`;
+  reduced`, a crop at least twice the output decoded at a reduced DCT scale), `JPEG re-encoded <= N px
+  qQ` (the encoded forms' bounded JPEGs, decoded every epoch: a source over `pipeline.max_side` re-encoded
+  at that bound, as FFCV's jpg stores it; the others as they are), `whole frame <= N px` (the decoded
+  frames, longer side bounded by `pipeline.max_side`), `centre N px square`;
 - `max_side`: the bound of a stored whole frame (None: the source's own resolution);
 - `order`: set (to the library's name) by a loader whose library orders the samples itself (the peers,
   dali `reader: native`): not the same samples in the same order as the sampler's, as DataLoader's would
@@ -62,9 +64,10 @@ def wanted(pipeline, tokens: bool = False) -> dict[str, Any]:
 
 
 def delivered(pipeline, frame: str | None = None, stored_size: int | None = None,
-              tokens: bool = False) -> dict[str, Any]:
+              tokens: bool = False, reencoded_quality: int | None = None) -> dict[str, Any]:
     """What a loader delivers: `frame` None reads the source (JPEG) each epoch; `whole` decoded frames
-    with the longer side at most `stored_size`; `centre` decoded `stored_size` squares."""
+    with the longer side at most `stored_size`, or with `reencoded_quality` JPEGs bounded by it (a larger
+    source re-encoded at that quality); `centre` decoded `stored_size` squares."""
     recipe = _base(pipeline, tokens)
     if tokens:
         return recipe
@@ -76,6 +79,9 @@ def delivered(pipeline, frame: str | None = None, stored_size: int | None = None
             crop = EVAL_CROP if crop == f"centre {EVAL_CROP_FRACTION:.3g} of the shorter side" else crop
         return {**recipe, "crop": crop, "stored": f"centre {stored_size} px square", "max_side": stored_size}
     crop = TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP
+    if frame == "whole" and reencoded_quality is not None:
+        return {**recipe, "crop": crop, "stored": f"JPEG re-encoded <= {stored_size} px q{reencoded_quality}",
+                "max_side": stored_size}
     if frame == "whole":
         return {**recipe, "crop": crop, "stored": f"whole frame <= {stored_size} px", "max_side": stored_size}
     stored = "source" if getattr(pipeline, "jpeg_scale", "full") == "full" else \
@@ -93,7 +99,8 @@ def differences(run: dict[str, Any] | None, want: dict[str, Any] | None) -> list
     if run.get("order") not in (None, "shared") and want.get("order") != "any":
         out.append(f"order {run['order']}'s own, not the sampler's (pipeline.order: any allows it)")
     if want.get("kind") == "images" and run.get("max_side") is not None and want.get("max_side") is not None \
-            and run.get("stored", "").startswith("whole") and run["max_side"] < want["max_side"]:
+            and run.get("stored", "").startswith(("whole", "JPEG re-encoded")) \
+            and run["max_side"] < want["max_side"]:
         out.append(f"stored frames <= {run['max_side']} px, the config's max_side {want['max_side']}")
     if run.get("stored", "").startswith("centre") and want.get("crop") == TRAIN_CROP and not out:
         out.append(f"stored {run['stored']}: the crops never see the frame's borders")

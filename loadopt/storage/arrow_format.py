@@ -2,6 +2,9 @@
 
 Forms (columns):
 - `encoded`: sample_id, label, jpeg (the stored bytes, as read from the source);
+- `reencoded`: the `encoded` columns, a source whose longer side is over `size` = `pipeline.max_side`
+  re-encoded as a JPEG at <= size (quality `REENCODE_QUALITY`, as FFCV's .beton jpg mode stores it), the
+  others their own bytes (`imaging.reencode.bounded_jpeg`);
 - `decoded`: sample_id, label, pixels (uint8 HWC, `size` x `size`: the shorter side resized to
   `size`, then centre-cropped; fixed-size binary, so a record batch is one contiguous pixel array);
 - `frames`: sample_id, label, height, width, source_height, source_width (int32), pixels (uint8 HWC,
@@ -32,6 +35,7 @@ import pyarrow as pa
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
 from loadopt.imaging.frames import FRAME_FIELDS, FrameDims, centre_square, stored_frame
+from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg
 from loadopt.storage import decode_pool, integrity
 from loadopt.storage.tier_reads import local_dir
 
@@ -39,13 +43,15 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: chunk checksums and skipped samples in each record batch's custom metadata
 ROWS_PER_BATCH = 1024
-Form = Literal["encoded", "decoded", "frames", "tokens"]
+Form = Literal["encoded", "reencoded", "decoded", "frames", "tokens"]
 
 
 def arrow_path(dataset, form: Form, size: int | None) -> Path:
     """Where the conversion of `dataset` to `form` lives in the cache."""
     settings = {"version": FORMAT_VERSION, "source": dataset.fingerprint, "form": form, "size": size,
                 "seq_len": getattr(dataset, "seq_len", None), "rows": ROWS_PER_BATCH}
+    if form == "reencoded":
+        settings["quality"] = REENCODE_QUALITY
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     # the cache, or `storage.converted` / beside the source (storage/tier_reads.py)
     return local_dir(dataset, cache_dir()) / "arrow" / f"{dataset.fingerprint}-{form}-{key}.arrow"
@@ -73,11 +79,13 @@ def _schema(dataset, form: Form, size: int | None) -> pa.Schema:
         return pa.schema([("sample_id", pa.int64()), ("label", pa.int64()), *dims, ("pixels", pa.large_binary())],
                          metadata=metadata)
     else:
+        if form == "reencoded":
+            metadata.update({"loadopt.max_side": str(size), "loadopt.jpeg_quality": str(REENCODE_QUALITY)})
         column = ("jpeg", pa.binary())
     return pa.schema([("sample_id", pa.int64()), ("label", pa.int64()), column], metadata=metadata)
 
 
-# Decoding for the `decoded` and `frames` forms runs in a process pool; forked workers inherit these.
+# Decoding for the `decoded`, `frames` and `reencoded` forms runs in a process pool; forked workers inherit these.
 _POOL_DATASET = None
 _POOL_SIZE = 0
 
@@ -104,6 +112,11 @@ def decode_frame(index: int) -> tuple[bytes, FrameDims]:
     return stored_frame(_pool_sample(index), _POOL_SIZE)
 
 
+def reencode_sample(index: int) -> bytes:
+    """The `reencoded` form of one sample of the pool's dataset (`imaging.reencode.bounded_jpeg`)."""
+    return bounded_jpeg(_pool_sample(index), _POOL_SIZE)
+
+
 def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, progress, workers: int,
                     on_error: str = "raise", skipped: list | None = None):
     """The record batches of the conversion; samples that cannot be decoded go by `on_error` (`skip`:
@@ -112,7 +125,9 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
     skipped = [] if skipped is None else skipped
     pool = None
     square = _square_bytes(size) if form == "decoded" else 0  # bytes of a decoded row
-    if form in ("decoded", "frames"):
+    if form == "reencoded" and not size:
+        raise ValueError("the reencoded form is bounded by a max side: none was given")
+    if form in ("decoded", "frames", "reencoded"):
         set_pool_dataset(dataset, size)
         pool = decode_pool.start(workers)
     try:
@@ -141,6 +156,11 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
                     results = pool.map(decode, ids.tolist(), chunksize=16) if pool else [decode(int(i)) for i in ids]
                     blobs = integrity.keep_or_skip(dataset, ids, results, on_error, skipped, lambda: bytes(square))
                     column = pa.array(blobs, type=pa.binary(square))
+                elif form == "reencoded":  # a bad sample goes by on_error: an empty row, reported unreadable
+                    encode = partial(integrity.guarded, reencode_sample)
+                    results = pool.map(encode, ids.tolist(), chunksize=4) if pool else [encode(int(i)) for i in ids]
+                    column = pa.array(integrity.keep_or_skip(dataset, ids, results, on_error, skipped, bytes),
+                                      type=pa.binary())
                 else:
                     column = pa.array([dataset.read(int(i)) for i in ids], type=pa.binary())
                 yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)

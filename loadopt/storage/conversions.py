@@ -16,12 +16,15 @@ from typing import Literal
 from loadopt.config import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
+from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.storage import arrow_format, raw_format
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
-FRAMES = ("auto", "whole", "centre")  # of decoded conversions; auto: whole for train augmentation
+# Of decoded conversions (auto: whole for train augmentation); of encoded ones, `whole` stores JPEGs bounded by
+# pipeline.max_side (re-encoded where larger), the others the source's bytes.
+FRAMES = ("auto", "whole", "centre")
 MIN_DECODED_SIZE = 8  # as the backends' `decoded_size` (pydantic: ge=8)
 
 
@@ -31,9 +34,10 @@ FORMATS: dict[str, str] = {"arrow": "arrow", "raw": "posix"}
 
 @dataclass(frozen=True)
 class ConvertedForm:
-    """What a backend reads of a dataset: `form` (decoded, encoded or tokens), the decoded `frame` (whole
-    or centre; None otherwise), the `stored` form of the conversion (frames for whole decoded frames) and
-    the pixel `size` (whole: the longer side's bound; centre: the square's side; None when not decoded)."""
+    """What a backend reads of a dataset: `form` (decoded, encoded or tokens), the `frame` (decoded: whole
+    or centre; encoded: whole for JPEGs bounded by max_side; None otherwise), the `stored` form of the
+    conversion (frames for whole decoded frames, reencoded for bounded JPEGs) and the pixel `size` (whole:
+    the longer side's bound; centre: the square's side; None for the sources' own JPEGs and tokens)."""
 
     form: Literal["decoded", "encoded", "tokens"]
     frame: Literal["whole", "centre"] | None
@@ -41,17 +45,23 @@ class ConvertedForm:
     size: int | None
 
     def describe(self) -> str:
+        if self.stored == "reencoded":
+            return f"{self.form} <= {self.size}px (re-encoded q{REENCODE_QUALITY} where larger)"
         return self.form + (f" {self.frame} {self.size}px" if self.size else "")
 
 
 def converted_form(pipeline: PipelineConfig, form: str, decoded_size: int | None, frame: str, tokens: bool,
                    where: str) -> ConvertedForm:
-    """The form a backend with these settings reads. `frame` auto: whole frames (longer side <=
+    """The form a backend with these settings reads. Decoded, `frame` auto: whole frames (longer side <=
     pipeline.max_side, the JPEG paths' crop plan) for train augmentation, else a `decoded_size` centre
-    square (default image_size / 0.875: the eval recipe). `where` names the size in the error."""
+    square (default image_size / 0.875: the eval recipe). Encoded, `frame` whole: the JPEGs bounded by
+    pipeline.max_side (FFCV's jpg input: a larger source re-encoded, `imaging.reencode`); auto or centre:
+    the sources' own bytes. `where` names the size in the error."""
     if tokens:  # token corpora are stored as windows, whatever the form asked for
         return ConvertedForm("tokens", None, "tokens", None)
     if form == "encoded":
+        if frame == "whole":
+            return ConvertedForm("encoded", "whole", "reencoded", pipeline.max_side)
         return ConvertedForm("encoded", None, "encoded", None)
     if form != "decoded":
         raise ConfigError(f"form {form}: unknown (known: decoded, encoded)")

@@ -6,10 +6,12 @@ a structured array (sample_id, shard, offset, length, label) and the conversion'
 Every sample starts at a multiple of 4096 and every shard is padded to one, so a reader can fetch
 any run of samples with O_DIRECT (aligned offset, length and buffer) or cuFile without a bounce.
 
-Forms: `encoded` (the stored JPEG bytes), `decoded` (uint8 HWC pixels, the very bytes of the Arrow
-decoded form: same decode function), `frames` (whole frames, longer side at most `size`, the Arrow
-`frames` form's bytes; their dims in `index.npz` as `frames`: int32 (height, width, source height,
-source width) per sample, the samples at variable lengths), `tokens` (windows of seq_len + 1 token ids).
+Forms: `encoded` (the stored JPEG bytes), `reencoded` (the Arrow `reencoded` form's bytes: a JPEG over
+`size` = `pipeline.max_side` re-encoded at <= size, the others as stored), `decoded` (uint8 HWC pixels,
+the very bytes of the Arrow decoded form: same decode function), `frames` (whole frames, longer side
+at most `size`, the Arrow `frames` form's bytes; their dims in `index.npz` as `frames`: int32 (height,
+width, source height, source width) per sample, the samples at variable lengths), `tokens` (windows of
+seq_len + 1 token ids).
 Conversion rules are the Arrow form's: keyed by source fingerprint and settings, written in a
 temporary folder, verified, renamed; an interrupted conversion is never used.
 """
@@ -33,6 +35,7 @@ import numpy as np
 
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
+from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.storage import arrow_format, decode_pool, integrity
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.tier_reads import local_dir
@@ -64,6 +67,8 @@ def _meta(dataset, form: Form, size: int | None, shard_mib: float) -> dict:
             "shard_bytes": shard_bytes(shard_mib), "size": size, "shape": None, "dtype": "uint8", "seq_len": None}
     if form == "decoded":
         meta["shape"] = [size, size, 3]
+    if form == "reencoded":
+        meta["jpeg_quality"] = REENCODE_QUALITY
     if form == "tokens":
         meta.update(seq_len=dataset.seq_len, shape=[dataset.seq_len + 1], dtype=str(dataset.tokens.dtype))
     return meta
@@ -127,6 +132,17 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
     elif form == "encoded":
         for i in range(n):
             yield dataset.read(i)
+    elif form == "reencoded":  # the Arrow reencoded form's own function: the same bytes in both forms
+        if not size:
+            raise ValueError("the reencoded form is bounded by a max side: none was given")
+        arrow_format.set_pool_dataset(dataset, size)
+        encode = partial(integrity.guarded, arrow_format.reencode_sample)
+        pool = decode_pool.start(workers)
+        try:
+            for i, result in enumerate(pool.imap(encode, range(n), chunksize=4) if pool else map(encode, range(n))):
+                yield integrity.keep_or_skip(dataset, [i], [result], on_error, skipped, bytes)[0]
+        finally:
+            decode_pool.stop(pool)
     else:  # the Arrow decoded form's own decode function: bit-equal pixels in both forms
         assert size is not None  # the decoded form is stored at a size
         arrow_format.set_pool_dataset(dataset, size)
