@@ -178,3 +178,22 @@ def test_open_dataset_val_split_of_the_synthetic_dataset() -> None:
     assert val.fingerprint == train.fingerprint + "-val2" and val.root.endswith("val")
     with pytest.raises(DatasetError, match="dataset.synthetic: the synthetic dataset has splits train, val, not"):
         open_dataset(config_from_dict(raw), "test")
+
+
+def test_an_interrupted_generation_resumes_where_it_stopped(tmp_path: Path, reference: dict[str, bytes]) -> None:
+    class Stop(Exception):
+        pass
+
+    def stop_after_some(done: int, total: int) -> None:
+        if done >= 8:
+            raise Stop
+
+    with pytest.raises(Stop):
+        ensure_synthetic(Spec(), tmp_path, progress=stop_after_some, workers=1)
+    root = synthetic_root(Spec(), tmp_path)
+    partial = root.with_name(f"{root.name}.tmp-resume")
+    assert not root.exists() and (partial / synthetic.DONE_LOG).stat().st_size >= 8 * 16
+    calls: list[tuple[int, int]] = []
+    assert ensure_synthetic(Spec(), tmp_path, progress=lambda *a: calls.append(a), workers=2) == root
+    assert calls[0][0] > 8 and calls[-1] == (24, 24)  # the finished images were not made again
+    assert _files(root) == reference and not partial.exists()

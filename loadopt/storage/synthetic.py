@@ -1,8 +1,10 @@
 """A synthetic ImageNet-shaped JPEG dataset, generated deterministically into the cache.
 
 Image `i` depends only on `(seed, i)`, so the bytes are the same across runs and worker counts. The
-dataset is written into `<root>.tmp-<pid>-<random>` and renamed to `<root>` once its manifest is
-written: only a root holding `manifest.json` counts as finished, an interrupted one is never used.
+dataset is written into `<root>.tmp-resume` (locked by the process writing it; another process at the
+same time writes its own `<root>.tmp-<pid>-<random>`) and renamed to `<root>` once its manifest is
+written: only a root holding `manifest.json` counts as finished, an interrupted one is never used. An
+interrupted generation resumes: the images it finished are logged (`.done`) and not made again.
 The images mimic ImageNet's: sizes around `mean_width x mean_height` with varied aspect ratios, and
 content with structure (gradients, shapes with their own textures) plus the fine texture it takes to
 reach ImageNet's ~110 KB mean file size (and decode cost) at quality 90.
@@ -14,6 +16,7 @@ files, key and fingerprint stay what they were and val shares no image with trai
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -23,7 +26,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +35,8 @@ from PIL import Image, ImageDraw
 
 GENERATOR_VERSION = 1  # bump whenever the image recipe or the layout changes
 MANIFEST = "manifest.json"
+DONE_LOG = ".done"  # in a resumable tmp folder: (index, size) int64 pairs of the images written
+LOCK = ".lock"
 STALE_SECONDS = 24 * 3600  # leftover tmp folders older than this are removed
 _PARAMS = ("num_samples", "num_classes", "mean_width", "mean_height", "jpeg_quality", "seed")
 SPLITS = ("train", "val")
@@ -99,25 +104,71 @@ def ensure_synthetic(spec: SyntheticSpecLike, cache_dir: Path,
         range(params["num_samples"], params["num_samples"] + val_samples(spec))
     layout = (split, params["num_classes"], max(6, len(str(indices[-1]))))
     _remove_stale(root.parent)
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        tmp, lock = _claim_partial(root)
+        if _finished(root):  # finished by another process while this one claimed a folder
+            _release(tmp, lock)
+            return root
     except OSError as exc:
-        error = OSError(f"cannot create the synthetic dataset folder {tmp}: {exc}")
+        error = OSError(f"cannot create the synthetic dataset folder {root}.tmp-*: {exc}")
         error.errno = exc.errno
         raise error from exc
     try:
         sizes = _generate(params, layout, indices, tmp, progress, workers)
+        for name in (DONE_LOG, LOCK):
+            (tmp / name).unlink(missing_ok=True)
         files = [[_relpath(layout, i), sizes[k], i % params["num_classes"]] for k, i in enumerate(indices)]
         manifest = {"generator_version": GENERATOR_VERSION, "spec": spec.model_dump(mode="json"),
                     "num_samples": len(files), "total_bytes": sum(sizes), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         _publish(tmp, root)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _release(tmp, lock)
         raise
+    if lock is not None:
+        os.close(lock)  # after the rename: no other process generates into the folder as it moves
     return root
+
+
+def _release(tmp: Path, lock: int | None) -> None:
+    """Give up `tmp`: a private folder is removed, the resumable one keeps what it finished for the next run."""
+    if lock is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.close(lock)
+
+
+def _claim_partial(root: Path) -> tuple[Path, int | None]:
+    """The folder to generate into: `<root>.tmp-resume`, locked (flock) by this process, with the images an
+    interrupted run finished in it (its `DONE_LOG`), or a private `<root>.tmp-<pid>-<random>` when another
+    process holds that lock (both then generate; the first to finish is kept)."""
+    partial = root.with_name(f"{root.name}.tmp-resume")
+    partial.mkdir(exist_ok=True)
+    os.utime(partial)  # in use: not stale
+    lock = -1
+    try:
+        lock = os.open(partial / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by another process (or the folder just moved into place as a finished dataset)
+        if lock >= 0:
+            os.close(lock)
+        tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp.mkdir()
+        return tmp, None
+    return partial, lock
+
+
+def _finished_before(tmp: Path, indices: range) -> dict[int, int]:
+    """{index: size} of the images an interrupted run wrote completely into `tmp` (its `DONE_LOG`: int64
+    (index, size) pairs appended once a chunk's files are closed; a torn last record is ignored)."""
+    try:
+        data = (tmp / DONE_LOG).read_bytes()
+    except FileNotFoundError:
+        return {}
+    pairs = np.frombuffer(data[: len(data) // 16 * 16], dtype=np.int64).reshape(-1, 2)
+    keep = (pairs[:, 0] >= indices.start) & (pairs[:, 0] < indices.stop)
+    return dict(zip(pairs[keep, 0].tolist(), pairs[keep, 1].tolist(), strict=True))
 
 
 def _finished(root: Path) -> bool:
@@ -178,34 +229,42 @@ def _generate(params: dict[str, int], layout: Layout, indices: range, tmp: Path,
     """Write the images `indices` into `tmp`; returns their file sizes, in the order of `indices`."""
     total = len(indices)
     for index in indices[: params["num_classes"]]:
-        (tmp / _relpath(layout, index)).parent.mkdir(parents=True)
+        (tmp / _relpath(layout, index)).parent.mkdir(parents=True, exist_ok=True)
+    finished = _finished_before(tmp, indices)
+    todo = [i for i in indices if i not in finished] if finished else indices
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    step = max(1, min(32, math.ceil(total / (workers * 8))))
-    jobs = [(params, layout, str(tmp), indices[start : start + step]) for start in range(0, total, step)]
+    # Chunks of up to 256 images a job: a million images are ~4,000 jobs, not 30,000 round trips.
+    step = max(1, min(256, math.ceil(len(todo) / (workers * 8))))
+    jobs = [(params, layout, str(tmp), todo[start : start + step]) for start in range(0, len(todo), step)]
     sizes = [0] * total
-    done = 0
+    for index, size in finished.items():
+        sizes[index - indices.start] = size
+    done = len(finished)
 
-    def collect(chunk: list[tuple[int, int]]) -> None:
-        nonlocal done
-        for index, size in chunk:
-            sizes[index - indices.start] = size
-        done += len(chunk)
-        if progress is not None:
-            progress(done, total)
+    with open(tmp / DONE_LOG, "ab") as log:
+        def collect(chunk: list[tuple[int, int]]) -> None:
+            nonlocal done
+            for index, size in chunk:
+                sizes[index - indices.start] = size
+            log.write(np.asarray(chunk, dtype=np.int64).tobytes())
+            log.flush()
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
 
-    if workers == 1 or len(jobs) == 1:
-        for job in jobs:
-            collect(_write_chunk(job))
-    else:
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else None)
-        with context.Pool(min(workers, len(jobs))) as pool:
-            for chunk in pool.imap_unordered(_write_chunk, jobs):
-                collect(chunk)
+        if workers == 1 or len(jobs) <= 1:
+            for job in jobs:
+                collect(_write_chunk(job))
+        else:
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else None)
+            with context.Pool(min(workers, len(jobs))) as pool:
+                for chunk in pool.imap_unordered(_write_chunk, jobs):
+                    collect(chunk)
     return sizes
 
 
-def _write_chunk(job: tuple[dict[str, int], Layout, str, range]) -> list[tuple[int, int]]:
+def _write_chunk(job: tuple[dict[str, int], Layout, str, Sequence[int]]) -> list[tuple[int, int]]:
     params, layout, tmp, indices = job
     sizes = []
     for index in indices:
