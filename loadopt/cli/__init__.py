@@ -2,8 +2,9 @@
 
 One module per group of commands (bench.py: bench, measure; results.py: report, doctor, explain;
 storage.py: probe, tiers; data.py: make-dataset, convert), what they share in console.py (consoles,
-user errors, progress) and process.py (logging, signals), their tables in tables.py. Every command is
-registered here, on `app`, in the order `loadopt --help` lists them.
+user errors, progress) and process.py (logging, signals), their tables in tables.py. Each module
+declares its commands on its own `app`; they are joined here with `add_typer`, in the order
+`loadopt --help` lists them.
 
 User errors (`LoadoptError`) print one line on stderr and exit non-zero; anything else is a bug and
 keeps its traceback.
@@ -21,16 +22,9 @@ from loadopt.cli.process import redacted_excepthook
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure and pick the fastest input path for a deep-learning job.")
 
-app.command()(bench.bench)
-app.command()(results.report)
-app.command()(results.doctor)
-app.command()(results.explain)
-# Everything after the script is the script's: its own options are not parsed as ours.
-app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(bench.measure)
-app.command("make-dataset")(data.make_dataset)
-app.command()(data.convert)
-app.command()(storage.probe)
-app.command()(storage.tiers)
+# One typer app per module, merged into this one (add_typer without a name adds the commands themselves).
+for commands in (bench.app, results.app, data.app, storage.app):
+    app.add_typer(commands)
 
 
 def main() -> None:

@@ -14,7 +14,10 @@ from loadopt.cli.results import auto_report
 from loadopt.cli.tables import bytes_source_lines, not_run_lines, recipe_lines, results_table
 from loadopt.errors import Terminated
 
+app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
+
+@app.command()
 def bench(
     config: str = typer.Argument(..., help="The config YAML, e.g. configs/imagenet.yaml."),
     loaders: str = typer.Option(None, "--loaders", help="Comma-separated backends to run (default: all configured)."),
@@ -111,6 +114,8 @@ def _print_verdicts(results: dict[str, Any]) -> None:
         console.print(f"[bold]{escape(verdict['label'])}[/]: {escape(verdict['text'])}", highlight=False)
 
 
+# Everything after the script is the script's: its own options are not parsed as ours.
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def measure(
     script: str = typer.Argument(..., help="The training script, run unmodified, e.g. train.py."),
     args: list[str] = typer.Argument(None, help="Its arguments (everything after the script is the script's)."),

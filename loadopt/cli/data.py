@@ -10,7 +10,10 @@ import typer
 
 from loadopt.cli.console import RichReporter, SetOption, console, progress_bar, user_errors
 
+app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
+
+@app.command("make-dataset")
 def make_dataset(
     config: str = typer.Argument(..., help="The config YAML whose dataset to prepare."),
     set_: list[str] = SetOption,
@@ -29,6 +32,7 @@ def make_dataset(
                   highlight=False)
 
 
+@app.command()
 def convert(
     config: str = typer.Argument(..., help="The config YAML whose dataset to convert."),
     to: str = typer.Option(..., "--to", help="The format: arrow or raw (4 KiB-aligned shards)."),

@@ -12,6 +12,8 @@ from rich.table import Table
 
 from loadopt.cli.console import SetOption, console, err_console, user_errors
 
+app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
+
 
 def auto_report(results_path: Any) -> None:
     """The report beside the results; the results are already on disk, so a failure here only warns."""
@@ -24,6 +26,7 @@ def auto_report(results_path: Any) -> None:
                           f"{escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}", highlight=False)
 
 
+@app.command()
 def report(
     results: list[str] = typer.Argument(..., help="results.json / measure.json files (or their folders); "
                                                   "several are compared side by side, against the first."),
@@ -43,6 +46,7 @@ def report(
     console.print(f"report: {path}", highlight=False)
 
 
+@app.command()
 def doctor() -> None:
     """What this machine offers: torch/CUDA, pinned memory, DALI, kvikio/GDS, shared memory, CPU, RAM."""
     from loadopt.doctor import run_checks
@@ -57,6 +61,7 @@ def doctor() -> None:
     console.print(table)
 
 
+@app.command()
 def explain(
     target: str = typer.Argument(..., help="A config YAML (what backend=auto does here) or a results.json "
                                            "(from loadopt bench or loadopt.measure), or its folder."),

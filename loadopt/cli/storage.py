@@ -14,7 +14,10 @@ from loadopt.cli.console import SetOption, console, progress_bar, user_errors
 from loadopt.cli.results import auto_report
 from loadopt.cli.tables import backend_lines, backends_table, probe_table, tiers_table
 
+app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
+
+@app.command()
 def probe(
     url: str = typer.Argument(..., help="A file or folder to read: a local path or an fsspec URL."),
     out: str = typer.Option("results/probe", "--out", help="Output folder of probe.json."),
@@ -74,6 +77,7 @@ def probe(
     console.print(f"results: {json_path}", highlight=False)
 
 
+@app.command()
 def tiers(
     config: str = typer.Argument(..., help="The config YAML whose workload (batch size, samples, step time) to serve."),
     tier_names: str = typer.Option(None, "--tiers", help="Comma-separated tier profiles (default: the config's "
