@@ -48,6 +48,7 @@ class Path:
     recipe: dict | None = None
     error: str | None = None
     own: Any = None  # a peer's backend kept for its own loop across rounds (FFCV compiles its pipeline once)
+    bounded: bool = False  # reads the encoded form bounded by max_side: run only where some source is larger
 
 
 def paths() -> list[Path]:
@@ -63,6 +64,11 @@ def paths() -> list[Path]:
         Path("loadopt torch tuned", "torch", jpeg, False, {"variant": "tuned", "num_workers": WORKERS}),
         Path("loadopt arrow encoded", "arrow", jpeg, False, {"form": "encoded", "threads": WORKERS}),
         Path("loadopt posix encoded", "posix", jpeg, False, {"form": "encoded", "threads": WORKERS}),
+        # FFCV jpg's input: JPEGs over max_side re-encoded at it (run where some source is larger; else the same)
+        Path("loadopt arrow encoded <= max_side", "arrow", jpeg, False,
+             {"form": "encoded", "frame": "whole", "threads": WORKERS}, bounded=True),
+        Path("loadopt posix encoded <= max_side", "posix", jpeg, False,
+             {"form": "encoded", "frame": "whole", "threads": WORKERS}, bounded=True),
         Path("loadopt dali cpu", "dali", jpeg, False,
              {"num_threads": WORKERS, "normalise": "device", "layout": "NHWC"}),
         Path("loadopt arrow decoded", "arrow", pre, False, {"form": "decoded", "threads": WORKERS}),
@@ -198,8 +204,10 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
     from loadopt.storage.imagefolder import open_dataset
 
     wanted = recipe.wanted(config.pipeline)
-    usable = prepare(config, chosen)
     sources_fit = sources_within(open_dataset(config), config.pipeline.max_side)
+    if sources_fit:  # the bounded encoded form holds the sources' own bytes: the encoded paths' rows
+        chosen = [p for p in chosen if not p.bounded]
+    usable = prepare(config, chosen)
     for round_index in range(rounds):
         turn = usable[round_index % len(usable):] + usable[: round_index % len(usable)]
         for path in turn:
@@ -224,7 +232,8 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
         print("FFCV in the ratios: its RandomResizedCrop has the plan's ranges (its own draws and kernel); its jpg "
               + ("re-encodes the sources at their own size (every frame <= max_side)" if sources_fit else
                  f"re-encodes frames bounded at max_side {config.pipeline.max_side} px, some sources are larger: "
-                 "it decodes fewer pixels than loadopt's JPEG paths (which decode the sources)"))
+                 "loadopt's `<= max_side` encoded paths read the same bounded JPEGs (q90; its other JPEG paths "
+                 "decode the sources)"))
     lines, measured = [], 0
     for kind, name in (("jpeg", "loadopt_vs_best_peer_jpeg"), ("predecoded", "loadopt_vs_best_peer_predecoded")):
         found = best_ratio([p for p in usable if not p.error], kind, same, rounds)
