@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +59,7 @@ def test_stall_fraction_of_a_foreground_loader(delay_s, body_s):
     assert metrics["batches"] == STEPS and metrics["samples"] == 4 * STEPS
     assert abs(metrics["stall_fraction"] - truth) < 0.03, (metrics["stall_fraction"], truth)
     assert abs(metrics["accelerator_utilisation"] - (1 - truth)) < 0.03
-    assert metrics["wait_p50_ms"] == pytest.approx(median(waited) * 1000, abs=3)
+    assert metrics["wait_p50_ms"] == pytest.approx(statistics.median(waited) * 1000, abs=3)
 
 
 @pytest.mark.parametrize("delay_s, body_s", [(0.02, 0.01), (0.01, 0.02)], ids=["loader-bound", "compute-bound"])
