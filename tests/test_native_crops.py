@@ -1,0 +1,55 @@
+"""Crops of stored pixels: the native batch crops (loadopt/_native.c) against a numpy reference, and the
+whole-frame crop + resize + flip (`crops.crop_frames`) fused against unfused: the same pixels."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from loadopt.loaders import crops
+
+
+def frames_batch(count: int, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """`count` whole frames of assorted sizes in one buffer: (sources, starts, frames (h, w, source h, source w))."""
+    rng = np.random.default_rng(seed)
+    dims = [(int(rng.integers(40, 120)), int(rng.integers(40, 120))) for _ in range(count)]
+    starts = np.cumsum([0] + [h * w * 3 for h, w in dims])[:-1].astype(np.int64)
+    pixels = rng.integers(0, 256, sum(h * w * 3 for h, w in dims), dtype=np.uint8)
+    frames = np.asarray([(h, w, 2 * h, 2 * w) for h, w in dims], np.int32)
+    return [pixels], starts, frames
+
+
+@pytest.mark.parametrize("augment", ["train", "eval"])
+def test_fused_crop_frames_equal_unfused(augment):
+    """The fused path (resize into the slot; a flipped crop resized into a scratch and mirrored by OpenCV)
+    gives the unfused path's pixels (resize, flip, copy), flipped or not."""
+    count, size = 12, 32
+    sources, starts, frames = frames_batch(count)
+    indices, which = np.arange(count), np.zeros(count, np.int32)
+    _, flips = crops.frame_boxes(indices, frames, augment, 3, 1)
+    if augment == "train":
+        assert 0 < flips.sum() < count  # both kinds of sample
+    fused, unfused = (np.zeros((count, size, size, 3), np.uint8) for _ in range(2))
+    with ThreadPoolExecutor(2) as pool:
+        crops.crop_frames(fused, indices, sources, which, starts, frames, augment, 3, 1, pool, 2, fused=True)
+        crops.crop_frames(unfused, indices, sources, which, starts, frames, augment, 3, 1, pool, 2, fused=False)
+    assert np.array_equal(fused, unfused)
+
+
+@pytest.mark.skipif(crops.native is None, reason="loadopt._native is not built here")
+@pytest.mark.parametrize("size", [224, 30])  # rows a multiple of 32 bytes, and not of 16
+def test_native_crop_batch_equals_numpy(size):
+    rng = np.random.default_rng(1)
+    stored, count = size + 9, 8
+    images = [rng.integers(0, 256, (stored, stored, 3), dtype=np.uint8) for _ in range(3)]
+    which = rng.integers(0, 3, count).astype(np.int32)
+    tops, lefts = rng.integers(0, stored - size + 1, count), rng.integers(0, stored - size + 1, count)
+    flips = (np.arange(count) % 2).astype(np.uint8)
+    offsets = crops.crop_offsets(np.zeros(count, np.int64), tops, lefts, stored)
+    out = np.zeros((count, size, size, 3), np.uint8)
+    crops.native.crop_batch(out, images, which, offsets, flips, stored * 3, size, 0, count, 2)
+    for k in range(count):
+        want = images[which[k]][tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
+        assert np.array_equal(out[k], want[:, ::-1] if flips[k] else want), k
