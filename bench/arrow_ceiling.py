@@ -55,6 +55,22 @@ def host_rate(loader, batches: int) -> tuple[float, float]:
     return nbytes / seconds, samples / seconds
 
 
+def median_epoch_rate(loader, epochs: int) -> tuple[float, float]:
+    """(bytes/s, samples/s) of the median of `epochs` full epochs timed one by one (the loader warmed
+    beforehand, at the start of an epoch): the same statistic as the copy reference (`memcpy_bandwidth`: the
+    median of 5 copies, each about as long as an epoch here), so another process's time slice landing in one
+    window moves neither figure (a single window of 3 epochs took every hiccup of this shared machine in)."""
+    rates = []
+    for _ in range(epochs):
+        start, nbytes, samples = time.perf_counter(), 0, 0
+        for batch in loader.host_batches():
+            nbytes += batch.inputs.numel() * batch.inputs.element_size()
+            samples += len(batch.indices)
+        seconds = time.perf_counter() - start
+        rates.append((nbytes / seconds, samples / seconds))
+    return statistics.median(r[0] for r in rates), statistics.median(r[1] for r in rates)
+
+
 def harness_rate(loader, batches: int) -> dict:
     return harness_run(loader, batches, warmup=5).metrics
 
@@ -65,6 +81,7 @@ def main() -> int:
     parser.add_argument("--tokens", default=str(REPO / "configs" / "tokens.yaml"))
     parser.add_argument("--batches", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=5, help="epochs per round of the centre crops (their median)")
     args = parser.parse_args()
 
     from loadopt.config import load_config
@@ -92,7 +109,7 @@ def main() -> int:
         before = memcpy_bandwidth.__wrapped__()
         print(f"round {round_index + 1}: memory copy {before / 1e9:.1f} GB/s (numpy.copyto, buffer 8x L3)")
         for augment, loader in centre.items():
-            nbytes, samples = host_rate(loader, args.batches * 3)
+            nbytes, samples = median_epoch_rate(loader, args.epochs)
             after = memcpy_bandwidth.__wrapped__()
             bandwidth, before = (before + after) / 2, after
             ratios[augment].append(nbytes / bandwidth)

@@ -116,6 +116,13 @@ def epoch_rate(loader, warm: bool) -> tuple[float, float]:
     return read / seconds, delivered / seconds
 
 
+def median_epoch_rate(loader, epochs: int) -> float:
+    """Delivered bytes/s of the median of `epochs` full epochs timed one by one (the loader warmed beforehand):
+    the same statistic as the copy reference (`memcpy_bandwidth`: the median of 5 copies, each about as long
+    as an epoch here), so another process's time slice landing in one window moves neither figure."""
+    return statistics.median(epoch_rate(loader, warm=False)[1] for _ in range(epochs))
+
+
 def samples_rate(loader, batches: int) -> float:
     """Samples/s of `batches` host batches, step time 0 (the loader warmed beforehand)."""
     iterator = host_batches_forever(loader)
@@ -132,6 +139,7 @@ def main() -> int:
     parser.add_argument("--config", default=str(REPO / "configs" / "imagenet.yaml"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--io-threads", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=5, help="epochs per round of the warm part (their median)")
     parser.add_argument("--frame-batches", type=int, default=30, help="batches per round of the whole-frame part")
     args = parser.parse_args()
 
@@ -216,7 +224,7 @@ def main() -> int:
         for _ in range(args.rounds):
             before = memcpy_bandwidth.__wrapped__()
             for label, loader in loaders.items():
-                rates[label].append(epoch_rate(loader, warm=False)[1])
+                rates[label].append(median_epoch_rate(loader, args.epochs))
                 after = memcpy_bandwidth.__wrapped__()
                 bracketing[label].append((before + after) / 2)
                 before = after
