@@ -10,7 +10,8 @@ manifests, conversions and decisions stay there), timed from inside it; peak mem
 
 - `open_cold`: `scan_image_folder` with no listing manifest: a `stat` of every file and the fingerprint
   (the dentry/inode cache is warm: evicting it needs root and would disturb the machine's other users);
-- `open_cached`: the same with the manifest saved by the cold open (one `stat` per folder);
+- `open_cached`: the same with the manifest saved by the cold open (one `stat` per folder); beside them
+  the manifest's size on disk and the index's in memory (paths, labels, sizes: what each rank holds);
 - `convert_arrow`, `convert_raw`: `loadopt convert --to arrow|raw --force` (the JPEG bytes), wall time and peak RSS;
 - `startup_<backend>` and `first_batch_<backend>`: `make_loader` (manifest cached, conversion done) and
   the time from `iter()` to the first batch, 4 workers (torch tuned) or 4 threads (arrow, encoded);
@@ -98,7 +99,11 @@ def stage_open(config: Path, cold: bool) -> dict:
         manifest.manifest_path(split, cache_dir()).unlink(missing_ok=True)
     started = time.perf_counter()
     dataset = scan_image_folder(str(cfg.dataset.path))
-    return {"seconds": time.perf_counter() - started, "samples": len(dataset), "fingerprint": dataset.fingerprint}
+    seconds = time.perf_counter() - started
+    saved = manifest.manifest_path(split, cache_dir())
+    index = dataset.paths.nbytes + dataset.labels.nbytes + dataset.sizes.nbytes
+    return {"seconds": seconds, "samples": len(dataset), "fingerprint": dataset.fingerprint,
+            "manifest_mb": saved.stat().st_size / 1e6 if saved.exists() else 0.0, "index_mb": index / 1e6}
 
 
 def stage_loader(config: Path, backend: str, epoch_batches: int) -> dict:
@@ -127,7 +132,9 @@ def stage_loader(config: Path, backend: str, epoch_batches: int) -> dict:
         end = tree_memory()
         out.update(epoch_s=time.perf_counter() - first, epoch_batches=done, pss_start=start["tree_pss"],
                    pss_end=end["tree_pss"], anon_start=start["tree_anon"], anon_end=end["tree_anon"],
-                   processes=end["processes"])
+                   processes=end["processes"],
+                   each=[[round(e["pss"]), round(e["anon"])] for e in start["each"]],
+                   each_end=[[round(e["pss"]), round(e["anon"])] for e in end["each"]])
     loader.close()
     return out
 
@@ -174,6 +181,8 @@ def measure_size(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[
         found, _, peak = run_child([*me, "--stage", "open_cold", "--config", str(config)], env)
         add("open_cold", found["seconds"])
         add("open_peak_mb", peak)
+        add("manifest_mb", found["manifest_mb"])
+        add("index_mb", found["index_mb"])
         found, _, _ = run_child([*me, "--stage", "open_cached", "--config", str(config)], env)
         add("open_cached", found["seconds"])
         for backend in args.backends:
@@ -190,7 +199,8 @@ def measure_size(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[
                 print(f"  {label(n)} {backend}: epoch of {found['epoch_batches']}/{found['batches']} batches in "
                       f"{found['epoch_s']:.1f} s, tree PSS {found['pss_start']:.0f} -> {found['pss_end']:.0f} MB "
                       f"({found['processes']} processes), anonymous {found['anon_start']:.0f} -> "
-                      f"{found['anon_end']:.0f} MB", flush=True)
+                      f"{found['anon_end']:.0f} MB; per process [PSS, anonymous] {found['each']} -> "
+                      f"{found['each_end']}", flush=True)
         print(f"  {label(n)} round {k + 1}/{args.rounds} done", flush=True)
     if not args.no_quick:
         _, wall, peak = run_child([*loadopt, "bench", str(config), "--quick", "--loaders", ",".join(args.backends),
@@ -200,8 +210,9 @@ def measure_size(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[
 
 
 SIZE_STAGES = ("open_cold", "open_cached", "convert_arrow", "convert_raw", "startup_torch", "first_batch_torch",
-               "startup_arrow", "first_batch_arrow", "bench_quick", "open_peak_mb", "convert_arrow_peak_mb",
-               "convert_raw_peak_mb", "pss_start_torch_mb", "pss_start_arrow_mb", "epoch_torch", "epoch_arrow")
+               "startup_arrow", "first_batch_arrow", "bench_quick", "open_peak_mb", "manifest_mb", "index_mb",
+               "convert_arrow_peak_mb", "convert_raw_peak_mb", "pss_start_torch_mb", "pss_start_arrow_mb",
+               "epoch_torch", "epoch_arrow")
 RATIOS = ("pss_growth_torch", "pss_growth_arrow", "anon_growth_torch", "anon_growth_arrow")
 
 
