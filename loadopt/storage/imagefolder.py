@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import fsspec
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from loadopt.config import Config, cache_dir
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage import manifest
+from loadopt.storage.records import RecordDataset
 from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact, why_denied, why_unreachable
 from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
@@ -41,6 +42,7 @@ class ImageDataset:
     fingerprint: str
     synthetic: bool = False
     converted: str | None = None  # where its conversions live when not in the cache (storage/tier_reads.py)
+    kind: ClassVar[str] = "images"  # what `recipe` and the backends' `supports` tell datasets apart by
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -189,12 +191,13 @@ def _from_manifest(root: Path, split: str) -> ImageDataset | None:
     files = [f for f in manifest["files"] if f[0].startswith(split + "/")]
     if not files:
         return None
-    classes = sorted({f[0].split("/")[1] for f in files})
+    labels = np.array([f[2] for f in files], dtype=np.int64)
+    classes = [f[0].split("/")[1] for f in (files[int(i)] for i in np.unique(labels, return_index=True)[1])]
     return ImageDataset(
         root=str(root / split),
         fs=fsspec.filesystem("file"),
-        paths=np.array([str(root / f[0]).encode() for f in files]),
-        labels=np.array([f[2] for f in files], dtype=np.int64),
+        paths=np.char.add(f"{root}/".encode(), np.array([f[0] for f in files], dtype=np.bytes_)),
+        labels=labels,
         sizes=np.array([f[1] for f in files], dtype=np.int64),
         classes=classes,
         fingerprint=root.name,  # synthetic-<key> for train (as ever), synthetic-<key>-val<count> for val
@@ -206,7 +209,8 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     """The dataset a config names (its `dataset.path`, the tier's `base`, or the synthetic one, generated if
     missing), read through `storage.tier`.
 
-    Images give an `ImageDataset`; `dataset.kind: tokens` a `TokenDataset` (one split: the file).
+    Images give an `ImageDataset`; `dataset.kind: tokens` a `TokenDataset` (one split: the file);
+    `dataset.kind: records` a `RecordDataset` (storage/records.py; one split: the folder).
     """
     tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
     if config.dataset.kind == "tokens":
@@ -215,7 +219,10 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
                               "tiers apply to image datasets (use storage.tier: local)")
         return _open_tokens(config, progress)
     path = dataset_root(tier, config.dataset.path, where=config.source)
-    if path is not None:
+    dataset: ImageDataset | RecordDataset
+    if config.dataset.kind == "records":
+        dataset = _open_records(config, path, tier.storage_options, progress)
+    elif path is not None:
         dataset = scan_image_folder(path, split, tier.storage_options)
     else:
         dataset = _open_synthetic(config, split, progress)
@@ -244,6 +251,25 @@ def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], N
     if dataset is None:
         raise DatasetError(f"{root}: the synthetic dataset has no split {split!r}")
     return dataset
+
+
+def _open_records(config: Config, path: str | None, storage_options: dict[str, Any] | None,
+                  progress: Callable[[int, int], None] | None) -> RecordDataset:
+    from loadopt.storage import integrity
+    from loadopt.storage.records import ensure_records, open_records, record_sizes
+
+    spec = config.dataset.records
+    if path is not None:
+        return open_records(path, spec, storage_options)
+    try:
+        folder = ensure_records(spec, cache_dir(), progress=progress)
+    except OSError as exc:
+        if integrity.is_no_space(exc):  # the partial folder is already gone (records.ensure_records)
+            needed = int(record_sizes(spec).sum()) * spec.samples_per_file
+            raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic records") from None
+        raise DatasetError(f"{cache_dir()}: cannot write the synthetic records into the cache ({exc}); "
+                           "set LOADOPT_CACHE to a writable folder") from None
+    return open_records(str(folder), spec, synthetic=True)
 
 
 def _open_tokens(config: Config, progress: Callable[[int, int], None] | None):
