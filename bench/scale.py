@@ -21,7 +21,8 @@ manifests, conversions and decisions stay there), timed from inside it; peak mem
   epoch; `--epoch-batches` caps it and the run says so). Growth between the two is what per-sample
   objects touched through the epoch cost (copy-on-read, pytorch/pytorch#13246); the anonymous part
   (heaps, shared memory) is printed beside it;
-- `bench_quick`: `loadopt bench --quick --loaders torch,arrow` wall time.
+- `bench_quick`: `loadopt bench --quick --loaders torch,arrow` wall time;
+- `permutation`: the epoch's shared order (`sampler.epoch_permutation`: every index, in every rank).
 
 Cheap stages run `--rounds` times (interleaved across stages), the median kept with its spread; an
 epoch and a conversion run once. Each cost is fitted as a * n^b between the two largest sizes run, and
@@ -172,6 +173,12 @@ def measure_size(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[
     def add(stage: str, value: float) -> None:
         costs.setdefault(stage, []).append(value)
 
+    from loadopt.loaders.sampler import epoch_permutation
+
+    for k in range(args.rounds):  # the shared order: one permutation of every index, in each rank
+        started = time.perf_counter()
+        epoch_permutation(n, 0, k)
+        add("permutation", time.perf_counter() - started)
     loadopt = [sys.executable, "-m", "loadopt"]
     for to in args.convert:  # conversions first (a loader's start-up then finds them)
         _, wall, peak = run_child([*loadopt, "convert", str(config), "--to", to, "--force"], env)
@@ -212,7 +219,8 @@ def measure_size(n: int, args: argparse.Namespace, env: dict[str, str]) -> dict[
 SIZE_STAGES = ("open_cold", "open_cached", "convert_arrow", "convert_raw", "startup_torch", "first_batch_torch",
                "startup_arrow", "first_batch_arrow", "bench_quick", "open_peak_mb", "manifest_mb", "index_mb",
                "convert_arrow_peak_mb", "convert_raw_peak_mb", "pss_start_torch_mb", "pss_start_arrow_mb",
-               "epoch_torch", "epoch_arrow")
+               "epoch_torch", "epoch_arrow", "permutation")
+EXTRAPOLATE = {"imagenet-1k": 1_281_167, "imagenet-21k": 14_197_122, "web-1b": 1_000_000_000}
 RATIOS = ("pss_growth_torch", "pss_growth_arrow", "anon_growth_torch", "anon_growth_arrow")
 
 
@@ -266,6 +274,14 @@ def main() -> int:
             if (not stage.endswith("_mb") or "peak" in stage) and not stage.startswith("epoch_"):
                 lines.append(result_line(f"scale_exponent_{stage}", b, "<=", 1.1))
         print(row)
+    if len(sizes) >= 2:  # the fits carried past this machine (README "Cost as the dataset grows")
+        print(f"\n{'extrapolated (a*n^b)':<22}" + "".join(f"{name:>16}" for name in EXTRAPOLATE))
+        for stage in stages:
+            medians = {n: statistics.median(r[stage]) for n, r in results.items() if stage in r}
+            if len(medians) >= 2 and stage not in RATIOS:
+                (n1, c1), (n2, c2) = sorted(medians.items())[-2:]
+                a, b = fit(n1, c1, n2, c2)
+                print(f"{stage:<22}" + "".join(f"{a * n**b:>16.4g}" for n in EXTRAPOLATE.values()))
     largest = sizes[-1]
     for stage, values in results[largest].items():
         if len(values) > 1:
