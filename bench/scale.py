@@ -97,14 +97,14 @@ def stage_open(config: Path, cold: bool) -> dict:
     cfg = load_config(config)
     split = str(Path(str(cfg.dataset.path)) / "train")
     if cold:
-        manifest.manifest_path(split, cache_dir()).unlink(missing_ok=True)
+        manifest.forget(split, cache_dir())
     started = time.perf_counter()
     dataset = scan_image_folder(str(cfg.dataset.path))
     seconds = time.perf_counter() - started
     saved = manifest.manifest_path(split, cache_dir())
     index = dataset.paths.nbytes + dataset.labels.nbytes + dataset.sizes.nbytes
     return {"seconds": seconds, "samples": len(dataset), "fingerprint": dataset.fingerprint,
-            "manifest_mb": saved.stat().st_size / 1e6 if saved.exists() else 0.0, "index_mb": index / 1e6}
+            "manifest_mb": manifest.size_bytes(saved) / 1e6, "index_mb": index / 1e6}
 
 
 def stage_loader(config: Path, backend: str, epoch_batches: int) -> dict:

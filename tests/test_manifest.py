@@ -56,12 +56,13 @@ def test_listing_matches_fsspec_and_is_reused(tmp_path: Path, own_cache: Path) -
     assert [p.decode() for p in first.paths] == names
     assert first.classes == ["cat", "dog"] and first.labels.tolist() == [0, 0, 1, 1]
     assert first.sizes.tolist() == [len(b"a.JPEG") * 3, len(b"b.jpg") * 3, len(b"b.jpg") * 3, len(b"c.png") * 3]
-    assert manifest.manifest_path(str(split), own_cache).is_file()
+    assert manifest.manifest_path(str(split), own_cache).is_dir()
     again = manifest.local_listing(str(split), fsspec.filesystem("file").unstrip_protocol(str(split)),
                                    IMAGE_EXTENSIONS, own_cache)
     assert again.cached and again.fingerprint == first.fingerprint
     assert np.array_equal(again.paths, first.paths) and np.array_equal(again.labels, first.labels)
     assert again.labels.dtype == np.int64 and again.paths.dtype.kind == "S"  # arrays, no Python objects
+    assert isinstance(again.paths, np.memmap) and not again.paths.flags.writeable  # shared by every process
 
 
 @pytest.mark.parametrize("change", ["add", "remove", "rename_class", "new_class"])
@@ -104,6 +105,31 @@ def test_a_folder_written_just_now_is_not_saved(tmp_path: Path, own_cache: Path)
 def test_a_damaged_manifest_is_listed_again(tmp_path: Path, own_cache: Path) -> None:
     split = _tree(tmp_path / "data")
     first = scan_image_folder(str(split))
-    path = manifest.manifest_path(str(split), own_cache)
-    path.write_bytes(path.read_bytes()[:100])
+    paths = manifest.manifest_path(str(split), own_cache) / "paths.npy"
+    paths.write_bytes(paths.read_bytes()[:100])
     assert scan_image_folder(str(split)).fingerprint == first.fingerprint
+
+
+def test_loaders_read_the_memory_mapped_listing(tmp_path: Path, own_cache: Path) -> None:
+    """A dataset opened from its manifest (read-only mapped arrays) gives the same batches, workers included."""
+    import torch
+
+    from loadopt.api import make_loader
+
+    from .conftest import make_image_folder, tiny_config_dict
+
+    make_image_folder(tmp_path / "data", classes=2, per_class=5)
+    _age(tmp_path / "data" / "train")
+    config = tiny_config_dict(tmp_path / "r", dataset={"path": str(tmp_path / "data")})
+
+    def epoch() -> list[torch.Tensor]:
+        loader = make_loader(config, backend="torch", device="cpu", num_workers=1, variant="tuned")
+        try:
+            return [labels for _, labels in loader]
+        finally:
+            loader.close()
+
+    listed = epoch()  # lists the folder and saves the manifest
+    assert manifest.manifest_path(str(tmp_path / "data" / "train"), own_cache).is_dir()
+    mapped = epoch()
+    assert [t.tolist() for t in mapped] == [t.tolist() for t in listed] and sum(map(len, mapped)) == 10

@@ -2,10 +2,11 @@
 
 Opening a dataset lists every file and fingerprints the listing (names, sizes, modification times):
 one `stat` a file, minutes at ImageNet-21k's 14M files. The listing is saved as numpy arrays
-(`<cache>/manifests/<key>.npz`: paths, labels, sizes, the class names, the fingerprint, and the
-modification time of the split folder and of each of its subfolders) and reused while none of those
-folders' modification times changed: one `stat` a folder (1,001 for ImageNet-1k), no per-sample
-Python work, the arrays loaded in bulk.
+(`<cache>/manifests/<key>/`: paths, labels and sizes as `.npy`, the modification time of the split
+folder and of each of its subfolders, and `meta.json` with the class names and the fingerprint) and
+reused while none of those folders' modification times changed: one `stat` a folder (1,001 for
+ImageNet-1k), no per-sample Python work, the arrays memory-mapped (read-only: every rank and worker on a
+machine shares one copy of their pages, the page cache's).
 
 What a folder's modification time sees: a file added, removed or renamed in it (so a file replaced by
 writing a temporary and renaming it, as most tools do), a class folder added, removed or renamed.
@@ -20,10 +21,12 @@ timestamps are coarse) is not saved, so a file added in the same clock tick is n
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import secrets
+import shutil
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +34,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+META = "meta.json"
 RACY_SECONDS = 2.0  # a folder modified this recently when listed may change again within its mtime's tick
 
 
@@ -58,7 +62,7 @@ def fingerprint(identity: str, relative: list[str], sizes: list[int], mtimes: li
 
 def manifest_path(root: str, cache: Path) -> Path:
     """Where the listing of the split folder `root` is kept (keyed by the name it is opened by)."""
-    return cache / "manifests" / f"{hashlib.sha256(root.encode()).hexdigest()[:24]}.npz"
+    return cache / "manifests" / hashlib.sha256(root.encode()).hexdigest()[:24]
 
 
 def _is_image(name: str, extensions: tuple[str, ...]) -> bool:
@@ -112,42 +116,57 @@ def list_local(root: str, identity: str, extensions: tuple[str, ...]) -> tuple[L
 
 
 def save(path: Path, listing: Listing, identity: str, folders: np.ndarray, mtimes: np.ndarray) -> None:
-    """Write the manifest (temp file + rename); best effort: a cache that cannot be written costs the
-    next open a listing, nothing else. `folders` empty: the listing was racy, nothing is saved."""
+    """Write the manifest folder (a temporary folder renamed into place); best effort: a cache that cannot
+    be written costs the next open a listing, nothing else. `folders` empty: the listing was racy, not saved."""
     if not len(folders):
         return
-    from loadopt.bench.results import atomic_write
-    from loadopt.errors import OutputError
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, version=np.int64(MANIFEST_VERSION), paths=listing.paths, labels=listing.labels,
-                     sizes=listing.sizes, classes=np.array(listing.classes, dtype=str),
-                     fingerprint=np.array(listing.fingerprint), identity=np.array(identity), folders=folders,
-                     mtimes=mtimes)
-
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, write)
-    except (OSError, OutputError) as exc:
+        tmp.mkdir(parents=True)
+        for name, array in (("paths", listing.paths), ("labels", listing.labels), ("sizes", listing.sizes),
+                            ("folders", folders), ("mtimes", mtimes)):
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+        meta = {"version": MANIFEST_VERSION, "identity": identity, "fingerprint": listing.fingerprint,
+                "classes": listing.classes}
+        (tmp / META).write_text(json.dumps(meta))
+        old = path.with_name(f"{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        if path.exists():  # readers holding the old arrays mapped keep them (unlinked files stay mapped)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
         log.debug("listing manifest not saved at %s: %s", path, exc)
 
 
+def forget(root: str, cache: Path) -> None:
+    """Remove the manifest of the split folder `root` (the next open lists it)."""
+    shutil.rmtree(manifest_path(root, cache), ignore_errors=True)
+
+
+def size_bytes(path: Path) -> int:
+    """Bytes the manifest folder `path` holds on disk (0 when there is none)."""
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else 0
+
+
 def load(path: Path, identity: str) -> Listing | None:
-    """The saved listing when every watched folder's mtime is unchanged (one `stat` each), else None."""
+    """The saved listing when every watched folder's mtime is unchanged (one `stat` each), else None. The
+    arrays are memory-mapped read-only: ranks and processes opening the same dataset share their pages."""
     try:
-        with np.load(path, allow_pickle=False) as saved:
-            if int(saved["version"]) != MANIFEST_VERSION:
+        meta = json.loads((path / META).read_text())
+        if meta.get("version") != MANIFEST_VERSION or meta.get("identity") != identity:
+            return None
+        folders, mtimes = np.load(path / "folders.npy"), np.load(path / "mtimes.npy")
+        for folder, mtime in zip(folders.tolist(), mtimes.tolist(), strict=True):
+            if os.stat(folder).st_mtime_ns != mtime:
                 return None
-            if str(saved["identity"]) != identity:
-                return None
-            folders, mtimes = saved["folders"], saved["mtimes"]
-            for folder, mtime in zip(folders.tolist(), mtimes.tolist(), strict=True):
-                if os.stat(folder).st_mtime_ns != mtime:
-                    return None
-            return Listing(paths=saved["paths"], labels=saved["labels"], sizes=saved["sizes"],
-                           classes=saved["classes"].tolist(), fingerprint=str(saved["fingerprint"]), cached=True)
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # missing, damaged, other layout: relist
+        paths, labels, sizes = (np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+                                for name in ("paths", "labels", "sizes"))
+        if not len(paths) == len(labels) == len(sizes):
+            return None
+        return Listing(paths=paths, labels=labels, sizes=sizes, classes=list(meta["classes"]),
+                       fingerprint=str(meta["fingerprint"]), cached=True)
+    except (OSError, ValueError, KeyError, TypeError):  # missing, damaged, of another layout: list again
         return None
 
 
