@@ -50,11 +50,29 @@ class TokenSpec(_Strict):
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
 
 
+class RecordSpec(_Strict):
+    """Record workloads (DLIO / MLPerf Storage: storage/records.py): generated when `dataset.path` is null,
+    else the layout of the record files there. Sizes are per record; DLIO's names in the comments."""
+
+    record_bytes: int = Field(150_528, gt=0)  # record_length_bytes (the mean)
+    record_bytes_stdev: int = Field(0, ge=0)  # record_length_bytes_stdev
+    samples_per_file: int = Field(1, gt=0)  # num_samples_per_file
+    num_files: int = Field(64, gt=0)  # num_files_train
+    file_format: Literal["raw", "npz"] = "npz"  # format (DLIO's tfrecord/hdf5 have no reader here)
+    # record_length_bytes_resize: the bytes of each record delivered to the accelerator (its first bytes)
+    delivered_bytes: int = Field(150_528, gt=0)
+    # The published sizes times this (1: as published); workload.accelerator's step time is scaled alike,
+    # so a scaled-down workload asks each accelerator for the published bytes per second.
+    scale: float = Field(1.0, gt=0, le=1)
+    seed: int = 0
+
+
 class DatasetConfig(_Strict):
-    kind: Literal["images", "tokens"] = "images"
+    kind: Literal["images", "tokens", "records"] = "images"
     path: str | None = None
     synthetic: SyntheticSpec = SyntheticSpec()
     tokens: TokenSpec = TokenSpec()
+    records: RecordSpec = RecordSpec()
     on_error: Literal["raise", "skip"] = "raise"
 
 
@@ -144,6 +162,8 @@ class Config(_Strict):
             from loadopt.bench.accelerators_table import published_step
 
             step_ms = published_step(self.workload.accelerator).step_time_ms(self.pipeline.batch_size)
+            if self.dataset.kind == "records":  # records scaled down: the same bytes per second per accelerator
+                step_ms *= self.dataset.records.scale
             if self.workload.step_time_ms != step_ms:  # (assigning re-runs this validator: stop when set)
                 self.workload = self.workload.model_copy(update={"step_time_ms": step_ms})
         return self

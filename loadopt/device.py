@@ -156,7 +156,7 @@ def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline:
     `scratch(shape, dtype, purpose)`, when given, returns a reusable output buffer (the emulated device's
     memory; on CUDA the caching allocator plays that part).
     """
-    if layout == "tokens":
+    if layout in ("tokens", "records"):
         return inputs
     channels_last = pipeline.memory_format == "channels_last"
     float_out = not (pipeline.dtype == "uint8" or normalised)

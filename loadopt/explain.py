@@ -61,14 +61,12 @@ def _recipe_differences(found: dict, config, dataset) -> list[str]:
     from loadopt import recipe
     from loadopt.errors import LoadoptError
     from loadopt.loaders.registry import backend_class
-    from loadopt.storage.tokens import TokenDataset
-
     try:
         cls = backend_class(found["backend"])
         loader = cls(dataset, config.pipeline, cls.Settings(**(found.get("settings") or {})), seed=config.seed)
     except (LoadoptError, KeyError, ValueError, TypeError):  # an unknown backend or setting: auto tells then
         return []
-    return recipe.differences(loader.recipe(), recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset)))
+    return recipe.differences(loader.recipe(), recipe.wanted(config.pipeline, kind=dataset.kind))
 
 
 def _run_sentence(run: Run) -> str:

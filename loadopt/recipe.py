@@ -16,7 +16,8 @@ name the difference. Fields:
 - `order`: set (to the library's name) by a loader whose library orders the samples itself (the peers,
   dali `reader: native`): not the same samples in the same order as the sampler's, as DataLoader's would
   be. It differs from the config's unless `pipeline.order: any` (the wanted recipe's `order`) allows it.
-Tokens: `kind: tokens` and `seq_len`.
+Tokens: `kind: tokens` and `seq_len`. Records (storage/records.py): `kind: records` (each record's first
+`dataset.records.delivered_bytes` bytes, by every backend that reads them).
 """
 
 from __future__ import annotations
@@ -37,39 +38,40 @@ class RecipeMismatch(DatasetError):
 
 def check(loader, pipeline) -> None:
     """Raise `RecipeMismatch` naming the difference when `loader`'s recipe is not `pipeline`'s."""
-    from loadopt.storage.tokens import TokenDataset
-
-    found = differences(loader.recipe(), wanted(pipeline, tokens=isinstance(loader.dataset, TokenDataset)))
+    found = differences(loader.recipe(), wanted(pipeline, kind=loader.dataset.kind))
     if found:
         raise RecipeMismatch(f"{loader.name} ({loader.describe()}) delivers another training input than the config: "
                              + "; ".join(found))
 
 
-def _base(pipeline, tokens: bool) -> dict[str, Any]:
-    if tokens:
+def _base(pipeline, kind: str) -> dict[str, Any]:
+    if kind == "tokens":
         return {"kind": "tokens", "seq_len": pipeline.seq_len}
+    if kind == "records":
+        return {"kind": "records"}
     normalise = "uint8" if pipeline.dtype == "uint8" else \
         f"float32 mean={tuple(pipeline.mean)} std={tuple(pipeline.std)}"
     return {"kind": "images", "image_size": pipeline.image_size, "normalise": normalise}
 
 
-def wanted(pipeline, tokens: bool = False) -> dict[str, Any]:
-    """The recipe the config asks for: the crop plan on the whole frame, at most `max_side` stored."""
-    recipe = _base(pipeline, tokens)
+def wanted(pipeline, kind: str = "images") -> dict[str, Any]:
+    """The recipe the config asks for (`kind`: the dataset's, images | tokens | records): for images the crop
+    plan on the whole frame, at most `max_side` stored."""
+    recipe = _base(pipeline, kind)
     recipe["order"] = getattr(pipeline, "order", "shared")  # `any`: a library's own order is allowed
-    if not tokens:
+    if kind == "images":
         recipe.update(crop=TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP,
                       stored=f"whole frame <= {pipeline.max_side} px", max_side=pipeline.max_side)
     return recipe
 
 
 def delivered(pipeline, frame: str | None = None, stored_size: int | None = None,
-              tokens: bool = False, reencoded_quality: int | None = None) -> dict[str, Any]:
+              kind: str = "images", reencoded_quality: int | None = None) -> dict[str, Any]:
     """What a loader delivers: `frame` None reads the source (JPEG) each epoch; `whole` decoded frames
     with the longer side at most `stored_size`, or with `reencoded_quality` JPEGs bounded by it (a larger
     source re-encoded at that quality); `centre` decoded `stored_size` squares."""
-    recipe = _base(pipeline, tokens)
-    if tokens:
+    recipe = _base(pipeline, kind)
+    if kind != "images":
         return recipe
     if frame == "centre":
         if pipeline.augment == "train":
@@ -113,6 +115,8 @@ def describe(recipe: dict[str, Any] | None) -> str:
         return "?"
     if recipe.get("kind") == "tokens":
         return f"tokens seq_len={recipe.get('seq_len')}"
+    if recipe.get("kind") == "records":
+        return "records"
     crop = recipe.get("crop", "?")
     crop = "RRC+flip" if crop == TRAIN_CROP else "centre 0.875" if crop == EVAL_CROP else crop.split(" (")[0]
     order = f" / order={recipe['order']}" if recipe.get("order") not in (None, "shared", "any") else ""

@@ -10,6 +10,10 @@ Closed/HPE/code/storage-conf/workload/):
     resnet50_h100.yaml: computation_time 0.224 s, batch_size 400
     unet3d_a100.yaml:   computation_time 0.636 s, batch_size 7
     unet3d_h100.yaml:   computation_time 0.323 s, batch_size 7
+    cosmoflow_a100.yaml: computation_time 0.00551 s, batch_size 1
+    cosmoflow_h100.yaml: computation_time 0.00350 s, batch_size 1
+(cosmoflow's as in DLIO's configs/workload/cosmoflow_{a100,h100}.yaml and mlcommons/storage's
+storage-conf/workload/cosmoflow_h100.yaml.)
 
 No other accelerator has a published MLPerf Storage figure in v1.0, so no other is listed (we do
 not guess one). The step time is per sample times the configured batch size: a step of a batch of
@@ -44,6 +48,8 @@ STEPS: dict[str, PublishedStep] = {
         ("h100", "resnet50", 400, 0.224),
         ("a100", "unet3d", 7, 0.636),
         ("h100", "unet3d", 7, 0.323),
+        ("a100", "cosmoflow", 1, 0.00551),
+        ("h100", "cosmoflow", 1, 0.00350),
     )
 }
 # `a100`/`h100` alone mean the image-classification figure (resnet50), loadopt's default workload.

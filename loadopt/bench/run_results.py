@@ -20,7 +20,6 @@ from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bytes_source
 from loadopt.storage.tiers import resolve_tier, sum_counters
-from loadopt.storage.tokens import TokenDataset
 
 
 @dataclass
@@ -59,7 +58,7 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
         runs.append(run)
     measured = sorted((r for r in runs if "metrics" in r),
                       key=lambda r: -(median(r["metrics"], "samples_per_s") or 0.0))
-    want = recipe.wanted(config.pipeline, tokens=isinstance(dataset, TokenDataset))
+    want = recipe.wanted(config.pipeline, kind=dataset.kind)
     # "fastest" among the settings that deliver the config's training input (loadopt.recipe)
     summary = summary_line([r for r in measured if not recipe.differences(r.get("recipe"), want)] or measured)
     return {

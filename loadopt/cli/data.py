@@ -1,5 +1,6 @@
-"""The dataset commands of the `loadopt` CLI: `make-dataset` (generate or check the config's dataset) and
-`convert` (to a backend's format, cached; `--verify` checks it, `--force` rebuilds it). Thin commands over
+"""The dataset commands of the `loadopt` CLI: `make-dataset` (generate or check the config's dataset),
+`import-dlio` (a DLIO workload file as a config) and `convert` (to a backend's format, cached; `--verify`
+checks it, `--force` rebuilds it). Thin commands over
 loadopt/storage/ (the formats and their conversions: storage/conversions.py); registered on the app in
 loadopt/cli/__init__.py.
 """
@@ -27,9 +28,23 @@ def make_dataset(
         with progress_bar() as progress:
             reporter = RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
-    console.print(f"{dataset.root}: {len(dataset):,} images in {len(dataset.classes)} classes, "
-                  f"mean {dataset.sizes.mean() / 1e3:,.1f} KB, {dataset.sizes.sum() / 1e6:,.1f} MB in all",
-                  highlight=False)
+    what = {"images": f"images in {len(dataset.classes)} classes", "tokens": f"windows of {cfg.pipeline.seq_len + 1} "
+            "tokens", "records": f"records in {len(getattr(dataset, 'files', []))} files"}[dataset.kind]
+    console.print(f"{dataset.root}: {len(dataset):,} {what}, mean {dataset.sizes.mean() / 1e3:,.1f} KB, "
+                  f"{dataset.sizes.sum() / 1e6:,.1f} MB in all", highlight=False)
+
+
+@app.command("import-dlio")
+def import_dlio(
+    workload: str = typer.Argument(..., help="A DLIO workload YAML (e.g. DLIO's configs/workload/unet3d_h100.yaml)."),
+) -> None:
+    """Print the loadopt config of a DLIO workload file (`> config.yaml`); what has no equivalent is named in
+    its header."""
+    from loadopt.dlio import import_dlio as imported
+
+    with user_errors():
+        text = imported(workload)
+    print(text, end="")
 
 
 @app.command()
@@ -49,6 +64,7 @@ def convert(
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done)."""
     from loadopt.config import load_config
+    from loadopt.errors import DatasetError
     from loadopt.storage import conversions
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.tokens import TokenDataset
@@ -59,6 +75,9 @@ def convert(
         with progress_bar() as progress:
             reporter = RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+            if dataset.kind == "records":
+                raise DatasetError(f"{config}: dataset.kind: records: there is no converted form of records; "
+                                   "the backends that read records read the record files themselves")
             form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
                                               frame, isinstance(dataset, TokenDataset), where="--size")
             label = f"{conversions.FORMATS[to]} {form.describe()}"  # as the backend names it

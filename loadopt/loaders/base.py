@@ -32,7 +32,7 @@ from loadopt.storage.tokens import TokenDataset
 log = logging.getLogger(__name__)
 
 # The memory layout of a produced batch's inputs: NCHW or NHWC pixels, or (B, seq_len) token ids.
-Layout = Literal["NCHW", "NHWC", "tokens"]
+Layout = Literal["NCHW", "NHWC", "tokens", "records"]
 
 # fn(inputs, labels) -> (inputs, labels) on each finished batch (see `Loader`)
 BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -52,11 +52,13 @@ class WorkKind(str, Enum):
 
 
 def work_kind_of_recipe(recipe: dict[str, Any] | None) -> WorkKind:
-    """The work a recipe (`loadopt.recipe`) implies: token windows, stored whole frames cropped and resized,
-    stored centre squares copied, or the source JPEG decoded every epoch."""
+    """The work a recipe (`loadopt.recipe`) implies: token windows, records read, stored whole frames cropped
+    and resized, stored centre squares copied, or the source JPEG decoded every epoch."""
     recipe = recipe or {}
     if recipe.get("kind") == "tokens":
         return WorkKind.TOKEN_GATHER
+    if recipe.get("kind") == "records":  # read the record, hand its first bytes over: the storage read bounds it
+        return WorkKind.IO
     stored = str(recipe.get("stored", "source"))
     if stored.startswith("whole frame"):
         return WorkKind.CROP_RESIZE
@@ -182,7 +184,7 @@ class Loader(ABC, Generic[SettingsT]):
     def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
         """Whether this backend can read `dataset` (an image folder, a token corpus), and why not. Never
         raises. `make_loader(backend="auto")` and `loadopt bench` pass over a backend that cannot."""
-        if isinstance(dataset, TokenDataset):
+        if dataset.kind != "images":
             return False, f"{cls.name} reads image datasets only"
         return True, ""
 
@@ -207,7 +209,7 @@ class Loader(ABC, Generic[SettingsT]):
         source images, decoded every epoch; backends reading a decoded form say what they store."""
         from loadopt import recipe
 
-        return recipe.delivered(self.pipeline, tokens=isinstance(self.dataset, TokenDataset))
+        return recipe.delivered(self.pipeline, kind=self.dataset.kind)
 
     def describe(self) -> str:
         """A short label of this setting for tables (e.g. `plain num_workers=2`)."""

@@ -39,7 +39,6 @@ from loadopt.errors import ConfigError, DatasetError, describe_sample_error
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader, WorkKind
 from loadopt.storage import tier_reads
-from loadopt.storage.tokens import TokenDataset
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +268,7 @@ class PeerLoader(Loader[PeerSettingsT]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if isinstance(self.dataset, TokenDataset):
+        if self.dataset.kind != "images":
             raise ConfigError(f"loaders.{self.name}: a peer backend reads image datasets only")
         if self.world_size > 1:
             raise ConfigError(f"loaders.{self.name}: peer backends run one rank here (their own node splitting "

@@ -120,6 +120,8 @@ class RingLoader(Loader[RingSettingsT]):
 
     @classmethod
     def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
+        if dataset.kind == "records":
+            return False, f"{cls.name} reads image folders and token corpora, not records"
         return True, ""  # image folders (converted), and token corpora (windows gathered)
 
     def recipe(self) -> dict[str, Any]:

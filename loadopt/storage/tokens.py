@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -38,6 +39,7 @@ class TokenDataset:
     classes: list[str] = field(default_factory=list)
     # No filesystem to read through (nor a storage tier): the corpus is a local memory map.
     fs: None = None
+    kind: ClassVar[str] = "tokens"  # what `recipe` and the backends' `supports` tell datasets apart by
 
     def __post_init__(self) -> None:
         count = max(0, (len(self.tokens) - 1) // self.seq_len)

@@ -1,0 +1,211 @@
+"""Record workloads (`dataset.kind: records`): samples of a stated size in files, as DLIO and MLPerf
+Storage describe their workloads (unet3d, resnet50, cosmoflow).
+
+A record folder holds files of `samples_per_file` records each, `raw` (the records back to back) or
+`npz` (numpy's zip of an `x` array, one row per record, as DLIO's npz generator writes). All records of
+one file share a size, drawn per file from a normal distribution of `record_bytes` and
+`record_bytes_stdev` (DLIO's `record_length_bytes` and `record_length_bytes_stdev`), so sizes spread as
+in the published workloads. `scale` multiplies the sizes (and `workload.accelerator`'s step time, in
+`loadopt.config`): a scaled-down workload asks each accelerator for the published bytes per second.
+
+Each sample is delivered as `delivered_bytes` bytes (its first bytes, zero-padded: DLIO's
+`record_length_bytes_resize`, what its reader hands the emulated accelerator), so batches stack. A raw
+file is read by the sample's own byte range; an npz file is opened and parsed whole, as DLIO's npz
+reader does (its bytes count as read: the goodput shows it). The synthetic folder is generated once
+into the cache, seeded, under a temporary name renamed when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import fsspec
+import numpy as np
+
+from loadopt.config import RecordSpec
+from loadopt.errors import DatasetError
+from loadopt.storage.integrity import honour_umask
+from loadopt.storage.remote import is_local_fs, open_url, redact
+
+GENERATOR_VERSION = 1
+MIN_RECORD_BYTES = 1024  # a draw below this (the normal's left tail) is clipped to it
+RECORD_EXTENSIONS = {"raw": ".bin", "npz": ".npz"}
+
+
+@dataclass
+class RecordDataset:
+    """The records of a folder of record files; the interface the loaders use for image datasets."""
+
+    root: str
+    fs: fsspec.AbstractFileSystem
+    files: np.ndarray  # fixed-width UTF-8 bytes, one per file, as `fs` names them
+    file_of: np.ndarray  # int64, the file of each sample
+    row_of: np.ndarray  # int64, the sample's row in its file
+    sizes: np.ndarray  # int64, stored bytes of each record
+    file_format: str  # raw | npz
+    delivered_bytes: int
+    fingerprint: str
+    synthetic: bool = False
+    classes: list[str] = field(default_factory=list)
+    converted: str | None = None
+    kind: ClassVar[str] = "records"
+
+    def __post_init__(self) -> None:
+        self.labels = np.zeros(len(self.sizes), dtype=np.int64)  # records carry no class; kept for the protocol
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def path(self, index: int) -> str:
+        return f"{self.files[self.file_of[index]].decode()} (record {int(self.row_of[index])})"
+
+    def is_local(self) -> bool:
+        return is_local_fs(self.fs)
+
+    def local_files(self) -> list[str]:
+        return [f.decode() for f in self.files] if self.is_local() else []
+
+    def read(self, index: int) -> tuple[np.ndarray, int]:
+        """Record `index`'s bytes (a uint8 array) and the bytes read from storage to get them."""
+        name = self.files[self.file_of[index]].decode()
+        row, size = int(self.row_of[index]), int(self.sizes[index])
+        try:
+            if self.file_format == "raw":
+                data = self.fs.cat_file(name, start=row * size, end=(row + 1) * size)
+                if len(data) != size:
+                    raise DatasetError(f"{redact(name)}: record {row} is cut short ({len(data)} of {size} bytes)")
+                return np.frombuffer(data, dtype=np.uint8), size
+            whole = self.fs.cat_file(name)
+            with np.load(io.BytesIO(whole)) as archive:
+                rows = archive["x"]
+            if rows.ndim != 2 or row >= len(rows):
+                raise DatasetError(f"{redact(name)}: not a record file of this layout (an `x` array of "
+                                   f"records, one per row; found shape {rows.shape})")
+            return rows[row].view(np.uint8), len(whole)
+        except DatasetError:
+            raise
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # missing file, bad zip, no `x`
+            raise DatasetError(f"{redact(name)}: cannot read record {row} ({exc})") from None
+
+    def deliver(self, record: np.ndarray, out: np.ndarray) -> None:
+        """The delivered form of `record` written into `out` (`delivered_bytes` uint8): its first bytes."""
+        count = min(len(record), len(out))
+        out[:count] = record[:count]
+        out[count:] = 0
+
+
+def record_sizes(spec: RecordSpec) -> np.ndarray:
+    """The record size of each file (bytes; all records of a file share it), drawn seeded per file."""
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    mean, stdev = spec.record_bytes * spec.scale, spec.record_bytes_stdev * spec.scale
+    sizes = rng.normal(mean, stdev, spec.num_files) if stdev > 0 else np.full(spec.num_files, mean)
+    return np.maximum(MIN_RECORD_BYTES, np.rint(sizes)).astype(np.int64)
+
+
+def _key(spec: RecordSpec) -> str:
+    wanted = spec.model_dump(exclude={"delivered_bytes"})  # what is delivered does not change the files
+    text = json.dumps({"version": GENERATOR_VERSION, "spec": wanted}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _write_file(path: Path, file_format: str, rows: np.ndarray) -> None:
+    if file_format == "raw":
+        path.write_bytes(rows.tobytes())
+    else:
+        with open(path, "wb") as handle:
+            np.savez(handle, x=rows, y=np.zeros(len(rows), dtype=np.uint8))
+
+
+def ensure_records(spec: RecordSpec, cache_dir: Path, progress: Callable[[int, int], None] | None = None) -> Path:
+    """The synthetic record folder for `spec`, generated (file by file, seeded) if missing."""
+    folder = cache_dir / "datasets"
+    final = folder / f"records-{_key(spec)}"
+    if final.exists():
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder))
+    try:
+        honour_umask(tmp, folder=True)
+        sizes = record_sizes(spec)
+        suffix = RECORD_EXTENSIONS[spec.file_format]
+        for number, size in enumerate(sizes.tolist()):
+            rng = np.random.Generator(np.random.PCG64([spec.seed, number]))
+            rows = rng.integers(0, 256, size=(spec.samples_per_file, size), dtype=np.uint8)
+            _write_file(tmp / f"file-{number:07d}{suffix}", spec.file_format, rows)
+            if progress is not None:
+                progress(number + 1, len(sizes))
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _npz_rows(fs: fsspec.AbstractFileSystem, name: str) -> tuple[int, int]:
+    """(records, bytes per record) of an npz record file, from its `x` array's header only."""
+    with fs.open(name, "rb") as handle, np.load(handle) as archive:
+        member = archive.zip.open("x.npy")
+        version = np.lib.format.read_magic(member)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(member)
+    if len(shape) != 2:
+        raise DatasetError(f"{redact(name)}: not a record file of this layout (an `x` array of records, one per "
+                           f"row; found shape {shape})")
+    return int(shape[0]), int(shape[1]) * np.dtype(dtype).itemsize
+
+
+def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | None = None,
+                 synthetic: bool = False) -> RecordDataset:
+    """The records of the folder at `path` (a path or URL): `*.bin` files of `samples_per_file` records
+    each, or `*.npz` files with an `x` array of records (one per row)."""
+    fs, root = open_url(path, storage_options)
+    shown = redact(path)
+    suffix = RECORD_EXTENSIONS[spec.file_format]
+    try:
+        if not fs.isdir(root):
+            raise DatasetError(f"{shown}: record folder not found")
+        found = sorted((info["name"], int(info["size"]), str(info.get("mtime") or info.get("LastModified") or ""))
+                       for info in fs.find(root, detail=True).values() if info["name"].endswith(suffix))
+    except DatasetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types
+        raise DatasetError(f"{shown}: cannot list the record folder ({redact(str(exc).splitlines()[0])})") from None
+    if not found:
+        raise DatasetError(f"{shown}: no {suffix} record files found (dataset.records.file_format: "
+                           f"{spec.file_format})")
+    file_of, row_of, sizes = [], [], []
+    for number, (name, size, _) in enumerate(found):
+        if spec.file_format == "raw":
+            rows = spec.samples_per_file
+            if size % rows:
+                raise DatasetError(f"{redact(name)}: {size} bytes is not {rows} records of one size "
+                                   "(dataset.records.samples_per_file)")
+            record = size // rows
+        else:
+            try:
+                rows, record = _npz_rows(fs, name)
+            except DatasetError:
+                raise
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+                raise DatasetError(f"{redact(name)}: not a readable npz record file ({exc})") from None
+        file_of.append(np.full(rows, number, dtype=np.int64))
+        row_of.append(np.arange(rows, dtype=np.int64))
+        sizes.append(np.full(rows, record, dtype=np.int64))
+    names = [name for name, _, _ in found]
+    # Names, sizes and modification times: a file rewritten in place is another dataset.
+    digest = hashlib.sha256(json.dumps([(fs.unstrip_protocol(n), s, m) for n, s, m in found]).encode()).hexdigest()[:16]
+    return RecordDataset(root=root, fs=fs, files=np.array([n.encode() for n in names]),
+                         file_of=np.concatenate(file_of), row_of=np.concatenate(row_of), sizes=np.concatenate(sizes),
+                         file_format=spec.file_format, delivered_bytes=spec.delivered_bytes,
+                         fingerprint=f"records-{digest}", synthetic=synthetic)
