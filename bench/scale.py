@@ -282,6 +282,12 @@ def main() -> int:
                 (n1, c1), (n2, c2) = sorted(medians.items())[-2:]
                 a, b = fit(n1, c1, n2, c2)
                 print(f"{stage:<22}" + "".join(f"{a * n**b:>16.4g}" for n in EXTRAPOLATE.values()))
+                # A fixed cost (imports, a process start) flattens the power law between small sizes: the
+                # marginal cost per file (c2 - c1) / (n2 - n1) carried linearly is the bound for per-file work.
+                per_file = (c2 - c1) / (n2 - n1)
+                if per_file > 0:
+                    print(f"{'  linear ' + format(per_file * 1e6, '.3g') + '/1M':<22}"
+                          + "".join(f"{c2 + per_file * (n - n2):>16.4g}" for n in EXTRAPOLATE.values()))
     largest = sizes[-1]
     for stage, values in results[largest].items():
         if len(values) > 1:
