@@ -27,11 +27,14 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from loadopt.storage import integrity
 
 GENERATOR_VERSION = 1  # bump whenever the image recipe or the layout changes
 MANIFEST = "manifest.json"
@@ -123,7 +126,10 @@ def ensure_synthetic(spec: SyntheticSpecLike, cache_dir: Path,
                     "num_samples": len(files), "total_bytes": sum(sizes), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         _publish(tmp, root)
-    except BaseException:
+    except BaseException as exc:
+        if lock is not None and integrity.is_no_space(exc):  # a full disk: nothing partial left, not even to resume
+            os.close(lock)
+            lock = None
         _release(tmp, lock)
         raise
     if lock is not None:
@@ -258,9 +264,16 @@ def _generate(params: dict[str, int], layout: Layout, indices: range, tmp: Path,
         else:
             methods = multiprocessing.get_all_start_methods()
             context = multiprocessing.get_context("fork" if "fork" in methods else None)
-            with context.Pool(min(workers, len(jobs))) as pool:
-                for chunk in pool.imap_unordered(_write_chunk, jobs):
-                    collect(chunk)
+            # concurrent.futures, not multiprocessing.Pool: Pool's terminate after a worker's error (a full
+            # disk) was seen to hang for good joining its handler threads.
+            with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
+                futures = [pool.submit(_write_chunk, job) for job in jobs]
+                try:
+                    for future in as_completed(futures):
+                        collect(future.result())
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)  # the chunks under way end; none starts
+                    raise
     return sizes
 
 
