@@ -29,6 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,9 +56,13 @@ def fingerprint(identity: str, relative: list[str], sizes: list[int], mtimes: li
     """16 hex digits naming the dataset: `identity` (its root) and every file's relative name, size and
     modification time (the listing's own form of it; "" where it has none), fed to one digest in bulk."""
     digest = hashlib.sha256(identity.encode())
+    _digest_lines(digest, relative, sizes, mtimes)
+    return digest.hexdigest()[:16]
+
+
+def _digest_lines(digest: Any, relative: list[str], sizes: list[int], mtimes: list[str]) -> None:
     lines = "".join([f"{name}\0{size}\0{mtime}\n" for name, size, mtime in zip(relative, sizes, mtimes, strict=True)])
     digest.update(lines.encode())
-    return digest.hexdigest()[:16]
 
 
 def manifest_path(root: str, cache: Path) -> Path:
@@ -69,46 +74,61 @@ def _is_image(name: str, extensions: tuple[str, ...]) -> bool:
     return name.lower().endswith(extensions)
 
 
+def _list_class(class_path: str, extensions: tuple[str, ...]) -> list[tuple[str, int, str]]:
+    """(file, size, mtime) of the images in one class folder, by name."""
+    found = []
+    with os.scandir(class_path) as inside:
+        for entry in inside:
+            if entry.is_dir(follow_symlinks=False) or not _is_image(entry.name, extensions):
+                continue
+            own = entry.stat(follow_symlinks=False)
+            size = own.st_size
+            if entry.is_symlink():
+                try:
+                    size = entry.stat().st_size
+                except OSError:
+                    size = 0
+            found.append((entry.name, size, str(own.st_mtime)))
+    found.sort()
+    return found
+
+
 def list_local(root: str, identity: str, extensions: tuple[str, ...]) -> tuple[Listing, np.ndarray, np.ndarray]:
     """Walk `<root>/<class>/<file>` with `os.scandir` (a `stat` per file, as fsspec's local `find`
     gives the same names, sizes and mtimes: a symlinked file's own mtime, its target's size; symlinked
-    folders are not followed). Also returns the folders watched (root first) and their mtimes (ns)."""
+    folders are not followed). One class folder at a time: its entries are digested and turned into
+    arrays before the next is listed, so the Python objects held are one class's, not the dataset's.
+    Also returns the folders watched (root first) and their mtimes (ns)."""
     started = time.time()
-    root_stat = os.stat(root)
-    folders, folder_mtimes = [root], [root_stat.st_mtime_ns]
-    entries: list[tuple[str, str, int, str]] = []  # (class, file, size, mtime)
+    folders, folder_mtimes = [root], [os.stat(root).st_mtime_ns]
     with os.scandir(root) as top:
         classes_found = sorted((e.name, e.path) for e in top if e.is_dir(follow_symlinks=False))
+    digest = hashlib.sha256(identity.encode())
+    classes: list[str] = []
+    paths, labels, sizes = [], [], []
     for class_name, class_path in classes_found:
         try:
-            folder_mtimes.append(os.stat(class_path).st_mtime_ns)
-            with os.scandir(class_path) as inside:
-                for entry in inside:
-                    if entry.is_dir(follow_symlinks=False) or not _is_image(entry.name, extensions):
-                        continue
-                    own = entry.stat(follow_symlinks=False)
-                    size = own.st_size
-                    if entry.is_symlink():
-                        try:
-                            size = entry.stat().st_size
-                        except OSError:
-                            size = 0
-                    entries.append((class_name, entry.name, size, str(own.st_mtime)))
-        except FileNotFoundError:  # removed while listed: the next open lists again (mtimes differ)
-            folder_mtimes.pop()
+            mtime = os.stat(class_path).st_mtime_ns
+            found = _list_class(class_path, extensions)
+        except FileNotFoundError:  # removed while listed: the next open lists again (the root's mtime differs)
             continue
         folders.append(class_path)
-    entries.sort()
-    relative = [f"{c}/{f}" for c, f, _, _ in entries]
-    sizes = [s for _, _, s, _ in entries]
-    classes = sorted({c for c, _, _, _ in entries})
-    class_index = {c: i for i, c in enumerate(classes)}
+        folder_mtimes.append(mtime)
+        if not found:
+            continue
+        relative = [f"{class_name}/{name}" for name, _, _ in found]
+        class_sizes = [size for _, size, _ in found]
+        _digest_lines(digest, relative, class_sizes, [m for _, _, m in found])
+        paths.append(np.array([f"{root}/{r}".encode() for r in relative]))
+        sizes.append(np.array(class_sizes, dtype=np.int64))
+        labels.append(np.full(len(found), len(classes), dtype=np.int64))
+        classes.append(class_name)
     listing = Listing(
-        paths=np.array([f"{root}/{r}".encode() for r in relative]) if entries else np.array([], dtype="S1"),
-        labels=np.array([class_index[c] for c, _, _, _ in entries], dtype=np.int64),
-        sizes=np.array(sizes, dtype=np.int64),
+        paths=np.concatenate(paths) if paths else np.array([], dtype="S1"),
+        labels=np.concatenate(labels) if labels else np.array([], dtype=np.int64),
+        sizes=np.concatenate(sizes) if sizes else np.array([], dtype=np.int64),
         classes=classes,
-        fingerprint=fingerprint(identity, relative, sizes, [m for _, _, _, m in entries]),
+        fingerprint=digest.hexdigest()[:16],
     )
     mtimes = np.array(folder_mtimes, dtype=np.int64)
     racy = bool(len(mtimes)) and mtimes.max() / 1e9 > started - RACY_SECONDS
