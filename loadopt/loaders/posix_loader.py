@@ -111,9 +111,11 @@ class PosixReader:
             os.close(fd)
         self.fds = []
 
-    def __del__(self) -> None:  # a loader built only to convert (the bench's probe) is never closed
-        if getattr(self, "fds", None):
-            self.close()
+    def __del__(self, _close=os.close) -> None:  # a loader built only to convert (the bench's probe) is never closed
+        # os.close bound at definition: at interpreter exit the module's globals may already be gone (None)
+        for fd in getattr(self, "fds", None) or []:
+            _close(fd)
+        self.fds = []
 
 
 class PosixLoader(RingLoader[PosixSettings]):
