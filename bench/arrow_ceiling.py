@@ -5,7 +5,11 @@
    shuffled order, step time 0: the bytes of the batches it delivers per second, against one
    `numpy.copyto` of a buffer 8x the L3 cache measured just before and just after (their mean); train
    (random crop + flip of the square) and eval (centre) crops. Target >= 0.6. The crops of a batch are
-   one native call, its 2 threads in C (`_native.crop_batch`), 32-byte streaming stores.
+   one native call, its 2 threads in C (`_native.crop_batch`), 32-byte streaming stores. In each round the
+   loader's rate is the median of 5 epochs timed one by one (`--epochs`): the copy's statistic (the median
+   of 5 copies of about an epoch's length); one window of 3 epochs took in every other process's time slice
+   where the copy's median did not (0.418, spread 0.292-0.676; 0.624, 0.459-1.13 in the same hour as the
+   figures here). Measured: train 0.85 (spread 0.701-1.40), eval 1.23 (0.856-1.45), load average 10.
 2. Crop + resize ceiling, whole frames (`frame: whole`, the default under `augment: train`: the same
    training input as the JPEG paths): decoded arrow's images/s against the rate at which this machine
    turns the same stored frames into samples (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop
@@ -15,13 +19,15 @@
    itself, but on 2 threads of one process, which share one GIL (the per-sample torch calls) after the
    batch's crop plan is drawn serially (about a tenth of a batch here); measured at a median of 1.02
    (spread 0.95-1.11) with the 2 cores at a load average of about 15 (0.80 with the ceiling measured
-   once a round, before the loader only).
+   once a round, before the loader only); 1.06 (0.426-1.74, load 10) since a flipped crop is resized into
+   an HWC scratch and mirrored into its slot (loader and ceiling both ~1.7x cheaper).
 3. Images: decoded arrow (the config's pipeline: whole frames under train, the same recipe as torch)
    against the `torch` backend's best setting (tuned, the best worker count), both through the harness
    (step time 0), images/s, interleaved in every round; each round's ratio against the worker count
    with the best median. Target >= 1.5: the whole frame is resized every epoch on both paths, so arrow
    saves the JPEG decode only (measured: 3.6x on a quieter machine, medians of 2.57 and 2.53 at load
-   averages of 12-15); the centre form's 10x and more came from storing a different training input.
+   averages of 12-15, 2.01 later; 4.06 (spread 3.23-6.11, load 10) since the flipped crops' resize writes an
+   HWC scratch); the centre form's 10x and more came from storing a different training input.
 4. Tokens: arrow against the torch memmap loader (best worker count), tokens/s. Target >= 1.0.
 
 Every figure: rounds interleaved (5 by default), the median held, the spread printed.

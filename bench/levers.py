@@ -11,8 +11,12 @@ loaders' threads), in images/s:
   the output each way, against scale 1 (both decoding only the crop). Other pixels: the share of
   samples it applies to and the mean |difference| in levels are printed.
 - lever_fused_resize: the decoded whole-frame paths' crop + resize + flip (`crops.crop_frames` on frames
-  stored as the decoded forms store them) resizing straight into the batch's slot and mirroring with
-  OpenCV, against resize into a new tensor, flip (a copy), copy into the slot. Same pixels.
+  stored as the decoded forms store them) resizing straight into the batch's HWC slot (a flipped crop into
+  an HWC scratch, mirrored into its slot by OpenCV), against resize into a new tensor, flip (a copy), copy
+  into the slot. Same pixels. It was 1.08 (spread 0.995-1.26): torch's kernel returns a new tensor as NCHW
+  (~290 us against ~190 us into an HWC target, 224 px) and the flipped crops, half of them, then paid a
+  transposing copy as the unfused path does; since, 1.73 (spread 1.15-1.89; per CPU second 1.76, 1.69-1.82),
+  1.9 and 1.65 at load averages of 10-11.
 - lever_jpeg_path: every JPEG-path lever that is on by default (region decode + fused resize) against none.
 - lever_region_decode_loader (with `--loader-batches N`): the same lever end to end, the `torch` tuned
   loader (2 worker processes) in the harness, step time 0, with region decoding against without it

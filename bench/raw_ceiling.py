@@ -17,7 +17,16 @@ crop + resize ceiling instead.
    posix with the page cache warmed by random reads only (prefill off), and arrow.
    Target >= 0.6 (the arrow backend's ceiling target); the decoded arrow backend's rate is shown beside
    it for context (no preadv copy: it crops straight from the mapped file).
-   The copy is measured just before and just after each loader's epoch and their mean taken.
+   In each round a loader's rate is the median of 5 epochs timed one by one (`--epochs`), the copy's the
+   median of 5 copies of about an epoch's length, measured just before and just after the loader's epochs
+   (their mean taken): the same statistic on both sides. One epoch a round (the figure held before) took in
+   whichever other process's time slice fell into its ~40 ms, where the copy's median did not: 0.418 (spread
+   0.355-0.462, load 1.4-10), and 0.67 (0.378-0.872) in the same hour as the figures below. Measured since:
+   0.893 (spread 0.784-1.30; load average 10-11, copy 7.9 GB/s) and 0.828 (0.743-1.02; load 9.6, copy
+   13.3 GB/s); arrow beside it 1.15 and 0.855, posix prefill off 0.82 and 0.86. Profiled (perf, warm epochs):
+   the crop's copy and mirror take ~75% of the cycles (memory-bound: a 32-byte streaming-store mirror was
+   no faster), mincore ~5% (43 us a batch once the mappings' page tables are filled, 220 us before), the
+   Python of producer and consumer ~40-60 us a batch.
    Posix crops cached samples straight from read-only mappings of the shards (`through_cache`), so the
    page cache's history matters little once they are mapped; the bench measures from both states and
    states them: the shards read in sequentially from an evicted start (posix's prefill: large folios),
@@ -34,7 +43,10 @@ crop + resize ceiling instead.
    one GIL (the per-sample torch calls). Cached frames are cropped from the shards' mappings (no staging
    copy of whole frames) and the next batch's crop plan is drawn while one is cropped (it was drawn
    serially, about a tenth of a batch here). Measured at medians of 0.738 (spread 0.645-0.805; ceiling
-   about 2,070 samples/s, load average 2-7) and 0.97 (load 11-16); 0.614 before those two changes.
+   about 2,070 samples/s, load average 2-7) and 0.97 (load 11-16); 0.614 before those two changes. Since
+   a flipped crop is resized into an HWC scratch and mirrored into its slot (`crops.crop_frames`: the
+   loader's and the ceiling's work both ~1.7x cheaper): 0.883 (spread 0.665-0.946) and 1.0 (0.943-1.62), load
+   average 10.
 Every figure is printed with its spread over the rounds (5 by default) and held on the median; the
 rounds of each part are interleaved (subject and reference measured in every round).
 
