@@ -139,3 +139,23 @@ def test_import_dlio_bad_files_are_one_line(tmp_path, text, message):
     path.write_text(text)
     result = CliRunner().invoke(app, ["import-dlio", str(path)])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_tiers_count_the_accelerators_a_tier_keeps_on_records(tmp_path):
+    from loadopt.bench.procurement import demand, run_tiers
+
+    raw = records_config(tmp_path, "raw", record_bytes=8_000, record_bytes_stdev=0, samples_per_file=8,
+                         num_files=8, delivered_bytes=4_000)
+    raw["workload"]["step_time_ms"] = 20
+    config = config_from_dict(raw, "rec.yaml")
+    need = demand(config, 8_000.0, 0.9)["mb_per_s_at_threshold"]
+    # A tier of 2.5 accelerators' bandwidth keeps 2 at AU >= 0.9; an unbounded one is limited by the
+    # dataset: 64 records give at most 16 accelerators a batch of 4.
+    tiers = [{"name": "bw2", "bandwidth_mb_s": 2.5 * need, "latency_ms": 1.0}, {"name": "fast", "latency_ms": 0.1}]
+    result = run_tiers(config, tiers, au=0.9, max_accelerators=64, warmup_s=0.4, measure_s=1.2, budget_s=60)
+    limited, fast = result["tiers"]
+    assert abs(limited["accelerators_supported"] - 2) <= 1, limited["trials"]
+    assert limited["capacity_tb"] == pytest.approx(64 * 8_000 / 1e12)
+    if fast["accelerators_supported"] == 16:  # (fewer where this machine's 2 cores run out first)
+        assert "bounded by the dataset: 64 samples give at most 16 accelerators" in fast["measured_note"]
+    assert max(t["accelerators"] for t in fast["trials"]) <= 16

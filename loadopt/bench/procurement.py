@@ -151,8 +151,9 @@ def _open_for_tier(config: Config, spec: TierSpec):
     tier_config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"tier": spec.model_dump(mode="json")})})
     dataset = open_dataset(tier_config)
-    if getattr(dataset, "sizes", None) is None or not hasattr(dataset, "path"):
-        raise ConfigError(f"{config.source}: dataset.kind: `loadopt tiers` reads image datasets (sample files)")
+    if dataset.kind == "tokens":
+        raise ConfigError(f"{config.source}: dataset.kind: `loadopt tiers` reads image datasets and records "
+                          "(sample files), not a memory-mapped token corpus")
     return dataset
 
 
@@ -236,7 +237,13 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
             say(f"{spec.name}: {n} accelerators")
             return run_consumers(_tier_dataset(dataset, spec), settings, n, warmup_s, measure_s)
 
-        measured, trials, note = search(trial, au, max_accelerators, budget_s)
+        # Each accelerator reads its own shard: one with less than a batch would have nothing to read.
+        most = min(max_accelerators, max(1, len(dataset) // config.pipeline.batch_size))
+        measured, trials, note = search(trial, au, most, budget_s)
+        if most < max_accelerators and measured == most:
+            note = (f"at least {most}: the search stops there, bounded by the dataset: {len(dataset):,} samples "
+                    f"give at most {most} accelerators a batch of {config.pipeline.batch_size} each (a larger "
+                    "dataset lifts it)")
         at = next((t for t in trials if t["accelerators"] == measured), None)
         cost = tier_costs(spec, capacity, measured)
         # one key each (loadopt.schema.TierRow, schema version 2): the keys `loadopt report` reads
@@ -280,7 +287,10 @@ def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64) -> dict[
     """The probe of a tier for prediction: sequential reads and whole-sample reads at 1, 4, 16 and 64 in
     flight (those up to `most_in_flight`, and that one: no more are ever in flight in the search)."""
     levels = sorted({c for c in (1, 4, 16, 64) if c < most_in_flight} | {min(64, most_in_flight)})
-    root = os.path.dirname(os.path.dirname(dataset.path(0)))  # <root>/<class>/<sample>, as the tier's fs names it
+    if dataset.kind == "records":  # <root>/<record file>
+        root = os.path.dirname(dataset.files[0].decode())
+    else:  # <root>/<class>/<sample>, as the tier's fs names it
+        root = os.path.dirname(os.path.dirname(dataset.path(0)))
     return probe(root, fs=dataset.fs, block_sizes=(), concurrencies=tuple(levels), duration_s=duration_s,
                  seq_bytes=64 << 20, whole_files=True, cold=False, max_requests=200_000)
 
