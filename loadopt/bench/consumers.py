@@ -133,8 +133,15 @@ def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: flo
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise DatasetError(f"consumer failed: {errors[0]}")
-    results.sort(key=lambda r: r["rank"])
-    cores = usable_cores()
+    return combine(results, count, warmup_s, measure_s)
+
+
+def combine(results: list[dict[str, Any]], count: int, warmup_s: float, measure_s: float,
+            machines: int = 1) -> dict[str, Any]:
+    """One trial's figures from its consumers' (`consume`'s): the mean AU, the sums, the CPU load over the
+    cores of the `machines` they ran on."""
+    results = sorted(results, key=lambda r: r["rank"])
+    cores = usable_cores() * machines
     cpu_s = sum(r["cpu_s"] for r in results)
     return {"accelerators": count,
             "accelerator_utilisation": float(np.mean([r["accelerator_utilisation"] for r in results])),
@@ -142,9 +149,5 @@ def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: flo
             "samples_per_s": sum(r["samples_per_s"] for r in results),
             "mb_per_s": sum(r["mb_per_s"] for r in results),
             "failed_reads": sum(r["failed_reads"] for r in results),
-            # the consumers' CPU over what the machine's cores offered in the same time
+            # the consumers' CPU over what the machines' cores offered in the same time
             "cpu_load": cpu_s / ((warmup_s + measure_s) * cores), "per_consumer": results}
-
-
-# ---------------------------------------------------------------------------------------------
-# Search and prediction

@@ -61,6 +61,11 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def launched_rank() -> int:
+    """This process's rank under torchrun (from its environment, before any process group), else 0."""
+    return int(os.environ["RANK"]) if launched() else 0
+
+
 class Ranks:
     """One process: rank 0 of 1. Each method is what the bench does at that point under torchrun
     (`TorchrunRanks`); here it does it directly."""

@@ -212,9 +212,11 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
               readers: int = 4, prefetch: int = 2, warmup_s: float = 1.0, measure_s: float = 3.0,
               probe_s: float = 1.0, budget_s: float = 300.0, capacity_tb: float | None = None,
               progress: Progress | None = None, backends_out: str | None = None, backend_warmup: int = 3,
-              backend_batches: int = 20) -> dict[str, Any]:
+              backend_batches: int = 20, consumers: Callable[..., dict[str, Any]] = run_consumers,
+              ranks: int | None = None) -> dict[str, Any]:
     """For each tier: supported accelerators (measured and predicted), with what was delivered and cost;
-    with `backends_out` (a folder), also every backend compared on it (`compare_backends`)."""
+    with `backends_out` (a folder), also every backend compared on it (`compare_backends`). `consumers` plays
+    a trial's accelerators (forked processes; under torchrun the job's `ranks`, bench/tier_ranks.py)."""
     if not 0 < au <= 1:
         raise ConfigError(f"--au {au}: expected a utilisation threshold in (0, 1]")
     if max_accelerators < 1:
@@ -235,15 +237,19 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
 
         def trial(n: int, spec: TierSpec = spec, dataset=dataset) -> dict[str, Any]:
             say(f"{spec.name}: {n} accelerators")
-            return run_consumers(_tier_dataset(dataset, spec), settings, n, warmup_s, measure_s)
+            return consumers(_tier_dataset(dataset, spec), settings, n, warmup_s, measure_s)
 
-        # Each accelerator reads its own shard: one with less than a batch would have nothing to read.
-        most = min(max_accelerators, max(1, len(dataset) // config.pipeline.batch_size))
+        most, bound = max_accelerators, None
+        by_data = max(1, len(dataset) // config.pipeline.batch_size)  # each accelerator reads its own shard
+        if by_data < most:
+            most, bound = by_data, (f"bounded by the dataset: {len(dataset):,} samples give at most {by_data} "
+                                    f"accelerators a batch of {config.pipeline.batch_size} each (a larger dataset "
+                                    "lifts it)")
+        if ranks is not None and ranks < most:
+            most, bound = ranks, f"bounded by the torchrun job: {ranks} ranks, one accelerator each"
         measured, trials, note = search(trial, au, most, budget_s)
-        if most < max_accelerators and measured == most:
-            note = (f"at least {most}: the search stops there, bounded by the dataset: {len(dataset):,} samples "
-                    f"give at most {most} accelerators a batch of {config.pipeline.batch_size} each (a larger "
-                    "dataset lifts it)")
+        if bound is not None and measured == most:
+            note = f"at least {most}: the search stops there, {bound}"
         at = next((t for t in trials if t["accelerators"] == measured), None)
         cost = tier_costs(spec, capacity, measured)
         # one key each (loadopt.schema.TierRow, schema version 2): the keys `loadopt report` reads

@@ -102,8 +102,9 @@ def tiers(
     and which backend is fastest through it."""
     from pathlib import Path
 
-    from loadopt.bench.procurement import run_tiers
+    from loadopt.bench.distributed import launched_rank
     from loadopt.bench.results import atomic_write_text, prepare_output
+    from loadopt.bench.tier_ranks import run_tiers_here
     from loadopt.config import load_config
     from loadopt.schema import results_text
     from loadopt.storage.tiers import load_tier_profiles
@@ -116,17 +117,21 @@ def tiers(
             names = [cfg.storage.tier]
         else:
             names = list(load_tier_profiles())
-        folder = prepare_output(out)
+        # Under torchrun rank 0 writes (the other ranks may be on machines without the folder).
+        folder = prepare_output(out) if launched_rank() == 0 else Path(out)
         if quick:
             measure, warmup, budget, backend_batches = min(measure, 1.0), min(warmup, 0.5), min(budget, 30.0), \
                 min(backend_batches, 8)
         with progress_bar() as progress:
             task = progress.add_task("tiers", total=None)
-            result = run_tiers(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
-                               warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
-                               progress=lambda text: progress.update(task, description=text),
-                               backends_out=str(Path(folder) / "backends") if backends else None,
-                               backend_warmup=2 if quick else 3, backend_batches=backend_batches)
+            # Alone, or one rank of `torchrun ... -m loadopt tiers` (each rank one accelerator: bench/tier_ranks.py)
+            result = run_tiers_here(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
+                                    warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
+                                    progress=lambda text: progress.update(task, description=text),
+                                    backends_out=str(Path(folder) / "backends") if backends else None,
+                                    backend_warmup=2 if quick else 3, backend_batches=backend_batches)
+        if result is None:  # a torchrun rank other than 0: rank 0 writes and prints
+            return
         json_path = Path(folder) / "tiers.json"
         atomic_write_text(json_path, results_text(result))
     console.print(tiers_table(result))
