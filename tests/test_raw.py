@@ -331,3 +331,16 @@ def test_a_prefill_of_a_missing_shard_names_it(tmp_path):
     missing = tmp_path / "shard-00007.bin"
     with pytest.raises(DatasetError, match=f"^{missing}: cannot read \\(No such file or directory\\)$"):
         prefill([missing])
+
+
+def test_the_o_direct_staging_buffer_is_page_aligned_zeroed_and_writable():
+    """`aligned_empty` (private anonymous map, huge pages where given): at a page boundary as O_DIRECT
+    requires, at least the bytes asked for in whole pages, zeroed, writable."""
+    from loadopt.loaders.posix_loader import aligned_empty
+
+    for nbytes in (1, 4096, 5 << 20):
+        buffer = aligned_empty(nbytes)
+        assert buffer.ctypes.data % 4096 == 0 and len(buffer) >= nbytes and len(buffer) % 4096 == 0
+        assert not buffer.any()
+        buffer[:] = 7
+        assert buffer[-1] == 7
