@@ -159,3 +159,19 @@ def test_tiers_count_the_accelerators_a_tier_keeps_on_records(tmp_path):
     if fast["accelerators_supported"] == 16:  # (fewer where this machine's 2 cores run out first)
         assert "bounded by the dataset: 64 samples give at most 16 accelerators" in fast["measured_note"]
     assert max(t["accelerators"] for t in fast["trials"]) <= 16
+
+
+def test_records_in_dlio_npz_layout_are_read(tmp_path):
+    folder = tmp_path / "dlio"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for k in range(2):  # as DLIO's NPZGenerator writes them: x (dim1, dim2, samples), y labels
+        np.savez(folder / f"img_{k + 1}_of_2.npz", x=rng.integers(0, 255, size=(30, 40, 3), dtype=np.uint8),
+                 y=[0, 0, 0])
+    config = config_from_dict({"dataset": {"kind": "records", "path": str(folder), "records": {
+        "samples_per_file": 3, "file_format": "npz", "delivered_bytes": 1000}}}, "dlio.yaml")
+    dataset = open_dataset(config)
+    assert len(dataset) == 6 and set(dataset.sizes.tolist()) == {1200}
+    record, _ = dataset.read(4)  # file 1, sample 1
+    with np.load(folder / "img_2_of_2.npz") as archive:
+        assert np.array_equal(record, archive["x"][..., 1].reshape(-1))

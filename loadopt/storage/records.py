@@ -2,7 +2,8 @@
 Storage describe their workloads (unet3d, resnet50, cosmoflow).
 
 A record folder holds files of `samples_per_file` records each, `raw` (the records back to back) or
-`npz` (numpy's zip of an `x` array, one row per record, as DLIO's npz generator writes). All records of
+`npz` (numpy's zip of an `x` array: one row per record, or DLIO's npz generator's layout, (dim1, dim2,
+samples) with record i = x[..., i], so loadopt reads the files DLIO generated). All records of
 one file share a size, drawn per file from a normal distribution of `record_bytes` and
 `record_bytes_stdev` (DLIO's `record_length_bytes` and `record_length_bytes_stdev`), so sizes spread as
 in the published workloads. `scale` multiplies the sizes (and `workload.accelerator`'s step time, in
@@ -88,9 +89,11 @@ class RecordDataset:
             whole = self.fs.cat_file(name)
             with np.load(io.BytesIO(whole)) as archive:
                 rows = archive["x"]
+            if rows.ndim == 3 and row < rows.shape[2]:  # DLIO's layout: (dim1, dim2, samples)
+                return np.ascontiguousarray(rows[..., row]).reshape(-1).view(np.uint8), len(whole)
             if rows.ndim != 2 or row >= len(rows):
                 raise DatasetError(f"{redact(name)}: not a record file of this layout (an `x` array of "
-                                   f"records, one per row; found shape {rows.shape})")
+                                   f"records, one per row, or DLIO's (dim1, dim2, samples); found shape {rows.shape})")
             return rows[row].view(np.uint8), len(whole)
         except DatasetError:
             raise
@@ -159,9 +162,11 @@ def _npz_rows(fs: fsspec.AbstractFileSystem, name: str) -> tuple[int, int]:
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
             np.lib.format.read_array_header_2_0
         shape, _, dtype = read_header(member)
+    if len(shape) == 3:  # DLIO's npz generator: (dim1, dim2, samples), a record being x[..., i]
+        return int(shape[2]), int(shape[0]) * int(shape[1]) * np.dtype(dtype).itemsize
     if len(shape) != 2:
         raise DatasetError(f"{redact(name)}: not a record file of this layout (an `x` array of records, one per "
-                           f"row; found shape {shape})")
+                           f"row, or DLIO's (dim1, dim2, samples); found shape {shape})")
     return int(shape[0]), int(shape[1]) * np.dtype(dtype).itemsize
 
 
