@@ -147,13 +147,14 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
     def run(positions: np.ndarray) -> None:
         if ONE_TORCH_THREAD_EACH:  # each pool thread is one core's worth: no OpenMP team of its own per resize
             torch.set_num_threads(1)
-        scratch = np.empty(out.shape[1:], np.uint8) if mirror else None  # HWC, as a slot
+        scratch = np.empty(out.shape[1:], np.uint8)  # HWC, as a slot: a flipped crop resized here, then mirrored
+        scratch_chw = torch.from_numpy(scratch).permute(2, 0, 1)
         for k in positions:
             height, width = int(frames[k][0]), int(frames[k][1])
             start = int(starts[k])
             pixels = np.asarray(sources[which[k]])[start : start + height * width * 3].reshape(height, width, 3)
-            if scratch is not None and flips[k]:  # the same pixels: resized unflipped, then mirrored
-                crop_resize_flip_into(pixels, tuple(boxes[k]), False, torch.from_numpy(scratch).permute(2, 0, 1))
+            if mirror and flips[k]:  # the same pixels: resized unflipped, then mirrored
+                crop_resize_flip_into(pixels, tuple(boxes[k]), False, scratch_chw)
                 cv2.flip(scratch, 1, dst=out[k])
             else:
                 crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k], fused)
