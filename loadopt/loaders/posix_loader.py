@@ -60,17 +60,17 @@ HUGE_PAGE = 2 << 20
 
 def aligned_empty(nbytes: int) -> np.ndarray:
     """A zeroed uint8 buffer at a page boundary (private anonymous mmap), as O_DIRECT requires, in
-    transparent huge pages where the kernel gives them (MADV_HUGEPAGE; a multiple of 2 MiB), touched once:
-    an O_DIRECT read then pins a few huge pages instead of a page table walk and a bio segment per 4 KiB
-    page (the shared anonymous map used before was shmem: 4 KiB pages and its slower pinning path)."""
+    transparent huge pages where the kernel gives them (MADV_HUGEPAGE; a multiple of 2 MiB): an O_DIRECT
+    read then pins a few huge pages instead of a page table walk and a bio segment per 4 KiB page (the
+    shared anonymous map used before was shmem: 4 KiB pages and its slower pinning path)."""
     size = max(ALIGN, int(align_up(nbytes)))
     size = -(-size // HUGE_PAGE) * HUGE_PAGE if size >= HUGE_PAGE else size
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    buffer = np.frombuffer(mapping, np.uint8)[: max(ALIGN, int(align_up(nbytes)))]
-    buffer[::mmap.PAGESIZE] = 0  # every page faulted in here, not in the first timed reads
-    return buffer
+    # Not touched here: a loader allocates its staging every epoch and may never read into it (batches
+    # cropped from the page cache); the reads fault in the pages they fill.
+    return np.frombuffer(mapping, np.uint8)[: max(ALIGN, int(align_up(nbytes)))]
 
 
 class ShardReader(Protocol):
