@@ -17,7 +17,32 @@ bound): where sources are larger it decodes fewer pixels than loadopt's JPEG pat
 `--truth` instead runs each peer backend through the harness beside its own loop (step 0, second epoch)
 and prints `RESULT peer_truth_<peer>` (harness / own loop: the harness handicaps no one at >= 0.9).
 
+FFCV jpg's input is its JPEGs re-encoded at <= max_side (q90). Where some source is larger, loadopt's
+encoded forms bounded the same way run too (`<= max_side`: arrow/posix `form: encoded, frame: whole`, stored
+form `reencoded`, imaging/reencode.py), so the JPEG ratio compares the same input.
+
     python bench/peers.py [--config configs/peers.yaml] [--rounds 5] [--batches 40] [--truth] [--only a,b]
+                          [--set KEY=VALUE ...]
+
+Measured (2 cores shared with other helpers and CI, torch 2.14.1 venv with every peer, 2026-12-01; img/s
+medians, min-max over 5 interleaved rounds; the recipe column of the `<= max_side` rows says `source` until
+RingLoader.recipe passes the stored form, COORD request):
+- default (`--rounds 5 --batches 10`, 4,000 ~400 x 350 JPEGs, load 11-14): ffcv jpg 215 (184-296), streaming 274
+  (242-488), litdata 259, webdataset 217; loadopt posix encoded 464 (329-515), arrow encoded 432, torch tuned
+  457, `<= max_side` 422-451; ffcv raw 343 (258-482), loadopt posix decoded 4,518 (2,326-5,442), arrow
+  decoded 2,833. RESULT loadopt_vs_best_peer_jpeg 1.51 (1.05-1.86) pass, predecoded 10.2 (6.79-21.1) pass.
+- photos_large (`--config configs/photos_large.yaml --rounds 5 --batches 4`: 128 ~3000 x 2000 JPEGs, an epoch
+  of 4 batches of 32, every path crossing epochs; load 9-12): the source-decoding paths 10-23 img/s (torch
+  plain 10, torch tuned 16, arrow/posix encoded 17/23, dali cpu 17, webdataset 15, streaming 13, litdata 16;
+  31-55 CPU s/1k); ffcv jpg 134 (126-336, 3.98 CPU s/1k), loadopt arrow encoded <= max_side 581 (218-730,
+  2.03 CPU s/1k), posix 561; ffcv raw 272 (220-364), loadopt arrow decoded 1,943 (1,633-4,133). RESULT
+  loadopt_vs_best_peer_jpeg 4.19 (0.649-5.45) pass, predecoded 8.26 (5.87-15.2) pass. FFCV here is below
+  its default-set rate on frames of the same size: it restarts its epoch iterator every 4 batches (CPU per
+  sample: loadopt's bounded path 0.51x FFCV jpg's). With `--set pipeline.batch_size=8 --batches 10` (one
+  epoch, load 9-14) FFCV's per-batch cost weighs more: ffcv jpg 68, loadopt <= max_side 785; 11.5 / 34.
+- The bounded conversion itself (`loadopt convert configs/photos_large.yaml --to arrow --frame whole
+  --force`): 128 photos in 6.0 s, 11.5 MB (a reduced-DCT-scale decode, 23 ms a photo against 51 ms for the
+  full decode + resize), where the decoded frames take 17.2 s, 68.8 MB.
 """
 
 from __future__ import annotations
@@ -208,6 +233,10 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
     if sources_fit:  # the bounded encoded form holds the sources' own bytes: the encoded paths' rows
         chosen = [p for p in chosen if not p.bounded]
     usable = prepare(config, chosen)
+    per_epoch = len(open_dataset(config)) // config.pipeline.batch_size
+    if WARMUP + batches > per_epoch:  # FFCV, e.g., starts its epoch iterator (a thread, its buffers) at each one
+        print(f"note: an epoch is {per_epoch} batches, fewer than the {WARMUP} + {batches} each path runs: every "
+              "path crosses epochs in its window (a smaller pipeline.batch_size, --set, keeps it in one)")
     for round_index in range(rounds):
         turn = usable[round_index % len(usable):] + usable[: round_index % len(usable)]
         for path in turn:
@@ -284,11 +313,13 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--truth", action="store_true", help="each peer in the harness against its own loop")
     parser.add_argument("--only", default="", help="comma-separated backends to run (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, as `loadopt bench --set` (e.g. pipeline.batch_size=8)")
     args = parser.parse_args()
 
     from loadopt.config import load_config
 
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     only = {name for name in args.only.split(",") if name}
     chosen = [p for p in paths() if not only or p.backend in only]
     print(f"config {args.config}: {config.dataset.synthetic.num_samples if config.dataset.synthetic else ''} "
