@@ -18,7 +18,7 @@
  *   threads  threads copying (this one and threads - 1 started for the call), a sample at a time
  * The GIL is released while copying.
  *
- * read_crops(out, maps, fds, which, offsets, flips, stride, size, first, last, threads)
+ * read_crops(out, maps, fds, which, offsets, flips, stride, size, first, last, threads[, check])
  *   The same crops from files: `maps[s]` a read-only mapping of shard s, `fds[s]` its descriptor,
  *   `which[k]` sample k's shard, `offsets[k]` the file offset of its top-left pixel. Where mincore says
  *   the crop's rows are all in the page cache they are cropped straight from the mapping: one copy, as
@@ -27,6 +27,10 @@
  *   crop from there, and a miss counted. `threads` threads (this one and threads - 1 started for the
  *   call) take the samples one at a time. Returns (misses, failed position or -1, errno or -1 for a file
  *   that ended). One call per batch: no Python per sample or per thread; the GIL released throughout.
+ *   `check` 0: no mincore; every sample cropped from its mapping (a page not cached is read in by the page
+ *   fault), and the misses returned are the threads' major faults during the call (getrusage): a caller
+ *   that saw a batch all cached checks the next ones this way. mincore per sample cost posix's warm
+ *   crops ~15% here (a system call a sample: its entry and exit, and mmap's lock).
  *
  * uncached(maps, which, offsets, lengths) -> int
  *   How many of the samples (`lengths[k]` bytes at `offsets[k]` of mapping `maps[which[k]]`) are not all
@@ -45,6 +49,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -190,17 +195,20 @@ typedef struct {
     Py_ssize_t stride, size, span, sample_bytes, last;
     Py_ssize_t next, misses, failed; /* atomics */
     int error;                       /* of the sample `failed` */
+    int check;                       /* mapped files: mincore each sample (else count major faults) */
 } crop_job;
 
 static void *crop_worker(void *arg) {
     crop_job *job = arg;
     uint8_t *scratch = NULL;
     unsigned char *vector = malloc((size_t)(job->span / page_size + 2));
+    struct rusage before;
+    int faults = job->fd_at != NULL && !job->check && getrusage(RUSAGE_THREAD, &before) == 0;
     for (;;) {
         Py_ssize_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (k >= job->last || __atomic_load_n(&job->failed, __ATOMIC_RELAXED) >= 0) break;
         const uint8_t *from = (const uint8_t *)job->views[job->which_at[k]].buf + job->offset_at[k];
-        if (job->fd_at != NULL && (vector == NULL || !resident(from, job->span, vector))) { /* read, not fault */
+        if (job->fd_at != NULL && job->check && (vector == NULL || !resident(from, job->span, vector))) {
             __atomic_fetch_add(&job->misses, 1, __ATOMIC_RELAXED);
             int error = scratch == NULL && (scratch = malloc((size_t)job->span)) == NULL ? ENOMEM : 0;
             if (error == 0) error = read_fully(job->fd_at[job->which_at[k]], scratch, job->span, job->offset_at[k]);
@@ -221,6 +229,9 @@ static void *crop_worker(void *arg) {
 #if LOADOPT_SIMD
     _mm_sfence(); /* this thread's streaming stores, visible before the join hands the batch over */
 #endif
+    struct rusage after;
+    if (faults && getrusage(RUSAGE_THREAD, &after) == 0)
+        __atomic_fetch_add(&job->misses, (Py_ssize_t)(after.ru_majflt - before.ru_majflt), __ATOMIC_RELAXED);
     free(scratch);
     free(vector);
     return NULL;
@@ -281,7 +292,7 @@ static PyObject *crop_batch(PyObject *self, PyObject *args) {
         }
     }
     crop_job job = {out.buf, views, NULL, which_at, offset_at, flip_at, stride, size, span, sample_bytes, last, first,
-                    0, -1, 0};
+                    0, -1, 0, 1};
     Py_BEGIN_ALLOW_THREADS
     run_job(&job, threads);
     Py_END_ALLOW_THREADS
@@ -300,8 +311,9 @@ done:
 static PyObject *read_crops(PyObject *self, PyObject *args) {
     PyObject *out_obj, *maps_obj, *fds_obj, *which_obj, *offsets_obj, *flips_obj;
     Py_ssize_t stride, size, first, last, threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnnnn", &out_obj, &maps_obj, &fds_obj, &which_obj, &offsets_obj, &flips_obj,
-                          &stride, &size, &first, &last, &threads))
+    int check = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnnnn|p", &out_obj, &maps_obj, &fds_obj, &which_obj, &offsets_obj, &flips_obj,
+                          &stride, &size, &first, &last, &threads, &check))
         return NULL;
     if (size <= 0 || first < 0 || last < first || stride < 3 * size || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "read_crops: bad size, stride, sample range or thread count");
@@ -331,7 +343,7 @@ static PyObject *read_crops(PyObject *self, PyObject *args) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(maps, acquired), &views[acquired], PyBUF_SIMPLE) < 0)
             goto done;
     crop_job job = {out.buf, views, fds.buf, which.buf, offsets.buf, flips.buf, stride, size, span, sample_bytes,
-                    last, first, 0, -1, 0};
+                    last, first, 0, -1, 0, check};
     for (Py_ssize_t k = first; k < last; k++) { /* every sample checked before any read */
         if (job.which_at[k] < 0 || job.which_at[k] >= nmaps || job.offset_at[k] < 0 ||
             job.offset_at[k] + span > views[job.which_at[k]].len) {

@@ -53,3 +53,39 @@ def test_native_crop_batch_equals_numpy(size):
     for k in range(count):
         want = images[which[k]][tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
         assert np.array_equal(out[k], want[:, ::-1] if flips[k] else want), k
+
+
+@pytest.mark.skipif(crops.native is None, reason="loadopt._native is not built here")
+@pytest.mark.parametrize("check", [True, False])
+def test_native_read_crops_from_mapped_files_equal_numpy(tmp_path, check):
+    """Crops from read-only mappings of files, mincore checked per sample or not (`check`: then the threads'
+    major faults are the misses): the numpy crops of the same bytes; nothing missed in a file just written."""
+    import mmap
+    import os
+
+    rng = np.random.default_rng(2)
+    stored, size, count = 40, 32, 10
+    images = [rng.integers(0, 256, (6, stored, stored, 3), dtype=np.uint8) for _ in range(2)]
+    maps, fds = [], []
+    for s, pixels in enumerate(images):
+        path = tmp_path / f"shard{s}"
+        path.write_bytes(pixels.tobytes())
+        fds.append(os.open(path, os.O_RDONLY))
+        maps.append(mmap.mmap(fds[-1], 0, access=mmap.ACCESS_READ))
+    try:
+        which = rng.integers(0, 2, count).astype(np.int32)
+        samples, tops, lefts = (rng.integers(0, n, count) for n in (6, stored - size + 1, stored - size + 1))
+        flips = rng.integers(0, 2, count).astype(np.uint8)
+        offsets = crops.crop_offsets(samples * stored * stored * 3, tops, lefts, stored)
+        out = np.zeros((count, size, size, 3), np.uint8)
+        misses, failed, _ = crops.native.read_crops(out, maps, np.asarray(fds, np.int32), which, offsets, flips,
+                                                    stored * 3, size, 0, count, 2, check)
+        assert (misses, failed) == (0, -1)
+        for k in range(count):
+            want = images[which[k]][samples[k], tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
+            assert np.array_equal(out[k], want[:, ::-1] if flips[k] else want), k
+    finally:
+        for mapping in maps:
+            mapping.close()
+        for fd in fds:
+            os.close(fd)
