@@ -9,7 +9,8 @@
    loader's rate is the median of 5 epochs timed one by one (`--epochs`): the copy's statistic (the median
    of 5 copies of about an epoch's length); one window of 3 epochs took in every other process's time slice
    where the copy's median did not (0.418, spread 0.292-0.676; 0.624, 0.459-1.13 in the same hour as the
-   figures here). Measured: train 0.85 (spread 0.701-1.40), eval 1.23 (0.856-1.45), load average 10.
+   figures here). Measured: train 0.85 (spread 0.701-1.40), 0.952 (0.633-1.42), 1.14 (0.673-1.56); eval
+   1.23 (0.856-1.45), 0.911 (0.71-1.63), 0.903 (0.647-1.6); load averages 8-14.
 2. Crop + resize ceiling, whole frames (`frame: whole`, the default under `augment: train`: the same
    training input as the JPEG paths): decoded arrow's images/s against the rate at which this machine
    turns the same stored frames into samples (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop
