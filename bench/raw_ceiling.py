@@ -13,7 +13,7 @@ crop + resize ceiling instead.
    cannot read faster than that, and on this virtual disk it is below the sequential rate at times.
    posix's staging buffers were a shared anonymous map (shmem: 4 KiB pages, its slower pinning path for
    O_DIRECT): 0.816 and 0.889 at load averages of 10-14. Private and in huge pages since (MADV_HUGEPAGE;
-   an epoch's CPU 278 -> 118 ms, its rate 1,234 -> 2,612 MB/s interleaved): 1.49, 1.91, 1.18 and 1.52 at
+   an epoch's CPU 278 -> 118 ms, its rate 1,234 -> 2,612 MB/s interleaved): 1.49, 1.91, 1.18, 1.52, 1.72 at
    load averages of 10-16 (the sequential reference swings 1.0-3.0 GB/s from round to round).
 2. Warm cache: posix without O_DIRECT after one full epoch (which reads the shards in with its
    prefill), the bytes of the batches it delivers per second, against one `numpy.copyto` of a buffer
@@ -32,7 +32,8 @@ crop + resize ceiling instead.
    no faster), the Python of producer and consumer ~40-60 us a batch, and mincore, a system call a
    sample, ~15% of the rate (posix 9.6 GB/s with it, 11.4 without, arrow 10.5, interleaved): it now checks
    only until a batch is all cached and after a miss (`through_cache`). Since: 0.716 (spread 0.497-1.21;
-   load average 14, copy 8.8 GB/s) and 0.794 (0.694-1.24; load 16, CPU pressure 99%), arrow 0.786 and 0.802.
+   load average 14, copy 8.8 GB/s), 0.794 (0.694-1.24; load 16, CPU pressure 99%) and 1.47 (1.29-1.61; load
+   14.5, posix 9.5 GB/s, copy 7.7 GB/s); arrow beside it 0.786, 0.802 and 1.02.
    Posix crops cached samples straight from read-only mappings of the shards (`through_cache`), so the
    page cache's history matters little once they are mapped; the bench measures from both states and
    states them: the shards read in sequentially from an evicted start (posix's prefill: large folios),
@@ -52,9 +53,10 @@ crop + resize ceiling instead.
    about 2,070 samples/s, load average 2-7) and 0.97 (load 11-16); 0.614 before those two changes. Since
    a flipped crop is resized into an HWC scratch and mirrored into its slot (`crops.crop_frames`: the
    loader's and the ceiling's work both ~1.7x cheaper): 0.883 (spread 0.665-0.946), 1.0 (0.943-1.62), 0.937
-   and 0.879 at load averages of 10-14, but 0.651 (0.515-1.2) and 0.577 (0.427-1.24) at 14-16 with the CPU
-   pressure at 99%: the loader's 2 threads hand one GIL back and forth per sample, the ceiling's 2
-   processes do not, and each hand-over waits for the scheduler on a machine that busy.
+   and 0.879 at load averages of 10-14, 0.915 (0.547-1.96) at 14.5, but 0.651 (0.515-1.2) and 0.577
+   (0.427-1.24) at 14-16 with the CPU pressure at 96-99%: the loader's 2 threads hand one GIL back and
+   forth per sample, the ceiling's 2 processes do not, and each hand-over waits for the scheduler on a
+   machine that busy.
 Every figure is printed with its spread over the rounds (5 by default) and held on the median; the
 rounds of each part are interleaved (subject and reference measured in every round).
 
