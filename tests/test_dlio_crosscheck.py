@@ -52,6 +52,8 @@ def test_loadopt_reads_dlio_npz_files_through_the_imported_workload(crosscheck, 
     figures = crosscheck.loadopt_figures(workload_file, train, epochs=2)
     assert 0.0 < figures["au"] <= 1.0 and figures["samples_per_s"] > 0
     assert figures["au"] == pytest.approx(figures["samples_per_s"] / crosscheck.BATCH * 0.002)
+    costs = crosscheck.read_costs(workload_file, train)
+    assert costs["loadopt"] > 0 and costs["dlio"] > 0
 
 
 def test_without_dlio_it_says_how_to_install_and_prints_no_result(crosscheck, monkeypatch, capsys):
