@@ -57,7 +57,9 @@ def assert_self_contained(page: str, root: ET.Element) -> None:
         for name, value in el.attrib.items():
             if name.rsplit("}", 1)[-1] in ("src", "href", "srcset", "action", "data", "poster"):
                 assert value.startswith("#"), f"<{el.tag} {name}={value!r}> points outside the page"
-    assert not re.search(r"https?://|file:|url\((?!#)|@import|<script|<link|<img|<iframe", page), "an outside reference"
+    # (`file:` as a scheme, not the end of a key such as `samples_per_file:` in the config shown)
+    assert not re.search(r"https?://|(?<![\w])file:|url\((?!#)|@import|<script|<link|<img|<iframe", page), \
+        "an outside reference"
     ids = [el.get("id") for el in root.iter() if el.get("id")]
     assert len(ids) == len(set(ids)), "duplicate ids"
     targets = {m for m in re.findall(r'href="#([^"]+)"', page)} | set(re.findall(r"url\(#([^)]+)\)", page))

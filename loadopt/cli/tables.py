@@ -9,6 +9,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from loadopt.report.data import stored_size
+
 
 def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
     from loadopt.bench.metrics import median
@@ -168,8 +170,8 @@ def backend_lines(result: dict[str, Any]) -> list[str]:
 def tiers_table(result: dict[str, Any]) -> Table:
     """One row per tier of `loadopt tiers`."""
     table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result['au_threshold']:.0%}", title_justify="left")
-    for column in ("tier", "measured", "predicted", "delivered MB/s", "samples/s", "AU", "CPU load", "$/month",
-                   "$/accelerator-month", "search"):
+    for column in ("tier", "measured", "predicted", "dataset", "delivered MB/s", "samples/s", "AU", "CPU load",
+                   "$/month", "$/accelerator-month", "search"):
         table.add_column(column, justify="left" if column in ("tier", "search") else "right")
     for row in result["tiers"]:
         costs = (row["cost"]["per_month"], row["cost_per_supported_accelerator"])
@@ -177,6 +179,6 @@ def tiers_table(result: dict[str, Any]) -> Table:
         au = "-" if row["accelerator_utilisation"] is None else f"{row['accelerator_utilisation']:.1%}"
         load = "-" if row["cpu_load"] is None else f"{row['cpu_load']:.0%}"
         table.add_row(escape(row["name"]), str(row["accelerators_supported"]), str(row["predicted_accelerators"]),
-                      f"{row['delivered_mb_s']:,.1f}",
+                      stored_size(row.get("capacity_tb")), f"{row['delivered_mb_s']:,.1f}",
                       f"{row['samples_per_s']:,.0f}", au, load, *money, escape(row["measured_note"]))
     return table

@@ -316,3 +316,13 @@ def median_repeat(run: Run) -> int:
         return 0
     rates.sort()
     return rates[(len(rates) - 1) // 2][1]
+
+
+def stored_size(terabytes: float | None) -> str:
+    """A dataset's stored size (the cost's capacity) in the unit that reads best: `1.2 TB`, `480 GB`, `3.1 MB`."""
+    if not isinstance(terabytes, (int, float)):
+        return "-"
+    for unit, scale in (("TB", 1.0), ("GB", 1e-3), ("MB", 1e-6)):
+        if terabytes >= scale:
+            return f"{terabytes / scale:,.3g} {unit}"
+    return f"{terabytes * 1e9:,.3g} KB"

@@ -13,7 +13,7 @@ from html import escape
 import yaml
 
 from loadopt.report import plots
-from loadopt.report.data import Results, common_labels
+from loadopt.report.data import Results, common_labels, stored_size
 
 CSS = """
 *{box-sizing:border-box}
@@ -197,10 +197,13 @@ def _tiers(res: Results, palette: plots.Palette) -> str:
         au = t.get("au_threshold")
         rows.append([str(t["name"]), _num(au, ".0%") if isinstance(au, (int, float)) else "-",
                      _plain(t.get("accelerators_supported"), ",.0f"), _plain(t.get("predicted_accelerators"), ",.0f"),
+                     stored_size(t.get("capacity_tb")), _plain(t.get("delivered_mb_s"), ",.1f"),
+                     _plain(t.get("samples_per_s"), ",.0f"),
                      _plain(t.get("price_per_tb_month"), ",.2f"), _plain(t.get("cost_per_supported_accelerator"),
                                                                           ",.2f")])
-    parts.append(_table(["tier", "AU threshold", "accelerators supported", "predicted from probe", "$/TB-month",
-                         "$ per supported accelerator"], rows, numeric={1, 2, 3, 4, 5}))
+    parts.append(_table(["tier", "AU threshold", "accelerators supported", "predicted from probe", "dataset",
+                         "delivered MB/s", "samples/s", "$/TB-month", "$ per supported accelerator"], rows,
+                        numeric={1, 2, 3, 4, 5, 6, 7, 8}))
     return "".join(parts)
 
 

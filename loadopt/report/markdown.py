@@ -6,7 +6,7 @@ results files (so a fixed fixture gives a fixed text).
 
 from __future__ import annotations
 
-from loadopt.report.data import Results, Run, common_labels
+from loadopt.report.data import Results, Run, common_labels, stored_size
 
 
 def _cell(text: str) -> str:
@@ -68,12 +68,16 @@ def _tiers(res: Results) -> list[str]:
     if not tiers:
         return []
     lines = ["", "**Storage tiers:**", "",
-             "| tier | AU threshold | accelerators supported | $/TB-month | $ per supported accelerator |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| tier | AU threshold | accelerators supported | dataset | delivered MB/s | samples/s | $/TB-month | "
+             "$ per supported accelerator |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for tier in tiers:
         au = tier.get("au_threshold")
         lines.append(f"| {_cell(str(tier['name']))} | {_num(au, '.0%') if isinstance(au, (int, float)) else '-'} | "
                      f"{_num(_number(tier, 'accelerators_supported'), ',.0f')} | "
+                     f"{stored_size(_number(tier, 'capacity_tb'))} | "
+                     f"{_num(_number(tier, 'delivered_mb_s'), ',.1f')} | "
+                     f"{_num(_number(tier, 'samples_per_s'), ',.0f')} | "
                      f"{_num(_number(tier, 'price_per_tb_month'), ',.2f')} | "
                      f"{_num(_number(tier, 'cost_per_supported_accelerator'), ',.2f')} |")
     return lines

@@ -30,15 +30,18 @@ _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^\s/@:
 # Azure SAS (sig), OAuth (access_token), `?password=`, `?api_key=`, ...
 _QUERY_SECRETS = re.compile(r"(?P<name>[?&;][^=&\s#]*?(?:secret|token|passw|signature|sig|credential|key|auth)"
                             r"[^=&\s#]*=)[^&\s#]+", re.IGNORECASE)
-_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "signature")
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "credentials", "signature")
 REDACTED = "***"
 
 
 def is_secret_key(name: str) -> bool:
     """Whether a storage-option key holds a secret (`key`, `secret`, `aws_secret_access_key`, `token`, ...)."""
     lower = name.lower()
+    parts = re.split(r"[_\-.]", lower)
+    # A word of the key (`aws_secret_access_key`, `session_token`) or its end (`sessiontoken`); not a word
+    # inside another (`num_tokens`, the config's `tokens:` section are no secrets).
     return lower in ("key", "access_key", "private_key") or lower.endswith("_key") or \
-        any(word in lower for word in _SECRET_WORDS)
+        any(word in parts or lower.endswith(word) for word in _SECRET_WORDS)
 
 
 def redact(value: Any) -> Any:
@@ -49,7 +52,9 @@ def redact(value: Any) -> Any:
         value = _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
         return _QUERY_SECRETS.sub(lambda m: f"{m.group('name')}{REDACTED}", value) if "=" in value else value
     if isinstance(value, dict):
-        return {k: (REDACTED if isinstance(k, str) and is_secret_key(k) and v not in (None, "") else redact(v))
+        # A secret is a value (a mapping under such a key is searched, not hidden whole).
+        return {k: (REDACTED if isinstance(k, str) and is_secret_key(k) and v not in (None, "")
+                    and not isinstance(v, (dict, list, tuple)) else redact(v))
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(redact(v) for v in value)
