@@ -9,6 +9,7 @@ output's header, key by key, never dropped silently.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ _READERS = ("pytorch", "tensorflow", "dali", "native_dali")
 _MAPPED = {
     "model", "model.name", "dataset.num_files_train", "dataset.num_samples_per_file", "dataset.format",
     "reader.batch_size", "reader.read_threads", "reader.data_loader", "reader.file_shuffle", "reader.sample_shuffle",
-    "train.computation_time", "dataset.data_folder",
+    "train.computation_time", "dataset.data_folder", "reader.prefetch_size",
     *(f"dataset.{key}" for keys in _RECORD_KEYS.values() for key in keys),
 }
 
@@ -90,6 +91,14 @@ def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, A
     elif reader != "pytorch":
         notes.append(f"reader.data_loader {reader}: measured with loadopt's torch DataLoader backend (the same "
                      "reads by read_threads workers)")
+    # DLIO's pytorch reader keeps its workers across epochs and prefetches ceil(prefetch_size / read_threads)
+    # batches a worker, 2 when prefetch_size is 0 (dlio_benchmark 2.0.0, data_loader/torch_data_loader.py).
+    threads = int(_number(flat.get("reader.read_threads", 1), "reader.read_threads", source))
+    prefetch_size = int(_number(flat.get("reader.prefetch_size", 0), "reader.prefetch_size", source))
+    torch_settings: dict[str, Any] = {"num_workers": threads, "variant": "plain"}
+    if threads > 0:
+        torch_settings.update(persistent_workers=True,
+                              prefetch_factor=max(1, math.ceil(prefetch_size / threads)) if prefetch_size else 2)
     shuffled = all(str(flat.get(key, "seed")).lower() not in ("off", "false", "none")
                    for key in ("reader.file_shuffle", "reader.sample_shuffle"))
     config: dict[str, Any] = {
@@ -98,8 +107,7 @@ def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, A
         "pipeline": {"batch_size": batch, "shuffle": shuffled},
         "workload": {"step_time_ms": round(_number(flat.get("train.computation_time", 0), "train.computation_time",
                                                    source) * 1000, 3)},
-        "loaders": {"torch": {"num_workers": int(_number(flat.get("reader.read_threads", 1), "reader.read_threads",
-                                                         source)), "variant": "plain"}},
+        "loaders": {"torch": torch_settings},
     }
     if "dataset.data_folder" in flat:
         notes.append(f"dataset.data_folder {flat['dataset.data_folder']}: loadopt generates its own records "

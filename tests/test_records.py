@@ -115,7 +115,8 @@ def test_import_dlio_maps_the_workload_and_names_the_rest(tmp_path):
                                             "samples_per_file": 1, "num_files": 168, "file_format": "npz",
                                             "delivered_bytes": 2097152}
     assert config["pipeline"]["batch_size"] == 7 and config["workload"]["step_time_ms"] == 323.0
-    assert config["loaders"]["torch"]["num_workers"] == 4
+    assert config["loaders"]["torch"] == {"num_workers": 4, "variant": "plain", "persistent_workers": True,
+                                          "prefetch_factor": 2}  # as DLIO's pytorch reader keeps them
     assert any(n.startswith("checkpoint.model_size") for n in notes)
     assert any("loadopt tiers --au 0.9" in n for n in notes)
     path = tmp_path / "unet3d.yaml"
