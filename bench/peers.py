@@ -40,6 +40,14 @@ RingLoader.recipe passes the stored form, COORD request):
   its default-set rate on frames of the same size: it restarts its epoch iterator every 4 batches (CPU per
   sample: loadopt's bounded path 0.51x FFCV jpg's). With `--set pipeline.batch_size=8 --batches 10` (one
   epoch, load 9-14) FFCV's per-batch cost weighs more: ffcv jpg 68, loadopt <= max_side 785; 11.5 / 34.
+- photos_large in one epoch (`--config configs/photos_large.yaml --set dataset.synthetic.num_samples=320
+  --only ffcv,arrow,posix --rounds 5 --batches 6`: 10 batches of 32 an epoch, 9 run; load 12-16): ffcv jpg
+  208 (142-273, 3.28 CPU s/1k), loadopt posix / arrow encoded <= max_side 870 (266-1,119) / 865 (160-1,012),
+  1.41-1.46 CPU s/1k; the source-decoding arrow/posix encoded 16/17; ffcv raw 370 (258-452, 2.08), loadopt
+  arrow / posix decoded 4,050 / 4,031 (0.57 / 0.47). RESULT loadopt_vs_best_peer_jpeg 4.1 (1.87-6.14) pass,
+  predecoded 11.1 (4.6-18.5) pass. With load 12-16 on 2 cores, FFCV's rates here sit far below its rates on
+  an idle machine (issue 19: 729 jpg, 2,564 raw); its CPU per sample, 2.3x loadopt's bounded path's on
+  JPEG and 3.6-4.4x the decoded paths', is the steadier comparison.
 - The bounded conversion itself (`loadopt convert configs/photos_large.yaml --to arrow --frame whole
   --force`): 128 photos in 6.0 s, 11.5 MB (a reduced-DCT-scale decode, 23 ms a photo against 51 ms for the
   full decode + resize), where the decoded frames take 17.2 s, 68.8 MB.
