@@ -25,8 +25,8 @@ form `reencoded`, imaging/reencode.py), so the JPEG ratio compares the same inpu
                           [--set KEY=VALUE ...]
 
 Measured (2 cores shared with other helpers and CI, torch 2.14.1 venv with every peer, 2026-12-01; img/s
-medians, min-max over 5 interleaved rounds; the recipe column of the `<= max_side` rows says `source` until
-RingLoader.recipe passes the stored form, COORD request):
+medians, min-max over 5 interleaved rounds; run before RingLoader.recipe named the bounded form, so their
+`<= max_side` rows' recipe column said `source`; it now says `JPEG re-encoded <= 512 px q90`):
 - default (`--rounds 5 --batches 10`, 4,000 ~400 x 350 JPEGs, load 11-14): ffcv jpg 215 (184-296), streaming 274
   (242-488), litdata 259, webdataset 217; loadopt posix encoded 464 (329-515), arrow encoded 432, torch tuned
   457, `<= max_side` 422-451; ffcv raw 343 (258-482), loadopt posix decoded 4,518 (2,326-5,442), arrow
