@@ -192,8 +192,9 @@ class PosixLoader(RingLoader[PosixSettings]):
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         if not (path / "index.npz").exists():
             if not convert_missing:
+                flags = " --decoded" if self.form == "decoded" else " --frame whole" if self.size else ""
                 raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
-                                   f"`loadopt convert CONFIG --to raw{' --decoded' if self.size else ''}`")
+                                   f"`loadopt convert CONFIG --to raw{flags}`")
             raw_format.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib, progress=progress,
                                on_error=self.on_error)
         self._raw = raw_format.open_raw(path, self.dataset, self.stored_form, self.size, self.settings.shard_mib)

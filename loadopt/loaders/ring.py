@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.config import PipelineConfig
+from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader
 from loadopt.storage import conversions
 from loadopt.storage.imagefolder import ImageDataset
@@ -127,9 +128,11 @@ class RingLoader(Loader[RingSettingsT]):
     def recipe(self) -> dict[str, Any]:
         from loadopt import recipe
 
-        if self.form != "decoded":
+        if self.form == "tokens" or self.frame is None:  # token windows; the sources' own JPEGs
             return super().recipe()
-        return recipe.delivered(self.pipeline, self.frame, self.size)
+        # the encoded form bounded by max_side: JPEGs over it re-encoded (imaging/reencode.py), as FFCV's jpg
+        reencoded = REENCODE_QUALITY if self.stored_form == "reencoded" else None
+        return recipe.delivered(self.pipeline, self.frame, self.size, reencoded_quality=reencoded)
 
     @property
     def layout(self) -> Layout:
