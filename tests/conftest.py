@@ -16,12 +16,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA device: none here (torch.cuda.is_available() is False)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        if "timing" in item.keywords:
+            # Stall figures held within 0.03 of delays made with sleeps: a machine busy enough to oversleep
+            # by milliseconds (other jobs beside CI) can push one run out; a wrong figure fails every time.
+            item.add_marker(pytest.mark.flaky(reruns=2, reruns_delay=2))
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,7 @@ def run_loop(iterable, body_s: float, spent: list[float] | None = None) -> int:
     return steps
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("delay_s, body_s", [(0.02, 0.01), (0.005, 0.025)], ids=["loader-bound", "compute-bound"])
 def test_stall_fraction_of_a_foreground_loader(delay_s, body_s):
     waited, worked = [], []
@@ -62,6 +63,7 @@ def test_stall_fraction_of_a_foreground_loader(delay_s, body_s):
     assert metrics["wait_p50_ms"] == pytest.approx(statistics.median(waited) * 1000, abs=3)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("delay_s, body_s", [(0.02, 0.01), (0.01, 0.02)], ids=["loader-bound", "compute-bound"])
 def test_stall_fraction_of_a_prefetching_loader(delay_s, body_s):
     """A producer thread with a prefetch queue (like DataLoader workers): in steady state the loop
@@ -157,6 +159,7 @@ def test_verdicts_and_periodic_lines(caplog):
     assert "compute-bound" in caplog.text
 
 
+@pytest.mark.timing
 def test_measure_steps_context_manager_and_decorator():
     with measure_steps(summary=False) as m:
         for batch in sleepy(STEPS // 2, 0.02):
@@ -364,6 +367,7 @@ class FakeEvent:
         return (end.t - self.t) * 1000.0
 
 
+@pytest.mark.timing
 def test_device_busy_and_idle_from_events_with_fake_cuda(monkeypatch):
     """The CUDA path's bookkeeping without a GPU: on a device in step with the host, the idle share
     read from events is the host's stall, and events are pooled rather than made per step."""

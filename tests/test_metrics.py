@@ -25,6 +25,7 @@ def measure(delay_s, step_s, background, batches=40):
     (0.004, 0.016, True),  # compute-bound: the producer keeps ahead, no stall
     (0.010, 0.010, False),  # synchronous loader: every batch costs delay + step
 ])
+@pytest.mark.timing
 def test_stall_fraction_and_throughput_match_the_truth(delay_s, step_s, background):
     batches = 40
     m = measure(delay_s, step_s, background, batches=batches)
