@@ -31,10 +31,10 @@ crop + resize ceiling instead.
    the crop's copy and mirror take ~75% of the cycles (memory-bound: a 32-byte streaming-store mirror was
    no faster), the Python of producer and consumer ~40-60 us a batch, and mincore, a system call a
    sample, ~15% of the rate (posix 9.6 GB/s with it, 11.4 without, arrow 10.5, interleaved): it now checks
-   only until a batch is all cached and after a miss (`through_cache`). Since: 0.716 (spread 0.497-1.21;
+   only until a batch is all cached and after a miss (`posix_cache`). Since: 0.716 (spread 0.497-1.21;
    load average 14, copy 8.8 GB/s), 0.794 (0.694-1.24; load 16, CPU pressure 99%) and 1.47 (1.29-1.61; load
    14.5, posix 9.5 GB/s, copy 7.7 GB/s); arrow beside it 0.786, 0.802 and 1.02.
-   Posix crops cached samples straight from read-only mappings of the shards (`through_cache`), so the
+   Posix crops cached samples straight from read-only mappings of the shards (`posix_cache`), so the
    page cache's history matters little once they are mapped; the bench measures from both states and
    states them: the shards read in sequentially from an evicted start (posix's prefill: large folios),
    and a cache that random reads filled (prefill off: 4 KiB pages; the pread path this replaced cost

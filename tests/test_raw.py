@@ -66,7 +66,7 @@ def test_decoded_reads_through_a_cold_cache(tmp_path, monkeypatch, prefill):
     """Evicted shards: the first batch misses the page cache (RWF_NOWAIT). With `prefill` (the shards
     fit in memory) they are then read in sequentially, once; without it the next batches are
     announced to the kernel (POSIX_FADV_WILLNEED). Either way the batches equal arrow's."""
-    from loadopt.loaders import crops, through_cache
+    from loadopt.loaders import crops, posix_cache
     from loadopt.storage.pagecache import evict
 
     if crops.native is None:
@@ -78,10 +78,10 @@ def test_decoded_reads_through_a_cold_cache(tmp_path, monkeypatch, prefill):
                                                              frame="centre"), seed=3)
     posix.prepare()
     announced, prefilled = [], []
-    advise, fill = through_cache.advise, through_cache.prefill
-    monkeypatch.setattr(through_cache, "advise", lambda loader, indices: (announced.append(indices),
+    advise, fill = posix_cache.advise, posix_cache.prefill
+    monkeypatch.setattr(posix_cache, "advise", lambda loader, indices: (announced.append(indices),
                                                                           advise(loader, indices)))
-    monkeypatch.setattr(through_cache, "prefill", lambda shards: (prefilled.append(shards), fill(shards)))
+    monkeypatch.setattr(posix_cache, "prefill", lambda shards: (prefilled.append(shards), fill(shards)))
     batches(posix)  # warm: nothing missed, nothing read ahead
     assert announced == [] and prefilled == []
     shards = [str(shard) for shard in posix.raw.shards]
@@ -326,7 +326,7 @@ def test_on_a_gpu_equals_arrow(tmp_path, backend):
 
 
 def test_a_prefill_of_a_missing_shard_names_it(tmp_path):
-    from loadopt.loaders.through_cache import prefill
+    from loadopt.loaders.posix_cache import prefill
 
     missing = tmp_path / "shard-00007.bin"
     with pytest.raises(DatasetError, match=f"^{missing}: cannot read \\(No such file or directory\\)$"):

@@ -12,7 +12,7 @@ finished into its ring slot (pinned where CUDA is there):
 - token windows: one vectorised copy into int64 inputs and targets.
 Decoded centre squares through the page cache (no O_DIRECT) take another path where the native module is
 built: one read per sample's crop rows into a buffer that stays in cache, then the crop
-(`through_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
+(`posix_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pydantic import Field
 
 from loadopt.device import usable_cores
 from loadopt.errors import DatasetError
-from loadopt.loaders import crops, through_cache, transforms
+from loadopt.loaders import crops, posix_cache, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
 from loadopt.storage import raw_format, tier_reads
@@ -50,7 +50,7 @@ class PosixSettings(RingSettings):
     threads: int = Field(2, ge=1)  # threads finishing each batch: crop copies (decoded) or decode (encoded)
     read_ahead: int = Field(2, ge=1)  # batches whose reads are in flight while one is finished
     # Decoded, through the page cache: when a batch misses it and the shards fit in half the free memory,
-    # read them all in sequentially first (see `through_cache.prefill`).
+    # read them all in sequentially first (see `posix_cache.prefill`).
     prefill: bool = True
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
 
@@ -135,7 +135,7 @@ class PosixLoader(RingLoader[PosixSettings]):
     name = "posix"
     Settings = PosixSettings
     reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
-    sample_reads = True  # decoded pixels through the page cache: per sample, see `through_cache.produce`
+    sample_reads = True  # decoded pixels through the page cache: per sample, see `posix_cache.produce`
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -162,7 +162,7 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def mapped_shards(self) -> list[mmap.mmap | bytes]:
         """Read-only mappings of the shards (b"" for an empty one) for the per-sample crops through the
-        page cache (`through_cache`): mapped on first use, held until `close()` (mapping them again
+        page cache (`posix_cache`): mapped on first use, held until `close()` (mapping them again
         every epoch cost a third of the warm rate here). Mapped pages cannot be evicted: evict the
         shards before the first epoch or after `close()`."""
         if self._maps is None:
@@ -302,7 +302,7 @@ class PosixLoader(RingLoader[PosixSettings]):
         assert ring is not None  # produce made it
         if self.sample_reads and self.stored_form == "decoded" and not self.settings.o_direct and \
                 crops.native is not None and isinstance(self._reader, PosixReader):
-            through_cache.produce(self, self._reader, ring, batches, epoch, free, ready, stop)
+            posix_cache.produce(self, self._reader, ring, batches, epoch, free, ready, stop)
             return
         most = int(align_up(raw.length).max()) * self.pipeline.batch_size
         depth = self.settings.read_ahead

@@ -1,4 +1,4 @@
-"""The `posix` backend's decoded samples read through the page cache, one sample at a time, in C.
+"""Part of the `posix` backend (posix_loader.py): its decoded samples read through the page cache, in C.
 
 The shards are mapped read-only (`PosixLoader.mapped_shards`); a batch is cropped by one native call
 (`_native.read_crops`: `threads` threads in C, no Python per sample, the GIL released throughout).
