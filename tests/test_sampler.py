@@ -85,3 +85,14 @@ def test_epoch_advances_after_a_full_pass_and_set_epoch_restarts():
     loader.set_epoch(0)
     assert indices_of(loader) == first
     assert indices_of(loader) != first  # epoch 1 has its own order
+
+
+def test_the_epoch_order_is_numpy_s_permutation_of_the_seed():
+    import numpy as np
+
+    from loadopt.loaders.sampler import epoch_permutation
+
+    for n in (1, 7, 100_003):
+        expected = np.random.Generator(np.random.PCG64([3, 2])).permutation(n)
+        got = epoch_permutation(n, 3, 2)
+        assert got.dtype == np.int64 and np.array_equal(got, expected)

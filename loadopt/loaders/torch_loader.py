@@ -17,8 +17,6 @@ persistent workers, which never see the consumer's state after they start.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -37,31 +35,6 @@ from loadopt.storage.records import RecordDataset
 from loadopt.storage.tokens import TokenDataset
 
 Item = tuple[int, int, int]  # (epoch, dataset index, ring slot of its batch; -1 for plain)
-# Batches between two returns of the consumer's free heap memory to the system (`release_free_heap`).
-TRIM_EVERY = 32
-
-
-def _libc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim  # glibc only
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
-def release_free_heap() -> None:
-    """Give the consumer's freed heap memory back to the system (glibc's `malloc_trim`; a no-op elsewhere).
-
-    Each batch handed out is fresh memory (the caller may keep it); glibc serves these multi-MB blocks from
-    its heap once one has been freed (its mmap threshold rises to their size) and keeps what is freed:
-    measured with bench/scale.py (100k files, batches of 256 x 64 px uint8, 4 workers), the consumer's
-    anonymous memory rose 80 -> 317 MB over 360 batches, all of it free (317 -> 47 MB after one trim), and
-    the workers forked from it each epoch inherit that heap. A trim every `TRIM_EVERY` batches keeps it flat."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class TorchSettings(BaseModel):
@@ -355,7 +328,6 @@ class TorchLoader(Loader[TorchSettings]):
             self._dataloader = self._make_dataloader()
         iterator = iter(self._dataloader)
         previous: HostBatch | None = None
-        produced = 0
         try:
             while True:
                 if previous is not None and previous.copy_done is not None:
@@ -366,9 +338,6 @@ class TorchLoader(Loader[TorchSettings]):
                     out = next(iterator)
                 except StopIteration:
                     break
-                produced += 1
-                if produced % TRIM_EVERY == 0:
-                    release_free_heap()
                 if ring is not None and tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
                     inputs = ring[out["slot"]][: len(out["indices"])]
