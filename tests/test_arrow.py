@@ -230,3 +230,27 @@ def test_native_crops_refuse_reads_past_a_source():
     with pytest.raises(IndexError, match="sample 0 reads past the end of source 0"):
         crops.native.crop_batch(out, [source], np.zeros(1, np.int32), np.array([3 * 10 * 3], np.int64),
                                 np.zeros(1, np.uint8), 30, 8, 0, 1)
+
+
+def test_encoded_pages_released_every_32_batches_read_back_the_same(tmp_path, monkeypatch):
+    """The encoded form unmaps the JPEG pages it read every 32 batches (`_release_mapped_jpegs`): the next
+    epochs read the same bytes back from the page cache."""
+    from loadopt.loaders import arrow_loader
+    from loadopt.storage.imagefolder import open_dataset
+
+    from .conftest import prepared_loader
+
+    cfg = config(tmp_path, batch_size=1)  # the tiny set's 48 samples: 48 batches an epoch, a release at 32
+    dataset = open_dataset(cfg)
+    released = []
+    release = arrow_loader.release_pages
+    monkeypatch.setattr(arrow_loader, "release_pages", lambda view: (released.append(view.nbytes), release(view)))
+    loader = prepared_loader(cfg, dataset, "arrow", {"form": "encoded"})
+    first, second = batches(loader), batches(loader)
+    loader.close()
+    assert released and all(n > 0 for n in released)
+    monkeypatch.setattr(arrow_loader, "release_pages", lambda view: None)
+    kept = prepared_loader(cfg, dataset, "arrow", {"form": "encoded"})
+    assert_same(first, batches(kept))
+    assert_same(second, batches(kept))
+    kept.close()

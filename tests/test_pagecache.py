@@ -1,0 +1,35 @@
+"""storage/pagecache.py: pages of a mapped file released from the process stay readable, and leave its memory."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+
+from loadopt.storage.pagecache import release_pages
+
+
+def resident_kb(address: int) -> int:
+    """The Rss of the mapping that holds `address` (/proc/self/smaps)."""
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and not line.startswith(("Rss", "Pss")):
+            low, high = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            found = low <= address < high
+        elif found and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_released_pages_leave_the_process_and_read_back_the_same(tmp_path):
+    data = np.random.default_rng(0).integers(0, 255, 64 * mmap.PAGESIZE, dtype=np.uint8)
+    path = tmp_path / "file.bin"
+    path.write_bytes(data.tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    assert int(mapped.astype(np.int64).sum()) == int(data.astype(np.int64).sum())  # every page touched
+    before = resident_kb(mapped.ctypes.data)
+    release_pages(mapped[10:])  # the whole pages inside the view: 62 of 64 (the partial first one kept)
+    after = resident_kb(mapped.ctypes.data)
+    assert before >= 60 * mmap.PAGESIZE // 1024 and after <= before - 60 * mmap.PAGESIZE // 1024
+    assert np.array_equal(np.asarray(mapped), data)  # read again from the page cache
