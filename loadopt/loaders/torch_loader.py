@@ -181,13 +181,19 @@ class _Records(torch.utils.data.Dataset):
 
     def __getitem__(self, item: Item):
         record, read = self.dataset.read(item[1])
-        out = np.empty(self.dataset.delivered_bytes, dtype=np.uint8)
-        self.dataset.deliver(record, out)
+        wanted = self.dataset.delivered_bytes
+        if len(record) >= wanted:  # a view of the record's first bytes: the batch's stack is the one copy
+            with warnings.catch_warnings():  # a raw record's bytes are read-only: the view is only read (stacked)
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(record[:wanted]), item[1], read
+        out = np.empty(wanted, dtype=np.uint8)
+        self.dataset.deliver(record, out)  # a short record, zero-padded
         return torch.from_numpy(out), item[1], read
 
 
 def _collate_records(samples: list) -> dict:
-    return {"inputs": torch.stack([s[0] for s in samples]), "labels": torch.zeros(len(samples), dtype=torch.int64),
+    # default_collate stacks straight into shared memory in a worker (no second copy on the way out)
+    return {"inputs": default_collate([s[0] for s in samples]), "labels": torch.zeros(len(samples), dtype=torch.int64),
             "indices": np.asarray([s[1] for s in samples], dtype=np.int64), "failures": [], "layout": "records",
             "normalised": True, "bytes_read": sum(s[2] for s in samples)}
 
