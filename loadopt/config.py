@@ -169,6 +169,26 @@ class Config(_Strict):
         return self
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """`line N: invalid YAML: <what>` for a YAML parse error (the line where PyYAML knows it)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}: " if mark is not None else ""
+    return f"{where}invalid YAML: {getattr(exc, 'problem', None) or str(exc).splitlines()[0]}"
+
+
+def read_yaml(path: Path, what: str, missing_hint: str = "") -> Any:
+    """The parsed YAML file at `path` (`what` it is, for the messages); every failure one `ConfigError` line
+    naming the file."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} not found{missing_hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the {what} ({exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
+
+
 def cache_dir() -> Path:
     """The folder for generated datasets and decisions: `$LOADOPT_CACHE`, default ~/.cache/loadopt."""
     return Path(os.environ.get("LOADOPT_CACHE") or Path.home() / ".cache" / "loadopt").expanduser()
@@ -318,10 +338,7 @@ def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tu
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{source}: {where}invalid YAML: {problem}") from None
+        raise ConfigError(f"{source}: {yaml_problem(exc)}") from None
     if raw is None:  # empty, or comments only: running every default instead would answer another question
         raise ConfigError(f"{source}: the config file is empty (expected YAML keys such as dataset, pipeline, "
                           "loaders; see configs/imagenet.yaml)")

@@ -123,17 +123,10 @@ def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, A
 
 def import_dlio(path: str | Path) -> str:
     """The YAML text of the loadopt config for the DLIO workload file at `path`, headed by what did not map."""
+    from loadopt.config import config_from_dict, read_yaml
+
     path = Path(path)
-    try:
-        workload = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: DLIO workload file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the DLIO workload file ({exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    config, notes = config_from_dlio(workload, str(path))
-    from loadopt.config import config_from_dict
+    config, notes = config_from_dlio(read_yaml(path, "DLIO workload file"), str(path))
 
     config_from_dict(config, str(path))  # what is written must load: a bad value fails here, named
     header = [f"# loadopt config imported from the DLIO workload {path.name} (loadopt import-dlio)"]

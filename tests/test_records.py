@@ -133,7 +133,7 @@ def test_import_dlio_maps_the_workload_and_names_the_rest(tmp_path):
     ("dataset: [1, 2]", "not a DLIO workload file"),
     ("dataset: {format: npz}", "record_length_bytes: missing"),
     ("dataset: {record_length: many}", "expected a number"),
-    ("dataset: {record_length: 10\n", "not valid YAML"),
+    ("dataset: {record_length: 10\n", "invalid YAML"),
 ])
 def test_import_dlio_bad_files_are_one_line(tmp_path, text, message):
     path = tmp_path / "w.yaml"

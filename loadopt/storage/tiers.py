@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import fsspec
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loadopt.config import read_yaml
 from loadopt.errors import ConfigError, StorageError
 from loadopt.storage.remote import RetryPolicy, is_local_fs, redact
 
@@ -70,14 +70,7 @@ def tiers_file(path: str | os.PathLike[str] | None = None) -> Path:
 def load_tier_profiles(path: str | os.PathLike[str] | None = None) -> dict[str, TierSpec]:
     """The named tier profiles (`tiers:` mapping of name -> spec), validated; errors name file and key."""
     source = tiers_file(path)
-    try:
-        raw = yaml.safe_load(source.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: tier profiles file not found (set {TIERS_ENV} to point at one)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: cannot read the tier profiles ({exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: invalid YAML: {str(exc).splitlines()[0]}") from None
+    raw = read_yaml(source, "tier profiles file", f" (set {TIERS_ENV} to point at one)")
     profiles = raw.get("tiers") if isinstance(raw, dict) else None
     if not isinstance(profiles, dict):
         raise ConfigError(f"{source}: expected a `tiers:` mapping of profile name -> tier settings")
