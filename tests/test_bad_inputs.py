@@ -146,6 +146,35 @@ def corrupt_results_explained(tmp_path, cache):
     return Setup(["explain", str(path)], f"{path}: not valid JSON")
 
 
+def damaged_record_file(tmp_path, cache):
+    """A folder of npz record files, one cut short (no zip directory): the file is named, on open."""
+    import numpy as np
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    for k in range(3):
+        np.savez(folder / f"r{k}.npz", x=np.zeros((2, 1000), np.uint8), y=np.zeros(2, np.uint8))
+    victim = folder / "r1.npz"
+    victim.write_bytes(victim.read_bytes()[:100])
+    config = write_config(tmp_path, dataset={"kind": "records", "path": str(folder),
+                                             "records": {"samples_per_file": 2, "delivered_bytes": 500}})
+    return Setup(["make-dataset", str(config)], f"{victim}: not a readable npz record file", config=config,
+                 backend="torch")
+
+
+def convert_records(tmp_path, cache):
+    config = write_config(tmp_path, dataset={"kind": "records", "records": {
+        "record_bytes": 2000, "num_files": 4, "delivered_bytes": 1000}})
+    return Setup(["convert", str(config), "--to", "arrow"], f"{config}: dataset.kind: records: there is no converted "
+                 "form of records", leftovers=temps(cache))
+
+
+def dlio_workload_not_yaml(tmp_path, cache):
+    path = tmp_path / "unet3d.yaml"
+    path.write_text("dataset: {record_length: 10\n")
+    return Setup(["import-dlio", str(path)], f"{path}: line ")
+
+
 CASES = {  # name: (setup, exit code)
     "empty config file": (empty_config, 2),
     "corrupt JPEG, decoded Arrow conversion": (corrupt_jpeg_decoded_arrow, 1),
@@ -160,6 +189,9 @@ CASES = {  # name: (setup, exit code)
     "litdata on a non-local tier": (peer_on_a_tier("litdata"), 2),
     "results file of an unknown schema version, report": (results_of_an_unknown_version, 1),
     "corrupt results file, explain": (corrupt_results_explained, 1),
+    "damaged npz record file": (damaged_record_file, 1),
+    "convert asked for a records dataset": (convert_records, 1),
+    "DLIO workload file not valid YAML, import-dlio": (dlio_workload_not_yaml, 2),
 }
 
 
