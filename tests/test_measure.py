@@ -1,4 +1,7 @@
-"""`loadopt.measure`: stalls of a loop of known delays, batches untouched, results files (the zero-code runner: test_measure_script.py)."""
+"""`loadopt.measure`: stalls of a loop of known delays, batches untouched, results files.
+
+The zero-code runner and results across ranks: test_measure_script.py.
+"""
 
 from __future__ import annotations
 
