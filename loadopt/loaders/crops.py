@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from loadopt.imaging.resize import crop_resize_flip_into
+from loadopt.imaging.resize import crop_resize_flip_into, resize_aa
 from loadopt.loaders import transforms
 
 try:  # streaming stores and a 16-pixel mirror (loadopt/_native.c), built at install where a C compiler is
@@ -111,17 +111,17 @@ def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train
                 epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(boxes, flips) of a batch of whole frames: `frames[k]` = (height, width, source height, source
     width) of sample `indices[k]`; boxes (B, 4) = whole stored pixels (left, top, right, bottom), at
-    least one pixel wide and high. The box is the JPEG paths' plan on the source size, scaled."""
-    boxes = np.empty((len(indices), 4), np.int64)
-    flips = np.zeros(len(indices), bool)
-    for k, index in enumerate(indices):
-        height, width, source_height, source_width = (int(v) for v in frames[k])
-        box, flips[k] = transforms.plan(source_width, source_height, augment, seed, epoch, int(index))
-        sx, sy = width / source_width, height / source_height
-        left, top = min(round(box[0] * sx), width - 1), min(round(box[1] * sy), height - 1)
-        right, bottom = max(round(box[2] * sx), left + 1), max(round(box[3] * sy), top + 1)
-        boxes[k] = (left, top, min(right, width), min(bottom, height))
-    return boxes, flips
+    least one pixel wide and high. The box is the JPEG paths' plan on the source size, scaled
+    (vectorised: `transforms.plan_batch`)."""
+    dims = np.asarray(frames, np.int64).reshape(len(indices), 4)
+    height, width, source_height, source_width = dims.T
+    boxes, flips = transforms.plan_batch(source_width, source_height, augment, seed, epoch, indices)
+    sx, sy = width / source_width, height / source_height
+    left = np.minimum(np.rint(boxes[:, 0] * sx), width - 1)
+    top = np.minimum(np.rint(boxes[:, 1] * sy), height - 1)
+    right = np.minimum(np.maximum(np.rint(boxes[:, 2] * sx), left + 1), width)
+    bottom = np.minimum(np.maximum(np.rint(boxes[:, 3] * sy), top + 1), height)
+    return np.stack([left, top, right, bottom], axis=1).astype(np.int64), flips
 
 
 def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray,
@@ -143,21 +143,35 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
     mirror = fused and cv2 is not None and out.flags.c_contiguous  # cv2.flip writes into a contiguous slot only
     # Memory-mapped frames are read-only; torch only reads them here (its warning would say otherwise).
     warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+    # Python values once per batch, not numpy scalars per sample: with 2 threads sharing one GIL, every
+    # microsecond of per-sample Python is a microsecond the other thread may wait for it.
+    dims, places, sourced = np.asarray(frames)[:, :2].tolist(), np.asarray(starts).tolist(), np.asarray(which).tolist()
+    box_rows, flip_rows, size = np.asarray(boxes).tolist(), np.asarray(flips).tolist(), list(out.shape[1:3])
+    slot_views = slots.split(1)  # (1, 3, size, size) views of each slot
 
     def run(positions: np.ndarray) -> None:
         if ONE_TORCH_THREAD_EACH:  # each pool thread is one core's worth: no OpenMP team of its own per resize
             torch.set_num_threads(1)
         scratch = np.empty(out.shape[1:], np.uint8)  # HWC, as a slot: a flipped crop resized here, then mirrored
-        scratch_chw = torch.from_numpy(scratch).permute(2, 0, 1)
-        for k in positions:
-            height, width = int(frames[k][0]), int(frames[k][1])
-            start = int(starts[k])
-            pixels = np.asarray(sources[which[k]])[start : start + height * width * 3].reshape(height, width, 3)
-            if mirror and flips[k]:  # the same pixels: resized unflipped, then mirrored
-                crop_resize_flip_into(pixels, tuple(boxes[k]), False, scratch_chw)
+        scratch_nchw = torch.from_numpy(scratch).permute(2, 0, 1).unsqueeze(0)
+        flat: dict[int, torch.Tensor] = {}  # each source's bytes, as a tensor the crops are strided views of
+        for k in positions.tolist():
+            (height, width), (left, top, right, bottom), source = dims[k], box_rows[k], sourced[k]
+            if not (fused and (mirror or not flip_rows[k])):  # the general path: a flip torch copies
+                pixels = np.asarray(sources[source])[places[k]: places[k] + height * width * 3]
+                crop_resize_flip_into(pixels.reshape(height, width, 3), (left, top, right, bottom), flip_rows[k],
+                                      slots[k], fused)
+                continue
+            if source not in flat:
+                flat[source] = torch.from_numpy(np.asarray(sources[source]).reshape(-1))
+            # The crop's NCHW view in one call (bounds checked against the source by torch).
+            crop = torch.as_strided(flat[source], (1, 3, bottom - top, right - left),
+                                    (height * width * 3, 1, width * 3, 3), places[k] + (top * width + left) * 3)
+            if flip_rows[k]:  # the same pixels: resized unflipped, then mirrored
+                resize_aa(crop, size, scratch_nchw)
                 cv2.flip(scratch, 1, dst=out[k])
             else:
-                crop_resize_flip_into(pixels, tuple(boxes[k]), bool(flips[k]), slots[k], fused)
+                resize_aa(crop, size, slot_views[k])
 
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list(pool.map(run, chunks))

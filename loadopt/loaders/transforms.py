@@ -2,8 +2,8 @@
 samples into their slots by it.
 
 loadopt's own equivalents of torchvision's RandomResizedCrop / Resize+CenterCrop / flip /
-ToTensor+Normalize (torchvision is optional). Random choices come from a generator seeded by
-(seed, epoch, sample index), so a sample gets the same crop whichever worker or backend decodes it.
+ToTensor+Normalize (torchvision is optional). Random choices are a hash of (seed, epoch, sample
+index) (`sample_uniforms`), so a sample gets the same crop whichever worker or backend decodes it.
 The primitives (decoders, boxes, resize kernels) are `loadopt.imaging`'s; this module binds them to the
 plan: `write_sample` for one sample, `decode_batch` for a batch (the one loop the `arrow`, `posix` and
 `kvikio` backends decode their encoded forms with).
@@ -23,16 +23,20 @@ from PIL import Image
 from loadopt.errors import describe_sample_error
 from loadopt.imaging import decode
 from loadopt.imaging.decode import Encoded, dct_denominator
-from loadopt.imaging.geometry import Box, center_crop_box, random_resized_crop_box, whole_pixels
+from loadopt.imaging.geometry import (
+    EVAL_CROP_FRACTION,
+    UNIFORMS_PER_SAMPLE,
+    Box,
+    center_crop_box,
+    random_resized_crop_box,
+    random_resized_crop_boxes,
+    whole_pixels,
+)
 from loadopt.imaging.resize import crop_resize_flip, crop_resize_flip_chw, crop_resize_flip_into
 
 # A batched device JPEG decoder: host bitstreams in, CHW uint8 tensors on the device out (kvikio_loader.py).
 DeviceDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
 Failures = list[tuple[int, str]]  # (sample index, why) of the samples that could not be decoded
-
-
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64([seed, epoch, int(index)]))
 
 
 def sample_hash(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
@@ -41,19 +45,68 @@ def sample_hash(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(epoch) * np.uint64(0xD1B54A32D192ED03))
         x = x ^ indices.astype(np.uint64)
+        return mix64(x)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of 64-bit words whose outputs look independent."""
+    with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return x ^ (x >> np.uint64(31))
 
 
+def sample_uniforms(seed: int, epoch: int, indices: np.ndarray, count: int) -> np.ndarray:
+    """(B, count) uniforms in [0, 1) per sample from (seed, epoch, index): splitmix64's sequence from the
+    sample's hash, 53 bits each. A batch is drawn in a few vectorised passes (the per-sample seeded
+    generator this replaced cost ~15 us a sample, held the GIL for a whole batch's plan, and left the
+    crop threads of the whole-frame paths waiting for it)."""
+    with np.errstate(over="ignore"):
+        steps = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        words = mix64(sample_hash(seed, epoch, indices)[:, None] + steps)
+    return (words >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+MASK64 = (1 << 64) - 1
+GOLDEN64, EPOCH64 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03
+
+
+def mix64_int(x: int) -> int:
+    """`mix64` of one word in Python integers (the same bits)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def sample_uniform(seed: int, epoch: int, index: int) -> Callable[[int], float]:
+    """Column k of `sample_uniforms` for one sample, computed on demand in Python integers (the same
+    values: one sample's plan needs only the draws of its first fitting try)."""
+    base = mix64_int(((seed * GOLDEN64) & MASK64) ^ ((epoch * EPOCH64) & MASK64) ^ (index & MASK64))
+    return lambda k: (mix64_int((base + (k + 1) * GOLDEN64) & MASK64) >> 11) * (1.0 / (1 << 53))
+
+
+def plan_batch(widths: np.ndarray, heights: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
+               indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The crop boxes (B, 4 float64, in source pixels) and flips (B bool) of a batch: `plan` for each
+    sample, computed together (the same arithmetic, so the same values)."""
+    widths, heights = np.asarray(widths, np.int64), np.asarray(heights, np.int64)
+    if augment == "eval":
+        side = np.minimum(widths, heights) * EVAL_CROP_FRACTION
+        left, top = (widths - side) / 2, (heights - side) / 2
+        return np.stack([left, top, left + side, top + side], axis=1), np.zeros(len(widths), bool)
+    uniforms = sample_uniforms(seed, epoch, np.asarray(indices), UNIFORMS_PER_SAMPLE + 1)
+    boxes = random_resized_crop_boxes(widths, heights, uniforms).astype(np.float64)
+    return boxes, uniforms[:, UNIFORMS_PER_SAMPLE] < 0.5
+
+
 def plan(width: int, height: int, augment: Literal["train", "eval"], seed: int, epoch: int,
          index: int) -> tuple[Box, bool]:
-    """The crop box (in source pixels) and whether to flip, for one sample."""
+    """The crop box (in source pixels) and whether to flip, for one sample (torchvision's
+    RandomResizedCrop + horizontal flip for train, the centre crop for eval); `plan_batch` for one."""
     if augment == "eval":
         return center_crop_box(width, height), False
-    rng = sample_rng(seed, epoch, index)
-    box = random_resized_crop_box(width, height, rng)
-    return box, bool(rng.random() < 0.5)
+    uniform = sample_uniform(seed, epoch, int(index))
+    return random_resized_crop_box(width, height, uniform), uniform(UNIFORMS_PER_SAMPLE) < 0.5
 
 
 def decoder_name(choice: str) -> str:
