@@ -182,3 +182,32 @@ def test_decode_batch_with_a_device_decoder_finds_the_bad_sample_one_by_one():
         want = torch.empty(3, 48, 48, dtype=torch.uint8)
         transforms.write_sample(samples[k], want, "simplejpeg", "torch", "eval", 0, 0, k, region=False)
         assert torch.equal(slot[k], want), k
+
+
+@pytest.mark.parametrize("augment", ["train", "eval"])
+def test_a_batch_plan_equals_each_samples_plan_to_the_bit(augment):
+    """`plan_batch` (numpy, the whole-frame paths) and `plan` (plain Python, the JPEG paths) give every
+    sample the same box and flip, including degenerate sizes where no try fits (the clamped centre)."""
+    rng = np.random.default_rng(5)
+    widths, heights = rng.integers(1, 5000, 3000), rng.integers(1, 5000, 3000)
+    widths[:20], heights[20:40], heights[40:60] = 1, 1, 2  # extreme aspect ratios: the fallback box
+    indices = rng.integers(0, 2**40, 3000)
+    for seed, epoch in [(0, 0), (11, 3), (2**31, 977)]:
+        boxes, flips = transforms.plan_batch(widths, heights, augment, seed, epoch, indices)
+        for k in range(0, 3000, 3):
+            box, flip = transforms.plan(int(widths[k]), int(heights[k]), augment, seed, epoch, int(indices[k]))
+            assert tuple(boxes[k]) == tuple(float(v) for v in box) and bool(flips[k]) == flip, (k, seed, epoch)
+
+
+def test_the_train_plan_draws_random_resized_crop_s_ranges():
+    """Areas within RandomResizedCrop's (0.08, 1) of the image, aspect ratios within (3/4, 4/3), boxes
+    inside the image, half the samples flipped, and a new draw for a new epoch."""
+    boxes, flips = transforms.plan_batch(np.full(4000, 640), np.full(4000, 480), "train", 1, 0, np.arange(4000))
+    widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    area = widths * heights / (640 * 480)
+    assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= 640).all() and (boxes[:, 3] <= 480).all()
+    assert area.min() > 0.07 and area.max() <= 1.0 and 0.4 < area.mean() < 0.6
+    assert ((widths / heights) > 0.74).all() and ((widths / heights) < 1.35).all()
+    assert 0.45 < flips.mean() < 0.55
+    again, _ = transforms.plan_batch(np.full(4000, 640), np.full(4000, 480), "train", 1, 1, np.arange(4000))
+    assert (again != boxes).any(axis=1).mean() > 0.95
