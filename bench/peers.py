@@ -63,7 +63,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from _common import REPO, build_loader, harness_run, ratio_result, spread
+import numpy as np
+from _common import REPO, build_loader, harness_run, ratio_result, result_line, spread
 
 WARMUP = 3
 WORKERS = 2
@@ -110,21 +111,25 @@ def paths() -> list[Path]:
 
 
 def own_loop(loader, batches: int, epoch: int) -> tuple[float, float]:
-    """(img/s, CPU s per 1k samples) of the library's own loop: `WARMUP` batches, then `batches` timed,
-    each normalised to float32 by the same function as the harness's finishing (`device.finish_inputs`):
-    the two sides then differ by the harness alone. (A plain `.float().div_(255).sub_(mean).div_(std)`, four
-    passes over the floats, cost the own loops 13-51% of their rate against the harness's fused one.)"""
+    """(img/s, CPU s per 1k samples) of the library's own bare loop (`PeerLoader.bare_batches`: its batches
+    as it hands them, FFCV's straight from its buffers): `WARMUP` batches, then `batches` timed. Each batch
+    goes to the same device as the harness's, the same way (`Loader.finish` onto the emulated device: a copy
+    into its reused buffers, normalised there on one thread), as a training script hands its batches to its
+    accelerator: the two sides then differ by the harness and the backend's adapter alone."""
     from loadopt.bench.monitor import ProcessTreeMonitor
-    from loadopt.device import finish_inputs
+    from loadopt.device import DeviceTransfer
+    from loadopt.loaders.base import HostBatch
 
+    device = DeviceTransfer(loader.device, emulate=True)  # harness_run's (the stand-in for the accelerator)
+    no_indices = np.empty(0, np.int64)
     monitor = ProcessTreeMonitor()
-    samples, start, stream = 0, None, loader.library_batches(epoch)
+    samples, start, stream = 0, None, loader.bare_batches(epoch)
     try:
         while True:
-            for n, batch in enumerate(stream):
-                images = finish_inputs(batch["inputs"], "NCHW", False, loader.pipeline)  # the peers' uint8 NCHW
+            for n, (inputs, labels, layout) in enumerate(stream):
+                loader.finish(HostBatch(inputs, labels, no_indices, layout, normalised=False), device)
                 if start is not None:
-                    samples += len(images)
+                    samples += len(inputs)
                     if samples >= batches * loader.pipeline.batch_size:
                         wall = time.perf_counter() - start
                         monitor.stop()
@@ -134,7 +139,7 @@ def own_loop(loader, batches: int, epoch: int) -> tuple[float, float]:
                     start = time.perf_counter()
             stream.close()
             epoch += 1  # a short epoch: carry on into the next, as the harness does
-            stream = loader.library_batches(epoch)
+            stream = loader.bare_batches(epoch)
     finally:
         stream.close()
         if monitor.running:
@@ -286,25 +291,42 @@ def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
     return 0 if measured else 1
 
 
+def agreement(ratio: float) -> float:
+    """1 - |ratio - 1|: 1.0 when the two sides agree, 0.9 when they are 10% apart either way."""
+    return 1.0 - abs(ratio - 1.0)
+
+
 def truth(config, chosen: list[Path], rounds: int, batches: int) -> int:
-    """Each peer backend in the harness (step 0) against its own bare loop, interleaved."""
+    """Each peer backend in the harness (step 0) against its own bare loop, interleaved (the order alternates
+    per round); RESULT the agreement of the median harness / own-loop ratio, >= 0.9: within 10% either way."""
     peers = prepare(config, [p for p in chosen if p.peer])
     ratios: dict[str, list[float]] = {p.label: [] for p in peers}
     rates: dict[tuple[str, bool], list[float]] = {}
+    cpu: dict[tuple[str, bool], list[float]] = {}
+    loads = [os.getloadavg()[0]]
     for round_index in range(rounds):
         for path in peers:
-            bare_first = round_index % 2 == 0  # alternate which goes first
+            bare_first = round_index % 2 == 0
             for bare in (bare_first, not bare_first):
-                rate, _ = measure(config, path, batches, epoch=1, bare=bare)
+                rate, cpu_per_1k = measure(config, path, batches, epoch=1, bare=bare)
                 rates.setdefault((path.label, bare), []).append(rate)
+                cpu.setdefault((path.label, bare), []).append(cpu_per_1k)
             ratios[path.label].append(rates[(path.label, False)][-1] / rates[(path.label, True)][-1])
-        print(f"round {round_index + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
+        loads.append(os.getloadavg()[0])
+        print(f"round {round_index + 1}/{rounds} done (load {loads[-1]:.1f})", flush=True)
+    print(f"\nEach peer: {batches} batches of {config.pipeline.batch_size} after {WARMUP} warm-up batches, second "
+          f"epoch, {WORKERS} workers or threads; load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} "
+          "cores (medians; the spread is min-max over the rounds).")
     lines = []
     for path in peers:
-        print(f"{path.label}: harness {spread(rates[(path.label, False)], '.0f')} img/s; "
-              f"own loop {spread(rates[(path.label, True)], '.0f')} img/s")
+        harness_side, own_side = (path.label, False), (path.label, True)
+        print(f"{path.label}: harness {spread(rates[harness_side], '.0f')} img/s, "
+              f"{statistics.median(cpu[harness_side]):.2f} CPU s/1k; own loop {spread(rates[own_side], '.0f')} "
+              f"img/s, {statistics.median(cpu[own_side]):.2f} CPU s/1k")
         name = "peer_truth_" + path.backend + ("_" + path.settings["form"] if path.backend == "ffcv" else "")
-        lines.append(ratio_result(name, ratios[path.label], ">=", 0.9))
+        print(f"{name} harness / own loop: per round " + ", ".join(f"{r:.3g}" for r in ratios[path.label])
+              + f"; {spread(ratios[path.label])}")
+        lines.append(result_line(name, agreement(statistics.median(ratios[path.label])), ">=", 0.9))
     for path in chosen:
         if path.peer and path.error:
             print(f"{path.label}: not measured: {path.error}")

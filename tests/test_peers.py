@@ -189,7 +189,8 @@ def test_webdataset_runs_in_the_harness(tmp_path):
 @pytest.mark.parametrize("form", ["jpg", "raw"])
 def test_ffcv_delivers_every_sample_once_per_epoch_in_its_order(tmp_path, form):
     """FFCV where it is installed (`pip install 'loadopt[peers-ffcv]'`): its .beton, its threads and order,
-    every sample once per epoch, reshuffled the next, uint8 NCHW crops of the config's size; in the harness too."""
+    every sample once per epoch, reshuffled the next, uint8 crops of the config's size in FFCV's NHWC memory;
+    its bare loop hands its own buffers over uncopied; in the harness too."""
     from loadopt.bench.accelerator import EmulatedAccelerator
     from loadopt.bench.harness import run_repeat
     from loadopt.device import DeviceTransfer
@@ -199,7 +200,12 @@ def test_ffcv_delivers_every_sample_once_per_epoch_in_its_order(tmp_path, form):
     try:
         loader.prepare()
         batches = list(loader.host_batches())
-        assert all(b.inputs.dtype == torch.uint8 and b.inputs.shape == (8, 3, 48, 48) for b in batches)
+        assert all(b.inputs.dtype == torch.uint8 and b.inputs.shape == (8, 48, 48, 3) and b.layout == "NHWC"
+                   and b.inputs.is_contiguous() for b in batches)
+        bare = loader.bare_batches(5)
+        images, labels, layout = next(bare)
+        assert layout == "NHWC" and images.shape == (8, 48, 48, 3) and images.is_contiguous() and len(labels) == 8
+        bare.close()
         first = [b.indices for b in batches]
         second = epoch_indices(loader)
         for epoch in (first, second):
@@ -238,6 +244,23 @@ def test_rebatch_cuts_the_librarys_batches_to_the_planned_sizes():
     assert [b.indices.tolist() for b in resumed] == [[3, 4, 6, 7], [8]]
     short = list(peer_base.rebatch(iter(stream[:1]), [4, 4]))
     assert [b.indices.tolist() for b in short] == [[0, 1, 2]]
+    assert {b.layout for b in out} == {"NCHW"}
+    nhwc = [{**p, "inputs": p["inputs"].permute(0, 2, 3, 1), "layout": "NHWC"} for p in stream]
+    assert {b.layout for b in peer_base.rebatch(iter(nhwc), [4, 4, 1])} == {"NHWC"}
+
+
+def test_the_bare_loop_is_the_librarys_batches_as_handed_over(tmp_path):
+    """`bare_batches` (bench/peers.py --truth's reference): the library's own batches, uncut and uncopied."""
+    cfg = config(tmp_path)
+    loader = peer("webdataset", cfg, num_workers=0)
+    try:
+        library = list(loader.library_batches(2))
+        bare = list(loader.bare_batches(2))
+    finally:
+        loader.close()
+    assert [layout for _, _, layout in bare] == ["NCHW"] * len(library)
+    for (inputs, labels, _), batch in zip(bare, library, strict=True):
+        assert torch.equal(inputs, batch["inputs"]) and torch.equal(labels, batch["labels"])
 
 
 @pytest.mark.parametrize("workers", [0, 1])

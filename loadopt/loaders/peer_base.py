@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -37,7 +37,7 @@ from loadopt.config import PipelineConfig, cache_dir
 from loadopt.device import usable_cores
 from loadopt.errors import ConfigError, DatasetError, describe_sample_error
 from loadopt.loaders import transforms
-from loadopt.loaders.base import HostBatch, Loader, WorkKind
+from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.storage import tier_reads
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,8 @@ def cropped(base: type[Any], name: str) -> type[Any]:
 
 
 def collate(samples: list[tuple]) -> dict[str, Any]:
-    """A batch of `CropSample` results: uint8 NCHW inputs, labels, indices, and the samples that failed."""
+    """A batch of `CropSample` results: uint8 NCHW inputs, labels, indices, and the samples that failed.
+    (A library that delivers another layout says so under "layout", as FFCV's NHWC.)"""
     good = [s for s in samples if s[3] is None]
     size = samples[0][0].shape[-1] if good else 0
     inputs = torch.stack([s[0] for s in good]) if good else torch.empty((0, 3, size, size), dtype=torch.uint8)
@@ -210,6 +211,7 @@ def rebatch(stream: Iterator[dict[str, Any]], sizes: list[int], skip: int = 0) -
     through uncopied; the stream ending early ends the last batch short."""
     parts: list[dict[str, Any]] = []
     have = 0
+    layout: Layout = "NCHW"
 
     def take(count: int) -> HostBatch:
         nonlocal have
@@ -237,10 +239,11 @@ def rebatch(stream: Iterator[dict[str, Any]], sizes: list[int], skip: int = 0) -
             inputs = torch.cat([c["inputs"] for c in chosen])
             labels = torch.cat([c["labels"] for c in chosen])
             indices = torch.cat([c["indices"] for c in chosen])
-        return HostBatch(inputs, labels, np.asarray(indices, np.int64), "NCHW", normalised=False, failures=failures)
+        return HostBatch(inputs, labels, np.asarray(indices, np.int64), layout, normalised=False, failures=failures)
 
     sizes = list(sizes)
     for part in stream:
+        layout = part.get("layout", "NCHW")
         parts.append(part)
         have += len(part["indices"]) + len(part["failures"])
         if skip:
@@ -363,7 +366,7 @@ class PeerLoader(Loader[PeerSettingsT]):
         """The library's loader for epoch `epoch` (an iterable of `collate`'s dicts in the library's order)."""
         raise NotImplementedError
 
-    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+    def library_batches(self, epoch: int) -> Generator[dict[str, Any], None, None]:
         """The library's own loop over epoch `epoch`: what a training script written for it iterates."""
         if self.path is None:
             self.prepare()
@@ -372,6 +375,17 @@ class PeerLoader(Loader[PeerSettingsT]):
             yield from iterator
         finally:
             shutdown(iterator)
+
+    def bare_batches(self, epoch: int) -> Generator[tuple[torch.Tensor, torch.Tensor, Layout], None, None]:
+        """The library's bare loop over epoch `epoch`, as a training script written for it iterates: each of
+        its batches' (uint8 inputs, labels, layout) as the library hands them, nothing copied or cut (the
+        reference `bench/peers.py --truth` holds the harness to)."""
+        stream = self.library_batches(epoch)
+        try:
+            for batch in stream:
+                yield batch["inputs"], batch["labels"], batch.get("layout", "NCHW")
+        finally:
+            stream.close()
 
     def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if self.path is None:

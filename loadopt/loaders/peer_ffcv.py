@@ -11,7 +11,8 @@ so the decision and `auto` never pick it for the config's recipe.
 
 FFCV builds from source: a C compiler, OpenCV's development files (found by pkg-config) and
 libturbojpeg; `available()` (and so `loadopt doctor`) says which of them this machine lacks. Written to
-FFCV 1.0's documented API (its ImageNet example); not run here, where FFCV does not build.
+FFCV 1.0's documented API (its ImageNet example); run here in the peers' venv, where it builds.
+Batches reach the harness as FFCV's NHWC pixels (layout "NHWC"), copied out of its reused buffers once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import ctypes.util
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ from pydantic import Field
 
 from loadopt.imaging.decode import decode_array
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
-from loadopt.loaders.base import WorkKind
+from loadopt.loaders.base import Layout, WorkKind
 from loadopt.loaders.peer_base import PeerLoader, PeerSettings, epoch_seed, library_available, source_samples
 
 FFCV_TRAIN_CROP = "FFCV RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, FFCV's own draws and kernel) + flip"
@@ -151,7 +152,9 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
                           drop_last=self.pipeline.drop_last, pipelines=pipelines, seed=epoch_seed(self.seed, 0),
                           batches_ahead=self.settings.prefetch_factor)
 
-    def library_batches(self, epoch: int) -> Iterator[dict[str, Any]]:
+    def ffcv_batches(self, epoch: int) -> Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor], None, None]:
+        """FFCV's own epoch `epoch`: its (images, labels, indices) in its reused buffers, the images an NCHW
+        view of NHWC memory (`ToTorchImage`'s channels_last)."""
         if self.path is None:
             self.prepare()
         if self._loader is None:
@@ -159,13 +162,31 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         self._loader.next_epoch = epoch  # FFCV's order is drawn from (seed, epoch)
         epoch_iterator = iter(self._loader)  # FFCV's reading thread for this epoch
         try:
-            for images, labels, indices in epoch_iterator:
-                # FFCV reuses its batch buffers (labels and indices too): copied out, as a training step would
-                # consume them before the next
-                yield {"inputs": images.contiguous().clone(), "labels": labels.to(torch.int64, copy=True),
-                       "indices": np.array(indices, np.int64), "failures": []}
+            yield from epoch_iterator
         finally:  # an epoch broken off: its thread stops now, not when the iterator is collected
             epoch_iterator.close()
+
+    def library_batches(self, epoch: int) -> Generator[dict[str, Any], None, None]:
+        batches = self.ffcv_batches(epoch)
+        try:
+            for images, labels, indices in batches:
+                # FFCV reuses its batch buffers (labels and indices too): copied out, as a training step would
+                # consume them before the next. The pixels in their own NHWC memory: one plain copy (their
+                # NCHW `.contiguous()` was a transposing copy that the device's channels-last finishing undid)
+                yield {"inputs": images.permute(0, 2, 3, 1).clone(), "layout": "NHWC",
+                       "labels": labels.to(torch.int64, copy=True), "indices": np.array(indices, np.int64),
+                       "failures": []}
+        finally:
+            batches.close()
+
+    def bare_batches(self, epoch: int) -> Generator[tuple[torch.Tensor, torch.Tensor, Layout], None, None]:
+        # FFCV's loop as its ImageNet example iterates it: its buffers handed straight to the device
+        batches = self.ffcv_batches(epoch)
+        try:
+            for images, labels, _ in batches:
+                yield images.permute(0, 2, 3, 1), labels, "NHWC"
+        finally:
+            batches.close()
 
     def close(self) -> None:
         self._loader = None
