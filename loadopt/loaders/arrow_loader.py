@@ -76,6 +76,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
     # -- the file ------------------------------------------------------------------------------
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        self.stop_workers()  # they inherited the views this replaces
         path = arrow_path(self.dataset, self.stored_form, self.size)
         if not path.exists():
             if not convert_missing:
@@ -141,22 +142,27 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         slot[0].numpy()[:n] = windows[:, :-1]
         slot[1].numpy()[:n] = windows[:, 1:]
 
-    def _fill_images(self, slot: torch.Tensor, indices: np.ndarray, epoch: int, pool) -> list[tuple[int, str]]:
+    def _fill_images(self, slot_number: int, indices: np.ndarray, epoch: int, pool) -> list[tuple[int, str]]:
+        slot = self._slot(slot_number)
         if self.form == "decoded":
-            self._crops(slot.numpy(), indices, epoch, pool)
+            self._crops(slot.numpy(), indices, epoch, pool, slot_number)
             return []
         return transforms.decode_batch(slot, indices, lambda k: self._encoded(int(indices[k])), self._decoder(),
                                        self.pipeline.augment, self.seed, epoch,
                                        reduced_scale=self.pipeline.jpeg_scale == "reduced", pool=pool,
                                        threads=self.settings.threads, damaged=self._check_record)
 
-    def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
-        """A crop per sample: of whole frames (`crops.crop_frames`) or of centre squares (`crops.crop_batch`)."""
+    def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool, slot: int) -> None:
+        """A crop per sample: of whole frames (`crops.crop_frames`, by the crop workers where there are:
+        into ring slot `slot`) or of centre squares (`crops.crop_batch`)."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
         views = self.views
         if self.stored_form == "frames":
             starts = np.array([views[r][0][i] for r, i in zip(record, local, strict=True)], np.int64)
             dims = np.stack([views[r][2][i] for r, i in zip(record, local, strict=True)])
+            if self.croppers is not None:
+                self.croppers.crop(slot, indices, record, starts, dims, self.pipeline.augment, self.seed, epoch)
+                return
             crops.crop_frames(out, indices, [v[1] for v in views], record, starts, dims, self.pipeline.augment,
                               self.seed, epoch, pool, self.settings.threads)
             return
@@ -208,7 +214,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
                     self._fill_tokens(self._slot(slot), indices)
                     failures: list[tuple[int, str]] = []
                 else:
-                    failures = self._fill_images(self._slot(slot), indices, epoch, pool)
+                    failures = self._fill_images(slot, indices, epoch, pool)
                 if self.form == "encoded" and (n + 1) % TRIM_EVERY == 0:
                     self._release_mapped_jpegs()
                 ready.put((slot, indices, failures))
@@ -239,11 +245,19 @@ class ArrowLoader(RingLoader[ArrowSettings]):
                 slot = next_slot(free, stop)
                 if slot is None:
                     return
-                failures = self._fill_images(self._slot(slot), indices, epoch, pool)
+                failures = self._fill_images(slot, indices, epoch, pool)
                 shadow.drop(indices)
                 ready.put((slot, indices, failures))
 
+    def frame_sources(self) -> list[np.ndarray] | None:
+        """The stored frames' bytes per record batch, mapped from the local file (not on a tier, whose
+        file image is fetched into as batches go)."""
+        if self.stored_form != "frames" or self._shadow is not None:
+            return None
+        return [view[1] for view in self.views]
+
     def close(self) -> None:
+        self.stop_workers()  # they inherited the file's mapping
         self._shadow = None
         # the record batches keep the file mapped until they are dropped
         self._views = self._windows = self._conversion = None

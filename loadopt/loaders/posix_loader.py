@@ -336,8 +336,13 @@ class PosixLoader(RingLoader[PosixSettings]):
                 if slot is None:
                     return
                 if shards is not None and maps is not None:
-                    cropping = (finisher.submit(crops.crop_frames, ring[slot].numpy(), indices, maps, shards,
-                                                starts, raw.frames_of(indices), self.pipeline.augment, self.seed,
+                    frames = raw.frames_of(indices)
+                    croppers = self.croppers
+                    cropping = (finisher.submit(croppers.crop, slot, indices, shards, starts, frames,
+                                                self.pipeline.augment, self.seed, epoch, planned)
+                                if croppers is not None else
+                                finisher.submit(crops.crop_frames, ring[slot].numpy(), indices, maps, shards,
+                                                starts, frames, self.pipeline.augment, self.seed,
                                                 epoch, pool, self.settings.threads, planned=planned),
                                 slot, indices, nbytes)
                     continue
@@ -365,8 +370,17 @@ class PosixLoader(RingLoader[PosixSettings]):
         starts, tasks, nbytes = self.plan(indices)
         return starts, nbytes, self._submit(staging, tasks, io), None
 
+    def frame_sources(self) -> list[np.ndarray] | None:
+        """The shards' mappings, where whole frames are cropped from the page cache (see `fill_ring`)."""
+        if self.sample_reads and not self.settings.o_direct and crops.native is not None and \
+                isinstance(self.reader, PosixReader):
+            return [np.frombuffer(m, np.uint8) for m in self.mapped_shards()]
+        return None
+
     def close_maps(self) -> None:
-        """Unmap the shards (`mapped_shards`); the next epoch maps them again."""
+        """Unmap the shards (`mapped_shards`) and close the crop workers that inherited them; the next
+        epoch maps them again."""
+        self.stop_workers()
         for mapping in self._maps or []:
             if isinstance(mapping, mmap.mmap):
                 with contextlib.suppress(BufferError):  # a view still alive (in a traceback): unmapped when it goes

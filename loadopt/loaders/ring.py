@@ -8,6 +8,7 @@ batch is asked for, and only once an asynchronous device copy from it (CUDA) has
 
 from __future__ import annotations
 
+import mmap
 import queue
 import threading
 from abc import abstractmethod
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loadopt.config import PipelineConfig
 from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader
+from loadopt.loaders.crop_processes import CropProcesses, fork_available
 from loadopt.storage import conversions
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
@@ -94,6 +96,9 @@ class RingSettings(BaseModel):
     # decoded: `whole` frames (longer side <= pipeline.max_side) or `centre` squares; auto: whole for train
     frame: Literal["auto", "whole", "centre"] = "auto"
     prefetch: int = Field(2, ge=1)  # batches assembled ahead of the consumer
+    # Whole frames: cropped by worker processes (one GIL each, `crop_processes`) or by threads of this one
+    # (threads on CUDA, whose ring is pinned, and where fork is unavailable).
+    crop_in: Literal["processes", "threads"] = "processes"
 
 
 RingSettingsT = TypeVar("RingSettingsT", bound=RingSettings)
@@ -118,6 +123,7 @@ class RingLoader(Loader[RingSettingsT]):
                                                where=f"loaders.{self.name}.decoded_size")
         self.frame, self.stored_form, self.size = converted.frame, converted.stored, converted.size
         self._ring: list[torch.Tensor] | None = None
+        self._croppers: CropProcesses | None = None
 
     @classmethod
     def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
@@ -152,11 +158,45 @@ class RingLoader(Loader[RingSettingsT]):
     def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest: Any) -> HostBatch:
         """The batch over a filled slot, from what the producer put on `ready`."""
 
+    def frame_sources(self) -> list[np.ndarray] | None:
+        """The stored whole frames' bytes, as the arrays `crops.crop_frames`' `which` indexes, for the crop
+        workers to inherit; None where this backend crops none from memory (the default)."""
+        return None
+
+    def crops_in_processes(self) -> bool:
+        """Whether whole frames are cropped by worker processes (`crop_in`), which write into a ring in
+        shared memory: not on CUDA (the ring is pinned there), nor where fork is unavailable."""
+        return self.settings.crop_in == "processes" and self.stored_form == "frames" and \
+            self.device.type != "cuda" and fork_available()
+
+    @property
+    def croppers(self) -> CropProcesses | None:
+        """The crop workers of this epoch, where `crops_in_processes` (started by `produce`)."""
+        return self._croppers
+
+    def start_workers(self, ring: list[torch.Tensor]) -> None:
+        """Fork the crop workers (once; again if one died), from the consumer's thread before the producer
+        thread starts: they inherit the ring and `frame_sources`."""
+        if not self.crops_in_processes() or (self._croppers is not None and self._croppers.alive()):
+            return
+        self.stop_workers()
+        sources = self.frame_sources()
+        if sources is not None:
+            count = getattr(self.settings, "threads", 1)  # as many as the threads that would crop
+            self._croppers = CropProcesses([slot.numpy() for slot in ring], sources, count)
+
+    def stop_workers(self) -> None:
+        """Close the crop workers (a backend calls it when the frames they inherited are unmapped)."""
+        if self._croppers is not None:
+            self._croppers.close()
+            self._croppers = None
+
     def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         if not self.is_open():
             self.prepare()
         if self._ring is None:
             self._ring = self._make_ring()
+        self.start_workers(self._ring)
         epoch = self.epoch
         return ring_batches(len(batches), len(self._ring),
                             lambda free, ready, stop: self.fill_ring(batches, epoch, free, ready, stop),
@@ -176,5 +216,15 @@ class RingLoader(Loader[RingSettingsT]):
             shape, dtype = (slots, b, size, size, 3), torch.uint8
         else:
             shape, dtype = (slots, b, 3, size, size), torch.uint8
+        if self.crops_in_processes():
+            return list(shared_empty(shape, dtype))
         ring = torch.empty(shape, dtype=dtype)
         return list(ring.pin_memory() if self.device.type == "cuda" else ring)
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in shared anonymous memory: forked processes write into the same pages
+    (freed with the last mapping: nothing in /dev/shm to leave behind)."""
+    nbytes = max(1, int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size())
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).reshape(shape)  # the tensor holds the mapping

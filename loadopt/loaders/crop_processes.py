@@ -1,0 +1,140 @@
+"""Whole-frame crops in worker processes, each with its own interpreter (and GIL).
+
+`crops.crop_frames` on threads of one process shares one GIL: every sample's crop is a few Python
+calls around torch's resize kernel, so each thread hands the GIL to the other once or twice a sample,
+and each hand-over waits for the scheduler. On 2 cores the decoded whole-frame paths reached 0.56-0.62
+of the rate at which 2 processes crop the same frames (bench/raw_ceiling.py, bench/arrow_ceiling.py).
+Here the same function runs in forked processes, which inherit the frames' read-only mappings and write
+into a ring held in shared memory; a batch's samples are split over them, and the parent only sends each
+its positions and crop plan (a few KB) and waits for the replies.
+
+The workers are forked once per loader from the thread that starts the first epoch, exit when told, and
+poll for their parent: a parent that dies (SIGKILL) leaves none behind for long. They ignore SIGINT (a
+terminal's Ctrl-C reaches the whole process group; the parent's handler closes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from collections.abc import Sequence
+from typing import Any, Literal, NoReturn
+
+import numpy as np
+
+from loadopt.errors import LoadoptError
+from loadopt.loaders import crops
+
+PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent is still there
+
+
+class InlinePool:
+    """`crops.crop_frames`' pool in a worker: its one chunk run in the calling thread."""
+
+    def map(self, function, chunks):  # noqa: ANN001, ANN201 - Executor.map's shape
+        return [function(chunk) for chunk in chunks]
+
+
+def fork_available() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+class CropProcesses:
+    """`crops.crop_frames` over `count` forked processes: `out` the ring's slots, (B, size, size, 3) uint8
+    each, in shared memory; `sources` the frames' byte arrays (`which` indexes them); both inherited."""
+
+    def __init__(self, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], count: int) -> None:
+        self.out, self.sources, self.count = out, sources, max(1, count)
+        context = multiprocessing.get_context("fork")
+        self._connections: list[Any] = []
+        self._processes: list[Any] = []
+        for rank in range(self.count):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=serve, args=(child_end, out, sources, os.getpid()),
+                                      name=f"loadopt-crop-{rank}", daemon=True)
+            process.start()
+            child_end.close()
+            self._connections.append(parent_end)
+            self._processes.append(process)
+
+    def crop(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
+             augment: Literal["train", "eval"], seed: int, epoch: int,
+             planned: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers."""
+        boxes, flips = planned if planned is not None else crops.frame_boxes(indices, frames, augment, seed, epoch)
+        frames = np.asarray(frames)
+        chunks = [c for c in np.array_split(np.arange(len(indices)), min(self.count, len(indices))) if len(c)]
+        for rank, chunk in enumerate(chunks):
+            first, end = int(chunk[0]), int(chunk[-1]) + 1
+            try:
+                self._connections[rank].send((slot, first, end, indices[first:end], np.asarray(which)[first:end],
+                                              np.asarray(starts)[first:end], frames[first:end], augment, seed,
+                                              epoch, boxes[first:end], flips[first:end]))
+            except OSError:  # a closed pipe: the worker is gone
+                self._died(rank)
+        errors = [self._reply(rank) for rank in range(len(chunks))]
+        for error in errors:
+            if error is not None:
+                raise LoadoptError(error)
+
+    def _reply(self, rank: int) -> str | None:
+        try:
+            return self._connections[rank].recv()
+        except (EOFError, OSError):
+            self._died(rank)
+            raise  # not reached: _died raises
+
+    def _died(self, rank: int) -> NoReturn:
+        process = self._processes[rank]
+        process.join(timeout=1.0)
+        raise LoadoptError(f"crop worker process {process.pid} died (exit code {process.exitcode}): "
+                           "out of memory, or killed") from None
+
+    def close(self) -> None:
+        """Tell the workers to exit and reap them (killed if they do not within a few seconds)."""
+        for connection in self._connections:
+            with contextlib.suppress(OSError, ValueError):  # already gone
+                connection.send(None)
+        for process in self._processes:
+            process.join(timeout=5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self._connections:
+            connection.close()
+        self._connections, self._processes = [], []
+
+    def alive(self) -> bool:
+        return bool(self._processes) and all(p.is_alive() for p in self._processes)
+
+
+def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], parent: int) -> None:  # noqa: ANN001
+    """A worker's loop: crop each chunk it is sent into its slots of `out`; reply None or the error."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes the workers
+    torch.set_num_threads(1)  # one core's worth each, as the ceiling's workers
+    if crops.cv2 is not None:
+        crops.cv2.setNumThreads(1)
+    pool = InlinePool()
+    while True:
+        if not connection.poll(PARENT_CHECK_S):
+            if os.getppid() != parent:  # the parent is gone: nothing to crop for
+                return
+            continue
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        slot, first, end, indices, which, starts, frames, augment, seed, epoch, boxes, flips = message
+        try:
+            crops.crop_frames(out[slot][first:end], indices, sources, which, starts, frames, augment, seed, epoch,
+                              pool, 1, planned=(boxes, flips))
+            reply = None
+        except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as one line
+            reply = f"cropping samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
+        connection.send(reply)

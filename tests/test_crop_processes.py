@@ -1,0 +1,101 @@
+"""Whole frames cropped by worker processes (`crop_in: processes`, the default) equal the threads' crops;
+the workers are closed with the loader, a dead one is named in one line, and a new epoch replaces it."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from loadopt.config import config_from_dict
+from loadopt.errors import LoadoptError
+from loadopt.loaders import crops
+from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.crop_processes import CropProcesses, fork_available
+from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import tiny_config_dict
+from .test_arrow import assert_same, batches
+
+pytestmark = pytest.mark.skipif(not fork_available(), reason="worker processes are forked: no fork here")
+
+
+def whole_frames(tmp_path):
+    raw = tiny_config_dict(tmp_path / "out", pipeline={"augment": "train", "dtype": "uint8", "max_side": 72})
+    cfg = config_from_dict(raw, "frames.yaml")
+    return cfg, open_dataset(cfg)
+
+
+def children() -> set[int]:
+    """This process's live child processes (from /proc: no psutil needed)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def loader(backend: str, dataset, cfg, crop_in: str):
+    if backend == "posix":
+        if crops.native is None:
+            pytest.skip("loadopt._native is not built: posix crops no frames from the page cache")
+        return PosixLoader(dataset, cfg.pipeline, PosixSettings(shard_mib=0.05, crop_in=crop_in), seed=4)
+    return ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="decoded", crop_in=crop_in), seed=4)
+
+
+@pytest.mark.parametrize("backend", ["posix", "arrow"])
+def test_processes_crop_what_threads_crop_and_leave_nothing_behind(tmp_path, backend):
+    cfg, dataset = whole_frames(tmp_path)
+    before = children()
+    threads, processes = loader(backend, dataset, cfg, "threads"), loader(backend, dataset, cfg, "processes")
+    for epoch in (0, 1):
+        threads.set_epoch(epoch)
+        processes.set_epoch(epoch)
+        assert_same(batches(processes), batches(threads))
+    assert threads.croppers is None
+    workers = processes.croppers
+    assert workers is not None and workers.alive() and len(children() - before) == 2  # threads: 2
+    processes.close()
+    threads.close()
+    assert processes.croppers is None and children() <= before
+
+
+def test_a_dead_worker_is_named_in_one_line_and_the_next_epoch_replaces_it(tmp_path):
+    cfg, dataset = whole_frames(tmp_path)
+    arrow = loader("arrow", dataset, cfg, "processes")
+    expected = batches(arrow)
+    victim = arrow.croppers._processes[0].pid
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(LoadoptError) as caught:
+        batches(arrow)
+    message = str(caught.value)
+    assert "crop worker process" in message and str(victim) in message and "\n" not in message
+    arrow.set_epoch(0)
+    assert_same(batches(arrow), expected)  # the same epoch again, by new workers
+    assert arrow.croppers.alive() and victim not in [p.pid for p in arrow.croppers._processes]
+    arrow.close()
+
+
+def test_a_crop_that_fails_in_a_worker_is_one_line_naming_the_samples():
+    out = [np.zeros((2, 8, 8, 3), np.uint8)]
+    sources = [np.zeros(10 * 10 * 3, np.uint8)]  # one 10x10 frame; the second sample points past its end
+    workers = CropProcesses(out, sources, 1)
+    try:
+        frames = np.array([[10, 10, 10, 10], [10, 10, 10, 10]], np.int32)
+        with pytest.raises(LoadoptError, match=r"cropping samples 7\.\.8: ") as caught:
+            workers.crop(0, np.array([7, 8]), np.zeros(2, np.int32), np.array([0, 150], np.int64), frames,
+                         "train", 0, 0)
+        assert "\n" not in str(caught.value)
+        workers.crop(0, np.array([7, 7]), np.zeros(2, np.int32), np.zeros(2, np.int64), frames, "eval", 0, 0)
+    finally:
+        workers.close()
+    assert not workers.alive()
+    assert torch.from_numpy(out[0]).float().abs().sum() == 0  # zero frames resized stay zero
