@@ -48,6 +48,12 @@ def test_synthetic_records_have_the_stated_sizes_and_read_back(tmp_path, file_fo
     out = np.ones(30_000, dtype=np.uint8)
     dataset.deliver(record[:1000], out)
     assert np.array_equal(out[:1000], record[:1000]) and not out[1000:].any()
+    # read_into: the same record delivered into a row (first bytes, zero-padded), the same bytes counted
+    for width in (30_000, int(dataset.sizes[4]) + 7):
+        row = np.ones(width, dtype=np.uint8)
+        assert dataset.read_into(4, row) == read
+        kept = min(width, len(record))
+        assert np.array_equal(row[:kept], record[:kept]) and not row[kept:].any()
 
 
 def test_accelerator_step_scales_with_the_records():

@@ -170,8 +170,13 @@ class _Windows(torch.utils.data.Dataset):
 
 
 class _Records(torch.utils.data.Dataset):
-    """Records read one per call, each delivered as its first `delivered_bytes` bytes (storage/records.py),
-    with the bytes read for it (an npz file is read whole)."""
+    """Records read one at a time straight into their batch's row, each delivered as its first
+    `delivered_bytes` bytes (storage/records.py), with the bytes read for them (an npz file is read whole).
+
+    `__getitems__` fills the batch in shared memory as it reads (as `default_collate`'s stack does in a
+    worker), so one record's storage buffer is alive at a time (`RecordDataset.read_into`), and the batch
+    is one tensor through the queue: labels (records carry none) are made by the consumer, not passed as
+    a second shared-memory tensor (a second file descriptor handed over per batch)."""
 
     def __init__(self, dataset: RecordDataset) -> None:
         self.dataset = dataset
@@ -179,23 +184,26 @@ class _Records(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, item: Item):
-        record, read = self.dataset.read(item[1])
+    def __getitems__(self, items: list[Item]) -> dict:
         wanted = self.dataset.delivered_bytes
-        if len(record) >= wanted:  # a view of the record's first bytes: the batch's stack is the one copy
-            with warnings.catch_warnings():  # a raw record's bytes are read-only: the view is only read (stacked)
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.from_numpy(record[:wanted]), item[1], read
-        out = np.empty(wanted, dtype=np.uint8)
-        self.dataset.deliver(record, out)  # a short record, zero-padded
-        return torch.from_numpy(out), item[1], read
+        inputs = _batch_memory(len(items), wanted)
+        rows = inputs.numpy()
+        read = sum(self.dataset.read_into(item[1], rows[k]) for k, item in enumerate(items))
+        return {"inputs": inputs, "labels": None, "indices": np.asarray([item[1] for item in items], dtype=np.int64),
+                "failures": [], "layout": "records", "normalised": True, "bytes_read": read}
 
 
-def _collate_records(samples: list) -> dict:
-    # default_collate stacks straight into shared memory in a worker (no second copy on the way out)
-    return {"inputs": default_collate([s[0] for s in samples]), "labels": torch.zeros(len(samples), dtype=torch.int64),
-            "indices": np.asarray([s[1] for s in samples], dtype=np.int64), "failures": [], "layout": "records",
-            "normalised": True, "bytes_read": sum(s[2] for s in samples)}
+def _batch_memory(count: int, width: int) -> torch.Tensor:
+    """A (count, width) uint8 batch: in a worker, in shared memory from the start (what `default_collate`
+    does there, with the same torch call), so sending it to the consumer copies nothing."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty((count, width), dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(count * width)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(count, width)
+
+
+def _collate_records(batch: dict) -> dict:
+    return batch  # the dict `_Records.__getitems__` made
 
 
 def _collate_windows(samples: list) -> dict:
@@ -351,7 +359,10 @@ class TorchLoader(Loader[TorchSettings]):
                                          failures=out["failures"], borrowed=True)
                     yield previous
                 else:
-                    yield HostBatch(out["inputs"], out["labels"], out["indices"], out["layout"], out["normalised"],
+                    labels = out["labels"]
+                    if labels is None:  # records: no labels, made here (see _Records)
+                        labels = torch.zeros(len(out["indices"]), dtype=torch.int64)
+                    yield HostBatch(out["inputs"], labels, out["indices"], out["layout"], out["normalised"],
                                     out["failures"], bytes_read=out.get("bytes_read"))
         finally:
             if not self.settings.persistent_workers:
