@@ -163,11 +163,13 @@ def main() -> int:
     parser.add_argument("--io-threads", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=5, help="epochs per round of the warm part (their median)")
     parser.add_argument("--frame-batches", type=int, default=30, help="batches per round of the whole-frame part")
+    parser.add_argument("--parts", default="cold,warm,frames", help="which parts to run (comma-separated)")
     args = parser.parse_args()
 
     from loadopt.config import load_config
 
     config = load_config(args.config)
+    parts = set(args.parts.split(","))
     # Two O_DIRECT settings: the defaults, and more reads in flight (32 threads, 4 batches ahead);
     # the one with the higher median is held to the target.
     colds = {f"io_threads={n} read_ahead={ahead}": build_loader(config, "posix", form="decoded", frame="centre",
@@ -184,121 +186,128 @@ def main() -> int:
     print(f"{len(cold.dataset)} decoded samples in {len(shards)} shards, {size / 1e6:,.0f} MB "
           f"({cold.size}px, crops to {config.pipeline.image_size}, {config.pipeline.augment} pipeline)")
 
-    # Each round reads sequentially, then with each setting. The disk here swings between about 1.1 and
-    # 2.6 GB/s for sequential reads from one read to the next (not a slow drift), so the medians of the
-    # rates are compared rather than each round's pair.
-    # Context: the disk's own rate for random reads of one sample (fio, 32 in flight), where fio is installed.
-    sample_bytes = int(align_up(int(cold.raw.length.max())))
-    sequential, posix, device_random, direct = [], {label: [] for label in colds}, [], True
-    for _ in range(args.rounds):
-        evict(shards)
-        rate, held = sequential_o_direct(shards)
-        sequential.append(rate)
-        direct = direct and held
-        for label, cold in colds.items():
-            evict(shards)
-            posix[label].append(epoch_rate(cold, warm=False)[0])
-        if shutil.which("fio"):
-            device_random.append(fio(str(shards[0]), "randread", sample_bytes, 32, 2, shards[0].stat().st_size)
-                                 ["mb_per_s"] * 1e6)
-        print(f"  cold round: sequential O_DIRECT {sequential[-1] / 1e6:,.0f} MB/s, posix O_DIRECT "
-              + ", ".join(f"{label} {rates[-1] / 1e6:,.0f} MB/s" for label, rates in posix.items())
-              + (f", fio random {sample_bytes >> 10} KiB x32 {device_random[-1] / 1e6:,.0f} MB/s" if device_random
-                 else ""))
-    for cold in colds.values():
-        cold.close()
-    best = max(posix, key=lambda label: statistics.median(posix[label]))
-    cold_ratio = statistics.median(posix[best]) / statistics.median(sequential)
-    per_round = [r / q for r, q in zip(posix[best], sequential, strict=True)]
-    print(f"cold, each round's posix / sequential: {spread(per_round)} (held on the ratio of the medians: the "
-          "disk's rate swings from one read to the next, so a round's pair is not a pair)")
-    if not direct:
-        print("the sequential reference fell back to buffered reads (the file system refused O_DIRECT)")
-    print(f"cold (median of {args.rounds}): posix O_DIRECT {best} {statistics.median(posix[best]) / 1e6:,.0f} MB/s "
-          f"read, sequential O_DIRECT {statistics.median(sequential) / 1e6:,.0f} MB/s"
-          + (f"; the disk's random reads of a sample (fio) {statistics.median(device_random) / 1e6:,.0f} MB/s: posix "
-             f"reaches {statistics.median(posix[best]) / statistics.median(device_random):.2f} of them"
-             if device_random else ""))
-
-    # Warm: the copy bandwidth is measured again in every round, beside the loaders, and each round's
-    # ratio is taken: this shared machine's copy rate drifts by 20% from minute to minute. The shards
-    # start out of the page cache (the cold rounds evicted them), so posix's first epoch reads them in
-    # with its prefill (large folios). For context, the same after warming by random reads alone
-    # (prefill off: the 4 KiB pages a random-access job leaves behind).
-    evict(shards)
-    warm = build_loader(config, "posix", form="decoded", frame="centre", io_threads=args.io_threads)
-    random_warmed = build_loader(config, "posix", form="decoded", frame="centre", io_threads=args.io_threads,
-                                 prefill=False)
-    # context: the same crops from a memory-mapped file
-    arrow = build_loader(config, "arrow", form="decoded", frame="centre")
-    ratios: dict[str, list[float]] = {}
-    left_cached: dict[str, float] = {}
-    for name, loaders in (("posix", {"posix": warm, "arrow": arrow}), ("posix prefill off", {"": random_warmed})):
-        evict(shards)
-        left_cached[name] = cached_fraction(shards)
-        for loader in loaders.values():
-            loader.prepare()
-            epoch_rate(loader, warm=True)
-        # The copy measured just before and just after each loader's epoch, their mean taken (as the
-        # frames part below): on this shared machine the copy rate moves 2x within seconds.
-        copies, rates = [], {label: [] for label in loaders}
-        bracketing: dict[str, list[float]] = {label: [] for label in loaders}
+    if "cold" in parts:
+        # Each round reads sequentially, then with each setting. The disk here swings between about 1.1 and
+        # 2.6 GB/s for sequential reads from one read to the next (not a slow drift), so the medians of the
+        # rates are compared rather than each round's pair.
+        # Context: the disk's own rate for random reads of one sample (fio, 32 in flight), where fio is installed.
+        sample_bytes = int(align_up(int(cold.raw.length.max())))
+        sequential, posix, device_random, direct = [], {label: [] for label in colds}, [], True
         for _ in range(args.rounds):
-            before = memcpy_bandwidth.__wrapped__()
+            evict(shards)
+            rate, held = sequential_o_direct(shards)
+            sequential.append(rate)
+            direct = direct and held
+            for label, cold in colds.items():
+                evict(shards)
+                posix[label].append(epoch_rate(cold, warm=False)[0])
+            if shutil.which("fio"):
+                device_random.append(fio(str(shards[0]), "randread", sample_bytes, 32, 2, shards[0].stat().st_size)
+                                     ["mb_per_s"] * 1e6)
+            print(f"  cold round: sequential O_DIRECT {sequential[-1] / 1e6:,.0f} MB/s, posix O_DIRECT "
+                  + ", ".join(f"{label} {rates[-1] / 1e6:,.0f} MB/s" for label, rates in posix.items())
+                  + (f", fio random {sample_bytes >> 10} KiB x32 {device_random[-1] / 1e6:,.0f} MB/s" if device_random
+                     else ""))
+        for cold in colds.values():
+            cold.close()
+        best = max(posix, key=lambda label: statistics.median(posix[label]))
+        cold_ratio = statistics.median(posix[best]) / statistics.median(sequential)
+        per_round = [r / q for r, q in zip(posix[best], sequential, strict=True)]
+        print(f"cold, each round's posix / sequential: {spread(per_round)} (held on the ratio of the medians: the "
+              "disk's rate swings from one read to the next, so a round's pair is not a pair)")
+        if not direct:
+            print("the sequential reference fell back to buffered reads (the file system refused O_DIRECT)")
+        print(f"cold (median of {args.rounds}): posix O_DIRECT {best} {statistics.median(posix[best]) / 1e6:,.0f} MB/s "
+              f"read, sequential O_DIRECT {statistics.median(sequential) / 1e6:,.0f} MB/s"
+              + (f"; the disk's random reads of a sample (fio) {statistics.median(device_random) / 1e6:,.0f} MB/s: "
+                 f"posix reaches {statistics.median(posix[best]) / statistics.median(device_random):.2f} of them"
+                 if device_random else ""))
+
+    if "warm" in parts:
+        # Warm: the copy bandwidth is measured again in every round, beside the loaders, and each round's
+        # ratio is taken: this shared machine's copy rate drifts by 20% from minute to minute. The shards
+        # start out of the page cache (the cold rounds evicted them), so posix's first epoch reads them in
+        # with its prefill (large folios). For context, the same after warming by random reads alone
+        # (prefill off: the 4 KiB pages a random-access job leaves behind).
+        evict(shards)
+        warm = build_loader(config, "posix", form="decoded", frame="centre", io_threads=args.io_threads)
+        random_warmed = build_loader(config, "posix", form="decoded", frame="centre", io_threads=args.io_threads,
+                                     prefill=False)
+        # context: the same crops from a memory-mapped file
+        arrow = build_loader(config, "arrow", form="decoded", frame="centre")
+        ratios: dict[str, list[float]] = {}
+        left_cached: dict[str, float] = {}
+        for name, loaders in (("posix", {"posix": warm, "arrow": arrow}), ("posix prefill off", {"": random_warmed})):
+            evict(shards)
+            left_cached[name] = cached_fraction(shards)
+            for loader in loaders.values():
+                loader.prepare()
+                epoch_rate(loader, warm=True)
+            # The copy measured just before and just after each loader's epoch, their mean taken (as the
+            # frames part below): on this shared machine the copy rate moves 2x within seconds.
+            copies, rates = [], {label: [] for label in loaders}
+            bracketing: dict[str, list[float]] = {label: [] for label in loaders}
+            for _ in range(args.rounds):
+                before = memcpy_bandwidth.__wrapped__()
+                for label, loader in loaders.items():
+                    rates[label].append(median_epoch_rate(loader, args.epochs))
+                    after = memcpy_bandwidth.__wrapped__()
+                    bracketing[label].append((before + after) / 2)
+                    before = after
+                copies.append(before)
             for label, loader in loaders.items():
-                rates[label].append(median_epoch_rate(loader, args.epochs))
-                after = memcpy_bandwidth.__wrapped__()
-                bracketing[label].append((before + after) / 2)
-                before = after
-            copies.append(before)
-        for label, loader in loaders.items():
-            loader.close()
-            ratios[label or name] = [r / c for r, c in zip(rates[label], bracketing[label], strict=True)]
-            print(f"warm (median of {args.rounds}): {label or name} delivers "
-                  f"{statistics.median(rates[label]) / 1e9:.2f} GB/s of batches, "
-                  f"{statistics.median(ratios[label or name]):.2f} of the memory copy "
-                  f"({statistics.median(copies) / 1e9:.2f} GB/s); of the copy per round: "
-                  f"{spread(ratios[label or name])}")
-    state = (f"the shards read in sequentially by posix's prefill from an evicted start ({left_cached['posix']:.0%} "
-             "of their pages were still cached after the eviction (mincore)"
-             + (": the state was NOT reached, the figure below reflects the earlier cache" if
-                left_cached["posix"] > 0.1 else "") + ")")
-    print(f"posix_warm_vs_memcpy needs {state}; from a cache filled by random reads (4 KiB pages, prefill off) "
-          f"posix delivers {statistics.median(ratios['posix prefill off']):.2f} of the memory copy "
-          f"({spread(ratios['posix prefill off'])})")
+                loader.close()
+                ratios[label or name] = [r / c for r, c in zip(rates[label], bracketing[label], strict=True)]
+                print(f"warm (median of {args.rounds}): {label or name} delivers "
+                      f"{statistics.median(rates[label]) / 1e9:.2f} GB/s of batches, "
+                      f"{statistics.median(ratios[label or name]):.2f} of the memory copy "
+                      f"({statistics.median(copies) / 1e9:.2f} GB/s); of the copy per round: "
+                      f"{spread(ratios[label or name])}")
+        state = ("the shards read in sequentially by posix's prefill from an evicted start "
+                 f"({left_cached['posix']:.0%} of their pages were still cached after the eviction (mincore)"
+                 + (": the state was NOT reached, the figure below reflects the earlier cache" if
+                    left_cached["posix"] > 0.1 else "") + ")")
+        print(f"posix_warm_vs_memcpy needs {state}; from a cache filled by random reads (4 KiB pages, prefill off) "
+              f"posix delivers {statistics.median(ratios['posix prefill off']):.2f} of the memory copy "
+              f"({spread(ratios['posix prefill off'])})")
 
-    # Whole frames: the crop + resize is the work; a warm cache (one epoch with prefill, from an evicted
-    # start), and the ceiling measured in each round beside the loader.
-    from loadopt.config import load_config as with_overrides
-    from loadopt.storage.imagefolder import open_dataset
+    if "frames" in parts:
+        # Whole frames: the crop + resize is the work; a warm cache (one epoch with prefill, from an evicted
+        # start), and the ceiling measured in each round beside the loader.
+        from loadopt.config import load_config as with_overrides
+        from loadopt.storage.imagefolder import open_dataset
 
-    train = with_overrides(config, ["pipeline.augment=train"])
-    frames = build_loader(train, "posix", form="decoded", frame="whole", io_threads=args.io_threads)
-    frames.prepare()
-    frame_shards = frames.raw.shards
-    evict(frame_shards)
-    epoch_rate(frames, warm=True)
-    frames_cached = cached_fraction(frame_shards)
-    dataset, threads = open_dataset(train), frames.settings.threads
-    print(f"whole frames <= {frames.size} px: {sum(s.stat().st_size for s in frame_shards) / 1e6:,.0f} MB in "
-          f"{len(frame_shards)} shards, {frames_cached:.0%} of their pages cached after one epoch; "
-          f"crop + resize ceiling in {threads} worker processes")
-    whole_ratios = []
-    for round_index in range(args.rounds):
-        before = crop_resize_rate(train, dataset, threads)["samples_per_s"]
-        rate = samples_rate(frames, args.frame_batches)
-        ceiling = (before + crop_resize_rate(train, dataset, threads)["samples_per_s"]) / 2
-        whole_ratios.append(rate / ceiling)
-        print(f"  round {round_index + 1}: posix whole frames {rate:,.0f} images/s, crop + resize ceiling "
-              f"{ceiling:,.0f} samples/s: {rate / ceiling:.2f} of it")
-    frames.close()
+        train = with_overrides(config, ["pipeline.augment=train"])
+        frames = build_loader(train, "posix", form="decoded", frame="whole", io_threads=args.io_threads)
+        frames.prepare()
+        frame_shards = frames.raw.shards
+        evict(frame_shards)
+        epoch_rate(frames, warm=True)
+        frames_cached = cached_fraction(frame_shards)
+        dataset, threads = open_dataset(train), frames.settings.threads
+        print(f"whole frames <= {frames.size} px: {sum(s.stat().st_size for s in frame_shards) / 1e6:,.0f} MB in "
+              f"{len(frame_shards)} shards, {frames_cached:.0%} of their pages cached after one epoch; "
+              f"crop + resize ceiling in {threads} worker processes")
+        whole_ratios = []
+        for round_index in range(args.rounds):
+            before = crop_resize_rate(train, dataset, threads)["samples_per_s"]
+            rate = samples_rate(frames, args.frame_batches)
+            ceiling = (before + crop_resize_rate(train, dataset, threads)["samples_per_s"]) / 2
+            whole_ratios.append(rate / ceiling)
+            print(f"  round {round_index + 1}: posix whole frames {rate:,.0f} images/s, crop + resize ceiling "
+                  f"{ceiling:,.0f} samples/s: {rate / ceiling:.2f} of it")
+        frames.close()
 
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} / {load[1]:.1f} at the end (a shared machine)")
 
-    lines = [result_line("posix_o_direct_cold_vs_sequential_read", cold_ratio, ">=", 0.9),
-             ratio_result("posix_warm_vs_memcpy", ratios["posix"], ">=", 0.6),
-             ratio_result("posix_frames_warm_vs_crop_resize", whole_ratios, ">=", 0.7)]
+    lines = []
+    if "cold" in parts:
+        lines.append(result_line("posix_o_direct_cold_vs_sequential_read", cold_ratio, ">=", 0.9))
+    if "warm" in parts:
+        lines.append(ratio_result("posix_warm_vs_memcpy", ratios["posix"], ">=", 0.6))
+    if "frames" in parts:
+        lines.append(ratio_result("posix_frames_warm_vs_crop_resize", whole_ratios, ">=", 0.7))
     print("\n".join(lines))  # the RESULT lines last (the spreads above them)
     return 0
 

@@ -99,3 +99,23 @@ def test_a_crop_that_fails_in_a_worker_is_one_line_naming_the_samples():
         workers.close()
     assert not workers.alive()
     assert torch.from_numpy(out[0]).float().abs().sum() == 0  # zero frames resized stay zero
+
+
+def test_a_shard_truncated_once_checking_stopped_is_named(tmp_path):
+    """After an epoch cropped without a page fault from storage, the producer stops checking the cache
+    (mincore) but still checks the shards' sizes: a shard truncated then is named, not a worker's SIGBUS."""
+    from loadopt.errors import DatasetError
+
+    cfg, dataset = whole_frames(tmp_path)
+    posix = loader("posix", dataset, cfg, "processes")
+    batches(posix)
+    batches(posix)
+    shard = posix._raw.shards[0]
+    data = shard.read_bytes()
+    try:
+        os.truncate(shard, 4096)
+        with pytest.raises(DatasetError, match=f"^{shard}: ends at byte"):
+            batches(posix)
+    finally:
+        shard.write_bytes(data)
+        posix.close()

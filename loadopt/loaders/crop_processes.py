@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import resource
 import signal
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn
@@ -61,8 +62,10 @@ class CropProcesses:
 
     def crop(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
              augment: Literal["train", "eval"], seed: int, epoch: int,
-             planned: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers."""
+             planned: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+        """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers.
+        Returns the workers' major page faults meanwhile: frame pages that were not in the page cache
+        (each read from storage by the fault), for a caller that stopped checking (mincore) to start again."""
         boxes, flips = planned if planned is not None else crops.frame_boxes(indices, frames, augment, seed, epoch)
         frames = np.asarray(frames)
         chunks = [c for c in np.array_split(np.arange(len(indices)), min(self.count, len(indices))) if len(c)]
@@ -74,12 +77,13 @@ class CropProcesses:
                                               epoch, boxes[first:end], flips[first:end]))
             except OSError:  # a closed pipe: the worker is gone
                 self._died(rank)
-        errors = [self._reply(rank) for rank in range(len(chunks))]
-        for error in errors:
+        replies = [self._reply(rank) for rank in range(len(chunks))]
+        for error, _ in replies:
             if error is not None:
                 raise LoadoptError(error)
+        return sum(faults for _, faults in replies)
 
-    def _reply(self, rank: int) -> str | None:
+    def _reply(self, rank: int) -> tuple[str | None, int]:
         try:
             return self._connections[rank].recv()
         except (EOFError, OSError):
@@ -131,10 +135,11 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
         if message is None:
             return
         slot, first, end, indices, which, starts, frames, augment, seed, epoch, boxes, flips = message
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         try:
             crops.crop_frames(out[slot][first:end], indices, sources, which, starts, frames, augment, seed, epoch,
                               pool, 1, planned=(boxes, flips))
-            reply = None
+            error = None
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as one line
-            reply = f"cropping samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
-        connection.send(reply)
+            error = f"cropping samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
+        connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults))

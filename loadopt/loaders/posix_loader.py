@@ -316,18 +316,23 @@ class PosixLoader(RingLoader[PosixSettings]):
         # A mapped batch is cropped by `finisher` while this thread draws the next batch's crop plan (the
         # plan is Python, a tenth of a batch's time here: drawn serially it left the crop threads idle).
         cropping: tuple | None = None  # (future, slot, indices, bytes) of the mapped batch being cropped
+        # mincore over a batch's frames cost the producer ~3 ms a batch here (a page cache lookup per page:
+        # the parent never maps them), a fifth of the crop workers' time for it. They check until a batch
+        # was cropped without a major fault, then the workers' major faults say when pages were missing.
+        checking = True
         with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
                 ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix=f"loadopt-{self.name}-crop") as finisher:
             for n, indices in enumerate(batches):
                 for ahead in range(n, min(n + depth + 1, len(batches))):
                     if ahead not in pending:
-                        pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps)
+                        pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps,
+                                                     checking or self.croppers is None)
                 starts, nbytes, reads, shards = pending.pop(n)
                 planned = crops.frame_boxes(indices, raw.frames_of(indices), self.pipeline.augment, self.seed,
                                             epoch) if shards is not None else None
                 if cropping is not None:
-                    cropping[0].result()
+                    checking = bool(cropping[0].result())  # major faults (crop workers) or None (threads)
                     ready.put((*cropping[1:3], [], cropping[3]))
                     cropping = None
                 for read in reads:
@@ -353,16 +358,23 @@ class PosixLoader(RingLoader[PosixSettings]):
                 ready.put((*cropping[1:3], [], cropping[3]))
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor,
-               maps: list[np.ndarray] | None = None) -> tuple[np.ndarray, int, list[Future], np.ndarray | None]:
+               maps: list[np.ndarray] | None = None,
+               check: bool = True) -> tuple[np.ndarray, int, list[Future], np.ndarray | None]:
         """(starts, bytes, reads in flight, shards): the samples' places in `staging` once `reads` are
-        done; or, where `maps` are given and every sample is cached, their offsets in their `shards`'
-        mappings (nothing read)."""
+        done; or, where `maps` are given and every sample is cached (`check` False: taken to be, the
+        shards' sizes still checked), their offsets in their `shards`' mappings (nothing read)."""
         if maps is not None:
             raw = self.raw
             shards, offsets = raw.shard[indices].astype(np.int32), raw.offset[indices].astype(np.int64)
             lengths = raw.length[indices].astype(np.int64)
             try:
-                cached = crops.native.uncached(maps, shards, offsets, lengths) == 0
+                if check:
+                    cached = crops.native.uncached(maps, shards, offsets, lengths) == 0
+                else:  # a shard truncated since it was mapped would be a SIGBUS in a crop: its size, each batch
+                    reader = self.reader
+                    assert isinstance(reader, PosixReader), "shards are mapped only from their own files"
+                    sizes = np.array([os.fstat(fd).st_size for fd in reader.fds], np.int64)
+                    cached = bool((offsets + lengths <= sizes[shards]).all())
             except IndexError:  # a shard shorter than the index says: the staged read names it
                 cached = False
             if cached:
