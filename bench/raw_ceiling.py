@@ -46,17 +46,16 @@ crop + resize ceiling instead.
    (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop plan + the loaders' own `crops.crop_frames`,
    as many worker processes as posix's finishing threads, one intra-op thread each), measured just before
    and just after the loader in every round (their mean taken: this machine's load swings within seconds).
-   Target >= 0.7: the loader runs `crops.crop_frames` itself, on 2 threads of one process, which share
-   one GIL (the per-sample torch calls). Cached frames are cropped from the shards' mappings (no staging
-   copy of whole frames) and the next batch's crop plan is drawn while one is cropped (it was drawn
-   serially, about a tenth of a batch here). Measured at medians of 0.738 (spread 0.645-0.805; ceiling
-   about 2,070 samples/s, load average 2-7) and 0.97 (load 11-16); 0.614 before those two changes. Since
-   a flipped crop is resized into an HWC scratch and mirrored into its slot (`crops.crop_frames`: the
-   loader's and the ceiling's work both ~1.7x cheaper): 0.883 (spread 0.665-0.946), 1.0 (0.943-1.62), 0.937
-   and 0.879 at load averages of 10-14, 0.915 (0.547-1.96) at 14.5, but 0.651 (0.515-1.2) and 0.577
-   (0.427-1.24) at 14-16 with the CPU pressure at 96-99%: the loader's 2 threads hand one GIL back and
-   forth per sample, the ceiling's 2 processes do not, and each hand-over waits for the scheduler on a
-   machine that busy.
+   Target >= 0.7: the loader runs `crops.crop_frames` itself. On 2 threads of one process (`crop_in:
+   threads`) it reached 0.56-0.62 on a quiet machine (loader ~10-11k images/s, ceiling ~17.5k): the
+   threads shared one GIL, the batch's crop plan (a seeded generator per sample, ~15 us each) held it
+   for ~4 ms a batch, and the loader used 1.5 of the 2 cores. Since: the plan is drawn for a batch at
+   once (`transforms.plan_batch`, 0.7 us a sample), the per-sample Python of `crop_frames` halved, and
+   whole frames are cropped by forked worker processes (`crop_in: processes`, the default off CUDA;
+   `loaders/crop_processes.py`), the ceiling's own arrangement; the producer's mincore over each batch's
+   frames (~3 ms a batch) stops once a batch was cropped without a major fault (the shards' sizes are
+   still checked). History of this figure under other arrangements, for context: 0.614, then 0.738 and
+   0.97 with mapped frames and the plan drawn ahead; 0.577-1.0 at load averages of 10-16 with threads.
 Every figure is printed with its spread over the rounds (5 by default) and held on the median; the
 rounds of each part are interleaved (subject and reference measured in every round).
 

@@ -57,6 +57,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         self._conversion: ArrowConversion | None = None  # the opened file's record batches and checksums
         self._windows: tuple[np.ndarray, np.ndarray, int] | None = None  # tokens: see `_windows_view`
         self._shadow: tier_reads.ShadowFile | None = None  # on a tier: the file's image, fetched through it
+        self._frames: tuple[np.ndarray, np.ndarray] | None = None  # whole frames: `_frame_table`
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -77,6 +78,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         self.stop_workers()  # they inherited the views this replaces
+        self._frames = None
         path = arrow_path(self.dataset, self.stored_form, self.size)
         if not path.exists():
             if not convert_missing:
@@ -158,8 +160,8 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         record, local = np.divmod(indices, ROWS_PER_BATCH)
         views = self.views
         if self.stored_form == "frames":
-            starts = np.array([views[r][0][i] for r, i in zip(record, local, strict=True)], np.int64)
-            dims = np.stack([views[r][2][i] for r, i in zip(record, local, strict=True)])
+            starts_of, dims_of = self._frame_table()
+            starts, dims = starts_of[indices], dims_of[indices]
             if self.croppers is not None:
                 self.croppers.crop(slot, indices, record, starts, dims, self.pipeline.augment, self.seed, epoch)
                 return
@@ -169,6 +171,15 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         size = self._square()
         crops.crop_batch(out, indices, views, record, local * (size * size * 3), size, self.pipeline.augment,
                          self.seed, epoch, pool, self.settings.threads)
+
+    def _frame_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample's frame: (start in its record batch's pixel data, (height, width, source height,
+        source width)), indexed by sample: looked up a batch at a time, not sample by sample in Python."""
+        if self._frames is None:
+            views = self.views
+            self._frames = (np.concatenate([view[0][:-1] for view in views]).astype(np.int64),
+                            np.concatenate([view[2] for view in views]))
+        return self._frames
 
     def _encoded(self, index: int) -> memoryview:
         """The stored JPEG bytes of sample `index`: a view of the mapped (or fetched) file."""
