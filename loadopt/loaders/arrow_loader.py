@@ -8,7 +8,10 @@ CUDA is there), `prefetch` batches ahead, with `threads` threads sharing each ba
   mapped rows;
 - encoded JPEGs: decoded in the threads (simplejpeg and torch's resize release the GIL) with the
   same pipeline as the `torch` backend, so both deliver equal tensors;
-- token windows: gathered per record batch with numpy fancy indexing into int64 inputs/targets.
+- token windows: gathered per record batch with numpy fancy indexing into int64 inputs/targets;
+- records (`dataset.kind: records`): the `records` form holds each record whole; its first `delivered_bytes`
+  are copied into the slot's row and the rest read into a scratch buffer (every byte of a record is read
+  from storage, as the `torch` and `posix` backends read it: the workload is the record's size).
 Errors in the producer reach the consumer as exceptions (a bad sample by the `on_error` policy).
 
 On a tier that is not plain local disk (emulated, or remote storage) the file is not memory-mapped:
@@ -31,10 +34,10 @@ from pydantic import Field
 
 from loadopt.errors import DatasetError
 from loadopt.imaging.frames import FRAME_FIELDS
-from loadopt.loaders import crops, transforms
+from loadopt.loaders import crops, record_ring, transforms
 from loadopt.loaders.base import TRIM_EVERY, HostBatch
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
-from loadopt.storage import tier_reads
+from loadopt.storage import arrow_format, tier_reads
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, ArrowConversion, arrow_path, convert, open_arrow
 from loadopt.storage.pagecache import release_pages
 from loadopt.storage.tokens import TokenDataset
@@ -47,7 +50,7 @@ class ArrowSettings(RingSettings):
     io_threads: int = Field(8, ge=1)  # range requests in flight on a tier that is not the local disk
 
 
-class ArrowLoader(RingLoader[ArrowSettings]):
+class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
     name = "arrow"
     Settings = ArrowSettings
 
@@ -71,7 +74,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
 
     def describe(self) -> str:
         s = self.settings
-        text = self.form + (f" {self.frame} {self.size}px" if self.size else "")
+        text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
         return f"{text} threads={s.threads} prefetch={s.prefetch}" + tier_reads.via_tier(self.dataset)
 
     # -- the file ------------------------------------------------------------------------------
@@ -110,6 +113,9 @@ class ArrowLoader(RingLoader[ArrowSettings]):
             offsets = np.frombuffer(column.buffers()[1], np.int64, rows + 1, column.offset * 8)
             dims = np.stack([batch.column(name).to_numpy() for name in FRAME_FIELDS], axis=1)
             return offsets, np.frombuffer(column.buffers()[2], np.uint8), dims
+        if self._records:  # large binary: int64 offsets
+            offsets = np.frombuffer(column.buffers()[1], np.int64, rows + 1, column.offset * 8)
+            return offsets, np.frombuffer(column.buffers()[2], np.uint8)
         if self.form == "encoded":
             offsets = np.frombuffer(column.buffers()[1], np.int32, rows + 1, column.offset * 4)
             return offsets, np.frombuffer(column.buffers()[2], np.uint8)
@@ -144,8 +150,27 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         slot[0].numpy()[:n] = windows[:, :-1]
         slot[1].numpy()[:n] = windows[:, 1:]
 
+    def _stored_records(self, indices: np.ndarray) -> list[np.ndarray]:
+        """Views of these records' stored bytes in the mapped (or fetched) file."""
+        record, local = np.divmod(indices, arrow_format.rows_per_batch(self.dataset, "records"))
+        views = self.views
+        return [views[r][1][views[r][0][i] : views[r][0][i + 1]] for r, i in zip(record, local, strict=True)]
+
+    def _fill_records(self, slot: torch.Tensor, indices: np.ndarray) -> None:
+        stored = self._stored_records(indices)
+        record_ring.deliver_rows(self.dataset, slot.numpy(), stored)
+        wanted = self.dataset.delivered_bytes
+        rest = max((len(r) - wanted for r in stored), default=0)
+        if rest > 0:  # the rest of each record read too (its pages touched), as the other backends read it
+            scratch = np.empty(rest, np.uint8)
+            for r in stored:
+                scratch[: max(0, len(r) - wanted)] = r[wanted:]
+
     def _fill_images(self, slot_number: int, indices: np.ndarray, epoch: int, pool) -> list[tuple[int, str]]:
         slot = self._slot(slot_number)
+        if self._records:
+            self._fill_records(slot, indices)
+            return []
         if self.form == "decoded":
             self._crops(slot.numpy(), indices, epoch, pool, slot_number)
             return []
@@ -204,6 +229,9 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
         # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
         read: int | None = None
+        if self._records:  # each record whole
+            return record_ring.record_batch(self._slot(slot), indices,
+                                            sum(len(r) for r in self._stored_records(indices)))
         if self.stored_form == "frames":  # the stored frames' bytes
             views = self.views
             read = sum(int(views[r][0][i + 1] - views[r][0][i])
@@ -226,7 +254,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
                     failures: list[tuple[int, str]] = []
                 else:
                     failures = self._fill_images(slot, indices, epoch, pool)
-                if self.form == "encoded" and (n + 1) % TRIM_EVERY == 0:
+                if (self.form == "encoded" or self._records) and (n + 1) % TRIM_EVERY == 0:
                     self._release_mapped_jpegs()
                 ready.put((slot, indices, failures))
 

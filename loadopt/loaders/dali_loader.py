@@ -84,6 +84,15 @@ class DaliLoader(Loader[DaliSettings]):
     # -- the registry's questions ----------------------------------------------------------------
 
     @classmethod
+    def supports(cls, dataset) -> tuple[bool, str]:
+        if dataset.kind == "records":
+            # DALI's docs (operations/nvidia.dali.fn.readers.numpy, examples/.../numpy_reader): it reads NumPy
+            # array files (*.npy, file_filter '*.npy'), one array a file; not npz (NVIDIA/DALI#1858: "no .npz yet")
+            return False, ("dali: its record reader, fn.readers.numpy, reads .npy files (one array each); "
+                           "records here are npz archives (DLIO's) or raw byte ranges")
+        return super().supports(dataset)
+
+    @classmethod
     def available(cls) -> tuple[bool, str]:
         try:
             import nvidia.dali  # noqa: F401

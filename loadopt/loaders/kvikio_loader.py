@@ -181,6 +181,8 @@ class KvikioLoader(PosixLoader):
         # pixels or tokens; the encoded form is decoded on the GPU.
         if (recipe or {}).get("kind") == "tokens":
             return WorkKind.TOKEN_GATHER
+        if (recipe or {}).get("kind") == "records":  # read into device memory, first bytes copied there
+            return WorkKind.IO
         return WorkKind.PIXEL_COPY if settings.form == "decoded" else WorkKind.DEVICE_DECODE
 
     def describe(self) -> str:
@@ -190,7 +192,7 @@ class KvikioLoader(PosixLoader):
         return text
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
-        if self.form == "encoded" and self.jpeg_decoder is None:
+        if self.form == "encoded" and self.jpeg_decoder is None and not self._records:
             decoder, why = gpu_jpeg_decoder()
             if decoder is None:
                 raise BackendUnavailable(f"loaders.kvikio.form encoded: {why}")
@@ -222,6 +224,8 @@ class KvikioLoader(PosixLoader):
         shape: tuple[int, ...]
         if isinstance(self.dataset, TokenDataset):
             shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
+        elif self._records:  # each record's first bytes
+            shape, dtype = (slots, b, self.dataset.delivered_bytes), torch.uint8
         elif self.form == "encoded":
             shape, dtype = (slots, b, 3, size, size), torch.uint8
         else:
@@ -240,6 +244,13 @@ class KvikioLoader(PosixLoader):
         raw = self._raw
         assert raw is not None, "prepare() opens the shards"
         length = raw.length[indices]
+        if self._records:  # each record's first bytes, zero-padded, copied on the staging buffer's device
+            for k in range(len(indices)):
+                kept = min(int(length[k]), slot.shape[1])
+                slot[k][:kept].copy_(staging[int(starts[k]) : int(starts[k]) + kept])
+                slot[k][kept:].zero_()
+            self._sync(staging)
+            return []
         if self._tokens:
             dtype = torch.from_numpy(np.zeros(0, raw.meta["dtype"])).dtype
             width, n = int(length[0]), len(indices)

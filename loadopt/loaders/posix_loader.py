@@ -9,7 +9,10 @@ finished into its ring slot (pinned where CUDA is there):
 - decoded pixels: whole frames (train) cropped, resized and flipped by the JPEG paths' plan
   (`crops.crop_frames`); centre squares (eval, `frame: centre`): the crop copied, one copy;
 - encoded JPEGs: decoded in threads with the pipeline of the `torch` and `arrow` backends;
-- token windows: one vectorised copy into int64 inputs and targets.
+- token windows: one vectorised copy into int64 inputs and targets;
+- records (`dataset.kind: records`): the raw shards' `records` form holds each record whole, read by its
+  byte range like any sample (O_DIRECT too: 4 KiB aligned), its first `delivered_bytes` copied into the
+  slot's row (`record_ring`).
 Decoded centre squares through the page cache (no O_DIRECT) take another path where the native module is
 built: one read per sample's crop rows into a buffer that stays in cache, then the crop
 (`posix_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
@@ -32,7 +35,7 @@ from pydantic import Field
 
 from loadopt.device import usable_cores
 from loadopt.errors import DatasetError
-from loadopt.loaders import crops, posix_cache, transforms
+from loadopt.loaders import crops, posix_cache, record_ring, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
 from loadopt.storage import raw_format, tier_reads
@@ -131,7 +134,7 @@ class PosixReader:
         self.fds = []
 
 
-class PosixLoader(RingLoader[PosixSettings]):
+class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
     name = "posix"
     Settings = PosixSettings
     reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
@@ -184,7 +187,7 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def describe(self) -> str:
         s = self.settings
-        text = self.form + (f" {self.frame} {self.size}px" if self.size else "")
+        text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
         return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
             tier_reads.via_tier(self.dataset)
 
@@ -256,6 +259,10 @@ class PosixLoader(RingLoader[PosixSettings]):
               pool) -> list[tuple[int, str]]:
         raw = self.raw
         length = raw.length[indices]
+        if self._records:
+            record_ring.deliver_rows(self.dataset, slot.numpy(),
+                                     [staging[starts[k] : starts[k] + length[k]] for k in range(len(indices))])
+            return []
         if self._tokens:
             dtype, n = np.dtype(raw.meta["dtype"]), len(indices)
             stride = int(align_up(int(length[0])))  # fixed-size windows: one strided view of all of them
@@ -293,6 +300,8 @@ class PosixLoader(RingLoader[PosixSettings]):
     def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
         ring = self._ring
         assert ring is not None  # produce made it
+        if self._records:
+            return record_ring.record_batch(ring[slot], indices, nbytes)
         return slot_batch(ring[slot], indices, failures, self.raw.index["label"], self.layout, nbytes)
 
     def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:

@@ -11,7 +11,11 @@ Forms (columns):
   the whole frame with its longer side at most `size` = `pipeline.max_side`; variable-length large
   binary: the rows' offsets index the contiguous pixel data. Padding every frame to size x size
   instead would store 1.6-1.9x the bytes of the default dataset);
-- `tokens`: sample_id, window (seq_len + 1 token ids, fixed-size binary).
+- `tokens`: sample_id, window (seq_len + 1 token ids, fixed-size binary);
+- `records`: sample_id, label, record (each record's stored bytes whole, storage/records.py; variable-length
+  large binary: record sizes spread per file). Record batches hold as many records as fit in
+  `RECORD_BATCH_BYTES` (at least one), not `ROWS_PER_BATCH`: 1,024 of MLPerf Storage's 140 MB unet3d samples
+  would be one 140 GB batch in memory while writing.
 
 A conversion is keyed by the source's fingerprint and the conversion settings, written under a
 temporary name, verified (row count, labels) and renamed: an interrupted one is never used, a
@@ -43,13 +47,23 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: chunk checksums and skipped samples in each record batch's custom metadata
 ROWS_PER_BATCH = 1024
-Form = Literal["encoded", "reencoded", "decoded", "frames", "tokens"]
+RECORD_BATCH_BYTES = 256 << 20  # the records form: about this many bytes of records per record batch
+Form = Literal["encoded", "reencoded", "decoded", "frames", "tokens", "records"]
+
+
+def rows_per_batch(dataset, form: Form) -> int:
+    """Rows of each record batch but the last: `ROWS_PER_BATCH`, or for records as many of the largest as
+    fit in `RECORD_BATCH_BYTES`."""
+    if form != "records":
+        return ROWS_PER_BATCH
+    largest = int(dataset.sizes.max()) if len(dataset) else 1
+    return int(max(1, min(ROWS_PER_BATCH, RECORD_BATCH_BYTES // max(1, largest))))
 
 
 def arrow_path(dataset, form: Form, size: int | None) -> Path:
     """Where the conversion of `dataset` to `form` lives in the cache."""
     settings = {"version": FORMAT_VERSION, "source": dataset.fingerprint, "form": form, "size": size,
-                "seq_len": getattr(dataset, "seq_len", None), "rows": ROWS_PER_BATCH}
+                "seq_len": getattr(dataset, "seq_len", None), "rows": rows_per_batch(dataset, form)}
     if form == "reencoded":
         settings["quality"] = REENCODE_QUALITY
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -70,7 +84,10 @@ def _schema(dataset, form: Form, size: int | None) -> pa.Schema:
         width = (dataset.seq_len + 1) * dataset.tokens.itemsize
         metadata.update({"loadopt.seq_len": str(dataset.seq_len), "loadopt.dtype": str(dataset.tokens.dtype)})
         return pa.schema([("sample_id", pa.int64()), ("window", pa.binary(width))], metadata=metadata)
-    if form == "decoded":
+    if form == "records":
+        metadata["loadopt.rows_per_batch"] = str(rows_per_batch(dataset, form))
+        column = ("record", pa.large_binary())
+    elif form == "decoded":
         metadata["loadopt.size"] = str(size)
         column = ("pixels", pa.binary(_square_bytes(size)))
     elif form == "frames":
@@ -130,10 +147,14 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
     if form in ("decoded", "frames", "reencoded"):
         set_pool_dataset(dataset, size)
         pool = decode_pool.start(workers)
+    step = rows_per_batch(dataset, form)
     try:
-        for start in range(0, n, ROWS_PER_BATCH):
-            ids = np.arange(start, min(n, start + ROWS_PER_BATCH), dtype=np.int64)
-            if form == "tokens":
+        for start in range(0, n, step):
+            ids = np.arange(start, min(n, start + step), dtype=np.int64)
+            if form == "records":
+                column = pa.array([dataset.read(int(i))[0].tobytes() for i in ids], type=pa.large_binary())
+                yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
+            elif form == "tokens":
                 windows = np.ascontiguousarray(dataset.windows()[ids])
                 column = pa.FixedSizeBinaryArray.from_buffers(
                     pa.binary(windows.shape[1] * windows.itemsize), len(ids), [None, pa.py_buffer(windows)])
@@ -183,7 +204,9 @@ def convert(dataset, form: Form, size: int | None = None, progress: Callable[[in
         return final
     # The source's content, recorded with the conversion: read once more, so only where that is cheap
     # (a local disk) or asked for (--verify).
-    digest = integrity.source_digest(dataset) if form != "tokens" and (verify or dataset.is_local()) else ""
+    # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
+    digest = integrity.source_digest(dataset) if form not in ("tokens", "records") and \
+        (verify or dataset.is_local()) else ""
     if final.exists() and not force:
         if open_arrow(final, dataset, form, size, verify="all").source_content == digest:
             return final
@@ -313,10 +336,10 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, verify_l
         if meta.get(key.decode()) != value.decode():
             raise DatasetError(f"{path}: {key.decode()} is {meta.get(key.decode())!r}, the config needs "
                                f"{value.decode()!r}")
-    rows = sum(b.num_rows for b in batches)
-    if rows != len(dataset) or any(b.num_rows != ROWS_PER_BATCH for b in batches[:-1]):
+    rows, step = sum(b.num_rows for b in batches), rows_per_batch(dataset, form)
+    if rows != len(dataset) or any(b.num_rows != step for b in batches[:-1]):
         raise DatasetError(f"{path}: {rows} rows in record batches of uneven size; expected {len(dataset)} rows "
-                           f"in batches of {ROWS_PER_BATCH}")
+                           f"in batches of {step}")
     if verify_labels and form != "tokens":
         labels = np.concatenate([b.column(1).to_numpy() for b in batches])
         if not np.array_equal(labels, dataset.labels):

@@ -11,7 +11,8 @@ Forms: `encoded` (the stored JPEG bytes), `reencoded` (the Arrow `reencoded` for
 the very bytes of the Arrow decoded form: same decode function), `frames` (whole frames, longer side
 at most `size`, the Arrow `frames` form's bytes; their dims in `index.npz` as `frames`: int32 (height,
 width, source height, source width) per sample, the samples at variable lengths), `tokens` (windows of
-seq_len + 1 token ids).
+seq_len + 1 token ids), `records` (each record's stored bytes whole, as storage/records.py reads it: a
+raw record's byte range, an npz file's record row; the loader delivers their first `delivered_bytes`).
 Conversion rules are the Arrow form's: keyed by source fingerprint and settings, written in a
 temporary folder, verified, renamed; an interrupted conversion is never used.
 """
@@ -132,6 +133,9 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
     elif form == "encoded":
         for i in range(n):
             yield dataset.read(i)
+    elif form == "records":
+        for i in range(n):
+            yield dataset.read(i)[0].tobytes()
     elif form == "reencoded":  # the Arrow reencoded form's own function: the same bytes in both forms
         if not size:
             raise ValueError("the reencoded form is bounded by a max side: none was given")
@@ -203,7 +207,9 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         return final
     # The source's content, recorded with the conversion: read once more, so only where that is cheap
     # (a local disk) or asked for (--verify).
-    digest = integrity.source_digest(dataset) if form != "tokens" and (verify or dataset.is_local()) else ""
+    # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
+    digest = integrity.source_digest(dataset) if form not in ("tokens", "records") and \
+        (verify or dataset.is_local()) else ""
     if (final / "index.npz").exists() and not force:
         if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:
             return final
