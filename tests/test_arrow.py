@@ -177,7 +177,7 @@ def test_cli_bench_no_convert_and_truncated_file(tmp_path):
 
 def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypatch):
     cfg = config(tmp_path, augment="train")
-    loader = ArrowLoader(open_dataset(cfg), cfg.pipeline, ArrowSettings(form="decoded"))
+    loader = ArrowLoader(open_dataset(cfg), cfg.pipeline, ArrowSettings(form="decoded", crop_in="threads"))
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")

@@ -119,3 +119,19 @@ def test_a_shard_truncated_once_checking_stopped_is_named(tmp_path):
     finally:
         shard.write_bytes(data)
         posix.close()
+
+
+@pytest.mark.parametrize("backend", ["posix", "arrow"])
+def test_an_epoch_left_early_leaves_the_next_one_right(tmp_path, backend):
+    """Two batches are in flight in the workers: an epoch the consumer leaves after one batch must not
+    leave replies behind for the next epoch's batches."""
+    cfg, dataset = whole_frames(tmp_path)
+    threads, processes = loader(backend, dataset, cfg, "threads"), loader(backend, dataset, cfg, "processes")
+    iterator = iter(processes)
+    next(iterator)
+    iterator.close()
+    for each in (threads, processes):
+        each.set_epoch(1)
+    assert_same(batches(processes), batches(threads))
+    processes.close()
+    threads.close()

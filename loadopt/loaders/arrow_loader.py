@@ -22,6 +22,7 @@ tier's limits and counters see every byte, and the views and fills above run unc
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -172,24 +173,21 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
             self._fill_records(slot, indices)
             return []
         if self.form == "decoded":
-            self._crops(slot.numpy(), indices, epoch, pool, slot_number)
+            self._crops(slot.numpy(), indices, epoch, pool)
             return []
         return transforms.decode_batch(slot, indices, lambda k: self._encoded(int(indices[k])), self._decoder(),
                                        self.pipeline.augment, self.seed, epoch,
                                        reduced_scale=self.pipeline.jpeg_scale == "reduced", pool=pool,
                                        threads=self.settings.threads, damaged=self._check_record)
 
-    def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool, slot: int) -> None:
-        """A crop per sample: of whole frames (`crops.crop_frames`, by the crop workers where there are:
-        into ring slot `slot`) or of centre squares (`crops.crop_batch`)."""
+    def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
+        """A crop per sample, in `pool`'s threads: of whole frames (`crops.crop_frames`; by the crop workers
+        instead where there are: `_frames_by_workers`) or of centre squares (`crops.crop_batch`)."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
         views = self.views
         if self.stored_form == "frames":
             starts_of, dims_of = self._frame_table()
             starts, dims = starts_of[indices], dims_of[indices]
-            if self.croppers is not None:
-                self.croppers.crop(slot, indices, record, starts, dims, self.pipeline.augment, self.seed, epoch)
-                return
             crops.crop_frames(out, indices, [v[1] for v in views], record, starts, dims, self.pipeline.augment,
                               self.seed, epoch, pool, self.settings.threads)
             return
@@ -244,6 +242,9 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         if self._shadow is not None:
             self._producer_via_tier(batches, epoch, free, ready, stop)
             return
+        if self.croppers is not None:
+            self._frames_by_workers(batches, epoch, free, ready, stop)
+            return
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:
             for n, indices in enumerate(batches):
                 slot = next_slot(free, stop)
@@ -257,6 +258,32 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
                 if (self.form == "encoded" or self._records) and (n + 1) % TRIM_EVERY == 0:
                     self._release_mapped_jpegs()
                 ready.put((slot, indices, failures))
+
+    def _frames_by_workers(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
+                           stop: threading.Event) -> None:
+        """Whole frames cropped by the crop workers, two batches in flight: they are sent batch n + 1 before
+        batch n is collected, so each goes on to it the moment it is done (no idle gap while this thread
+        hands a batch over)."""
+        croppers = self.croppers
+        assert croppers is not None, "fill_ring takes this path with crop workers only"
+        starts_of, dims_of = self._frame_table()
+        in_flight: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        try:
+            for indices in batches:
+                slot = next_slot(free, stop)
+                if slot is None:
+                    return
+                croppers.send(slot, indices, indices // ROWS_PER_BATCH, starts_of[indices], dims_of[indices],
+                              self.pipeline.augment, self.seed, epoch)
+                in_flight.append((slot, indices))
+                if len(in_flight) > 1:
+                    croppers.receive()
+                    ready.put((*in_flight.popleft(), []))
+            while in_flight:
+                croppers.receive()
+                ready.put((*in_flight.popleft(), []))
+        finally:
+            croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next one's
 
     def _release_mapped_jpegs(self) -> None:
         """Unmap the encoded form's pages read so far (madvise DONTNEED: they stay in the page cache; the next

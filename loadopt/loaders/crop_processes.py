@@ -15,6 +15,7 @@ terminal's Ctrl-C reaches the whole process group; the parent's handler closes t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing
 import os
@@ -51,6 +52,7 @@ class CropProcesses:
         context = multiprocessing.get_context("fork")
         self._connections: list[Any] = []
         self._processes: list[Any] = []
+        self._sent: collections.deque[int] = collections.deque()  # per batch in flight: the chunks sent
         for rank in range(self.count):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=serve, args=(child_end, out, sources, os.getpid()),
@@ -63,12 +65,20 @@ class CropProcesses:
     def crop(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
              augment: Literal["train", "eval"], seed: int, epoch: int,
              planned: tuple[np.ndarray, np.ndarray] | None = None) -> int:
-        """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers.
-        Returns the workers' major page faults meanwhile: frame pages that were not in the page cache
-        (each read from storage by the fault), for a caller that stopped checking (mincore) to start again."""
+        """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers
+        (`send`, then `receive`). Returns the workers' major page faults meanwhile (see `receive`)."""
+        self.send(slot, indices, which, starts, frames, augment, seed, epoch, planned)
+        return self.receive()
+
+    def send(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
+             augment: Literal["train", "eval"], seed: int, epoch: int,
+             planned: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Hand a batch to the workers without waiting: each works through what it was sent in order, so
+        a batch sent while the previous one is cropped starts the moment that one is done."""
         boxes, flips = planned if planned is not None else crops.frame_boxes(indices, frames, augment, seed, epoch)
         frames = np.asarray(frames)
         chunks = [c for c in np.array_split(np.arange(len(indices)), min(self.count, len(indices))) if len(c)]
+        self._sent.append(len(chunks))
         for rank, chunk in enumerate(chunks):
             first, end = int(chunk[0]), int(chunk[-1]) + 1
             try:
@@ -77,11 +87,28 @@ class CropProcesses:
                                               epoch, boxes[first:end], flips[first:end]))
             except OSError:  # a closed pipe: the worker is gone
                 self._died(rank)
-        replies = [self._reply(rank) for rank in range(len(chunks))]
+
+    def receive(self) -> int:
+        """Wait for the oldest batch sent; raise its error, if any, as one line. Returns the workers' major
+        page faults meanwhile: frame pages that were not in the page cache (each read from storage by the
+        fault), for a caller that stopped checking (mincore) to start again."""
+        replies = [self._reply(rank) for rank in range(self._sent.popleft())]
         for error, _ in replies:
             if error is not None:
                 raise LoadoptError(error)
         return sum(faults for _, faults in replies)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches sent and not yet received."""
+        return len(self._sent)
+
+    def drain(self) -> None:
+        """Receive every batch still in flight, errors dropped (an epoch that stopped early): the next
+        epoch's replies must not meet this one's."""
+        while self._sent:
+            with contextlib.suppress(LoadoptError):
+                self.receive()
 
     def _reply(self, rank: int) -> tuple[str | None, int]:
         try:

@@ -20,6 +20,7 @@ built: one read per sample's crop rows into a buffer that stays in cache, then t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import mmap
@@ -322,49 +323,67 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         cached_frames = self.sample_reads and self.stored_form == "frames" and not self.settings.o_direct and \
             crops.native is not None and isinstance(self._reader, PosixReader)
         maps = [np.frombuffer(m, np.uint8) for m in self.mapped_shards()] if cached_frames else None
-        # A mapped batch is cropped by `finisher` while this thread draws the next batch's crop plan (the
-        # plan is Python, a tenth of a batch's time here: drawn serially it left the crop threads idle).
-        cropping: tuple | None = None  # (future, slot, indices, bytes) of the mapped batch being cropped
+        croppers = self.croppers if maps is not None else None
+        # Mapped batches being cropped, oldest first: (slot, indices, bytes, future), the future None for the
+        # crop workers'. A batch goes to the crop threads (`finisher`) while this thread draws the next one's
+        # crop plan; the crop workers are sent batch n + 1 before batch n is collected, so each goes on to it
+        # the moment it is done, with no idle gap while this thread hands a batch over.
+        cropping: collections.deque[tuple[int, np.ndarray, int, Future | None]] = collections.deque()
         # mincore over a batch's frames cost the producer ~3 ms a batch here (a page cache lookup per page:
         # the parent never maps them), a fifth of the crop workers' time for it. They check until a batch
         # was cropped without a major fault, then the workers' major faults say when pages were missing.
         checking = True
-        with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
-                ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix=f"loadopt-{self.name}-crop") as finisher:
-            for n, indices in enumerate(batches):
-                for ahead in range(n, min(n + depth + 1, len(batches))):
-                    if ahead not in pending:
-                        pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps,
-                                                     checking or self.croppers is None)
-                starts, nbytes, reads, shards = pending.pop(n)
-                planned = crops.frame_boxes(indices, raw.frames_of(indices), self.pipeline.augment, self.seed,
-                                            epoch) if shards is not None else None
-                if cropping is not None:
-                    checking = bool(cropping[0].result())  # major faults (crop workers) or None (threads)
-                    ready.put((*cropping[1:3], [], cropping[3]))
-                    cropping = None
-                for read in reads:
-                    read.result()
-                slot = next_slot(free, stop)
-                if slot is None:
-                    return
-                if shards is not None and maps is not None:
-                    frames = raw.frames_of(indices)
-                    croppers = self.croppers
-                    cropping = (finisher.submit(croppers.crop, slot, indices, shards, starts, frames,
-                                                self.pipeline.augment, self.seed, epoch, planned)
-                                if croppers is not None else
-                                finisher.submit(crops.crop_frames, ring[slot].numpy(), indices, maps, shards,
-                                                starts, frames, self.pipeline.augment, self.seed,
-                                                epoch, pool, self.settings.threads, planned=planned),
-                                slot, indices, nbytes)
-                    continue
-                failures = self._fill(ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
-                ready.put((slot, indices, failures, nbytes))
-            if cropping is not None:
-                cropping[0].result()
-                ready.put((*cropping[1:3], [], cropping[3]))
+
+        def collect(keep: int) -> None:  # hand all but `keep` of the batches being cropped to the consumer
+            nonlocal checking
+            while len(cropping) > keep:
+                done_slot, done_indices, done_bytes, future = cropping.popleft()
+                if future is None:
+                    assert croppers is not None, "only the crop workers' batches have no future"
+                    faults = croppers.receive()
+                else:
+                    faults = future.result()
+                checking = bool(faults)  # major faults (crop workers) or None (threads)
+                ready.put((done_slot, done_indices, [], done_bytes))
+
+        try:
+            with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
+                    ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool, \
+                    ThreadPoolExecutor(1, thread_name_prefix=f"loadopt-{self.name}-crop") as finisher:
+                for n, indices in enumerate(batches):
+                    for ahead in range(n, min(n + depth + 1, len(batches))):
+                        if ahead not in pending:
+                            pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps,
+                                                         checking or croppers is None)
+                    starts, nbytes, reads, shards = pending.pop(n)
+                    mapped = shards is not None and maps is not None
+                    planned = crops.frame_boxes(indices, raw.frames_of(indices), self.pipeline.augment, self.seed,
+                                                epoch) if mapped else None
+                    collect(1 if mapped and croppers is not None else 0)
+                    for read in reads:
+                        read.result()
+                    slot = next_slot(free, stop)
+                    if slot is None:
+                        return
+                    if mapped:
+                        frames = raw.frames_of(indices)
+                        if croppers is not None:
+                            croppers.send(slot, indices, shards, starts, frames, self.pipeline.augment, self.seed,
+                                          epoch, planned)
+                            cropping.append((slot, indices, nbytes, None))
+                        else:
+                            assert maps is not None, "mapped batches only where the shards are mapped"
+                            cropping.append((slot, indices, nbytes, finisher.submit(
+                                crops.crop_frames, ring[slot].numpy(), indices, maps, shards, starts, frames,
+                                self.pipeline.augment, self.seed, epoch, pool, self.settings.threads,
+                                planned=planned)))
+                        continue
+                    failures = self._fill(ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
+                    ready.put((slot, indices, failures, nbytes))
+                collect(0)
+        finally:
+            if croppers is not None:
+                croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next one's
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor,
                maps: list[np.ndarray] | None = None,
