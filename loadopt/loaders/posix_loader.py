@@ -146,6 +146,11 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         self._raw: RawIndex | None = None
         self._reader: ShardReader | None = None
         self._maps: list[mmap.mmap | bytes] | None = None
+        # mincore over a batch's frames cost the producer ~3 ms a batch here (a page cache lookup per page:
+        # the parent never maps them), a fifth of the crop workers' time for it. It checks until a batch was
+        # cropped without a major fault, then the workers' major faults say when pages were missing (kept
+        # from epoch to epoch; checked again from the start when the shards are mapped again).
+        self._check_frames = True
 
     @property
     def raw(self) -> RawIndex:
@@ -329,13 +334,8 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         # crop plan; the crop workers are sent batch n + 1 before batch n is collected, so each goes on to it
         # the moment it is done, with no idle gap while this thread hands a batch over.
         cropping: collections.deque[tuple[int, np.ndarray, int, Future | None]] = collections.deque()
-        # mincore over a batch's frames cost the producer ~3 ms a batch here (a page cache lookup per page:
-        # the parent never maps them), a fifth of the crop workers' time for it. They check until a batch
-        # was cropped without a major fault, then the workers' major faults say when pages were missing.
-        checking = True
 
         def collect(keep: int) -> None:  # hand all but `keep` of the batches being cropped to the consumer
-            nonlocal checking
             while len(cropping) > keep:
                 done_slot, done_indices, done_bytes, future = cropping.popleft()
                 if future is None:
@@ -343,7 +343,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
                     faults = croppers.receive()
                 else:
                     faults = future.result()
-                checking = bool(faults)  # major faults (crop workers) or None (threads)
+                self._check_frames = bool(faults)  # major faults (crop workers) or None (threads)
                 ready.put((done_slot, done_indices, [], done_bytes))
 
         try:
@@ -354,7 +354,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
                     for ahead in range(n, min(n + depth + 1, len(batches))):
                         if ahead not in pending:
                             pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps,
-                                                         checking or croppers is None)
+                                                         self._check_frames or croppers is None)
                     starts, nbytes, reads, shards = pending.pop(n)
                     mapped = shards is not None and maps is not None
                     planned = crops.frame_boxes(indices, raw.frames_of(indices), self.pipeline.augment, self.seed,
@@ -421,6 +421,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         """Unmap the shards (`mapped_shards`) and close the crop workers that inherited them; the next
         epoch maps them again."""
         self.stop_workers()
+        self._check_frames = True
         for mapping in self._maps or []:
             if isinstance(mapping, mmap.mmap):
                 with contextlib.suppress(BufferError):  # a view still alive (in a traceback): unmapped when it goes
