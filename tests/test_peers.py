@@ -201,7 +201,7 @@ def test_ffcv_delivers_every_sample_once_per_epoch_in_its_order(tmp_path, form):
         loader.prepare()
         batches = list(loader.host_batches())
         assert all(b.inputs.dtype == torch.uint8 and b.inputs.shape == (8, 48, 48, 3) and b.layout == "NHWC"
-                   and b.inputs.is_contiguous() for b in batches)
+                   and b.inputs.is_contiguous() and b.borrowed for b in batches)
         bare = loader.bare_batches(5)
         images, labels, layout = next(bare)
         assert layout == "NHWC" and images.shape == (8, 48, 48, 3) and images.is_contiguous() and len(labels) == 8
@@ -247,6 +247,25 @@ def test_rebatch_cuts_the_librarys_batches_to_the_planned_sizes():
     assert {b.layout for b in out} == {"NCHW"}
     nhwc = [{**p, "inputs": p["inputs"].permute(0, 2, 3, 1), "layout": "NHWC"} for p in stream]
     assert {b.layout for b in peer_base.rebatch(iter(nhwc), [4, 4, 1])} == {"NHWC"}
+
+
+def test_rebatch_copies_what_it_keeps_of_a_borrowed_buffer_before_the_next():
+    """A library that reuses one buffer (as FFCV does): what `rebatch` holds past a yield is copied before the
+    next batch is asked for; a batch passed through whole stays borrowed (finished before the next)."""
+    buffer = torch.zeros((3, 1, 1, 1), dtype=torch.uint8)
+
+    def library():
+        for first in (0, 3, 6):
+            buffer.copy_(torch.arange(first, first + 3, dtype=torch.uint8).view(3, 1, 1, 1))  # reused in place
+            yield {"inputs": buffer, "labels": torch.zeros(3, dtype=torch.int64),
+                   "indices": torch.arange(first, first + 3), "failures": [], "borrowed": True}
+
+    seen = []
+    for batch in peer_base.rebatch(library(), [2, 2, 2, 3]):
+        seen.append((batch.inputs.flatten().tolist(), batch.borrowed))  # consumed before the next, as finish does
+    assert seen == [([0, 1], True), ([2, 3], False), ([4, 5], True), ([6, 7, 8], True)]
+    whole = list(peer_base.rebatch(library(), [3, 3, 3]))
+    assert all(b.borrowed for b in whole) and whole[0].inputs.data_ptr() == buffer.data_ptr()
 
 
 def test_the_bare_loop_is_the_librarys_batches_as_handed_over(tmp_path):
