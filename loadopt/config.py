@@ -58,13 +58,26 @@ class RecordSpec(_Strict):
     record_bytes_stdev: int = Field(0, ge=0)  # record_length_bytes_stdev
     samples_per_file: int = Field(1, gt=0)  # num_samples_per_file
     num_files: int = Field(64, gt=0)  # num_files_train
+    # MLPerf Storage's published file count, where a config scales the file count down (`scale: published` uses it)
+    published_num_files: int | None = Field(None, gt=0)
     file_format: Literal["raw", "npz"] = "npz"  # format (DLIO's tfrecord/hdf5 have no reader here)
     # record_length_bytes_resize: the bytes of each record delivered to the accelerator (its first bytes)
     delivered_bytes: int = Field(150_528, gt=0)
     # The published sizes times this (1: as published); workload.accelerator's step time is scaled alike,
-    # so a scaled-down workload asks each accelerator for the published bytes per second.
+    # so a scaled-down workload asks each accelerator for the published bytes per second. `published`:
+    # scale 1 and `published_num_files` (MLPerf Storage's sizes, one key).
     scale: float = Field(1.0, gt=0, le=1)
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def published_sizes(cls, data: Any) -> Any:
+        """`scale: published`: every size as MLPerf Storage publishes it (scale 1, `published_num_files`)."""
+        if isinstance(data, dict) and data.get("scale") == "published":
+            data = {**data, "scale": 1.0}
+            if data.get("published_num_files") is not None:
+                data["num_files"] = data["published_num_files"]
+        return data
 
 
 class DatasetConfig(_Strict):
