@@ -18,6 +18,12 @@ def result_line(name: str, ratio: float, op: str, target: float) -> str:
     return f"RESULT {name} ratio={ratio:.3g} target{op}{target:g} {verdict}"
 
 
+def agreement(ratio: float) -> float:
+    """1 - |ratio - 1|: 1.0 when two measurements agree, 0.9 when they are 10% apart either way: a two-sided
+    "within X%" held as one fixed target (`agreement >= 1 - X`), the raw ratio printed beside it."""
+    return 1.0 - abs(ratio - 1.0)
+
+
 def build_loader(config, backend: str, **settings):
     """A loader of `backend` for the config's train split, settings given as keywords."""
     from loadopt.config import expand_settings

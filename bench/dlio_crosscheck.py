@@ -97,7 +97,7 @@ import time
 from pathlib import Path
 
 import yaml
-from _common import REPO, build_loader, harness_run, result_line, spread
+from _common import REPO, agreement, build_loader, harness_run, result_line, spread
 
 from loadopt.config import config_from_dict
 from loadopt.dlio import config_from_dlio
@@ -209,10 +209,6 @@ def read_costs(workload_file: Path, train_folder: Path) -> dict[str, float]:
             archive["x"]
     theirs = time.perf_counter() - started
     return {"loadopt": ours / len(dataset) * 1e3, "dlio": theirs / len(files) * 1e3}
-
-
-def agreement(ratio: float) -> float:
-    return 1.0 - abs(ratio - 1.0)
 
 
 def main() -> int:
