@@ -307,3 +307,22 @@ def test_failing_tier_ends_its_runs_with_one_line_and_others_keep_results(tmp_pa
     # the converted file is read through the tier too: it fails as well, in one line
     arrow = next(r for label, r in by_backend.items() if label.startswith("arrow"))
     assert arrow["status"] == "error" and "read failed 2 times" in arrow["reason"] and "\n" not in arrow["reason"]
+
+
+def test_many_slots_and_threads_open_descriptors_as_requests_overlap(tmp_path):
+    """A tier of 825 slots (S3's request rate x latency) used by 64 threads: the slot files' descriptors
+    are pooled per slot, so they number at most the slots plus the requests held at once, not slots x
+    threads (52,800, which ran `loadopt tiers` out of open files)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = SharedTierState(tmp_path / "tier", slots=825)
+    before = len(os.listdir("/proc/self/fd"))
+
+    def request(_: int) -> None:
+        with state.slot(time.monotonic(), 0.0005):
+            time.sleep(0.0005)
+
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(request, range(3000)))
+    opened = len(os.listdir("/proc/self/fd")) - before
+    assert 0 < opened <= 825 + 64 + 8, opened  # one a slot, one more per request held at once, the state

@@ -56,11 +56,10 @@ _STATES: weakref.WeakSet[SharedTierState] = weakref.WeakSet()
 
 def _forget_handles() -> None:
     for state in list(_STATES):
-        pool, state._pool = getattr(state, "_pool", []), []
-        for handles in pool:
-            for fd in handles.slots:
-                with suppress(OSError):
-                    os.close(fd)
+        handles = getattr(state, "_pool", None)
+        if handles is not None:
+            state._pool = _SlotHandles(handles.folder, len(handles.free))
+            handles.close_all()
 
 
 os.register_at_fork(after_in_child=_forget_handles)
@@ -102,7 +101,7 @@ class SharedTierState:
         self._values = memoryview(self._map).cast("d")
         self._thread_lock = threading.Lock()
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
-        self._pool: list[_SlotHandles] = []  # free handle sets; list.pop and append are atomic
+        self._pool = _SlotHandles(self.folder, self.slots or 0)  # open descriptions of the slot files, per slot
         _STATES.add(self)
         self._pid = os.getpid()
 
@@ -167,62 +166,74 @@ class SharedTierState:
         self._attach()  # creates the state folder in a process that has not touched the tier yet
         releases = self._values[SLOT_RELEASES:SLOT_RELEASES + self.slots]
         tails = self._values[SLOT_RELEASES + self.slots:SLOT_RELEASES + 2 * self.slots]
-        handles = self._handles()
+        handles = self._pool
+        with self._locked():
+            taken = min(range(self.slots), key=tails.__getitem__)
+            began = max(arrival, tails[taken])
+            booked = tails[taken] = began + hold_s
+        # Wake just before the turn (a request booked behind another on the same slot does not race it
+        # for the flock), then block on the flock: the kernel wakes us as the last holder lets go.
+        sleep_until_monotonic(began - _BLOCK_WITHIN_S)
+        fd = handles.take(taken)
         try:
-            with self._locked():
-                taken = min(range(self.slots), key=tails.__getitem__)
-                began = max(arrival, tails[taken])
-                booked = tails[taken] = began + hold_s
-            # Wake just before the turn (a request booked behind another on the same slot does not race it
-            # for the flock), then block on the flock: the kernel wakes us as the last holder lets go.
-            sleep_until_monotonic(began - _BLOCK_WITHIN_S)
-            fcntl.flock(handles.slots[taken], fcntl.LOCK_EX)
-            try:
-                began = max(began, min(releases[taken], time.monotonic()))
-                releases[taken] = math.inf  # said by the holder once it knows
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:  # interrupted while waiting: the description goes back unlocked
+            handles.give(taken, fd)
+            raise
+        try:
+            began = max(began, min(releases[taken], time.monotonic()))
+            releases[taken] = math.inf  # said by the holder once it knows
 
-                def releases_at(when: float) -> None:
-                    releases[taken] = when
-                    if when > booked:  # longer than booked: the requests booked after it move back
-                        with self._locked():
-                            tails[taken] = max(tails[taken], when)
+            def releases_at(when: float) -> None:
+                releases[taken] = when
+                if when > booked:  # longer than booked: the requests booked after it move back
+                    with self._locked():
+                        tails[taken] = max(tails[taken], when)
 
-                counts = self._values[SLOT_RELEASES + 2 * self.slots + taken * len(COUNTERS):][:len(COUNTERS)]
+            counts = self._values[SLOT_RELEASES + 2 * self.slots + taken * len(COUNTERS):][:len(COUNTERS)]
 
-                def add(**values: float) -> None:
-                    for name, value in values.items():
-                        counts[COUNTERS.index(name)] += value
+            def add(**values: float) -> None:
+                for name, value in values.items():
+                    counts[COUNTERS.index(name)] += value
 
-                yield began, releases_at, add
-            finally:
-                if releases[taken] == math.inf:  # it never said (an error before it knew): released now
-                    releases[taken] = time.monotonic()
-                fcntl.flock(handles.slots[taken], fcntl.LOCK_UN)
+            yield began, releases_at, add
         finally:
-            self._pool.append(handles)
-
-    def _handles(self) -> _SlotHandles:
-        """A set of this process's own open descriptions of the slot files, used by one request at a time
-        (flocks conflict between open descriptions, so each concurrent request needs its own set; opening
-        and closing them per request cost more CPU than the rest of the request)."""
-        try:
-            return self._pool.pop()
-        except IndexError:
-            return _SlotHandles(self.folder, self.slots or 0)
+            if releases[taken] == math.inf:  # it never said (an error before it knew): released now
+                releases[taken] = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            handles.give(taken, fd)
 
 
 class _SlotHandles:
-    """One open description of each slot file, closed when no longer referenced."""
+    """This process's open descriptions of the slot files, pooled per slot: flocks conflict between open
+    descriptions, so two requests holding one slot at once need two, and a request holds one slot. Opened
+    on first need and kept (opening and closing per request cost more CPU than the rest of the request):
+    at most as many per slot as requests ever held it at once. A set of every slot's file per concurrent
+    request (as before) opened slots x threads descriptors: 825 x 64 > the open-file limit."""
 
     def __init__(self, folder: Path, slots: int) -> None:
-        self.pid = os.getpid()
-        self.slots = [os.open(folder / f"slot-{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(slots)]
+        self.pid, self.folder = os.getpid(), folder
+        self.free: list[list[int]] = [[] for _ in range(slots)]  # list.pop and append are atomic
 
-    def __del__(self) -> None:
-        if self.pid == os.getpid():  # a forked child's copies are closed at the fork (`_forget_handles`)
-            for fd in self.slots:
-                with suppress(OSError):
-                    os.close(fd)
+    def take(self, slot: int) -> int:
+        try:
+            return self.free[slot].pop()
+        except IndexError:
+            return os.open(self.folder / f"slot-{slot}", os.O_RDWR | os.O_CREAT, 0o600)
+
+    def give(self, slot: int, fd: int) -> None:
+        self.free[slot].append(fd)
+
+    def close_all(self, close: Callable[[int], None] = os.close) -> None:
+        for fds in self.free:
+            while fds:
+                with suppress(OSError, IndexError):
+                    close(fds.pop())
+
+    # os's functions bound at definition: at interpreter exit the module may be gone before this runs
+    def __del__(self, getpid: Callable[[], int] = os.getpid, close: Callable[[int], None] = os.close) -> None:
+        if getattr(self, "pid", None) == getpid():  # a forked child's copies: closed at the fork
+            self.close_all(close)
 
 
 def _no_release_hint(when: float) -> None:
