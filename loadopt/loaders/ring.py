@@ -23,7 +23,7 @@ from loadopt.config import PipelineConfig
 from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
-from loadopt.storage import conversions
+from loadopt.storage import conversions, tier_reads
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
@@ -165,9 +165,10 @@ class RingLoader(Loader[RingSettingsT]):
 
     def crops_in_processes(self) -> bool:
         """Whether whole frames are cropped by worker processes (`crop_in`), which write into a ring in
-        shared memory: not on CUDA (the ring is pinned there), nor where fork is unavailable."""
+        shared memory: not on CUDA (the ring is pinned there), nor where fork is unavailable, nor on a
+        tier (read through it batch by batch, not mapped)."""
         return self.settings.crop_in == "processes" and self.stored_form == "frames" and \
-            self.device.type != "cuda" and fork_available()
+            self.device.type != "cuda" and fork_available() and tier_reads.tier_fs(self.dataset) is None
 
     @property
     def croppers(self) -> CropProcesses | None:
