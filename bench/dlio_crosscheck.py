@@ -3,7 +3,8 @@
 DLIO generates a small unet3d-like npz dataset (its own generator and file naming, `x` of (dim1, dim2,
 1) uint8 per file) into a temporary folder; both tools then read THOSE files with the same workload:
 record size, `record_length_resize` delivered per sample, batch, `read_threads` DataLoader workers
-(persistent, prefetch 2 per worker, as DLIO's pytorch reader sets them), and the emulated accelerator (a
+(persistent, prefetching ceil(prefetch_size / read_threads) batches each, as DLIO's pytorch reader sets
+them: 1 here, DLIO's default prefetch_size being 2), and the emulated accelerator (a
 sleep of `computation_time` per batch). The loadopt config is `loadopt import-dlio`'s mapping of the very
 workload file DLIO runs (loadopt.dlio.config_from_dlio), with `dataset.path` set to DLIO's train folder.
 Two computation times are run: one I/O-bound (AU clearly below 1 here) and one compute-bound (AU near 1),
@@ -54,17 +55,17 @@ pytorch + npz run needs neither DALI nor torchaudio/torchvision):
     /work/venv-dlio/bin/pip install --no-deps dlio_benchmark==2.0.0
     /work/venv-dlio/bin/pip install mpi4py hydra-core omegaconf pandas h5py pydftracer==1.0.2 psutil Pillow numpy PyYAML
 
-Measured, 04:24-04:30 UTC (`python bench/dlio_crosscheck.py --rounds 7`: 21 epochs I/O-bound, 6 compute-
-bound, 2 workers; 2 cores shared with other sessions' benchmarks and tests, load average 4.2-6.0;
-dlio_benchmark 2.0.0, torch 2.13.0 CPU):
-    io_bound (5 ms per batch of 4): samples/s loadopt 406 (235-459), DLIO 368 (218-462); loadopt / DLIO per
-      round 0.978, 1.91, 1.06, 0.786, 0.736, 1, 0.993: median 0.993 (ratio of the medians 1.1).
-    compute_bound (100 ms): AU loadopt 0.948 (0.901-0.958), DLIO 0.942 (0.852-0.958); per round 1.01, 1.06,
-      0.986, 1, 1.02, 1, 0.995: median 1.
-    one record read in one process: loadopt's 0.597 ms (0.453-1.22), DLIO's np.load 0.608 (0.415-1.6).
-    RESULT dlio_au_agreement ratio=0.993 target>=0.95 pass
-    RESULT dlio_throughput_agreement ratio=0.993 target>=0.95 pass
-  A single round moves by up to 0.9 on this shared machine (one burst of another process's work in a
+Measured, 04:40-04:47 UTC (`python bench/dlio_crosscheck.py --rounds 7`: 21 epochs I/O-bound, 6 compute-
+bound, 2 workers prefetching 1 batch each on both sides; 2 cores shared with other sessions' benchmarks
+and tests, load average 3.2-7.3; dlio_benchmark 2.0.0, torch 2.13.0 CPU):
+    io_bound (5 ms per batch of 4): samples/s loadopt 434 (344-476), DLIO 425 (358-494); loadopt / DLIO per
+      round 1.11, 1.16, 0.964, 0.931, 1.07, 1, 0.961: median 1.0 (ratio of the medians 1.02).
+    compute_bound (100 ms): AU loadopt 0.943 (0.884-0.953), DLIO 0.934 (0.905-0.96); per round 0.992, 0.997,
+      1.03, 1.05, 1.01, 0.94, 0.956: median 0.997.
+    one record read in one process: loadopt's 0.785 ms (0.465-2.09), DLIO's np.load 0.647 (0.425-0.907).
+    RESULT dlio_au_agreement ratio=0.997 target>=0.95 pass
+    RESULT dlio_throughput_agreement ratio=0.997 target>=0.95 pass
+  A single round moves by up to 0.15 on this shared machine (one burst of another process's work in a
   3 s window); the median of 7 holds.
 How the I/O-bound gap closed (it was 0.446, then 0.746 at 03:15):
   1. loadopt parsed each npz from a copy of the file (5.06 ms a record against DLIO's 1.04): parsed from
@@ -79,6 +80,12 @@ How the I/O-bound gap closed (it was 0.446, then 0.746 at 03:15):
      records do not have, are made by the consumer instead of passing a second shared-memory tensor per
      batch: 1,090 faults and 6.0-6.2 ms a batch, DLIO's figures (04:14, load 4).
   3. DLIO's figures on its elapsed time (above), and the per-round median held.
+  4. The two ran different prefetch depths: DLIO prefetches ceil(prefetch_size / read_threads) batches a
+     worker with prefetch_size 2 by default (1 here), while this script forced loadopt to 2 a worker (and
+     import-dlio mapped a missing prefetch_size to 2 a worker). Both now take DLIO's setting. Before
+     (04:36, 5 rounds, load 2.4-4.2) the I/O-bound rounds were 0.836, 0.966, 0.897, 0.982, 0.501 (median
+     0.897, FAIL), loadopt spreading 209-450 samples/s against DLIO's 418-477; 04:24-04:30 (7 rounds, load
+     4.2-6.0) had given a median of 0.993 (0.736-1.91).
   At 04:21 (6 epochs, 5 rounds, load 3.6-4.7) the I/O-bound rounds spread 0.563-1.15 (median 0.933): too
   short a window (0.8 s) for this machine, hence 21 epochs.
 """
@@ -176,8 +183,7 @@ def loadopt_figures(workload_file: Path, train_folder: Path, epochs: int) -> dic
     raw["workload"].update({"warmup_batches": steps, "measure_batches": steps * (epochs - 1), "repeats": 1,
                             "device": "cpu"})
     config = config_from_dict(raw, str(workload_file))
-    settings = {**raw["loaders"]["torch"], "persistent_workers": True, "prefetch_factor": 2}
-    loader = build_loader(config, "torch", **settings)
+    loader = build_loader(config, "torch", **raw["loaders"]["torch"])  # DLIO's reader settings, as imported
     result = harness_run(loader, steps * (epochs - 1), warmup=steps, step_ms=config.workload.step_time_ms,
                          emulate=False)
     metrics = result.metrics

@@ -92,9 +92,10 @@ def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, A
         notes.append(f"reader.data_loader {reader}: measured with loadopt's torch DataLoader backend (the same "
                      "reads by read_threads workers)")
     # DLIO's pytorch reader keeps its workers across epochs and prefetches ceil(prefetch_size / read_threads)
-    # batches a worker, 2 when prefetch_size is 0 (dlio_benchmark 2.0.0, data_loader/torch_data_loader.py).
+    # batches a worker, 2 when prefetch_size is 0 (dlio_benchmark 2.0.0, data_loader/torch_data_loader.py);
+    # prefetch_size is 2 where the workload does not set it (utils/config.py): 1 a worker from 2 threads up.
     threads = int(_number(flat.get("reader.read_threads", 1), "reader.read_threads", source))
-    prefetch_size = int(_number(flat.get("reader.prefetch_size", 0), "reader.prefetch_size", source))
+    prefetch_size = int(_number(flat.get("reader.prefetch_size", 2), "reader.prefetch_size", source))
     torch_settings: dict[str, Any] = {"num_workers": threads, "variant": "plain"}
     if threads > 0:
         torch_settings.update(persistent_workers=True,

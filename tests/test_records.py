@@ -121,7 +121,7 @@ def test_import_dlio_maps_the_workload_and_names_the_rest(tmp_path):
                                             "delivered_bytes": 2097152}
     assert config["pipeline"]["batch_size"] == 7 and config["workload"]["step_time_ms"] == 323.0
     assert config["loaders"]["torch"] == {"num_workers": 4, "variant": "plain", "persistent_workers": True,
-                                          "prefetch_factor": 2}  # as DLIO's pytorch reader keeps them
+                                          "prefetch_factor": 1}  # DLIO's: ceil(prefetch_size 2 / 4 threads)
     assert any(n.startswith("checkpoint.model_size") for n in notes)
     assert any("loadopt tiers --au 0.9" in n for n in notes)
     path = tmp_path / "unet3d.yaml"
