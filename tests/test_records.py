@@ -181,3 +181,15 @@ def test_records_in_dlio_npz_layout_are_read(tmp_path):
     record, _ = dataset.read(4)  # file 1, sample 1
     with np.load(folder / "img_2_of_2.npz") as archive:
         assert np.array_equal(record, archive["x"][..., 1].reshape(-1))
+
+
+@pytest.mark.parametrize(("name", "files", "scaled_files", "scale"), [("unet3d", 168, 168, 0.02),
+                                                                     ("resnet50_storage", 1024, 16, 1.0),
+                                                                     ("cosmoflow", 524288, 2048, 0.1)])
+def test_the_published_sizes_are_behind_one_key(name, files, scaled_files, scale):
+    scaled = load_config(f"configs/{name}.yaml", [])
+    published = load_config(f"configs/{name}.yaml", ["dataset.records.scale=published"])
+    assert (scaled.dataset.records.num_files, scaled.dataset.records.scale) == (scaled_files, scale)
+    assert (published.dataset.records.num_files, published.dataset.records.scale) == (files, 1.0)
+    assert published.workload.step_time_ms == pytest.approx(scaled.workload.step_time_ms / scale)
+    assert published.dataset.records.record_bytes == scaled.dataset.records.record_bytes  # scale applies to it
