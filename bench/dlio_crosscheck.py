@@ -9,7 +9,7 @@ sleep of `computation_time` per batch). The loadopt config is `loadopt import-dl
 workload file DLIO runs (loadopt.dlio.config_from_dlio), with `dataset.path` set to DLIO's train folder.
 Two computation times are run: one I/O-bound (AU clearly below 1 here) and one compute-bound (AU near 1),
 so agreement is tested where it matters. Rounds interleave the tools (the order alternates per round);
-the medians are compared, each round's ratio and the spread printed.
+the median of the per-round ratios is held, each round's ratio and the spread printed.
 
     python bench/dlio_crosscheck.py [--rounds 5] [--epochs E] [--dlio /work/venv-dlio/bin/dlio_benchmark]
 
