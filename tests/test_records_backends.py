@@ -130,3 +130,15 @@ def test_backends_that_do_not_read_records_say_why(tmp_path):
     for name in ("dali",):
         ok, why = backend_class(name).supports(dataset)
         assert not ok and "records" in why
+
+
+@pytest.mark.parametrize("to", ["raw", "arrow"])
+def test_conversions_store_records_whole(tmp_path, to):
+    from loadopt.storage import conversions
+
+    config, dataset = records_dataset(tmp_path, "npz")
+    form = conversions.converted_form(config.pipeline, "decoded", None, "auto", False, "--size", records=True)
+    assert (form.form, form.stored, form.size, form.describe()) == ("records", "records", None, "records")
+    done = conversions.convert(to, dataset, form)
+    assert done.samples == len(dataset) and done.nbytes >= int(dataset.sizes.sum()) and not done.skipped
+    assert conversions.convert(to, dataset, form).reused  # what the backends' prepare reuses

@@ -34,12 +34,12 @@ FORMATS: dict[str, str] = {"arrow": "arrow", "raw": "posix"}
 
 @dataclass(frozen=True)
 class ConvertedForm:
-    """What a backend reads of a dataset: `form` (decoded, encoded or tokens), the `frame` (decoded: whole
+    """What a backend reads of a dataset: `form` (decoded, encoded, tokens or records), the `frame` (decoded: whole
     or centre; encoded: whole for JPEGs bounded by max_side; None otherwise), the `stored` form of the
     conversion (frames for whole decoded frames, reencoded for bounded JPEGs) and the pixel `size` (whole:
     the longer side's bound; centre: the square's side; None for the sources' own JPEGs and tokens)."""
 
-    form: Literal["decoded", "encoded", "tokens"]
+    form: Literal["decoded", "encoded", "tokens", "records"]
     frame: Literal["whole", "centre"] | None
     stored: Form
     size: int | None
@@ -51,12 +51,15 @@ class ConvertedForm:
 
 
 def converted_form(pipeline: PipelineConfig, form: str, decoded_size: int | None, frame: str, tokens: bool,
-                   where: str) -> ConvertedForm:
+                   where: str, records: bool = False) -> ConvertedForm:
     """The form a backend with these settings reads. Decoded, `frame` auto: whole frames (longer side <=
     pipeline.max_side, the JPEG paths' crop plan) for train augmentation, else a `decoded_size` centre
     square (default image_size / 0.875: the eval recipe). Encoded, `frame` whole: the JPEGs bounded by
     pipeline.max_side (FFCV's jpg input: a larger source re-encoded, `imaging.reencode`); auto or centre:
-    the sources' own bytes. `where` names the size in the error."""
+    the sources' own bytes. `where` names the size in the error. Records (storage/records.py) are stored
+    whole, each record's bytes, whatever the form asked for (the ring backends deliver their first bytes)."""
+    if records:
+        return ConvertedForm("records", None, "records", None)
     if tokens:  # token corpora are stored as windows, whatever the form asked for
         return ConvertedForm("tokens", None, "tokens", None)
     if form == "encoded":
