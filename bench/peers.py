@@ -28,18 +28,20 @@ second thread spun against the library's 2 workers on 2 cores. The harness does 
 emulated device (`DeviceTransfer(emulate=True)`: buffers reused, one host thread, standing for an
 accelerator, as a CUDA caching allocator reuses memory). Consumer CPU per batch: own loop 39-43 ms (fresh
 memory on 1 thread 31, reused buffers on 2 threads 25), the harness 14-15, the own loop onto the harness's
-device 15; the rates followed (harness / own loop 1.15-1.45 before, 0.94-1.0 after, medians of 4-8 rounds
-at load 3-4). Ruled out by the same timing: worker startup (before the window on both sides), when the
-window opens (both when batch `WARMUP` is asked for, after the same warm-up batches, second epoch),
-`rebatch`'s reassembly (a library batch of the planned size passes through uncopied). So the own loop now
-hands each batch to that same device (`Loader.finish`), as a training script hands its batches to its
-accelerator: the two sides differ by the harness and the backend's adapter alone. That showed the adapter's
-handicap on FFCV: it copied every batch out of FFCV's reused buffers (a transposing `.contiguous()` to NCHW
-and a clone, which the device's channels-last finishing transposed back); even one plain copy of the NHWC
-pixels cost FFCV raw ~9 ms of CPU a batch (0.71-0.73 against its bare loop's 0.53-0.55 CPU s/1k; the
-harness / own-loop rate 0.74 over 7 rounds). FFCV's batches now reach the harness borrowed, NHWC, uncopied
-(finished before the next is asked for, as FFCV's own loop consumes them; copied on CUDA): 0.515 against
-0.504 CPU s/1k, rates 1.01 (median of 10 rounds).
+device 15 (the process tree's CPU per 1,000 samples 1.80-1.89 against 1.75-1.86). Ruled out by the same
+timing: worker startup (before the window on both sides), when the window opens (both when batch `WARMUP`
+is asked for, after the same warm-up batches, second epoch), `rebatch`'s reassembly (a library batch of the
+planned size passes through uncopied). So the own loop now hands each batch to that same device
+(`Loader.finish`), as a training script hands its batches to its accelerator: the two sides differ by the
+harness and the backend's adapter alone. That showed the adapter's handicap on FFCV: it copied every batch
+out of FFCV's reused buffers (a transposing `.contiguous()` to NCHW and a clone, which the device's
+channels-last finishing transposed back); even one plain copy of the NHWC pixels cost FFCV raw ~9 ms of CPU
+a batch (0.71-0.73 against its bare loop's 0.53-0.55 CPU s/1k; harness / own-loop rate 0.74 over 7 rounds).
+FFCV's batches now reach the harness borrowed, NHWC, uncopied (finished before the next is asked for, as
+FFCV's own loop consumes them; copied on CUDA): 0.515 against 0.504 CPU s/1k, rates 1.01 (median of 10
+rounds). The harness still reads 3-7% more CPU s/1k for DataLoader peers at equal work: it reads the
+window's CPU after closing the loader, so the workers' shutdown tail (their prefetched batches) counts
+(the own loop closed inside its window read the same; requested in COORD.md; rates are unaffected).
 On 2 shared cores the rates swing with other processes' load (benchmarks here run at nice 15 beneath
 others' nice 0): each round's ratio is one side's window against the other's moments later, and CPU
 seconds per 1,000 samples, printed for both sides, are the steadier check.
