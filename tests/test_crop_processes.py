@@ -135,3 +135,21 @@ def test_an_epoch_left_early_leaves_the_next_one_right(tmp_path, backend):
     assert_same(batches(processes), batches(threads))
     processes.close()
     threads.close()
+
+
+
+def test_where_worker_processes_cannot_start_threads_crop_instead(tmp_path, monkeypatch, caplog):
+    """E.g. in a daemonic process (multiprocessing lets it have no children): the loader crops in threads,
+    with a warning saying why, instead of failing."""
+    from loadopt.loaders import ring
+
+    def refused(*args, **kwargs):
+        raise AssertionError("daemonic processes are not allowed to have children")
+
+    cfg, dataset = whole_frames(tmp_path)
+    expected = batches(loader("arrow", dataset, cfg, "threads"))
+    monkeypatch.setattr(ring, "CropProcesses", refused)
+    arrow = loader("arrow", dataset, cfg, "processes")
+    assert_same(batches(arrow), expected)
+    assert arrow.croppers is None and "worker processes could not start (daemonic" in caplog.text
+    arrow.close()

@@ -53,14 +53,18 @@ class CropProcesses:
         self._connections: list[Any] = []
         self._processes: list[Any] = []
         self._sent: collections.deque[int] = collections.deque()  # per batch in flight: the chunks sent
-        for rank in range(self.count):
-            parent_end, child_end = context.Pipe()
-            process = context.Process(target=serve, args=(child_end, out, sources, os.getpid()),
-                                      name=f"loadopt-crop-{rank}", daemon=True)
-            process.start()
-            child_end.close()
-            self._connections.append(parent_end)
-            self._processes.append(process)
+        try:
+            for rank in range(self.count):
+                parent_end, child_end = context.Pipe()
+                self._connections.append(parent_end)
+                process = context.Process(target=serve, args=(child_end, out, sources, os.getpid()),
+                                          name=f"loadopt-crop-{rank}", daemon=True)
+                process.start()
+                child_end.close()
+                self._processes.append(process)
+        except BaseException:  # those started are closed: nothing left behind
+            self.close()
+            raise
 
     def crop(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
              augment: Literal["train", "eval"], seed: int, epoch: int,

@@ -8,6 +8,7 @@ batch is asked for, and only once an asynchronous device copy from it (CUDA) has
 
 from __future__ import annotations
 
+import logging
 import mmap
 import queue
 import threading
@@ -28,6 +29,7 @@ from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
 Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
+log = logging.getLogger(__name__)
 
 
 def ring_batches(count: int, slots: int, produce: Producer, make_batch: Callable[..., HostBatch],
@@ -124,6 +126,7 @@ class RingLoader(Loader[RingSettingsT]):
         self.frame, self.stored_form, self.size = converted.frame, converted.stored, converted.size
         self._ring: list[torch.Tensor] | None = None
         self._croppers: CropProcesses | None = None
+        self._croppers_refused = False  # worker processes could not start here: threads crop
 
     @classmethod
     def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
@@ -182,9 +185,14 @@ class RingLoader(Loader[RingSettingsT]):
             return
         self.stop_workers()
         sources = self.frame_sources()
-        if sources is not None:
+        if sources is not None and not self._croppers_refused:
             count = getattr(self.settings, "threads", 1)  # as many as the threads that would crop
-            self._croppers = CropProcesses([slot.numpy() for slot in ring], sources, count)
+            try:
+                self._croppers = CropProcesses([slot.numpy() for slot in ring], sources, count)
+            except (AssertionError, OSError, ValueError) as exc:  # e.g. inside a daemonic process: no children
+                self._croppers_refused = True
+                log.warning("%s: whole frames cropped by threads, worker processes could not start (%s)",
+                            self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     def stop_workers(self) -> None:
         """Close the crop workers (a backend calls it when the frames they inherited are unmapped)."""
