@@ -162,13 +162,6 @@ def damaged_record_file(tmp_path, cache):
                  backend="torch")
 
 
-def convert_records(tmp_path, cache):
-    config = write_config(tmp_path, dataset={"kind": "records", "records": {
-        "record_bytes": 2000, "num_files": 4, "delivered_bytes": 1000}})
-    return Setup(["convert", str(config), "--to", "arrow"], f"{config}: dataset.kind: records: there is no converted "
-                 "form of records", leftovers=temps(cache))
-
-
 def dlio_workload_not_yaml(tmp_path, cache):
     path = tmp_path / "unet3d.yaml"
     path.write_text("dataset: {record_length: 10\n")
@@ -190,7 +183,6 @@ CASES = {  # name: (setup, exit code)
     "results file of an unknown schema version, report": (results_of_an_unknown_version, 1),
     "corrupt results file, explain": (corrupt_results_explained, 1),
     "damaged npz record file": (damaged_record_file, 1),
-    "convert asked for a records dataset": (convert_records, 1),
     "DLIO workload file not valid YAML, import-dlio": (dlio_workload_not_yaml, 2),
 }
 

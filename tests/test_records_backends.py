@@ -142,3 +142,20 @@ def test_conversions_store_records_whole(tmp_path, to):
     done = conversions.convert(to, dataset, form)
     assert done.samples == len(dataset) and done.nbytes >= int(dataset.sizes.sum()) and not done.skipped
     assert conversions.convert(to, dataset, form).reused  # what the backends' prepare reuses
+
+
+@pytest.mark.parametrize("to", ["raw", "arrow"])
+def test_loadopt_convert_stores_records_once(tmp_path, to):
+    """`loadopt convert` on a records config writes the records form the backends read, then reuses it."""
+    import yaml
+
+    from .test_cli import loadopt
+
+    path = tmp_path / "rec.yaml"
+    path.write_text(yaml.safe_dump(records_config(tmp_path, "npz")))
+    cache = tmp_path / "cache"
+    first = loadopt("convert", path, "--to", to, env_cache=cache)
+    assert first.returncode == 0, first.stderr
+    assert "15 samples" in first.stdout and "records" in first.stdout
+    again = loadopt("convert", path, "--to", to, env_cache=cache)
+    assert again.returncode == 0 and "reused" in again.stdout, again.stdout + again.stderr

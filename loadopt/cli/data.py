@@ -64,7 +64,6 @@ def convert(
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done)."""
     from loadopt.config import load_config
-    from loadopt.errors import DatasetError
     from loadopt.storage import conversions
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.tokens import TokenDataset
@@ -75,11 +74,9 @@ def convert(
         with progress_bar() as progress:
             reporter = RichReporter(progress)
             dataset = open_dataset(cfg, progress=reporter.dataset_progress)
-            if dataset.kind == "records":
-                raise DatasetError(f"{config}: dataset.kind: records: there is no converted form of records; "
-                                   "the backends that read records read the record files themselves")
             form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
-                                              frame, isinstance(dataset, TokenDataset), where="--size")
+                                              frame, isinstance(dataset, TokenDataset), where="--size",
+                                              records=dataset.kind == "records")
             label = f"{conversions.FORMATS[to]} {form.describe()}"  # as the backend names it
             done = conversions.convert(to, dataset, form, shard_mib, on_error=cfg.dataset.on_error, force=force,
                                        verify=verify,
