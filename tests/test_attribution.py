@@ -205,3 +205,19 @@ def test_an_unmeasured_crop_ceiling_says_so_rather_than_borrowing_another():
     found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=810.0), "arrow decoded whole 512px threads=2",
                       CEILINGS, TRAIN_JOB, {"form": "decoded"}, WHOLE)
     assert found["ceiling"]["samples_per_s"] is None and "crop + resize capacity not measured" in found["text"]
+
+
+def test_a_warm_record_read_is_held_to_the_page_cache_copy_and_a_cold_one_to_the_storage_read():
+    """Records (work kind io): warm, each record comes from the page cache, a memory copy (a converted
+    form read from memory is not 10x over a disk's rate); cold, the storage's sequential read bounds it."""
+    records = {"kind": "records"}
+    job = {**JOB, "kind": "records", "mean_sample_bytes": 1.5e6}
+
+    def run(rate: float) -> dict:
+        return {**metrics(0.5, wait_s=5.0, finish_s=0.1, rate=rate), "bytes_read": 100 * 64 * 1.5e6}
+
+    warm = attribute(run(4000.0), "arrow records threads=2", CEILINGS, job, {}, records)
+    assert "page cache copy" in warm["ceiling"]["name"] and "above that ceiling" not in warm["text"]
+    assert abs(warm["ceiling"]["samples_per_s"] - 10e9 / 1.5e6) < 1.0  # 4,000 of 6,667: 60%, not 30x
+    cold = attribute(run(120.0), "arrow records threads=2", CEILINGS, {**job, "cache": "cold"}, {}, records)
+    assert cold["bottleneck"] == "fetch-bound" and abs(cold["ceiling"]["samples_per_s"] - 200e6 / 1.5e6) < 1.0

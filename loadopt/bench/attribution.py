@@ -125,8 +125,18 @@ def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, An
                   if rate and per_sample else f"{name} (capacity not measured)")
         stage = ("copy-bound", name, rate, words_,
                  "uint8 batches (pipeline.dtype: uint8), fewer copies per batch or more threads lift this bound")
-    elif kind == WorkKind.IO:
+    elif kind == WorkKind.IO and job.get("cache") == "cold":
         stage = _storage_stage(metrics, ceilings, job, "a faster tier or a smaller stored form lifts this bound")
+    elif kind == WorkKind.IO:  # warm: the stored bytes come from the page cache, a memory copy each
+        copy = ceilings.get("memcpy", {}).get("bytes_per_s")
+        per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
+        rate = copy / per_sample if copy and per_sample else None
+        name = f"page cache copy ({copy / 1e9:,.1f} GB/s)" if copy else "page cache copy"
+        words_ = (f"the page cache copies {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB read"
+                  if rate and per_sample else f"{name} (capacity not measured)")
+        stage = ("copy-bound", name, rate, words_,
+                 "a smaller stored form or fewer bytes read per sample lifts this bound (storage.cache: cold "
+                 "adds the storage read)")
     else:  # JPEG_DECODE, DEVICE_DECODE (no device decode ceiling is measured: the host's decode stands in)
         decode = ceilings.get("decode", {})
         slow = settings.get("decoder") == "pil" or (
