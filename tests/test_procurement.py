@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -122,3 +123,17 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
     # recorded as `loadopt bench` records it: one entry per tier, so `auto` follows the tier it runs on
     entries = json.loads(decision_path(open_dataset(config).fingerprint).read_text())["entries"]
     assert {e["machine"]["storage_tier"].split(":")[0] for e in entries} >= {"starved", "roomy"}
+
+
+def test_the_tier_sweep_takes_both_image_forms_but_one_of_records():
+    """Records (and token windows) have one stored form: sweeping `form` listed each backend twice."""
+    from loadopt.bench.procurement import backend_sweep
+
+    from .test_records import records_config
+
+    raw = records_config(Path("/tmp"), "npz")
+    raw["loaders"] = {"posix": {"threads": [1, 2]}, "arrow": {}, "torch": {"num_workers": [0, 2]}}
+    sweep = backend_sweep(config_from_dict(raw, "rec.yaml"))
+    assert all(not isinstance(value, list) for settings in sweep.values() for value in settings.values()), sweep
+    images = config_from_dict({**raw, "dataset": {"kind": "images"}}, "img.yaml")
+    assert backend_sweep(images)["posix"]["form"] == ["decoded", "encoded"]

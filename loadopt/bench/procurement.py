@@ -168,13 +168,15 @@ DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "te
 
 
 def backend_sweep(config: Config) -> dict[str, dict[str, Any]]:
-    """The backends to compare on each tier: the config's, arrow and posix in both forms, every other
-    swept knob at its last (most parallel) listed value."""
+    """The backends to compare on each tier: the config's, arrow and posix in both forms (images; records
+    and tokens have one stored form, whatever `form` says), every other swept knob at its last (most
+    parallel) listed value."""
     loaders: dict[str, dict[str, Any]] = {}
+    one_form = config.dataset.kind != "images"
     for name, raw in config.loaders.items():
-        settings = {k: (v[-1] if isinstance(v, list) and v and k not in ("form", "variant") else v)
+        settings = {k: (v[-1] if isinstance(v, list) and v and (one_form or k not in ("form", "variant")) else v)
                     for k, v in raw.items()}
-        if name in ("arrow", "posix", "kvikio"):
+        if name in ("arrow", "posix", "kvikio") and not one_form:
             settings["form"] = ["decoded", "encoded"]
         loaders[name] = settings
     return loaders
