@@ -76,8 +76,7 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
     def describe(self) -> str:
         s = self.settings
         text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
-        return f"{text} threads={s.threads} prefetch={s.prefetch}" + \
-            (" crop_in=processes" if self.crops_in_processes() else "") + tier_reads.via_tier(self.dataset)
+        return f"{text} threads={s.threads} prefetch={s.prefetch}" + tier_reads.via_tier(self.dataset)
 
     # -- the file ------------------------------------------------------------------------------
 

@@ -195,7 +195,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         s = self.settings
         text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
         return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
-            (" crop_in=processes" if self.crops_in_processes() else "") + tier_reads.via_tier(self.dataset)
+            tier_reads.via_tier(self.dataset)
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
