@@ -28,15 +28,21 @@ def crosscheck():
 
 
 def test_dlio_figures_skip_the_first_epoch_and_count_every_step_of_the_rest(crosscheck, tmp_path):
-    steps = {"1": {"proc": {"block1": [5.0, 0.1]}, "compute": {"block1": [0.05, 0.05]}},
-             "2": {"proc": {"block1": [0.2, 0.1]}, "compute": {"block1": [0.05, 0.05]}},
-             "3": {"proc": {"block1": [0.1, 0.1]}, "compute": {"block1": [0.05, 0.05]}}, "hostname": "x"}
+    # Each epoch's elapsed time comes from the throughput DLIO records for it (steps x batch / elapsed):
+    # 2 steps of 4 at 32 samples/s is 0.25 s, more than its steps' own 0.3 and 0.2 s would say less of.
+    steps = {"1": {"proc": {"block1": [5.0, 0.1]}, "compute": {"block1": [0.05, 0.05]},
+                   "throughput": {"block1": 1.5}},
+             "2": {"proc": {"block1": [0.2, 0.1]}, "compute": {"block1": [0.05, 0.05]},
+                   "throughput": {"block1": 32.0}},
+             "3": {"proc": {"block1": [0.1, 0.1]}, "compute": {"block1": [0.05, 0.05]},
+                   "throughput": {"block1": 32.0}}, "hostname": "x"}
     (tmp_path / "0_output.json").write_text(json.dumps(steps))
     (tmp_path / "summary.json").write_text(json.dumps({"metric": {
         "train_au_percentage": [1.0, 40.0, 50.0], "train_throughput_samples_per_second": [1.0, 30.0, 40.0]}}))
     figures = crosscheck.dlio_figures(tmp_path, batch=4)
-    assert figures["au"] == pytest.approx(0.2 / 0.5)
+    assert figures["au"] == pytest.approx(0.2 / 0.5)  # epoch 1 left out
     assert figures["samples_per_s"] == pytest.approx(16 / 0.5)
+    assert figures["steps_share"] == pytest.approx(0.5 / 0.5)
     assert figures["own_au"] == pytest.approx(0.45) and figures["own_samples_per_s"] == pytest.approx(35.0)
 
 
