@@ -29,7 +29,7 @@ def crosscheck():
 
 def test_dlio_figures_skip_the_first_epoch_and_count_every_step_of_the_rest(crosscheck, tmp_path):
     # Each epoch's elapsed time comes from the throughput DLIO records for it (steps x batch / elapsed):
-    # 2 steps of 4 at 32 samples/s is 0.25 s, more than its steps' own 0.3 and 0.2 s would say less of.
+    # 2 steps of 4 at 32 samples/s is 0.25 s an epoch, so epochs 2 and 3 took 0.5 s.
     steps = {"1": {"proc": {"block1": [5.0, 0.1]}, "compute": {"block1": [0.05, 0.05]},
                    "throughput": {"block1": 1.5}},
              "2": {"proc": {"block1": [0.2, 0.1]}, "compute": {"block1": [0.05, 0.05]},
