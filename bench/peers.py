@@ -70,8 +70,11 @@ Measured (2 cores shared with other helpers and CI, torch 2.14.1 venv with every
 medians, min-max over 5 interleaved rounds; run before RingLoader.recipe named the bounded form, so their
 `<= max_side` rows' recipe column said `source`; it now says `JPEG re-encoded <= 512 px q90`). These ran
 before the own loops' finishing was the harness's and before FFCV's batches were handed over uncopied (see
-above): the peers' rows below are low by that (13-51% at the time), so the loadopt_vs_best_peer ratios are
-overstated until rerun:
+above): the peers' rows below are low by that (13-51% at the time), so their ratios are overstated. Rerun
+after (`--rounds 5 --batches 10`, 05:24 UTC, load 1.1-2.6): webdataset 1,266, streaming 1,207, litdata 1,984,
+ffcv jpg 1,527, ffcv raw 3,049; loadopt torch tuned 2,092, arrow/posix encoded 1,772/1,802, arrow decoded
+6,554 (1,916-9,501). RESULT loadopt_vs_best_peer_jpeg 1.12 (0.617-1.75) FAIL, predecoded 1.34 (0.651-3.58).
+Before:
 - default (`--rounds 5 --batches 10`, 4,000 ~400 x 350 JPEGs, load 11-14): ffcv jpg 215 (184-296), streaming 274
   (242-488), litdata 259, webdataset 217; loadopt posix encoded 464 (329-515), arrow encoded 432, torch tuned
   457, `<= max_side` 422-451; ffcv raw 343 (258-482), loadopt posix decoded 4,518 (2,326-5,442), arrow
