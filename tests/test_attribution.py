@@ -221,3 +221,7 @@ def test_a_warm_record_read_is_held_to_the_page_cache_copy_and_a_cold_one_to_the
     assert abs(warm["ceiling"]["samples_per_s"] - 10e9 / 1.5e6) < 1.0  # 4,000 of 6,667: 60%, not 30x
     cold = attribute(run(120.0), "arrow records threads=2", CEILINGS, {**job, "cache": "cold"}, {}, records)
     assert cold["bottleneck"] == "fetch-bound" and abs(cold["ceiling"]["samples_per_s"] - 200e6 / 1.5e6) < 1.0
+    # Remote objects have no page cache: warm or not, the storage's read bounds them.
+    remote = {**CEILINGS, "storage": {"name": "storage read", "bytes_per_s": 200e6}}
+    found = attribute(run(120.0), "arrow records threads=2", remote, job, {}, records)
+    assert found["ceiling"]["name"].startswith("storage read")

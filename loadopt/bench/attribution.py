@@ -106,6 +106,12 @@ def _storage_stage(metrics: dict[str, Any], ceilings: dict[str, Any], job: dict[
             f"the storage reads {storage / 1e6:,.0f} MB/s = {rate:,.0f} samples/s of {per_sample / 1e3:,.0f} KB", lift)
 
 
+def _local_storage(ceilings: dict[str, Any]) -> bool:
+    """Whether the storage ceiling was measured on local files (which a warm bench reads from the page
+    cache), not on remote objects (no page cache: every read is the storage's)."""
+    return ceilings.get("storage", {}).get("name") == "storage sequential read"
+
+
 def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, Any], job: dict[str, Any],
                      settings: dict[str, Any] | None,
                      recipe: dict[str, Any] | None = None) -> tuple[str, str, float | None, str, str]:
@@ -125,9 +131,9 @@ def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, An
                   if rate and per_sample else f"{name} (capacity not measured)")
         stage = ("copy-bound", name, rate, words_,
                  "uint8 batches (pipeline.dtype: uint8), fewer copies per batch or more threads lift this bound")
-    elif kind == WorkKind.IO and job.get("cache") == "cold":
+    elif kind == WorkKind.IO and (job.get("cache") == "cold" or not _local_storage(ceilings)):
         stage = _storage_stage(metrics, ceilings, job, "a faster tier or a smaller stored form lifts this bound")
-    elif kind == WorkKind.IO:  # warm: the stored bytes come from the page cache, a memory copy each
+    elif kind == WorkKind.IO:  # warm and local: the stored bytes come from the page cache, a memory copy each
         copy = ceilings.get("memcpy", {}).get("bytes_per_s")
         per_sample = _sample_bytes(metrics, "bytes_read") or job.get("mean_sample_bytes")
         rate = copy / per_sample if copy and per_sample else None
