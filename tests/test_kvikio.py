@@ -25,7 +25,7 @@ def test_kvikio_is_unavailable_here_with_the_reason():
 def kvikio_on_the_cpu(dataset, pipeline, settings, **kw):
     """The kvikio backend with its device read swapped for the POSIX reader into host staging."""
     from loadopt.loaders.kvikio_loader import KvikioLoader
-    from loadopt.loaders.posix_loader import PosixReader
+    from loadopt.loaders.shard_reader import PosixReader
 
     loader = KvikioLoader(dataset, pipeline, settings, **kw)
     loader.reader_class, loader.staging_device = PosixReader, "cpu"

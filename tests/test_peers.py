@@ -12,7 +12,7 @@ import torch
 from loadopt import recipe
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError
-from loadopt.loaders import peer_base
+from loadopt.loaders import peer_base, peer_batches
 from loadopt.loaders.registry import backend_class, backend_names
 from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
 from loadopt.storage.imagefolder import open_dataset
@@ -235,18 +235,18 @@ def test_rebatch_cuts_the_librarys_batches_to_the_planned_sizes():
                 "indices": torch.tensor(indices, dtype=torch.int64), "failures": [(i, "bad") for i in failed]}
 
     stream = [part([0, 1, 2]), part([3, 4], failed=[5]), part([6, 7, 8])]
-    out = list(peer_base.rebatch(iter(stream), [4, 4, 1]))
+    out = list(peer_batches.rebatch(iter(stream), [4, 4, 1]))
     # a part's failures count first: batch 0 is samples 0-2 and the failed 5
     assert [b.indices.tolist() for b in out] == [[0, 1, 2], [3, 4, 6, 7], [8]]
     assert [b.failures for b in out] == [[(5, "bad")], [], []]
     assert out[1].inputs.flatten().tolist() == [3, 4, 6, 7] and out[0].inputs.flatten().tolist() == [0, 1, 2]
-    resumed = list(peer_base.rebatch(iter(stream), [4, 1], skip=4))
+    resumed = list(peer_batches.rebatch(iter(stream), [4, 1], skip=4))
     assert [b.indices.tolist() for b in resumed] == [[3, 4, 6, 7], [8]]
-    short = list(peer_base.rebatch(iter(stream[:1]), [4, 4]))
+    short = list(peer_batches.rebatch(iter(stream[:1]), [4, 4]))
     assert [b.indices.tolist() for b in short] == [[0, 1, 2]]
     assert {b.layout for b in out} == {"NCHW"}
     nhwc = [{**p, "inputs": p["inputs"].permute(0, 2, 3, 1), "layout": "NHWC"} for p in stream]
-    assert {b.layout for b in peer_base.rebatch(iter(nhwc), [4, 4, 1])} == {"NHWC"}
+    assert {b.layout for b in peer_batches.rebatch(iter(nhwc), [4, 4, 1])} == {"NHWC"}
 
 
 def test_rebatch_copies_what_it_keeps_of_a_borrowed_buffer_before_the_next():
@@ -261,10 +261,10 @@ def test_rebatch_copies_what_it_keeps_of_a_borrowed_buffer_before_the_next():
                    "indices": torch.arange(first, first + 3), "failures": [], "borrowed": True}
 
     seen = []
-    for batch in peer_base.rebatch(library(), [2, 2, 2, 3]):
+    for batch in peer_batches.rebatch(library(), [2, 2, 2, 3]):
         seen.append((batch.inputs.flatten().tolist(), batch.borrowed))  # consumed before the next, as finish does
     assert seen == [([0, 1], True), ([2, 3], False), ([4, 5], True), ([6, 7, 8], True)]
-    whole = list(peer_base.rebatch(library(), [3, 3, 3]))
+    whole = list(peer_batches.rebatch(library(), [3, 3, 3]))
     assert all(b.borrowed for b in whole) and whole[0].inputs.data_ptr() == buffer.data_ptr()
 
 

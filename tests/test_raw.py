@@ -336,7 +336,7 @@ def test_a_prefill_of_a_missing_shard_names_it(tmp_path):
 def test_the_o_direct_staging_buffer_is_page_aligned_zeroed_and_writable():
     """`aligned_empty` (private anonymous map, huge pages where given): at a page boundary as O_DIRECT
     requires, at least the bytes asked for in whole pages, zeroed, writable."""
-    from loadopt.loaders.posix_loader import aligned_empty
+    from loadopt.loaders.shard_reader import aligned_empty
 
     for nbytes in (1, 4096, 5 << 20):
         buffer = aligned_empty(nbytes)

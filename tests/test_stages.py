@@ -66,7 +66,7 @@ def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
     import time
 
     from loadopt.bench import stages
-    from loadopt.loaders.posix_loader import PosixReader
+    from loadopt.loaders.shard_reader import PosixReader
 
     rate, link = 1e6, threading.Lock()
     real_read, real_file = PosixReader.read, stages._read_file

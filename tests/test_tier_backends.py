@@ -70,7 +70,7 @@ def test_kvikio_reads_through_the_tier_into_host_memory(tmp_path):
 
 
 def test_plain_local_disk_keeps_the_direct_paths(tmp_path):
-    from loadopt.loaders.posix_loader import PosixReader
+    from loadopt.loaders.shard_reader import PosixReader
 
     config = _config(tmp_path, "local")
     dataset = open_dataset(config)

@@ -36,7 +36,8 @@ from loadopt.errors import BackendUnavailable, DatasetError
 from loadopt.imaging.resize import crop_resize_flip_chw
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import WorkKind
-from loadopt.loaders.posix_loader import PosixLoader, PosixSettings, aligned_empty
+from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+from loadopt.loaders.shard_reader import aligned_empty
 from loadopt.loaders.transforms import DeviceDecoder
 from loadopt.storage.raw_format import align_up
 from loadopt.storage.tier_reads import TierReader

@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import Field
 
-from loadopt.loaders.peer_base import PeerLoader, PeerSettings, collate, cropped, epoch_seed, record, source_samples
+from loadopt.loaders.peer_base import PeerLoader, PeerSettings, cropped, epoch_seed, record, source_samples
+from loadopt.loaders.peer_batches import collate
 
 
 class LitDataSettings(PeerSettings):

@@ -21,10 +21,10 @@ from pydantic import Field
 from loadopt.loaders.peer_base import (
     PeerLoader,
     PeerSettings,
-    collate,
     epoch_seed,
     source_samples,
 )
+from loadopt.loaders.peer_batches import collate
 from loadopt.storage import tier_reads
 
 

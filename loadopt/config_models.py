@@ -1,0 +1,170 @@
+"""The config's pydantic models: every key a config file may hold, its type, default and range.
+`loadopt.config` loads them from YAML with `--set` overrides and one-line errors (and re-exports them)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SyntheticSpec(_Strict):
+    """Parameters of the generated ImageNet-shaped dataset (used when `dataset.path` is null)."""
+
+    num_samples: int = Field(4000, gt=0)
+    num_classes: int = Field(100, gt=0)
+    mean_width: int = Field(400, ge=16)
+    mean_height: int = Field(350, ge=16)
+    jpeg_quality: int = Field(90, ge=1, le=100)
+    seed: int = 0
+    # The val split's size as a fraction of num_samples (ImageNet's is 0.04), generated on first use.
+    val_fraction: float = Field(0.1, ge=0, le=1)
+
+
+class TokenSpec(_Strict):
+    """The token corpus: generated when `dataset.path` is null, else the layout of the file there
+    (a flat array of token ids, as nanoGPT's train.bin)."""
+
+    num_tokens: int = Field(50_000_000, gt=1)
+    vocab_size: int = Field(50257, gt=1)  # ids fit uint16 below 65,536, else uint32
+    seed: int = 0
+
+    @property
+    def dtype(self) -> str:
+        return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
+
+
+class RecordSpec(_Strict):
+    """Record workloads (DLIO / MLPerf Storage: storage/records.py): generated when `dataset.path` is null,
+    else the layout of the record files there. Sizes are per record; DLIO's names in the comments."""
+
+    record_bytes: int = Field(150_528, gt=0)  # record_length_bytes (the mean)
+    record_bytes_stdev: int = Field(0, ge=0)  # record_length_bytes_stdev
+    samples_per_file: int = Field(1, gt=0)  # num_samples_per_file
+    num_files: int = Field(64, gt=0)  # num_files_train
+    # MLPerf Storage's published file count, where a config scales the file count down (`scale: published` uses it)
+    published_num_files: int | None = Field(None, gt=0)
+    file_format: Literal["raw", "npz"] = "npz"  # format (DLIO's tfrecord/hdf5 have no reader here)
+    # record_length_bytes_resize: the bytes of each record delivered to the accelerator (its first bytes)
+    delivered_bytes: int = Field(150_528, gt=0)
+    # The published sizes times this (1: as published); workload.accelerator's step time is scaled alike,
+    # so a scaled-down workload asks each accelerator for the published bytes per second. `published`:
+    # scale 1 and `published_num_files` (MLPerf Storage's sizes, one key).
+    scale: float = Field(1.0, gt=0, le=1)
+    seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def published_sizes(cls, data: Any) -> Any:
+        """`scale: published`: every size as MLPerf Storage publishes it (scale 1, `published_num_files`)."""
+        if isinstance(data, dict) and data.get("scale") == "published":
+            data = {**data, "scale": 1.0}
+            if data.get("published_num_files") is not None:
+                data["num_files"] = data["published_num_files"]
+        return data
+
+
+class DatasetConfig(_Strict):
+    kind: Literal["images", "tokens", "records"] = "images"
+    path: str | None = None
+    synthetic: SyntheticSpec = SyntheticSpec()
+    tokens: TokenSpec = TokenSpec()
+    records: RecordSpec = RecordSpec()
+    on_error: Literal["raise", "skip"] = "raise"
+
+
+class PipelineConfig(_Strict):
+    batch_size: int = Field(64, gt=0)
+    image_size: int = Field(224, ge=8)
+    augment: Literal["train", "eval"] = "train"
+    # The decoded forms' whole frames keep their longer side at most this (FFCV's max_resolution):
+    # 512 keeps ImageNet-sized frames at their own pixels (README: storage cost per form).
+    max_side: int = Field(512, ge=8)
+    # The JPEG paths: `reduced` decodes a crop at least twice the output each way at a reduced DCT scale
+    # (1/2-1/8: other pixels, far less work on large photos; README: the JPEG path's levers); `full`: scale 1.
+    jpeg_scale: Literal["full", "reduced"] = "full"
+    dtype: Literal["float32", "uint8"] = "float32"
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    shuffle: bool = True
+    # `shared`: batches in the sampler's order, as DataLoader's (every loadopt backend); `any` also lets `auto`
+    # pick a backend whose library orders the samples itself (the peers, dali reader native): loadopt.recipe.
+    order: Literal["shared", "any"] = "shared"
+    drop_last: bool = False
+    # Image batches in memory: channels_last (NCHW shape over NHWC memory: what pre-decoded backends hold and
+    # convolutions prefer) or contiguous (NCHW memory, as DataLoader's default_collate gives); README: cost.
+    memory_format: Literal["channels_last", "contiguous"] = "channels_last"
+    seq_len: int = Field(1024, gt=0)  # tokens: each sample is seq_len + 1 tokens (inputs, shifted targets)
+
+
+class WorkloadConfig(_Strict):
+    step_time_ms: float = Field(25.0, ge=0)
+    warmup_batches: int = Field(5, ge=0)
+    measure_batches: int = Field(200, gt=0)
+    repeats: int = Field(3, ge=1)
+    # "none": the emulated accelerator (a step of step_time_ms per batch); otherwise a real
+    # forward+backward of this model on every batch.
+    model: Literal["none", "small_cnn", "resnet50"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # An alternative to step_time_ms: the emulated step of this accelerator from MLPerf Storage's
+    # published figures (bench/accelerators_table.py), scaled to pipeline.batch_size.
+    accelerator: str | None = None
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, value: str | None) -> str | None:
+        from loadopt.bench.accelerators_table import published_step
+
+        return None if value is None else published_step(value).accelerator + "-" + published_step(value).model
+
+
+class StorageConfig(_Strict):
+    # "local", a profile name from configs/tiers.yaml, or an inline tier (storage/tiers.py: TierSpec)
+    tier: str | dict[str, Any] = "local"
+
+    @field_validator("tier", mode="before")
+    @classmethod
+    def _tier_shape(cls, value: Any) -> Any:
+        if not isinstance(value, (str, dict)):
+            raise ValueError("expected local, a profile name from configs/tiers.yaml or a mapping of tier settings")
+        return value
+    cache: Literal["warm", "cold"] = "warm"
+    # Where conversions (Arrow files, raw shards) of a dataset that is not on the local disk live: a
+    # path or URL on the dataset's storage; null: beside the source under `.loadopt/` (on the local
+    # disk: the cache). See storage/tier_reads.py.
+    converted: str | None = None
+
+
+class ReportConfig(_Strict):
+    out: str = "results/default"
+
+
+class Config(_Strict):
+    name: str = "default"
+    seed: int = 0
+    dataset: DatasetConfig = DatasetConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    # backend name -> raw settings; validated against the backend's own model by `backend_settings`.
+    loaders: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"torch": dict[str, Any]()})
+    storage: StorageConfig = StorageConfig()
+    report: ReportConfig = ReportConfig()
+    # Where the config came from, for error messages and results; not a YAML key.
+    source: str = Field("<defaults>", exclude=True)
+
+    @model_validator(mode="after")
+    def _accelerator_step_time(self) -> Config:
+        """`workload.accelerator` sets `workload.step_time_ms` (every reader of it sees the same step)."""
+        if self.workload.accelerator is not None:
+            from loadopt.bench.accelerators_table import published_step
+
+            step_ms = published_step(self.workload.accelerator).step_time_ms(self.pipeline.batch_size)
+            if self.dataset.kind == "records":  # records scaled down: the same bytes per second per accelerator
+                step_ms *= self.dataset.records.scale
+            if self.workload.step_time_ms != step_ms:  # (assigning re-runs this validator: stop when set)
+                self.workload = self.workload.model_copy(update={"step_time_ms": step_ms})
+        return self
