@@ -106,11 +106,6 @@ class CropProcesses:
                 raise LoadoptError(error)
         return sum(faults for _, faults in replies)
 
-    @property
-    def in_flight(self) -> int:
-        """Batches sent and not yet received."""
-        return len(self._sent)
-
     def drain(self) -> None:
         """Receive every batch still in flight, errors dropped (an epoch that stopped early): the next
         epoch's replies must not meet this one's."""
@@ -123,7 +118,6 @@ class CropProcesses:
             return self._connections[rank].recv()
         except (EOFError, OSError):
             self._died(rank)
-            raise  # not reached: _died raises
 
     def _died(self, rank: int) -> NoReturn:
         process = self._processes[rank]

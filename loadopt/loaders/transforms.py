@@ -39,11 +39,15 @@ DeviceDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
 Failures = list[tuple[int, str]]  # (sample index, why) of the samples that could not be decoded
 
 
+MASK64 = (1 << 64) - 1
+GOLDEN64, EPOCH64 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03  # splitmix64's increment; the epoch's multiplier
+
+
 def sample_hash(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
     """64 random bits per sample from (seed, epoch, index), for a whole batch at once (splitmix64):
     per-sample randomness that does not depend on which batch or thread handles the sample."""
     with np.errstate(over="ignore"):
-        x = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)) ^ (np.uint64(epoch) * np.uint64(0xD1B54A32D192ED03))
+        x = (np.uint64(seed) * np.uint64(GOLDEN64)) ^ (np.uint64(epoch) * np.uint64(EPOCH64))
         x = x ^ indices.astype(np.uint64)
         return mix64(x)
 
@@ -62,13 +66,9 @@ def sample_uniforms(seed: int, epoch: int, indices: np.ndarray, count: int) -> n
     generator this replaced cost ~15 us a sample, held the GIL for a whole batch's plan, and left the
     crop threads of the whole-frame paths waiting for it)."""
     with np.errstate(over="ignore"):
-        steps = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        steps = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(GOLDEN64)
         words = mix64(sample_hash(seed, epoch, indices)[:, None] + steps)
     return (words >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-MASK64 = (1 << 64) - 1
-GOLDEN64, EPOCH64 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03
 
 
 def mix64_int(x: int) -> int:
