@@ -244,7 +244,7 @@ def test_rebatch_cuts_the_librarys_batches_to_the_planned_sizes():
     assert [b.indices.tolist() for b in resumed] == [[3, 4, 6, 7], [8]]
     short = list(peer_batches.rebatch(iter(stream[:1]), [4, 4]))
     assert [b.indices.tolist() for b in short] == [[0, 1, 2]]
-    assert {b.layout for b in out} == {"NCHW"}
+    assert {b.layout for b in out} == {"NCHW"}  # a part without "layout" (a library's own collate) is NCHW
     nhwc = [{**p, "inputs": p["inputs"].permute(0, 2, 3, 1), "layout": "NHWC"} for p in stream]
     assert {b.layout for b in peer_batches.rebatch(iter(nhwc), [4, 4, 1])} == {"NHWC"}
 
@@ -277,7 +277,7 @@ def test_the_bare_loop_is_the_librarys_batches_as_handed_over(tmp_path):
         bare = list(loader.bare_batches(2))
     finally:
         loader.close()
-    assert [layout for _, _, layout in bare] == ["NCHW"] * len(library)
+    assert [layout for _, _, layout in bare] == ["NHWC"] * len(library)
     for (inputs, labels, _), batch in zip(bare, library, strict=True):
         assert torch.equal(inputs, batch["inputs"]) and torch.equal(labels, batch["labels"])
 

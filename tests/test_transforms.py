@@ -146,7 +146,7 @@ def test_decode_batch_writes_each_sample_as_write_sample_does_and_names_the_bad_
     samples = [encode(photo(300 + 11 * i, 200 + 7 * i, i)) for i in range(7)]
     samples[3] = samples[3][: len(samples[3]) // 4]  # truncated: no decoder can read it
     indices = np.arange(100, 107)
-    slot = torch.zeros(7, 3, 64, 64, dtype=torch.uint8)
+    slot = torch.zeros(7, 64, 64, 3, dtype=torch.uint8)  # a ring slot: HWC positions
     damaged: list[int] = []
     with ThreadPoolExecutor(3) as pool:
         failures = transforms.decode_batch(slot, indices, lambda k: memoryview(samples[k]), "simplejpeg", "train",
@@ -156,7 +156,7 @@ def test_decode_batch_writes_each_sample_as_write_sample_does_and_names_the_bad_
     for k in (0, 1, 2, 4, 5, 6):
         want = torch.empty(3, 64, 64, dtype=torch.uint8)
         transforms.write_sample(samples[k], want, "simplejpeg", "torch", "train", 5, 1, int(indices[k]))
-        assert torch.equal(slot[k], want), k
+        assert torch.equal(slot[k].permute(2, 0, 1), want), k
 
 
 def test_decode_batch_with_a_device_decoder_finds_the_bad_sample_one_by_one():
@@ -173,7 +173,7 @@ def test_decode_batch_with_a_device_decoder_finds_the_bad_sample_one_by_one():
         return [torch.from_numpy(decode_array(bytes(s.numpy()), "simplejpeg")).permute(2, 0, 1) for s in streams]
 
     indices = np.arange(4)
-    slot = torch.zeros(4, 3, 48, 48, dtype=torch.uint8)
+    slot = torch.zeros(4, 48, 48, 3, dtype=torch.uint8)
     streams = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in samples]
     failures = transforms.decode_batch(slot, indices, lambda k: streams[k], batched, "eval", 0, 0)
     assert calls == [4, 1, 1, 1, 1]  # the batch, then sample by sample
@@ -181,7 +181,7 @@ def test_decode_batch_with_a_device_decoder_finds_the_bad_sample_one_by_one():
     for k in (0, 2, 3):
         want = torch.empty(3, 48, 48, dtype=torch.uint8)
         transforms.write_sample(samples[k], want, "simplejpeg", "torch", "eval", 0, 0, k, region=False)
-        assert torch.equal(slot[k], want), k
+        assert torch.equal(slot[k].permute(2, 0, 1), want), k
 
 
 @pytest.mark.parametrize("augment", ["train", "eval"])

@@ -111,7 +111,7 @@ def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> di
     if config.dataset.kind != "images":
         return {"skipped": "token samples are not decoded"}
     size, augment = config.pipeline.image_size, config.pipeline.augment
-    slot = torch.empty((3, size, size), dtype=torch.uint8)
+    slot = torch.empty((size, size, 3), dtype=torch.uint8).permute(2, 0, 1)  # a ring slot's CHW view of HWC memory
     blobs = _decodable_samples(dataset, min(_DECODE_SAMPLES, len(dataset)), slot, augment, config.seed)
     if not blobs:
         return {"skipped": "none of the first samples could be read and decoded"}

@@ -7,7 +7,7 @@ loadopt's own conversions), then each epoch runs the library's own loader: its r
 (shard and buffer shuffles seeded by (seed, epoch)), its worker processes. Where the library lets a
 transform be supplied, the transform is the config's pipeline (`CropSample`: the shared crop plan of
 `transforms.plan`, so the recipe is loadopt's JPEG paths' own); a peer with its own augmentation
-(FFCV) names the difference in its recipe. Workers deliver uint8 NCHW crops; normalisation is the
+(FFCV) names the difference in its recipe. Workers deliver uint8 NHWC crops; normalisation is the
 shared finishing on the device, as for loadopt's tuned paths.
 
 The order is the library's, not the shared one: the batches the base class plans are used for their
@@ -146,16 +146,18 @@ def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int,
 
 class CropSample:
     """The config's pipeline on one stored sample, run in a library's worker: decode, the shared crop plan
-    of (seed, epoch, index), resize, flip. Returns (CHW uint8 or None, label, index, failure or None)."""
+    of (seed, epoch, index), resize, flip. Returns (HWC uint8 or None, label, index, failure or None): HWC as
+    loadopt's own rings hold crops (`transforms.decode_batch`), the same work on both sides."""
 
     def __init__(self, pipeline: PipelineConfig, seed: int, epoch: int, decoder: str) -> None:
         self.augment, self.size = pipeline.augment, pipeline.image_size
         self.seed, self.epoch, self.decoder = seed, epoch, transforms.decoder_name(decoder)
 
     def __call__(self, data: bytes, index: int, label: int) -> tuple:
-        out = torch.empty((3, self.size, self.size), dtype=torch.uint8)
+        out = torch.empty((self.size, self.size, 3), dtype=torch.uint8)
         try:
-            transforms.write_sample(data, out, self.decoder, "torch", self.augment, self.seed, self.epoch, index)
+            transforms.write_sample(data, out.permute(2, 0, 1), self.decoder, "torch", self.augment, self.seed,
+                                    self.epoch, index)
         except Exception as exc:  # noqa: BLE001 - a bad sample is reported, by policy, in the consumer
             return None, label, index, f"{describe_sample_error(exc)} (sample {index})"
         return out, label, index, None

@@ -14,13 +14,13 @@ from loadopt.loaders.base import HostBatch, Layout
 
 
 def collate(samples: list[tuple]) -> dict[str, Any]:
-    """A batch of `CropSample` results: uint8 NCHW inputs, labels, indices, and the samples that failed.
-    (A library that delivers another layout says so under "layout", as FFCV's NHWC; one whose inputs are a
+    """A batch of `CropSample` results: uint8 NHWC inputs, labels, indices, and the samples that failed.
+    (A library that delivers another layout says so under "layout"; one whose inputs are a
     view of a buffer it reuses at its next batch sets "borrowed", as FFCV's.)"""
     good = [s for s in samples if s[3] is None]
-    size = samples[0][0].shape[-1] if good else 0
-    inputs = torch.stack([s[0] for s in good]) if good else torch.empty((0, 3, size, size), dtype=torch.uint8)
-    return {"inputs": inputs, "labels": torch.tensor([s[1] for s in good], dtype=torch.int64),
+    size = good[0][0].shape[0] if good else 0
+    inputs = torch.stack([s[0] for s in good]) if good else torch.empty((0, size, size, 3), dtype=torch.uint8)
+    return {"inputs": inputs, "layout": "NHWC", "labels": torch.tensor([s[1] for s in good], dtype=torch.int64),
             "indices": torch.tensor([s[2] for s in good], dtype=torch.int64),
             "failures": [(int(s[2]), s[3]) for s in samples if s[3] is not None]}
 

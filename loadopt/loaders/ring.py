@@ -146,8 +146,9 @@ class RingLoader(Loader[RingSettingsT]):
 
     @property
     def layout(self) -> Layout:
-        # Crops of decoded HWC rows stay HWC (row copies, no transposition); decoding writes CHW.
-        return "tokens" if self._tokens else "NHWC" if self.form == "decoded" else "NCHW"
+        # Image slots are HWC: crops of decoded rows are row copies, and a JPEG's crop is resized as the
+        # kernel computes it (channels-last); the device's channels-last finishing reads them untransposed.
+        return "tokens" if self._tokens else "NHWC"
 
     @abstractmethod
     def is_open(self) -> bool:
@@ -225,10 +226,8 @@ class RingLoader(Loader[RingSettingsT]):
         shape: tuple[int, ...]
         if isinstance(self.dataset, TokenDataset):
             shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
-        elif self.form == "decoded":
-            shape, dtype = (slots, b, size, size, 3), torch.uint8
         else:
-            shape, dtype = (slots, b, 3, size, size), torch.uint8
+            shape, dtype = (slots, b, size, size, 3), torch.uint8
         if self.crops_in_processes():
             return list(shared_empty(shape, dtype))
         ring = torch.empty(shape, dtype=dtype)

@@ -4,7 +4,7 @@
   sample in the workers, `default_collate` stacking float32 batches (4 bytes a channel through IPC).
 - `tuned`: what an expert does: the fastest installed JPEG decoder, torch's uint8 resize kernel on a
   view of the decoded array, and batch assembly in the worker: `__getitems__` decodes straight into
-  a slot of a ring of uint8 NCHW batches in shared memory allocated once (pinned with
+  a slot of a ring of uint8 NHWC batches in shared memory allocated once (pinned with
   cudaHostRegister on CUDA), so no batch is allocated, page-faulted, pickled or copied on its way
   to the consumer; only indices and labels travel through the queue. Normalisation on the device.
 
@@ -115,7 +115,8 @@ class _Samples(torch.utils.data.Dataset):
         return transforms.normalise_chw(chw, self.pipeline.mean, self.pipeline.std), label, item[1], None
 
     def tuned_batch(self, items: list[Item]) -> dict:
-        """The tuned path: decode each sample straight into the batch's ring slot (uint8 NCHW)."""
+        """The tuned path: decode each sample straight into the batch's ring slot (uint8 NHWC: what the
+        resize kernel writes as computed and the device's channels-last finishing reads without a transpose)."""
         if self.ring is None:
             raise RuntimeError("the tuned path writes into the batch ring: it is made before the DataLoader")
         out = self.ring[items[0][2]]
@@ -123,7 +124,7 @@ class _Samples(torch.utils.data.Dataset):
         failures: list[tuple[int, str]] = []
         for item in items:
             try:
-                self._write(item, out[len(kept)])
+                self._write(item, out[len(kept)].permute(2, 0, 1))
                 kept.append(item[1])
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                 failures.append((item[1], _describe_error(exc)))
@@ -319,7 +320,7 @@ class TorchLoader(Loader[TorchSettings]):
 
     def _make_ring(self) -> torch.Tensor:
         size = self.pipeline.image_size
-        ring = torch.empty((self._ring_slots(), self.pipeline.batch_size, 3, size, size), dtype=torch.uint8)
+        ring = torch.empty((self._ring_slots(), self.pipeline.batch_size, size, size, 3), dtype=torch.uint8)
         ring.share_memory_()  # before the workers fork: they write, the consumer reads, same pages
         if self.settings.pin_memory and self.device.type == "cuda":
             # Page-lock the shared ring in place, so the copy to the device is a DMA from pinned memory.
@@ -355,7 +356,7 @@ class TorchLoader(Loader[TorchSettings]):
                 if ring is not None and tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
                     inputs = ring[out["slot"]][: len(out["indices"])]
-                    previous = HostBatch(inputs, out["labels"], out["indices"], "NCHW", normalised=False,
+                    previous = HostBatch(inputs, out["labels"], out["indices"], "NHWC", normalised=False,
                                          failures=out["failures"], borrowed=True)
                     yield previous
                 else:

@@ -166,7 +166,8 @@ def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int]
                  reduced_scale: bool = False, pool: Executor | None = None, threads: int = 1,
                  damaged: Callable[[int], None] | None = None) -> Failures:
     """Decode each encoded sample of a batch into its slot by the shared plan: batch position k (sample
-    `indices[k]`, bytes `sample(k)`) cropped, resized and flipped into `slot[k]` (CHW uint8). Returns the
+    `indices[k]`, bytes `sample(k)`) cropped, resized and flipped into `slot[k]` (`slot` a batch ring's
+    slot: (B, size, size, 3) uint8, each position written through its CHW view). Returns the
     samples that could not be decoded, for the consumer's `on_error` policy (their slots hold garbage);
     `damaged(index)` is called first for each of them, to raise when the stored form itself is damaged
     (not the source's fault).
@@ -177,6 +178,10 @@ def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int]
     bitstreams decoded in one call onto the slot's device (a failing batch again sample by sample, to
     name the bad ones), each image then cropped there (`crop_resize_flip_chw`), in the calling thread."""
     n = len(indices)
+    if slot.dim() != 4 or slot.shape[-1] != 3:
+        raise ValueError(f"decode_batch writes into a ring slot of HWC positions (B, size, size, 3), "
+                         f"not {tuple(slot.shape)}")
+    slots = slot.permute(0, 3, 1, 2)  # CHW views of the HWC positions
     if callable(decoder):
         device_decode, device = decoder, slot.device
         streams = [sample(k) for k in range(n)]
@@ -190,12 +195,12 @@ def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int]
         def write(k: int, index: int) -> None:
             chw = images[k] if images is not None else device_decode([streams[k]], device)[0]
             box, flip = plan(chw.shape[2], chw.shape[1], augment, seed, epoch, index)
-            crop_resize_flip_chw(chw, box, flip, slot[k])
+            crop_resize_flip_chw(chw, box, flip, slots[k])
     else:
         name = decoder
 
         def write(k: int, index: int) -> None:
-            write_sample(sample(k), slot[k], name, "torch", augment, seed, epoch, index, reduced_scale=reduced_scale)
+            write_sample(sample(k), slots[k], name, "torch", augment, seed, epoch, index, reduced_scale=reduced_scale)
 
     def run(positions: Iterable[int]) -> Failures:
         failures = []
