@@ -17,7 +17,16 @@ loaders' threads), in images/s:
   (~290 us against ~190 us into an HWC target, 224 px) and the flipped crops, half of them, then paid a
   transposing copy as the unfused path does; since, 1.73 (spread 1.15-1.89; per CPU second 1.76, 1.69-1.82),
   1.9 and 1.65 at load averages of 10-11.
-- lever_jpeg_path: every JPEG-path lever that is on by default (region decode + fused resize) against none.
+- lever_hwc_slot: the JPEG path writing each crop into an HWC slot (every batch ring's layout since issue
+  19's second pass: torch's kernel reads the HWC crop as channels-last and writes that as computed, a flip
+  mirrored in place by OpenCV), against a CHW slot (the kernel's output transposed into it; a flipped crop
+  resized into a new tensor first). Same pixels. The device's finishing gains besides (not in this figure):
+  0.9 against 4.8 ms a batch of 64 at 224 px, NHWC needing no transpose.
+- lever_restart_markers: the JPEG path (region decode, fused resize) on the encoded forms' stored JPEGs
+  (`imaging.reencode.with_restarts`: the same coefficients with restart markers that tile each MCU row, so
+  the region decoder reads the intervals around the crop only) against the sources' own bytes. Same pixels.
+- lever_jpeg_path: every JPEG-path lever that is on by default (region decode + fused resize + HWC slot)
+  against none (the sources' bytes in each: restart markers are the stored forms' lever).
 - lever_region_decode_loader (with `--loader-batches N`): the same lever end to end, the `torch` tuned
   loader (2 worker processes) in the harness, step time 0, with region decoding against without it
   (the module switched off before the workers fork): the rate a training loop sees.
@@ -77,6 +86,7 @@ def main() -> int:
     from loadopt.imaging.decode import dct_denominator, decode_array
     from loadopt.imaging.frames import stored_frame
     from loadopt.imaging.geometry import whole_pixels
+    from loadopt.imaging.reencode import with_restarts
     from loadopt.imaging.resize import crop_resize_flip_into
     from loadopt.loaders import crops, transforms
     from loadopt.storage.imagefolder import open_dataset
@@ -102,14 +112,18 @@ def main() -> int:
     # Every output page touched before any timed work: else the side timed first in round 1 paid the kernel's
     # page faults and zeroing of the whole batch (round 1 of lever_fused_resize at 0.48 here, 1.65-2.03 after).
     out = torch.zeros((count, 3, size, size), dtype=torch.uint8)  # zeroed: written
+    out_hwc = torch.zeros((count, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # CHW views of HWC
     pool = ThreadPoolExecutor(threads, initializer=one_thread_each)
+    stored = [with_restarts(blob) for blob in blobs]  # the encoded forms' bytes
 
-    def jpeg_work(region: bool, reduced: bool, fused: bool):
+    def jpeg_work(region: bool, reduced: bool, fused: bool, hwc: bool = False, restarts: bool = False):
+        samples, slots = (stored if restarts else blobs), (out_hwc if hwc else out)
+
         def work(positions: np.ndarray) -> None:
             for k in positions:
-                pixels, box, flip = transforms.decode_planned(blobs[k], decoder, pipe.augment, seed, 0, int(k),
+                pixels, box, flip = transforms.decode_planned(samples[k], decoder, pipe.augment, seed, 0, int(k),
                                                               region, size if reduced else None)
-                crop_resize_flip_into(pixels, box, flip, out[k], fused)
+                crop_resize_flip_into(pixels, box, flip, slots[k], fused)
         return work
 
     frames = [stored_frame(blob, pipe.max_side) for blob in blobs]
@@ -150,7 +164,10 @@ def main() -> int:
         "lever_region_decode": (jpeg_work(True, False, True), jpeg_work(False, False, True)),
         "lever_reduced_scale": (jpeg_work(True, True, True), jpeg_work(True, False, True)),
         "lever_fused_resize": (frames_work(True), frames_work(False)),
-        "lever_jpeg_path": (jpeg_work(True, False, True), jpeg_work(False, False, False)),
+        "lever_hwc_slot": (jpeg_work(True, False, True, hwc=True), jpeg_work(True, False, True)),
+        "lever_restart_markers": (jpeg_work(True, False, True, hwc=True, restarts=True),
+                                  jpeg_work(True, False, True, hwc=True)),
+        "lever_jpeg_path": (jpeg_work(True, False, True, hwc=True), jpeg_work(False, False, False)),
         "cv2_area_vs_torch_resize": (area_work(True), area_work(False)),
     }
     print(f"{args.config}: {count} samples in memory, mean {np.mean([len(b) for b in blobs]) / 1e3:.0f} KB, "

@@ -1,6 +1,7 @@
 """The encoded forms' JPEGs bounded by pipeline.max_side (`frame: whole`, stored form `reencoded`): a source
-over the bound re-encoded at it, one within it kept byte for byte, in both the Arrow and the raw form;
-its own cache key and recipe; a damaged large JPEG handled by dataset.on_error like the other conversions."""
+over the bound re-encoded at it, one within it kept coefficient for coefficient (with restart markers), in
+both the Arrow and the raw form; its own cache key and recipe; a damaged large JPEG handled by
+dataset.on_error like the other conversions."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from loadopt import recipe
 from loadopt.cli import app
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
-from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, source_size
+from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, source_size, with_restarts
 from loadopt.storage import arrow_format, conversions, raw_format
 from loadopt.storage.imagefolder import open_dataset
 
@@ -65,7 +66,9 @@ def test_a_large_jpeg_is_stored_bounded_and_a_small_one_as_it_is():
     pixels = np.asarray(Image.open(io.BytesIO(stored)).convert("RGB"), np.float64)
     reference = np.asarray(Image.fromarray(gradient(*LARGE)).resize((64, 48), Image.Resampling.BILINEAR), np.float64)
     assert np.abs(pixels - reference).mean() < 3  # the same frame, within the JPEG's loss
-    assert bounded_jpeg(small, MAX_SIDE) == small  # no recompression within the bound
+    kept = bounded_jpeg(small, MAX_SIDE)  # no recompression within the bound: its coefficients, with restarts
+    assert kept == with_restarts(small) and kept != small
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(kept))), np.asarray(Image.open(io.BytesIO(small))))
 
 
 @pytest.mark.parametrize("to", ["arrow", "raw"])
@@ -85,7 +88,7 @@ def test_the_conversion_stores_the_bounded_jpegs(tmp_path, to):
     for i, stored in enumerate(rows):
         source = dataset.read(i)
         if source_size(source) == SMALL:
-            assert stored == source
+            assert stored == with_restarts(source)
         else:
             assert source_size(stored) == (64, 48) and len(stored) < len(source)
 

@@ -7,7 +7,8 @@ Definitions (warm-up batches excluded):
 - `wait_*_ms`: percentiles of wait_i, the time from asking for batch i to holding it.
 - `h2d_gb_per_s` = bytes moved / sum(h2d_i); `h2d_pinned` says whether the source was pinned.
 - `storage_bytes_read` (/proc io read_bytes of the process tree), `bytes_read` (the loader's own
-  count), `goodput_ratio` = bytes of samples delivered / bytes_read.
+  count), `goodput_ratio` = bytes of samples delivered / bytes_read (above 1 where the stored form is
+  smaller than the sources: the encoded forms' JPEGs, re-entropy-coded with optimised tables).
 - `cpu_seconds_per_1k_samples` over the process tree, `peak_rss_mb` of the tree (shared pages
   counted in every process that maps them) and `peak_pss_mb` (shared pages counted once).
 - `others_cpu_share`: of all the machine's cores over the window, the share other processes used.

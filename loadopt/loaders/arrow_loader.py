@@ -224,13 +224,13 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         return self._views is not None
 
     def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]]) -> HostBatch:
-        # Bytes read from the Arrow file: the stored rows of decoded samples (more than the JPEGs they
-        # came from, which goodput shows), the JPEG bytes themselves for the encoded form (the default).
+        # Bytes read from the Arrow file: each sample's stored row: decoded pixels (more than the JPEGs
+        # they came from, which goodput shows), or its stored JPEG (with restart markers: not the source's).
         read: int | None = None
         if self._records:  # each record whole
             return record_ring.record_batch(self._slot(slot), indices,
                                             sum(len(r) for r in self._stored_records(indices)))
-        if self.stored_form == "frames":  # the stored frames' bytes
+        if self.stored_form in ("frames", "encoded", "reencoded"):  # the stored rows' own lengths
             views = self.views
             read = sum(int(views[r][0][i + 1] - views[r][0][i])
                        for r, i in zip(*np.divmod(indices, ROWS_PER_BATCH), strict=True))

@@ -39,7 +39,7 @@ import pyarrow as pa
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
 from loadopt.imaging.frames import FRAME_FIELDS, FrameDims, centre_square, stored_frame
-from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg
+from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, restarts_key, with_restarts
 from loadopt.storage import decode_pool, integrity
 from loadopt.storage.tier_reads import local_dir
 
@@ -66,6 +66,8 @@ def arrow_path(dataset, form: Form, size: int | None) -> Path:
                 "seq_len": getattr(dataset, "seq_len", None), "rows": rows_per_batch(dataset, form)}
     if form == "reencoded":
         settings["quality"] = REENCODE_QUALITY
+    if form in ("encoded", "reencoded"):
+        settings["restarts"] = restarts_key()
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     # the cache, or `storage.converted` / beside the source (storage/tier_reads.py)
     return local_dir(dataset, cache_dir()) / "arrow" / f"{dataset.fingerprint}-{form}-{key}.arrow"
@@ -129,6 +131,12 @@ def decode_frame(index: int) -> tuple[bytes, FrameDims]:
     return stored_frame(_pool_sample(index), _POOL_SIZE)
 
 
+def encode_sample(index: int) -> bytes:
+    """The `encoded` form of one sample of the pool's dataset: its JPEG with restart markers (lossless,
+    `imaging.reencode.with_restarts`), anything else as it is."""
+    return with_restarts(_pool_sample(index))
+
+
 def reencode_sample(index: int) -> bytes:
     """The `reencoded` form of one sample of the pool's dataset (`imaging.reencode.bounded_jpeg`)."""
     return bounded_jpeg(_pool_sample(index), _POOL_SIZE)
@@ -144,7 +152,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
     square = _square_bytes(size) if form == "decoded" else 0  # bytes of a decoded row
     if form == "reencoded" and not size:
         raise ValueError("the reencoded form is bounded by a max side: none was given")
-    if form in ("decoded", "frames", "reencoded"):
+    if form in ("decoded", "frames", "reencoded", "encoded"):
         set_pool_dataset(dataset, size)
         pool = decode_pool.start(workers)
     step = rows_per_batch(dataset, form)
@@ -183,7 +191,9 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
                     column = pa.array(integrity.keep_or_skip(dataset, ids, results, on_error, skipped, bytes),
                                       type=pa.binary())
                 else:
-                    column = pa.array([dataset.read(int(i)) for i in ids], type=pa.binary())
+                    blobs = pool.map(encode_sample, ids.tolist(), chunksize=16) if pool else [
+                        encode_sample(int(i)) for i in ids]
+                    column = pa.array(blobs, type=pa.binary())
                 yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
             if progress is not None:
                 progress(int(ids[-1]) + 1, n)

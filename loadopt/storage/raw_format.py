@@ -36,7 +36,7 @@ import numpy as np
 
 from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
-from loadopt.imaging.reencode import REENCODE_QUALITY
+from loadopt.imaging.reencode import REENCODE_QUALITY, restarts_key
 from loadopt.storage import arrow_format, decode_pool, integrity
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.tier_reads import local_dir
@@ -70,6 +70,8 @@ def _meta(dataset, form: Form, size: int | None, shard_mib: float) -> dict:
         meta["shape"] = [size, size, 3]
     if form == "reencoded":
         meta["jpeg_quality"] = REENCODE_QUALITY
+    if form in ("encoded", "reencoded"):
+        meta["jpeg_restarts"] = restarts_key()
     if form == "tokens":
         meta.update(seq_len=dataset.seq_len, shape=[dataset.seq_len + 1], dtype=str(dataset.tokens.dtype))
     return meta
@@ -130,9 +132,14 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
         windows = dataset.windows()
         for i in range(n):
             yield windows[i].tobytes()
-    elif form == "encoded":
-        for i in range(n):
-            yield dataset.read(i)
+    elif form == "encoded":  # the Arrow encoded form's own function: the same bytes in both forms
+        arrow_format.set_pool_dataset(dataset, size)
+        pool = decode_pool.start(workers)
+        try:
+            yield from (pool.imap(arrow_format.encode_sample, range(n), chunksize=16) if pool else
+                        map(arrow_format.encode_sample, range(n)))
+        finally:
+            decode_pool.stop(pool)
     elif form == "records":
         for i in range(n):
             yield dataset.read(i)[0].tobytes()
