@@ -245,12 +245,37 @@ def test_encoded_pages_released_every_32_batches_read_back_the_same(tmp_path, mo
     released = []
     release = arrow_loader.release_pages
     monkeypatch.setattr(arrow_loader, "release_pages", lambda view: (released.append(view.nbytes), release(view)))
-    loader = prepared_loader(cfg, dataset, "arrow", {"form": "encoded"})
+    loader = prepared_loader(cfg, dataset, "arrow", {"form": "encoded", "crop_in": "threads"})
     first, second = batches(loader), batches(loader)
     loader.close()
     assert released and all(n > 0 for n in released)
     monkeypatch.setattr(arrow_loader, "release_pages", lambda view: None)
-    kept = prepared_loader(cfg, dataset, "arrow", {"form": "encoded"})
+    kept = prepared_loader(cfg, dataset, "arrow", {"form": "encoded", "crop_in": "threads"})
     assert_same(first, batches(kept))
     assert_same(second, batches(kept))
     kept.close()
+
+
+def test_encoded_pages_are_released_by_the_decoding_workers_every_32_batches(tmp_path, monkeypatch):
+    """With the JPEGs decoded by worker processes (the default), each worker is told to let go of the pages
+    it mapped at the same batches (`send_decode(release=True)`), and the epochs deliver what threads do."""
+    from loadopt.loaders.crop_processes import CropProcesses, fork_available
+    from loadopt.storage.imagefolder import open_dataset
+
+    from .conftest import prepared_loader
+
+    if not fork_available():
+        pytest.skip("worker processes are forked: no fork here")
+    cfg = config(tmp_path, batch_size=1)  # 48 batches an epoch: released once, at batch 32
+    dataset = open_dataset(cfg)
+    told = []
+    send = CropProcesses.send_decode
+    monkeypatch.setattr(CropProcesses, "send_decode", lambda self, *a, **k: (told.append(k["release"]),
+                                                                              send(self, *a, **k)))
+    workers = prepared_loader(cfg, dataset, "arrow", {"form": "encoded"})
+    threads = prepared_loader(cfg, dataset, "arrow", {"form": "encoded", "crop_in": "threads"})
+    for _ in range(2):
+        assert_same(batches(workers), batches(threads))
+    assert workers.croppers is not None and len(told) == 96 and [i for i, r in enumerate(told) if r] == [31, 79]
+    workers.close()
+    threads.close()

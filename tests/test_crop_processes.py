@@ -1,5 +1,6 @@
-"""Whole frames cropped by worker processes (`crop_in: processes`, the default) equal the threads' crops;
-the workers are closed with the loader, a dead one is named in one line, and a new epoch replaces it."""
+"""Whole frames cropped (and the Arrow encoded form's JPEGs decoded) by worker processes (`crop_in: processes`,
+the default) equal the threads' crops; the workers are closed with the loader, a dead one is named in one
+line, and a new epoch replaces it."""
 
 import os
 import signal
@@ -152,4 +153,50 @@ def test_where_worker_processes_cannot_start_threads_crop_instead(tmp_path, monk
     arrow = loader("arrow", dataset, cfg, "processes")
     assert_same(batches(arrow), expected)
     assert arrow.croppers is None and "worker processes could not start (daemonic" in caplog.text
+    arrow.close()
+
+
+def test_arrow_encoded_jpegs_are_decoded_by_workers_as_threads_decode_them(tmp_path):
+    """The Arrow encoded form's JPEGs go to the worker processes too (the same pixels); posix's encoded form
+    stays on its threads (read into staging buffers of its own, not mapped)."""
+    raw = tiny_config_dict(tmp_path / "out", pipeline={"augment": "train", "dtype": "uint8"})
+    cfg = config_from_dict(raw, "encoded.yaml")
+    dataset = open_dataset(cfg)
+    before = children()
+    settings = [ArrowSettings(form="encoded", crop_in=crop_in) for crop_in in ("threads", "processes")]
+    threads, processes = (ArrowLoader(dataset, cfg.pipeline, s, seed=4) for s in settings)
+    for epoch in (0, 1):
+        threads.set_epoch(epoch)
+        processes.set_epoch(epoch)
+        assert_same(batches(processes), batches(threads))
+    assert processes.croppers is not None and processes.croppers.alive() and len(children() - before) == 2
+    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(form="encoded", shard_mib=0.05), seed=4)
+    batches(posix)
+    assert posix.croppers is None
+    for each in (threads, processes, posix):
+        each.close()
+    assert children() <= before
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_jpeg_a_worker_cannot_decode_goes_by_on_error(tmp_path, on_error):
+    from loadopt.errors import DatasetError
+
+    from .conftest import make_image_folder
+
+    bad = make_image_folder(tmp_path / "data", classes=2, per_class=6, corrupt=1)[0]
+    raw = tiny_config_dict(tmp_path / "out", dataset={"path": str(tmp_path / "data")},
+                           pipeline={"augment": "train", "dtype": "uint8"})
+    cfg = config_from_dict(raw, "bad.yaml")
+    dataset = open_dataset(cfg)
+    arrow = ArrowLoader(dataset, cfg.pipeline, ArrowSettings(form="encoded", crop_in="processes"), seed=4,
+                        on_error=on_error)
+    if on_error == "raise":
+        with pytest.raises(DatasetError, match=bad.name):
+            batches(arrow)
+    else:
+        delivered = sum(len(x) for x, _ in arrow)
+        skipped = [path.endswith(bad.name) for path, _ in arrow.counters.skipped]
+        assert delivered == len(dataset) - 1 and skipped == [True]
+    assert arrow.croppers is not None  # decoded by the workers, not by threads
     arrow.close()

@@ -54,6 +54,7 @@ class ArrowSettings(RingSettings):
 class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
     name = "arrow"
     Settings = ArrowSettings
+    worker_forms = ("frames", "encoded", "reencoded")  # the mapped file's JPEGs are decoded by workers too
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -62,6 +63,7 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         self._windows: tuple[np.ndarray, np.ndarray, int] | None = None  # tokens: see `_windows_view`
         self._shadow: tier_reads.ShadowFile | None = None  # on a tier: the file's image, fetched through it
         self._frames: tuple[np.ndarray, np.ndarray] | None = None  # whole frames: `_frame_table`
+        self._jpegs: tuple[np.ndarray, np.ndarray] | None = None  # the encoded form's: `_encoded_table`
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -82,7 +84,7 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         self.stop_workers()  # they inherited the views this replaces
-        self._frames = None
+        self._frames = self._jpegs = None
         path = arrow_path(self.dataset, self.stored_form, self.size)
         if not path.exists():
             if not convert_missing:
@@ -242,8 +244,11 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         if self._shadow is not None:
             self._producer_via_tier(batches, epoch, free, ready, stop)
             return
-        if self.croppers is not None:
+        if self.croppers is not None and self.stored_form == "frames":
             self._frames_by_workers(batches, epoch, free, ready, stop)
+            return
+        if self.croppers is not None:
+            self._encoded_by_workers(batches, epoch, free, ready, stop)
             return
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:
             for n, indices in enumerate(batches):
@@ -285,6 +290,49 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         finally:
             croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next one's
 
+    def _encoded_by_workers(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
+                            stop: threading.Event) -> None:
+        """The encoded form's JPEGs decoded by the workers (`CropProcesses.send_decode`), two batches in flight
+        as `_frames_by_workers`; a sample that failed is checked against its record batch here, as the threads'
+        path does (`_check_record`: damage in the file raises). Each worker lets go of the file's pages it
+        mapped every `TRIM_EVERY` batches (see `_release_mapped_jpegs`)."""
+        croppers = self.croppers
+        assert croppers is not None, "fill_ring takes this path with workers only"
+        starts_of, lengths_of = self._encoded_table()
+        decoder, reduced = self._decoder(), self.pipeline.jpeg_scale == "reduced"
+        in_flight: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+
+        def hand_over() -> None:
+            failures = croppers.receive().failures
+            slot, indices = in_flight.popleft()
+            for index, _ in failures:
+                self._check_record(index)
+            ready.put((slot, indices, failures))
+
+        try:
+            for n, indices in enumerate(batches):
+                slot = next_slot(free, stop)
+                if slot is None:
+                    return
+                croppers.send_decode(slot, indices, indices // ROWS_PER_BATCH, starts_of[indices], lengths_of[indices],
+                                     decoder, self.pipeline.augment, self.seed, epoch, reduced,
+                                     release=(n + 1) % TRIM_EVERY == 0)
+                in_flight.append((slot, indices))
+                if len(in_flight) > 1:
+                    hand_over()
+            while in_flight:
+                hand_over()
+        finally:
+            croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next one's
+
+    def _encoded_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample's JPEG: (start in its record batch's data, length), indexed by sample."""
+        if self._jpegs is None:
+            offsets = [view[0] for view in self.views]
+            self._jpegs = (np.concatenate([o[:-1] for o in offsets]).astype(np.int64),
+                           np.concatenate([np.diff(o) for o in offsets]).astype(np.int64))
+        return self._jpegs
+
     def _release_mapped_jpegs(self) -> None:
         """Unmap the encoded form's pages read so far (madvise DONTNEED: they stay in the page cache; the next
         read of one is a minor fault). Each JPEG is read once an epoch, so the mapping gains nothing from
@@ -316,9 +364,9 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
                 ready.put((slot, indices, failures))
 
     def frame_sources(self) -> list[np.ndarray] | None:
-        """The stored frames' bytes per record batch, mapped from the local file (not on a tier, whose
-        file image is fetched into as batches go)."""
-        if self.stored_form != "frames" or self._shadow is not None:
+        """The stored frames' (or JPEGs') bytes per record batch, mapped from the local file (not on a tier,
+        whose file image is fetched into as batches go)."""
+        if self.stored_form not in self.worker_forms or self._shadow is not None:
             return None
         return [view[1] for view in self.views]
 

@@ -1,4 +1,5 @@
-"""Whole-frame crops in worker processes, each with its own interpreter (and GIL).
+"""Whole-frame crops, and the encoded forms' JPEG decoding, in worker processes, each with its own
+interpreter (and GIL).
 
 `crops.crop_frames` on threads of one process shares one GIL: every sample's crop is a few Python
 calls around torch's resize kernel, so each thread hands the GIL to the other once or twice a sample,
@@ -6,7 +7,9 @@ and each hand-over waits for the scheduler. On 2 cores the decoded whole-frame p
 of the rate at which 2 processes crop the same frames (bench/raw_ceiling.py, bench/arrow_ceiling.py).
 Here the same function runs in forked processes, which inherit the frames' read-only mappings and write
 into a ring held in shared memory; a batch's samples are split over them, and the parent only sends each
-its positions and crop plan (a few KB) and waits for the replies.
+its positions and crop plan (a few KB) and waits for the replies. The Arrow encoded form's JPEGs go the
+same way (`send_decode`: `transforms.decode_batch` on each worker's share): on 2 threads of one process
+they used 1.8 of the 2 cores.
 
 The workers are forked once per loader from the thread that starts the first epoch, exit when told, and
 poll for their parent: a parent that dies (SIGKILL) leaves none behind for long. They ignore SIGINT (a
@@ -23,15 +26,23 @@ import multiprocessing
 import os
 import resource
 import signal
-from collections.abc import Sequence
-from typing import Any, Literal, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
 
 from loadopt.errors import LoadoptError
-from loadopt.loaders import crops
+from loadopt.loaders import crops, transforms
+from loadopt.storage.pagecache import release_pages
 
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent is still there
+
+
+class Replies(NamedTuple):
+    """What the workers replied for one batch."""
+
+    major_faults: int  # source pages not in the page cache meanwhile (each read from storage by its fault)
+    failures: list[tuple[int, str]]  # a decoded batch's samples that could not be decoded: (index, why)
 
 
 class InlinePool:
@@ -76,7 +87,7 @@ class CropProcesses:
         """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers
         (`send`, then `receive`). Returns the workers' major page faults meanwhile (see `receive`)."""
         self.send(slot, indices, which, starts, frames, augment, seed, epoch, planned)
-        return self.receive()
+        return self.receive().major_faults
 
     def send(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
              augment: Literal["train", "eval"], seed: int, epoch: int,
@@ -84,27 +95,43 @@ class CropProcesses:
         """Hand a batch to the workers without waiting: each works through what it was sent in order, so
         a batch sent while the previous one is cropped starts the moment that one is done."""
         boxes, flips = planned if planned is not None else crops.frame_boxes(indices, frames, augment, seed, epoch)
-        frames = np.asarray(frames)
-        chunks = [c for c in np.array_split(np.arange(len(indices)), min(self.count, len(indices))) if len(c)]
+        which, starts, frames = np.asarray(which), np.asarray(starts), np.asarray(frames)
+        self._send(slot, len(indices), lambda a, b: ("crop", indices[a:b], which[a:b], starts[a:b], frames[a:b],
+                                                     augment, seed, epoch, boxes[a:b], flips[a:b]))
+
+    def send_decode(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                    decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, reduced_scale: bool,
+                    release: bool = False) -> None:
+        """Hand a batch of encoded samples to the workers (as `send`): position k's bytes are `lengths[k]` at
+        `starts[k]` of `sources[which[k]]`, decoded into ring slot `slot` by `transforms.decode_batch` with
+        CPU decoder `decoder`; `receive` returns the samples that failed. `release`: each worker then lets go
+        of the pages it mapped of the sources (`pagecache.release_pages`: they stay in the page cache)."""
+        which, starts, lengths = np.asarray(which), np.asarray(starts), np.asarray(lengths)
+        self._send(slot, len(indices), lambda a, b: ("decode", indices[a:b], which[a:b], starts[a:b], lengths[a:b],
+                                                     decoder, augment, seed, epoch, reduced_scale, release))
+
+    def _send(self, slot: int, count: int, part: Callable[[int, int], tuple]) -> None:
+        """Split positions [0, count) over the workers: each is sent (kind, slot, first, end, *rest) where
+        (kind, *rest) = part(first, end)."""
+        chunks = [c for c in np.array_split(np.arange(count), min(self.count, count)) if len(c)]
         self._sent.append(len(chunks))
         for rank, chunk in enumerate(chunks):
             first, end = int(chunk[0]), int(chunk[-1]) + 1
+            kind, *rest = part(first, end)
             try:
-                self._connections[rank].send((slot, first, end, indices[first:end], np.asarray(which)[first:end],
-                                              np.asarray(starts)[first:end], frames[first:end], augment, seed,
-                                              epoch, boxes[first:end], flips[first:end]))
+                self._connections[rank].send((kind, slot, first, end, *rest))
             except OSError:  # a closed pipe: the worker is gone
                 self._died(rank)
 
-    def receive(self) -> int:
+    def receive(self) -> Replies:
         """Wait for the oldest batch sent; raise its error, if any, as one line. Returns the workers' major
-        page faults meanwhile: frame pages that were not in the page cache (each read from storage by the
-        fault), for a caller that stopped checking (mincore) to start again."""
+        page faults meanwhile (source pages that were not in the page cache, each read from storage by the
+        fault, for a caller that stopped checking (mincore) to start again) and a decoded batch's failures."""
         replies = [self._reply(rank) for rank in range(self._sent.popleft())]
-        for error, _ in replies:
+        for error, _, _ in replies:
             if error is not None:
                 raise LoadoptError(error)
-        return sum(faults for _, faults in replies)
+        return Replies(sum(faults for _, faults, _ in replies), [f for _, _, failed in replies for f in failed])
 
     def drain(self) -> None:
         """Receive every batch still in flight, errors dropped (an epoch that stopped early): the next
@@ -113,7 +140,7 @@ class CropProcesses:
             with contextlib.suppress(LoadoptError):
                 self.receive()
 
-    def _reply(self, rank: int) -> tuple[str | None, int]:
+    def _reply(self, rank: int) -> tuple[str | None, int, list[tuple[int, str]]]:
         try:
             return self._connections[rank].recv()
         except (EOFError, OSError):
@@ -172,8 +199,9 @@ def populate(sources: Sequence[np.ndarray]) -> None:
 
 def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], parent: int,  # noqa: ANN001
           map_all: bool = False) -> None:
-    """A worker's loop: crop each chunk it is sent into its slots of `out`; reply None or the error.
-    `map_all`: `populate` the sources first."""
+    """A worker's loop: crop (or decode) each chunk it is sent into its slots of `out`; reply (None or the
+    error, its major faults meanwhile, the samples that could not be decoded). `map_all`: `populate` the
+    sources first."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes the workers
@@ -194,12 +222,36 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
             return
         if message is None:
             return
-        slot, first, end, indices, which, starts, frames, augment, seed, epoch, boxes, flips = message
+        kind, slot, first, end, indices, which, starts, *rest = message
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        failures: list[tuple[int, str]] = []
+        error = None
         try:
-            crops.crop_frames(out[slot][first:end], indices, sources, which, starts, frames, augment, seed, epoch,
-                              pool, 1, planned=(boxes, flips))
-            error = None
+            if kind == "crop":
+                frames, augment, seed, epoch, boxes, flips = rest
+                crops.crop_frames(out[slot][first:end], indices, sources, which, starts, frames, augment, seed,
+                                  epoch, pool, 1, planned=(boxes, flips))
+            else:
+                failures = decode(out[slot][first:end], sources, indices, which, starts, *rest)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as one line
-            error = f"cropping samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
-        connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults))
+            doing = "cropping" if kind == "crop" else "decoding"
+            error = f"{doing} samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
+        connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults, failures))
+
+
+def decode(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
+           starts: np.ndarray, lengths: np.ndarray, decoder: str, augment: Literal["train", "eval"], seed: int,
+           epoch: int, reduced_scale: bool, release: bool) -> list[tuple[int, str]]:
+    """A worker's share of `send_decode`: its samples decoded into `out` (its positions' HWC slots) one
+    after another; the ones that could not be decoded returned."""
+    import torch
+
+    views = [np.asarray(source).data for source in sources]  # memoryviews: slices of them copy nothing
+    places, sizes, sourced = starts.tolist(), lengths.tolist(), which.tolist()
+    failures = transforms.decode_batch(torch.from_numpy(out), indices,
+                                       lambda k: views[sourced[k]][places[k] : places[k] + sizes[k]], decoder,
+                                       augment, seed, epoch, reduced_scale=reduced_scale)
+    if release:
+        for source in sources:
+            release_pages(np.asarray(source))
+    return failures

@@ -14,7 +14,7 @@ import queue
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import psutil
@@ -114,6 +114,10 @@ class RingLoader(Loader[RingSettingsT]):
     A subclass implements `is_open`, `fill_ring` (the producer thread) and `ring_batch`; `produce` runs
     them and hands each slot back once its batch's device copy is done (docs/plugins.md)."""
 
+    # The stored forms this backend hands to worker processes (`crops_in_processes`; `frame_sources` gives
+    # them their bytes): whole frames by default; the Arrow backend its encoded JPEGs too.
+    worker_forms: ClassVar[tuple[str, ...]] = ("frames",)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._tokens = isinstance(self.dataset, TokenDataset)
@@ -164,15 +168,15 @@ class RingLoader(Loader[RingSettingsT]):
         """The batch over a filled slot, from what the producer put on `ready`."""
 
     def frame_sources(self) -> list[np.ndarray] | None:
-        """The stored whole frames' bytes, as the arrays `crops.crop_frames`' `which` indexes, for the crop
-        workers to inherit; None where this backend crops none from memory (the default)."""
+        """The stored bytes of a form in `worker_forms` (whole frames; encoded JPEGs), as the arrays the
+        workers' `which` indexes, for them to inherit; None where this backend reads none from memory."""
         return None
 
     def crops_in_processes(self) -> bool:
-        """Whether whole frames are cropped by worker processes (`crop_in`), which write into a ring in
-        shared memory: not on CUDA (the ring is pinned there), nor where fork is unavailable, nor on a
-        tier (read through it batch by batch, not mapped)."""
-        return self.settings.crop_in == "processes" and self.stored_form == "frames" and \
+        """Whether worker processes crop (or decode) the stored form (`crop_in`, for a form in
+        `worker_forms`), writing into a ring in shared memory: not on CUDA (the ring is pinned there),
+        nor where fork is unavailable, nor on a tier (read through it batch by batch, not mapped)."""
+        return self.settings.crop_in == "processes" and self.stored_form in self.worker_forms and \
             self.device.type != "cuda" and fork_available() and tier_reads.tier_fs(self.dataset) is None
 
     @property
