@@ -23,10 +23,16 @@ def truth(config, chosen: list[Path], rounds: int, batches: int) -> int:
         for path in peers:
             bare_first = round_index % 2 == 0
             for bare in (bare_first, not bare_first):
-                runs.setdefault((path.label, bare), []).append(measure(config, path, batches, epoch=1, bare=bare))
+                # the own loop keeps its library's loader across rounds, as side_by_side does (FFCV compiles its
+                # pipeline once; its loaders made and dropped each round left threads that aborted the exit)
+                runs.setdefault((path.label, bare), []).append(measure(config, path, batches, epoch=1, bare=bare,
+                                                                       keep=True))
             ratios[path.label].append(runs[(path.label, False)][-1][0] / runs[(path.label, True)][-1][0])
         loads.append(os.getloadavg()[0])
         print(f"round {round_index + 1}/{rounds} done (load {loads[-1]:.1f})", flush=True)
+    for path in peers:
+        if path.own is not None:
+            path.own.close()
     print(f"\nEach peer: {batches} batches of {config.pipeline.batch_size} after {WARMUP} warm-up batches, second "
           f"epoch, {WORKERS} workers or threads; load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} "
           "cores (medians; the spread is min-max over the rounds). CPU s/1k: the process tree's, per 1,000 samples "

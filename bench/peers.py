@@ -58,22 +58,27 @@ form `reencoded`, imaging/reencode.py), so the JPEG ratio compares the same inpu
     python bench/peers.py [--config configs/peers.yaml] [--rounds 5] [--batches 40] [--truth] [--only a,b]
                           [--set KEY=VALUE ...]
 
-Truth, measured (`--truth --rounds 9 --batches 50`, 05:12-05:22 UTC 2026-12-01, load 2.8-6.4; harness / own
-loop, median (min-max) of the per-round ratios; CPU s/1k ratio; per available CPU):
-webdataset 1.09 (0.82-1.55), CPU 1.00, per CPU 0.987 (0.918-1.04); streaming 0.999 (0.904-2.73), 1.01,
-1.02 (0.895-1.18); litdata 0.929 (0.77-1.04), 1.03, 0.974 (0.943-1.04); ffcv jpg 1.15 (0.836-1.89), 0.993,
-1.00 (0.922-1.04), others 16% of the machine in the harness's windows against 49% in its own loop's; ffcv
-raw 1.05 (0.919-1.68), 1.02, 1.01 (0.778-1.07). RESULT agreement per available CPU 0.974-0.997 pass for
-all five; on raw rates 0.907-0.999 pass, ffcv_jpg 0.85 FAIL (the harness faster, in the quieter windows).
+Truth, measured (`--truth --rounds 5 --batches 50`, 08:21 UTC 2026-12-01, quiet machine; harness / own loop,
+median of the per-round ratios, as RESULT agreement): webdataset 0.97, streaming 0.999, litdata 0.978, ffcv jpg
+1.00, ffcv raw 0.947 (per available CPU 0.952-0.998): all pass. An earlier run at load 2.8-6.4 (05:12) passed
+per available CPU but not on raw rates for ffcv jpg (0.85: the harness's windows were the quieter ones).
 
-Measured (2 cores shared with other helpers and CI, torch 2.14.1 venv with every peer, 2026-12-01; img/s
-medians, min-max over 5 interleaved rounds; run before RingLoader.recipe named the bounded form, so their
-`<= max_side` rows' recipe column said `source`; it now says `JPEG re-encoded <= 512 px q90`). These ran
-before the own loops' finishing was the harness's and before FFCV's batches were handed over uncopied (see
-above): the peers' rows below are low by that (13-51% at the time), so their ratios are overstated. Rerun
-after (`--rounds 5 --batches 10`, 05:24 UTC, load 1.1-2.6): webdataset 1,266, streaming 1,207, litdata 1,984,
-ffcv jpg 1,527, ffcv raw 3,049; loadopt torch tuned 2,092, arrow/posix encoded 1,772/1,802, arrow decoded
-6,554 (1,916-9,501). RESULT loadopt_vs_best_peer_jpeg 1.12 (0.617-1.75) FAIL, predecoded 1.34 (0.651-3.58).
+Measured (`--rounds 5`: 40 batches a path a round; 08:01 UTC 2026-12-01, quiet machine, load 1.0-2.7 from the
+run itself; img/s median (min-max), CPU s/1k): webdataset 1,637 (1,477-1,690) 1.34, streaming 1,675 1.31,
+litdata 1,989 (1,779-2,065) 1.09, ffcv jpg 1,708 (1,631-1,737) 1.20, ffcv raw 4,788 0.46; loadopt torch plain
+856 2.48, torch tuned 2,696 (2,640-2,719) 0.83, arrow encoded 3,381 (3,219-3,445) 0.65, posix encoded 2,972
+0.68, `<= max_side` arrow / posix 3,467 / 3,108, dali cpu 1,357 1.42, arrow / posix decoded 12,833 / 12,814
+0.23. RESULT loadopt_vs_best_peer_jpeg 1.8 (1.68-1.99: arrow encoded <= max_side / litdata) pass, predecoded
+2.6 (1.81-2.78) pass. What moved them since the run below (1.26 on JPEG at 40 batches, 1.3 at 10): HWC ring
+slots (torch tuned 2,169 -> 2,675; the peers' workers got the same layout, litdata 1,673 -> 1,999), restart
+markers in the encoded forms' JPEGs (the region decoder reads only the intervals around a crop: posix
+encoded 2,337 -> 2,750 through the harness, 150 batches) and arrow's encoded JPEGs decoded by worker processes
+(2,970 against 2,700 on its threads).
+The 10-batch windows the earlier notes used count batches the workers had made before the window opened
+(torch tuned 2,570 img/s at 1.14 CPU s/1k: 2.9 cores' worth on 2): 40 batches, the default, is the figure.
+Earlier (before the HWC slots; `--rounds 5 --batches 10`, 05:24 UTC, load 1.1-2.6; the peers measured fairly):
+webdataset 1,266, streaming 1,207, litdata 1,984, ffcv jpg 1,527, ffcv raw 3,049; loadopt torch tuned 2,092,
+arrow/posix encoded 1,772/1,802. RESULT loadopt_vs_best_peer_jpeg 1.12 (0.617-1.75) FAIL, predecoded 1.34.
 Before:
 - default (`--rounds 5 --batches 10`, 4,000 ~400 x 350 JPEGs, load 11-14): ffcv jpg 215 (184-296), streaming 274
   (242-488), litdata 259, webdataset 217; loadopt posix encoded 464 (329-515), arrow encoded 432, torch tuned

@@ -225,3 +225,20 @@ def test_a_warm_record_read_is_held_to_the_page_cache_copy_and_a_cold_one_to_the
     remote = {**CEILINGS, "storage": {"name": "storage read", "bytes_per_s": 200e6}}
     found = attribute(run(120.0), "arrow records threads=2", remote, job, {}, records)
     assert found["ceiling"]["name"].startswith("storage read")
+
+
+def test_an_encoded_form_is_held_to_the_stored_jpegs_decode_ceiling():
+    """The ring backends' encoded forms decode JPEGs stored with restart markers (less work for the same
+    pixels): held to that measured rate, not the source JPEGs' (where it is measured), and named so."""
+    ceilings = {**CEILINGS, "decode": {**CEILINGS["decode"],
+                                       "stored": {"decoder": "simplejpeg", "resize": "torch", "samples_per_s": 900.0}}}
+    recipe = {"kind": "images", "stored": "source"}
+    for label in ("arrow encoded threads=2 prefetch=2", "posix encoded o_direct=False io_threads=2 threads=2"):
+        found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=850.0), label, ceilings, JOB,
+                          {"form": "encoded"}, recipe)
+        assert found["ceiling"] == {"name": "decode simplejpeg (stored JPEGs) x 2 cores", "samples_per_s": 900.0}
+        assert "stored JPEGs" in found["text"]
+    # the torch backend reads the sources: the source JPEGs' ceiling
+    found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=650.0), "torch tuned num_workers=2 prefetch=2",
+                      ceilings, JOB, {"variant": "tuned", "decoder": "auto"}, recipe)
+    assert found["ceiling"]["samples_per_s"] == 690.0

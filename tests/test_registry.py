@@ -144,6 +144,9 @@ def test_the_builtins_declare_what_bounds_them():
     assert arrow.work_kind(arrow.Settings(form="decoded"), {"kind": "images", "stored": "centre 256 px square"}) \
         == "pixel_copy"
     assert arrow.work_kind(arrow.Settings(), {"kind": "tokens"}) == "token_gather"
+    # the encoded forms' JPEGs are stored with restart markers: their own decode ceiling
+    for ring in (arrow, registry.backend_class("posix")):
+        assert ring.work_kind(ring.Settings(form="encoded"), images) == "stored_jpeg_decode"
     kvikio = registry.backend_class("kvikio")
     if kvikio.__name__ == "KvikioLoader":  # its module imports without kvikio installed
         assert kvikio.work_kind(kvikio.Settings(form="decoded"), frames) == "pixel_copy"  # resized on the GPU

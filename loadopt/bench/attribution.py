@@ -148,6 +148,9 @@ def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, An
         slow = settings.get("decoder") == "pil" or (
             backend == "torch" and "plain" in words and settings.get("decoder", "auto") == "auto")
         chosen = decode.get("pil" if slow else "fast") or {}
+        stored = kind == WorkKind.STORED_JPEG_DECODE and bool((decode.get("stored") or {}).get("samples_per_s"))
+        if stored:  # the encoded forms' JPEGs (restart markers): their own decode rate
+            chosen = decode["stored"]
         if backend == "dali" and (decode.get("dali") or {}).get("samples_per_s") and "mixed" not in words \
                 and kind != WorkKind.DEVICE_DECODE:
             chosen = decode["dali"]  # DALI's CPU engine, measured on its own
@@ -158,9 +161,10 @@ def bounding_ceiling(metrics: dict[str, Any], label: str, ceilings: dict[str, An
             lift = (f"a faster decoder (torch variant tuned: {decode['fast']['decoder']} + torch resize, "
                     f"{decode['fast']['samples_per_s']:,.0f} img/s), GPU decode or a pre-decoded format lifts it")
         rate = chosen.get("samples_per_s")
-        words_ = (f"{cores} cores decode {rate:,.0f} img/s ({chosen.get('decoder')} + {chosen.get('resize')} resize)"
-                  if rate else "decode capacity not measured")
-        stage = ("prep-bound", f"decode {chosen.get('decoder', '?')} x {cores} cores", rate, words_, lift)
+        what = f"{chosen.get('decoder')} + {chosen.get('resize')} resize" + (", stored JPEGs" if stored else "")
+        words_ = f"{cores} cores decode {rate:,.0f} img/s ({what})" if rate else "decode capacity not measured"
+        stage = ("prep-bound", f"decode {chosen.get('decoder', '?')}{' (stored JPEGs)' if stored else ''} x {cores} "
+                 "cores", rate, words_, lift)
     h2d, per_sample = ceilings.get("h2d", {}).get("bytes_per_s"), _delivered_bytes(metrics)
     if h2d and per_sample and (stage[2] is None or h2d / per_sample < stage[2]):
         # On a GPU the copy to the device is a stage of its own: the lower capacity bounds.
@@ -232,10 +236,10 @@ def ceilings_summary(ceilings: dict[str, Any]) -> str:
     if ceilings.get("storage", {}).get("bytes_per_s"):
         parts.append(f"storage read {ceilings['storage']['bytes_per_s'] / 1e6:,.0f} MB/s")
     decode = ceilings.get("decode", {})
-    for key in ("pil", "fast", "dali"):
+    for key in ("pil", "fast", "stored", "dali"):
         if (decode.get(key) or {}).get("samples_per_s"):
-            parts.append(f"decode {decode[key]['decoder']} {decode[key]['samples_per_s']:,.0f} img/s "
-                         f"({decode['cores']} cores)")
+            what = f"{decode[key]['decoder']}{' (stored JPEGs, restart markers)' if key == 'stored' else ''}"
+            parts.append(f"decode {what} {decode[key]['samples_per_s']:,.0f} img/s ({decode['cores']} cores)")
     if (ceilings.get("crop_resize") or {}).get("samples_per_s"):
         crop = ceilings["crop_resize"]
         parts.append(f"crop + resize of stored frames {crop['samples_per_s']:,.0f} samples/s ({crop['workers']} cores)")

@@ -22,6 +22,7 @@ import torch
 from loadopt.bench.parallel import in_process_rate, rate_in_workers
 from loadopt.config import Config
 from loadopt.device import usable_cores
+from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
 from loadopt.storage.pagecache import evict
 from loadopt.storage.sequential import read_sequential
@@ -105,9 +106,10 @@ def _evict_head(path: str, length: int) -> int:
 
 
 def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> dict[str, Any]:
-    """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path) and the fastest
-    decoder (torch's resize: `tuned` and the encoded formats), measured the way the loaders run:
-    `workers` processes at once (default: the usable cores), one intra-op thread each (bench/parallel.py)."""
+    """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path), the fastest decoder
+    (torch's resize: `tuned`) and the same on the encoded forms' stored JPEGs (`stored`: with restart
+    markers, `imaging.reencode.with_restarts`), measured the way the loaders run: `workers` processes at
+    once (default: the usable cores), one intra-op thread each (bench/parallel.py)."""
     if config.dataset.kind != "images":
         return {"skipped": "token samples are not decoded"}
     size, augment = config.pipeline.image_size, config.pipeline.augment
@@ -119,9 +121,12 @@ def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> di
     cores = usable_cores()
     workers = max(workers or cores, 1)
     out: dict[str, Any] = {"cores": cores, "workers": workers}
-    for key, decoder, resize in (("pil", "pil", "pil"), ("fast", transforms.decoder_name("auto"), "torch")):
-        def work(i: int, decoder: str = decoder, resize: str = resize) -> None:
-            transforms.write_sample(blobs[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
+    stored = [with_restarts(blob) for blob in blobs]
+    fast = transforms.decoder_name("auto")
+    for key, decoder, resize, samples in (("pil", "pil", "pil", blobs), ("fast", fast, "torch", blobs),
+                                          ("stored", fast, "torch", stored)):
+        def work(i: int, decoder: str = decoder, resize: str = resize, samples: list = samples) -> None:
+            transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
 
         try:
             measured = rate_in_workers(work, workers, _DECODE_SECONDS)
@@ -318,7 +323,7 @@ def keep_best(ceilings: dict[str, Any], config: Config, dataset: Any) -> dict[st
     if "skipped" not in decode_before or not decode_before:
         decode_after = _guarded(decode_rates, config, dataset, decode_before.get("workers"))
         decode = {**decode_before}
-        for key in ("pil", "fast", "dali"):
+        for key in ("pil", "fast", "stored", "dali"):
             if key in decode_before or key in decode_after:
                 decode[key] = _higher(decode_before.get(key) or {}, decode_after.get(key) or {}, "samples_per_s")
         best["decode"] = decode

@@ -45,6 +45,9 @@ class WorkKind(str, Enum):
     attribution holds the setting to."""
 
     JPEG_DECODE = "jpeg_decode"  # decode each source JPEG every epoch, crop, resize (the decode ceiling)
+    # decode the encoded forms' stored JPEGs (restart markers: only the intervals around each crop), crop,
+    # resize: the same pixels as JPEG_DECODE for less work (the stored-JPEG decode ceiling)
+    STORED_JPEG_DECODE = "stored_jpeg_decode"
     CROP_RESIZE = "crop_resize"  # crop + resize stored decoded whole frames (the crop + resize ceiling)
     PIXEL_COPY = "pixel_copy"  # copy crops of stored decoded pixels (the memory-copy ceiling)
     TOKEN_GATHER = "token_gather"  # gather token windows (the memory-copy ceiling)

@@ -264,7 +264,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
                 done_slot, done_indices, done_bytes, future = cropping.popleft()
                 if future is None:
                     assert croppers is not None, "only the crop workers' batches have no future"
-                    faults = croppers.receive()
+                    faults = croppers.receive().major_faults
                 else:
                     faults = future.result()
                 self._check_frames = bool(faults)  # major faults (crop workers) or None (threads)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.config import PipelineConfig
 from loadopt.imaging.reencode import REENCODE_QUALITY
-from loadopt.loaders.base import HostBatch, Layout, Loader
+from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
 from loadopt.storage import conversions, tier_reads
 from loadopt.storage.imagefolder import ImageDataset
@@ -132,6 +132,15 @@ class RingLoader(Loader[RingSettingsT]):
         self._ring: list[torch.Tensor] | None = None
         self._croppers: CropProcesses | None = None
         self._croppers_refused = False  # worker processes could not start here: threads crop
+
+    @classmethod
+    def work_kind(cls, settings: RingSettingsT, recipe: dict[str, Any] | None = None) -> str:
+        """The recipe's work (`Loader.work_kind`); the encoded form's JPEGs are the stored ones, with restart
+        markers (`imaging.reencode.with_restarts`): held to their own decode ceiling."""
+        kind = super().work_kind(settings, recipe)
+        if kind == WorkKind.JPEG_DECODE and settings.form == "encoded":
+            return WorkKind.STORED_JPEG_DECODE.value
+        return kind
 
     @classmethod
     def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
