@@ -184,7 +184,7 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
 
     def _crops(self, out: np.ndarray, indices: np.ndarray, epoch: int, pool) -> None:
         """A crop per sample, in `pool`'s threads: of whole frames (`crops.crop_frames`; by the crop workers
-        instead where there are: `_frames_by_workers`) or of centre squares (`crops.crop_batch`)."""
+        instead where there are: `_by_workers`) or of centre squares (`crops.crop_batch`)."""
         record, local = np.divmod(indices, ROWS_PER_BATCH)
         views = self.views
         if self.stored_form == "frames":
@@ -244,11 +244,8 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         if self._shadow is not None:
             self._producer_via_tier(batches, epoch, free, ready, stop)
             return
-        if self.croppers is not None and self.stored_form == "frames":
-            self._frames_by_workers(batches, epoch, free, ready, stop)
-            return
         if self.croppers is not None:
-            self._encoded_by_workers(batches, epoch, free, ready, stop)
+            self._by_workers(batches, epoch, free, ready, stop)
             return
         with ThreadPoolExecutor(self.settings.threads, thread_name_prefix="loadopt-arrow") as pool:
             for n, indices in enumerate(batches):
@@ -264,41 +261,17 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
                     self._release_mapped_jpegs()
                 ready.put((slot, indices, failures))
 
-    def _frames_by_workers(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
-                           stop: threading.Event) -> None:
-        """Whole frames cropped by the crop workers, two batches in flight: they are sent batch n + 1 before
-        batch n is collected, so each goes on to it the moment it is done (no idle gap while this thread
-        hands a batch over)."""
-        croppers = self.croppers
-        assert croppers is not None, "fill_ring takes this path with crop workers only"
-        starts_of, dims_of = self._frame_table()
-        in_flight: collections.deque[tuple[int, np.ndarray]] = collections.deque()
-        try:
-            for indices in batches:
-                slot = next_slot(free, stop)
-                if slot is None:
-                    return
-                croppers.send(slot, indices, indices // ROWS_PER_BATCH, starts_of[indices], dims_of[indices],
-                              self.pipeline.augment, self.seed, epoch)
-                in_flight.append((slot, indices))
-                if len(in_flight) > 1:
-                    croppers.receive()
-                    ready.put((*in_flight.popleft(), []))
-            while in_flight:
-                croppers.receive()
-                ready.put((*in_flight.popleft(), []))
-        finally:
-            croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next one's
-
-    def _encoded_by_workers(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue,
-                            stop: threading.Event) -> None:
-        """The encoded form's JPEGs decoded by the workers (`CropProcesses.send_decode`), two batches in flight
-        as `_frames_by_workers`; a sample that failed is checked against its record batch here, as the threads'
-        path does (`_check_record`: damage in the file raises). Each worker lets go of the file's pages it
-        mapped every `TRIM_EVERY` batches (see `_release_mapped_jpegs`)."""
+    def _by_workers(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+        """Each batch cropped (whole frames) or decoded (encoded JPEGs) by the worker processes, two batches in
+        flight: they are sent batch n + 1 before batch n is collected, so each goes on to it the moment it is
+        done (no idle gap while this thread hands a batch over). A sample that failed to decode is checked
+        against its record batch here, as the threads' path does (`_check_record`: damage in the file raises).
+        The encoded form's workers let go of the file's pages they mapped every `TRIM_EVERY` batches (see
+        `_release_mapped_jpegs`)."""
         croppers = self.croppers
         assert croppers is not None, "fill_ring takes this path with workers only"
-        starts_of, lengths_of = self._encoded_table()
+        augment, seed, frames = self.pipeline.augment, self.seed, self.stored_form == "frames"
+        starts_of, sizes_of = self._frame_table() if frames else self._encoded_table()
         decoder, reduced = self._decoder(), self.pipeline.jpeg_scale == "reduced"
         in_flight: collections.deque[tuple[int, np.ndarray]] = collections.deque()
 
@@ -314,9 +287,12 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
                 slot = next_slot(free, stop)
                 if slot is None:
                     return
-                croppers.send_decode(slot, indices, indices // ROWS_PER_BATCH, starts_of[indices], lengths_of[indices],
-                                     decoder, self.pipeline.augment, self.seed, epoch, reduced,
-                                     release=(n + 1) % TRIM_EVERY == 0)
+                which, starts, sizes = indices // ROWS_PER_BATCH, starts_of[indices], sizes_of[indices]
+                if frames:  # sizes: each frame's dims
+                    croppers.send(slot, indices, which, starts, sizes, augment, seed, epoch)
+                else:  # sizes: each JPEG's length
+                    croppers.send_decode(slot, indices, which, starts, sizes, decoder, augment, seed, epoch, reduced,
+                                         release=(n + 1) % TRIM_EVERY == 0)
                 in_flight.append((slot, indices))
                 if len(in_flight) > 1:
                     hand_over()
