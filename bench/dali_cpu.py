@@ -30,7 +30,7 @@ import time
 
 from _common import REPO, build_loader, harness_run, ratio_result, spread
 
-from loadopt.device import usable_cores
+from loadopt.machine import usable_cores
 
 
 def loader_rate(config, backend: str, batches: int, epoch: int, **settings) -> float:

@@ -92,7 +92,8 @@ def write_config(root: Path, folder: Path) -> Path:
 
 
 def stage_open(config: Path, cold: bool) -> dict:
-    from loadopt.config import cache_dir, load_config
+    from loadopt.config import load_config
+    from loadopt.files import cache_dir
     from loadopt.storage import manifest
     from loadopt.storage.imagefolder import scan_image_folder
 

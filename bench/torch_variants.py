@@ -18,7 +18,7 @@ import statistics
 
 from _common import REPO, build_loader, harness_run, ratio_result, spread
 
-from loadopt.device import usable_cores
+from loadopt.machine import usable_cores
 
 
 def loader_rate(config, variant: str, workers: int, batches: int, epoch: int) -> dict:

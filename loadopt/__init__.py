@@ -5,21 +5,39 @@
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         for images, labels in loader: ...
+
+The names below are imported on first use, so `import loadopt.cli` (and `loadopt --help`) stays light:
+torch and the loaders load only when a command needs them.
 """
 
-from loadopt.api import make_loader
-from loadopt.config import Config, load_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from loadopt.errors import LoadoptError
-from loadopt.measure import measure, measure_steps
 
 __version__ = "0.1.0"
 
+# name -> the module that defines it
+_LAZY = {"make_loader": "loadopt.api", "Config": "loadopt.config_models", "load_config": "loadopt.config",
+         "measure": "loadopt.measure", "measure_steps": "loadopt.measure", "run_bench": "loadopt.bench.runner"}
 
-def run_bench(*args, **kwargs):
-    """See `loadopt.bench.runner.run_bench` (imported lazily: it pulls in the harness)."""
-    from loadopt.bench.runner import run_bench as _run_bench
+if TYPE_CHECKING:
+    from loadopt.api import make_loader
+    from loadopt.bench.runner import run_bench
+    from loadopt.config import load_config
+    from loadopt.config_models import Config
+    from loadopt.measure import measure, measure_steps
 
-    return _run_bench(*args, **kwargs)
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loadopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
 __all__ = ["Config", "LoadoptError", "load_config", "make_loader", "measure", "measure_steps", "run_bench",

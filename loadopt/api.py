@@ -10,7 +10,8 @@ import torch
 
 from loadopt import recipe
 from loadopt.bench.knobs import start_settings
-from loadopt.config import Config, PipelineConfig, config_from_dict, load_config
+from loadopt.config import config_from_dict, load_config
+from loadopt.config_models import Config, PipelineConfig
 from loadopt.device import resolve_device
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders.base import BatchTransform, Loader

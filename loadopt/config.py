@@ -1,6 +1,10 @@
 """The validated config: YAML loading, `--set` overrides and one-line errors (the pydantic models are
 `loadopt.config_models`'s, re-exported here).
 
+This module sits above storage and loaders: it checks each backend's settings against the model the
+backend declares (the registry) and the tier against the known tiers. Storage, loaders and the device
+import only `loadopt.config_models` and `loadopt.files`, never this module.
+
 Every validation problem becomes `ConfigError("<file>: <key.path>: <what is wrong>")`, so a user sees
 which file and which key to fix. Backend settings under `loaders:` are validated by the model that
 each backend declares (`Loader.Settings`); a list value there is a sweep over that knob.
@@ -30,32 +34,9 @@ from loadopt.config_models import (  # noqa: F401 - re-exported: the models are 
     WorkloadConfig,
 )
 from loadopt.errors import ConfigError
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """`line N: invalid YAML: <what>` for a YAML parse error (the line where PyYAML knows it)."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f"line {mark.line + 1}: " if mark is not None else ""
-    return f"{where}invalid YAML: {getattr(exc, 'problem', None) or str(exc).splitlines()[0]}"
-
-
-def read_yaml(path: Path, what: str, missing_hint: str = "") -> Any:
-    """The parsed YAML file at `path` (`what` it is, for the messages); every failure one `ConfigError` line
-    naming the file."""
-    try:
-        return yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found{missing_hint}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the {what} ({exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
-
-
-def cache_dir() -> Path:
-    """The folder for generated datasets and decisions: `$LOADOPT_CACHE`, default ~/.cache/loadopt."""
-    return Path(os.environ.get("LOADOPT_CACHE") or Path.home() / ".cache" / "loadopt").expanduser()
-
+from loadopt.files import yaml_problem
+from loadopt.loaders.registry import backend_class
+from loadopt.storage.tiers import resolve_tier
 
 # ---------------------------------------------------------------------------------------------
 # Error messages
@@ -152,8 +133,6 @@ def config_from_dict(raw: Any, source: str = "<dict>", overrides: list[str] | tu
         raise ConfigError(f"{source}: {exc}") from None
     for name in config.loaders:
         backend_settings(config, name, overrides=overrides)  # validates every sweep point
-    from loadopt.storage.tiers import resolve_tier
-
     resolve_tier(config.storage.tier, where=f"{_source_for('storage.tier', source, overrides)}: storage.tier")
     _check_one_step_source(raw, config, source, overrides)
     return config
@@ -257,8 +236,6 @@ def expand_settings(model: type[BaseModel], raw: dict[str, Any], where: str, sou
 
 def backend_settings(config: Config, name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[BaseModel]:
     """The validated sweep points of backend `name` as configured (one point when nothing is a list)."""
-    from loadopt.loaders.registry import backend_class  # import here: the registry imports this module
-
     try:
         cls = backend_class(name)
     except KeyError as exc:

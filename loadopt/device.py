@@ -8,7 +8,6 @@ costs what a host-to-device copy costs the host (a memory copy), and nothing is 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,17 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from loadopt.config import PipelineConfig
+from loadopt.config_models import PipelineConfig
 
 try:  # one-pass normalisation on the CPU (loadopt/_native.c), built at install where a C compiler is
     from loadopt import _native as native
 except ImportError:  # pragma: no cover - built by `pip install`; torch's ops stay for installs without it
     native = None  # type: ignore[assignment]  # None where the optional module is absent
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def resolve_device(requested: str | torch.device | None) -> torch.device:

@@ -124,7 +124,8 @@ def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, A
 
 def import_dlio(path: str | Path) -> str:
     """The YAML text of the loadopt config for the DLIO workload file at `path`, headed by what did not map."""
-    from loadopt.config import config_from_dict, read_yaml
+    from loadopt.config import config_from_dict
+    from loadopt.files import read_yaml
 
     path = Path(path)
     config, notes = config_from_dlio(read_yaml(path, "DLIO workload file"), str(path))

@@ -88,7 +88,7 @@ def _native_check() -> Check:
 
 
 def run_checks() -> list[Check]:
-    from loadopt.config import cache_dir
+    from loadopt.files import cache_dir
     from loadopt.imaging.decode import simplejpeg
 
     checks = [Check("python", None, f"{platform.python_version()} on {platform.platform()}")]
@@ -109,8 +109,8 @@ def run_checks() -> list[Check]:
                             + ("" if shm.free > 1 << 30 else ": DataLoader workers may run out of shared memory")))
     except OSError as exc:
         checks.append(Check("/dev/shm", False, f"unavailable: {exc}"))
-    from loadopt.device import usable_cores
     from loadopt.loaders.registry import backend_class, backend_names
+    from loadopt.machine import usable_cores
 
     for name in backend_names():
         available, reason = backend_class(name).available()

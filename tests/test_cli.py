@@ -173,3 +173,21 @@ def test_bench_with_no_measurable_backend_fails(tiny_config, tmp_path):
     proc = loadopt("bench", tiny_config, "--quick", "--loaders", "kvikio", "--out", tmp_path / "none")
     line = one_line_error(proc, code=1)
     assert "no loader setting could be measured (kvikio: libcuda.so.1 not found" in line
+
+
+@pytest.mark.parametrize("module", ["loadopt.cli", "loadopt"])
+def test_the_command_line_imports_no_torch(module):
+    """`loadopt --help` must stay light: torch, the loaders and the harness load only when a command runs."""
+    probe = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'numpy', 'pyarrow', 'loadopt.loaders', "
+             "'loadopt.bench') if m in sys.modules); print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
+
+
+def test_help_lists_every_command_without_torch():
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "loadopt", "--help"], capture_output=True,
+                         text=True, check=True)
+    for command in ("bench", "measure", "report", "doctor", "explain", "probe", "tiers", "make-dataset", "convert"):
+        assert command in out.stdout
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "loadopt.bench.runner" not in imported

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadopt.device import usable_cores
 from loadopt.loaders.base import WorkKind
+from loadopt.machine import usable_cores
 
 CEILING_OVERSHOOT = 1.1  # a run this far above its ceiling shows the ceiling was measured low
 STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input path, sets the pace

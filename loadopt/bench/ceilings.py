@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from loadopt.bench.parallel import in_process_rate, rate_in_workers
-from loadopt.config import Config
-from loadopt.device import usable_cores
+from loadopt.config_models import Config
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
+from loadopt.machine import usable_cores
 from loadopt.storage.pagecache import evict
 from loadopt.storage.sequential import read_sequential
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from loadopt.device import usable_cores
 from loadopt.errors import DatasetError
 from loadopt.loaders.sampler import EpochOrder
+from loadopt.machine import usable_cores
 from loadopt.storage.probe_readers import sleep_until
 
 

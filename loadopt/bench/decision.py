@@ -23,8 +23,8 @@ from typing import Any
 
 from loadopt import recipe
 from loadopt.bench.metrics import median
-from loadopt.bench.results import atomic_write_text, library_versions, machine_fingerprint, machine_info
-from loadopt.config import cache_dir
+from loadopt.files import atomic_write_text, cache_dir
+from loadopt.machine import library_versions, machine_fingerprint, machine_info
 from loadopt.schema import SCHEMA_VERSION, SchemaError, as_dict, decision_text, parse_decision
 
 log = logging.getLogger(__name__)

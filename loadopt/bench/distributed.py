@@ -38,8 +38,9 @@ import torch
 
 from loadopt.bench.knobs import MachineLimits
 from loadopt.bench.rank_figures import RecordingLoader, add_ranks, aggregate_ranks
-from loadopt.device import Elapsed, resolve_device, usable_cores
+from loadopt.device import Elapsed, resolve_device
 from loadopt.errors import LoadoptError, Terminated
+from loadopt.machine import usable_cores
 
 T = TypeVar("T")
 

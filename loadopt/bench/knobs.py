@@ -13,9 +13,10 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from loadopt.config import Config, backend_settings, expand_settings
-from loadopt.device import usable_cores
+from loadopt.config import backend_settings, expand_settings
+from loadopt.config_models import Config
 from loadopt.loaders.base import Loader
+from loadopt.machine import usable_cores
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from loadopt.bench.consumers import ConsumerSettings, run_consumers
-from loadopt.config import Config
+from loadopt.config_models import Config
 from loadopt.errors import ConfigError
 from loadopt.schema import SCHEMA_VERSION
 from loadopt.storage.probe import probe
@@ -273,7 +273,7 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
             say(f"{spec.name}: every backend through the tier")
             rows[-1]["backends"] = compare_backends(config, spec, str(Path(backends_out) / _folder_name(spec.name)),
                                                     backend_warmup, backend_batches)
-    from loadopt.bench.results import machine_info
+    from loadopt.machine import machine_info
 
     return {"schema_version": SCHEMA_VERSION, "command": "loadopt tiers",
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

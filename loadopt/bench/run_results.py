@@ -12,10 +12,11 @@ from pydantic import BaseModel
 from loadopt import recipe
 from loadopt.bench.harness import RepeatResult
 from loadopt.bench.metrics import aggregate, median
-from loadopt.bench.results import SCHEMA_VERSION, machine_fingerprint, machine_info
-from loadopt.config import Config, WorkloadConfig
+from loadopt.config_models import Config, WorkloadConfig
 from loadopt.errors import LoadoptError
 from loadopt.loaders.registry import backend_class
+from loadopt.machine import machine_fingerprint, machine_info
+from loadopt.schema import SCHEMA_VERSION
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bytes_source

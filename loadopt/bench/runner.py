@@ -23,31 +23,20 @@ from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's de
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
-from loadopt.bench.results import discard_output, prepare_output, write_results
+from loadopt.bench.results import write_results
 from loadopt.bench.run_results import Setting, results_document, timing_rows
-from loadopt.config import Config, WorkloadConfig, backend_settings
+from loadopt.config import backend_settings
+from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer
 from loadopt.errors import LoadoptError, StorageError, Terminated
+from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for
+from loadopt.progress import Reporter
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.tiers import counters_delta, sum_counters, tier_counters, tier_failure, tier_label
 
 log = logging.getLogger(__name__)
-
-
-class Reporter:
-    """Progress callbacks of a bench; the CLI draws them with rich, the library ignores them."""
-
-    def dataset_progress(self, done: int, total: int) -> None: ...
-
-    def conversion_progress(self, label: str, done: int, total: int) -> None: ...
-
-    def run_started(self, label: str, total_batches: int) -> None: ...
-
-    def batch_done(self, done: int) -> None: ...
-
-    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None: ...
 
 
 @dataclass

@@ -34,7 +34,7 @@ from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.harness import run_repeat
 from loadopt.bench.knobs import MachineLimits, directions, numeric, search_space
 from loadopt.bench.metrics import BatchProbe
-from loadopt.config import Config
+from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader

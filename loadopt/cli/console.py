@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadopt.bench.runner import Reporter
 from loadopt.errors import LoadoptError, Terminated
+from loadopt.progress import Reporter
 
 # Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
 WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160

@@ -38,8 +38,8 @@ def probe(
 
     import fsspec
 
-    from loadopt.bench.results import atomic_write_text, prepare_output
     from loadopt.errors import DatasetError
+    from loadopt.files import atomic_write_text, prepare_output
     from loadopt.storage.probe import parse_size
     from loadopt.storage.probe import probe as run_probe
 
@@ -103,9 +103,9 @@ def tiers(
     from pathlib import Path
 
     from loadopt.bench.distributed import launched_rank
-    from loadopt.bench.results import atomic_write_text, prepare_output
     from loadopt.bench.tier_ranks import run_tiers_here
     from loadopt.config import load_config
+    from loadopt.files import atomic_write_text, prepare_output
     from loadopt.schema import results_text
     from loadopt.storage.tiers import load_tier_profiles
 

@@ -9,8 +9,6 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from loadopt.report.data import stored_size
-
 
 def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
     from loadopt.bench.metrics import median
@@ -169,6 +167,8 @@ def backend_lines(result: dict[str, Any]) -> list[str]:
 
 def tiers_table(result: dict[str, Any]) -> Table:
     """One row per tier of `loadopt tiers`."""
+    from loadopt.report.data import stored_size  # numpy and the schema load only when a table is drawn
+
     table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result['au_threshold']:.0%}", title_justify="left")
     for column in ("tier", "measured", "predicted", "dataset", "delivered MB/s", "samples/s", "AU", "CPU load",
                    "$/month", "$/accelerator-month", "search"):

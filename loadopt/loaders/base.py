@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from loadopt.config import PipelineConfig
+from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, finish_inputs
 from loadopt.errors import DatasetError
 from loadopt.loaders.sampler import EpochOrder

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadopt.config import PipelineConfig
+from loadopt.config_models import PipelineConfig
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 

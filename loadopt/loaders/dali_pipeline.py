@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loadopt.config import PipelineConfig
+from loadopt.config_models import PipelineConfig
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 
 if TYPE_CHECKING:

@@ -33,12 +33,13 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadopt.config import PipelineConfig, cache_dir
-from loadopt.device import usable_cores
+from loadopt.config_models import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError, describe_sample_error
+from loadopt.files import cache_dir
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.peer_batches import rebatch
+from loadopt.machine import usable_cores
 from loadopt.storage import tier_reads
 
 log = logging.getLogger(__name__)

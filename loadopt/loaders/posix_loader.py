@@ -33,12 +33,12 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from loadopt.device import usable_cores
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, posix_cache, record_ring, transforms
 from loadopt.loaders.base import HostBatch
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
 from loadopt.loaders.shard_reader import PosixReader, ShardReader, aligned_empty
+from loadopt.machine import usable_cores
 from loadopt.storage import raw_format, tier_reads
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 

@@ -21,7 +21,7 @@ import psutil
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadopt.config import PipelineConfig
+from loadopt.config_models import PipelineConfig
 from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.crop_processes import CropProcesses, fork_available

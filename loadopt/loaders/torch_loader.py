@@ -26,11 +26,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import DataLoader, default_collate
 
-from loadopt.config import PipelineConfig
-from loadopt.device import usable_cores
+from loadopt.config_models import PipelineConfig
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.machine import usable_cores
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.tokens import TokenDataset
 

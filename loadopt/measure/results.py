@@ -20,8 +20,9 @@ import numpy as np
 import psutil
 
 from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
-from loadopt.bench.results import atomic_write_text, machine_fingerprint, machine_info
 from loadopt.errors import OutputError
+from loadopt.files import atomic_write_text
+from loadopt.machine import machine_fingerprint, machine_info
 from loadopt.schema import SCHEMA_VERSION, SchemaError, as_dict, parse_results, results_text
 
 COMMAND = "loadopt.measure"

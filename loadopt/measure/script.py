@@ -111,7 +111,7 @@ def run_script(script: str, args: list[str], out: str | None, every: int | None 
     if not path.is_file():
         raise ScriptError(f"{script}: no such script" if not path.exists() else f"{script}: not a file")
     if out is not None:
-        from loadopt.bench.results import prepare_output
+        from loadopt.files import prepare_output
 
         prepare_output(out)  # an unwritable folder fails now, not after the whole job has run
     session = MeasureSession(every)

@@ -59,7 +59,7 @@ def default_output(paths: Sequence[PathLike], fmt: str = "html") -> Path:
 
 def write_report(paths: Sequence[PathLike], out: PathLike | None = None, fmt: str = "html") -> Path:
     """Render the report of `paths` and write it atomically to `out` (default: beside the first file)."""
-    from loadopt.bench.results import atomic_write_text
+    from loadopt.files import atomic_write_text
 
     text = render_report(paths, fmt)
     target = Path(out).expanduser() if out is not None else default_output(paths, fmt)

@@ -36,8 +36,8 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
-from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
+from loadopt.files import cache_dir, is_no_space
 from loadopt.imaging.frames import FRAME_FIELDS, FrameDims, centre_square, stored_frame
 from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, restarts_key, with_restarts
 from loadopt.storage import decode_pool, integrity
@@ -226,7 +226,7 @@ def convert(dataset, form: Form, size: int | None = None, progress: Callable[[in
         tmp = integrity.temp_path(final)
         tmp.touch(exist_ok=False)
     except OSError as exc:
-        if integrity.is_no_space(exc):
+        if is_no_space(exc):
             raise integrity.no_space_error(final.parent, needed_bytes(dataset, form, size),
                                            f"the Arrow conversion ({form})", form == "frames") from None
         raise DatasetError(f"{final.parent}: cannot write the Arrow conversion ({exc.strerror or exc}); "
@@ -245,7 +245,7 @@ def convert(dataset, form: Form, size: int | None = None, progress: Callable[[in
         os.replace(tmp, final)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if integrity.is_no_space(exc):
+        if is_no_space(exc):
             raise integrity.no_space_error(final.parent, needed_bytes(dataset, form, size),
                                            f"the Arrow conversion ({form})", form == "frames") from None
         raise

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from loadopt.config import PipelineConfig
+from loadopt.config_models import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.imaging.reencode import REENCODE_QUALITY

@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 import fsspec
 import numpy as np
 
-from loadopt.config import Config, cache_dir
+from loadopt.config_models import Config
 from loadopt.errors import ConfigError, DatasetError
+from loadopt.files import cache_dir, is_no_space
 from loadopt.storage import manifest
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact, why_denied, why_unreachable
@@ -241,7 +242,7 @@ def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], N
     except OSError as exc:
         from loadopt.storage import integrity
 
-        if integrity.is_no_space(exc):  # the partial folder is already gone (synthetic.ensure_synthetic)
+        if is_no_space(exc):  # the partial folder is already gone (synthetic.ensure_synthetic)
             spec = config.dataset.synthetic  # JPEGs of these images at quality 90: about 0.8 bytes a pixel
             needed = int(spec.num_samples * spec.mean_width * spec.mean_height * 0.8)
             raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic dataset") from None
@@ -264,7 +265,7 @@ def _open_records(config: Config, path: str | None, storage_options: dict[str, A
     try:
         folder = ensure_records(spec, cache_dir(), progress=progress)
     except OSError as exc:
-        if integrity.is_no_space(exc):  # the partial folder is already gone (records.ensure_records)
+        if is_no_space(exc):  # the partial folder is already gone (records.ensure_records)
             needed = int(record_sizes(spec).sum()) * spec.samples_per_file
             raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic records") from None
         raise DatasetError(f"{cache_dir()}: cannot write the synthetic records into the cache ({exc}); "

@@ -11,7 +11,6 @@ random otherwise (a cheap sample: damage is found over repeated uses, at once wi
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import random
@@ -152,31 +151,6 @@ def _pid_alive(pid: int) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Permissions and space
-
-
-def current_umask() -> int:
-    """The process's umask (read from /proc where it is there: setting it to read it is not thread-safe)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def honour_umask(path: str | os.PathLike[str], folder: bool = False) -> None:
-    """Give a file made by `mkstemp`/`mkdtemp` (mode 0600/0700) the mode a plain `open`/`mkdir` gives."""
-    os.chmod(path, (0o777 if folder else 0o666) & ~current_umask())
-
-
-def is_no_space(exc: BaseException) -> bool:
-    """Whether `exc` says the disk (or the quota) is full; Arrow's I/O errors carry no errno."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return isinstance(exc, OSError) and ("No space left on device" in str(exc) or "Disk quot" in str(exc))
 
 
 def no_space_error(folder: Path, needed_bytes: int, what: str, bound: bool = False) -> DatasetError:

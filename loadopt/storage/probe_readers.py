@@ -18,7 +18,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from loadopt.device import usable_cores
+from loadopt.machine import usable_cores
 from loadopt.storage.raw_format import ALIGN, align_up
 from loadopt.storage.sequential import AlignedBuffer
 

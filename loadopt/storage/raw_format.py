@@ -34,8 +34,8 @@ from typing import Any, overload
 
 import numpy as np
 
-from loadopt.config import cache_dir
 from loadopt.errors import DatasetError
+from loadopt.files import cache_dir, is_no_space
 from loadopt.imaging.reencode import REENCODE_QUALITY, restarts_key
 from loadopt.storage import arrow_format, decode_pool, integrity
 from loadopt.storage.arrow_format import Form
@@ -227,7 +227,7 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         tmp = integrity.temp_path(final)
         tmp.mkdir()
     except OSError as exc:
-        if integrity.is_no_space(exc):
+        if is_no_space(exc):
             raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
                                            form == "frames") from None
         raise DatasetError(f"{final.parent}: cannot write the raw conversion ({exc.strerror or exc}); "
@@ -247,7 +247,7 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if integrity.is_no_space(exc):
+        if is_no_space(exc):
             raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
                                            form == "frames") from None
         raise

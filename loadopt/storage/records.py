@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 import fsspec
 import numpy as np
 
-from loadopt.config import RecordSpec
+from loadopt.config_models import RecordSpec
 from loadopt.errors import DatasetError
-from loadopt.storage.integrity import honour_umask
+from loadopt.files import honour_umask
 from loadopt.storage.remote import is_local_fs, open_url, redact
 
 GENERATOR_VERSION = 1

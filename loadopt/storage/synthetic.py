@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image, ImageDraw
 
-from loadopt.storage import integrity
+from loadopt.files import is_no_space
 
 GENERATOR_VERSION = 1  # bump whenever the image recipe or the layout changes
 MANIFEST = "manifest.json"
@@ -127,7 +127,7 @@ def ensure_synthetic(spec: SyntheticSpecLike, cache_dir: Path,
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         _publish(tmp, root)
     except BaseException as exc:
-        if lock is not None and integrity.is_no_space(exc):  # a full disk: nothing partial left, not even to resume
+        if lock is not None and is_no_space(exc):  # a full disk: nothing partial left, not even to resume
             os.close(lock)
             lock = None
         _release(tmp, lock)

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from loadopt.config import read_yaml
 from loadopt.errors import ConfigError, StorageError
+from loadopt.files import read_yaml
 from loadopt.storage.remote import RetryPolicy, is_local_fs, redact
 
 TIERS_ENV = "LOADOPT_TIERS"

@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from loadopt.config import TokenSpec
+from loadopt.config_models import TokenSpec
 from loadopt.errors import DatasetError
-from loadopt.storage.integrity import honour_umask
+from loadopt.files import honour_umask
 
 GENERATOR_VERSION = 1
 CHUNK_TOKENS = 4_000_000

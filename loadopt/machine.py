@@ -1,0 +1,79 @@
+"""What machine this is: its cores, CPU, memory, GPU and library versions, and the fingerprint that says
+when two machines are comparable for a decision.
+
+A leaf beside `loadopt.files`: torch is imported only when the machine is described (for the GPU), so
+the command line's help stays light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LIBRARIES", "library_versions", "machine_fingerprint", "machine_info", "usable_cores"]
+LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simplejpeg", "nvidia-dali-cuda120",
+             "nvidia-dali-cuda130", "kvikio-cu12", "kvikio-cu13", "torchvision")
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    if versions["loadopt"] is None:  # run from a source tree on PYTHONPATH, not installed
+        from loadopt import __version__
+
+        versions["loadopt"] = __version__
+    return versions
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+    import torch
+
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"name": props.name, "count": torch.cuda.device_count(), "memory_gb": props.total_memory / 2**30,
+               "cuda": torch.version.cuda}
+    cores = usable_cores()
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": cores,
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": gpu,
+        "libraries": library_versions(),
+    }
+
+
+def machine_fingerprint(machine: dict[str, Any]) -> str:
+    """What makes two machines comparable for a decision: CPU, cores, RAM, GPU."""
+    gpu = machine.get("gpu") or {}
+    key = json.dumps([machine["cpu_model"], machine["cpu_count"], round(machine["ram_gb"]), gpu.get("name"),
+                      gpu.get("count")])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -1,0 +1,21 @@
+"""Progress callbacks of long work (a bench, a dataset's generation, a conversion): the CLI draws them
+with rich, the library's own default ignores them. A leaf, so the CLI can subclass it without importing
+the harness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Reporter:
+    """Progress callbacks of a bench; the CLI draws them with rich, the library ignores them."""
+
+    def dataset_progress(self, done: int, total: int) -> None: ...
+
+    def conversion_progress(self, label: str, done: int, total: int) -> None: ...
+
+    def run_started(self, label: str, total_batches: int) -> None: ...
+
+    def batch_done(self, done: int) -> None: ...
+
+    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None: ...
