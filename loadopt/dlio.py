@@ -55,14 +55,8 @@ def _number(value: Any, key: str, source: str) -> float:
         raise ConfigError(f"{source}: {key}: expected a number, got {value!r}") from None
 
 
-def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
-    """The loadopt config of a DLIO workload mapping, and one line per DLIO setting without an equivalent."""
-    if not isinstance(workload, dict) or not isinstance(workload.get("dataset"), dict):
-        raise ConfigError(f"{source}: not a DLIO workload file (no `dataset:` mapping)")
-    flat = _flatten(workload)
-    notes: list[str] = []
-    model = workload.get("model")
-    name = str(model.get("name") if isinstance(model, dict) else model or Path(source).stem)
+def _records_spec(flat: dict[str, Any], source: str, notes: list[str]) -> dict[str, Any]:
+    """The config's `dataset.records` of a DLIO workload's `dataset` keys (`notes` takes what did not map)."""
     fmt = str(flat.get("dataset.format", "npz"))
     if fmt not in ("npz", "raw"):
         notes.append(f"dataset.format {fmt}: no {fmt} reader here; raw records of the same sizes instead (no "
@@ -84,6 +78,18 @@ def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, A
     if resize is None:
         notes.append(f"dataset.record_length_bytes_resize: not set; each record's first "
                      f"{records['delivered_bytes']:,} bytes are delivered")
+    return records
+
+
+def config_from_dlio(workload: dict[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
+    """The loadopt config of a DLIO workload mapping, and one line per DLIO setting without an equivalent."""
+    if not isinstance(workload, dict) or not isinstance(workload.get("dataset"), dict):
+        raise ConfigError(f"{source}: not a DLIO workload file (no `dataset:` mapping)")
+    flat = _flatten(workload)
+    notes: list[str] = []
+    model = workload.get("model")
+    name = str(model.get("name") if isinstance(model, dict) else model or Path(source).stem)
+    records = _records_spec(flat, source, notes)
     batch = int(_number(flat.get("reader.batch_size", 1), "reader.batch_size", source))
     reader = str(flat.get("reader.data_loader", "pytorch"))
     if reader not in _READERS:

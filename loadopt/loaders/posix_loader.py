@@ -93,6 +93,11 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         assert self._reader is not None  # prepare opened it
         return self._reader
 
+    def set_check_frames(self, check: bool) -> None:
+        """Whether the next batches' frames are checked for residency (mincore) before being cropped from
+        the mappings: only after a batch whose crops met major faults."""
+        self._check_frames = check
+
     def mapped_shards(self) -> list[mmap.mmap | bytes]:
         """Read-only mappings of the shards (b"" for an empty one) for the per-sample crops through the
         page cache (`posix_cache`): mapped on first use, held until `close()` (mapping them again
@@ -252,24 +257,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         cached_frames = self.sample_reads and self.stored_form == "frames" and not self.settings.o_direct and \
             crops.native is not None and isinstance(self._reader, PosixReader)
         maps = [np.frombuffer(m, np.uint8) for m in self.mapped_shards()] if cached_frames else None
-        croppers = self.croppers if maps is not None else None
-        # Mapped batches being cropped, oldest first: (slot, indices, bytes, future), the future None for the
-        # crop workers'. A batch goes to the crop threads (`finisher`) while this thread draws the next one's
-        # crop plan; the crop workers are sent batch n + 1 before batch n is collected, so each goes on to it
-        # the moment it is done, with no idle gap while this thread hands a batch over.
-        cropping: collections.deque[tuple[int, np.ndarray, int, Future | None]] = collections.deque()
-
-        def collect(keep: int) -> None:  # hand all but `keep` of the batches being cropped to the consumer
-            while len(cropping) > keep:
-                done_slot, done_indices, done_bytes, future = cropping.popleft()
-                if future is None:
-                    assert croppers is not None, "only the crop workers' batches have no future"
-                    faults = croppers.receive().major_faults
-                else:
-                    faults = future.result()
-                self._check_frames = bool(faults)  # major faults (crop workers) or None (threads)
-                ready.put((done_slot, done_indices, [], done_bytes))
-
+        mapped_crops = _MappedCrops(self, ring, maps, self.croppers if maps is not None else None, epoch, ready)
         try:
             with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
                     ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"loadopt-{self.name}") as pool, \
@@ -278,36 +266,26 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
                     for ahead in range(n, min(n + depth + 1, len(batches))):
                         if ahead not in pending:
                             pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps,
-                                                         self._check_frames or croppers is None)
+                                                         self._check_frames or mapped_crops.croppers is None)
                     starts, nbytes, reads, shards = pending.pop(n)
                     mapped = shards is not None and maps is not None
                     planned = crops.frame_boxes(indices, raw.frames_of(indices), self.pipeline.augment, self.seed,
                                                 epoch) if mapped else None
-                    collect(1 if mapped and croppers is not None else 0)
+                    mapped_crops.collect(1 if mapped and mapped_crops.croppers is not None else 0)
                     for read in reads:
                         read.result()
                     slot = next_slot(free, stop)
                     if slot is None:
                         return
                     if mapped:
-                        frames = raw.frames_of(indices)
-                        if croppers is not None:
-                            croppers.send(slot, indices, shards, starts, frames, self.pipeline.augment, self.seed,
-                                          epoch, planned)
-                            cropping.append((slot, indices, nbytes, None))
-                        else:
-                            assert maps is not None, "mapped batches only where the shards are mapped"
-                            cropping.append((slot, indices, nbytes, finisher.submit(
-                                crops.crop_frames, ring[slot].numpy(), indices, maps, shards, starts, frames,
-                                self.pipeline.augment, self.seed, epoch, pool, self.settings.threads,
-                                planned=planned)))
+                        mapped_crops.start(slot, indices, shards, starts, nbytes, planned, finisher, pool)
                         continue
                     failures = self._fill(ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
                     ready.put((slot, indices, failures, nbytes))
-                collect(0)
+                mapped_crops.collect(0)
         finally:
-            if croppers is not None:
-                croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next one's
+            if mapped_crops.croppers is not None:
+                mapped_crops.croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor,
                maps: list[np.ndarray] | None = None,
@@ -357,3 +335,42 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         if self._reader is not None:
             self._reader.close()
         self._reader, self._raw, self._ring = None, None, None
+
+
+class _MappedCrops:
+    """The batches cropped straight from the shards' mappings, oldest first: (slot, indices, bytes, future),
+    the future None for the crop workers'. A batch goes to the crop threads (`finisher`) while the producer
+    draws the next one's crop plan; the crop workers are sent batch n + 1 before batch n is collected, so
+    each goes on to it the moment it is done, with no idle gap while the producer hands a batch over."""
+
+    def __init__(self, loader: PosixLoader, ring: list[torch.Tensor], maps: list[np.ndarray] | None, croppers,
+                 epoch: int, ready: queue.Queue) -> None:
+        self.loader, self.ring, self.maps, self.croppers, self.epoch, self.ready = \
+            loader, ring, maps, croppers, epoch, ready
+        self.cropping: collections.deque[tuple[int, np.ndarray, int, Future | None]] = collections.deque()
+
+    def start(self, slot: int, indices: np.ndarray, shards, starts, nbytes: int, planned,
+              finisher: ThreadPoolExecutor, pool: ThreadPoolExecutor) -> None:
+        loader = self.loader
+        frames = loader.raw.frames_of(indices)
+        augment, seed = loader.pipeline.augment, loader.seed
+        if self.croppers is not None:
+            self.croppers.send(slot, indices, shards, starts, frames, augment, seed, self.epoch, planned)
+            self.cropping.append((slot, indices, nbytes, None))
+            return
+        assert self.maps is not None, "mapped batches only where the shards are mapped"
+        self.cropping.append((slot, indices, nbytes, finisher.submit(
+            crops.crop_frames, self.ring[slot].numpy(), indices, self.maps, shards, starts, frames, augment, seed,
+            self.epoch, pool, loader.settings.threads, planned=planned)))
+
+    def collect(self, keep: int) -> None:
+        """Hand all but `keep` of the batches being cropped to the consumer."""
+        while len(self.cropping) > keep:
+            done_slot, done_indices, done_bytes, future = self.cropping.popleft()
+            if future is None:
+                assert self.croppers is not None, "only the crop workers' batches have no future"
+                faults = self.croppers.receive().major_faults
+            else:
+                faults = future.result()
+            self.loader.set_check_frames(bool(faults))  # major faults (crop workers) or None (threads)
+            self.ready.put((done_slot, done_indices, [], done_bytes))
