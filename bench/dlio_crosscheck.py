@@ -212,7 +212,7 @@ def read_costs(workload_file: Path, train_folder: Path) -> dict[str, float]:
     dataset = open_dataset(config_from_dict(raw, str(workload_file)))
     started = time.perf_counter()
     for index in range(len(dataset)):
-        dataset.read(index)
+        dataset.read_record(index)
     ours = time.perf_counter() - started
     files = sorted(train_folder.glob("*.npz"))
     started = time.perf_counter()

@@ -37,7 +37,7 @@ def test_synthetic_records_have_the_stated_sizes_and_read_back(tmp_path, file_fo
     per_file = record_sizes(spec)
     assert np.array_equal(dataset.sizes, np.repeat(per_file, 3))
     assert len(set(per_file.tolist())) > 1  # sizes spread per file (stdev 10,000)
-    record, read = dataset.read(4)  # file 1, row 1
+    record, read = dataset.read_record(4)  # file 1, row 1
     assert len(record) == dataset.sizes[4]
     if file_format == "npz":  # the file is read whole for one record (as DLIO's npz reader does)
         assert read == Path(dataset.files[1].decode()).stat().st_size > 3 * dataset.sizes[4]
@@ -178,7 +178,7 @@ def test_records_in_dlio_npz_layout_are_read(tmp_path):
         "samples_per_file": 3, "file_format": "npz", "delivered_bytes": 1000}}}, "dlio.yaml")
     dataset = open_dataset(config)
     assert len(dataset) == 6 and set(dataset.sizes.tolist()) == {1200}
-    record, _ = dataset.read(4)  # file 1, sample 1
+    record, _ = dataset.read_record(4)  # file 1, sample 1
     with np.load(folder / "img_2_of_2.npz") as archive:
         assert np.array_equal(record, archive["x"][..., 1].reshape(-1))
 

@@ -24,6 +24,7 @@ from loadopt.config_models import Config
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
 from loadopt.machine import usable_cores
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.sequential import read_sequential
 
@@ -57,7 +58,7 @@ def memcpy_bandwidth(repeats: int = 5) -> float:
     return size / statistics.median(times)
 
 
-def storage_bandwidth(dataset: Any, budget_bytes: int = _STORAGE_BUDGET_BYTES) -> dict[str, Any]:
+def storage_bandwidth(dataset: Dataset, budget_bytes: int = _STORAGE_BUDGET_BYTES) -> dict[str, Any]:
     """Sequential read rate of a sample of the dataset's files, page cache evicted first.
 
     The files are read whole, so they are back in the page cache afterwards: a warm bench is not
@@ -105,7 +106,7 @@ def _evict_head(path: str, length: int) -> int:
         os.close(fd)
 
 
-def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> dict[str, Any]:
+def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -> dict[str, Any]:
     """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path), the fastest decoder
     (torch's resize: `tuned`) and the same on the encoded forms' stored JPEGs (`stored`: with restart
     markers, `imaging.reencode.with_restarts`), measured the way the loaders run: `workers` processes at
@@ -142,7 +143,7 @@ def decode_rates(config: Config, dataset: Any, workers: int | None = None) -> di
     return out
 
 
-def _decodable_samples(dataset: Any, count: int, slot: torch.Tensor, augment: Literal["train", "eval"],
+def _decodable_samples(dataset: Dataset, count: int, slot: torch.Tensor, augment: Literal["train", "eval"],
                        seed: int) -> list[bytes]:
     """The first `count` samples that read and decode: a damaged file is the loaders' to report (by
     `on_error`), while a ceiling measured on it would fail in its worker processes or count errors as work."""
@@ -164,7 +165,7 @@ class _Inline:
     map = staticmethod(map)
 
 
-def crop_resize_rate(config: Config, dataset: Any, workers: int | None = None) -> dict[str, Any]:
+def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = None) -> dict[str, Any]:
     """Stored whole frames -> training samples: the shared crop plan (RandomResizedCrop + flip on the
     source size, scaled into stored pixels) and the loaders' own crop/resize (`crops.crop_frames`), from
     frames in memory stored as the decoded forms store them (`imaging.frames.stored_frame`, longer side
@@ -208,7 +209,7 @@ def crop_resize_rate(config: Config, dataset: Any, workers: int | None = None) -
             "augment": p.augment, "how": how, "primitive": "loadopt.loaders.crops.crop_frames"}
 
 
-def _dali_engine_rate(config: Config, dataset: Any, cores: int) -> dict[str, Any]:
+def _dali_engine_rate(config: Config, dataset: Dataset, cores: int) -> dict[str, Any]:
     from loadopt.loaders.registry import backend_class
 
     cls = backend_class("dali")
@@ -248,7 +249,7 @@ def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
     return {"name": "pinned h2d bandwidth", "bytes_per_s": copy_to_device_bandwidth(device)}
 
 
-def compute_alone(config: Config, dataset: Any, device: torch.device) -> dict[str, Any]:
+def compute_alone(config: Config, dataset: Dataset, device: torch.device) -> dict[str, Any]:
     """The accelerator's step on a batch already on the device: what the job does with no loader."""
     from loadopt.bench.accelerator import make_accelerator
 
@@ -279,7 +280,8 @@ def _guarded(fn, *args) -> dict[str, Any]:
         return {"skipped": f"{type(exc).__name__}: {exc}".splitlines()[0]}
 
 
-def measure_ceilings(config: Config, dataset: Any, device: torch.device, workers: int | None = None) -> dict[str, Any]:
+def measure_ceilings(config: Config, dataset: Dataset, device: torch.device,
+                     workers: int | None = None) -> dict[str, Any]:
     """The machine's ceilings and the job's demand, measured now (a few seconds in all). `workers`: the
     decode ceiling's worker processes (the most any loader setting of the bench runs; default the cores)."""
     started = time.perf_counter()
@@ -309,7 +311,7 @@ def _higher(before: dict[str, Any], after: dict[str, Any], key: str) -> dict[str
     return {**best, "measured": {"before": first, "after": second}}
 
 
-def keep_best(ceilings: dict[str, Any], config: Config, dataset: Any) -> dict[str, Any]:
+def keep_best(ceilings: dict[str, Any], config: Config, dataset: Dataset) -> dict[str, Any]:
     """The ceilings measured again after the runs; of each, the higher of the two measurements.
 
     A busy phase of a shared machine can only lower a measurement, so the higher one is the nearer to

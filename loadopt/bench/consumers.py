@@ -61,7 +61,7 @@ def consume(dataset, settings: ConsumerSettings, rank: int, world: int, t_start:
     def read(index: int) -> int:
         try:
             if dataset.kind == "records":  # the record's byte range, or its whole npz file (as DLIO's reader)
-                return dataset.read(index)[1]
+                return dataset.read_record(index)[1]
             return len(dataset.fs.cat_file(dataset.path(index)))
         except (OSError, TimeoutError, DatasetError):  # a read the tier failed for good (after retries): lost
             failures[0] += 1

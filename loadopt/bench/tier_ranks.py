@@ -26,6 +26,7 @@ import torch
 from loadopt.bench.consumers import ConsumerSettings, combine, consume
 from loadopt.bench.distributed import Ranks, described, raise_told
 from loadopt.errors import DatasetError
+from loadopt.storage.dataset import Dataset
 
 _STOP = "stop"
 
@@ -36,7 +37,7 @@ class RankConsumers:
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
 
-    def __call__(self, dataset: Any, settings: ConsumerSettings, count: int, warmup_s: float,
+    def __call__(self, dataset: Dataset, settings: ConsumerSettings, count: int, warmup_s: float,
                  measure_s: float) -> dict[str, Any]:
         if count > self.ranks.world_size:
             raise DatasetError(f"{count} accelerators: the torchrun job has only {self.ranks.world_size} ranks")

@@ -39,6 +39,7 @@ from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_class, backend_for
+from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def _key(settings: BaseModel) -> tuple:
 class Tuner:
     """Tunes backends one after another within one budget; `tune(names)` returns one result per backend."""
 
-    def __init__(self, config: Config, dataset: Any, device: Any, budget_s: float, *, window: Window | None = None,
+    def __init__(self, config: Config, dataset: Dataset, device: Any, budget_s: float, *, window: Window | None = None,
                  limits: MachineLimits | None = None, clock: Clock = time.monotonic, reporter: Any = None,
                  convert: bool = True) -> None:
         self.config, self.dataset, self.device = config, dataset, torch.device(device)

@@ -161,8 +161,8 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
 
     def _fill_records(self, slot: torch.Tensor, indices: np.ndarray) -> None:
         stored = self._stored_records(indices)
-        record_ring.deliver_rows(self.dataset, slot.numpy(), stored)
-        wanted = self.dataset.delivered_bytes
+        record_ring.deliver_rows(self.records, slot.numpy(), stored)
+        wanted = self.records.delivered_bytes
         rest = max((len(r) - wanted for r in stored), default=0)
         if rest > 0:  # the rest of each record read too (its pages touched), as the other backends read it
             scratch = np.empty(rest, np.uint8)

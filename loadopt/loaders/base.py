@@ -28,8 +28,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, finish_inputs
 from loadopt.errors import DatasetError
 from loadopt.loaders.sampler import EpochOrder
-from loadopt.storage.imagefolder import ImageDataset
-from loadopt.storage.tokens import TokenDataset
+from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ class Loader(ABC, Generic[SettingsT]):
     # False: another library orders the samples (the peer backends; their labels say `order=<library>`)
     shared_order: ClassVar[bool] = True
 
-    def __init__(self, dataset: ImageDataset | TokenDataset, pipeline: PipelineConfig,
+    def __init__(self, dataset: Dataset, pipeline: PipelineConfig,
                  settings: SettingsT | None = None, *,
                  device: str | torch.device = "cpu", rank: int = 0, world_size: int = 1, seed: int = 0,
                  epoch: int = 0, on_error: Literal["raise", "skip"] = "raise") -> None:
@@ -214,7 +213,7 @@ class Loader(ABC, Generic[SettingsT]):
         return work_kind_of_recipe(recipe).value
 
     @classmethod
-    def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
+    def supports(cls, dataset: Dataset) -> tuple[bool, str]:
         """Whether this backend can read `dataset` (an image folder, a token corpus), and why not. Never
         raises. `make_loader(backend="auto")` and `loadopt bench` pass over a backend that cannot."""
         if dataset.kind != "images":

@@ -226,7 +226,7 @@ class KvikioLoader(PosixLoader):
         if isinstance(self.dataset, TokenDataset):
             shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
         elif self._records:  # each record's first bytes
-            shape, dtype = (slots, b, self.dataset.delivered_bytes), torch.uint8
+            shape, dtype = (slots, b, self.records.delivered_bytes), torch.uint8
         else:  # image slots are HWC (RingLoader.layout), decoded JPEGs' crops written through CHW views
             shape, dtype = (slots, b, size, size, 3), torch.uint8
         return list(torch.empty(shape, dtype=dtype, device=self.staging_device))

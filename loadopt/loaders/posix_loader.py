@@ -195,7 +195,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         raw = self.raw
         length = raw.length[indices]
         if self._records:
-            record_ring.deliver_rows(self.dataset, slot.numpy(),
+            record_ring.deliver_rows(self.records, slot.numpy(),
                                      [staging[starts[k] : starts[k] + length[k]] for k in range(len(indices))])
             return []
         if self._tokens:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from loadopt.loaders.base import HostBatch, Layout
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.records import RecordDataset
 
 FORM = "records"  # the stored form of records in both conversions
@@ -47,7 +48,7 @@ class RecordsInRing:
     records are supported (read from the conversion's `records` form), laid out as `records`, in a ring of
     `record_ring`. The backend's fill and batch methods test `_records`."""
 
-    dataset: Any
+    dataset: Dataset
     device: torch.device
     pipeline: Any
     settings: Any
@@ -61,8 +62,14 @@ class RecordsInRing:
         if self._records:  # stored whole, delivered as their first bytes: no frame, no pixel size
             self.stored_form, self.frame, self.size = FORM, None, None
 
+    @property
+    def records(self) -> RecordDataset:
+        """The dataset as record files (only where `_records`)."""
+        assert isinstance(self.dataset, RecordDataset), "a records ring reads a RecordDataset"
+        return self.dataset
+
     @classmethod
-    def supports(cls, dataset: Any) -> tuple[bool, str]:
+    def supports(cls, dataset: Dataset) -> tuple[bool, str]:
         if is_records(dataset):
             return True, ""  # converted to the records form
         return super().supports(dataset)  # type: ignore[misc]
@@ -73,5 +80,5 @@ class RecordsInRing:
 
     def _make_ring(self) -> list[torch.Tensor]:
         if self._records:
-            return record_ring(self.settings.prefetch + 2, self.pipeline.batch_size, self.dataset, self.device)
+            return record_ring(self.settings.prefetch + 2, self.pipeline.batch_size, self.records, self.device)
         return super()._make_ring()  # type: ignore[misc]

@@ -26,7 +26,7 @@ from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
 from loadopt.storage import conversions, tier_reads
-from loadopt.storage.imagefolder import ImageDataset
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.tokens import TokenDataset
 
 Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
@@ -143,7 +143,7 @@ class RingLoader(Loader[RingSettingsT]):
         return kind
 
     @classmethod
-    def supports(cls, dataset: ImageDataset | TokenDataset) -> tuple[bool, str]:
+    def supports(cls, dataset: Dataset) -> tuple[bool, str]:
         if dataset.kind == "records":
             return False, f"{cls.name} reads image folders and token corpora, not records"
         return True, ""  # image folders (converted), and token corpora (windows gathered)

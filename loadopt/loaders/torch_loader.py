@@ -203,7 +203,7 @@ def _batch_memory(count: int, width: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(count, width)
 
 
-def _collate_records(batch: dict) -> dict:
+def _collate_records(batch: Any) -> dict:
     return batch  # the dict `_Records.__getitems__` made
 
 

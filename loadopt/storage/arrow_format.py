@@ -160,7 +160,7 @@ def _record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pr
         for start in range(0, n, step):
             ids = np.arange(start, min(n, start + step), dtype=np.int64)
             if form == "records":
-                column = pa.array([dataset.read(int(i))[0].tobytes() for i in ids], type=pa.large_binary())
+                column = pa.array([dataset.read(int(i)) for i in ids], type=pa.large_binary())
                 yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
             elif form == "tokens":
                 windows = np.ascontiguousarray(dataset.windows()[ids])

@@ -142,7 +142,7 @@ def _samples(dataset, form: Form, size: int | None, workers: int, dims: list, on
             decode_pool.stop(pool)
     elif form == "records":
         for i in range(n):
-            yield dataset.read(i)[0].tobytes()
+            yield dataset.read(i)
     elif form == "reencoded":  # the Arrow reencoded form's own function: the same bytes in both forms
         if not size:
             raise ValueError("the reencoded form is bounded by a max side: none was given")

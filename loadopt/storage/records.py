@@ -76,7 +76,11 @@ class RecordDataset:
     def local_files(self) -> list[str]:
         return [f.decode() for f in self.files] if self.is_local() else []
 
-    def read(self, index: int) -> tuple[np.ndarray, int]:
+    def read(self, index: int) -> bytes:
+        """Record `index`'s stored bytes (the Dataset protocol's question; `read_record` says what it cost)."""
+        return self.read_record(index)[0].tobytes()
+
+    def read_record(self, index: int) -> tuple[np.ndarray, int]:
         """Record `index`'s bytes (a uint8 array) and the bytes read from storage to get them."""
         name = self.files[self.file_of[index]].decode()
         row, size = int(self.row_of[index]), int(self.sizes[index])
@@ -124,7 +128,7 @@ class RecordDataset:
                 raise DatasetError(f"{redact(name)}: record {row} is cut short ({got} of {size} bytes)")
             out[size:] = 0
             return size
-        record, read = self.read(index)
+        record, read = self.read_record(index)
         self.deliver(record, out)
         return read
 

@@ -23,33 +23,32 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import fsspec
 import numpy as np
 
 from loadopt.errors import ConfigError, DatasetError
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote import is_local_fs, redact
 
 CONVERTED_FOLDER = ".loadopt"  # beside the source, when the dataset is not on the local disk
 LAYOUT_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8")])
 
 
-def tier_fs(dataset: Any) -> fsspec.AbstractFileSystem | None:
+def tier_fs(dataset: Dataset) -> fsspec.AbstractFileSystem | None:
     """The tier wrapper every read of `dataset` and its conversions must pass through, or None on plain
     local disk (the loaders' direct fast paths)."""
     from loadopt.storage.emulated import EmulatedFileSystem
 
-    fs = getattr(dataset, "fs", None)
-    return fs if isinstance(fs, EmulatedFileSystem) else None
+    return dataset.fs if isinstance(dataset.fs, EmulatedFileSystem) else None
 
 
-def via_tier(dataset: Any) -> str:
+def via_tier(dataset: Dataset) -> str:
     """What a loader's label adds when its reads go through a tier instead of the local fast paths."""
     return " via tier" if tier_fs(dataset) is not None else ""
 
 
-def bytes_source(dataset: Any) -> str:
+def bytes_source(dataset: Dataset) -> str:
     """Where a run's bytes came from, for results and tables: the local disk read directly, or the
     tier (emulated limits or not) over the storage under it."""
     tier = tier_fs(dataset)
@@ -78,20 +77,20 @@ def conversion_home(converted: str | None, tier_base: str | None, fs: fsspec.Abs
     return root.rstrip("/") + "/" + CONVERTED_FOLDER
 
 
-def local_dir(dataset: Any, default: Path) -> Path:
+def local_dir(dataset: Dataset, default: Path) -> Path:
     """The local folder a conversion of `dataset` is written in: its home when that is a local path,
     else `default` (the cache; for a remote home, the staging place before the upload)."""
-    home = getattr(dataset, "converted", None)
+    home = dataset.converted
     if home is None or "://" in home and not home.startswith("file://"):
         return default
     return Path(home.removeprefix("file://"))
 
 
-def remote_home(dataset: Any) -> tuple[fsspec.AbstractFileSystem, str] | None:
+def remote_home(dataset: Dataset) -> tuple[fsspec.AbstractFileSystem, str] | None:
     """(filesystem, path) of the conversions' home when it is not on the local disk, else None. The
     home must be on the dataset's own storage: its reads pass through the same tier."""
-    home = getattr(dataset, "converted", None)
-    if home is None or "://" not in home or home.startswith("file://"):
+    home = dataset.converted
+    if home is None or "://" not in home or home.startswith("file://") or dataset.fs is None:
         return None
     from loadopt.storage.emulated import EmulatedFileSystem
 
@@ -103,7 +102,7 @@ def remote_home(dataset: Any) -> tuple[fsspec.AbstractFileSystem, str] | None:
     return base, base._strip_protocol(home)
 
 
-def remote_path(dataset: Any, local: Path) -> str | None:
+def remote_path(dataset: Dataset, local: Path) -> str | None:
     """Where the local conversion `local` (a file or folder in `<kind>/<name>`) lives on the remote
     home, in the base filesystem's own naming; None when the home is local."""
     home = remote_home(dataset)
@@ -112,7 +111,7 @@ def remote_path(dataset: Any, local: Path) -> str | None:
     return home[1].rstrip("/") + f"/{local.parent.name}/{local.name}"
 
 
-def publish(dataset: Any, local: Path, marker: str | None = None) -> str | None:
+def publish(dataset: Dataset, local: Path, marker: str | None = None) -> str | None:
     """The remote copy of the finished local conversion `local` (a file, or a folder whose `marker` file
     marks it finished), uploaded unless already there; None when the conversions' home is local."""
     target, home = remote_path(dataset, local), remote_home(dataset)

@@ -39,6 +39,7 @@ class TokenDataset:
     classes: list[str] = field(default_factory=list)
     # No filesystem to read through (nor a storage tier): the corpus is a local memory map.
     fs: None = None
+    converted: None = None  # conversions of a corpus always live in the local cache
     kind: ClassVar[str] = "tokens"  # what `recipe` and the backends' `supports` tell datasets apart by
 
     def __post_init__(self) -> None:
@@ -64,6 +65,9 @@ class TokenDataset:
 
     def read(self, index: int) -> bytes:
         return self.window(index).tobytes()
+
+    def is_local(self) -> bool:
+        return True
 
     def local_files(self) -> list[str]:
         return [self.root]

@@ -1,0 +1,51 @@
+"""The one protocol every dataset answers (an ImageFolder, token windows, record files; tar shards and
+Parquet next), so backends, conversions and the harness read any of them through the same questions and a
+new source needs no change in any of them."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import fsspec
+import numpy as np
+
+
+class Dataset(Protocol):
+    """A split's samples: how many, their labels and stored sizes, where they live and how to name one."""
+
+    kind: ClassVar[str]  # images | tokens | records: what `recipe` and the backends' `supports` tell apart
+    root: str  # the split's folder or file, as a path or URL
+    fingerprint: str  # changes whenever the samples do (names, sizes, modification times, or generator)
+    synthetic: bool
+    classes: list[str]
+    labels: np.ndarray  # int64, one per sample (zeros where samples have no class)
+    sizes: np.ndarray  # int64, each sample's stored bytes
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem | None:
+        """The filesystem the samples are read through (None: a local memory map, no filesystem)."""
+        ...
+
+    @property
+    def converted(self) -> str | None:
+        """Where its conversions live when not in the local cache (storage/tier_reads.py)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: int) -> bytes:
+        """The stored bytes of sample `index`."""
+        ...
+
+    def path(self, index: int) -> str:
+        """Sample `index` named for a message: its file, and where in it."""
+        ...
+
+    def is_local(self) -> bool:
+        """Whether the samples are read straight from a local disk."""
+        ...
+
+    def local_files(self) -> list[str]:
+        """Every file of the samples on a local disk, else empty (whoever reads them directly would bypass
+        a tier's limits)."""
+        ...
