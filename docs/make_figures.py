@@ -121,13 +121,19 @@ def machine_line() -> str:
     return f"{info['cpu_model']}, {info['cpu_count']} cores, {info['ram_gb']} GB RAM, {gpu}"
 
 
-def write_page(log: list[dict], made: list[Path], machine: str) -> None:
+def load_note(bench_dir: Path) -> str:
+    """The bench's own account of how busy the machine was (results.json `machine.load.note`)."""
+    load = json.loads((bench_dir / "results.json").read_text()).get("machine", {}).get("load") or {}
+    return f"The bench noted: {load['note']}." if load.get("note") else ""
+
+
+def write_page(log: list[dict], made: list[Path], machine: str, note: str) -> None:
     lines = ["# How the pictures were made", "",
              "Every picture in the README and in these pages comes from `python docs/make_figures.py`, which ran",
              "the commands below on the machine named here; rerun it to remake them. The runs are short on",
              "purpose: the pictures show what each plot says, not figures to quote.", "",
              f"Machine: {machine}. Made {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. `$WORK` is",
-             "`--work` (default `$LOADOPT_CACHE/figures`).", "",
+             "`--work` (default `$LOADOPT_CACHE/figures`).", "", *([note, ""] if note else []),
              "| command | started | minutes | load average (1 min) before -> after |",
              "| --- | --- | ---: | --- |"]
     lines += [f"| `{e['command']}` | {e['started']} | {e['minutes']} | {e['load']} |" for e in log]
@@ -165,7 +171,7 @@ def main() -> int:
 
     config = load_config(ROOT / "configs" / "imagenet.yaml", [size[0].removeprefix("--set=")])
     made.append(recipe_figure(synthetic_root(config.dataset.synthetic, cache_dir())))
-    write_page(log, made, machine_line())
+    write_page(log, made, machine_line(), load_note(bench_dir))
     for path in made:
         print(f"{path.relative_to(ROOT)}: {path.stat().st_size / 1024:.0f} KB")
     return 0
