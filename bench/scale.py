@@ -285,7 +285,7 @@ def main() -> int:
             if (not stage.endswith("_mb") or "peak" in stage) and not stage.startswith("epoch_"):
                 lines.append(result_line(f"scale_exponent_{stage}", b, "<=", 1.1))
         print(row)
-    if len(sizes) >= 2:  # the fits carried past this machine (README "Cost as the dataset grows")
+    if len(sizes) >= 2:  # the fits carried past this machine (docs/scale.md)
         print(f"\n{'extrapolated (a*n^b)':<22}" + "".join(f"{name:>16}" for name in EXTRAPOLATE))
         for stage in stages:
             medians = {n: statistics.median(r[stage]) for n, r in results.items() if stage in r}

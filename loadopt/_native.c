@@ -22,15 +22,15 @@
  *   The same crops from files: `maps[s]` a read-only mapping of shard s, `fds[s]` its descriptor,
  *   `which[k]` sample k's shard, `offsets[k]` the file offset of its top-left pixel. Where mincore says
  *   the crop's rows are all in the page cache they are cropped straight from the mapping: one copy, as
- *   `crop_batch` (a pread into a buffer first, the kernel's copy, cost the page-cache path half its rate
- *   here). Otherwise one pread of the rows into a per-thread buffer that stays in the core's cache, a
+ *   `crop_batch` (a pread into a buffer first, the kernel's copy, would cost the page-cache path half its
+ *   rate). Otherwise one pread of the rows into a per-thread buffer that stays in the core's cache, a
  *   crop from there, and a miss counted. `threads` threads (this one and threads - 1 started for the
  *   call) take the samples one at a time. Returns (misses, failed position or -1, errno or -1 for a file
  *   that ended). One call per batch: no Python per sample or per thread; the GIL released throughout.
  *   `check` 0: no mincore; every sample cropped from its mapping (a page not cached is read in by the page
  *   fault), and the misses returned are the threads' major faults during the call (getrusage): a caller
- *   that saw a batch all cached checks the next ones this way. mincore per sample cost posix's warm
- *   crops ~15% here (a system call a sample: its entry and exit, and mmap's lock).
+ *   that saw a batch all cached checks the next ones this way. mincore per sample costs posix's warm
+ *   crops a system call a sample (its entry and exit, and mmap's lock).
  *
  * uncached(maps, which, offsets, lengths) -> int
  *   How many of the samples (`lengths[k]` bytes at `offsets[k]` of mapping `maps[which[k]]`) are not all
@@ -82,8 +82,8 @@ static void init_masks(void) {
 #if LOADOPT_SIMD
 static int have_avx2; /* set at import */
 
-/* 128 bytes a step in 32-byte streaming stores (dst 32-byte aligned): 10-30% more per core than 16-byte
-   steps here (bench: a crop of a mapped 256 px square per sample); the rest in 16-byte steps. */
+/* 128 bytes a step in 32-byte streaming stores (dst 32-byte aligned): more per core than 16-byte steps
+   (bench: a crop of a mapped 256 px square per sample); the rest in 16-byte steps. */
 __attribute__((target("avx2"))) static Py_ssize_t stream_avx2(uint8_t *dst, const uint8_t *src, Py_ssize_t bytes) {
     Py_ssize_t done = 0;
     for (; done + 128 <= bytes; done += 128) {

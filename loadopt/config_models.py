@@ -82,10 +82,10 @@ class PipelineConfig(_Strict):
     image_size: int = Field(224, ge=8)
     augment: Literal["train", "eval"] = "train"
     # The decoded forms' whole frames keep their longer side at most this (FFCV's max_resolution):
-    # 512 keeps ImageNet-sized frames at their own pixels (README: storage cost per form).
+    # 512 keeps ImageNet-sized frames at their own pixels (docs/performance/recipe.md: storage per form).
     max_side: int = Field(512, ge=8)
     # The JPEG paths: `reduced` decodes a crop at least twice the output each way at a reduced DCT scale
-    # (1/2-1/8: other pixels, far less work on large photos; README: the JPEG path's levers); `full`: scale 1.
+    # (1/2-1/8: other pixels, far less work on large photos; docs/levers.md); `full`: scale 1.
     jpeg_scale: Literal["full", "reduced"] = "full"
     dtype: Literal["float32", "uint8"] = "float32"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -96,7 +96,7 @@ class PipelineConfig(_Strict):
     order: Literal["shared", "any"] = "shared"
     drop_last: bool = False
     # Image batches in memory: channels_last (NCHW shape over NHWC memory: what pre-decoded backends hold and
-    # convolutions prefer) or contiguous (NCHW memory, as DataLoader's default_collate gives); README: cost.
+    # convolutions prefer) or contiguous (NCHW memory, as DataLoader's default_collate gives); cost: docs/performance.
     memory_format: Literal["channels_last", "contiguous"] = "channels_last"
     seq_len: int = Field(1024, gt=0)  # tokens: each sample is seq_len + 1 tokens (inputs, shifted targets)
 

@@ -94,9 +94,8 @@ class DeviceTransfer:
     def device_work(self) -> Iterator[None]:
         """Around the copy and the finishing: the emulated device works on one host thread. It stands
         for an accelerator, so the host's other cores belong to the loader under test; torch's other
-        intra-op threads would only spin against the loader's threads (measured here with the decoded
-        arrow loader at step 0: 0.19 against 0.12 CPU seconds per 1,000 samples, 10,700 against 11,500
-        samples/s). A real device, or a CPU training loop, keeps torch's threads."""
+        intra-op threads would only spin against the loader's threads (more CPU per sample, a lower
+        rate with the decoded arrow loader). A real device, or a CPU training loop, keeps torch's threads."""
         if not self.emulate:
             yield
             return
@@ -167,9 +166,9 @@ def finish_inputs(inputs: torch.Tensor, layout: str, normalised: bool, pipeline:
             pipeline.std, device=inputs.device).view(1, 3, 1, 1)
         shape = tuple(inputs.shape)
         out = scratch(shape, torch.float32) if scratch is not None else torch.empty(shape, device=inputs.device)
-        # A conversion copy, then one fused multiply-add in place: ~10x less CPU here than mixed-dtype
-        # ops (dynamic casting) or `.float()` into fresh memory (page faults on every batch), and 1.5x less
-        # than a separate `mul_` and `add_` (one pass over the floats instead of two). The output is
+        # A conversion copy, then one fused multiply-add in place: far less CPU than mixed-dtype ops
+        # (dynamic casting) or `.float()` into fresh memory (page faults on every batch), and less than a
+        # separate `mul_` and `add_` (one pass over the floats instead of two). The output is
         # contiguous NCHW even from NHWC input: transposing during the copy costs less than running the
         # float ops over channels-last memory (measured: 4.8 against 11 ms a batch of 64 at 224 px).
         out.copy_(inputs)
@@ -187,7 +186,7 @@ def _copy(view: torch.Tensor, scratch, purpose: str) -> torch.Tensor:
 
 def _nhwc(images: torch.Tensor, scratch, purpose: str) -> torch.Tensor:
     """Contiguous NHWC copy of NCHW `images`. Copied as a transpose of (C, H*W) matrices: torch's copy takes a
-    faster path for that than for the 4-d permutation (measured here, uint8 64x3x224x224: 23 against 49 ms)."""
+    faster path for that than for the 4-d permutation (about twice as fast on a uint8 batch of 64 at 224 px)."""
     n, c, h, w = images.shape
     if not images.is_contiguous():
         return _copy(images.permute(0, 2, 3, 1), scratch, purpose)
@@ -212,9 +211,9 @@ def _normalise_channels_last(inputs: torch.Tensor, pipeline: PipelineConfig, scr
     """NHWC uint8 -> NCHW float32 normalised, in channels-last memory (what convolutions prefer): a plain
     conversion copy, then the per-channel scale and shift (one fused multiply-add) over rows of 48 floats
     (16 pixels: the three channels' factors tiled 16 times), which vectorise where a channel dimension
-    of 3 does not. Equal to the NCHW path bit for bit (the same float op per element); 1.4 against 2.5
-    ms a batch of 64 at 224 px here. On the CPU, `_native.normalise` does both in one pass where it was
-    built (torch's conversion copy is a scalar loop): 1.1 against 2.35 ms, bit for bit the same.
+    of 3 does not. Equal to the NCHW path bit for bit (the same float op per element), and faster. On
+    the CPU, `_native.normalise` does both in one pass where it was built (torch's conversion copy is a
+    scalar loop), bit for bit the same.
     Needs H x W divisible by 16."""
     n, h, w, c = inputs.shape
     scale = (1.0 / (torch.tensor(pipeline.std, device=inputs.device) * 255.0)).repeat(16)

@@ -125,7 +125,7 @@ def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
     assert found["bottleneck"] == "prep-bound" and "normalising on the device adds 12.0 ms" in found["text"]
 
 
-# -- issue 17: ceilings that hold on a busy machine -----------------------------------------------------------
+# -- ceilings that hold on a busy machine -------------------------------------------------------------------
 
 
 def test_a_run_more_than_10pct_above_its_ceiling_is_marked_unreliable_with_no_fraction():
@@ -142,7 +142,7 @@ def test_a_run_more_than_10pct_above_its_ceiling_is_marked_unreliable_with_no_fr
 
 
 def test_the_verdict_never_states_a_fraction_above_110pct_nor_recommends_a_decoder_measured_slower():
-    # The busy machine's numbers of the issue: the fast decoder measured 48 img/s, PIL 400 img/s.
+    # Figures a busy machine gave: the fast decoder measured 48 img/s, PIL 400 img/s.
     ceilings = {**CEILINGS, "decode": {"cores": 2, "pil": CEILINGS["decode"]["pil"],
                                        "fast": {**CEILINGS["decode"]["fast"], "samples_per_s": 48.0}}}
     fast = attribute(metrics(0.6, 20.0, 0.2, 303.0), "torch tuned num_workers=2", ceilings, JOB)

@@ -239,7 +239,7 @@ def test_bad_input(case, tmp_path, own_cache, s3_env, monkeypatch):
         for secret in setup.must_not_contain:
             assert secret not in str(caught.value)
         assert setup.leftovers() == []
-    print(f"{case} | exit {result.exit_code} | {errors[0]}")  # the table of the closing note (-s)
+    print(f"{case} | exit {result.exit_code} | {errors[0]}")  # one row a case: the table of user errors (-s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ def _io(proc: psutil.Process) -> int:
 
 
 def _memory(proc: psutil.Process, with_pss: bool) -> tuple[int, int | None]:
-    """(RSS, PSS or None). PSS walks the page tables (smaps_rollup: ~3 ms for a process with torch
-    loaded, measured here), so it is read only when asked; RSS costs ~10 us."""
+    """(RSS, PSS or None). PSS walks the page tables (smaps_rollup: milliseconds for a process with
+    torch loaded, against microseconds for RSS), so it is read only when asked."""
     if with_pss:
         try:
             full = proc.memory_full_info()

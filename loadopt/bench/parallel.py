@@ -2,8 +2,8 @@
 
 A ceiling measured in the consumer process with torch's default intra-op threads is not what a
 loader does (its workers run one thread each), and on a busy machine it is far from it: the threads
-of one torch op wait for each other behind the other processes' time slices (measured: simplejpeg +
-torch's resize at 48 img/s in-process against 508 img/s with one thread, two busy loops running).
+of one torch op wait for each other behind the other processes' time slices (with two busy loops
+running, simplejpeg + torch's resize ran an order of magnitude slower in-process than on one thread).
 Worker processes, as many as the busiest loader setting runs, also get the share of the CPU that the
 loader's own processes get from the scheduler, so a ceiling and the runs held to it see the same
 machine.

@@ -69,7 +69,7 @@ def decode_for_crop(data: Encoded, decoder: str, plan: CropPlan, region: bool = 
     With `region` (the default) and libjpeg-turbo's region decoding built (`loadopt/_jpeg.c`), a JPEG
     for simplejpeg is decoded only over the crop's whole-pixel box: rows above it skipped, columns
     outside it never inverse-transformed, nothing below it read; the pixels equal the full decode's
-    crop (tests/test_transforms.py), at 0.6-0.7x the time here. Otherwise the whole image is decoded.
+    crop (tests/test_transforms.py), in less time. Otherwise the whole image is decoded.
     A JPEG the region decoder refuses (CMYK, corrupt) goes to the whole-image decoder, which reports it;
     damage below the crop goes unnoticed by the region decoder (it never reads there).
 

@@ -2,7 +2,7 @@
 views of decoded arrays, its float kernel on device tensors.
 
 PIL's (`resize(box=...)`) is what torchvision does on PIL images; torch's uint8 kernel on a view of the
-decoded array is what torchvision v2 does on tensors: about 3x cheaper here, no PIL<->numpy copies;
+decoded array is what torchvision v2 does on tensors: several times cheaper, no PIL<->numpy copies;
 pixels differ from PIL's by rounding, mean |diff| < 0.1 of a level.
 """
 
@@ -31,7 +31,7 @@ def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.
 def resize_aa(crop: torch.Tensor, size: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """torch's antialiased bilinear resize of an NCHW batch (uint8 on the CPU: its integer kernel), as
     `F.interpolate(..., mode="bilinear", antialias=True)` computes it (the binding it calls: `torch.ops`'
-    dispatch costs ~3x its Python overhead here), optionally written into `out`."""
+    dispatch costs several times its Python overhead), optionally written into `out`."""
     if out is None:
         # torch's stub lists only the (input, output_size, align_corners, scale_factors) overload of this binding
         return torch._C._nn._upsample_bilinear2d_aa(crop, size, False, None, None)  # type: ignore[call-arg]
@@ -48,8 +48,8 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     (it swaps each row's pixel pairs); elsewhere resized into a new tensor and mirrored into `out` by
     one reversed strided copy. The same pixels as resizing into a new tensor, flipping that (a copy)
     and copying it into `out`, which `fused` False does (bench/levers.py). The kernel reads the HWC
-    crop as channels-last, so an HWC `out` takes its output as computed: 85 against 150 us a sample
-    into CHW memory here (~240 px crops to 224, half of them flipped)."""
+    crop as channels-last, so an HWC `out` takes its output as computed, where CHW memory costs the
+    kernel a transposing write."""
     left, top, right, bottom = whole_pixels(box)  # torch's kernel takes whole-pixel crops
     crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
     size = list(out.shape[-2:])

@@ -178,8 +178,8 @@ def populate(sources: Sequence[np.ndarray]) -> None:
 
     A forked worker inherits the frames' mappings but not their page tables (Linux copies none for shared
     file mappings): each fills its own by page faults, 16 pages a fault, so a worker's first epochs paid
-    ~4 faults a sample (114 against 100 us a sample here, for ~10 epochs of this 1.7 GB set until every
-    page had been touched). MADV_POPULATE_READ over the whole of it took ~0.2 s a worker once. A page not
+    ~4 faults a sample, for as many epochs as it takes to touch every page of a large set.
+    MADV_POPULATE_READ over the whole of it pays that once per worker, at its start. A page not
     in the page cache is read in (as a prefill): the loader asks for this only where the frames fit in
     memory. Per crop it was no gain (one madvise a sample cost more than the faults it saved)."""
     try:

@@ -30,7 +30,7 @@ try:  # streaming stores and a 16-pixel mirror (loadopt/_native.c), built at ins
 except ImportError:  # pragma: no cover - built by `pip install`; the paths below stay for installs without it
     native = None  # type: ignore[assignment]  # None where the optional module is absent
 
-try:  # OpenCV's SIMD mirror: 12 us per 224 px crop here, against 74 us for the byte `take`
+try:  # OpenCV's SIMD mirror: several times faster than numpy's byte `take` for a crop's flip
     import cv2
 except ImportError:  # pragma: no cover - a dependency; the numpy path stays for installs without it
     cv2 = None  # type: ignore[assignment]  # None where the optional module is absent
@@ -60,9 +60,9 @@ def copy_crops(out: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray
     its rows `stride` bytes apart, mirrored left-right where `flips[k]`. Releases the GIL.
 
     Native (`loadopt/_native.c`, where it was built): every row written with streaming stores, mirrored 16
-    pixels at a time; a batch's crops reach 0.8-1.0 of the memory copy rate here (2 threads,
-    `bench/arrow_ceiling.py`), where ordinary stores first read every line of the batch from memory
-    (it is far larger than the cache): a third more memory traffic, 0.4-0.6 of the copy rate.
+    pixels at a time, so a batch's crops approach the memory copy rate (`bench/arrow_ceiling.py`), where
+    ordinary stores first read every line of the batch from memory (it is far larger than the cache): a
+    third more memory traffic.
     Otherwise one strided copy of the rows per crop, a flip by OpenCV's mirror (1.7x a plain copy),
     else a reversed `take` of the rows' bytes (pixel j's channels come from pixel size-1-j; 10x a copy)."""
     size = out.shape[1]
@@ -94,7 +94,7 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
     tops, lefts, flips = plan_crops(indices, stored - size, augment, seed, epoch)
     offsets = crop_offsets(starts, tops, lefts, stored)
     which32, flags = np.asarray(which, np.int32), flips.astype(np.uint8)
-    if native is not None:  # one call, its threads in C: no GIL hand-over per chunk (a fifth of the rate here)
+    if native is not None:  # one call, its threads in C: no GIL hand-over per chunk, which costs rate
         native.crop_batch(out, sources, which32, offsets, flags, stored * 3, size, 0, len(indices), threads)
         return
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
@@ -133,9 +133,9 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
     `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`imaging.resize`, the
     `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`.
     `fused`: each crop resized straight into its slot (`crop_resize_flip_into`); a flipped one resized into
-    an HWC scratch of the thread's and mirrored from there into its slot by OpenCV. Profiled (224 px, one
-    thread): torch's kernel writes an HWC target in 190 us, a new tensor in 290 us (it returns NCHW), which
-    then costs a transposing copy into the HWC slot (125 us): the flipped half of the samples took the
+    an HWC scratch of the thread's and mirrored from there into its slot by OpenCV. The scratch is HWC
+    because torch's kernel writes an HWC target faster than a new tensor (it returns NCHW), which then
+    costs a transposing copy into the HWC slot: otherwise the flipped half of the samples would take the
     unfused path's time. `planned`: the batch's `frame_boxes`, drawn beforehand (a producer draws the next
     batch's while this one is cropped)."""
     boxes, flips = planned if planned is not None else frame_boxes(indices, frames, augment, seed, epoch)

@@ -7,24 +7,24 @@ into the batch slot: one copy, as the `arrow` backend's. Profiled: a pread of th
 scratch buffer first (the kernel's copy) took as long as the crop copy itself, half the rate. A
 sample that is not cached is read with one pread of its rows into a scratch buffer that stays in
 the core's cache, then cropped from there, and counted as a miss. Once a batch was all cached, the next
-ones are cropped without mincore (a system call a sample: ~15% of the warm rate here) and a sample not
+ones are cropped without mincore (a system call a sample, a cost the warm rate shows) and a sample not
 cached is read in by its page fault, the threads' major faults counted as the misses; any miss turns the
 per-sample check back on for the next batch. Staging whole batches instead (the
-O_DIRECT path) sends every byte through memory twice more: 0.25 of the memory copy rate warm here.
+O_DIRECT path) sends every byte through memory twice more, far below the memory copy rate warm.
 (Linux's mincore tells the page cache's state only for files the process owns or may write, as the
 conversions in the user's own cache are; for others it says "cached", and misses are then page faults
 that read around the sample, as the `arrow` backend's, and are not counted.)
-The mappings are held until the loader is closed: mapping them again every epoch cost a third of the
-warm rate here (a page fault per 16 pages, and the unmapping). Mapped pages cannot be evicted, so a
+The mappings are held until the loader is closed: mapping them again every epoch costs a page fault per
+16 pages, and the unmapping. Mapped pages cannot be evicted, so a
 cold run evicts before the first epoch or after `close()` (as the bench does).
 
 When a batch misses the cache:
 - shards that fit in half the free memory are read in sequentially first (`prefill`): the disk's
   sequential rate, and the kernel fills the cache with large folios (each later read of a sample
-  2.2x cheaper here than from the 4 KiB pages that random reads or WILLNEED leave behind);
+  cheaper than from the 4 KiB pages that random reads or WILLNEED leave behind);
 - otherwise the samples of the next `read_ahead` batches are announced to the kernel
   (POSIX_FADV_WILLNEED: read asynchronously, many requests deep). Announcing every batch, hit or
-  miss, would cost a third of the warm rate here (the kernel walks every page of every sample).
+  miss, would cost the warm rate dearly (the kernel walks every page of every sample).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def all_cached(fds: list[int], places: list[tuple[int, int]], nbytes: int) -> bo
 def prefill(shards: list) -> None:
     """Read every shard front to back in large blocks, into the page cache (the data is dropped).
     Through descriptors of its own: the kernel keeps readahead state per open file, and the
-    samples' reads on the loader's descriptors would break the sequential stream (then half as many
-    large folios here)."""
+    samples' reads on the loader's descriptors would break the sequential stream (then fewer
+    large folios)."""
     read_sequential([str(shard) for shard in shards], PREFILL_BLOCK)
 
 
@@ -92,7 +92,7 @@ def produce(loader, reader, ring: list, batches: list[np.ndarray], epoch: int, f
     fd_array, mapped = np.asarray(reader.fds, np.int32), np.array([len(m) for m in maps], np.int64)
     depth, advised = loader.settings.read_ahead, 0
     # mincore each sample (`check`) until a batch is all cached, and again after any miss; in between the crops
-    # read the mappings unchecked and a miss shows as a major fault (a system call a sample cost ~15% here)
+    # read the mappings unchecked and a miss shows as a major fault (a system call a sample costs rate)
     check = True
     prefill_allowed = loader.settings.prefill and fits_in_memory(raw.shards)
     if prefill_allowed and batches:
@@ -118,7 +118,7 @@ def produce(loader, reader, ring: list, batches: list[np.ndarray], epoch: int, f
             raise DatasetError(f"{raw.shards[shards[k]]}: ends at byte {ends[shards[k]]}, the index needs "
                                f"{offsets[k] + span} (truncated shard)")
         # One call a batch: `threads` threads in C, the GIL released (Python worker threads handing the GIL
-        # back and forth at every chunk cost a fifth of the rate here).
+        # back and forth at every chunk cost rate).
         misses, failed, _ = crops.native.read_crops(ring[slot].numpy(), maps, fd_array, shards, offsets,
                                                     flips.astype(np.uint8), stored * 3, size, 0, len(indices), threads,
                                                     check)

@@ -70,8 +70,8 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         self._raw: RawIndex | None = None
         self._reader: ShardReader | None = None
         self._maps: list[mmap.mmap | bytes] | None = None
-        # mincore over a batch's frames cost the producer ~3 ms a batch here (a page cache lookup per page:
-        # the parent never maps them), a fifth of the crop workers' time for it. It checks until a batch was
+        # mincore over a batch's frames costs the producer a page cache lookup per page (the parent never
+        # maps them), a large share of the crop workers' time for it. It checks until a batch was
         # cropped without a major fault, then the workers' major faults say when pages were missing (kept
         # from epoch to epoch; checked again from the start when the shards are mapped again).
         self._check_frames = True
@@ -101,7 +101,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
     def mapped_shards(self) -> list[mmap.mmap | bytes]:
         """Read-only mappings of the shards (b"" for an empty one) for the per-sample crops through the
         page cache (`posix_cache`): mapped on first use, held until `close()` (mapping them again
-        every epoch cost a third of the warm rate here). Mapped pages cannot be evicted: evict the
+        every epoch costs a page fault per 16 pages, and the unmapping). Mapped pages cannot be evicted: evict the
         shards before the first epoch or after `close()`."""
         if self._maps is None:
             reader = self.reader
@@ -178,7 +178,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
     def _submit(self, staging, tasks, io: ThreadPoolExecutor) -> list[Future]:
         """One future per io thread, each reading its share of the tasks one after another: as many
         reads in flight as a future per task gives (the cold case), without a pool hand-off per
-        sample (2.3x the read time of one thread on a warm cache here, with 62 tasks a batch)."""
+        sample (which costs more than the read itself on a warm cache)."""
         read = self.reader.read
 
         def run(share: list[tuple[int, int, int, int]]) -> None:

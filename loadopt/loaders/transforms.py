@@ -62,9 +62,9 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 def sample_uniforms(seed: int, epoch: int, indices: np.ndarray, count: int) -> np.ndarray:
     """(B, count) uniforms in [0, 1) per sample from (seed, epoch, index): splitmix64's sequence from the
-    sample's hash, 53 bits each. A batch is drawn in a few vectorised passes (the per-sample seeded
-    generator this replaced cost ~15 us a sample, held the GIL for a whole batch's plan, and left the
-    crop threads of the whole-frame paths waiting for it)."""
+    sample's hash, 53 bits each. A batch is drawn in a few vectorised passes (a per-sample seeded
+    generator holds the GIL for a whole batch's plan, and left the crop threads of the whole-frame paths
+    waiting for it)."""
     with np.errstate(over="ignore"):
         steps = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(GOLDEN64)
         words = mix64(sample_hash(seed, epoch, indices)[:, None] + steps)

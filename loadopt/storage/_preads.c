@@ -1,7 +1,7 @@
 /* The probe's timed random reads without the interpreter: one reader thread's batch of preads, each
  * timed, with the GIL released for the whole batch (as one fio psync job issues them). In Python, each
- * read cost a GIL hand-over and ~5-10 us of interpreter time: on a busy 2-core machine the probe read
- * 0.6-0.8 of fio's IOPS at 16 readers. Optional: without it, probe_readers reads in Python. */
+ * read cost a GIL hand-over and interpreter time: on a busy 2-core machine the probe read well
+ * below fio's IOPS at 16 readers. Optional: without it, probe_readers reads in Python. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

@@ -162,8 +162,8 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
 
     def _read(self, path: str, start: int | None, end: int | None) -> bytes:
         """The real read, under the slot (a read that hangs, even in its open, holds its slot): on the
-        local disk with system calls (fsspec's local file object cost a third of a capped request's CPU
-        here), elsewhere the base's `cat_file`."""
+        local disk with system calls (fsspec's local file object added a large share of a capped request's
+        CPU), elsewhere the base's `cat_file`."""
         base = self.base_fs
         if type(base) is not LocalFileSystem:  # a subclass may read its own way
             return base.cat_file(path, start=start, end=end)

@@ -91,7 +91,7 @@ class RecordDataset:
                     raise DatasetError(f"{redact(name)}: record {row} is cut short ({len(data)} of {size} bytes)")
                 return np.frombuffer(data, dtype=np.uint8), size
             # Parsed from the open file, as DLIO's reader does (reading it into a buffer first and parsing
-            # that copy cost 4.5x per sample here: two fresh buffers of the file's size each time).
+            # that copy costs two fresh buffers of the file's size per sample).
             with self.fs.open(name, "rb") as handle, np.load(handle) as archive:
                 rows = archive["x"]
             whole = int(self.file_bytes[self.file_of[index]])  # the whole file is read for its `x`

@@ -29,8 +29,8 @@ _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # what a file system that does not 
 class AlignedBuffer:
     """`nbytes` of private anonymous memory at a page boundary, as O_DIRECT requires, touched once so that
     no read pays its page faults. In 4 KiB pages, as fio's buffers are: the same reads into a
-    transparent huge page (MADV_HUGEPAGE on a 2 MiB boundary) ran 3-4x faster here for 1 MiB O_DIRECT
-    reads (the virtio disk gets one segment per page), so a buffer in huge pages would measure the
+    transparent huge page (MADV_HUGEPAGE on a 2 MiB boundary) ran several times faster for 1 MiB O_DIRECT
+    reads on a virtio disk (it gets one segment per page), so a buffer in huge pages would measure the
     probe against a different reader than fio's."""
 
     def __init__(self, nbytes: int) -> None:

@@ -256,9 +256,9 @@ _thread_timers = threading.local()
 
 
 def _precise_sleep(seconds: float) -> None:
-    """`time.sleep` with this thread's timer slack at 1 µs (Linux wakes a sleeper up to 50 µs late by
-    default: about 80 µs late per sleep measured here, 27 µs at 1 µs slack). Emulated latencies are
-    sleeps, so the slack was a 10% error on a 1 ms tier."""
+    """`time.sleep` with this thread's timer slack at its minimum: Linux's default slack wakes a sleeper
+    late, and emulated latencies are sleeps, so the default slack added a visible error to a millisecond
+    tier."""
     if not getattr(_thread_timers, "tight", False):
         _thread_timers.tight = True
         if sys.platform.startswith("linux"):
