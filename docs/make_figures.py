@@ -65,12 +65,12 @@ def report_figures(bench_dir: Path, tiers_dir: Path | None) -> list[Path]:
     res = load(bench_dir)
     palette = plots.Palette([r.label for r in res.ranked])
     with matplotlib.rc_context(plots.STYLE):
-        made.append(save(plots._ranking(res, palette), "ranking.png"))
-        made.append(save(plots._breakdown(res, palette.width), "breakdown.png"))
-        made.append(save(plots._over_time(res, palette), "over_time.png"))
+        made.append(save(plots.ranking_figure(res, palette), "ranking.png"))
+        made.append(save(plots.breakdown_figure(res, palette.width), "breakdown.png"))
+        made.append(save(plots.over_time_figure(res, palette), "over_time.png"))
         if tiers_dir is not None:
             tiers = load(tiers_dir / "tiers.json", timings=False)
-            made.append(save(plots._tier_au(plots.WIDTH_IN, tiers.tiers()), "tiers_au.png"))
+            made.append(save(plots.tier_au_figure(plots.WIDTH_IN, tiers.tiers()), "tiers_au.png"))
     return made
 
 

@@ -113,10 +113,10 @@ OFF_SCALE = 3.0  # a ceiling above this multiple of the fastest rate is marked a
 def ranking(res: Results, palette: Palette) -> str:
     """Throughput per loader setting as bars (min-max spread as whiskers), the bounding ceiling as a
     black diamond with the fraction written on the bar."""
-    return _render(_ranking, res, palette)
+    return _render(ranking_figure, res, palette)
 
 
-def _ranking(res: Results, palette: Palette) -> Figure:
+def ranking_figure(res: Results, palette: Palette) -> Figure:
     runs = res.ranked
     key, unit = res.rate_unit()
     fig = Figure(figsize=(palette.width, 0.9 + _row_in(palette.width) * max(1, len(runs))))
@@ -199,10 +199,10 @@ def _comparison(files: list[Results], labels: list[str]) -> Figure:
 
 def breakdown(res: Results, palette: Palette) -> str:
     """Per loader setting, one stacked bar of a step's mean time: compute, waiting for data, the copy."""
-    return _render(_breakdown, res, palette.width)
+    return _render(breakdown_figure, res, palette.width)
 
 
-def _breakdown(res: Results, width: float) -> Figure:
+def breakdown_figure(res: Results, width: float) -> Figure:
     runs = [r for r in res.ranked if r.per_step_ms()]
     fig = Figure(figsize=(width, 1.2 + _row_in(width) * max(1, len(runs))))
     ax = fig.add_subplot()
@@ -267,7 +267,7 @@ def _latency(res: Results, palette: Palette) -> Figure:
 def over_time(res: Results, palette: Palette) -> str:
     """Per loader setting, one row: samples/s per batch and wait per batch along its median repeat,
     warm-up shaded."""
-    return _render(_over_time, res, palette)
+    return _render(over_time_figure, res, palette)
 
 
 def _timeline(t: Timings, repeat: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -281,7 +281,7 @@ def _timeline(t: Timings, repeat: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return start, wait * 1000.0, rate, measured
 
 
-def _over_time(res: Results, palette: Palette) -> Figure:
+def over_time_figure(res: Results, palette: Palette) -> Figure:
     rows = [(r, res.timings[r.label]) for r in res.ranked if r.label in res.timings]
     fig = Figure(figsize=(palette.width, 0.5 + 1.25 * max(1, len(rows))))
     axes = fig.subplots(max(1, len(rows)), 2, squeeze=False, sharex="row")
@@ -320,7 +320,7 @@ def tier_plots(res: Results, palette: Palette) -> list[tuple[str, str]]:
         out.append(("Accelerators supported per tier", _render(_tier_bars, width, tiers, "accelerators_supported",
                                                                f"accelerators kept at AU ≥ {at} (count)", "{:,.0f}")))
     if any(t.get("au_by_accelerators") for t in tiers):
-        out.append(("Accelerator utilisation against accelerator count", _render(_tier_au, width, tiers)))
+        out.append(("Accelerator utilisation against accelerator count", _render(tier_au_figure, width, tiers)))
     if any(isinstance(t.get("cost_per_supported_accelerator"), (int, float)) for t in tiers):
         out.append(("Cost per supported accelerator",
                     _render(_tier_bars, width, tiers, "cost_per_supported_accelerator",
@@ -345,7 +345,7 @@ def _tier_bars(width: float, tiers: list[dict[str, Any]], key: str, xlabel: str,
     return fig
 
 
-def _tier_au(width: float, tiers: list[dict[str, Any]]) -> Figure:
+def tier_au_figure(width: float, tiers: list[dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(width, 3.6))
     ax = fig.add_subplot()
     thresholds = set()
