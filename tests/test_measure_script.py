@@ -5,17 +5,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+import yaml
+from torch.utils.data import DataLoader, TensorDataset
 
 import loadopt
+from loadopt.loaders.base import HostBatch, Loader, NoSettings
+from loadopt.loaders.registry import backend_names
 from loadopt.measure import Measurement, measure
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_config_dict
 from tests.test_measure import run_loop, sleepy
 
 
@@ -132,3 +138,96 @@ def test_python_dash_m_loadopt_measure_on_the_example(tmp_path):
     assert "Traceback" not in done.stderr
     doc = json.loads((tmp_path / "measure.json").read_text())
     assert doc["runs"][0]["label"] == "DataLoader" and doc["steps"] == 10
+
+
+LOOP_LINE = re.compile(r"the loop: (\d+) steps, (\d+) samples in ([\d.]+) s")
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_loadopt_measure_measures_the_loop_over_make_loader_on_every_backend(tmp_path, capsys, backend):
+    """The example's loop over `make_loader`, run by `loadopt measure`: one measurement, of the loadopt loader
+    (its batches, as the loop counts them), never a DataLoader that the backend runs inside itself."""
+    from loadopt.loaders.registry import backend_class
+    from loadopt.measure import run_script
+
+    available, reason = backend_class(backend).available()
+    if not available:
+        pytest.skip(f"backend {backend} is not available here: {reason}")
+    config = tmp_path / "train.yaml"  # 48 samples in batches of 8; torch's tuned ring filled by a worker process
+    config.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "out", loaders={
+        "torch": {"variant": "tuned", "num_workers": 1}})))
+    code = run_script(str(REPO / "examples" / "train_classifier.py"),
+                      [str(config), "--backend", backend, "--epochs", "2"], str(tmp_path / "measured"))
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    found = LOOP_LINE.search(stdout)
+    assert found, stdout
+    steps, samples, loop_s = int(found[1]), int(found[2]), float(found[3])
+    assert (steps, samples) == (12, 96)  # two epochs of 6 batches
+    doc = json.loads((tmp_path / "measured" / "measure.json").read_text())
+    assert [run["label"].split(" (")[0] for run in doc["runs"]] == [backend]  # no inner DataLoader beside it
+    metrics = doc["runs"][0]["repeats"][0]
+    assert (metrics["batches"], metrics["samples"]) == (steps, samples)  # both epochs, one measurement
+    # The measured windows lie inside the loop's own clock; outside them are only the pass boundaries (the
+    # measurement's process-tree samples: a loop this short, on a busy machine, feels them). Measuring the
+    # backend's inner DataLoader was 29x off.
+    loop_rate = samples / loop_s
+    assert loop_rate * 0.98 <= metrics["samples_per_s"] <= loop_rate * 3, (metrics, loop_s)
+    assert metrics["mb_per_s"] > 0 and metrics["cpu_seconds_per_1k_samples"] > 0
+
+
+class ThreadedDataLoaderBackend(Loader[NoSettings]):
+    """An outside backend (no module of loadopt.loaders) that runs a torch DataLoader on a thread of its own,
+    made either when the loader is built or as each pass starts."""
+
+    name = "threaded-dataloader"
+    made_in = "init"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.made_in == "init":
+            self.inner = self._dataloader()
+
+    def _dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.arange(len(self.dataset))), batch_size=self.pipeline.batch_size)
+
+    def produce(self, batches):
+        inner = self.inner if self.made_in == "init" else self._dataloader()
+        ready: queue.Queue = queue.Queue()
+
+        def fill() -> None:  # a closure: this thread's stack shows no loader
+            for (indices,) in inner:
+                ready.put(indices)
+
+        thread = threading.Thread(target=fill, daemon=True)
+        thread.start()
+        for indices in batches:
+            ready.get()  # the inner DataLoader's batch paces this one
+            yield HostBatch(torch.zeros((len(indices), 3, 4, 4)), torch.from_numpy(self.dataset.labels[indices]),
+                            indices)
+        thread.join()
+
+
+@pytest.mark.parametrize("made_in", ["init", "produce"])
+def test_a_dataloader_a_backend_makes_is_not_measured_even_on_its_own_thread(made_in, monkeypatch):
+    from loadopt.config import PipelineConfig
+    from loadopt.measure.script import MeasureSession
+    from tests.backends import memory_dataset
+
+    monkeypatch.setattr(ThreadedDataLoaderBackend, "made_in", made_in)
+    session = MeasureSession()
+    session.patch()
+    try:
+        loader = ThreadedDataLoaderBackend(memory_dataset(40), PipelineConfig(batch_size=8, shuffle=False,
+                                                                              memory_format="contiguous"))
+        own = DataLoader(TensorDataset(torch.zeros(12, 2)), batch_size=4)  # the script's: measured as ever
+        for _ in range(2):
+            assert sum(len(labels) for _, labels in loader) == 40
+            assert sum(len(x) for (x,) in own) == 12
+    finally:
+        session.unpatch()
+    measured = {m.label: m.metrics() for m in session.measurements}
+    assert sorted(measured) == ["DataLoader", "threaded-dataloader"]
+    assert (measured["threaded-dataloader"]["batches"], measured["threaded-dataloader"]["samples"]) == (10, 80)
+    assert (measured["DataLoader"]["batches"], measured["DataLoader"]["samples"]) == (6, 24)
+    assert measured["threaded-dataloader"]["mb_per_s"] > 0  # the loader's stored bytes (1,000 a sample)

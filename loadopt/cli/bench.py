@@ -1,5 +1,6 @@
 """The measuring commands: `loadopt bench` (every configured loader setting through the harness, ranked)
-and `loadopt measure` (an unmodified training script's DataLoader iterations, measured in place)."""
+and `loadopt measure` (an unmodified training script's DataLoader and loadopt loader iterations, measured in
+place)."""
 
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def measure(
     every: int = typer.Option(None, "--every", help="Log a progress line every N steps."),
     rank_wait: float = typer.Option(30.0, "--rank-wait", help="Seconds rank 0 waits for the other ranks' files."),
 ) -> None:
-    """Measure every torch DataLoader iteration of an unmodified training script; keeps its exit status."""
+    """Measure every torch DataLoader and loadopt loader iteration of an unmodified training script; keeps its
+    exit status."""
     from loadopt.measure.script import run_script, verdicts_on_stderr
 
     with user_errors(), verdicts_on_stderr():

@@ -1,7 +1,9 @@
 """`loadopt measure [--out DIR] [--every N] train.py ARGS`: measure an unmodified script.
 
-Every `torch.utils.data.DataLoader` iteration of the script is measured (its `__iter__` is patched
-for the run); at exit, also when the script raises or calls `sys.exit`, the verdict of each loader
+Every iteration of a `torch.utils.data.DataLoader` or of a loadopt loader (`make_loader`: the `Loader`
+base class) is measured, their `__iter__` patched for the run; a DataLoader or loader that a loadopt
+backend iterates inside itself is not (the loop's batches are the backend's, not those of its parts).
+At exit, also when the script raises or calls `sys.exit`, the verdict of each loader
 is logged and the results are written to DIR (`measure.json`; under torchrun one file per rank and
 rank 0's aggregate). The script's exit status is kept. Under torchrun:
 `torchrun --nproc-per-node 4 -m loadopt measure train.py ARGS`. `python -m loadopt.measure ARGS`
@@ -10,6 +12,8 @@ is the same command (`main`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import runpy
@@ -19,6 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from loadopt.errors import LoadoptError
@@ -31,48 +36,72 @@ class ScriptError(LoadoptError):
 
 
 class MeasureSession:
-    """One Measurement per DataLoader the script iterates, kept after the loader itself is gone."""
+    """One Measurement per DataLoader or loadopt loader the script iterates, kept after the loader is gone."""
 
     def __init__(self, every: int | None = None) -> None:
         self.every = every
         self.measurements: list[Any] = []
         self._by_loader: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        self._original: Callable[..., Iterator[Any]] | None = None
+        self._made_by_backends: weakref.WeakSet[Any] = weakref.WeakSet()  # DataLoaders a backend created
+        self._originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (class, method, its own)
 
-    def measurement_for(self, loader: Any) -> Any:
+    def measurement_for(self, loader: Any, name: str | None = None, device: Any = None) -> Any:
         from loadopt.measure.measuring import Measurement
 
         found = self._by_loader.get(loader)
         if found is None:
-            name = type(loader).__name__
+            name = name or type(loader).__name__
             same = sum(1 for m in self.measurements if m.label.split(" #")[0] == name)
             # The verdict is logged once, at exit, not at the end of every epoch of every loader.
-            found = Measurement(None, every=self.every, label=name if not same else f"{name} #{same + 1}",
-                                summary=False)
+            found = Measurement(None, device=device, every=self.every,
+                                label=name if not same else f"{name} #{same + 1}", summary=False)
             self._by_loader[loader] = found
             self.measurements.append(found)
         return found
 
     def patch(self) -> None:
-        """Measure every DataLoader iteration from now on (until `unpatch`)."""
+        """Measure every DataLoader and loadopt loader iteration from now on (until `unpatch`), but for the
+        DataLoaders and loaders that a loadopt backend creates or iterates inside itself."""
         from torch.utils.data import DataLoader
 
-        original = self._original = DataLoader.__iter__
+        from loadopt.loaders.base import Loader
+
+        dataloader_init, dataloader_iter, loader_iter = DataLoader.__init__, DataLoader.__iter__, Loader.__iter__
         session = self
 
-        def __iter__(loader: Any) -> Iterator[Any]:
-            return session.measurement_for(loader).iterate(lambda: original(loader))
+        def made_dataloader(loader: Any, *args: Any, **kwargs: Any) -> None:
+            dataloader_init(loader, *args, **kwargs)
+            # Marked where it is made: a backend may iterate it on a thread whose stack shows no backend.
+            if _inside_a_backend(loader):
+                session._made_by_backends.add(loader)
 
-        __iter__.__wrapped__ = original  # type: ignore[attr-defined]
-        # a method patched on the class, yielding what the original did: not the declared iterator type
-        DataLoader.__iter__ = __iter__  # type: ignore[method-assign, assignment]
+        def measured_dataloader(loader: Any) -> Iterator[Any]:
+            if loader in session._made_by_backends or _inside_a_backend(loader):
+                return dataloader_iter(loader)  # a part of a backend: the loop iterates the backend
+            return session.measurement_for(loader).iterate(lambda: dataloader_iter(loader))
+
+        def measured_loader(loader: Any) -> Iterator[Any]:
+            if _inside_a_backend(loader):
+                return loader_iter(loader)
+            setting = loader.describe()
+            # where its batches land: a loadopt loader says so (a DataLoader's is found as the job runs)
+            measurement = session.measurement_for(loader, f"{loader.name} ({setting})" if setting else loader.name,
+                                                  loader.device)
+            return _loader_pass(measurement, loader, lambda: loader_iter(loader))
+
+        patches: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = [
+            (DataLoader, "__init__", dataloader_init, made_dataloader),
+            (DataLoader, "__iter__", dataloader_iter, measured_dataloader),
+            (Loader, "__iter__", loader_iter, measured_loader)]
+        for cls, method, original, patched in patches:
+            functools.update_wrapper(patched, original)
+            setattr(cls, method, patched)  # on the class, doing what the original did around it
+            self._originals.append((cls, method, original))
 
     def unpatch(self) -> None:
-        from torch.utils.data import DataLoader
-
-        if self._original is not None:
-            DataLoader.__iter__ = self._original  # type: ignore[method-assign, assignment]  # restored as above
-            self._original = None
+        for cls, method, original in reversed(self._originals):
+            setattr(cls, method, original)
+        self._originals = []
 
     def finish(self, out: str | os.PathLike[str] | None, wait_s: float = 30.0) -> Path | None:
         """Close what is still open, log each loader's verdict, write the results (per rank)."""
@@ -85,7 +114,7 @@ class MeasureSession:
             if metrics is not None:
                 log.info("%s", m.summary())
         if not any(metrics for _, metrics in measured):
-            log.warning("measure: the script iterated no torch DataLoader; nothing was measured")
+            log.warning("measure: the script iterated no torch DataLoader and no loadopt loader; nothing was measured")
         if out is None:
             return None
         device = next((str(m.device) for m in self.measurements if m.device is not None), "cpu")
@@ -93,6 +122,37 @@ class MeasureSession:
         path = write_ranked(out, results_document(measured, device), rank, world_size, wait_s, 1)
         log.info("measure: results in %s", path)
         return path
+
+
+def _inside_a_backend(subject: Any) -> bool:
+    """Whether `subject` (a DataLoader or loader being made or iterated) is so by a loadopt backend: code of
+    loadopt.loaders, or a method of another loader (an outside backend's `__init__`, `produce`, or a bound
+    thread target), rather than by the script."""
+    from loadopt.loaders.base import Loader
+
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None  # the patched `__iter__`, then its caller
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("loadopt.loaders."):
+            return True
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":  # a method: read only its first argument
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Loader) and owner is not subject:
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _loader_pass(measurement: Any, loader: Any, make_iterator: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """One measured pass over a loadopt loader; its stored bytes per delivered sample (its own counters)
+    give the measurement's MB/s."""
+    try:
+        yield from measurement.iterate(make_iterator)
+    finally:
+        counters = loader.counters
+        if counters.samples:
+            measurement.sample_bytes = counters.bytes_delivered / counters.samples
 
 
 def _script_exit_code(exc: SystemExit) -> int:
@@ -106,7 +166,8 @@ def _script_exit_code(exc: SystemExit) -> int:
 
 def run_script(script: str, args: list[str], out: str | None, every: int | None = None,
                wait_s: float = 30.0) -> int:
-    """Run `script` as `__main__` with `args`, every DataLoader measured; returns its exit status."""
+    """Run `script` as `__main__` with `args`, every DataLoader and loadopt loader measured; returns its
+    exit status."""
     path = Path(script)
     if not path.is_file():
         raise ScriptError(f"{script}: no such script" if not path.exists() else f"{script}: not a file")
