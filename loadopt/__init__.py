@@ -13,6 +13,8 @@ torch and the loaders load only when a command needs them.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from loadopt.errors import LoadoptError
@@ -39,6 +41,18 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value  # later lookups skip this function
     return value
 
+
+class _Package(types.ModuleType):
+    """`loadopt.measure` is the function, also once the `loadopt.measure` package is imported (the import
+    system then sets the package as this module's attribute: the function it exports is kept instead)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "measure" and isinstance(value, types.ModuleType) and hasattr(value, "measure"):
+            value = value.measure
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["Config", "LoadoptError", "load_config", "make_loader", "measure", "measure_steps", "run_bench",
            "__version__"]
