@@ -36,9 +36,10 @@ class Setting:
 
 
 def results_document(config: Config, plan: list[Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
-                     quick: bool, interrupted: bool, cache_note: str) -> dict[str, Any]:
+                     quick: bool, interrupted: bool, cache_note: str, not_run: str = "") -> dict[str, Any]:
     """results.json of a bench: every planned setting's run (its metrics over the repeats, or why it has
-    none), fastest first in `ranking`, and the summary line."""
+    none: `not_run` for a setting the bench stopped before, interrupted or at an error), fastest first in
+    `ranking`, and the summary line."""
     machine = machine_info()
     runs = []
     for setting in plan:
@@ -52,7 +53,7 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
             run["repeats"] = [r.metrics for r in setting.repeats]
             run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
         elif setting.status == "ok":
-            run["status"], run["reason"] = "not run", "the bench was interrupted first"
+            run["status"], run["reason"] = "not run", not_run or "the bench stopped before this setting ran"
         if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
             run["tier_counters"] = sum_counters(setting.tier_counters)
         runs.append(run)
