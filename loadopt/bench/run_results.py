@@ -15,7 +15,8 @@ from loadopt.bench.metrics import aggregate, median
 from loadopt.bench.results import SCHEMA_VERSION, machine_fingerprint, machine_info
 from loadopt.config import Config, WorkloadConfig
 from loadopt.errors import LoadoptError
-from loadopt.loaders.registry import backend_class
+from loadopt.loaders.base import Loader
+from loadopt.loaders.registry import configured_loader
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bytes_source
@@ -43,11 +44,14 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
     machine = machine_info()
     runs = []
     for setting in plan:
+        built = built_loader(setting, config, dataset)
         run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
                                "settings": setting.settings.model_dump() if setting.settings else None,
                                "status": setting.status, "reason": setting.reason,
-                               "bytes_source": bytes_source(dataset),
-                               "recipe": recipe_of(setting, config, dataset)}
+                               "bytes_source": built.bytes_source() if built else bytes_source(dataset),
+                               "recipe": built.recipe() if built else None}
+        if built is not None:
+            built.close()
         if setting.repeats and setting.status == "ok":
             run["metrics"] = aggregate([r.metrics for r in setting.repeats])
             run["repeats"] = [r.metrics for r in setting.repeats]
@@ -86,12 +90,13 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
     }
 
 
-def recipe_of(setting: Setting, config: Config, dataset) -> dict[str, Any] | None:
-    """The recipe a setting delivers (`loadopt.recipe`), from a loader built but never prepared."""
+def built_loader(setting: Setting, config: Config, dataset) -> Loader | None:
+    """A setting's loader built but never prepared, for what it says of itself (the recipe it delivers,
+    `loadopt.recipe`; where its bytes come from); None for a setting that has none."""
     if setting.settings is None:
         return None
     try:
-        return backend_class(setting.backend)(dataset, config.pipeline, setting.settings, seed=config.seed).recipe()
+        return configured_loader(setting.backend, config, dataset, setting.settings)
     except LoadoptError:
         return None
 

@@ -88,6 +88,7 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
             label = f"{name} {probe.describe()}"
             try:
                 probe.prepare(functools.partial(reporter.conversion_progress, label), convert)
+                label = f"{name} {probe.describe()}"  # a refused upload keeps the conversion local: not via tier
             except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
                 plan.append(Setting(name, settings, label, "error", str(exc).splitlines()[0]))
                 continue
