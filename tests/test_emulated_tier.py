@@ -278,8 +278,11 @@ def test_the_default_profiles_ship_inside_the_package():
 def _bench(tmp_path: Path, tier: dict, loaders: dict, name: str) -> dict:
     raw = tiny_config_dict(tmp_path / name, storage={"tier": tier}, loaders=loaders,
                            workload={"step_time_ms": 0, "warmup_batches": 1, "measure_batches": 5, "repeats": 2})
-    run_bench(config_from_dict(raw, f"{name}.yaml"), attribute=False)
-    return json.loads((tmp_path / name / "results.json").read_text())
+    outcome = run_bench(config_from_dict(raw, f"{name}.yaml"), attribute=False)
+    if outcome.json_path is None:  # nothing measured: the reasons are returned, nothing is written
+        assert not (tmp_path / name).exists()
+        return outcome.results
+    return json.loads(outcome.json_path.read_text())
 
 
 def test_bench_with_five_percent_errors_completes_and_reports_retries(tmp_path):

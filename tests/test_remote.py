@@ -159,3 +159,49 @@ def test_unreachable_url_is_one_line_without_credentials(image_root):
         scan_image_folder(url)
     message = str(caught.value)
     assert "hunter2" not in message and "\n" not in message and "127.0.0.1" in message
+
+
+def test_a_converting_backend_on_a_read_only_http_dataset_converts_into_the_local_cache(http_url, own_cache, tmp_path):
+    """Nothing is written to a static file server: the conversions stay in the local cache, read from the
+    local disk, and their rows say so, beside the row that reads the images over HTTP."""
+    from typer.testing import CliRunner
+
+    from loadopt.cli import app
+
+    from .faults import said, write_config
+
+    config = write_config(tmp_path, dataset={"path": http_url}, pipeline={"batch_size": 4, "image_size": 24},
+                          workload={"warmup_batches": 1, "measure_batches": 3, "repeats": 1},
+                          loaders={"torch": {"num_workers": 0}, "arrow": {"form": "decoded"},
+                                   "posix": {"form": "encoded", "shard_mib": 0.25}})
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    runs = {r["backend"]: r for r in json.loads((tmp_path / "results" / "results.json").read_text())["runs"]}
+    assert all(run["status"] == "ok" for run in runs.values()), runs
+    assert runs["torch"]["bytes_source"] == "tier local (as it is) over http://"
+    for backend in ("arrow", "posix"):
+        assert runs[backend]["bytes_source"] == ("local disk (direct reads of the conversion in the local cache: "
+                                                 "http:// storage beside the source cannot be written)")
+        assert "via tier" not in runs[backend]["label"]
+        assert runs[backend]["metrics"]["tier_bytes"]["median"] == 0  # not one byte of it over HTTP
+    assert runs["torch"]["metrics"]["tier_bytes"]["median"] > 0
+    assert list((own_cache / "arrow").glob("*.arrow")) and list((own_cache / "raw").glob("*/index.npz"))
+    assert "bytes from local disk (direct reads of the conversion in the local cache" in said(result)
+
+
+def test_a_storage_converted_on_a_read_only_http_server_is_one_line(http_url, own_cache, tmp_path):
+    from typer.testing import CliRunner
+
+    from loadopt.cli import app
+
+    from .faults import said, write_config
+
+    config = write_config(tmp_path, dataset={"path": http_url}, storage={"converted": f"{http_url}/conversions"},
+                          loaders={"arrow": {"form": "encoded"}})
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"error: {http_url}/conversions/arrow/"), result.output
+    assert "cannot write the converted dataset there" in said(result) and "storage.converted" in lines[-1]
+    assert not (tmp_path / "results").exists()

@@ -200,3 +200,35 @@ def test_the_bench_table_names_each_rows_bytes_source_and_puts_reasons_under_it(
     assert "tier fast" in table and "unavailable" in table and "ModuleNotFoundError" not in table
     assert not_run_lines(results) == [f"dali: unavailable: {reason}"]
     assert bytes_source_lines(results)[0].startswith("bytes from tier fast (emulated) over local disk")
+
+
+@pytest.mark.parametrize("backend", ["arrow", "posix"])
+def test_storage_that_refuses_the_upload_keeps_the_conversion_in_the_local_cache(tmp_path, own_cache, monkeypatch,
+                                                                              backend):
+    """A bucket that refuses writes (a read-only one): the default home beside the source gives way to the
+    local cache, read from the local disk directly, and the setting says so; the same refusal of an explicit
+    `storage.converted` is the one-line error naming it."""
+    root = _memory_dataset_root(tmp_path)
+
+    def refused(self, lpath, rpath, **kwargs):
+        raise PermissionError(13, "Access Denied", rpath)
+
+    monkeypatch.setattr(fsspec.implementations.memory.MemoryFileSystem, "put_file", refused)
+    settings = {"form": "encoded"} if backend == "arrow" else {"shard_mib": 0.25}
+    config = _config(tmp_path, {"name": "remote", "base": f"memory://{root}"}, pipeline={"batch_size": 4,
+                                                                                        "image_size": 24})
+    dataset = open_dataset(config)
+    loader = prepared_loader(config, dataset, backend, settings)
+    assert dataset.converted is None and not fsspec.filesystem("memory").find(f"{root}/train/.loadopt")
+    assert loader.bytes_source().startswith("local disk (direct reads of the conversion in the local cache")
+    assert "via tier" not in loader.describe()
+    files = loader.storage_files()
+    assert files and all(f.startswith(str(own_cache)) for f in files)  # evictable: on the local disk
+    before = tier_counters(dataset.fs)["bytes"]
+    assert len(epoch_inputs(loader)) == 4 and tier_counters(dataset.fs)["bytes"] == before
+    explicit = _config(tmp_path, {"name": "remote", "base": f"memory://{root}"},
+                       pipeline={"batch_size": 4, "image_size": 24}, storage={"converted": f"memory://{root}-elsewhere"})
+    with pytest.raises(DatasetError, match=r"cannot write the converted dataset there \(PermissionError.*"
+                                           r"set storage.converted") as info:
+        prepared_loader(explicit, open_dataset(explicit), backend, settings)
+    assert "\n" not in str(info.value)

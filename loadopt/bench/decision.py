@@ -170,6 +170,19 @@ def record(decision: dict[str, Any], folder: Path | None) -> None:
         log.warning("could not record the decision in %s: %s", path, exc)
 
 
+def record_beside(decision: dict[str, Any] | None, folder: Path) -> None:
+    """The decision of the results just written into `folder`, recorded (`record`); where the bench decided
+    nothing (interrupted, stopped at an error, no setting of the config's recipe), the decision.json an
+    earlier bench left there is removed: it would contradict the results beside it."""
+    if decision:
+        record(decision, folder)
+        return
+    try:
+        (folder / FILE_NAME).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove the earlier bench's %s: %s", folder / FILE_NAME, exc)
+
+
 def find(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple[dict[str, Any] | None, str, str]:
     """(decision, match, why) for this dataset, pipeline and machine. `match` is `exact`, `other settings`
     (this machine, other pipeline settings: used, with a warning), `other machine` (not used) or `none`."""

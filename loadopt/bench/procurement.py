@@ -194,7 +194,8 @@ def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: i
     tier_config = config.model_copy(update={
         "loaders": backend_sweep(config), "workload": workload,
         "storage": config.storage.model_copy(update={"tier": spec.model_dump(mode="json"), "cache": "cold"})})
-    results = run_bench(tier_config, out=out, attribute=False).results
+    outcome = run_bench(tier_config, out=out, attribute=False)
+    results = outcome.results
     runs = []
     for run in results["runs"]:
         row = {"label": run["label"], "backend": run["backend"], "status": run["status"], "reason": run["reason"],
@@ -206,7 +207,8 @@ def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: i
                                                          "bytes_read", "tier_bytes", "wall_s")})
         runs.append(row)
     decision = results.get("decision") or {}
-    return {"runs": runs, "ranking": results["ranking"], "results": str(Path(out) / "results.json"),
+    return {"runs": runs, "ranking": results["ranking"],
+            "results": str(outcome.json_path) if outcome.json_path else None,  # None: nothing measured
             "decision": {k: decision[k] for k in DECISION_KEYS if k in decision} or None}
 
 

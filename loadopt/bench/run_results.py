@@ -14,7 +14,8 @@ from loadopt.bench.harness import RepeatResult
 from loadopt.bench.metrics import aggregate, median
 from loadopt.config_models import Config, WorkloadConfig
 from loadopt.errors import LoadoptError
-from loadopt.loaders.registry import backend_class
+from loadopt.loaders.base import Loader
+from loadopt.loaders.registry import configured_loader
 from loadopt.machine import machine_fingerprint, machine_info
 from loadopt.schema import SCHEMA_VERSION
 from loadopt.storage.imagefolder import ImageDataset
@@ -37,23 +38,27 @@ class Setting:
 
 
 def results_document(config: Config, plan: list[Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
-                     quick: bool, interrupted: bool, cache_note: str) -> dict[str, Any]:
+                     quick: bool, interrupted: bool, cache_note: str, not_run: str = "") -> dict[str, Any]:
     """results.json of a bench: every planned setting's run (its metrics over the repeats, or why it has
-    none), fastest first in `ranking`, and the summary line."""
+    none: `not_run` for a setting the bench stopped before, interrupted or at an error), fastest first in
+    `ranking`, and the summary line."""
     machine = machine_info()
     runs = []
     for setting in plan:
+        built = built_loader(setting, config, dataset)
         run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
                                "settings": setting.settings.model_dump() if setting.settings else None,
                                "status": setting.status, "reason": setting.reason,
-                               "bytes_source": bytes_source(dataset),
-                               "recipe": recipe_of(setting, config, dataset)}
+                               "bytes_source": built.bytes_source() if built else bytes_source(dataset),
+                               "recipe": built.recipe() if built else None}
+        if built is not None:
+            built.close()
         if setting.repeats and setting.status == "ok":
             run["metrics"] = aggregate([r.metrics for r in setting.repeats])
             run["repeats"] = [r.metrics for r in setting.repeats]
             run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
         elif setting.status == "ok":
-            run["status"], run["reason"] = "not run", "the bench was interrupted first"
+            run["status"], run["reason"] = "not run", not_run or "the bench stopped before this setting ran"
         if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
             run["tier_counters"] = sum_counters(setting.tier_counters)
         runs.append(run)
@@ -86,12 +91,13 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
     }
 
 
-def recipe_of(setting: Setting, config: Config, dataset) -> dict[str, Any] | None:
-    """The recipe a setting delivers (`loadopt.recipe`), from a loader built but never prepared."""
+def built_loader(setting: Setting, config: Config, dataset) -> Loader | None:
+    """A setting's loader built but never prepared, for what it says of itself (the recipe it delivers,
+    `loadopt.recipe`; where its bytes come from); None for a setting that has none."""
     if setting.settings is None:
         return None
     try:
-        return backend_class(setting.backend)(dataset, config.pipeline, setting.settings, seed=config.seed).recipe()
+        return configured_loader(setting.backend, config, dataset, setting.settings)
     except LoadoptError:
         return None
 

@@ -30,7 +30,7 @@ from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer
 from loadopt.errors import LoadoptError, StorageError, Terminated
 from loadopt.files import discard_output, prepare_output
-from loadopt.loaders.registry import backend_class, backend_for
+from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 from loadopt.storage.pagecache import evict
@@ -42,9 +42,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class BenchOutcome:
     results: dict[str, Any]
-    json_path: Path | None  # None on a rank other than 0 under torchrun: rank 0 writes
+    # None where nothing was written: on a rank other than 0 under torchrun (rank 0 writes), or when no
+    # setting was measured (every one unavailable or failing: the output folder is left as it was)
+    json_path: Path | None
     parquet_path: Path | None
     interrupted: bool
+    rank: int = 0
+    # The user error that stopped the bench after some runs (only with `run_bench(return_errors=True)`;
+    # otherwise raised): the runs measured before it are written, the settings after it say so.
+    error: LoadoptError | None = None
 
 
 def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
@@ -67,10 +73,11 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
             plan.append(Setting(name, None, name, "unavailable", reason))
             continue
         for settings in backend_settings(config, name):
-            probe = cls(dataset, config.pipeline, settings, device=device, seed=config.seed)
+            probe = configured_loader(name, config, dataset, settings, device=device)
             label = f"{name} {probe.describe()}"
             try:
                 probe.prepare(functools.partial(reporter.conversion_progress, label), convert)
+                label = f"{name} {probe.describe()}"  # a refused upload keeps the conversion local: not via tier
             except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
                 plan.append(Setting(name, settings, label, "error", str(exc).splitlines()[0]))
                 continue
@@ -82,7 +89,7 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
 
 def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
               reporter: Reporter | None = None, convert: bool = True, attribute: bool = True, tune: bool = False,
-              budget_s: float = 600.0, attribute_stages: bool = False) -> BenchOutcome:
+              budget_s: float = 600.0, attribute_stages: bool = False, return_errors: bool = False) -> BenchOutcome:
     """Measure every configured loader setting; write results.json and timings.parquet into `out`.
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
@@ -90,13 +97,22 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution.py).
     `tune` first searches each backend's knobs within `budget_s` seconds (bench/tuner.py) and then
     measures each backend's best setting; `attribute_stages` (implied by `tune`) runs the stages of each
-    backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/stages.py)."""
+    backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/stages.py).
+
+    The folder `out` is only written once a setting was measured: a bench that measured nothing (every
+    setting unavailable or failing, a user error or an interrupt before the first run finished) leaves it
+    as it was. One that measured part writes what it measured, each setting not run with the reason; a
+    user error then is raised after the writing, or returned in `BenchOutcome.error` with
+    `return_errors` (the CLI, which prints the runs and writes the report before the error)."""
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
     timeout_s = 1800.0 + (budget_s if tune else 0.0)
     with distributed.ranks_here(config.workload.device, timeout_s) as ranks:
-        return _bench(config, ranks, loaders or list(config.loaders), out, quick,
-                      (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
-                      attribute_stages)
+        outcome = _bench(config, ranks, loaders or list(config.loaders), out, quick,
+                         (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
+                         attribute_stages)
+    if outcome.error is not None and not return_errors:
+        raise outcome.error
+    return outcome
 
 
 def _bench(config: Config, ranks: distributed.Ranks, names: list[str], out: str | None, quick: bool,
@@ -106,12 +122,15 @@ def _bench(config: Config, ranks: distributed.Ranks, names: list[str], out: str 
     existed = requested.exists()
     folder = ranks.alone(lambda: prepare_output(requested))
     try:
-        return _measure(config, ranks, names, folder, quick, reporter, convert, attribute, tune, budget_s,
-                        attribute_stages)
+        outcome = _measure(config, ranks, names, folder, quick, reporter, convert, attribute, tune, budget_s,
+                           attribute_stages)
     except BaseException:
         if ranks.lead:
             discard_output(folder, existed)
         raise
+    if ranks.lead and outcome.json_path is None:  # nothing measured, nothing written
+        discard_output(folder, existed)
+    return outcome
 
 
 def _measure(config: Config, ranks: distributed.Ranks, names: list[str], folder: Path, quick: bool,
@@ -155,21 +174,31 @@ def _measure(config: Config, ranks: distributed.Ranks, names: list[str], folder:
         stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     except LoadoptError as exc:
         user_error = exc
+    load = machine_load.stop() if machine_load is not None else None
     if not ranks.lead or machine_load is None:  # a rank other than 0: rank 0 writes and prints
         if user_error is not None:
             raise user_error
-        return BenchOutcome({"rank": ranks.rank}, None, None, interrupted)
-    results = results_document(config, plan, dataset, device, workload, quick, interrupted, cache_note)
+        return BenchOutcome({"rank": ranks.rank}, None, None, interrupted, ranks.rank)
+    stop = (str(user_error).splitlines() or [type(user_error).__name__])[0] if user_error is not None else None
+    not_run = (f"the bench was interrupted ({stopped_by}) before this setting finished a run" if interrupted else
+               f"the bench stopped at an error before this setting ran: {stop}" if stop else "")
+    results = results_document(config, plan, dataset, device, workload, quick, interrupted, cache_note, not_run)
     ranks.annotate(results)
     if interrupted:
         results["interrupted_by"] = stopped_by
-    results["machine"]["load"] = machine_load.stop()
+    results["machine"]["load"] = load
     if tunings is not None:
         results["tuning"] = tuner.tuning_summary(tunings, budget_s)
         tried = {t.backend: (len(t.trials), t.space_size, t.reason) for t in tunings}
         for run in results["runs"]:
             count, size, note = tried[run["backend"]]
             run["tuned"] = {"tried": count, "space_size": size, "note": note}
+    if not results["ranking"]:  # nothing measured: nothing in the folder is replaced
+        if user_error is not None:
+            raise user_error
+        if interrupted:
+            raise Terminated() if stopped_by == "SIGTERM" else KeyboardInterrupt()
+        return BenchOutcome(results, None, None, False)  # every setting unavailable or failing: the reasons
     if ceilings is not None:
         try:
             _attribute(results, ranks.job_ceilings(ceilings))
@@ -184,11 +213,9 @@ def _measure(config: Config, ranks: distributed.Ranks, names: list[str], folder:
         tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
         results["decision"] = decision.make_decision(results, tier)
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
-    if user_error is not None:
-        raise user_error
-    if results.get("decision"):
-        decision.record(results["decision"], folder)
-    return BenchOutcome(results, json_path, parquet_path, interrupted)
+    # A bench that decided nothing (stopped, interrupted) leaves no decision of an earlier bench beside its results.
+    decision.record_beside(results.get("decision"), folder)
+    return BenchOutcome(results, json_path, parquet_path, interrupted, error=user_error)
 
 
 def _evict(files: list[str]) -> str:
@@ -202,9 +229,8 @@ def _evict(files: list[str]) -> str:
 def setting_loader(config: Config, setting: Setting, dataset, device, rank: int = 0, world_size: int = 1):
     """The loader of one planned setting (for one rank under torchrun), opened: it was converted when
     planned, and opening it is not timed."""
-    loader = backend_class(setting.backend)(dataset, config.pipeline, setting.settings, device=device,
-                                            seed=config.seed, rank=rank, world_size=world_size,
-                                            on_error=config.dataset.on_error)
+    loader = configured_loader(setting.backend, config, dataset, setting.settings, device=device, rank=rank,
+                               world_size=world_size)
     try:
         loader.prepare(convert_missing=False)
     except BaseException:
@@ -252,7 +278,9 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDatase
     if deltas:  # reads, retries and faults of the storage tier, over every rank
         setting.tier_counters.append(sum_counters(deltas))
     for other in reports:
-        if other["fatal"] is not None:
+        if other["fatal"] is not None:  # this setting's error, and the bench stops
+            setting.status, setting.reason = "error", other["fatal"]["text"] if ranks.world_size == 1 else \
+                f"rank {other['rank']}: {other['fatal']['text']}"
             if other["rank"] == ranks.rank and error is not None:
                 raise error
             distributed.raise_told(other["fatal"], other["rank"])

@@ -25,7 +25,7 @@ from loadopt.bench import attribution
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.harness import run_repeat
 from loadopt.device import DeviceTransfer
-from loadopt.loaders.registry import backend_class
+from loadopt.loaders.registry import backend_class, configured_loader
 from loadopt.storage.pagecache import evict
 
 STORAGE_BUDGET_BYTES = 128 << 20
@@ -71,9 +71,7 @@ def warm_files(files: list[str]) -> str:
 
 
 def _loader_run(config, dataset, device, backend: str, settings, cold: bool, accelerator) -> dict[str, Any]:
-    cls = backend_class(backend)
-    loader = cls(dataset, config.pipeline, cls.Settings(**settings), device=device, seed=config.seed,
-                 on_error=config.dataset.on_error)
+    loader = configured_loader(backend, config, dataset, backend_class(backend).Settings(**settings), device=device)
     try:
         loader.prepare(convert_missing=False)
         files = loader.storage_files()

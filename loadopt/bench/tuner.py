@@ -38,7 +38,7 @@ from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader
-from loadopt.loaders.registry import backend_class, backend_for
+from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
@@ -304,8 +304,7 @@ class Tuner:
         return trial
 
     def _build(self, cls: type[Loader], settings: BaseModel, prepare: bool = False) -> Loader:
-        loader = cls(self.dataset, self.config.pipeline, settings, device=self.device, seed=self.config.seed,
-                     on_error=self.config.dataset.on_error)
+        loader = configured_loader(cls.name, self.config, self.dataset, settings, device=self.device)
         try:
             loader.prepare(convert_missing=self.convert if prepare else False)
         except BaseException:

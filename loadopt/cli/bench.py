@@ -49,12 +49,13 @@ def bench(
             try:
                 outcome = run_bench(cfg, loaders=names, out=out, quick=quick,
                                     reporter=RichReporter(progress, terminated), convert=not no_convert, tune=tune,
-                                    budget_s=budget_s, attribute_stages=attribute_stages)
-            except Terminated:  # before any run started (generating, converting): nothing half-written is kept
-                err_console.print("interrupted (SIGTERM) before any run finished: no results were written",
+                                    budget_s=budget_s, attribute_stages=attribute_stages, return_errors=True)
+            except KeyboardInterrupt as exc:  # before any run finished: the output folder is as it was
+                signal_name = "SIGTERM" if isinstance(exc, Terminated) or terminated else "SIGINT"
+                err_console.print(f"interrupted ({signal_name}) before any run finished: no results were written",
                                   highlight=False, markup=False)
-                raise typer.Exit(Terminated.exit_code) from None
-    if outcome.json_path is None:  # a rank other than 0 under torchrun: rank 0 writes and prints
+                raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130) from None
+    if outcome.rank != 0:  # a rank other than 0 under torchrun: rank 0 writes and prints
         return
     results = outcome.results
     console.print(results_table(results))
@@ -83,8 +84,9 @@ def bench(
         for backend in tuning["backends"]:
             if backend.get("reason"):
                 console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
-    console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
-    auto_report(outcome.json_path)
+    if outcome.json_path is not None:
+        console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
+        auto_report(outcome.json_path)
     skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
     if skipped:
         listed = "; ".join(f"{path}: {why}" for path, why in list(skipped.items())[:5])
@@ -96,10 +98,14 @@ def bench(
         err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",
                           highlight=False)
         raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130)
+    if outcome.error is not None:  # a user error stopped the bench: the runs before it are written
+        with user_errors():
+            raise outcome.error
     if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
         reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
-        err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'})",
-                          highlight=False, markup=False)
+        err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'}); "
+                          f"nothing was written to {out or cfg.report.out}", highlight=False, markup=False,
+                          soft_wrap=True)
         raise typer.Exit(1)
     console.print(f"[bold]{results['summary']}[/]", highlight=False)
 

@@ -75,10 +75,13 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
     def cpu_demand(cls, settings: ArrowSettings) -> int:
         return settings.threads  # the pool sharing each batch; the producer thread only hands out work
 
+    def reads_conversion(self) -> bool:
+        return True
+
     def describe(self) -> str:
         s = self.settings
         text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
-        return f"{text} threads={s.threads} prefetch={s.prefetch}" + tier_reads.via_tier(self.dataset)
+        return f"{text} threads={s.threads} prefetch={s.prefetch}" + tier_reads.via_tier(self.dataset, conversion=True)
 
     # -- the file ------------------------------------------------------------------------------
 
@@ -94,9 +97,9 @@ class ArrowLoader(record_ring.RecordsInRing, RingLoader[ArrowSettings]):
         conversion = open_arrow(path, self.dataset, self.stored_form, self.size)
         self.unreadable, self._conversion = conversion.skipped, conversion  # samples the conversion skipped
         batches: list[pa.RecordBatch] = conversion
-        tier = tier_reads.tier_fs(self.dataset)
+        remote = tier_reads.publish(self.dataset, path)
+        tier = tier_reads.conversion_tier(self.dataset)
         if tier is not None:  # every byte through the tier: no memory map of the file
-            remote = tier_reads.publish(self.dataset, path)
             self._shadow = tier_reads.ShadowFile(tier, remote or str(path), path, self.settings.io_threads)
             batches = self._shadow.record_batches()
         self._views = [self._view(b) for b in batches]

@@ -236,6 +236,18 @@ class Loader(ABC, Generic[SettingsT]):
         """The local files this loader reads (evicted from the page cache for cold runs); after `prepare`."""
         return self.dataset.local_files()
 
+    def reads_conversion(self) -> bool:
+        """Whether this setting reads the dataset's conversion (an Arrow file, raw shards, another library's
+        format) rather than its source files: those may be on the local disk while the source is not."""
+        return False
+
+    def bytes_source(self) -> str:
+        """Where this setting's bytes come from (results.json `runs[i].bytes_source`, the `bytes from`
+        column); known before `prepare` but for a conversion whose upload `prepare` finds refused."""
+        from loadopt.storage.tier_reads import bytes_source
+
+        return bytes_source(self.dataset, conversion=self.reads_conversion())
+
     def recipe(self) -> dict[str, Any]:
         """The training input this setting delivers (`loadopt.recipe`): by default the crop plan on the
         source images, decoded every epoch; backends reading a decoded form say what they store."""

@@ -117,6 +117,9 @@ class DaliLoader(Loader[DaliSettings]):
         # auto decodes on the GPU on a CUDA device: the run's label says `mixed` there (attribution reads it)
         return WorkKind.DEVICE_DECODE if settings.decoder == "mixed" else WorkKind.JPEG_DECODE
 
+    def reads_conversion(self) -> bool:
+        return self.settings.source == "arrow"
+
     def describe(self) -> str:
         s = self.settings
         text = f"{self.decoder} num_threads={s.num_threads} prefetch={s.prefetch_queue_depth}"
@@ -156,9 +159,9 @@ class DaliLoader(Loader[DaliSettings]):
         self._views = views
         from loadopt.storage import tier_reads
 
-        tier = tier_reads.tier_fs(self.dataset)
+        remote = tier_reads.publish(self.dataset, path)
+        tier = tier_reads.conversion_tier(self.dataset)
         if tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
-            remote = tier_reads.publish(self.dataset, path)
             offsets, lengths = tier_reads.arrow_layout(path)
             self._tier_ranges = (tier, remote or str(path), offsets, lengths)
 

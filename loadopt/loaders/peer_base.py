@@ -240,10 +240,13 @@ class PeerLoader(Loader[PeerSettingsT]):
     def work_kind(cls, settings, recipe=None) -> str:
         return WorkKind.JPEG_DECODE  # the libraries store the source JPEGs and decode them every epoch
 
+    def reads_conversion(self) -> bool:
+        return True
+
     def describe(self) -> str:
         s = self.settings
         return f"num_workers={s.num_workers} prefetch={s.prefetch_factor} order={self.name}" + \
-            tier_reads.via_tier(self.dataset)
+            tier_reads.via_tier(self.dataset, conversion=True)
 
     def recipe(self) -> dict[str, Any]:
         # the library's order, not the sampler's: `auto` passes it over unless pipeline.order is `any`
@@ -252,7 +255,7 @@ class PeerLoader(Loader[PeerSettingsT]):
     def _local_only(self) -> None:
         if self.reads_through_tier:
             return
-        if tier_reads.tier_fs(self.dataset) is not None or tier_reads.remote_home(self.dataset) is not None:
+        if tier_reads.conversion_tier(self.dataset) is not None or tier_reads.remote_home(self.dataset) is not None:
             raise ConfigError(f"loaders.{self.name}: {self.dist} reads its conversion from the local disk itself; "
                               "it cannot read through storage.tier (use storage.tier: local)")
 

@@ -87,7 +87,7 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
         path, meta = self.conversion()
         remote = tier_reads.publish(self.dataset, path, marker="loadopt-peer.json")
         base = remote if remote is not None else str(path)
-        return [f"{base}/{name}" for name in meta["shards"]]
+        return [f"{base}/{name}" for name in meta["shards"]]  # read through `conversion_tier` (after the upload)
 
     def pipeline_for(self, epoch: int):
         """WebDataset's pipeline for one epoch, as a WebDataset user writes it."""
@@ -98,7 +98,7 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
         return wds.DataPipeline(
             wds.SimpleShardList(self.shard_urls(), seed=seed),
             wds.split_by_worker,
-            _Opener(tier_reads.tier_fs(self.dataset)),
+            _Opener(tier_reads.conversion_tier(self.dataset)),
             tar_file_expander,
             group_by_keys,
             wds.shuffle(self.settings.shuffle_buffer, initial=min(100, self.settings.shuffle_buffer), seed=seed),

@@ -120,11 +120,14 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         # The finishing threads; io threads spend their time blocked in preadv (a count of reads in flight).
         return settings.threads
 
+    def reads_conversion(self) -> bool:
+        return True
+
     def describe(self) -> str:
         s = self.settings
         text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
         return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
-            tier_reads.via_tier(self.dataset)
+            tier_reads.via_tier(self.dataset, conversion=True)
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
@@ -141,11 +144,11 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         self.close_maps()
         if self._reader is not None:
             self._reader.close()
-        tier = tier_reads.tier_fs(self.dataset)
+        remote = tier_reads.publish(self.dataset, path, marker="index.npz")
+        tier = tier_reads.conversion_tier(self.dataset)
         if tier is None:
             self._reader = self.reader_class(raw.shards, self.settings.o_direct)
         else:  # every read through the tier (its limits, faults, counters); o_direct does not apply there
-            remote = tier_reads.publish(self.dataset, path, marker="index.npz")
             names = [f"{remote}/{shard.name}" if remote else str(shard) for shard in raw.shards]
             self._reader = tier_reads.TierReader(tier, names)
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from loadopt.config import Config
 from loadopt.errors import ConfigError
 from loadopt.loaders.base import HostBatch, Loader, NoSettings
 
@@ -100,6 +101,14 @@ def backend_class(name: str) -> type[Loader[Any]]:
     cls.name = name
     _registered[name] = cls
     return cls
+
+
+def configured_loader(name: str, config: Config, dataset: Any, settings: Any, **placement: Any) -> Loader[Any]:
+    """Backend `name` over `dataset` as `config` runs it (its pipeline, seed and `dataset.on_error`), not yet
+    prepared: every path that converts or reads for a config builds its loaders here, so none can miss the
+    dataset's policy. `placement`: device, rank, world_size, epoch."""
+    return backend_class(name)(dataset, config.pipeline, settings, seed=config.seed,
+                               on_error=config.dataset.on_error, **placement)
 
 
 def backend_for(name: str, where: str) -> type[Loader[Any]]:

@@ -186,7 +186,7 @@ class RingLoader(Loader[RingSettingsT]):
         `worker_forms`), writing into a ring in shared memory: not on CUDA (the ring is pinned there),
         nor where fork is unavailable, nor on a tier (read through it batch by batch, not mapped)."""
         return self.settings.crop_in == "processes" and self.stored_form in self.worker_forms and \
-            self.device.type != "cuda" and fork_available() and tier_reads.tier_fs(self.dataset) is None
+            self.device.type != "cuda" and fork_available() and tier_reads.conversion_tier(self.dataset) is None
 
     @property
     def croppers(self) -> CropProcesses | None:

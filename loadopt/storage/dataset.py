@@ -20,15 +20,11 @@ class Dataset(Protocol):
     classes: list[str]
     labels: np.ndarray  # int64, one per sample (zeros where samples have no class)
     sizes: np.ndarray  # int64, each sample's stored bytes
+    converted: str | None  # where its conversions live when not in the local cache (storage/tier_reads.py)
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem | None:
         """The filesystem the samples are read through (None: a local memory map, no filesystem)."""
-        ...
-
-    @property
-    def converted(self) -> str | None:
-        """Where its conversions live when not in the local cache (storage/tier_reads.py)."""
         ...
 
     def __len__(self) -> int: ...

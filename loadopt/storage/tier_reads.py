@@ -13,12 +13,16 @@ it reads those files through its limits. A dataset on other storage (a tier's `b
 `<dataset root>/.loadopt/`. A conversion for a remote location is made in the local cache, then
 uploaded (the file that marks it finished goes last: a half-uploaded one is never used); the local
 copy stays as the reference that validates it (and the Arrow file's layout is read from it), every
-read of the data goes to the remote copy through the tier. Read-only storage is a one-line error that
-names `storage.converted`.
+read of the data goes to the remote copy through the tier. Where the source's storage cannot be written
+(`http(s)://`, never written to; a bucket that refuses the upload) and `storage.converted` is not set,
+the conversions stay in the local cache and are read from the local disk directly, as on plain local
+disk: their runs' `bytes_source` says so. A `storage.converted` that cannot be written is a one-line
+error naming it.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +35,12 @@ from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote import is_local_fs, redact
 
+log = logging.getLogger(__name__)
+
 CONVERTED_FOLDER = ".loadopt"  # beside the source, when the dataset is not on the local disk
+# Storage a conversion is never written to beside the source: fsspec writes HTTP as POST requests, which
+# a static file server refuses and any other server may take for something else.
+READ_ONLY_SCHEMES = ("http", "https")
 LAYOUT_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8")])
 
 
@@ -43,15 +52,38 @@ def tier_fs(dataset: Dataset) -> fsspec.AbstractFileSystem | None:
     return dataset.fs if isinstance(dataset.fs, EmulatedFileSystem) else None
 
 
-def via_tier(dataset: Dataset) -> str:
-    """What a loader's label adds when its reads go through a tier instead of the local fast paths."""
-    return " via tier" if tier_fs(dataset) is not None else ""
+def conversion_tier(dataset: Dataset) -> fsspec.AbstractFileSystem | None:
+    """The tier every read of `dataset`'s conversions must pass through: its own (`tier_fs`), except where
+    they are kept in the local cache because the source's storage cannot be written (`converted_locally`):
+    read from the local disk directly then, as on plain local disk. None: direct reads."""
+    return None if converted_locally(dataset) else tier_fs(dataset)
 
 
-def bytes_source(dataset: Dataset) -> str:
-    """Where a run's bytes came from, for results and tables: the local disk read directly, or the
-    tier (emulated limits or not) over the storage under it."""
+def converted_locally(dataset: Dataset) -> str | None:
+    """Why `dataset`'s conversions are in the local cache though it is read from other storage (that
+    storage cannot be written); None where they live where its reads go (the cache of a local dataset,
+    or the remote home)."""
     tier = tier_fs(dataset)
+    if tier is None or dataset.converted is not None or is_local_fs(tier.base_fs):
+        return None
+    scheme = str(dataset.root).split("://", 1)[0] + "://"
+    return f"{redact(scheme)} storage beside the source cannot be written"
+
+
+def via_tier(dataset: Dataset, conversion: bool = False) -> str:
+    """What a loader's label adds when its reads (`conversion`: of the dataset's conversions) go through a
+    tier instead of the local fast paths."""
+    return " via tier" if (conversion_tier(dataset) if conversion else tier_fs(dataset)) is not None else ""
+
+
+def bytes_source(dataset: Dataset, conversion: bool = False) -> str:
+    """Where a run's bytes came from, for results and tables: the local disk read directly, or the
+    tier (emulated limits or not) over the storage under it. `conversion`: of a backend reading the
+    dataset's conversions, which may be on the local disk while the source is not."""
+    tier = tier_fs(dataset)
+    why = converted_locally(dataset) if conversion else None
+    if why is not None:
+        return f"local disk (direct reads of the conversion in the local cache: {why})"
     if tier is None:
         return "local disk (direct reads)"
     spec = tier.spec
@@ -72,8 +104,13 @@ def conversion_home(converted: str | None, tier_base: str | None, fs: fsspec.Abs
     from loadopt.storage.emulated import EmulatedFileSystem
 
     base_fs = fs.base_fs if isinstance(fs, EmulatedFileSystem) else fs
-    if tier_base is None and is_local_fs(base_fs):
-        return None
+    if tier_base is None and is_local_fs(base_fs) or root.split("://", 1)[0] in READ_ONLY_SCHEMES:
+        return None  # the local cache
+    return beside_source(root)
+
+
+def beside_source(root: str) -> str:
+    """The conversions' default home on a dataset's own storage: `<root>/.loadopt`."""
     return root.rstrip("/") + "/" + CONVERTED_FOLDER
 
 
@@ -113,7 +150,9 @@ def remote_path(dataset: Dataset, local: Path) -> str | None:
 
 def publish(dataset: Dataset, local: Path, marker: str | None = None) -> str | None:
     """The remote copy of the finished local conversion `local` (a file, or a folder whose `marker` file
-    marks it finished), uploaded unless already there; None when the conversions' home is local."""
+    marks it finished), uploaded unless already there; None when the conversions' home is local. Where the
+    default home beside the source cannot be written, the conversions of `dataset` stay in the local cache
+    from then on (`converted_locally`; None); a `storage.converted` that cannot be written is an error."""
     target, home = remote_path(dataset, local), remote_home(dataset)
     if target is None or home is None:
         return None
@@ -128,11 +167,18 @@ def publish(dataset: Dataset, local: Path, marker: str | None = None) -> str | N
                 base.put_file(str(path), f"{target}/{path.name}")
         else:
             base.put_file(str(local), target)
-    except (OSError, NotImplementedError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - each filesystem fails a refused write its own way (aiohttp, botocore)
         reason = redact(str(exc)).splitlines()[0] if str(exc) else "read-only"
-        raise DatasetError(f"{redact(base.unstrip_protocol(target))}: cannot write the converted dataset there "
-                           f"({type(exc).__name__}: {reason}); set storage.converted to a writable location on "
-                           "the dataset's storage") from None
+        where = redact(base.unstrip_protocol(target))
+        if dataset.converted == beside_source(str(dataset.root)):  # the default home: the local cache will do
+            log.warning("%s: cannot write the converted dataset beside the source (%s: %s); the conversions stay "
+                        "in the local cache and are read from the local disk (set storage.converted to a writable "
+                        "location on the dataset's storage to read them from there)", where, type(exc).__name__,
+                        reason)
+            dataset.converted = None
+            return None
+        raise DatasetError(f"{where}: cannot write the converted dataset there ({type(exc).__name__}: {reason}); "
+                           "set storage.converted to a writable location on the dataset's storage") from None
     return target
 
 

@@ -39,7 +39,7 @@ class TokenDataset:
     classes: list[str] = field(default_factory=list)
     # No filesystem to read through (nor a storage tier): the corpus is a local memory map.
     fs: None = None
-    converted: None = None  # conversions of a corpus always live in the local cache
+    converted: str | None = None  # a corpus is local: its conversions live in the local cache
     kind: ClassVar[str] = "tokens"  # what `recipe` and the backends' `supports` tell datasets apart by
 
     def __post_init__(self) -> None:
