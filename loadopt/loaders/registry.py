@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from loadopt.config import Config
+from loadopt.config_models import Config
 from loadopt.errors import ConfigError
 from loadopt.loaders.base import HostBatch, Loader, NoSettings
 
