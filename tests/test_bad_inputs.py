@@ -52,17 +52,58 @@ def s3_without_credentials(tmp_path, cache):
                  backend="torch", leftovers=temps(cache))
 
 
-def s3_secret_in_the_url(tmp_path, cache):
-    config = write_config(tmp_path, dataset={"path": "s3://AKIAEXAMPLE:wJalr/XUtnFEMI@bucket/images"})
-    return Setup(["bench", str(config)], "s3://***@bucket/images: the host 127.0.0.1:", config=config, backend="torch",
-                 must_not_contain=["wJalr", "XUtnFEMI", "AKIAEXAMPLE"])
+def s3_without_credentials_probed(tmp_path, cache):
+    out = tmp_path / "probe"
+    return Setup(["probe", "s3://loadopt-missing/images", "--out", str(out)], "s3://loadopt-missing/images: no "
+                 "credentials for s3://", leftovers=lambda: [p for p in [out] if p.exists()])
 
 
-def refused_connection(tmp_path, cache):
-    port = free_port()  # nothing listens there
-    config = write_config(tmp_path, dataset={"path": f"http://user:hunter2@127.0.0.1:{port}/images"})
-    return Setup(["bench", str(config)], f"http://***@127.0.0.1:{port}/images: the host 127.0.0.1:{port} refused "
-                 "the connection", config=config, backend="torch", must_not_contain=["hunter2", "not found"])
+# Every command that takes a location, with its arguments: the dataset's (dataset.path) or probe's own.
+URL_COMMANDS = {
+    "bench": lambda config, url, out: ["bench", str(config)],
+    "convert": lambda config, url, out: ["convert", str(config), "--to", "arrow"],
+    "make-dataset": lambda config, url, out: ["make-dataset", str(config)],
+    "explain": lambda config, url, out: ["explain", str(config)],
+    "tiers": lambda config, url, out: ["tiers", str(config), "--tiers", "nvme", "--quick", "--out", str(out)],
+    "probe": lambda config, url, out: ["probe", url, "--out", str(out)],
+    "probe --tier": lambda config, url, out: ["probe", url, "--tier", "nvme", "--out", str(out)],
+}
+
+
+def s3_secret_in_the_url(command: str):
+    """Credentials in an s3:// URL, whose endpoint refuses (s3_env): the secret is never shown, the
+    refusal is said as one."""
+
+    def make(tmp_path, cache):
+        url = "s3://AKIAEXAMPLE:wJalr/XUtnFEMI@bucket/images"
+        config = write_config(tmp_path, dataset={"path": url})
+        out = tmp_path / "out"
+        return Setup(URL_COMMANDS[command](config, url, out), "s3://***@bucket/images: the host 127.0.0.1:",
+                     config=config, backend="torch" if command == "bench" else None,
+                     must_not_contain=["wJalr", "XUtnFEMI", "AKIAEXAMPLE", "Traceback"],
+                     leftovers=lambda: temps(cache)() + [p for p in [out / "probe.json", out / "tiers.json"]
+                                                        if p.exists()] + [p for p in [out] if command.startswith(
+                                                            "probe") and p.exists()])
+
+    return make
+
+
+def refused_connection(command: str):
+    """A password in an http:// URL whose host refuses: "refused", not "not found", and no password."""
+
+    def make(tmp_path, cache):
+        port = free_port()  # nothing listens there
+        url = f"http://user:hunter2@127.0.0.1:{port}/images"
+        config = write_config(tmp_path, dataset={"path": url})
+        out = tmp_path / "out"
+        return Setup(URL_COMMANDS[command](config, url, out), f"http://***@127.0.0.1:{port}/images: the host "
+                     f"127.0.0.1:{port} refused the connection", config=config,
+                     backend="torch" if command == "bench" else None, must_not_contain=["hunter2", "not found"],
+                     leftovers=lambda: temps(cache)() + [p for p in [out / "probe.json", out / "tiers.json"]
+                                                        if p.exists()] + [p for p in [out] if command.startswith(
+                                                            "probe") and p.exists()])
+
+    return make
 
 
 def no_space_converting(tmp_path, cache, monkeypatch):
@@ -173,8 +214,9 @@ CASES = {  # name: (setup, exit code)
     "corrupt JPEG, decoded Arrow conversion": (corrupt_jpeg_decoded_arrow, 1),
     "corrupt JPEG, decoded raw conversion": (corrupt_jpeg_decoded_raw, 1),
     "s3:// without credentials": (s3_without_credentials, 1),
-    "s3://KEY:SECRET@ in the URL": (s3_secret_in_the_url, 1),
-    "refused connection": (refused_connection, 1),
+    "s3:// without credentials, probe": (s3_without_credentials_probed, 1),
+    **{f"s3://KEY:SECRET@ in the URL, {command}": (s3_secret_in_the_url(command), 1) for command in URL_COMMANDS},
+    **{f"refused connection, {command}": (refused_connection(command), 1) for command in URL_COMMANDS},
     "ENOSPC while converting": (no_space_converting, 1),
     "damaged Arrow file": (damaged_arrow_file, 1),
     "damaged raw shard": (damaged_raw_shard, 1),

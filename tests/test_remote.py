@@ -159,3 +159,24 @@ def test_unreachable_url_is_one_line_without_credentials(image_root):
         scan_image_folder(url)
     message = str(caught.value)
     assert "hunter2" not in message and "\n" not in message and "127.0.0.1" in message
+
+
+def test_probe_reads_urls_with_credentials_and_keeps_them_out_of_its_results(http_url, s3_url, tmp_path):
+    """`loadopt probe` opens a location as every command does: s3:// credentials in the URL become the
+    driver's options (not a bucket name), and neither they nor an http password reach probe.json."""
+    from typer.testing import CliRunner
+
+    from loadopt.cli import app
+
+    bucket_path = s3_url.removeprefix("s3://")
+    for number, url in enumerate([http_url.replace("http://", "http://user:hunter2@") + "/",
+                                  f"s3://testing:testing-secret@{bucket_path}"]):
+        out = tmp_path / f"probe{number}"
+        result = CliRunner().invoke(app, ["probe", url, "--blocks", "4k", "--concurrency", "2", "--duration", "0.2",
+                                          "--seq", "64k", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        text = (out / "probe.json").read_text()
+        assert "hunter2" not in text and "testing-secret" not in text and "hunter2" not in result.output
+        probed = json.loads(text)
+        assert probed["files"] == 15 and probed["url"] == redact(url) and "***@" in probed["url"]
+        assert all(p["requests"] > 0 for p in probed["patterns"] if "skipped" not in p)
