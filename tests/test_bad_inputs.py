@@ -203,6 +203,22 @@ def damaged_record_file(tmp_path, cache):
                  backend="torch")
 
 
+def backend_of_the_previous_contract(tmp_path, cache, monkeypatch):
+    """An outside backend (an installed entry point) still defining `_produce`, not `produce`."""
+    from loadopt.loaders import registry
+
+    from .test_registry import OLD_CONTRACT_MODULE, _dist
+
+    packages = tmp_path / "site"
+    packages.mkdir()
+    _dist(packages, "old_backend", "old = old_backend:OldLoader", OLD_CONTRACT_MODULE)
+    monkeypatch.syspath_prepend(str(packages))
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # forgotten after the test
+    config = write_config(tmp_path, loaders={"old": {}})
+    return Setup(["bench", str(config)], "old: old_backend.OldLoader does not implement `produce`, which every "
+                 "backend must", config=config, backend="old")
+
+
 def dlio_workload_not_yaml(tmp_path, cache):
     path = tmp_path / "unet3d.yaml"
     path.write_text("dataset: {record_length: 10\n")
@@ -226,6 +242,7 @@ CASES = {  # name: (setup, exit code)
     "corrupt results file, explain": (corrupt_results_explained, 1),
     "damaged npz record file": (damaged_record_file, 1),
     "DLIO workload file not valid YAML, import-dlio": (dlio_workload_not_yaml, 2),
+    "outside backend of the previous contract (_produce), bench": (backend_of_the_previous_contract, 1),
 }
 
 

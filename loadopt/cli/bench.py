@@ -98,7 +98,7 @@ def bench(
     if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
         reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
         err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'})",
-                          highlight=False, markup=False)
+                          highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(1)
     console.print(f"[bold]{results['summary']}[/]", highlight=False)
 
