@@ -46,6 +46,20 @@ def corrupt_jpeg_decoded_raw(tmp_path, cache):
                  config=config, backend="posix", leftovers=temps(cache), must_not_contain=["BytesIO"])
 
 
+def newline_in_a_file_name(command: str):
+    """A damaged JPEG named `bad<newline>name.jpg`: the name is quoted (repr), the error stays one line."""
+
+    def make(tmp_path, cache):
+        root, _ = images(tmp_path, corrupt=0)
+        bad = root / "train" / "c0" / "bad\nname.jpg"
+        bad.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 4)
+        config = write_config(tmp_path, dataset={"path": str(root)}, loaders={"torch": {"num_workers": 0}})
+        args = {"convert": ["convert", str(config), "--to", "arrow", "--decoded"], "bench": ["bench", str(config)]}
+        return Setup(args[command], f"{str(bad)!r}: damaged JPEG", config=config, leftovers=temps(cache))
+
+    return make
+
+
 def s3_without_credentials(tmp_path, cache):
     config = write_config(tmp_path, dataset={"path": "s3://loadopt-missing/images"})
     return Setup(["bench", str(config)], "s3://loadopt-missing/images: no credentials for s3://", config=config,
@@ -229,6 +243,8 @@ CASES = {  # name: (setup, exit code)
     "empty config file": (empty_config, 2),
     "corrupt JPEG, decoded Arrow conversion": (corrupt_jpeg_decoded_arrow, 1),
     "corrupt JPEG, decoded raw conversion": (corrupt_jpeg_decoded_raw, 1),
+    "a newline in a damaged file's name, convert": (newline_in_a_file_name("convert"), 1),
+    "a newline in a damaged file's name, bench": (newline_in_a_file_name("bench"), 1),
     "s3:// without credentials": (s3_without_credentials, 1),
     "s3:// without credentials, probe": (s3_without_credentials_probed, 1),
     **{f"s3://KEY:SECRET@ in the URL, {command}": (s3_secret_in_the_url(command), 1) for command in URL_COMMANDS},
@@ -303,3 +319,18 @@ def test_bad_input(case, tmp_path, own_cache, s3_env, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # Cases that need more than one command, a signal or a real small disk
+
+
+def test_a_newline_in_a_file_name_read_by_make_loader_is_quoted(tmp_path, own_cache):
+    """The library's error, raised while iterating, names the file on one line too."""
+    from loadopt.errors import DatasetError
+
+    setup = newline_in_a_file_name("bench")(tmp_path, own_cache)
+    loader = make_loader(setup.config, backend="torch", num_workers=0)
+    try:
+        with pytest.raises(DatasetError) as caught:
+            for _ in loader:
+                pass
+    finally:
+        loader.close()
+    assert str(caught.value).startswith(setup.culprit) and "\n" not in str(caught.value)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.config import PipelineConfig, cache_dir
 from loadopt.device import usable_cores
-from loadopt.errors import ConfigError, DatasetError, describe_sample_error
+from loadopt.errors import ConfigError, DatasetError, describe_sample_error, shown_name
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.peer_batches import rebatch
@@ -134,7 +134,8 @@ def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int,
         except OSError as exc:
             reason = f"cannot read ({type(exc).__name__}: {exc})".splitlines()[0]
             if on_error == "raise":
-                raise DatasetError(f"{dataset.path(index)}: {reason} (set dataset.on_error: skip to skip it)") from None
+                raise DatasetError(f"{shown_name(dataset.path(index))}: {reason} (set dataset.on_error: skip to "
+                                   "skip it)") from None
             skipped.append([index, reason])
             continue
         yield index, int(dataset.labels[index]), data
