@@ -120,6 +120,16 @@ def refused_connection(command: str):
     return make
 
 
+def refused_connection_records(tmp_path, cache):
+    """The record folders (dataset.kind: records) go through the same mapping: refused, not "not found"."""
+    port = free_port()
+    url = f"http://user:hunter2@127.0.0.1:{port}/records"
+    config = write_config(tmp_path, dataset={"kind": "records", "path": url,
+                                             "records": {"samples_per_file": 2, "delivered_bytes": 500}})
+    return Setup(["make-dataset", str(config)], f"http://***@127.0.0.1:{port}/records: the host 127.0.0.1:{port} "
+                 "refused the connection", config=config, backend="torch", must_not_contain=["hunter2", "not found"])
+
+
 def no_space_converting(tmp_path, cache, monkeypatch):
     """The disk fills while the Arrow file is written (emulated: the writer's batches raise ENOSPC)."""
     root, _ = images(tmp_path, corrupt=0)
@@ -249,6 +259,7 @@ CASES = {  # name: (setup, exit code)
     "s3:// without credentials, probe": (s3_without_credentials_probed, 1),
     **{f"s3://KEY:SECRET@ in the URL, {command}": (s3_secret_in_the_url(command), 1) for command in URL_COMMANDS},
     **{f"refused connection, {command}": (refused_connection(command), 1) for command in URL_COMMANDS},
+    "refused connection, a records dataset, make-dataset": (refused_connection_records, 1),
     "ENOSPC while converting": (no_space_converting, 1),
     "damaged Arrow file": (damaged_arrow_file, 1),
     "damaged raw shard": (damaged_raw_shard, 1),
