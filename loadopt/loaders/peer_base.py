@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DONE = "loadopt-peer.json"  # written last into a finished conversion: its metadata
-INSTALL_HINT = "pip install 'loadopt[peers]'"
+# With the constraint file `loadopt doctor` prints (`peers install`): alone, pip may replace the installed torch.
+INSTALL_HINT = "pip install 'loadopt[peers]' -c keep.txt (keep.txt: see loadopt doctor, peers install)"
 
 
 class PeerSettings(BaseModel):
