@@ -180,3 +180,15 @@ def test_probe_reads_urls_with_credentials_and_keeps_them_out_of_its_results(htt
         probed = json.loads(text)
         assert probed["files"] == 15 and probed["url"] == redact(url) and "***@" in probed["url"]
         assert all(p["requests"] > 0 for p in probed["patterns"] if "skipped" not in p)
+
+
+def test_storage_failure_is_one_redacted_line_for_the_drivers_errors_and_keeps_a_bug_a_bug():
+    from loadopt.storage.remote import storage_failure
+
+    exceptions = pytest.importorskip("botocore.exceptions")
+    invalid = exceptions.ParamValidationError(report='Invalid bucket name "b!": Bucket name must match')
+    assert str(storage_failure("s3://KEY:SECRET@b!/x", invalid, "list it")) == (
+        's3://***@b!/x: cannot list it (ParamValidationError: Parameter validation failed: Invalid bucket name '
+        '"b!": Bucket name must match)')
+    assert str(storage_failure("/data", FileNotFoundError(2, "No such file"), "list it")) == "/data: not found"
+    assert storage_failure("s3://b/x", KeyError("slot"), "list it") is None  # ours: its traceback is kept

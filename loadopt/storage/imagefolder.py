@@ -89,7 +89,7 @@ def scan_image_folder(root_url: str, split: str = "train",
     misses); `relist` lists it again regardless."""
     fs, root = open_url(root_url, storage_options)
     url, root_url = root_url, redact(root_url)
-    with storage_errors(url, "list the dataset", local=is_local_fs(fs)):
+    with storage_errors(url, "list the dataset"):
         if not fs.exists(root):  # remote drivers say False for a host that refused too: ask why
             raise DatasetError(f"{root_url}: {why_missing(fs, root, url, 'dataset folder not found')}")
         split_root = root.rstrip("/") + "/" + split

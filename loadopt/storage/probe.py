@@ -93,7 +93,7 @@ def probe(url: str, *, block_sizes: tuple[int, ...] = DEFAULT_BLOCKS,
         test_file = _write_test_file(fs, path, url, file_size)
     try:
         files, is_folder = _list_files(fs, test_file or path, url)
-        with storage_errors(url, "read it", local=is_local_fs(fs)):
+        with storage_errors(url, "read it"):
             result = _probe_files(redact(url), fs, files, is_folder and test_file is None, block_sizes,
                                   concurrencies, duration_s, seq_block if sequential else 0, seq_bytes, max_requests,
                                   whole_files, cold, direct, seed, progress, test_file is not None)
@@ -123,7 +123,7 @@ def _write_test_file(fs: fsspec.AbstractFileSystem, folder: str, url: str, size:
     except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
         with contextlib.suppress(Exception):  # a part written before the failure
             fs.rm_file(name)
-        failure = storage_failure(url, exc, "write the probe's test file", local=is_local_fs(fs))
+        failure = storage_failure(url, exc, "write the probe's test file")
         if failure is None:
             raise
         raise failure from None

@@ -159,10 +159,15 @@ def why_missing(fs: fsspec.AbstractFileSystem, path: str, url: str, missing: str
     return missing
 
 
-def storage_failure(url: str, exc: BaseException, doing: str, local: bool = False) -> DatasetError | None:
+# Where the storage drivers' own exception types live (botocore's ParamValidationError, aiohttp's
+# ClientResponseError, ...): an error of another module inside a storage block is a bug, kept as such.
+_DRIVER_MODULES = ("botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "fsspec", "gcsfs", "adlfs", "requests",
+                   "urllib3")
+
+
+def storage_failure(url: str, exc: BaseException, doing: str) -> DatasetError | None:
     """The one line for `exc`, raised while trying to `doing` ("list the dataset", "read it") at `url`,
-    credentials redacted; None for an error that is no storage's (a local non-I/O error: a bug, whose
-    traceback is kept)."""
+    credentials redacted; None for an error that is no storage's (a bug, whose traceback is kept)."""
     shown = redact(url)
     why = why_denied(url, exc) or why_unreachable(url, exc)
     if why is not None:
@@ -171,22 +176,21 @@ def storage_failure(url: str, exc: BaseException, doing: str, local: bool = Fals
         return DatasetError(f"{shown}: not found")
     if isinstance(exc, (OSError, ValueError)):
         return DatasetError(f"{shown}: cannot {doing} ({first_words(exc)})")
-    if local and not is_transient(exc):
-        return None
-    # botocore and aiohttp raise their own types (ParamValidationError, ClientResponseError, ...)
-    return DatasetError(f"{shown}: cannot {doing} ({type(exc).__name__}: {first_words(exc)})")
+    if is_transient(exc) or type(exc).__module__.split(".", 1)[0] in _DRIVER_MODULES:
+        return DatasetError(f"{shown}: cannot {doing} ({type(exc).__name__}: {first_words(exc)})")
+    return None
 
 
 @contextlib.contextmanager
-def storage_errors(url: str, doing: str, local: bool = False) -> Iterator[None]:
+def storage_errors(url: str, doing: str) -> Iterator[None]:
     """Any error of the storage at `url` inside the block as `storage_failure`'s one line (a `LoadoptError`
-    raised there passes as it is)."""
+    raised there passes as it is, a bug keeps its traceback)."""
     try:
         yield
     except LoadoptError:
         raise
     except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
-        failure = storage_failure(url, exc, doing, local)
+        failure = storage_failure(url, exc, doing)
         if failure is None:
             raise
         raise failure from None
