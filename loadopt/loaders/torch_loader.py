@@ -411,7 +411,11 @@ class TorchLoader(Loader[TorchSettings]):
         try:
             return step()
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            died = _dead_worker(iterator)
+            # A worker's own exception comes back as a RuntimeError too ("Caught ... in DataLoader worker"):
+            # only torch's words for a death, or a broken connection, are worth looking for a dead worker.
+            death = not isinstance(exc, RuntimeError) or any(
+                words in str(exc) for words in ("is killed by signal", "exited unexpectedly"))
+            died = _dead_worker(iterator) if death else None
             if died is None:
                 raise
             self._dataloader = None  # its workers cannot serve another pass: the next one starts new ones
