@@ -7,7 +7,7 @@ import os
 import platform
 import shutil
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, requires, version
 
 import psutil
 
@@ -77,6 +77,42 @@ def _installed_dist(builds: tuple[str, ...], missing: str) -> str:
     return missing
 
 
+def peers_constraints() -> str:
+    """The pip constraint file that keeps this machine's torch and numpy while the peer libraries install
+    (Streaming and LitData pull torchvision, whose newest release wants a newer torch; Streaming caps numpy)."""
+    import numpy
+    import torch
+
+    return f"torch=={torch.__version__}\nnumpy=={numpy.__version__}\n"
+
+
+def peers_checks() -> list[Check]:
+    """How to add `loadopt[peers]` without replacing this torch, and whether an installed torchvision fits it."""
+    import torch
+
+    pins = peers_constraints().replace("\n", "\\n")
+    checks = [Check("peers install", None, f"to keep torch {torch.__version__}: printf '{pins}' > keep.txt; "
+                                           "pip install 'loadopt[peers]' -c keep.txt (alone, pip may replace torch "
+                                           "with a newer CUDA build: docs/backends.md, Installing the peer libraries)")]
+    try:
+        from packaging.requirements import Requirement  # not a loadopt dependency: without it, no fit check
+
+        found = version("torchvision")
+        needs = [Requirement(text) for text in requires("torchvision") or []]
+    except (ImportError, PackageNotFoundError):
+        return checks
+    plain = torch.__version__.split("+", 1)[0]  # a local build (+cpu, +cu130) is its release for a requirement
+    for need in needs:
+        if need.name == "torch" and (need.marker is None or need.marker.evaluate({"extra": ""})) \
+                and not need.specifier.contains(plain, prereleases=True):
+            checks.append(Check("torchvision", False, f"{found} wants torch{need.specifier}, torch is "
+                                f"{torch.__version__}: streaming and litdata may not import; reinstall them with "
+                                "the constraint file above"))
+            return checks
+    checks.append(Check("torchvision", True, f"{found}, fits torch {torch.__version__}"))
+    return checks
+
+
 def _native_check() -> Check:
     try:
         from loadopt import _native
@@ -115,6 +151,7 @@ def run_checks() -> list[Check]:
     for name in backend_names():
         available, reason = backend_class(name).available()
         checks.append(Check(f"backend {name}", available, "available" if available else reason))
+    checks += peers_checks()
     cores = usable_cores()
     checks.append(Check("CPU cores", None, f"{cores} usable"))
     memory = psutil.virtual_memory()

@@ -36,6 +36,17 @@ class StorageError(LoadoptError):
     """A storage tier that keeps failing: reads still erroring or timing out after every retry."""
 
 
+class WorkerDied(LoadoptError):
+    """A loader's worker process that died under it (killed by a signal: the kernel's OOM killer, a
+    `kill`; or exited): which worker, and how."""
+
+
+def shown_name(name: str) -> str:
+    """A file name as a one-line message shows it: as it is, or, where it holds a control character (a
+    newline would split the line) or spaces at its ends, as Python's repr (quoted, escaped)."""
+    return name if name.isprintable() and name == name.strip() else repr(name)
+
+
 def describe_sample_error(exc: BaseException) -> str:
     """What was wrong with a sample, in words: PIL's "cannot identify image file <_io.BytesIO object at
     0x...>" says which in-memory buffer, not what is wrong; the file is named by the caller."""

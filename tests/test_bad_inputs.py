@@ -46,23 +46,88 @@ def corrupt_jpeg_decoded_raw(tmp_path, cache):
                  config=config, backend="posix", leftovers=temps(cache), must_not_contain=["BytesIO"])
 
 
+def newline_in_a_file_name(command: str):
+    """A damaged JPEG named `bad<newline>name.jpg`: the name is quoted (repr), the error stays one line."""
+
+    def make(tmp_path, cache):
+        root, _ = images(tmp_path, corrupt=0)
+        bad = root / "train" / "c0" / "bad\nname.jpg"
+        bad.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 4)
+        config = write_config(tmp_path, dataset={"path": str(root)}, loaders={"torch": {"num_workers": 0}})
+        args = {"convert": ["convert", str(config), "--to", "arrow", "--decoded"], "bench": ["bench", str(config)]}
+        return Setup(args[command], f"{str(bad)!r}: damaged JPEG", config=config, leftovers=temps(cache))
+
+    return make
+
+
 def s3_without_credentials(tmp_path, cache):
     config = write_config(tmp_path, dataset={"path": "s3://loadopt-missing/images"})
     return Setup(["bench", str(config)], "s3://loadopt-missing/images: no credentials for s3://", config=config,
                  backend="torch", leftovers=temps(cache))
 
 
-def s3_secret_in_the_url(tmp_path, cache):
-    config = write_config(tmp_path, dataset={"path": "s3://AKIAEXAMPLE:wJalr/XUtnFEMI@bucket/images"})
-    return Setup(["bench", str(config)], "s3://***@bucket/images: the host 127.0.0.1:", config=config, backend="torch",
-                 must_not_contain=["wJalr", "XUtnFEMI", "AKIAEXAMPLE"])
+def s3_without_credentials_probed(tmp_path, cache):
+    out = tmp_path / "probe"
+    return Setup(["probe", "s3://loadopt-missing/images", "--out", str(out)], "s3://loadopt-missing/images: no "
+                 "credentials for s3://", leftovers=lambda: [p for p in [out] if p.exists()])
 
 
-def refused_connection(tmp_path, cache):
-    port = free_port()  # nothing listens there
-    config = write_config(tmp_path, dataset={"path": f"http://user:hunter2@127.0.0.1:{port}/images"})
-    return Setup(["bench", str(config)], f"http://***@127.0.0.1:{port}/images: the host 127.0.0.1:{port} refused "
-                 "the connection", config=config, backend="torch", must_not_contain=["hunter2", "not found"])
+# Every command that takes a location, with its arguments: the dataset's (dataset.path) or probe's own.
+URL_COMMANDS = {
+    "bench": lambda config, url, out: ["bench", str(config)],
+    "convert": lambda config, url, out: ["convert", str(config), "--to", "arrow"],
+    "make-dataset": lambda config, url, out: ["make-dataset", str(config)],
+    "explain": lambda config, url, out: ["explain", str(config)],
+    "tiers": lambda config, url, out: ["tiers", str(config), "--tiers", "nvme", "--quick", "--out", str(out)],
+    "probe": lambda config, url, out: ["probe", url, "--out", str(out)],
+    "probe --tier": lambda config, url, out: ["probe", url, "--tier", "nvme", "--out", str(out)],
+}
+
+
+def s3_secret_in_the_url(command: str):
+    """Credentials in an s3:// URL, whose endpoint refuses (s3_env): the secret is never shown, the
+    refusal is said as one."""
+
+    def make(tmp_path, cache):
+        url = "s3://AKIAEXAMPLE:wJalr/XUtnFEMI@bucket/images"
+        config = write_config(tmp_path, dataset={"path": url})
+        out = tmp_path / "out"
+        return Setup(URL_COMMANDS[command](config, url, out), "s3://***@bucket/images: the host 127.0.0.1:",
+                     config=config, backend="torch" if command == "bench" else None,
+                     must_not_contain=["wJalr", "XUtnFEMI", "AKIAEXAMPLE", "Traceback"],
+                     leftovers=lambda: temps(cache)() + [p for p in [out / "probe.json", out / "tiers.json"]
+                                                        if p.exists()] + [p for p in [out] if command.startswith(
+                                                            "probe") and p.exists()])
+
+    return make
+
+
+def refused_connection(command: str):
+    """A password in an http:// URL whose host refuses: "refused", not "not found", and no password."""
+
+    def make(tmp_path, cache):
+        port = free_port()  # nothing listens there
+        url = f"http://user:hunter2@127.0.0.1:{port}/images"
+        config = write_config(tmp_path, dataset={"path": url})
+        out = tmp_path / "out"
+        return Setup(URL_COMMANDS[command](config, url, out), f"http://***@127.0.0.1:{port}/images: the host "
+                     f"127.0.0.1:{port} refused the connection", config=config,
+                     backend="torch" if command == "bench" else None, must_not_contain=["hunter2", "not found"],
+                     leftovers=lambda: temps(cache)() + [p for p in [out / "probe.json", out / "tiers.json"]
+                                                        if p.exists()] + [p for p in [out] if command.startswith(
+                                                            "probe") and p.exists()])
+
+    return make
+
+
+def refused_connection_records(tmp_path, cache):
+    """The record folders (dataset.kind: records) go through the same mapping: refused, not "not found"."""
+    port = free_port()
+    url = f"http://user:hunter2@127.0.0.1:{port}/records"
+    config = write_config(tmp_path, dataset={"kind": "records", "path": url,
+                                             "records": {"samples_per_file": 2, "delivered_bytes": 500}})
+    return Setup(["make-dataset", str(config)], f"http://***@127.0.0.1:{port}/records: the host 127.0.0.1:{port} "
+                 "refused the connection", config=config, backend="torch", must_not_contain=["hunter2", "not found"])
 
 
 def no_space_converting(tmp_path, cache, monkeypatch):
@@ -162,6 +227,22 @@ def damaged_record_file(tmp_path, cache):
                  backend="torch")
 
 
+def backend_of_the_previous_contract(tmp_path, cache, monkeypatch):
+    """An outside backend (an installed entry point) still defining `_produce`, not `produce`."""
+    from loadopt.loaders import registry
+
+    from .test_registry import OLD_CONTRACT_MODULE, _dist
+
+    packages = tmp_path / "site"
+    packages.mkdir()
+    _dist(packages, "old_backend", "old = old_backend:OldLoader", OLD_CONTRACT_MODULE)
+    monkeypatch.syspath_prepend(str(packages))
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # forgotten after the test
+    config = write_config(tmp_path, loaders={"old": {}})
+    return Setup(["bench", str(config)], "old: old_backend.OldLoader does not implement `produce`, which every "
+                 "backend must", config=config, backend="old")
+
+
 def dlio_workload_not_yaml(tmp_path, cache):
     path = tmp_path / "unet3d.yaml"
     path.write_text("dataset: {record_length: 10\n")
@@ -172,9 +253,13 @@ CASES = {  # name: (setup, exit code)
     "empty config file": (empty_config, 2),
     "corrupt JPEG, decoded Arrow conversion": (corrupt_jpeg_decoded_arrow, 1),
     "corrupt JPEG, decoded raw conversion": (corrupt_jpeg_decoded_raw, 1),
+    "a newline in a damaged file's name, convert": (newline_in_a_file_name("convert"), 1),
+    "a newline in a damaged file's name, bench": (newline_in_a_file_name("bench"), 1),
     "s3:// without credentials": (s3_without_credentials, 1),
-    "s3://KEY:SECRET@ in the URL": (s3_secret_in_the_url, 1),
-    "refused connection": (refused_connection, 1),
+    "s3:// without credentials, probe": (s3_without_credentials_probed, 1),
+    **{f"s3://KEY:SECRET@ in the URL, {command}": (s3_secret_in_the_url(command), 1) for command in URL_COMMANDS},
+    **{f"refused connection, {command}": (refused_connection(command), 1) for command in URL_COMMANDS},
+    "refused connection, a records dataset, make-dataset": (refused_connection_records, 1),
     "ENOSPC while converting": (no_space_converting, 1),
     "damaged Arrow file": (damaged_arrow_file, 1),
     "damaged raw shard": (damaged_raw_shard, 1),
@@ -184,6 +269,7 @@ CASES = {  # name: (setup, exit code)
     "corrupt results file, explain": (corrupt_results_explained, 1),
     "damaged npz record file": (damaged_record_file, 1),
     "DLIO workload file not valid YAML, import-dlio": (dlio_workload_not_yaml, 2),
+    "outside backend of the previous contract (_produce), bench": (backend_of_the_previous_contract, 1),
 }
 
 
@@ -244,3 +330,18 @@ def test_bad_input(case, tmp_path, own_cache, s3_env, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # Cases that need more than one command, a signal or a real small disk
+
+
+def test_a_newline_in_a_file_name_read_by_make_loader_is_quoted(tmp_path, own_cache):
+    """The library's error, raised while iterating, names the file on one line too."""
+    from loadopt.errors import DatasetError
+
+    setup = newline_in_a_file_name("bench")(tmp_path, own_cache)
+    loader = make_loader(setup.config, backend="torch", num_workers=0)
+    try:
+        with pytest.raises(DatasetError) as caught:
+            for _ in loader:
+                pass
+    finally:
+        loader.close()
+    assert str(caught.value).startswith(setup.culprit) and "\n" not in str(caught.value)

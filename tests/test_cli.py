@@ -80,6 +80,27 @@ def test_doctor_reports_without_a_gpu():
         assert "pip install 'loadopt[dali]'" in proc.stdout  # brackets survive rich markup
 
 
+def test_doctor_says_how_to_add_the_peers_keeping_torch_and_whether_torchvision_fits(tmp_path, monkeypatch):
+    import numpy
+    import torch
+
+    from loadopt.doctor import peers_checks, peers_constraints
+
+    assert peers_constraints() == f"torch=={torch.__version__}\nnumpy=={numpy.__version__}\n"
+    (advice,) = [c for c in peers_checks() if c.item == "peers install"]
+    assert f"printf 'torch=={torch.__version__}\\nnumpy==" in advice.detail and "-c keep.txt" in advice.detail
+    info = tmp_path / "torchvision-9.9.dist-info"  # a torchvision on the path, made for another torch
+    info.mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    release = torch.__version__.split("+", 1)[0]
+    for wants, fits in (("99.0", False), (release, True)):
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 9.9\nRequires-Dist: numpy\n"
+                                       f"Requires-Dist: torch (=={wants})\nRequires-Dist: scipy ; extra == 'scipy'\n")
+        (check,) = [c for c in peers_checks() if c.item == "torchvision"]
+        assert check.ok is fits, check.detail
+        assert check.detail.startswith("9.9 wants torch==99.0" if not fits else f"9.9, fits torch {torch.__version__}")
+
+
 @pytest.mark.parametrize(("content", "expected"), [
     ({"workload": {"step_time_ms": "fast"}}, "workload.step_time_ms: expected a number, got 'fast'"),
     ({"pipeline": {"nonsense": 1}}, "pipeline.nonsense: unknown key"),

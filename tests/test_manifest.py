@@ -133,3 +133,78 @@ def test_loaders_read_the_memory_mapped_listing(tmp_path: Path, own_cache: Path)
     assert manifest.manifest_path(str(tmp_path / "data" / "train"), own_cache).is_dir()
     mapped = epoch()
     assert [t.tolist() for t in mapped] == [t.tolist() for t in listed] and sum(map(len, mapped)) == 10
+
+
+def _torchvision_samples(split: Path) -> list[tuple[str, int]]:
+    """The (path, label) pairs torchvision's ImageFolder lists (find_classes, then make_dataset's
+    `os.walk(followlinks=True)` of each class), for a tree without loops (torchvision has no guard)."""
+    classes = sorted(entry.name for entry in os.scandir(split) if entry.is_dir())
+    samples = []
+    for label, name in enumerate(classes):
+        for folder, _, files in sorted(os.walk(split / name, followlinks=True)):
+            samples += [(os.path.join(folder, f), label) for f in sorted(files) if f.lower().endswith(IMAGE_EXTENSIONS)]
+    return samples
+
+
+def test_a_symlinked_class_folder_is_a_class_as_in_torchvision(tmp_path: Path, own_cache: Path, caplog) -> None:
+    """`train/c9 -> /elsewhere/c9`: its images are samples (as torchvision lists them), through the loaders
+    too; a link to a missing folder or back to the split (a loop) is left out, and said."""
+    from loadopt.api import make_loader
+
+    from .conftest import make_image_folder, tiny_config_dict
+
+    make_image_folder(tmp_path / "data", classes=2, per_class=5)
+    make_image_folder(tmp_path / "elsewhere", classes=1, per_class=3)
+    split = tmp_path / "data" / "train"
+    (split / "c9").symlink_to(tmp_path / "elsewhere" / "train" / "c0")
+    _age(split)
+    dataset = scan_image_folder(str(tmp_path / "data"))
+    assert dataset.classes == ["c0", "c1", "c9"] and len(dataset) == 13
+    assert dataset.samples == _torchvision_samples(split)
+    config = tiny_config_dict(tmp_path / "r", dataset={"path": str(tmp_path / "data")})
+    loader = make_loader(config, backend="torch", device="cpu", num_workers=0)
+    try:
+        labels = [label for _, batch in loader for label in batch.tolist()]
+    finally:
+        loader.close()
+    assert sorted(labels) == [0] * 5 + [1] * 5 + [2] * 3
+
+    (split / "gone").symlink_to(tmp_path / "nowhere")
+    (split / "loop").symlink_to(split)
+    (split / "up").symlink_to(tmp_path / "data")
+    with caplog.at_level("WARNING", logger="loadopt.storage.manifest"):
+        again = scan_image_folder(str(tmp_path / "data"))
+    assert again.classes == ["c0", "c1", "c9"] and len(again) == 13
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "the link's target is missing; class 'gone' left out" in said
+    assert "(a loop); class 'loop' left out" in said and "(a loop); class 'up' left out" in said
+
+
+@pytest.mark.parametrize("change", ["add_in_target", "retarget", "remove_link"])
+def test_a_symlinked_class_folder_is_watched_through_its_target(tmp_path: Path, own_cache: Path, change: str) -> None:
+    """The manifest sees a file added in the link's target (outside the tree), the link pointed elsewhere,
+    and the link removed."""
+    split = _tree(tmp_path / "data")
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.jpg").write_bytes(name.encode())
+    (split / "fox").symlink_to(tmp_path / "one")
+    _age(tmp_path)
+    before = scan_image_folder(str(split))
+    assert "fox" in before.classes and before.fingerprint == scan_image_folder(str(split)).fingerprint
+    assert manifest.load(manifest.manifest_path(str(split), own_cache),
+                         fsspec.filesystem("file").unstrip_protocol(str(split))) is not None  # reused as it is
+    if change == "add_in_target":
+        (tmp_path / "one" / "new.jpg").write_bytes(b"new")
+    elif change == "retarget":
+        (split / "fox").unlink()
+        (split / "fox").symlink_to(tmp_path / "two")
+    else:
+        (split / "fox").unlink()
+    _age(tmp_path, OLD + 60)
+    after = scan_image_folder(str(split))
+    assert after.fingerprint != before.fingerprint
+    fox = [p.decode().rsplit("/", 1)[-1] for p, label in zip(after.paths, after.labels, strict=True)
+           if after.classes[label] == "fox"]
+    assert fox == {"add_in_target": ["new.jpg", "one.jpg"], "retarget": ["two.jpg"], "remove_link": []}[change]
+    assert after.fingerprint == scan_image_folder(str(split), relist=True).fingerprint

@@ -165,3 +165,45 @@ def test_supports_says_which_datasets_a_backend_reads():
     assert registry.backend_class("arrow").supports(tokens) == (True, "")
     ok, why = registry.backend_class("webdataset").supports(tokens)
     assert not ok and "image datasets only" in why
+
+
+OLD_CONTRACT_MODULE = '''
+import torch
+from loadopt.loaders.base import HostBatch, Loader, NoSettings
+
+class OldLoader(Loader[NoSettings]):
+    Settings = NoSettings
+
+    def _produce(self, batches):  # the extension point's name before it was public
+        for indices in batches:
+            yield HostBatch(torch.zeros((len(indices), 3, 8, 8)), torch.zeros(len(indices), dtype=torch.int64),
+                            indices)
+'''
+
+
+def test_a_backend_of_the_previous_contract_is_unavailable_naming_the_method(tmp_path, monkeypatch, tiny_config):
+    """An outside backend still defining `_produce`: one line naming it and `produce`, not a TypeError
+    when it is first built (make_loader, bench, doctor all see it unavailable)."""
+    from loadopt import make_loader
+    from loadopt.errors import BackendUnavailable
+
+    _dist(tmp_path, "old_backend", "old = old_backend:OldLoader", OLD_CONTRACT_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        available, reason = registry.backend_class("old").available()
+        assert not available
+        assert reason.startswith("old_backend.OldLoader does not implement `produce`")
+        assert "rename it `produce`" in reason
+        with pytest.raises(BackendUnavailable) as caught:
+            make_loader(tiny_config, backend="old")
+        assert str(caught.value) == f"backend old: {reason}" and "\n" not in str(caught.value)
+    finally:
+        registry.unregister("old")
+        sys.modules.pop("old_backend", None)
+    namespace: dict = {}
+    exec(OLD_CONTRACT_MODULE, namespace)  # noqa: S102 - the same class, registered in process
+    registry.register("old_registered")(namespace["OldLoader"])
+    try:
+        assert "does not implement `produce`" in registry.backend_class("old_registered").available()[1]
+    finally:
+        registry.unregister("old_registered")

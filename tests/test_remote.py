@@ -205,3 +205,36 @@ def test_a_storage_converted_on_a_read_only_http_server_is_one_line(http_url, ow
     assert lines[-1].startswith(f"error: {http_url}/conversions/arrow/"), result.output
     assert "cannot write the converted dataset there" in said(result) and "storage.converted" in lines[-1]
     assert not (tmp_path / "results").exists()
+
+
+def test_probe_reads_urls_with_credentials_and_keeps_them_out_of_its_results(http_url, s3_url, tmp_path):
+    """`loadopt probe` opens a location as every command does: s3:// credentials in the URL become the
+    driver's options (not a bucket name), and neither they nor an http password reach probe.json."""
+    from typer.testing import CliRunner
+
+    from loadopt.cli import app
+
+    bucket_path = s3_url.removeprefix("s3://")
+    for number, url in enumerate([http_url.replace("http://", "http://user:hunter2@") + "/",
+                                  f"s3://testing:testing-secret@{bucket_path}"]):
+        out = tmp_path / f"probe{number}"
+        result = CliRunner().invoke(app, ["probe", url, "--blocks", "4k", "--concurrency", "2", "--duration", "0.2",
+                                          "--seq", "64k", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        text = (out / "probe.json").read_text()
+        assert "hunter2" not in text and "testing-secret" not in text and "hunter2" not in result.output
+        probed = json.loads(text)
+        assert probed["files"] == 15 and probed["url"] == redact(url) and "***@" in probed["url"]
+        assert all(p["requests"] > 0 for p in probed["patterns"] if "skipped" not in p)
+
+
+def test_storage_failure_is_one_redacted_line_for_the_drivers_errors_and_keeps_a_bug_a_bug():
+    from loadopt.storage.remote import storage_failure
+
+    exceptions = pytest.importorskip("botocore.exceptions")
+    invalid = exceptions.ParamValidationError(report='Invalid bucket name "b!": Bucket name must match')
+    assert str(storage_failure("s3://KEY:SECRET@b!/x", invalid, "list it")) == (
+        's3://***@b!/x: cannot list it (ParamValidationError: Parameter validation failed: Invalid bucket name '
+        '"b!": Bucket name must match)')
+    assert str(storage_failure("/data", FileNotFoundError(2, "No such file"), "list it")) == "/data: not found"
+    assert storage_failure("s3://b/x", KeyError("slot"), "list it") is None  # ours: its traceback is kept

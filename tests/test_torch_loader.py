@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,83 @@ def test_batches_handed_out_on_the_cpu_are_fresh_memory_while_the_transpose_buff
     assert len({x.data_ptr() for x, _ in held}) == len(held)
     expected = collect(loader(folder))
     assert all(torch.equal(x, e) for (x, _), (e, _) in zip(held, expected, strict=True))
+
+
+def _kill_a_worker(before: set[int]) -> int:
+    """SIGKILL one of the DataLoader workers started since `before` (this process's children then) and
+    wait until it is dead (a zombie: not yet reaped)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    me = psutil.Process()
+    # Forked workers run this process's command line (a resource tracker, say, is a command of its own).
+    started = [c for c in me.children() if c.pid not in before and c.cmdline() == me.cmdline()]
+    victim = min(started, key=lambda c: c.pid)
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while victim.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return victim.pid
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+@pytest.fixture
+def no_sigchld_handler():
+    """Call it once the DataLoader started (torch installs its handler then): SIGCHLD at its default, as
+    where torch installs none (a loader iterated off the main thread); torch's handler would raise its
+    RuntimeError wherever the test happens to be when it fires. The handler is put back after the test."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGCHLD)
+    yield lambda: signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, previous)
+
+
+@pytest.mark.parametrize("variant", ["plain", "tuned"])
+def test_a_killed_worker_is_one_line_naming_it_and_how(folder, variant, no_sigchld_handler):
+    """The batches it had queued point at its shared memory: torch's next() is a ConnectionResetError."""
+    from loadopt.errors import WorkerDied
+
+    ld = loader(folder, variant=variant, workers=2)
+    try:
+        before = _children()
+        batches = iter(ld)
+        next(batches)
+        no_sigchld_handler()
+        pid = _kill_a_worker(before)
+        with pytest.raises(WorkerDied) as caught:
+            for _ in batches:
+                pass
+        message = str(caught.value)
+        assert re.fullmatch(rf"torch: DataLoader worker \d \(pid {pid}\) was killed by SIGKILL \(the kernel's OOM "
+                            r"killer .*\); the pass stopped after \d of its batches", message), message
+        assert len(collect(ld)) == 4  # the next pass starts new workers
+    finally:
+        ld.close()
+
+
+def test_a_persistent_worker_killed_between_epochs_fails_the_next_pass_then_is_replaced(folder, no_sigchld_handler):
+    from loadopt.errors import WorkerDied
+
+    dataset = scan_image_folder(str(folder))
+    settings = TorchSettings(variant="tuned", num_workers=2, decoder="pil", resize="pil", persistent_workers=True)
+    ld = TorchLoader(dataset, PipelineConfig(batch_size=4, image_size=24), settings, seed=3)
+    try:
+        before = _children()
+        first = collect(ld)
+        no_sigchld_handler()
+        pid = _kill_a_worker(before)
+        with pytest.raises(WorkerDied, match=rf"worker \d \(pid {pid}\) was killed by SIGKILL.*after 0 of its batches"):
+            collect(ld)
+        again = collect(ld)
+        assert len(again) == len(first) == 4
+    finally:
+        ld.close()

@@ -28,7 +28,7 @@ from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer
-from loadopt.errors import LoadoptError, StorageError, Terminated
+from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
@@ -269,7 +269,8 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDatase
                               else [], "tier": delta, "error": None, "fatal": None}
     if error is not None:
         failure = tier_failure(error, dataset.fs, delta)
-        if isinstance(error, LoadoptError) and failure is None:  # the user's to fix: the bench stops
+        # The user's to fix: the bench stops; a worker that died (the OOM killer, say) fails this setting only.
+        if isinstance(error, LoadoptError) and not isinstance(error, WorkerDied) and failure is None:
             report["fatal"] = distributed.described(error)
         else:
             report["error"] = str(failure or f"{type(error).__name__}: {error}").splitlines()[0]

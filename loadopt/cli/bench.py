@@ -13,7 +13,7 @@ from loadopt.cli.console import RichReporter, SetOption, console, err_console, p
 from loadopt.cli.process import setup_logging, terminate_as_interrupt
 from loadopt.cli.results import auto_report
 from loadopt.cli.tables import bytes_source_lines, not_run_lines, recipe_lines, results_table
-from loadopt.errors import Terminated
+from loadopt.errors import Terminated, shown_name
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -89,7 +89,7 @@ def bench(
         auto_report(outcome.json_path)
     skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
     if skipped:
-        listed = "; ".join(f"{path}: {why}" for path, why in list(skipped.items())[:5])
+        listed = "; ".join(f"{shown_name(path)}: {why}" for path, why in list(skipped.items())[:5])
         more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
                       f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)

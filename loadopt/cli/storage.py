@@ -34,41 +34,42 @@ def probe(
 ) -> None:
     """Measure a storage location: sequential bandwidth, random-read IOPS, MB/s and latency."""
     import json
+    import os
     from pathlib import Path
 
-    import fsspec
-
-    from loadopt.errors import DatasetError
-    from loadopt.files import atomic_write_text, prepare_output
+    from loadopt.files import atomic_write_text, discard_output, prepare_output
     from loadopt.storage.probe import parse_size
     from loadopt.storage.probe import probe as run_probe
+    from loadopt.storage.remote import open_url, redact
 
     with user_errors():
         block_sizes = tuple(parse_size(b, "--blocks") for b in blocks.split(",") if b.strip())
         levels = tuple(int(parse_size(c, "--concurrency")) for c in concurrency.split(",") if c.strip())
+        existed = Path(out).expanduser().exists()
         folder = prepare_output(out)
-        fs = None
-        path = url
-        if tier is not None:
-            from loadopt.storage.tiers import resolve_tier, tier_filesystem
+        try:
+            fs = None
+            path = url
+            if tier is not None:
+                from loadopt.storage.tiers import resolve_tier, tier_filesystem
 
-            spec = resolve_tier(tier, where="--tier")
-            try:
-                base_fs, path = fsspec.core.url_to_fs(url)
-            except (ImportError, ValueError) as exc:
-                raise DatasetError(f"{url}: cannot open this location ({exc})") from None
-            fs = tier_filesystem(spec, base_fs)
-        with progress_bar() as progress:
-            task = progress.add_task("probing", total=None)
+                spec = resolve_tier(tier, where="--tier")
+                base_fs, path = open_url(os.path.expanduser(url))
+                fs = tier_filesystem(spec, base_fs)
+            with progress_bar() as progress:
+                task = progress.add_task("probing", total=None)
 
-            def step(label: str, done: int, total: int) -> None:
-                progress.update(task, description=f"probing: {label}", completed=done, total=total)
+                def step(label: str, done: int, total: int) -> None:
+                    progress.update(task, description=f"probing: {label}", completed=done, total=total)
 
-            result = run_probe(path, block_sizes=block_sizes, concurrencies=levels, duration_s=duration,
-                               seq_bytes=parse_size(seq, "--seq"), cold=not warm, direct=not buffered,
-                               file_size=parse_size(file_size, "--file-size") if file_size else None,
-                               fs=fs, progress=step)
-        result["url"], result["tier"] = url, tier or "local"
+                result = run_probe(path, block_sizes=block_sizes, concurrencies=levels, duration_s=duration,
+                                   seq_bytes=parse_size(seq, "--seq"), cold=not warm, direct=not buffered,
+                                   file_size=parse_size(file_size, "--file-size") if file_size else None,
+                                   fs=fs, progress=step, source=url)
+        except BaseException:  # a probe that failed leaves no empty output folder behind
+            discard_output(folder, existed)
+            raise
+        result["url"], result["tier"] = redact(url), tier or "local"
         json_path = Path(folder) / "probe.json"
         atomic_write_text(json_path, json.dumps(result, indent=2) + "\n")
     console.print(probe_table(result))

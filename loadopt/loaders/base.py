@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, finish_inputs
-from loadopt.errors import DatasetError
+from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.dataset import Dataset
 
@@ -373,9 +373,10 @@ class Loader(ABC, Generic[SettingsT]):
         if batch.failures:
             if self.on_error == "raise":
                 index, reason = batch.failures[0]
-                raise DatasetError(f"{self.dataset.path(index)}: {reason} (set dataset.on_error: skip to skip it)")
+                raise DatasetError(f"{shown_name(self.dataset.path(index))}: {reason} (set dataset.on_error: skip to "
+                                   "skip it)")
             for index, reason in batch.failures:
-                log.warning("skipped %s: %s", self.dataset.path(index), reason)
+                log.warning("skipped %s: %s", shown_name(self.dataset.path(index)), reason)
                 self.counters.skipped.append((self.dataset.path(index), reason))
         self.counters.batches += 1
         self.counters.samples += len(batch.indices)

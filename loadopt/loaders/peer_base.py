@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.config_models import PipelineConfig
-from loadopt.errors import ConfigError, DatasetError, describe_sample_error
+from loadopt.errors import ConfigError, DatasetError, describe_sample_error, shown_name
 from loadopt.files import cache_dir
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DONE = "loadopt-peer.json"  # written last into a finished conversion: its metadata
-INSTALL_HINT = "pip install 'loadopt[peers]'"
+# With the constraint file `loadopt doctor` prints (`peers install`): alone, pip may replace the installed torch.
+INSTALL_HINT = "pip install 'loadopt[peers]' -c keep.txt (keep.txt: see loadopt doctor, peers install)"
 
 
 class PeerSettings(BaseModel):
@@ -135,7 +136,8 @@ def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int,
         except OSError as exc:
             reason = f"cannot read ({type(exc).__name__}: {exc})".splitlines()[0]
             if on_error == "raise":
-                raise DatasetError(f"{dataset.path(index)}: {reason} (set dataset.on_error: skip to skip it)") from None
+                raise DatasetError(f"{shown_name(dataset.path(index))}: {reason} (set dataset.on_error: skip to "
+                                   "skip it)") from None
             skipped.append([index, reason])
             continue
         yield index, int(dataset.labels[index]), data

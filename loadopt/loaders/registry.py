@@ -45,7 +45,7 @@ def register(name: str) -> Callable[[LoaderT], LoaderT]:
 
     def decorate(cls: LoaderT) -> LoaderT:
         cls.name = name
-        _registered[name] = cls
+        _registered[name] = _buildable(name, cls)
         return cls
 
     return decorate
@@ -98,6 +98,7 @@ def backend_class(name: str) -> type[Loader[Any]]:
     except Exception as exc:  # an outside package may fail in any way; report, don't crash
         reason = f"cannot import {target}: {type(exc).__name__}: {exc}"
         cls = type(f"Broken_{name}", (_BrokenLoader,), {"_reason": reason})
+    cls = _buildable(name, cls)
     cls.name = name
     _registered[name] = cls
     return cls
@@ -117,6 +118,19 @@ def backend_for(name: str, where: str) -> type[Loader[Any]]:
         return backend_class(name)
     except KeyError as exc:
         raise ConfigError(f"{where}: {exc.args[0]}") from None
+
+
+def _buildable(name: str, cls: type[Loader[Any]]) -> type[Loader[Any]]:
+    """`cls`, or an unavailable stand-in saying which of the contract's methods it does not implement (a
+    backend written against an older contract would otherwise be a `TypeError` when first built)."""
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if not missing:
+        return cls
+    renamed = "produce" in missing and any("_produce" in vars(k) for k in cls.__mro__)
+    hint = "; it defines `_produce`, the previous contract's name: rename it `produce`" if renamed else ""
+    reason = (f"{cls.__module__}.{cls.__qualname__} does not implement {', '.join(f'`{m}`' for m in missing)}, "
+              f"which every backend must (docs/plugins.md{hint})")
+    return type(f"Broken_{name}", (_BrokenLoader,), {"_reason": reason})
 
 
 class _BrokenLoader(Loader[NoSettings]):

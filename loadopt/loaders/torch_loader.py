@@ -17,6 +17,7 @@ persistent workers, which never see the consumer's state after they start.
 
 from __future__ import annotations
 
+import signal
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import DataLoader, default_collate
 
 from loadopt.config_models import PipelineConfig
+from loadopt.errors import WorkerDied
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
@@ -137,6 +139,32 @@ class _Samples(torch.utils.data.Dataset):
         if self.batched:
             return self.tuned_batch(items)
         return [self[item] for item in items]
+
+
+def _dead_worker(iterator: Any, grace_s: float = 2.0) -> str | None:
+    """Which of a DataLoader iterator's worker processes died and how, in words; None when all live.
+
+    Called on an error that a dying worker may cause before the kernel has its exit status (a
+    multi-threaded process is reported once every thread is gone): waits up to `grace_s` for one to end."""
+    from multiprocessing.connection import wait
+
+    workers = list(getattr(iterator, "_workers", None) or [])
+    ended = set(wait([w.sentinel for w in workers], timeout=grace_s)) if workers else set()
+    for number, process in enumerate(workers):
+        if process.sentinel not in ended:
+            continue
+        process.join()  # it has ended: reaps it (torch's SIGCHLD handler leaves it a zombie, waitid WNOWAIT)
+        code = process.exitcode
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            how = f"was killed by {name}" + (" (the kernel's OOM killer sends it when memory runs out: see "
+                                             "dmesg)" if -code == signal.SIGKILL else "")
+        else:
+            how = f"exited with status {code}"
+        return f"worker {number} (pid {process.pid}) {how}"
+    return None
 
 
 def _collate_plain(samples: list) -> dict:
@@ -341,8 +369,11 @@ class TorchLoader(Loader[TorchSettings]):
         self._plan.plan(batches, epoch, start, slots if tuned else 0)
         if self._dataloader is None or not self.settings.persistent_workers:
             self._dataloader = self._make_dataloader()
-        iterator = iter(self._dataloader)
+        dataloader = self._dataloader
+        # Persistent workers that died since the last pass fail this one's start (torch's _reset waits for them).
+        iterator = self._next_or_died(lambda: iter(dataloader), getattr(dataloader, "_iterator", None), 0)
         previous: HostBatch | None = None
+        done = 0
         try:
             while True:
                 if previous is not None and previous.copy_done is not None:
@@ -350,9 +381,10 @@ class TorchLoader(Loader[TorchSettings]):
                     # asynchronous device copies from the slots (in order on one stream) must be done.
                     previous.copy_done.synchronize()
                 try:
-                    out = next(iterator)
+                    out = self._next_or_died(lambda: next(iterator), iterator, done)
                 except StopIteration:
                     break
+                done += 1
                 if ring is not None and tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
                     inputs = ring[out["slot"]][: len(out["indices"])]
@@ -371,6 +403,23 @@ class TorchLoader(Loader[TorchSettings]):
                 if shutdown is not None:
                     shutdown()
                 self._dataloader = None
+
+    def _next_or_died(self, step: Callable[[], Any], iterator: Any, done: int) -> Any:
+        """`step()` (the DataLoader's next batch, or a new pass), a worker that died under it raised as
+        `WorkerDied` naming it: torch's own error is a `RuntimeError` from its SIGCHLD handler or, where a
+        batch's shared memory was to come from the dead worker, a `ConnectionResetError`."""
+        try:
+            return step()
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            # A worker's own exception comes back as a RuntimeError too ("Caught ... in DataLoader worker"):
+            # only torch's words for a death, or a broken connection, are worth looking for a dead worker.
+            death = not isinstance(exc, RuntimeError) or any(
+                words in str(exc) for words in ("is killed by signal", "exited unexpectedly"))
+            died = _dead_worker(iterator) if death else None
+            if died is None:
+                raise
+            self._dataloader = None  # its workers cannot serve another pass: the next one starts new ones
+            raise WorkerDied(f"torch: DataLoader {died}; the pass stopped after {done} of its batches") from exc
 
     def close(self) -> None:
         if self._dataloader is not None:

@@ -23,7 +23,7 @@ from loadopt.errors import ConfigError, DatasetError
 from loadopt.files import cache_dir, is_no_space
 from loadopt.storage import manifest
 from loadopt.storage.records import RecordDataset
-from loadopt.storage.remote import is_local_fs, is_transient, open_url, redact, why_denied, why_unreachable
+from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
@@ -89,10 +89,10 @@ def scan_image_folder(root_url: str, split: str = "train",
     in the cache and reused while its folders' mtimes are unchanged (storage/manifest.py says what that
     misses); `relist` lists it again regardless."""
     fs, root = open_url(root_url, storage_options)
-    root_url = redact(root_url)
-    try:
+    url, root_url = root_url, redact(root_url)
+    with storage_errors(url, "list the dataset"):
         if not fs.exists(root):  # remote drivers say False for a host that refused too: ask why
-            raise DatasetError(f"{root_url}: {_why_missing(fs, root, root_url)}")
+            raise DatasetError(f"{root_url}: {why_missing(fs, root, url, 'dataset folder not found')}")
         split_root = root.rstrip("/") + "/" + split
         if fs.isdir(split_root):
             root = split_root
@@ -112,18 +112,6 @@ def scan_image_folder(root_url: str, split: str = "train",
             return ImageDataset(root=root, fs=fs, paths=listing.paths, labels=listing.labels, sizes=listing.sizes,
                                 classes=listing.classes, fingerprint=listing.fingerprint)
         files = fs.find(root, detail=True)
-    except DatasetError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
-        why = why_denied(root_url, exc) or why_unreachable(root_url, exc)
-        if why is not None:
-            raise DatasetError(f"{root_url}: {why}") from None
-        first = redact(str(exc).splitlines()[0]) if str(exc) else ""
-        if isinstance(exc, (OSError, ValueError)):
-            raise DatasetError(f"{root_url}: cannot list the dataset ({first or type(exc).__name__})") from None
-        if not is_transient(exc) and is_local_fs(fs):
-            raise
-        raise DatasetError(f"{root_url}: cannot reach the dataset ({type(exc).__name__}: {first})") from None
     prefix = root.rstrip("/") + "/"
     entries = []
     for name, info in files.items():
@@ -131,7 +119,8 @@ def scan_image_folder(root_url: str, split: str = "train",
         parts = relative.split("/")
         if len(parts) == 2 and parts[1].lower().endswith(IMAGE_EXTENSIONS):
             entries.append((parts[0], name, info.get("size")))
-    entries = _with_sizes(fs, entries)
+    with storage_errors(url, "list the dataset"):
+        entries = _with_sizes(fs, entries)
     if not entries:
         raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it)")
     entries.sort()
@@ -151,17 +140,6 @@ def scan_image_folder(root_url: str, split: str = "train",
         classes=classes,
         fingerprint=digest,
     )
-
-
-def _why_missing(fs: fsspec.AbstractFileSystem, root: str, url: str) -> str:
-    if not is_local_fs(fs):
-        try:
-            fs.info(root)
-        except Exception as exc:  # noqa: BLE001 - only to find the reason, which the chain holds
-            why = why_denied(url, exc) or why_unreachable(url, exc)
-            if why is not None:
-                return why
-    return "dataset folder not found"
 
 
 def modified(info: dict[str, Any]) -> str:

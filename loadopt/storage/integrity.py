@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-from loadopt.errors import DatasetError
+from loadopt.errors import DatasetError, shown_name
 
 CHUNK_BYTES = 4 << 20
 ALGORITHM = "crc32"
@@ -203,7 +203,7 @@ def keep_or_skip(dataset, ids, results, on_error: str, skipped: list, blank: Cal
     for index, (value, reason) in zip(ids, results, strict=True):
         if value is None:
             if on_error != "skip":
-                raise DatasetError(f"{dataset.path(int(index))}: {reason} (set dataset.on_error: skip to "
+                raise DatasetError(f"{shown_name(dataset.path(int(index)))}: {reason} (set dataset.on_error: skip to "
                                    "convert without it)")
             skipped.append([int(index), reason])
             value = blank()

@@ -9,7 +9,9 @@ ImageNet-1k), no per-sample Python work, the arrays memory-mapped (read-only: ev
 machine shares one copy of their pages, the page cache's).
 
 What a folder's modification time sees: a file added, removed or renamed in it (so a file replaced by
-writing a temporary and renaming it, as most tools do), a class folder added, removed or renamed.
+writing a temporary and renaming it, as most tools do), a class folder added, removed or renamed. A
+symlinked class folder is followed (as torchvision's ImageFolder does) and watched through its target
+(`os.stat` follows the link); the link itself replaced or removed changes the split folder's mtime.
 What it misses: a file rewritten in place (opened for writing, same name: its own mtime and size change,
 its folder's do not) or its mtime touched. Such a change keeps the old fingerprint, so a conversion of
 the old bytes would be reused; `loadopt convert --verify` compares the content and reconverts, and
@@ -79,7 +81,7 @@ def _list_class(class_path: str, extensions: tuple[str, ...]) -> list[tuple[str,
     found = []
     with os.scandir(class_path) as inside:
         for entry in inside:
-            if entry.is_dir(follow_symlinks=False) or not _is_image(entry.name, extensions):
+            if entry.is_dir() or not _is_image(entry.name, extensions):
                 continue
             own = entry.stat(follow_symlinks=False)
             size = own.st_size
@@ -93,16 +95,41 @@ def _list_class(class_path: str, extensions: tuple[str, ...]) -> list[tuple[str,
     return found
 
 
+def _class_folders(root: str) -> list[tuple[str, str]]:
+    """(name, path) of the class folders of `root`, by name: symlinked ones followed, as torchvision's
+    ImageFolder does; a link whose target is missing, or is `root` or a folder above it (a loop: it would
+    hold the other classes), is left out with a warning."""
+    real_root = os.path.realpath(root)
+    found = []
+    with os.scandir(root) as top:
+        for entry in top:
+            if entry.is_dir(follow_symlinks=False):
+                found.append((entry.name, entry.path))
+            elif entry.is_symlink():
+                target = os.path.realpath(entry.path)
+                if not os.path.isdir(target):
+                    if not os.path.exists(target):
+                        log.warning("%r -> %r: the link's target is missing; class %r left out", entry.path,
+                                    os.readlink(entry.path), entry.name)
+                    continue
+                if real_root == target or real_root.startswith(target.rstrip("/") + "/"):
+                    log.warning("%r -> %r: links back to the dataset's own folder (a loop); class %r left out",
+                                entry.path, os.readlink(entry.path), entry.name)
+                    continue
+                found.append((entry.name, entry.path))
+    return sorted(found)
+
+
 def list_local(root: str, identity: str, extensions: tuple[str, ...]) -> tuple[Listing, np.ndarray, np.ndarray]:
     """Walk `<root>/<class>/<file>` with `os.scandir` (a `stat` per file, as fsspec's local `find`
-    gives the same names, sizes and mtimes: a symlinked file's own mtime, its target's size; symlinked
-    folders are not followed). One class folder at a time: its entries are digested and turned into
-    arrays before the next is listed, so the Python objects held are one class's, not the dataset's.
-    Also returns the folders watched (root first) and their mtimes (ns)."""
+    gives the same names, sizes and mtimes: a symlinked file's own mtime, its target's size). Symlinked
+    class folders are followed (`_class_folders`) and watched through their targets. One class folder at
+    a time: its entries are digested and turned into arrays before the next is listed, so the Python
+    objects held are one class's, not the dataset's. Also returns the folders watched (root first) and
+    their mtimes (ns)."""
     started = time.time()
     folders, folder_mtimes = [root], [os.stat(root).st_mtime_ns]
-    with os.scandir(root) as top:
-        classes_found = sorted((e.name, e.path) for e in top if e.is_dir(follow_symlinks=False))
+    classes_found = _class_folders(root)
     digest = hashlib.sha256(identity.encode())
     classes: list[str] = []
     paths, labels, sizes = [], [], []

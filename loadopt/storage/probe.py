@@ -25,6 +25,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -41,7 +42,7 @@ from loadopt.storage.probe_readers import (
     processes_for,
     run_concurrent,
 )
-from loadopt.storage.remote import is_local_fs
+from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, storage_failure, why_missing
 from loadopt.storage.sequential import read_sequential
 
 KiB, MiB = 1024, 1024 * 1024
@@ -53,21 +54,23 @@ ProgressFn = Callable[[str, int, int], None]  # (pattern label, patterns done, p
 
 
 def _list_files(fs: fsspec.AbstractFileSystem, path: str, url: str) -> tuple[list[File], bool]:
-    """(the files at `path`, whether it is a folder)."""
-    try:
-        if not fs.exists(path):
-            raise DatasetError(f"{url}: not found")
+    """(the files at `path`, whether it is a folder); `url` (credentials and all) names it in errors."""
+    shown = redact(url)
+    with storage_errors(url, "list it"):
+        if not fs.exists(path):  # remote drivers say False for a host that refused too: ask why
+            raise DatasetError(f"{shown}: {why_missing(fs, path, url)}")
         if not fs.isdir(path):
             return [File(path, int(fs.info(path).get("size") or 0))], False
-        found = fs.find(path, detail=True)
-    except DatasetError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{url}: cannot list it ({exc})") from None
+        found = {name: info for name, info in fs.find(path, detail=True).items() if info.get("type", "file") == "file"}
+        unsized = [name for name, info in found.items() if info.get("size") is None]
+        if unsized:  # HTTP directory listings carry no sizes: ask for them (HEAD), overlapped
+            with ThreadPoolExecutor(16) as pool:
+                for name, size in zip(unsized, pool.map(fs.size, unsized), strict=True):
+                    found[name] = {**found[name], "size": size}
     files = [File(name, int(info.get("size") or 0)) for name, info in sorted(found.items())
-             if info.get("type", "file") == "file" and int(info.get("size") or 0) > 0]
+             if int(info.get("size") or 0) > 0]
     if not files:
-        raise DatasetError(f"{url}: holds no non-empty files to read")
+        raise DatasetError(f"{shown}: holds no non-empty files to read")
     return files, True
 
 
@@ -76,38 +79,38 @@ def probe(url: str, *, block_sizes: tuple[int, ...] = DEFAULT_BLOCKS,
           seq_bytes: int = 1 << 30, max_requests: int = 1_000_000, whole_files: bool | None = None,
           cold: bool = True, direct: bool = True, file_size: int | None = None,
           fs: fsspec.AbstractFileSystem | None = None, seed: int = 0, sequential: bool = True,
-          progress: ProgressFn | None = None) -> dict[str, Any]:
+          progress: ProgressFn | None = None, source: str | None = None) -> dict[str, Any]:
     """Measure the storage at `url` (a file or folder; a path within `fs` when given) and return the
     figures as a JSON-ready dict: `patterns`, one entry per pattern, and what was read and how.
-    `sequential=False` leaves the sequential pattern out."""
+    `sequential=False` leaves the sequential pattern out. `source`: the URL a path in `fs` was opened
+    from, which errors name (credentials redacted)."""
     if fs is None:
-        try:
-            fs, path = fsspec.core.url_to_fs(os.path.expanduser(url))
-        except (ImportError, ValueError) as exc:
-            raise DatasetError(f"{url}: cannot open this location ({exc})") from None
+        fs, path = open_url(os.path.expanduser(url))
     else:
-        path = url
+        path, url = url, source or url
     test_file = None
     if file_size is not None:
         test_file = _write_test_file(fs, path, url, file_size)
     try:
         files, is_folder = _list_files(fs, test_file or path, url)
-        return _probe_files(url, fs, files, is_folder and test_file is None, block_sizes, concurrencies, duration_s,
-                            seq_block if sequential else 0, seq_bytes, max_requests, whole_files, cold, direct, seed,
-                            progress, test_file is not None)
+        with storage_errors(url, "read it"):
+            result = _probe_files(redact(url), fs, files, is_folder and test_file is None, block_sizes,
+                                  concurrencies, duration_s, seq_block if sequential else 0, seq_bytes, max_requests,
+                                  whole_files, cold, direct, seed, progress, test_file is not None)
+        return redact(result)
     finally:
         if test_file is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):  # the storage may be what failed
                 fs.rm_file(test_file)
 
 
 def _write_test_file(fs: fsspec.AbstractFileSystem, folder: str, url: str, size: int) -> str:
     if size <= 0:
-        raise DatasetError(f"{url}: --file-size must be positive, got {size}")
+        raise DatasetError(f"{redact(url)}: --file-size must be positive, got {size}")
+    name = folder.rstrip("/") + f"/.loadopt-probe-{secrets.token_hex(4)}.bin"
     try:
         if not fs.isdir(folder):
-            raise DatasetError(f"{url}: --file-size writes a test file into a folder; this is not a folder")
-        name = folder.rstrip("/") + f"/.loadopt-probe-{secrets.token_hex(4)}.bin"
+            raise DatasetError(f"{redact(url)}: --file-size writes a test file into a folder; this is not a folder")
         chunk = np.random.default_rng(0).integers(0, 256, min(size, 8 * MiB), dtype=np.uint8).tobytes()
         with fs.open(name, "wb") as handle:
             written = 0
@@ -117,8 +120,13 @@ def _write_test_file(fs: fsspec.AbstractFileSystem, folder: str, url: str, size:
                 written += len(part)
     except DatasetError:
         raise
-    except OSError as exc:
-        raise DatasetError(f"{url}: cannot write the probe's test file ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
+        with contextlib.suppress(Exception):  # a part written before the failure
+            fs.rm_file(name)
+        failure = storage_failure(url, exc, "write the probe's test file")
+        if failure is None:
+            raise
+        raise failure from None
     return name
 
 

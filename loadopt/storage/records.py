@@ -35,7 +35,7 @@ import numpy as np
 from loadopt.config_models import RecordSpec
 from loadopt.errors import DatasetError
 from loadopt.files import honour_umask
-from loadopt.storage.remote import is_local_fs, open_url, redact
+from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
 
 GENERATOR_VERSION = 1
 MIN_RECORD_BYTES = 1024  # a draw below this (the normal's left tail) is clipped to it
@@ -209,15 +209,11 @@ def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | 
     fs, root = open_url(path, storage_options)
     shown = redact(path)
     suffix = RECORD_EXTENSIONS[spec.file_format]
-    try:
+    with storage_errors(path, "list the record folder"):
         if not fs.isdir(root):
-            raise DatasetError(f"{shown}: record folder not found")
+            raise DatasetError(f"{shown}: {why_missing(fs, root, path, 'record folder not found')}")
         found = sorted((info["name"], int(info["size"]), str(info.get("mtime") or info.get("LastModified") or ""))
                        for info in fs.find(root, detail=True).values() if info["name"].endswith(suffix))
-    except DatasetError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types
-        raise DatasetError(f"{shown}: cannot list the record folder ({redact(str(exc).splitlines()[0])})") from None
     if not found:
         raise DatasetError(f"{shown}: no {suffix} record files found (dataset.records.file_format: "
                            f"{spec.file_format})")

@@ -1,25 +1,30 @@
-"""Remote storage helpers: redaction of secrets, opening fsspec URLs, and retried reads.
+"""Remote storage helpers: redaction of secrets, opening fsspec URLs, the one line for a storage error,
+and retried reads.
 
 Credentials may sit in a URL (`s3://KEY:SECRET@bucket/...`, `https://user:pw@host/...`) or in
 storage options (`key`, `secret`, `token`, ...); `redact` removes them from anything that is printed
-or written to results. Reads of a tier are retried on transient errors (any `OSError` that is not
+or written to results. Every command that opens a location goes through `open_url` and reports what
+failed there through `storage_errors`/`storage_failure`: the credentials redacted, and the reason a user can
+act on (no credentials, access denied, host refused or unknown, not found) before the driver's own words.
+Reads of a tier are retried on transient errors (any `OSError` that is not
 "not found"/"permission denied"-like, and timeouts) with capped exponential backoff; a read that
 keeps failing raises `StorageError`, one line naming the file and the last error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadopt.errors import DatasetError, StorageError
+from loadopt.errors import DatasetError, LoadoptError, StorageError
 
 T = TypeVar("T")
 
@@ -129,6 +134,66 @@ def why_denied(url: str, exc: BaseException) -> str | None:
                                          "ExpiredToken")) or isinstance(cause, PermissionError):
             return f"access denied by the storage ({redact(text.splitlines()[0] if text else name)})"
     return None
+
+
+def first_words(exc: BaseException) -> str:
+    """The first line of `exc`'s message, credentials redacted (with the next line where the first only
+    announces it, as botocore's "Parameter validation failed:"); its type's name where it has none."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return redact(text)
+
+
+def why_missing(fs: fsspec.AbstractFileSystem, path: str, url: str, missing: str = "not found") -> str:
+    """Why `fs.exists(path)` said False: remote drivers say so for a host that refused or credentials that
+    were refused too, so ask the storage for the reason; `missing` when it is really not there."""
+    if not is_local_fs(fs):
+        try:
+            fs.info(path)
+        except Exception as exc:  # noqa: BLE001 - only to find the reason, which the chain holds
+            why = why_denied(url, exc) or why_unreachable(url, exc)
+            if why is not None:
+                return why
+    return missing
+
+
+# Where the storage drivers' own exception types live (botocore's ParamValidationError, aiohttp's
+# ClientResponseError, ...): an error of another module inside a storage block is a bug, kept as such.
+_DRIVER_MODULES = ("botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "fsspec", "gcsfs", "adlfs", "requests",
+                   "urllib3")
+
+
+def storage_failure(url: str, exc: BaseException, doing: str) -> DatasetError | None:
+    """The one line for `exc`, raised while trying to `doing` ("list the dataset", "read it") at `url`,
+    credentials redacted; None for an error that is no storage's (a bug, whose traceback is kept)."""
+    shown = redact(url)
+    why = why_denied(url, exc) or why_unreachable(url, exc)
+    if why is not None:
+        return DatasetError(f"{shown}: {why}")
+    if isinstance(exc, FileNotFoundError):
+        return DatasetError(f"{shown}: not found")
+    if isinstance(exc, (OSError, ValueError)):
+        return DatasetError(f"{shown}: cannot {doing} ({first_words(exc)})")
+    if is_transient(exc) or type(exc).__module__.split(".", 1)[0] in _DRIVER_MODULES:
+        return DatasetError(f"{shown}: cannot {doing} ({type(exc).__name__}: {first_words(exc)})")
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, doing: str) -> Iterator[None]:
+    """Any error of the storage at `url` inside the block as `storage_failure`'s one line (a `LoadoptError`
+    raised there passes as it is, a bug keeps its traceback)."""
+    try:
+        yield
+    except LoadoptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - remote drivers raise their own types (aiohttp, botocore)
+        failure = storage_failure(url, exc, doing)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 def _split_userinfo(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
