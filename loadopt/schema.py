@@ -16,6 +16,7 @@ kept as it is (`extra="allow"`), so no recorded figure is dropped. Versions:
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +32,19 @@ class SchemaError(LoadoptError):
     """A results or decision file that is corrupt, not loadopt's, or of a version this loadopt cannot read."""
 
 
+class RunStatus(str, Enum):
+    """What became of one setting (bench), iterable or rank (measure): its `status` in the files."""
+
+    OK = "ok"
+    UNAVAILABLE = "unavailable"  # its backend cannot run here or does not read this dataset
+    ERROR = "error"  # it failed; the reason says how
+    NOT_RUN = "not run"  # the bench stopped (interrupted, or at an error) before it
+    MISSING = "missing"  # a rank whose results never came (measure under torchrun)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -40,7 +54,7 @@ class Run(_Open):
 
     label: str
     backend: str = ""
-    status: str = "ok"  # ok | unavailable | error | not run | missing
+    status: RunStatus = RunStatus.OK
     reason: str = ""
     settings: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None  # per metric: {median, min, max} over the repeats, or the value

@@ -17,7 +17,7 @@ from loadopt.errors import LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import configured_loader
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION
+from loadopt.schema import SCHEMA_VERSION, RunStatus
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bytes_source
@@ -31,7 +31,7 @@ class Setting:
     backend: str
     settings: BaseModel | None
     label: str
-    status: str = "ok"  # ok | unavailable | error
+    status: RunStatus = RunStatus.OK
     reason: str = ""
     repeats: list[RepeatResult] = field(default_factory=list)
     tier_counters: list[dict[str, float]] = field(default_factory=list)  # per repeat: retries, faults, ...
@@ -53,12 +53,12 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
                                "recipe": built.recipe() if built else None}
         if built is not None:
             built.close()
-        if setting.repeats and setting.status == "ok":
+        if setting.repeats and setting.status == RunStatus.OK:
             run["metrics"] = aggregate([r.metrics for r in setting.repeats])
             run["repeats"] = [r.metrics for r in setting.repeats]
             run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
-        elif setting.status == "ok":
-            run["status"], run["reason"] = "not run", not_run or "the bench stopped before this setting ran"
+        elif setting.status == RunStatus.OK:
+            run["status"], run["reason"] = RunStatus.NOT_RUN, not_run or "the bench stopped before this setting ran"
         if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
             run["tier_counters"] = sum_counters(setting.tier_counters)
         runs.append(run)

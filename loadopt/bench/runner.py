@@ -32,11 +32,29 @@ from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
-from loadopt.storage.imagefolder import ImageDataset, open_dataset
+from loadopt.schema import RunStatus
+from loadopt.storage.dataset import Dataset
+from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.tiers import counters_delta, sum_counters, tier_counters, tier_failure, tier_label
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """What a bench was asked to do (`run_bench`'s arguments), handed down as one value."""
+
+    config: Config
+    names: list[str]  # the backends to run, in the config's order or `--loaders`'
+    out: str | None  # the results folder; None: the config's report.out
+    quick: bool
+    reporter: Reporter
+    convert: bool  # convert a missing stored form (else a missing conversion is an error)
+    attribute: bool  # measure the ceilings and attribute each setting's bottleneck
+    tune: bool  # search each backend's knobs within budget_s first
+    budget_s: float
+    attribute_stages: bool  # run each backend's best setting's stages apart
 
 
 @dataclass
@@ -61,7 +79,7 @@ def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
                                        "measure_batches": min(workload.measure_batches, 20), "repeats": 1})
 
 
-def _plan(config: Config, names: list[str], dataset: ImageDataset, device, reporter: Reporter,
+def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: Reporter,
           convert: bool) -> list[Setting]:
     plan: list[Setting] = []
     for name in names:
@@ -70,7 +88,7 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
         if available:  # and it reads this kind of dataset (Loader.supports)
             available, reason = cls.supports(dataset)
         if not available:
-            plan.append(Setting(name, None, name, "unavailable", reason))
+            plan.append(Setting(name, None, name, RunStatus.UNAVAILABLE, reason))
             continue
         for settings in backend_settings(config, name):
             probe = configured_loader(name, config, dataset, settings, device=device)
@@ -79,7 +97,7 @@ def _plan(config: Config, names: list[str], dataset: ImageDataset, device, repor
                 probe.prepare(functools.partial(reporter.conversion_progress, label), convert)
                 label = f"{name} {probe.describe()}"  # a refused upload keeps the conversion local: not via tier
             except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
-                plan.append(Setting(name, settings, label, "error", str(exc).splitlines()[0]))
+                plan.append(Setting(name, settings, label, RunStatus.ERROR, str(exc).splitlines()[0]))
                 continue
             finally:
                 probe.close()
@@ -107,23 +125,21 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
     timeout_s = 1800.0 + (budget_s if tune else 0.0)
     with distributed.ranks_here(config.workload.device, timeout_s) as ranks:
-        outcome = _bench(config, ranks, loaders or list(config.loaders), out, quick,
-                         (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
-                         attribute_stages)
+        request = BenchRequest(config, loaders or list(config.loaders), out, quick,
+                               (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
+                               attribute_stages)
+        outcome = _bench(request, ranks)
     if outcome.error is not None and not return_errors:
         raise outcome.error
     return outcome
 
 
-def _bench(config: Config, ranks: distributed.Ranks, names: list[str], out: str | None, quick: bool,
-           reporter: Reporter, convert: bool, attribute: bool, tune: bool, budget_s: float,
-           attribute_stages: bool) -> BenchOutcome:
-    requested = Path(out or config.report.out).expanduser()
+def _bench(request: BenchRequest, ranks: distributed.Ranks) -> BenchOutcome:
+    requested = Path(request.out or request.config.report.out).expanduser()
     existed = requested.exists()
     folder = ranks.alone(lambda: prepare_output(requested))
     try:
-        outcome = _measure(config, ranks, names, folder, quick, reporter, convert, attribute, tune, budget_s,
-                           attribute_stages)
+        outcome = _measure(request, ranks, folder)
     except BaseException:
         if ranks.lead:
             discard_output(folder, existed)
@@ -133,89 +149,120 @@ def _bench(config: Config, ranks: distributed.Ranks, names: list[str], out: str 
     return outcome
 
 
-def _measure(config: Config, ranks: distributed.Ranks, names: list[str], folder: Path, quick: bool,
-             reporter: Reporter, convert: bool, attribute: bool, tune: bool, budget_s: float,
-             attribute_stages: bool) -> BenchOutcome:
-    device = ranks.device
-    workload = effective_workload(config.workload, quick)
-    dataset = ranks.first(lambda: open_dataset(config, progress=reporter.dataset_progress))
+@dataclass
+class _Pass:
+    """How the plan's runs went: the ceilings measured around them, the page cache's state, and whether
+    (and by what) the pass was stopped."""
+
+    ceilings: dict[str, Any] | None = None
+    cache_note: str = "warm: the page cache was left as it was"
+    interrupted: bool = False
+    stopped_by: str = "SIGINT"
+    user_error: LoadoptError | None = None
+
+    def not_run(self) -> str:
+        """Why a setting the pass did not reach has no run."""
+        if self.interrupted:
+            return f"the bench was interrupted ({self.stopped_by}) before this setting finished a run"
+        if self.user_error is not None:
+            stop = (str(self.user_error).splitlines() or [type(self.user_error).__name__])[0]
+            return f"the bench stopped at an error before this setting ran: {stop}"
+        return ""
+
+
+def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> BenchOutcome:
+    config = request.config
+    workload = effective_workload(config.workload, request.quick)
+    dataset = ranks.first(lambda: open_dataset(config, progress=request.reporter.dataset_progress))
     tunings = None
-    if tune:  # the search's trials, then each backend's best setting measured as any configured one
-        tunings = ranks.alone(lambda: tuner.Tuner(config, dataset, device, budget_s, reporter=reporter,
-                                                  convert=convert, limits=ranks.limits()).tune(names))
-        plan = [Setting(t.backend, t.best_settings, t.best.label, "ok") if t.best is not None else
-                Setting(t.backend, None, t.backend, t.status if t.status != "ok" else "error", t.reason)
+    if request.tune:  # the search's trials, then each backend's best setting measured as any configured one
+        tunings = ranks.alone(lambda: tuner.Tuner(config, dataset, ranks.device, request.budget_s,
+                                                  reporter=request.reporter, convert=request.convert,
+                                                  limits=ranks.limits()).tune(request.names))
+        plan = [Setting(t.backend, t.best_settings, t.best.label, RunStatus.OK) if t.best is not None else
+                Setting(t.backend, None, t.backend, t.status if t.status != RunStatus.OK else RunStatus.ERROR,
+                        t.reason)
                 for t in tunings]
     else:
-        plan = ranks.alone(lambda: _plan(config, names, dataset, device, reporter, convert))
-    accelerator = ranks.step_sync(make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes),
-                                                   device))
-    cache_note = "warm: the page cache was left as it was"
-    interrupted, stopped_by = False, "SIGINT"
-    user_error: LoadoptError | None = None
-    ceilings: dict[str, Any] | None = None
+        plan = ranks.alone(lambda: _plan(config, request.names, dataset, ranks.device, request.reporter,
+                                         request.convert))
     machine_load = MachineLoad().start() if ranks.lead else None  # results.json `machine.load`: a busy machine?
-    try:
-        if attribute and any(s.status == "ok" for s in plan):
-            # The decode ceiling runs as many worker processes as the busiest setting (bench/parallel.py).
-            workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == "ok")
-            ceilings = ranks.alone(lambda: ceiling_measures.measure_ceilings(config, dataset, device,
-                                                                             ranks.decode_workers(workers)))
-        for repeat in range(workload.repeats):
-            for setting in plan:
-                if setting.status != "ok":
-                    continue
-                cache_note = _run_one(setting, repeat, config, dataset, ranks, accelerator, workload,
-                                      reporter) or cache_note
-        if ceilings is not None and ranks.lead:  # measured again after the runs: the higher of the two is kept
-            ceilings = ceiling_measures.keep_best(ceilings, config, dataset)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
-        interrupted = True
-        stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
-    except LoadoptError as exc:
-        user_error = exc
+    done = _run_plan(request, ranks, plan, dataset, workload)
     load = machine_load.stop() if machine_load is not None else None
     if not ranks.lead or machine_load is None:  # a rank other than 0: rank 0 writes and prints
-        if user_error is not None:
-            raise user_error
-        return BenchOutcome({"rank": ranks.rank}, None, None, interrupted, ranks.rank)
-    stop = (str(user_error).splitlines() or [type(user_error).__name__])[0] if user_error is not None else None
-    not_run = (f"the bench was interrupted ({stopped_by}) before this setting finished a run" if interrupted else
-               f"the bench stopped at an error before this setting ran: {stop}" if stop else "")
-    results = results_document(config, plan, dataset, device, workload, quick, interrupted, cache_note, not_run)
+        if done.user_error is not None:
+            raise done.user_error
+        return BenchOutcome({"rank": ranks.rank}, None, None, done.interrupted, ranks.rank)
+    results = results_document(config, plan, dataset, ranks.device, workload, request.quick, done.interrupted,
+                               done.cache_note, done.not_run())
     ranks.annotate(results)
-    if interrupted:
-        results["interrupted_by"] = stopped_by
+    if done.interrupted:
+        results["interrupted_by"] = done.stopped_by
     results["machine"]["load"] = load
     if tunings is not None:
-        results["tuning"] = tuner.tuning_summary(tunings, budget_s)
+        results["tuning"] = tuner.tuning_summary(tunings, request.budget_s)
         tried = {t.backend: (len(t.trials), t.space_size, t.reason) for t in tunings}
         for run in results["runs"]:
             count, size, note = tried[run["backend"]]
             run["tuned"] = {"tried": count, "space_size": size, "note": note}
     if not results["ranking"]:  # nothing measured: nothing in the folder is replaced
-        if user_error is not None:
-            raise user_error
-        if interrupted:
-            raise Terminated() if stopped_by == "SIGTERM" else KeyboardInterrupt()
+        if done.user_error is not None:
+            raise done.user_error
+        if done.interrupted:
+            raise Terminated() if done.stopped_by == "SIGTERM" else KeyboardInterrupt()
         return BenchOutcome(results, None, None, False)  # every setting unavailable or failing: the reasons
-    if ceilings is not None:
+    return _write(request, ranks, folder, plan, dataset, results, done)
+
+
+def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Setting], dataset: Dataset,
+              workload: WorkloadConfig) -> _Pass:
+    """The ceilings, then every repeat of every runnable setting (interleaved), until the end or a stop."""
+    config, done = request.config, _Pass()
+    accelerator = ranks.step_sync(make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes),
+                                                   ranks.device))
+    try:
+        if request.attribute and any(s.status == RunStatus.OK for s in plan):
+            # The decode ceiling runs as many worker processes as the busiest setting (bench/parallel.py).
+            workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == RunStatus.OK)
+            done.ceilings = ranks.alone(lambda: ceiling_measures.measure_ceilings(config, dataset, ranks.device,
+                                                                                  ranks.decode_workers(workers)))
+        for repeat in range(workload.repeats):
+            for setting in plan:
+                if setting.status != RunStatus.OK:
+                    continue
+                done.cache_note = _run_one(setting, repeat, config, dataset, ranks, accelerator, workload,
+                                           request.reporter) or done.cache_note
+        if done.ceilings is not None and ranks.lead:  # measured again after the runs: the higher one is kept
+            done.ceilings = ceiling_measures.keep_best(done.ceilings, config, dataset)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
+        done.interrupted = True
+        done.stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+    except LoadoptError as exc:
+        done.user_error = exc
+    return done
+
+
+def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: list[Setting], dataset: Dataset,
+           results: dict[str, Any], done: _Pass) -> BenchOutcome:
+    """Attribute the measured settings, decide (a finished bench only), write the files."""
+    config, interrupted = request.config, done.interrupted
+    if done.ceilings is not None:
         try:
-            _attribute(results, ranks.job_ceilings(ceilings))
-            if (tune or attribute_stages) and not interrupted and user_error is None:
-                stages.attribute_stages(config, dataset, device, results, ceilings, reporter)
+            _attribute(results, ranks.job_ceilings(done.ceilings))
+            if (request.tune or request.attribute_stages) and not interrupted and done.user_error is None:
+                stages.attribute_stages(config, dataset, ranks.device, results, done.ceilings, request.reporter)
         except KeyboardInterrupt as exc:
             interrupted = results["interrupted"] = True
             results["interrupted_by"] = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
-    if not interrupted and user_error is None:
+    if not interrupted and done.user_error is None:
         tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
         results["decision"] = decision.make_decision(results, tier)
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
     # A bench that decided nothing (stopped, interrupted) leaves no decision of an earlier bench beside its results.
     decision.record_beside(results.get("decision"), folder)
-    return BenchOutcome(results, json_path, parquet_path, interrupted, error=user_error)
+    return BenchOutcome(results, json_path, parquet_path, interrupted, error=done.user_error)
 
 
 def _evict(files: list[str]) -> str:
@@ -239,7 +286,7 @@ def setting_loader(config: Config, setting: Setting, dataset, device, rank: int 
     return loader
 
 
-def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDataset, ranks: distributed.Ranks,
+def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ranks: distributed.Ranks,
              accelerator, workload: WorkloadConfig, reporter: Reporter) -> str | None:
     """One repeat of one setting (on every rank); returns the cache note when the page cache was evicted
     first. A failure on any rank is the setting's error on every rank; a user error stops the bench."""
@@ -280,7 +327,7 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDatase
         setting.tier_counters.append(sum_counters(deltas))
     for other in reports:
         if other["fatal"] is not None:  # this setting's error, and the bench stops
-            setting.status, setting.reason = "error", other["fatal"]["text"] if ranks.world_size == 1 else \
+            setting.status, setting.reason = RunStatus.ERROR, other["fatal"]["text"] if ranks.world_size == 1 else \
                 f"rank {other['rank']}: {other['fatal']['text']}"
             if other["rank"] == ranks.rank and error is not None:
                 raise error
@@ -288,7 +335,7 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: ImageDatase
     failed = [r for r in reports if r["error"] is not None]
     if failed or result is None:
         first: dict[str, Any] = failed[0] if failed else {"rank": ranks.rank, "error": "no figures"}
-        setting.status = "error"
+        setting.status = RunStatus.ERROR
         setting.reason = first["error"] if ranks.world_size == 1 else f"rank {first['rank']}: {first['error']}"
         reporter.run_finished(setting.label, None, setting.reason)
         return None

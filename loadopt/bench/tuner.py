@@ -39,6 +39,7 @@ from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
+from loadopt.schema import RunStatus
 from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Trial:
 @dataclass
 class BackendTuning:
     backend: str
-    status: str = "ok"  # ok | unavailable | error | not run
+    status: RunStatus = RunStatus.OK
     reason: str = ""
     space: dict[str, list[Any]] = field(default_factory=dict)
     space_size: int = 0
@@ -136,7 +137,7 @@ class Tuner:
         results = [self._setup(name) for name in names]  # conversions happen here, before the clock starts
         started = self.clock()
         deadline = started + self.budget_s
-        todo = [r for r in results if r.status == "ok"]
+        todo = [r for r in results if r.status == RunStatus.OK]
         # Round 1: every backend's start, so that the climbs go to the backends that can win.
         seen: dict[str, set[tuple]] = {t.backend: set() for t in todo}
         firsts: dict[str, Trial | None] = {}
@@ -169,7 +170,7 @@ class Tuner:
         cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
         if not available:
-            tuning.status, tuning.reason = "unavailable", reason
+            tuning.status, tuning.reason = RunStatus.UNAVAILABLE, reason
             return tuning
         tuning.space, start = search_space(self.config, name, cls, self.limits.cores)
         tuning.space_size = 1
@@ -177,7 +178,7 @@ class Tuner:
             tuning.space_size *= len(values)
         tuning.start = self._fit(cls, start, tuning)
         if tuning.start is None:
-            tuning.status, tuning.reason = "not run", "no setting of its knob space fits this machine"
+            tuning.status, tuning.reason = RunStatus.NOT_RUN, "no setting of its knob space fits this machine"
             return tuning
         # Every value of every knob is prepared once now, so that no conversion lands in the budget.
         for key, values in tuning.space.items():
@@ -218,7 +219,7 @@ class Tuner:
         """Climb from the start, whose trial (`incumbent`) ran in the first round."""
         cls = backend_class(tuning.backend)
         if incumbent is None or incumbent.samples_per_s is None:
-            tuning.status = "error" if incumbent is not None else "not run"
+            tuning.status = RunStatus.ERROR if incumbent is not None else RunStatus.NOT_RUN
             tuning.reason = incumbent.reason if incumbent is not None else "the budget was spent before its first run"
             return
         best_settings = tuning.start

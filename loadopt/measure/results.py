@@ -23,7 +23,7 @@ from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, SchemaError, as_dict, parse_results, results_text
+from loadopt.schema import SCHEMA_VERSION, RunStatus, SchemaError, as_dict, parse_results, results_text
 
 COMMAND = "loadopt.measure"
 CPU_NOTE = "on the CPU the loop body stands for the accelerator"
@@ -121,9 +121,10 @@ def _machine_info() -> dict[str, Any]:
 
 def run_entry(label: str, metrics: dict[str, Any] | None) -> dict[str, Any]:
     """One entry of `runs`, as `loadopt bench` writes it (one repeat)."""
-    run: dict[str, Any] = {"backend": "measured", "label": label, "settings": None, "status": "ok", "reason": ""}
+    run: dict[str, Any] = {"backend": "measured", "label": label, "settings": None, "status": RunStatus.OK,
+                           "reason": ""}
     if metrics is None:
-        run["status"], run["reason"] = "not run", "no batch was measured"
+        run["status"], run["reason"] = RunStatus.NOT_RUN, "no batch was measured"
         return run
     run["metrics"] = aggregate([metrics])
     run["repeats"] = [metrics]
@@ -228,7 +229,7 @@ def rank_aggregate(docs: dict[int, dict[str, Any]], world_size: int, device: str
     missing = [r for r in range(world_size) if r not in docs]
     for run, rank in zip(document["runs"], range(world_size), strict=True):
         if rank in missing:
-            run["status"], run["reason"] = "missing", f"no results from this rank within {wait_s:g} s"
+            run["status"], run["reason"] = RunStatus.MISSING, f"no results from this rank within {wait_s:g} s"
     present = [(r, m) for r, (_, m) in enumerate(measured) if m is not None]
     document["missing_ranks"] = missing
     if not present:
