@@ -243,6 +243,7 @@ def test_cli_tiers_stopped_keeps_the_tiers_that_finished(tmp_path, signal_name, 
     assert [row["name"] for row in doc["tiers"]] == ["first"] and doc["tiers"][0]["accelerators_supported"] >= 1
     assert doc["interrupted"] and doc["interrupted_by"] == signal_name
     assert doc["cut_short"]["tier"] == "second" and len(doc["cut_short"]["trials"]) >= 1
-    assert "It was interrupted (" + signal_name + "): only the tiers that finished" in (out / "report.html").read_text()
+    assert f"It was interrupted ({signal_name}): only the tiers that finished" in (out / "report.html").read_text()
     assert "first" in stdout
-    assert f"interrupted ({signal_name}): the 1 tier(s) that finished were kept" in stderr
+    assert f"interrupted ({signal_name}): the 1 tier(s) measured were kept" in stderr
+    assert "second was cut short in its search" in stderr

@@ -202,7 +202,12 @@ def tiers(
     auto_report(json_path)
     if stopped:
         cut = result.get("cut_short") or {}
-        where = f"; {cut['tier']} was cut short in its {cut['stage']}" if cut else ""
-        err_console.print(f"interrupted ({stopped}): the {len(result['tiers'])} tier(s) that finished were kept in "
+        where = ""
+        if cut.get("stage") == "backends":
+            where = f"; {cut['tier']} was cut short in its backends (its row and its finished backend runs are kept)"
+        elif cut:
+            where = (f"; {cut['tier']} was cut short in its {cut['stage']} ({len(cut.get('trials') or [])} trial(s) "
+                     "in cut_short, not a row)")
+        err_console.print(f"interrupted ({stopped}): the {len(result['tiers'])} tier(s) measured were kept in "
                           f"{json_path}{where}", highlight=False, markup=False)
         raise typer.Exit(code)

@@ -184,7 +184,10 @@ def backend_lines(result: dict[str, Any]) -> list[str]:
             continue
         decision = backends.get("decision") or {}
         sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
-        lines.append(f"{row['name']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
+        ran = sum(1 for r in backends["runs"] if r.get("samples_per_s") is not None)
+        nothing = (f"nothing (interrupted by {backends['interrupted_by']} after {ran} of {len(backends['runs'])} "
+                   "settings: no decision recorded)") if backends.get("interrupted_by") else "nothing (no setting ran)"
+        lines.append(f"{row['name']}: auto picks {decision.get('label') or nothing}"
                      f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
         for run in backends["runs"]:
             if run.get("samples_per_s") is None:
