@@ -80,6 +80,7 @@ class TierRow(_Open):
     price_per_tb_month: float | None = None
     cost_per_supported_accelerator: float | None = None  # $ a month per accelerator kept at the threshold
     cost: TierCost = TierCost()
+    bounded_by_base: str | None = None  # an emulated tier over slower storage: what its figures are instead
 
     @model_validator(mode="before")
     @classmethod

@@ -23,8 +23,10 @@ from loadopt.errors import ConfigError, StorageError
 from loadopt.storage.emulated import EmulatedFileSystem, SharedTierState
 from loadopt.storage.tier_state import SLOT_RELEASES
 from loadopt.storage.tiers import (
+    BASE_BOUND_SHARE,
     DEFAULT_TIERS_FILE,
     TierSpec,
+    base_share,
     load_tier_profiles,
     resolve_tier,
     tier_counters,
@@ -329,3 +331,54 @@ def test_many_slots_and_threads_open_descriptors_as_requests_overlap(tmp_path):
         list(pool.map(request, range(3000)))
     opened = len(os.listdir("/proc/self/fd")) - before
     assert 0 < opened <= 825 + 64 + 8, opened  # one a slot, one more per request held at once, the state
+
+
+def test_the_storage_under_a_tier_counts_the_time_it_runs_past_the_tiers_figures(tmp_path):
+    """The emulation can only slow the storage under it down: where that storage is slower than the tier's
+    figures, the requests' time past those figures is counted as the base's (`base_share`)."""
+    paths = _files(tmp_path, 48, 20_000)
+    local = fsspec.implementations.local.LocalFileSystem()
+    # a slow disk (itself emulated: 2 MB/s) under a fast tier: most of each request's time is the disk's
+    disk = EmulatedFileSystem(TierSpec(name="disk", bandwidth_mb_s=2).model_dump(mode="json"), local)
+    fast = EmulatedFileSystem(TierSpec(name="fast", bandwidth_mb_s=1000, latency_ms=0.1).model_dump(mode="json"), disk)
+    _read_all(fast, paths, 4)
+    assert base_share(tier_counters(fast)) > 0.6, tier_counters(fast)
+    # a slow tier over the local disk: its figures set every request's time, and it delivers what they say
+    spec = TierSpec(name="slow", latency_ms=10, max_concurrency=2)
+    slow = tier_filesystem(spec, local)
+    elapsed = _read_all(slow, paths, 4)
+    assert base_share(tier_counters(slow)) < BASE_BOUND_SHARE, tier_counters(slow)
+    delivered = 48 * 20_000 / elapsed / 1e6
+    assert 0.75 < delivered / spec.profile_mb_s(4, 20_000) <= 1.05, (delivered, spec.profile_mb_s(4, 20_000))
+
+
+def test_a_tiers_own_figures():
+    """MB/s of requests in flight by the figures alone: the latency and the transfer, the cap, the pipe."""
+    spec = TierSpec(bandwidth_mb_s=100, latency_ms=10, max_concurrency=2)  # 1e5 bytes: 10 + 1 ms a request
+    assert spec.profile_mb_s(1, 1e5) == pytest.approx(1e5 / 0.011 / 1e6)
+    assert spec.profile_mb_s(4, 1e5) == spec.profile_mb_s(64, 1e5) == pytest.approx(2e5 / 0.011 / 1e6)  # 2 slots
+    assert TierSpec(bandwidth_mb_s=50).profile_mb_s(8, 1e6) == 50  # no latency: the pipe
+    assert TierSpec(bandwidth_mb_s=50, latency_ms=1).profile_mb_s(1000, 1e6) == 50
+    assert TierSpec(name="as it is").profile_mb_s(4, 1e5) is None  # no figures: the storage's own
+
+
+def test_bench_through_a_tier_over_slower_storage_says_its_figures_are_that_storages(tmp_path, monkeypatch):
+    """`loadopt bench` under an emulated tier over a disk slower than the tier's figures: each run, and the
+    decision resting on them, says its reads were bounded by that disk; over a faster disk, nothing is said."""
+    import loadopt.storage.imagefolder as imagefolder
+
+    loaders = {"torch": {"variant": "tuned", "num_workers": 0}}
+    tier = {"name": "fast", "bandwidth_mb_s": 1000, "latency_ms": 2}
+    results = _bench(tmp_path, tier, loaders, "roomy")  # the tier's 2 ms a read set every read's time
+    assert results["runs"][0]["status"] == "ok" and results["runs"][0]["bounded_by_base"] is None
+    assert "bounded" not in json.loads((tmp_path / "roomy" / "decision.json").read_text())["text"]
+
+    disk = TierSpec(name="disk", bandwidth_mb_s=0.3).model_dump(mode="json")  # the machine's disk, slower
+    monkeypatch.setattr(imagefolder, "tier_filesystem", lambda spec, base: EmulatedFileSystem(
+        spec.model_dump(mode="json"), EmulatedFileSystem(disk, base)))
+    results = _bench(tmp_path, tier, loaders, "starved")
+    run = results["runs"][0]
+    assert run["status"] == "ok" and run["bounded_by_base"].startswith("reads bounded by the"), run
+    assert "not a figure of tier fast" in run["bounded_by_base"]
+    decision = json.loads((tmp_path / "starved" / "decision.json").read_text())
+    assert run["bounded_by_base"] in decision["text"] and decision["bounded_by_base"] == run["bounded_by_base"]

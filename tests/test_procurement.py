@@ -2,14 +2,23 @@
 
 import json
 import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
+from loadopt.bench import procurement
 from loadopt.bench.procurement import demand, predict, run_tiers, search
 from loadopt.config import config_from_dict
+from loadopt.storage.emulated import EmulatedFileSystem
 from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.tiers import BASE_BOUND_SHARE, TierSpec
 
 from .conftest import tiny_config_dict
 from .test_cli import loadopt, one_line_error
@@ -41,6 +50,9 @@ def test_supported_accelerators_known_by_construction(tmp_path):
         above = [t for t in row["trials"] if t["accelerators"] == measured + 1]
         assert above and above[0]["accelerator_utilisation"] < AU  # the next count was tried and fell short
         assert row["delivered_mb_s"] <= row["spec"]["bandwidth_mb_s"] * 1.05  # never more than the tier gives
+        # the tier's figures, not the local disk under it, set the reads' times: its own answer, from the probe
+        assert row["bounded_by_base"] is None and row["prediction"]["source"] == "the probe", row["base"]
+        assert row["base"]["probe_share"] < BASE_BOUND_SHARE and row["base"]["storage"] == "local disk"
     assert result["tiers"][0]["cost"] == {"per_month": None}
     assert result["tiers"][0]["cost_per_supported_accelerator"] is None
     # The report renders the tiers section from this file (the keys report/data.py reads).
@@ -88,6 +100,11 @@ def test_cli_tiers_table_and_errors(tmp_path):
                    "--no-backends", "--out", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert "loadopt tiers" in proc.stdout and "tiny" in proc.stdout
+    # not on a terminal: the plan up front, then one line per trial and one per tier (no bar is drawn)
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("1 tier (tiny): a probe and about") and "trials" in lines[0], proc.stderr
+    assert [line for line in lines if line.startswith("tiny: trial 1 (at most")], proc.stderr
+    assert lines[-1].startswith("tiny: 0 accelerators kept at AU >= 90%"), proc.stderr
     result = json.loads((tmp_path / "out" / "tiers.json").read_text())
     row = result["tiers"][0]
     # 0.1 MB/s feeds nobody
@@ -137,3 +154,96 @@ def test_the_tier_sweep_takes_both_image_forms_but_one_of_records():
     assert all(not isinstance(value, list) for settings in sweep.values() for value in settings.values()), sweep
     images = config_from_dict({**raw, "dataset": {"kind": "images"}}, "img.yaml")
     assert backend_sweep(images)["posix"]["form"] == ["decoded", "encoded"]
+
+
+def test_a_tier_over_slower_storage_says_so_and_predicts_from_its_own_figures(tmp_path, monkeypatch):
+    """An emulated tier can only slow the storage under it down: over a disk slower than its figures, what is
+    measured is that disk's, the row says so, and the prediction comes from the tier's figures."""
+    config = small_config(tmp_path)
+    need = demand(config, float(open_dataset(config).sizes.mean()), AU)["mb_per_s_at_threshold"]
+    disk = TierSpec(name="disk", bandwidth_mb_s=1.5 * need).model_dump(mode="json")  # feeds one accelerator
+    fast = {"name": "fast", "bandwidth_mb_s": 1000 * need, "latency_ms": 0.2}  # would feed every one of them
+
+    def over_slow_disk(spec, base):  # the machine's disk, as slow as the one the tier's answer followed
+        return EmulatedFileSystem(spec.model_dump(mode="json"), EmulatedFileSystem(disk, base))
+
+    monkeypatch.setattr(procurement, "tier_filesystem", over_slow_disk)
+    row = run_tiers(config, [fast], au=AU, max_accelerators=3, warmup_s=0.3, measure_s=0.8)["tiers"][0]
+    assert row["accelerators_supported"] <= 2, row["trials"]  # the disk's answer
+    assert "bounded by the" in row["bounded_by_base"] and "not a figure of tier fast" in row["bounded_by_base"]
+    assert row["bounded_by_base"] in row["measured_note"]
+    from loadopt.report import write_report
+
+    (tmp_path / "tiers.json").write_text(json.dumps({"command": "loadopt tiers", "runs": [], "tiers": [row]}))
+    assert "not a figure of tier fast" in write_report([tmp_path / "tiers.json"]).read_text()
+    assert max(row["base"]["probe_share"], row["base"]["deciding_trial_share"] or 0) >= BASE_BOUND_SHARE
+    # the prediction is the tier's own: all 3 (the search's bound); the probe through the slow disk said fewer
+    assert row["predicted_accelerators"] == 3 and row["prediction"]["source"].startswith("the tier's own figures")
+    assert row["prediction"]["probe_accelerators"] <= 2
+
+
+def test_the_plan_said_up_front_follows_the_tiers_figures(tmp_path):
+    """The trials the search will run by a tier's figures, and under --quick a tier whose batches are slow
+    keeps its backends uncompared (said why) where a fast one runs them all."""
+    from loadopt.bench.procurement import plan_line, plan_tier, search_trials
+
+    assert search_trials(5, 64) == [1, 2, 4, 8, 6, 5]  # the sequence `search` tries (test above)
+    config = config_from_dict(tiny_config_dict(tmp_path, loaders={"arrow": {}, "torch": {"variant": ["plain",
+                                                                                                     "tuned"]}}))
+    dataset = open_dataset(config)
+    need = demand(config, float(dataset.sizes.mean()), AU)["mb_per_s_at_threshold"]
+    options = {"au": AU, "max_accelerators": 64, "readers": 4, "probe_s": 0.5, "ranks": None, "backends": True,
+               "backend_warmup": 2, "backend_batches": 8}
+    roomy = plan_tier(config, TierSpec(name="roomy", bandwidth_mb_s=3.5 * need), dataset, quick=False, **options)
+    assert roomy.expected_accelerators == 3 and roomy.expected_trials == search_trials(3, roomy.most)
+    assert roomy.backend_settings == 4 and roomy.backend_batches == 8  # arrow's two forms, torch's two variants
+    slow = TierSpec(name="far", latency_ms=2000)
+    quick = [plan_tier(config, spec, dataset, quick=True, **options) for spec in (TierSpec(name="roomy",
+                                                                                          bandwidth_mb_s=3.5 * need),
+                                                                                 slow)]
+    assert quick[0].backend_settings == 3 and quick[0].backend_batches == 8  # --quick: torch's last variant only
+    assert quick[1].backend_settings == 0 and "not compared under --quick" in quick[1].backend_note
+    line = plan_line(quick, 0.5, 1.0, 30.0)
+    assert line.startswith("2 tiers (roomy, far)") and "trials" in line and "in all" in line
+
+
+@pytest.mark.parametrize(("signal_name", "after"), [("SIGTERM", "second: trial 1 "), ("SIGINT", "second: trial 1 "),
+                                                     ("SIGTERM", "2 tiers (")])
+def test_cli_tiers_stopped_keeps_the_tiers_that_finished(tmp_path, signal_name, after):
+    """SIGTERM (`timeout`, Slurm) or Ctrl-C mid-run: the tiers that finished are in tiers.json (and the report),
+    with what stopped it and the trials of the tier cut short; stopped before any finished, nothing is written."""
+    profiles = tmp_path / "tiers.yaml"
+    profiles.write_text(yaml.safe_dump({"tiers": {name: {"bandwidth_mb_s": 100} for name in ("first", "second")}}))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "r", pipeline={"batch_size": 4, "image_size": 32},
+                                                    workload={"step_time_ms": 20})))
+    out = tmp_path / "out"
+    env = {**os.environ, "LOADOPT_TIERS": str(profiles), "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "tiers", str(path), "--tiers", "first,second",
+                             "--max-accelerators", "2", "--readers", "2", "--warmup", "0.2", "--measure", "0.6",
+                             "--no-backends", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+    reader.start()
+    seen = [lines.get(timeout=120)]
+    while not seen[-1].startswith(after):
+        seen.append(lines.get(timeout=120))
+    proc.send_signal(getattr(signal, signal_name))
+    proc.wait(timeout=60)
+    stdout = proc.stdout.read()
+    reader.join(timeout=10)
+    stderr = "".join(seen + list(lines.queue))
+    assert proc.returncode == (143 if signal_name == "SIGTERM" else 130), stderr
+    assert "Traceback" not in stderr
+    if after.startswith("2 tiers"):  # before any tier finished: the folder is left as it was (it was not there)
+        assert not out.exists() and "before any tier finished: no results were written" in stderr
+        return
+    doc = json.loads((out / "tiers.json").read_text())
+    assert [row["name"] for row in doc["tiers"]] == ["first"] and doc["tiers"][0]["accelerators_supported"] >= 1
+    assert doc["interrupted"] and doc["interrupted_by"] == signal_name
+    assert doc["cut_short"]["tier"] == "second" and len(doc["cut_short"]["trials"]) >= 1
+    assert f"It was interrupted ({signal_name}): only the tiers that finished" in (out / "report.html").read_text()
+    assert "first" in stdout
+    assert f"interrupted ({signal_name}): the 1 tier(s) measured were kept" in stderr
+    assert "second was cut short in its search" in stderr

@@ -107,11 +107,16 @@ def _consumer_main(queue, dataset, settings, rank, world, t_start, t_window, t_e
         queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
 
 
+def start_delay_s(count: int) -> float:
+    """How long after its call a trial of `count` forked consumers starts: every process has started by then."""
+    return 0.2 + 0.02 * count
+
+
 def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: float, measure_s: float) -> dict[str, Any]:
     """`count` consumers at once on `dataset` (whose `fs` is the tier); their figures and the mean AU."""
     context = multiprocessing.get_context("fork")  # the consumers inherit the dataset and the tier instance
     queue = context.Queue()
-    t_start = time.perf_counter() + 0.2 + 0.02 * count  # after every process has started
+    t_start = time.perf_counter() + start_delay_s(count)
     t_window = t_start + warmup_s
     t_end = t_window + measure_s
     procs = [context.Process(target=_consumer_main, daemon=True,
@@ -125,6 +130,10 @@ def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: flo
             results.append(queue.get(timeout=max(60.0, t_end - time.perf_counter() + 60.0)))
     except queue_module.Empty:
         raise RuntimeError(f"{count} consumers: no answer from {count - len(results)} of them") from None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the trial is dropped, its consumers need not finish it
+        for proc in procs:
+            proc.kill()
+        raise
     finally:
         for proc in procs:
             proc.join(timeout=10)

@@ -111,6 +111,8 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     own_order = order_passed_over(results, excluded)
     if own_order:
         text += f"; passed over for their library's own order ({ORDER_OPT_IN}): {', '.join(own_order)}"
+    if best.get("bounded_by_base"):  # its figures are the storage's under the emulated tier, not the tier's
+        text += f"; {best['bounded_by_base']}"
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": best["backend"], "settings": best["settings"], "label": best["label"], "samples_per_s": rate,
@@ -121,6 +123,7 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
         # faster or not, never chosen: they deliver another training input
         "excluded": [{"label": label, "differences": why} for label, why in excluded.items()],
         "passed_over_for_order": own_order,
+        "bounded_by_base": best.get("bounded_by_base"),
         "created": results["created"], "date": results["created"][:10],
         "loadopt_version": library_versions().get("loadopt"), "config_source": results.get("config_source"),
         "device": results["device"],

@@ -25,28 +25,73 @@ Predicted: from `loadopt probe` of the tier (whole-sample reads of the dataset a
 16 and 64): N consumers with `readers` threads each keep about N x readers requests in flight, so
 the tier delivers the probe's MB/s at that concurrency (interpolated, flat past the last level);
 each consumer needs AU x batch bytes / step time. N_pred is the largest N whose share meets that.
+
+Bounded by the storage under it: an emulated tier can only slow its base down. Where the base's own
+reads ran past the times the tier's figures give them (a share of the request time of at least
+`BASE_BOUND_SHARE`, in the probe or in the trial that decided the count), the measured figures are the
+base's, not the tier's: the row says so (`bounded_by_base`), and the prediction comes from the tier's
+own figures (`TierSpec.profile_mb_s`) instead of the probe.
+
+Up front, the plan (`TierPlan`, from the tiers' own figures): how many trials at most and about how
+long; as it goes, one line per trial, per backend run and per tier (`TiersProgress`). Ctrl-C or
+SIGTERM keeps the tiers that finished (`interrupted_by`, and the trials of the tier cut short).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loadopt.bench.consumers import ConsumerSettings, run_consumers
+from loadopt.bench.consumers import ConsumerSettings, run_consumers, start_delay_s
+from loadopt.config import backend_settings
 from loadopt.config_models import Config
-from loadopt.errors import ConfigError
+from loadopt.errors import ConfigError, Terminated
 from loadopt.schema import SCHEMA_VERSION
 from loadopt.storage.probe import probe
-from loadopt.storage.tiers import TierSpec, resolve_tier, tier_filesystem
+from loadopt.storage.tiers import (
+    BASE_BOUND_SHARE,
+    TierSpec,
+    base_bound_text,
+    base_share,
+    resolve_tier,
+    storage_under,
+    tier_counters,
+    tier_filesystem,
+)
 
-Progress = Callable[[str], None]
+if TYPE_CHECKING:
+    from loadopt.progress import Reporter
+
+PROBE_LEVELS = (1, 4, 16, 64)  # whole-sample reads in flight that the probe measures
+TRIAL_JOIN_S = 0.3  # a trial's forks and its collection, beyond its start delay and its window (an estimate)
+BACKEND_START_S = 2.0  # a backend's start, eviction and close, beyond its batches (an estimate, for the plan)
+BACKEND_IN_FLIGHT = 2  # requests a backend keeps in flight through the tier, for the plan (the configs' threads)
+QUICK_PROBE_S = 0.5  # --quick: seconds per probed level, and no sequential pattern (the prediction reads none)
+QUICK_BACKEND_RUN_S = 6.0  # --quick: each backend's batches through the tier take about this at most
+
+
+class TiersProgress:
+    """What `run_tiers` tells as it goes; the CLI prints it, the library ignores it."""
+
+    def status(self, text: str) -> None:
+        """What runs now (a progress bar's description)."""
+
+    def line(self, text: str) -> None:
+        """One finished step (the plan, a trial, a tier), for a log as much as for a terminal."""
+
+    def bench_reporter(self) -> Reporter:
+        """The reporter of the backends' runs through a tier (`loadopt bench`'s)."""
+        from loadopt.progress import Reporter
+
+        return Reporter()
 
 
 def demand(config: Config, mean_sample_bytes: float, au: float) -> dict[str, float]:
@@ -59,12 +104,6 @@ def demand(config: Config, mean_sample_bytes: float, au: float) -> dict[str, flo
     full = batch_bytes / step_s / 1e6
     return {"batch_bytes": batch_bytes, "step_time_ms": step_s * 1000.0, "mb_per_s": full,
             "mb_per_s_at_threshold": full * au, "mean_sample_bytes": mean_sample_bytes}
-
-
-# ---------------------------------------------------------------------------------------------
-# One consumer (runs in a forked process)
-
-
 
 
 def search(trial: Callable[[int], dict[str, Any]], threshold: float, max_n: int,
@@ -113,14 +152,37 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     return float(np.interp(x, xs, ys))
 
 
+def search_trials(supported: int, max_n: int) -> list[int]:
+    """The accelerator counts `search` tries when `supported` of them pass and more fail (no time budget)."""
+    trial = lambda n: {"accelerators": n, "accelerator_utilisation": float(n <= supported)}  # noqa: E731
+    return [t["accelerators"] for t in search(trial, 0.5, max_n, math.inf)[1]]
+
+
+def probe_points(probe_result: dict[str, Any]) -> list[tuple[float, float]]:
+    """(requests in flight, MB/s) of the probe's whole-sample reads."""
+    return sorted((p["concurrency"], p["mb_per_s"]) for p in probe_result["patterns"]
+                  if p["pattern"] == "files" and "skipped" not in p)
+
+
+def profile_points(spec: TierSpec, request_bytes: float, levels: tuple[int, ...] = PROBE_LEVELS
+                   ) -> list[tuple[float, float]]:
+    """(requests in flight, MB/s) that the tier's own figures give whole-sample reads; [] without figures."""
+    points = [(float(c), spec.profile_mb_s(c, request_bytes)) for c in levels]
+    return [(c, m) for c, m in points if m is not None]
+
+
 def predict(probe_result: dict[str, Any], need_mb_s: float, readers: int, max_n: int) -> dict[str, Any]:
     """N_pred from the probe's whole-sample reads: the largest N whose share of what the tier delivers
     at N x readers requests in flight is at least `need_mb_s` (the per-accelerator demand at the AU
     threshold)."""
-    points = sorted((p["concurrency"], p["mb_per_s"]) for p in probe_result["patterns"]
-                    if p["pattern"] == "files" and "skipped" not in p)
+    points = probe_points(probe_result)
     if not points:
         return {"accelerators": None, "note": "the probe measured no whole-sample reads"}
+    return predict_from(points, need_mb_s, readers, max_n)
+
+
+def predict_from(points: list[tuple[float, float]], need_mb_s: float, readers: int, max_n: int) -> dict[str, Any]:
+    """`predict` from (requests in flight, MB/s) points: the probe's, or a tier's own figures'."""
     supported = 0
     for n in range(1, max_n + 1):
         if _interpolate(points, n * readers) / n >= need_mb_s:
@@ -164,17 +226,18 @@ def tier_costs(spec: TierSpec, capacity_tb: float, supported: int) -> dict[str, 
     return {"per_month": per_month, "per_accelerator_month": per_month / supported if supported else None}
 
 
-DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "text", "excluded")
+DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "text", "excluded", "bounded_by_base")
 
 
-def backend_sweep(config: Config) -> dict[str, dict[str, Any]]:
+def backend_sweep(config: Config, quick: bool = False) -> dict[str, dict[str, Any]]:
     """The backends to compare on each tier: the config's, arrow and posix in both forms (images; records
     and tokens have one stored form, whatever `form` says), every other swept knob at its last (most
-    parallel) listed value."""
+    parallel) listed value; `quick` takes the last `variant` too (the stored forms are the tier's question)."""
     loaders: dict[str, dict[str, Any]] = {}
     one_form = config.dataset.kind != "images"
+    kept = ("form",) if quick else ("form", "variant")
     for name, raw in config.loaders.items():
-        settings = {k: (v[-1] if isinstance(v, list) and v and (one_form or k not in ("form", "variant")) else v)
+        settings = {k: (v[-1] if isinstance(v, list) and v and (one_form or k not in kept) else v)
                     for k, v in raw.items()}
         if name in ("arrow", "posix", "kvikio") and not one_form:
             settings["form"] = ["decoded", "encoded"]
@@ -182,125 +245,347 @@ def backend_sweep(config: Config) -> dict[str, dict[str, Any]]:
     return loaders
 
 
-def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: int,
-                     measure_batches: int) -> dict[str, Any]:
+def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: int, measure_batches: int,
+                     reporter: Reporter | None = None, quick: bool = False,
+                     bounded_by_base: str | None = None) -> dict[str, Any]:
     """Every backend of `backend_sweep` through tier `spec` (cold, one accelerator), as `loadopt bench`
-    runs them: their figures, where their bytes came from, and the decision recorded for this tier."""
+    runs them: their figures, where their bytes came from, and the decision recorded for this tier
+    (which says so when the tier's row is bounded by the storage under it: `bounded_by_base`).
+    `interrupted_by` is set when Ctrl-C or SIGTERM stopped them (the runs that finished are kept)."""
     from loadopt.bench.metrics import median
     from loadopt.bench.runner import run_bench
 
     workload = config.workload.model_copy(update={"warmup_batches": warmup_batches,
                                                   "measure_batches": measure_batches, "repeats": 1})
     tier_config = config.model_copy(update={
-        "loaders": backend_sweep(config), "workload": workload,
+        "loaders": backend_sweep(config, quick), "workload": workload,
         "storage": config.storage.model_copy(update={"tier": spec.model_dump(mode="json"), "cache": "cold"})})
-    outcome = run_bench(tier_config, out=out, attribute=False)
+    outcome = run_bench(tier_config, out=out, attribute=False, reporter=reporter)
     results = outcome.results
     runs = []
     for run in results["runs"]:
         row = {"label": run["label"], "backend": run["backend"], "status": run["status"], "reason": run["reason"],
                "form": (run.get("settings") or {}).get("form"), "bytes_source": run.get("bytes_source"),
-               "recipe": run.get("recipe")}  # a setting of another recipe never becomes the tier's decision
+               "recipe": run.get("recipe"),  # a setting of another recipe never becomes the tier's decision
+               "bounded_by_base": run.get("bounded_by_base")}
         if "metrics" in run:
             m = run["metrics"]
             row.update({key: median(m, key) for key in ("samples_per_s", "mb_per_s", "accelerator_utilisation",
                                                          "bytes_read", "tier_bytes", "wall_s")})
         runs.append(row)
-    decision = results.get("decision") or {}
-    return {"runs": runs, "ranking": results["ranking"],
-            "results": str(outcome.json_path) if outcome.json_path else None,  # None: nothing measured
-            "decision": {k: decision[k] for k in DECISION_KEYS if k in decision} or None}
+    decision = {k: v for k, v in (results.get("decision") or {}).items() if k in DECISION_KEYS}
+    if decision and bounded_by_base and not decision.get("bounded_by_base"):
+        decision["bounded_by_base"] = bounded_by_base
+        decision["text"] = f"{decision.get('text', '')}; the tier's row is {bounded_by_base}"
+    compared: dict[str, Any] = {"runs": runs, "ranking": results["ranking"],
+                                "results": str(outcome.json_path) if outcome.json_path else None,  # None: nothing
+                                "decision": decision or None}
+    if outcome.interrupted:
+        compared["interrupted_by"] = results.get("interrupted_by") or "SIGINT"
+    return compared
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: what runs on each tier, and about how long it takes
+
+
+@dataclasses.dataclass
+class TierPlan:
+    """What `run_tiers` does on one tier and about how long it takes, from the tier's own figures (the storage
+    under it may be slower: then it takes longer)."""
+
+    name: str
+    most: int  # the search's bound: --max-accelerators, the dataset's shards or the torchrun job's ranks
+    bound: str | None  # what set `most` when it is not --max-accelerators
+    expected_accelerators: int | None  # from the tier's figures; None without figures
+    expected_trials: list[int]  # the counts the search tries if the tier's figures hold
+    longest_trials: list[int]  # the longest search there can be
+    probe_s: float
+    backend_settings: int  # 0: no backend compared on it
+    backend_warmup: int
+    backend_batches: int
+    batch_s: float  # a batch through the tier by its figures (the step time at least)
+    backend_note: str = ""  # why fewer batches, or none
+
+    def trial_s(self, count: int, warmup_s: float, measure_s: float) -> float:
+        return start_delay_s(count) + warmup_s + measure_s + TRIAL_JOIN_S
+
+    def seconds(self, warmup_s: float, measure_s: float, budget_s: float, worst: bool = False) -> float:
+        """Its probe, search and backends: as its figures say (`worst`: every trial the search may run)."""
+        counts = self.longest_trials if worst else self.expected_trials
+        search_s, longest = 0.0, 0.0
+        for count in counts:
+            if search_s > budget_s:  # the search stops once its budget is spent (after the trial running then)
+                break
+            longest = self.trial_s(count, warmup_s, measure_s)
+            search_s += longest
+        backends_s = self.backend_settings * (BACKEND_START_S + (self.backend_warmup + self.backend_batches)
+                                              * self.batch_s)
+        return self.probe_s + search_s + backends_s
+
+
+def plan_tier(config: Config, spec: TierSpec, dataset, *, au: float, max_accelerators: int, readers: int,
+              probe_s: float, ranks: int | None, backends: bool, backend_warmup: int, backend_batches: int,
+              quick: bool) -> TierPlan:
+    """The plan of one tier (`TierPlan`): its search's bound, the trials its figures lead to, its backends."""
+    batch = config.pipeline.batch_size
+    most, bound = max_accelerators, None
+    by_data = max(1, len(dataset) // batch)  # each accelerator reads its own shard
+    if by_data < most:
+        most, bound = by_data, (f"bounded by the dataset: {len(dataset):,} samples give at most {by_data} "
+                                f"accelerators a batch of {batch} each (a larger dataset lifts it)")
+    if ranks is not None and ranks < most:
+        most, bound = ranks, f"bounded by the torchrun job: {ranks} ranks, one accelerator each"
+    mean = float(dataset.sizes.mean())
+    figures = profile_points(spec, mean, _levels(most * readers))
+    expected = predict_from(figures, demand(config, mean, au)["mb_per_s_at_threshold"], readers, most)[
+        "accelerators"] if figures else None
+    longest = max((search_trials(n, most) for n in range(most + 1)), key=len)
+    sequence = search_trials(expected, most) if expected is not None else longest
+    step_s = config.workload.step_time_ms / 1000.0
+    rate = spec.profile_mb_s(BACKEND_IN_FLIGHT, mean)
+    batch_s = max(step_s, batch * mean / (rate * 1e6)) if rate else step_s
+    settings = sum(len(backend_settings(config.model_copy(update={"loaders": backend_sweep(config, quick)}), name))
+                   for name in config.loaders) if backends else 0
+    warmup, batches, note = backend_warmup, backend_batches, ""
+    if settings and quick:
+        fit = int(QUICK_BACKEND_RUN_S / batch_s) - warmup
+        if fit < 2:
+            settings, batches = 0, 0
+            note = (f"not compared under --quick: a batch of {batch} through {spec.name} takes about {batch_s:,.1f} s "
+                    f"by its figures (run without --quick to compare the backends on it)")
+        elif fit < batches:
+            batches, note = fit, f"{fit} measured batches under --quick (a batch takes about {batch_s:,.2f} s)"
+    probed = probe_s * (len(_levels(most * readers)) + (0 if quick else 1))
+    return TierPlan(spec.name, most, bound, expected, sequence, longest, probed, settings, warmup, batches, batch_s,
+                    note)
+
+
+def plan_line(plans: list[TierPlan], warmup_s: float, measure_s: float, budget_s: float) -> str:
+    """The plan said up front: the tiers, the trials at most, the backends, about how long in all."""
+    expected = sum(p.seconds(warmup_s, measure_s, budget_s) for p in plans)
+    worst = sum(p.seconds(warmup_s, measure_s, budget_s, worst=True) for p in plans)
+    trials = sum(len(p.expected_trials) for p in plans)
+    at_most = sum(len(p.longest_trials) for p in plans)
+    runs = sum(p.backend_settings for p in plans)
+    backends = (f"; {runs} backend runs through them, cold ({max(p.backend_warmup for p in plans)} + up to "
+                f"{max(p.backend_batches for p in plans)} batches each)") if runs else ""
+    return (f"{len(plans)} tier{'s' if len(plans) != 1 else ''} ({', '.join(p.name for p in plans)}): a probe and "
+            f"about {trials} trials of {warmup_s:g} + {measure_s:g} s (at most {at_most}, {budget_s:g} s of search a "
+            f"tier){backends}; about {_duration(expected)} in all by the tiers' own figures (at most about "
+            f"{_duration(worst)}; longer where the storage under a tier is slower than its figures)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _levels(most_in_flight: int) -> tuple[int, ...]:
+    """The probe's levels: those of PROBE_LEVELS below `most_in_flight`, and that one (never more in flight)."""
+    return tuple(sorted({c for c in PROBE_LEVELS if c < most_in_flight} | {min(PROBE_LEVELS[-1], most_in_flight)}))
+
+
+# ---------------------------------------------------------------------------------------------
+# The procurement table
 
 
 def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 0.9, max_accelerators: int = 64,
               readers: int = 4, prefetch: int = 2, warmup_s: float = 1.0, measure_s: float = 3.0,
               probe_s: float = 1.0, budget_s: float = 300.0, capacity_tb: float | None = None,
-              progress: Progress | None = None, backends_out: str | None = None, backend_warmup: int = 3,
+              progress: TiersProgress | None = None, backends_out: str | None = None, backend_warmup: int = 3,
               backend_batches: int = 20, consumers: Callable[..., dict[str, Any]] = run_consumers,
-              ranks: int | None = None) -> dict[str, Any]:
+              ranks: int | None = None, quick: bool = False) -> dict[str, Any]:
     """For each tier: supported accelerators (measured and predicted), with what was delivered and cost;
     with `backends_out` (a folder), also every backend compared on it (`compare_backends`). `consumers` plays
-    a trial's accelerators (forked processes; under torchrun the job's `ranks`, bench/tier_ranks.py)."""
+    a trial's accelerators (forked processes; under torchrun the job's `ranks`, bench/tier_ranks.py).
+    `quick`: no sequential probe, the last `variant` only, and each tier's backend runs sized to its figures.
+    Ctrl-C or SIGTERM ends it early with the tiers that finished (`interrupted_by`)."""
     if not 0 < au <= 1:
         raise ConfigError(f"--au {au}: expected a utilisation threshold in (0, 1]")
     if max_accelerators < 1:
         raise ConfigError(f"--max-accelerators {max_accelerators}: expected at least 1")
-    say = progress or (lambda text: None)
+    say = progress or TiersProgress()
+    started = time.perf_counter()
     specs = [resolve_tier(t, where=f"--tiers {t}") for t in tiers]
     settings = ConsumerSettings(config.pipeline.batch_size, config.workload.step_time_ms / 1000.0, readers, prefetch,
                                 config.seed, config.pipeline.shuffle, config.pipeline.drop_last)
-    rows = []
+    rows: list[dict[str, Any]] = []
     need = None
-    for spec in specs:
-        dataset = _open_for_tier(config, spec)
-        need = demand(config, float(dataset.sizes.mean()), au)
-        capacity = capacity_tb if capacity_tb is not None else float(dataset.sizes.sum()) / 1e12
-        say(f"{spec.name}: probing")
-        probed = dataset_probe(_tier_dataset(dataset, spec), probe_s, max_accelerators * readers)
-        predicted = predict(probed, need["mb_per_s_at_threshold"], readers, max_accelerators)
-
-        def trial(n: int, spec: TierSpec = spec, dataset=dataset) -> dict[str, Any]:
-            say(f"{spec.name}: {n} accelerators")
-            return consumers(_tier_dataset(dataset, spec), settings, n, warmup_s, measure_s)
-
-        most, bound = max_accelerators, None
-        by_data = max(1, len(dataset) // config.pipeline.batch_size)  # each accelerator reads its own shard
-        if by_data < most:
-            most, bound = by_data, (f"bounded by the dataset: {len(dataset):,} samples give at most {by_data} "
-                                    f"accelerators a batch of {config.pipeline.batch_size} each (a larger dataset "
-                                    "lifts it)")
-        if ranks is not None and ranks < most:
-            most, bound = ranks, f"bounded by the torchrun job: {ranks} ranks, one accelerator each"
-        measured, trials, note = search(trial, au, most, budget_s)
-        if bound is not None and measured == most:
-            note = f"at least {most}: the search stops there, {bound}"
-        at = next((t for t in trials if t["accelerators"] == measured), None)
-        cost = tier_costs(spec, capacity, measured)
-        # one key each (loadopt.schema.TierRow, schema version 2): the keys `loadopt report` reads
-        rows.append({"name": spec.name, "spec": spec.redacted(), "accelerators_supported": measured,
-                     "measured_note": note, "au_threshold": au, "predicted_accelerators": predicted["accelerators"],
-                     "au_by_accelerators": sorted([t["accelerators"], t["accelerator_utilisation"]] for t in trials
-                                                  if t.get("accelerator_utilisation") is not None),
-                     "price_per_tb_month": spec.price_per_tb_month,
-                     "cost_per_supported_accelerator": cost["per_accelerator_month"],
-                     "prediction": predicted,
-                     "delivered_mb_s": at["mb_per_s"] if at else 0.0,
-                     "samples_per_s": at["samples_per_s"] if at else 0.0,
-                     "accelerator_utilisation": at["accelerator_utilisation"] if at else None,
-                     "cpu_load": at["cpu_load"] if at else None,
-                     "cost": {"per_month": cost["per_month"]}, "capacity_tb": capacity,
-                     "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
-                     "probe": probed})
-        if backends_out is not None:
-            say(f"{spec.name}: every backend through the tier")
-            rows[-1]["backends"] = compare_backends(config, spec, str(Path(backends_out) / _folder_name(spec.name)),
-                                                    backend_warmup, backend_batches)
+    current: dict[str, Any] = {}
+    interrupted_by: str | None = None
+    plans: list[TierPlan] = []
+    try:
+        datasets = []
+        for spec in specs:
+            say.status(f"{spec.name}: opening the dataset")
+            datasets.append(_open_for_tier(config, spec))
+            plans.append(plan_tier(config, spec, datasets[-1], au=au, max_accelerators=max_accelerators,
+                                   readers=readers, probe_s=probe_s, ranks=ranks, backends=backends_out is not None,
+                                   backend_warmup=backend_warmup, backend_batches=backend_batches, quick=quick))
+        say.line(plan_line(plans, warmup_s, measure_s, budget_s))
+        for index, (spec, dataset, plan) in enumerate(zip(specs, datasets, plans, strict=True)):
+            tier_started = time.perf_counter()
+            current = {"tier": spec.name, "stage": "probe", "trials": []}
+            need = demand(config, float(dataset.sizes.mean()), au)
+            row = _measure_tier(config, spec, dataset, plan, need, settings, consumers, say, current, au=au,
+                                warmup_s=warmup_s, measure_s=measure_s, probe_s=probe_s, budget_s=budget_s,
+                                capacity_tb=capacity_tb, quick=quick, readers=readers)
+            rows.append(row)
+            searched_s = time.perf_counter() - tier_started
+            backends_started = time.perf_counter()
+            if backends_out is not None:
+                current = {"tier": spec.name, "stage": "backends"}
+                if plan.backend_settings:
+                    say.status(f"{spec.name}: every backend through the tier")
+                    say.line(f"{spec.name}: every backend through the tier, cold: {plan.backend_settings} settings, "
+                             f"{plan.backend_warmup} + {plan.backend_batches} batches each"
+                             f"{' (' + plan.backend_note + ')' if plan.backend_note else ''}")
+                    row["backends"] = compare_backends(config, spec, str(Path(backends_out) / _folder_name(spec.name)),
+                                                       plan.backend_warmup, plan.backend_batches,
+                                                       say.bench_reporter(), quick, row.get("bounded_by_base"))
+                else:
+                    row["backends"] = {"runs": [], "ranking": [], "results": None, "decision": None,
+                                       "skipped": plan.backend_note or "no backend to compare"}
+            row["seconds"]["backends"] = time.perf_counter() - backends_started
+            elapsed = time.perf_counter() - started
+            left = sum(p.seconds(warmup_s, measure_s, budget_s) for p in plans[index + 1:])
+            say.line(_tier_line(row, len(row["trials"]), searched_s, time.perf_counter() - tier_started) +
+                     f" [{_duration(elapsed)} in all{f', about {_duration(left)} left' if left else ''}]")
+            interrupted_by = (row.get("backends") or {}).get("interrupted_by")
+            if interrupted_by:
+                current = {}  # the tier's row is kept, with the backend runs that finished
+                break
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
+        interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     from loadopt.machine import machine_info
 
-    return {"schema_version": SCHEMA_VERSION, "command": "loadopt tiers",
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "config_source": config.source, "config": {"name": config.name}, "machine": machine_info(),
-            "device": "emulated accelerators", "au_threshold": au,
-            "demand": need,
-            "consumer": {"kind": "storage reader (the samples' stored bytes, no decode; as DLIO / MLPerf Storage)",
-                         "readers": readers, "prefetch_batches": prefetch, "warmup_s": warmup_s,
-                         "measure_s": measure_s, "max_accelerators": max_accelerators},
-            "runs": [],  # no loader settings: the report shows the tiers section of this file
-            "tiers": rows}
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "command": "loadopt tiers",
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "config_source": config.source, "config": {"name": config.name}, "machine": machine_info(),
+        "device": "emulated accelerators", "au_threshold": au, "quick": quick,
+        "demand": need,
+        "consumer": {"kind": "storage reader (the samples' stored bytes, no decode; as DLIO / MLPerf Storage)",
+                     "readers": readers, "prefetch_batches": prefetch, "warmup_s": warmup_s,
+                     "measure_s": measure_s, "max_accelerators": max_accelerators},
+        "plan": {"tiers": [p.name for p in plans], "trials_expected": sum(len(p.expected_trials) for p in plans),
+                 "trials_at_most": sum(len(p.longest_trials) for p in plans),
+                 "expected_s": sum(p.seconds(warmup_s, measure_s, budget_s) for p in plans),
+                 "at_most_s": sum(p.seconds(warmup_s, measure_s, budget_s, worst=True) for p in plans)},
+        "elapsed_s": time.perf_counter() - started,
+        "interrupted": interrupted_by is not None,
+        "runs": [],  # no loader settings: the report shows the tiers section of this file
+        "tiers": rows}
+    if interrupted_by is not None:
+        doc["interrupted_by"] = interrupted_by
+        if current:  # the tier cut short: what it had measured, not a row (its search did not end)
+            doc["cut_short"] = current
+    return doc
+
+
+def _measure_tier(config: Config, spec: TierSpec, dataset, plan: TierPlan, need: dict[str, float],
+                  settings: ConsumerSettings, consumers: Callable[..., dict[str, Any]], say: TiersProgress,
+                  current: dict[str, Any], *, au: float, warmup_s: float, measure_s: float, probe_s: float,
+                  budget_s: float, capacity_tb: float | None, quick: bool, readers: int) -> dict[str, Any]:
+    """One tier's row: its probe, its search, what bounded it, and its cost."""
+    capacity = capacity_tb if capacity_tb is not None else float(dataset.sizes.sum()) / 1e12
+    say.status(f"{spec.name}: probing")
+    began = time.perf_counter()
+    probed_on = _tier_dataset(dataset, spec)
+    probed = dataset_probe(probed_on, QUICK_PROBE_S if quick else probe_s, plan.most * readers,
+                           sequential=not quick)
+    probed_s = time.perf_counter() - began
+    probe_share = base_share(tier_counters(probed_on.fs))
+    predicted = predict(probed, need["mb_per_s_at_threshold"], readers, plan.most)
+    current["stage"] = "search"
+
+    def trial(n: int) -> dict[str, Any]:
+        say.status(f"{spec.name}: {n} accelerator{'s' if n != 1 else ''}")
+        began = time.perf_counter()
+        tiered = _tier_dataset(dataset, spec)
+        result = consumers(tiered, settings, n, warmup_s, measure_s)
+        result["base_share"] = base_share(tier_counters(tiered.fs))
+        result["seconds"] = time.perf_counter() - began
+        kept = result["passed"] = result["accelerator_utilisation"] >= au
+        current["trials"].append({k: v for k, v in result.items() if k != "per_consumer"})
+        say.line(f"{spec.name}: trial {len(current['trials'])} (at most {len(plan.longest_trials)}): {n} "
+                 f"accelerator{'s' if n != 1 else ''}, AU {result['accelerator_utilisation']:.1%} "
+                 f"{'>=' if kept else '<'} {au:.0%}, {result['mb_per_s']:,.1f} MB/s, CPU load "
+                 f"{result['cpu_load']:.0%} ({result['seconds']:.1f} s)")
+        return result
+
+    searched = time.perf_counter()
+    measured, trials, note = search(trial, au, plan.most, budget_s)
+    seconds = {"probe": probed_s, "search": time.perf_counter() - searched, "backends": 0.0}
+    if plan.bound is not None and measured == plan.most:
+        note = f"at least {plan.most}: the search stops there, {plan.bound}"
+    at = next((t for t in trials if t["accelerators"] == measured), None)
+    # The trial that set the count: the smallest count above it that fell short.
+    short = min((t for t in trials if not t["passed"] and t["accelerators"] > measured),
+                key=lambda t: t["accelerators"], default=None)
+    trial_share = short.get("base_share") if short is not None else None
+    figures = profile_points(spec, float(dataset.sizes.mean()), _levels(plan.most * readers))
+    by_figures = predict_from(figures, need["mb_per_s_at_threshold"], readers, plan.most) if figures else {}
+    most_by_figures = by_figures.get("accelerators") or 0
+    # Bounded by the base where its reads ran past the tier's figures and that lowered a count below theirs:
+    # the measured one (through the trial that fell short) or the probe's prediction.
+    bounded = None
+    if (trial_share or 0) >= BASE_BOUND_SHARE and most_by_figures > measured or \
+            (probe_share or 0) >= BASE_BOUND_SHARE and most_by_figures > (predicted.get("accelerators") or 0):
+        delivered = [m for _, m in probe_points(probed)] + [t["mb_per_s"] for t in trials]
+        bounded = base_bound_text(spec.name, storage_under(probed_on.fs, str(dataset.root)),
+                                  max(delivered, default=None))
+        by_figures.update({"source": "the tier's own figures (the storage under it is slower)",
+                           "probe_accelerators": predicted.get("accelerators")})
+        predicted = by_figures
+        note = f"{note}; {bounded}"
+    else:
+        predicted["source"] = "the probe"
+    cost = tier_costs(spec, capacity, measured)
+    # one key each (loadopt.schema.TierRow, schema version 2): the keys `loadopt report` reads
+    return {"name": spec.name, "spec": spec.redacted(), "accelerators_supported": measured,
+            "measured_note": note, "au_threshold": au, "predicted_accelerators": predicted["accelerators"],
+            "au_by_accelerators": sorted([t["accelerators"], t["accelerator_utilisation"]] for t in trials
+                                         if t.get("accelerator_utilisation") is not None),
+            "price_per_tb_month": spec.price_per_tb_month,
+            "cost_per_supported_accelerator": cost["per_accelerator_month"],
+            "prediction": predicted,
+            "delivered_mb_s": at["mb_per_s"] if at else 0.0,
+            "samples_per_s": at["samples_per_s"] if at else 0.0,
+            "accelerator_utilisation": at["accelerator_utilisation"] if at else None,
+            "cpu_load": at["cpu_load"] if at else None,
+            "cost": {"per_month": cost["per_month"]}, "capacity_tb": capacity,
+            "bounded_by_base": bounded, "seconds": seconds,
+            "base": {"storage": storage_under(probed_on.fs, str(dataset.root)), "probe_share": probe_share,
+                     "deciding_trial_share": trial_share, "bound_share": BASE_BOUND_SHARE},
+            "trials": [{k: v for k, v in t.items() if k != "per_consumer"} for t in trials],
+            "probe": probed}
+
+
+def _tier_line(row: dict[str, Any], trials: int, searched_s: float, tier_s: float) -> str:
+    """One tier's outcome, as the progress says it."""
+    count = row["accelerators_supported"]
+    text = (f"{row['name']}: {count} accelerator{'s' if count != 1 else ''} kept at AU >= {row['au_threshold']:.0%} "
+            f"({row['measured_note']}), predicted {row['predicted_accelerators']} from "
+            f"{row['prediction'].get('source', 'the probe')}; {trials} trials, {searched_s:.0f} s")
+    backends = row.get("backends")
+    if backends is not None:
+        decision = backends.get("decision") or {}
+        text += (f"; backends: {backends['skipped']}" if backends.get("skipped") else
+                 f"; backends {tier_s - searched_s:.0f} s, auto picks {decision.get('label') or 'nothing'}")
+    return text
 
 
 def _folder_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "tier"
 
 
-def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64) -> dict[str, Any]:
-    """The probe of a tier for prediction: sequential reads and whole-sample reads at 1, 4, 16 and 64 in
-    flight (those up to `most_in_flight`, and that one: no more are ever in flight in the search)."""
-    levels = sorted({c for c in (1, 4, 16, 64) if c < most_in_flight} | {min(64, most_in_flight)})
+def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64, sequential: bool = True) -> dict[str, Any]:
+    """The probe of a tier for prediction: whole-sample reads at 1, 4, 16 and 64 in flight (those up to
+    `most_in_flight`, and that one: no more are ever in flight in the search), and sequential reads."""
     if dataset.kind == "records":  # <root>/<record file>
         root = os.path.dirname(dataset.files[0].decode())
     else:  # <root>/<class>/<sample>, as the tier's fs names it
         root = os.path.dirname(os.path.dirname(dataset.path(0)))
-    return probe(root, fs=dataset.fs, block_sizes=(), concurrencies=tuple(levels), duration_s=duration_s,
-                 seq_bytes=64 << 20, whole_files=True, cold=False, max_requests=200_000)
-
+    return probe(root, fs=dataset.fs, block_sizes=(), concurrencies=_levels(most_in_flight), duration_s=duration_s,
+                 seq_bytes=64 << 20, whole_files=True, cold=False, max_requests=200_000, sequential=sequential)

@@ -20,7 +20,7 @@ from loadopt.machine import machine_fingerprint, machine_info
 from loadopt.schema import SCHEMA_VERSION, RunStatus
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
-from loadopt.storage.tier_reads import bytes_source
+from loadopt.storage.tier_reads import bounded_by_base, bytes_source
 from loadopt.storage.tiers import resolve_tier, sum_counters
 
 
@@ -61,6 +61,9 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
             run["status"], run["reason"] = RunStatus.NOT_RUN, not_run or "the bench stopped before this setting ran"
         if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
             run["tier_counters"] = sum_counters(setting.tier_counters)
+            if "metrics" in run:  # a slower storage under an emulated tier answers for itself, not the tier
+                figures = [median(run["metrics"], k) for k in ("tier_bytes", "wall_s", "accelerator_utilisation")]
+                run["bounded_by_base"] = bounded_by_base(dataset, run["tier_counters"], *figures)
         runs.append(run)
     measured = sorted((r for r in runs if "metrics" in r),
                       key=lambda r: -(median(r["metrics"], "samples_per_s") or 0.0))

@@ -12,7 +12,7 @@ from rich.markup import escape
 from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
 from loadopt.cli.process import setup_logging, terminate_as_interrupt
 from loadopt.cli.results import auto_report
-from loadopt.cli.tables import bytes_source_lines, not_run_lines, recipe_lines, results_table
+from loadopt.cli.tables import bytes_source_lines, not_run_lines, recipe_lines, results_table, run_bound_lines
 from loadopt.errors import Terminated, shown_name
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
@@ -63,6 +63,8 @@ def bench(
         console.print(f"[yellow]{escape(line)}[/]", highlight=False)
     for line in bytes_source_lines(results):
         console.print(f"[dim]{escape(line)}[/]", highlight=False)
+    for line in run_bound_lines(results):
+        console.print(f"[yellow]{escape(line)}[/]", highlight=False)
     for n, line in enumerate(recipe_lines(results)):
         console.print(f"[dim]{escape(line)}[/]" if n == 0 else f"[yellow]{escape(line)}[/]", highlight=False)
     console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")

@@ -24,10 +24,11 @@ def setup_logging(verbose: bool) -> None:
 
 
 @contextmanager
-def terminate_as_interrupt() -> Iterator[list[bool]]:
+def terminate_as_interrupt(interrupted: list[bool] | None = None) -> Iterator[list[bool]]:
     """SIGTERM (Slurm, Kubernetes, `timeout`) stops the command as Ctrl-C does: `errors.Terminated`, a
     KeyboardInterrupt, is raised in the main thread once (a second SIGTERM is ignored, so the cleanup and
-    the writing of the finished runs are not cut short). Yields a list holding True once it came."""
+    the writing of the finished runs are not cut short). Yields a list holding True once it came; True is
+    appended to `interrupted` once Ctrl-C came (for a caller to raise it again where a finaliser ate it)."""
     import signal
     import threading
 
@@ -37,7 +38,7 @@ def terminate_as_interrupt() -> Iterator[list[bool]]:
         return
 
     owner = os.getpid()
-    interrupted: list[bool] = []
+    interrupted = interrupted if interrupted is not None else []
 
     def stop(signum: int, frame: Any) -> None:
         if os.getpid() != owner:  # a forked worker inherited this handler: end it as SIGTERM always did

@@ -10,11 +10,54 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from loadopt.cli.console import SetOption, console, progress_bar, user_errors
+from loadopt.bench.procurement import TiersProgress
+from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
+from loadopt.cli.process import terminate_as_interrupt
 from loadopt.cli.results import auto_report
-from loadopt.cli.tables import backend_lines, backends_table, probe_table, tiers_table
+from loadopt.cli.tables import backend_lines, backends_table, bounded_lines, probe_table, tiers_table
+from loadopt.errors import Terminated
+from loadopt.progress import Reporter
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
+
+
+class RichTiersProgress(TiersProgress):
+    """`loadopt tiers` as it goes: the bar's description on a terminal, and one line per finished step on
+    stderr (a log gets them too, where the bar is not drawn). A stop (SIGTERM in `terminated`, Ctrl-C in
+    `interrupted`) whose raise a finaliser swallowed (each trial's tier is finalised) is raised again here."""
+
+    def __init__(self, progress: Any, terminated: list[bool], interrupted: list[bool]) -> None:
+        self.progress, self.terminated, self.interrupted = progress, terminated, interrupted
+        self.task = progress.add_task("tiers", total=None)
+
+    def status(self, text: str) -> None:
+        _raise_stop(self.terminated, self.interrupted)
+        self.progress.update(self.task, description=text)
+
+    def line(self, text: str) -> None:
+        _raise_stop(self.terminated, self.interrupted)
+        self.progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    def bench_reporter(self) -> Reporter:
+        return _TierBenchReporter(self.progress, self.terminated, self.interrupted)
+
+
+class _TierBenchReporter(RichReporter):
+    """The backends' runs on a tier, drawn as `loadopt bench` draws them, stopped by Ctrl-C as by SIGTERM."""
+
+    def __init__(self, progress: Any, terminated: list[bool], interrupted: list[bool]) -> None:
+        super().__init__(progress, terminated)
+        self.interrupted = interrupted
+
+    def stop_if_terminated(self) -> None:
+        _raise_stop(self.terminated, self.interrupted)
+
+
+def _raise_stop(terminated: list[bool], interrupted: list[bool]) -> None:
+    if terminated:
+        raise Terminated()
+    if interrupted:
+        raise KeyboardInterrupt()
 
 
 @app.command()
@@ -95,8 +138,9 @@ def tiers(
                                   "(arrow and posix decoded and encoded) through each tier, cold: the decision "
                                   "per tier."),
     backend_batches: int = typer.Option(20, "--backend-batches", help="Measured batches per backend and tier."),
-    quick: bool = typer.Option(False, "--quick", help="A first look: 1 s trials, 30 s of search per tier, "
-                                                      "8 measured batches per backend."),
+    quick: bool = typer.Option(False, "--quick", help="A first look in a few minutes: 1 s trials, 30 s of search "
+                                                      "per tier, a shorter probe, up to 8 measured batches per "
+                                                      "backend (fewer, or none, where a tier's batches are slow)."),
     set_: list[str] = SetOption,
 ) -> None:
     """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
@@ -106,11 +150,12 @@ def tiers(
     from loadopt.bench.distributed import launched_rank
     from loadopt.bench.tier_ranks import run_tiers_here
     from loadopt.config import load_config
-    from loadopt.files import atomic_write_text, prepare_output
+    from loadopt.files import atomic_write_text, discard_output, prepare_output
     from loadopt.schema import results_text
     from loadopt.storage.tiers import load_tier_profiles
 
-    with user_errors():
+    interrupted: list[bool] = []
+    with user_errors(), terminate_as_interrupt(interrupted) as terminated:
         cfg = load_config(config, set_ or [])
         if tier_names:
             names: list[Any] = [t.strip() for t in tier_names.split(",") if t.strip()]
@@ -119,20 +164,27 @@ def tiers(
         else:
             names = list(load_tier_profiles())
         # Under torchrun rank 0 writes (the other ranks may be on machines without the folder).
+        existed = Path(out).expanduser().exists()
         folder = prepare_output(out) if launched_rank() == 0 else Path(out)
         if quick:
             measure, warmup, budget, backend_batches = min(measure, 1.0), min(warmup, 0.5), min(budget, 30.0), \
                 min(backend_batches, 8)
         with progress_bar() as progress:
-            task = progress.add_task("tiers", total=None)
             # Alone, or one rank of `torchrun ... -m loadopt tiers` (each rank one accelerator: bench/tier_ranks.py)
             result = run_tiers_here(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
                                     warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
-                                    progress=lambda text: progress.update(task, description=text),
+                                    progress=RichTiersProgress(progress, terminated, interrupted),
                                     backends_out=str(Path(folder) / "backends") if backends else None,
-                                    backend_warmup=2 if quick else 3, backend_batches=backend_batches)
+                                    backend_warmup=2 if quick else 3, backend_batches=backend_batches, quick=quick)
         if result is None:  # a torchrun rank other than 0: rank 0 writes and prints
             return
+        stopped = result.get("interrupted_by")
+        code = Terminated.exit_code if stopped == "SIGTERM" else 130
+        if stopped and not result["tiers"]:  # nothing finished: nothing is written, the folder stays as it was
+            discard_output(folder, existed)
+            err_console.print(f"interrupted ({stopped}) before any tier finished: no results were written",
+                              highlight=False, markup=False)
+            raise typer.Exit(code)
         json_path = Path(folder) / "tiers.json"
         atomic_write_text(json_path, results_text(result))
     console.print(tiers_table(result))
@@ -141,9 +193,22 @@ def tiers(
                   f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
                   f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
                   f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
+    for line in bounded_lines(result):
+        console.print(f"[yellow]{escape(line)}[/]", highlight=False)
     if any("backends" in row for row in result["tiers"]):
         console.print(backends_table(result))
         for line in backend_lines(result):
             console.print(escape(line), highlight=False)
-    console.print(f"results: {json_path}", highlight=False)
+    console.print(f"results: {json_path} ({result['elapsed_s']:,.0f} s)", highlight=False)
     auto_report(json_path)
+    if stopped:
+        cut = result.get("cut_short") or {}
+        where = ""
+        if cut.get("stage") == "backends":
+            where = f"; {cut['tier']} was cut short in its backends (its row and its finished backend runs are kept)"
+        elif cut:
+            where = (f"; {cut['tier']} was cut short in its {cut['stage']} ({len(cut.get('trials') or [])} trial(s) "
+                     "in cut_short, not a row)")
+        err_console.print(f"interrupted ({stopped}): the {len(result['tiers'])} tier(s) measured were kept in "
+                          f"{json_path}{where}", highlight=False, markup=False)
+        raise typer.Exit(code)

@@ -148,6 +148,28 @@ def backends_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def bounded_lines(result: dict[str, Any]) -> list[str]:
+    """Per tier of `loadopt tiers` whose figures the storage under it bounded: why, and what its own figures say."""
+    lines = []
+    for row in result.get("tiers") or []:
+        if not row.get("bounded_by_base"):
+            continue
+        base = row.get("base") or {}
+        share = max((s for s in (base.get("probe_share"), base.get("deciding_trial_share")) if s is not None),
+                    default=None)
+        why = (f" ({share:.0%} of the read time was the {base.get('storage', 'storage under it')}'s, past the tier's "
+               f"own figures: an emulated tier can only slow the storage under it down)") if share is not None else ""
+        lines.append(f"{row['name']}: measured {row['accelerators_supported']}, {row['bounded_by_base']}{why}; "
+                     f"its own figures predict {row['predicted_accelerators']}")
+    return lines
+
+
+def run_bound_lines(results: dict[str, Any]) -> list[str]:
+    """One line per bench run through an emulated tier whose figures the storage under the tier bounded."""
+    return [f"{run['label']}: {run['bounded_by_base']}" for run in results.get("runs") or []
+            if run.get("bounded_by_base")]
+
+
 def backend_lines(result: dict[str, Any]) -> list[str]:
     """Per tier: the decision and where the bytes came from; then the settings that did not run, and why."""
     lines = []
@@ -155,13 +177,21 @@ def backend_lines(result: dict[str, Any]) -> list[str]:
         backends = row.get("backends")
         if not backends:
             continue
+        if backends.get("skipped"):
+            lines.append(f"{row['name']}: backends not compared: {backends['skipped']}")
+            continue
         decision = backends.get("decision") or {}
         sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
-        lines.append(f"{row['name']}: auto picks {decision.get('label') or 'nothing (no setting ran)'}"
+        ran = sum(1 for r in backends["runs"] if r.get("samples_per_s") is not None)
+        nothing = (f"nothing (interrupted by {backends['interrupted_by']} after {ran} of {len(backends['runs'])} "
+                   "settings: no decision recorded)") if backends.get("interrupted_by") else "nothing (no setting ran)"
+        lines.append(f"{row['name']}: auto picks {decision.get('label') or nothing}"
                      f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
         for run in backends["runs"]:
             if run.get("samples_per_s") is None:
                 lines.append(f"  {row['name']}, {run['label']}: {run['status']}: {run['reason']}")
+            elif run.get("bounded_by_base"):
+                lines.append(f"  {row['name']}, {run['label']}: {run['bounded_by_base']}")
     return lines
 
 

@@ -204,6 +204,9 @@ def _tiers(res: Results, palette: plots.Palette) -> str:
     parts.append(_table(["tier", "AU threshold", "accelerators supported", "predicted from probe", "dataset",
                          "delivered MB/s", "samples/s", "$/TB-month", "$ per supported accelerator"], rows,
                         numeric={1, 2, 3, 4, 5, 6, 7, 8}))
+    for t in tiers:  # an emulated tier over slower storage measured that storage: its prediction is its own figures'
+        if t.get("bounded_by_base"):
+            parts.append(_note(f"{t['name']}: {t['bounded_by_base']}; predicted from the tier's own figures."))
     return "".join(parts)
 
 
@@ -225,7 +228,9 @@ def _decision(res: Results) -> str:
         parts.append(_note("Bottleneck attribution was not measured for these results (the stages were not run "
                            "apart), so no stage is named as the bottleneck."))
     if res.doc.get("interrupted"):
-        parts.append(_note("The bench was interrupted: only the runs that finished are in it."))
+        what = "tiers that" if res.doc.get("command") == "loadopt tiers" else "runs that"
+        parts.append(_note(f"It was interrupted ({res.doc.get('interrupted_by') or 'stopped'}): only the {what} "
+                           "finished are in it."))
     return "".join(parts)
 
 

@@ -8,6 +8,8 @@ Each read request (a whole file or a byte range):
 3. may fail (an injected I/O error after the latency) or hang (`timeout_s`, then a timeout);
 4. reserves its transfer on the tier's bandwidth clock: a virtual clock of when the tier's pipe is
    next free (a token bucket without burst), so all readers together get `bandwidth_mb_s`.
+   A real read that ends after the time the tier's figures give the request is counted (`base_over_s`):
+   the emulation can only slow the storage under it down, so those requests are the base's, not the tier's.
 Transient errors are retried with capped exponential backoff (storage/remote.py) and counted.
 
 The limits hold for the tier as a whole, across threads and processes (forked DataLoader workers,
@@ -147,8 +149,11 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
                 if spec.bandwidth_mb_s is not None:
                     done = state.reserve_transfer(len(data), ready, spec.bandwidth_mb_s * 1e6)
                     releases_at(done)
-                # counted before the wait, so that the bookkeeping hides inside the tier's time
-                add(requests=1, bytes=len(data), throttle_s=max(0.0, done - time.monotonic()))
+                # counted before the wait, so that the bookkeeping hides inside the tier's time; a real read
+                # that ends after `done` is the base's time, not the tier's: the emulation can only slow it
+                read_end = time.monotonic()
+                add(requests=1, bytes=len(data), throttle_s=max(0.0, done - read_end),
+                    request_s=max(done, read_end) - arrival, base_over_s=max(0.0, read_end - done))
         if draw < spec.error_rate:
             sleep_until_monotonic(done)
             state.add(requests=1, errors=1, injected_errors=1)

@@ -34,9 +34,11 @@ import numpy as np
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote import is_local_fs, redact
+from loadopt.storage.tiers import storage_under
 
 log = logging.getLogger(__name__)
 
+BUSY_ENOUGH = 0.9  # a run keeping its accelerator this busy was bounded by nothing under it (MLPerf's AU bound)
 CONVERTED_FOLDER = ".loadopt"  # beside the source, when the dataset is not on the local disk
 # Storage a conversion is never written to beside the source: fsspec writes HTTP as POST requests, which
 # a static file server refuses and any other server may take for something else.
@@ -87,8 +89,26 @@ def bytes_source(dataset: Dataset, conversion: bool = False) -> str:
     if tier is None:
         return "local disk (direct reads)"
     spec = tier.spec
-    under = "local disk" if is_local_fs(tier.base_fs) else redact(str(dataset.root).split("://", 1)[0] + "://")
+    under = storage_under(tier, str(dataset.root))
     return f"tier {redact(spec.name)} ({'emulated' if spec.emulates() else 'as it is'}) over {under}"
+
+
+def bounded_by_base(dataset: Dataset, counters: dict[str, float] | None, tier_bytes: float | None,
+                    wall_s: float | None, accelerator_utilisation: float | None) -> str | None:
+    """For a run through an emulated tier that kept its accelerator waiting (utilisation below
+    `BUSY_ENOUGH`) while the storage under the tier slowed its reads past the tier's own figures
+    (`base_share` of `counters` at least `BASE_BOUND_SHARE`): what its figures are, at the MB/s the run got
+    through the tier (`tier_bytes` in `wall_s`); else None."""
+    from loadopt.storage.tiers import BASE_BOUND_SHARE, base_bound_text, base_share
+
+    tier = tier_fs(dataset)
+    share = base_share(counters)
+    if tier is None or tier.spec.profile_mb_s(1, 1) is None or share is None or share < BASE_BOUND_SHARE \
+            or accelerator_utilisation is None or accelerator_utilisation >= BUSY_ENOUGH:
+        return None
+    mb_s = tier_bytes / wall_s / 1e6 if tier_bytes and wall_s else None
+    return (f"reads {base_bound_text(tier.spec.name, storage_under(tier, str(dataset.root)), mb_s)} ({share:.0%} of "
+            "their time was the storage under the tier, past the tier's own figures)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 COUNTERS = ("requests", "bytes", "retries", "errors", "injected_errors", "injected_timeouts", "failed_reads",
-            "throttle_s")
+            "throttle_s", "request_s", "base_over_s")
+# Seconds, kept as floats: the rest are counts. `request_s` sums the reads' times from arrival to their end;
+# `base_over_s` the part of it the storage under the tier took past the end the tier's figures gave them.
+TIMES = ("throttle_s", "request_s", "base_over_s")
 _CLOCK = 0  # the state file's first value; the counters start at index 2 (1 is unused)
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 # From here on, one value per slot: when its holder expects to release it; then one per slot: when the
@@ -132,7 +135,7 @@ class SharedTierState:
             first = SLOT_RELEASES + 2 * slots
             totals = [values[2 + i] + sum(values[first + k * width + i] for k in range(slots))
                       for i in range(width)]
-        return {name: (totals[i] if name == "throttle_s" else int(totals[i])) for i, name in enumerate(COUNTERS)}
+        return {name: (totals[i] if name in TIMES else int(totals[i])) for i, name in enumerate(COUNTERS)}
 
     def reserve_transfer(self, nbytes: int, earliest: float, bytes_per_s: float) -> float:
         """Book `nbytes` on the tier's pipe no earlier than `earliest`; returns when the transfer ends."""

@@ -57,6 +57,21 @@ class TierSpec(BaseModel):
         return (self.bandwidth_mb_s is not None or self.latency_ms > 0 or self.max_concurrency is not None
                 or self.error_rate > 0 or self.timeout_rate > 0)
 
+    def profile_mb_s(self, in_flight: float, request_bytes: float) -> float | None:
+        """MB/s the tier's own figures deliver to `in_flight` requests of `request_bytes` each, whatever the
+        storage under it: each takes the latency and its transfer, at most `max_concurrency` at once, all
+        together at most `bandwidth_mb_s` (injected faults left out). None when the tier limits neither
+        bandwidth nor latency (then its figures are the storage's own)."""
+        if self.bandwidth_mb_s is None and self.latency_ms <= 0:
+            return None
+        if in_flight <= 0 or request_bytes <= 0:
+            return 0.0
+        served = min(in_flight, self.max_concurrency or in_flight)
+        pipe = None if self.bandwidth_mb_s is None else self.bandwidth_mb_s * 1e6
+        seconds = self.latency_ms / 1000.0 + (request_bytes / pipe if pipe else 0.0)
+        rate = served * request_bytes / seconds
+        return (rate if pipe is None else min(rate, pipe)) / 1e6
+
     def redacted(self) -> dict[str, Any]:
         """The spec as JSON-ready data, with credentials removed (for results and printing)."""
         return redact(self.model_dump(mode="json"))
@@ -189,6 +204,35 @@ def tier_failure(exc: BaseException, fs: fsspec.AbstractFileSystem,
     example = redact(str(exc).split(": ", 1)[0])  # the loaders' read errors start with the file's path
     return StorageError(f"storage tier {name!r} keeps failing: {int(delta['failed_reads'])} read(s) gave up after "
                         f"{attempts} attempts each ({int(delta.get('retries', 0))} retries in all), e.g. {example}")
+
+
+# From this share of a tier's request time run past the tier's figures by the storage under it, the figures
+# measured through the tier are that storage's, not the tier's (the emulation can only slow it down).
+BASE_BOUND_SHARE = 0.2
+
+
+def base_share(counters: dict[str, float] | None) -> float | None:
+    """The share of the requests' time (arrival to end) that the storage under the tier took past the end the
+    tier's figures gave them: 0 when the emulation set every request's time; None without requests or a tier."""
+    if not counters or not counters.get("request_s"):
+        return None
+    return float(counters.get("base_over_s", 0.0)) / float(counters["request_s"])
+
+
+def base_bound_text(tier: str, under: str, mb_s: float | None) -> str:
+    """What a figure through tier `tier` says when the storage under it bounded it (`base_share` >= the bound)."""
+    rate = f" at {mb_s:,.0f} MB/s" if mb_s is not None else ""
+    return f"bounded by the {under}{rate}: not a figure of tier {redact(tier)}"
+
+
+def storage_under(fs: fsspec.AbstractFileSystem, root: str = "") -> str:
+    """The storage a tier's reads end on, as results name it: `local disk`, else the URL's scheme."""
+    from loadopt.storage.emulated import EmulatedFileSystem
+
+    base = fs.base_fs if isinstance(fs, EmulatedFileSystem) else fs
+    if is_local_fs(base):
+        return "local disk"
+    return redact(str(root).split("://", 1)[0] + "://") if "://" in str(root) else f"{base.protocol} storage"
 
 
 def tier_label(tier: str | dict[str, Any] | TierSpec) -> str:
