@@ -69,14 +69,15 @@ def ready_loader(config, prefetch: int = 0):
             stop = threading.Event()
 
             def fill():
-                for batch in made:
+                for batch in [*made, None]:  # None: the end of the pass
                     while not stop.is_set():
                         try:
                             ready.put(batch, timeout=0.05)
                             break
                         except queue.Full:
                             continue
-                ready.put(None)
+                    if stop.is_set():
+                        return
 
             thread = threading.Thread(target=fill, daemon=True)
             thread.start()

@@ -68,8 +68,8 @@ def test_stall_fraction_and_throughput_match_the_truth(delay_s, step_s, backgrou
 def test_a_finishing_slower_than_the_step_is_the_finishings_stall():
     """Batches ready at once, their finishing (a real copy and normalisation of large uint8 batches on the
     emulated device) longer than the step: the stall is the finishing's, at least 1 - step / finishing."""
-    loader = pixel_loader(batch_size=32, size=224)
-    step_s = 0.004
+    loader = pixel_loader(batch_size=64, size=224)
+    step_s = 0.002
     m = measure(0.0, step_s, False, batches=30, loader=loader)
     finish_s = m["finish_s"] / m["batches"]
     assert finish_s > 2 * step_s  # the premise: the finishing cannot keep up with the step
