@@ -74,10 +74,16 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
     probes: list[BatchProbe] = []
     try:
         for index in range(total):
+            if device is not None and index == max(0, warmup_batches - 1):
+                # Started while the device still runs the warm-up's steps: the monitor's first look at the
+                # process tree takes the host milliseconds that would otherwise hold up the first measured
+                # batch of a loader that makes its batches on the host (its CPU window one batch longer).
+                monitor.start()
             if index == warmup_batches:
                 if device is None:  # the warm-up's steps end before the window opens (the clock knows when)
                     accelerator.drain()
-                monitor.start()
+                if not monitor.running:
+                    monitor.start()
                 bytes_read_start = loader.counters.bytes_read
                 tier_start = tier_counters(getattr(loader.dataset, "fs", None))
                 window_start = time.perf_counter()
