@@ -4,14 +4,23 @@ On a GPU the copy runs on a side stream from (ideally pinned) host memory, timed
 that are read back later, so timing never forces a synchronisation per step. On a CPU-only machine
 the "device" is emulated for the harness: the copy goes into a preallocated destination buffer, which
 costs what a host-to-device copy costs the host (a memory copy), and nothing is faked.
+
+A GPU runs the copy and the finishing kernels queued on its streams, asynchronously to the host and
+beside the step before: `EmulatedStream` is the emulated device's stream, one host thread that runs
+each batch's copy and finishing in order while the host goes on to the next batch and the emulated step
+runs. Its CPU is the host's (counted as CPU cost, as everything the process does); the accelerator is
+idle only when a step has to wait for it (loadopt/bench/harness.py says whose wait that was).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -133,6 +142,77 @@ class DeviceTransfer:
             t.record_stream(consumer)  # the caching allocator must not reuse them under the consumer
         self.last = TransferTiming(nbytes, pinned, Elapsed(events=(start, end)))
         return out
+
+
+class HostCopyDone:
+    """The end of a batch's copy on the emulated device's stream, waited on as a CUDA event is
+    (`synchronize()`): a backend that reuses its buffers (`HostBatch.borrowed`) waits on it before it
+    writes into the buffer again."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+@dataclass
+class StreamWork:
+    """One piece of work queued on an `EmulatedStream`; `wait()` gives its result (or raises its error)."""
+
+    run: Callable[[], Any]
+    began_s: float = 0.0  # host clock, when the stream started it
+    ended_s: float = 0.0  # host clock, when it was done
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class EmulatedStream:
+    """The emulated device's stream: a host thread that runs the work queued on it in order, asynchronously
+    to the thread that queued it (the copy and the finishing of each batch, as a GPU's copy stream and
+    kernels run them). Started at the first `submit`; `close()` lets the queued work end and stops it."""
+
+    def __init__(self, name: str = "loadopt-emulated-device") -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[StreamWork | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, run: Callable[[], Any]) -> StreamWork:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        work = StreamWork(run)
+        self._queue.put(work)
+        return work
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _serve(self) -> None:
+        while (work := self._queue.get()) is not None:
+            work.began_s = time.perf_counter()
+            try:
+                work.result = work.run()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never swallowed
+                work.error = exc
+            work.ended_s = time.perf_counter()
+            work.done.set()
 
 
 def _is_pinned(tensor: torch.Tensor) -> bool:

@@ -32,31 +32,41 @@ class DelaySettings(BaseModel):
 
 
 class DelayLoader(Loader[DelaySettings]):
-    """Produces each batch `delay_s` after the previous one (background) or on request (foreground)."""
+    """Produces each batch `delay_s` after the previous one (background) or on request (foreground).
+    `made_s`: how long making each batch took (the delay as slept, which runs long on a busy machine)."""
 
     name = "delay"
     Settings = DelaySettings
+    made_s: list[float]
 
     def _batch(self, indices: np.ndarray) -> HostBatch:
         inputs = torch.zeros((len(indices), 3, 8, 8))
         return HostBatch(inputs, torch.from_numpy(self.dataset.labels[indices]), indices)
 
+    def _made(self, indices: np.ndarray, delay: float) -> HostBatch:
+        began = time.perf_counter()
+        time.sleep(delay)
+        batch = self._batch(indices)
+        self.made_s.append(time.perf_counter() - began)
+        return batch
+
     def produce(self, batches):
         delay = self.settings.delay_s
+        if not hasattr(self, "made_s"):
+            self.made_s = []
         if not self.settings.background:
             for indices in batches:
-                time.sleep(delay)
-                yield self._batch(indices)
+                yield self._made(indices, delay)
             return
         ready: queue.Queue = queue.Queue(maxsize=self.settings.prefetch)
         stop = threading.Event()
 
         def produce():
             for indices in batches:
-                time.sleep(delay)
+                batch = self._made(indices, delay)
                 while not stop.is_set():
                     try:
-                        ready.put(self._batch(indices), timeout=0.05)
+                        ready.put(batch, timeout=0.05)
                         break
                     except queue.Full:
                         continue
@@ -78,3 +88,39 @@ def delay_loader(num_samples=4096, batch_size=16, rank=0, world_size=1, **settin
     # normalisation, so the known delays, not a layout conversion, are what the tests measure.
     return DelayLoader(memory_dataset(num_samples), PipelineConfig(batch_size=batch_size, memory_format="contiguous"),
                        DelaySettings(**settings), rank=rank, world_size=world_size)
+
+
+class PixelSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    size: int = 32
+    borrowed: bool = False  # True: one buffer, rewritten for every batch (a ring of one slot)
+
+
+class PixelLoader(Loader[PixelSettings]):
+    """uint8 NCHW batches at once, for the finishing to normalise: the same batch every time, or (borrowed)
+    one buffer holding batch n's number n % 256, rewritten once the device's copy of the last is done."""
+
+    name = "pixels"
+    Settings = PixelSettings
+
+    def produce(self, batches):
+        size, n = self.settings.size, self.pipeline.batch_size
+        generator = torch.Generator().manual_seed(0)
+        buffer = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=generator)
+        previous = None
+        for number, indices in enumerate(batches):
+            labels = torch.from_numpy(self.dataset.labels[indices])
+            if not self.settings.borrowed:
+                yield HostBatch(buffer[: len(indices)], labels, indices, normalised=False)
+                continue
+            if previous is not None and previous.copy_done is not None:
+                previous.copy_done.synchronize()
+            buffer.fill_(number % 256)
+            previous = HostBatch(buffer[: len(indices)], labels, indices, normalised=False, borrowed=True)
+            yield previous
+
+
+def pixel_loader(num_samples=4096, batch_size=16, **settings) -> PixelLoader:
+    size = settings.get("size", PixelSettings().size)
+    return PixelLoader(memory_dataset(num_samples), PipelineConfig(batch_size=batch_size, image_size=size),
+                       PixelSettings(**settings))

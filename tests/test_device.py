@@ -48,3 +48,37 @@ def test_native_normalise_covers_every_element():
     with pytest.raises(ValueError, match="need 16 output bytes"):
         device.native.normalise(torch.empty(3).numpy(), torch.zeros(4, dtype=torch.uint8).numpy(), (1, 1, 1),
                                 (0, 0, 0))
+
+
+def test_the_emulated_stream_runs_its_work_in_order_beside_the_caller_and_hands_back_errors():
+    import threading
+
+    from loadopt.device import EmulatedStream
+
+    stream = EmulatedStream()
+    release = threading.Event()
+    order: list[int] = []
+    try:
+        first = stream.submit(lambda: (release.wait(5), order.append(1), "one")[-1])
+        second = stream.submit(lambda: order.append(2) or 1 / 0)
+        assert not first.done.is_set()  # queued, not run by submit: the caller goes on
+        order.append(0)
+        release.set()
+        assert first.wait() == "one"
+        with pytest.raises(ZeroDivisionError):
+            second.wait()
+        assert order == [0, 1, 2]
+        assert first.began_s <= first.ended_s <= second.began_s <= second.ended_s
+    finally:
+        stream.close()
+
+
+def test_the_emulated_accelerator_clock_starts_a_step_when_its_batch_and_the_device_are_ready():
+    from loadopt.bench.accelerator import EmulatedAccelerator
+
+    accelerator = EmulatedAccelerator(0.025, torch.device("cpu"))
+    assert accelerator.clocked
+    assert accelerator.launch(10.0) == (10.0, 10.025)  # an idle device: at once
+    assert accelerator.launch(10.005) == (10.025, 10.05)  # ready early: after the step before
+    start, end = accelerator.launch(10.1)  # ready late: the device waited 0.05 s
+    assert start == 10.1 and end == pytest.approx(10.125)

@@ -290,3 +290,17 @@ def test_an_unreliable_ceiling_and_a_busy_machine_are_said_and_no_fraction_above
     for kind in ("markdown", "html"):
         text = render_report([str(path)], kind)
         assert "631%" not in text and "unreliable" in text and "the machine was busy" in text
+
+
+def test_a_steps_breakdown_on_the_emulated_device_adds_up_to_its_wall_time():
+    """The copy and finishing overlap the step before there: a step is its compute and the idle time before
+    it, the loader's and the host finishing's, not the host's wait, copy and finishing summed."""
+    from loadopt.report.data import Run
+
+    metrics = {"batches": 40, "wall_s": 1.6, "compute_s": 1.0, "wait_s": 1.2, "h2d_s": 0.1, "finish_s": 0.3,
+               "loader_stall_fraction": {"median": 0.3, "min": 0.3, "max": 0.3}, "finish_stall_fraction": 0.075}
+    step = Run("a", "delay", "ok", "", metrics, [], None).per_step_ms()
+    assert step == pytest.approx({"compute": 25.0, "wait": 12.0, "h2d": 0.0, "finish": 3.0, "other": 0.0})
+    serial = Run("b", "delay", "ok", "", {k: v for k, v in metrics.items() if "stall" not in k}, [], None)
+    assert serial.per_step_ms() == pytest.approx({"compute": 25.0, "wait": 30.0, "h2d": 2.5, "finish": 5.0,
+                                                  "other": 0.0})

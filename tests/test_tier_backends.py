@@ -232,3 +232,23 @@ def test_storage_that_refuses_the_upload_keeps_the_conversion_in_the_local_cache
                                            r"set storage.converted") as info:
         prepared_loader(explicit, open_dataset(explicit), backend, settings)
     assert "\n" not in str(info.value)
+
+
+def test_the_bench_tables_stall_says_whose_it_is():
+    from rich.console import Console
+
+    from loadopt.cli.tables import results_table
+
+    base = {"samples_per_s": 100.0, "mb_per_s": 11.0, "wait_p99_ms": 3.0, "cpu_seconds_per_1k_samples": 1.0,
+            "peak_pss_mb": 100.0}
+    split = {**base, "stall_fraction": {"median": 0.375, "min": 0.37, "max": 0.38},
+             "loader_stall_fraction": {"median": 0.371, "min": 0.36, "max": 0.38}, "finish_stall_fraction": 0.004}
+    cuda = {**base, "stall_fraction": 0.2, "loader_stall_fraction": None, "finish_stall_fraction": None}
+    results = {"config": {"name": "t"}, "device": "cpu", "dataset": {"num_samples": 8}, "ranking": ["a", "b"],
+               "runs": [{"label": "a", "metrics": split}, {"label": "b", "metrics": cuda}]}
+    console = Console(width=250, record=True)
+    console.print(results_table(results))
+    table = console.export_text()
+    assert "stall (loader + finish)" in table
+    assert "37.5% (37.1 + 0.4)" in table
+    assert "20.0%" in table and "20.0% (" not in table

@@ -1,9 +1,12 @@
 """The consumer's step: an emulated accelerator (as MLPerf Storage and DLIO do) or a real model.
 
 Emulated, on CUDA: a device-side busy kernel (`torch.cuda._sleep`) of the step time, so the host is
-free to fetch the next batch, exactly as with a real model. On the CPU: `time.sleep`, which releases
-the GIL so the loader's threads keep working. A step returns the compute time it took, either as
-seconds or, on CUDA, as an event pair read back later (never a synchronisation per step).
+free to fetch the next batch, exactly as with a real model. On the CPU the emulated accelerator is a
+clock (`EmulatedAccelerator.launch`): a step launched by the host starts when its batch is finished on
+the emulated device's stream and the step before has ended, and lasts the step time; as with the CUDA
+kernel nothing runs and the host goes on at once, held at most `AHEAD` steps ahead (the harness sleeps
+until then, which releases the GIL for the loader's threads). A step returns the compute time it took,
+either as seconds or, on CUDA, as an event pair read back later (never a synchronisation per step).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from collections import deque
 import torch
 
 from loadopt.device import Elapsed
+
+# Steps the host may launch ahead of the device, as a training loop's optimiser step and loss read-back
+# allow; an unbounded queue would hide stalls in the backlog.
+AHEAD = 2
 
 
 class Accelerator:
@@ -50,6 +57,19 @@ class EmulatedAccelerator(Accelerator):
         super().__init__(device)
         self.step_time_s = step_time_s
         self._cycles_per_s = _calibrate_sleep(device) if device.type == "cuda" else 0.0
+        self._busy_until = 0.0  # the CPU clock's: when the last step launched ends (host clock)
+
+    @property
+    def clocked(self) -> bool:
+        """True on the CPU, where steps are launched on the clock (`launch`) rather than run."""
+        return self.device.type != "cuda"
+
+    def launch(self, ready_s: float) -> tuple[float, float]:
+        """Launch a step whose batch is ready on the device at `ready_s` (host clock): its (start, end),
+        the start no earlier than the previous step's end. Nothing waits here (see the module)."""
+        start = max(ready_s, self._busy_until)
+        self._busy_until = start + max(0.0, self.step_time_s)
+        return start, self._busy_until
 
     def _work(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         if self.step_time_s <= 0:
@@ -60,7 +80,7 @@ class EmulatedAccelerator(Accelerator):
             time.sleep(self.step_time_s)
 
 
-def _bound_queue(pending: deque, event: torch.cuda.Event, depth: int = 2) -> None:
+def _bound_queue(pending: deque, event: torch.cuda.Event, depth: int = AHEAD) -> None:
     """Let the host run at most `depth` steps ahead of the device, as a training loop's optimiser
     step and loss read-back would; an unbounded queue would hide stalls in the backlog."""
     pending.append(event)

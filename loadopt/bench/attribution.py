@@ -17,6 +17,18 @@ CEILING_OVERSHOOT = 1.1  # a run this far above its ceiling shows the ceiling wa
 STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input path, sets the pace
 
 
+def finishing_stalls(metrics: dict[str, Any], wait_ms: float, finish_ms: float) -> bool:
+    """Whether the stall is the host finishing's rather than the loader's: from the harness's split of the
+    accelerator's idle time where it has one (loadopt/bench/harness.py), else (CUDA) where the batches
+    arrive in time and finishing them takes far longer than waiting for them."""
+    from loadopt.bench.metrics import median
+
+    loader_stall, finish_stall = median(metrics, "loader_stall_fraction"), median(metrics, "finish_stall_fraction")
+    if loader_stall is not None and finish_stall is not None:
+        return finish_stall > loader_stall
+    return finish_ms > 3 * wait_ms
+
+
 def _sample_bytes(metrics: dict[str, Any], key_bytes: str) -> float | None:
     from loadopt.bench.metrics import median
 
@@ -205,7 +217,7 @@ def attribute(run_metrics: dict[str, Any], backend_label: str, ceilings: dict[st
         bottleneck = "compute-bound"
         text = (f"compute-bound: the accelerator is busy {1 - stall:.0%} of the time; the loader delivers "
                 f"{rate:,.0f} {unit} ({cap}); a faster input path would not speed this job up")
-    elif finish_ms > 3 * wait_ms:  # the batches are there in time: the stall is spent finishing them
+    elif finishing_stalls(run_metrics, wait_ms, finish_ms):  # the batches are there in time: finishing stalls
         bottleneck = "finish-bound"
         # On a CPU-only machine the "device" is emulated on the host: its finishing competes with the loader.
         where = " (emulated on the host CPU here, sharing its cores with the loader)" if job.get("device") == "cpu" \

@@ -3,7 +3,14 @@
 Definitions (warm-up batches excluded):
 - `samples_per_s`, `mb_per_s`: samples and stored (encoded) sample bytes delivered per wall second;
   `tokens_per_s` (token workloads) = samples_per_s x seq_len.
-- `accelerator_utilisation` = sum(compute_i) / wall; `stall_fraction` = 1 - accelerator_utilisation.
+- `accelerator_utilisation` = sum(compute_i) / wall; `stall_fraction` = 1 - accelerator_utilisation: the
+  share of the window the accelerator was idle. The device runs as a GPU does (loadopt/bench/harness.py):
+  the copy and finishing of a batch overlap the step before, so they stall it only where they cannot keep up.
+- `loader_stall_fraction`, `finish_stall_fraction`: that idle time split by whose it was (summed
+  `loader_stall_s`, `finish_stall_s` of the probes over wall): the loader's (the device went idle before
+  the batch reached the host) and the host finishing's (the batch was there; its copy and finishing on
+  the host, or the host itself, were not done). On the emulated device they add up to `stall_fraction`;
+  None where the device's gaps are not seen on the host clock (CUDA: `device_idle_fraction`).
 - `wait_*_ms`: percentiles of wait_i, the time from asking for batch i to holding it.
 - `h2d_gb_per_s` = bytes moved / sum(h2d_i); `h2d_pinned` says whether the source was pinned.
 - `storage_bytes_read` (/proc io read_bytes of the process tree), `bytes_read` (the loader's own
@@ -43,6 +50,11 @@ class BatchProbe:
     compute: Elapsed
     samples: int
     sample_bytes: int  # stored (encoded) bytes of the batch's samples
+    # The accelerator's idle time before this step, the loader's and the host finishing's (see the module);
+    # None where it is not known on the host clock (CUDA).
+    loader_stall_s: float | None = None
+    finish_stall_s: float | None = None
+    ended_s: float | None = None  # when the step ended, from the run's start (None: on the device's clock)
 
 
 def percentile_ms(values: np.ndarray, q: float) -> float:
@@ -98,7 +110,10 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
         h2d_bytes=sum(p.h2d_bytes for p in measured), cpu_seconds=usage.cpu_seconds,
         storage_bytes_read=usage.storage_bytes_read, peak_rss_bytes=usage.peak_rss_bytes,
         peak_pss_bytes=usage.peak_pss_bytes)
+    split = bool(measured) and all(p.loader_stall_s is not None and p.finish_stall_s is not None for p in measured)
     metrics.update({
+        "loader_stall_fraction": _share(sum(p.loader_stall_s or 0.0 for p in measured), wall_s) if split else None,
+        "finish_stall_fraction": _share(sum(p.finish_stall_s or 0.0 for p in measured), wall_s) if split else None,
         "finish_s": sum(p.finish_s for p in measured),
         "h2d_pinned": h2d_pinned,
         "h2d_emulated": h2d_emulated,
@@ -113,6 +128,10 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
     if device_idle_s is not None:
         metrics["device_idle_fraction"] = min(1.0, device_idle_s / wall_s) if wall_s > 0 else None
     return metrics
+
+
+def _share(seconds: float, wall_s: float) -> float:
+    return min(1.0, seconds / wall_s) if wall_s > 0 else 0.0
 
 
 def aggregate(repeats: list[dict[str, Any]]) -> dict[str, dict[str, float] | Any]:

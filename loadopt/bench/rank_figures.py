@@ -15,7 +15,8 @@ from loadopt.bench.metrics import median
 _SUMMED = ("samples", "compute_s", "wait_s", "h2d_s", "finish_s", "sample_bytes_delivered", "bytes_read",
            "storage_bytes_read", "cpu_seconds", "peak_rss_mb", "peak_pss_mb")
 _WORST = ("wall_s", "batches", "wait_p50_ms", "wait_p95_ms", "wait_p99_ms", "wait_max_ms")
-_MEAN = ("accelerator_utilisation", "h2d_gb_per_s", "device_idle_fraction")
+_MEAN = ("accelerator_utilisation", "h2d_gb_per_s", "device_idle_fraction", "loader_stall_fraction",
+         "finish_stall_fraction")
 
 
 class RecordingLoader:

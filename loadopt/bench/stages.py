@@ -86,6 +86,8 @@ def _loader_run(config, dataset, device, backend: str, settings, cold: bool, acc
     per_sample = m["bytes_read"] / m["samples"] if m["samples"] and m["bytes_read"] else None
     batches = max(m["batches"], 1)
     return {"samples_per_s": m["samples_per_s"], "stall_fraction": m["stall_fraction"], "note": note,
+            "loader_stall_fraction": m.get("loader_stall_fraction"),
+            "finish_stall_fraction": m.get("finish_stall_fraction"),
             "bytes_read_per_sample": per_sample, "wait_ms": m["wait_s"] / batches * 1000.0,
             "finish_ms": m["finish_s"] / batches * 1000.0, "files": files, "metrics": m}
 
@@ -141,13 +143,14 @@ def stage_verdict(stages: dict[str, Any], job: dict[str, Any]) -> dict[str, str]
         stage, capacity, words = "fetch-bound", fetch, fetch_words
         lift = "a faster tier, more reads in flight, a warm page cache or a smaller stored form would move it"
     emulated = job.get("device") == "cpu"
-    if run["finish_ms"] > 3 * run["wait_ms"] and emulated and stage == "prep-bound":
+    finishing = attribution.finishing_stalls(run, run["wait_ms"], run["finish_ms"])
+    if finishing and emulated and stage == "prep-bound":
         # The loader decodes on the same cores the emulated device finishes on: neither bounds alone.
         return {"bottleneck": "cpu-bound",
                 "text": f"cpu-bound: decoding ({words}) and finishing the batches on the device (emulated on the "
                         f"host CPU here: {run['finish_ms']:.1f} ms a batch) share the same cores; {need}; {both}; "
                         f"on a GPU the finishing leaves the CPU to decoding; here {lift}"}
-    if run["finish_ms"] > 3 * run["wait_ms"]:  # batches arrive in time; finishing them is the stall
+    if finishing:  # batches arrive in time; finishing them is the stall
         where = " (emulated on the host CPU here)" if emulated else ""
         return {"bottleneck": "finish-bound",
                 "text": f"finish-bound: batches arrive in time (wait {run['wait_ms']:.1f} ms a batch) but copying "

@@ -322,7 +322,9 @@ def steady_rate(probes: list[BatchProbe]) -> float:
     if not tail:
         return 0.0
     last = tail[-1]
-    seconds = last.start_s + last.wait_s + last.finish_s + last.compute.seconds() - tail[0].start_s
+    ended = last.ended_s if last.ended_s is not None else (
+        last.start_s + last.wait_s + last.finish_s + last.compute.seconds())  # CUDA: its step, timed on the device
+    seconds = ended - tail[0].start_s
     return sum(p.samples for p in tail) / seconds if seconds > 0 else 0.0
 
 

@@ -27,7 +27,8 @@ def results_table(results: dict[str, Any]) -> Table:
     tokens = any("tokens_per_s" in by_label[label]["metrics"] for label in results["ranking"])
     volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
     for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
-                            ("spread", "right"), (volume[0], "right"), ("stall", "right"), ("wait p99 ms", "right"),
+                            ("spread", "right"), (volume[0], "right"), ("stall (loader + finish)", "right"),
+                            ("wait p99 ms", "right"),
                             ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
                             ("bytes from", "left"), ("recipe", "left")):
         table.add_column(column, justify="right" if justify == "right" else "left")
@@ -46,13 +47,27 @@ def results_table(results: dict[str, Any]) -> Table:
             climbed = not str(tuned.get("note") or "").startswith("not climbed")
             shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
         table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
-                      _fmt(m, volume[1], volume[2]), _fmt(m, "stall_fraction", ".1%"), _fmt(m, "wait_p99_ms", ",.1f"),
+                      _fmt(m, volume[1], volume[2]), _stall_cell(m), _fmt(m, "wait_p99_ms", ",.1f"),
                       _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
                       escape(_bytes_from(by_label[label])), _recipe_cell(by_label[label], results.get("recipe")))
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
             table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 9)
     return table
+
+
+def _stall_cell(metrics: dict[str, Any]) -> str:
+    """The accelerator's idle share and whose it was: the loader's (batches late) and the host finishing's
+    (batches there, their copy and finishing not done), where the harness split it (not on CUDA)."""
+    from loadopt.bench.metrics import median
+
+    stall = median(metrics, "stall_fraction")
+    if stall is None:
+        return "-"
+    loader, finish = median(metrics, "loader_stall_fraction"), median(metrics, "finish_stall_fraction")
+    if loader is None or finish is None:
+        return f"{stall:.1%}"
+    return f"{stall:.1%} ({loader * 100:.1f} + {finish * 100:.1f})"
 
 
 def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:

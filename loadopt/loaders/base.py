@@ -25,7 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from loadopt.config_models import PipelineConfig
-from loadopt.device import DeviceTransfer, finish_inputs
+from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.dataset import Dataset
@@ -122,9 +122,9 @@ class HostBatch:
     # True when `inputs` is a view of a buffer the backend reuses (a ring slot): finishing copies it
     # out whenever the finished batch would otherwise still share that memory.
     borrowed: bool = False
-    # Set by `finish` for a borrowed batch copied asynchronously (CUDA): the copy's end event, which
-    # the backend waits on before it lets the buffer be reused.
-    copy_done: torch.cuda.Event | None = None
+    # Set for a borrowed batch copied asynchronously (by `finish` on CUDA, by the harness on its emulated
+    # device): the copy's end event, which the backend waits on before it lets the buffer be reused.
+    copy_done: torch.cuda.Event | HostCopyDone | None = None
 
 
 @dataclass
@@ -327,6 +327,8 @@ class Loader(ABC, Generic[SettingsT]):
         transfer = transfer or self._transfer
         with transfer.device_work():
             inputs, labels = transfer.to_device(batch.inputs, batch.labels)
+            if isinstance(batch.copy_done, HostCopyDone):
+                batch.copy_done.set()  # the emulated device's copy has read the borrowed buffer
             # The emulated device owns reusable buffers; a real one (or a CPU training loop) gets fresh memory
             # for what it is handed, and this loader's one buffer for the transposed pixels on the way.
             scratch = transfer.scratch if transfer.emulate else self._intermediate

@@ -108,10 +108,22 @@ class Run:
         """Where a step's time goes, in ms (means over measured batches): the summed metrics / batches.
 
         `finish_s` (the copy and on-device finishing) includes `h2d_s`; only its remainder is shown as
-        finishing. What is left of the wall time per batch (the harness, Python) is `other`."""
+        finishing. What is left of the wall time per batch (the harness, Python) is `other`.
+
+        Where the harness split the accelerator's idle time (the emulated device, whose copy and finishing
+        overlap the step before), a step is its compute and the idle time before it: `wait` the loader's
+        share, `finish` the host finishing's (the copy included), so that the parts add up to the wall time."""
         batches = self.value("batches")
         if not batches:
             return None
+        loader_stall, finish_stall = self.value("loader_stall_fraction"), self.value("finish_stall_fraction")
+        wall, compute = self.value("wall_s"), self.value("compute_s")
+        if loader_stall is not None and finish_stall is not None and wall and compute is not None:
+            per_batch = wall / batches * 1000.0
+            step = {"compute": compute / batches * 1000.0, "wait": loader_stall * per_batch,
+                    "h2d": 0.0, "finish": finish_stall * per_batch}
+            step["other"] = max(0.0, per_batch - sum(step.values()))
+            return step
         parts = {"compute": self.value("compute_s"), "wait": self.value("wait_s"), "h2d": self.value("h2d_s")}
         if parts["compute"] is None or parts["wait"] is None:
             return None

@@ -147,7 +147,9 @@ def _breakdown(res: Results, palette: plots.Palette) -> str:
         return _note("The file holds no compute/wait totals to split a step by.")
     caption = ("Mean time of one step per loader setting: the accelerator computing, the training loop waiting for "
                "the batch, the host-to-device copy and the rest of the finishing (layout, normalisation on the "
-               "device), and what remains of the wall time. The shorter the bar, the higher the throughput.")
+               "device), and what remains of the wall time. On the emulated device the copy and finishing overlap the "
+               "step before: there a step is its compute and the accelerator's idle time before it, the loader's "
+               "(waiting) and the host finishing's. The shorter the bar, the higher the throughput.")
     parts = [_figure(plots.breakdown(res, palette), caption)]
     rows = []
     for run in runs:
