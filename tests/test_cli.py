@@ -212,3 +212,24 @@ def test_help_lists_every_command_without_torch():
         assert command in out.stdout
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "loadopt.bench.runner" not in imported
+
+
+def test_the_bench_table_fits_120_columns_one_line_a_setting():
+    """The main job's table reads at a glance: every setting on one line within 120 columns, named by a
+    short label that tells the sweep's settings apart (the full label stays in results.json)."""
+    from rich.console import Console
+
+    from loadopt.cli.tables import results_table, verdict_lines
+    from loadopt.schema import read_results
+
+    results = read_results(Path(__file__).parent / "fixtures" / "bench_after" / "results.json")
+    console = Console(width=120, record=True)
+    console.print(results_table(results))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    assert max(len(line) for line in lines) <= 120
+    rows = [line for line in lines if line[:3].strip().isdigit()]
+    assert len(rows) == len(results["ranking"])
+    labels = [row.split("  ")[1].strip() if "  " in row else row for row in rows]
+    assert len(set(labels)) == len(labels) and all("…" not in label for label in labels)
+    for line in verdict_lines(results):
+        assert len(line) <= 160 and "\n" not in line

@@ -12,7 +12,14 @@ from rich.markup import escape
 from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
 from loadopt.cli.process import setup_logging, terminate_as_interrupt
 from loadopt.cli.results import auto_report
-from loadopt.cli.tables import bytes_source_lines, not_run_lines, recipe_lines, results_table, run_bound_lines
+from loadopt.cli.tables import (
+    bytes_source_lines,
+    not_run_lines,
+    recipe_lines,
+    results_table,
+    run_bound_lines,
+    verdict_lines,
+)
 from loadopt.errors import Terminated, shown_name
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
@@ -119,8 +126,12 @@ def _print_verdicts(results: dict[str, Any]) -> None:
     if results.get("ceilings"):
         console.print(f"[dim]ceilings measured in this run: {escape(ceilings_summary(results['ceilings']))}[/]",
                       highlight=False)
-    for verdict in results.get("verdicts") or []:
-        console.print(f"[bold]{escape(verdict['label'])}[/]: {escape(verdict['text'])}", highlight=False)
+    for line in verdict_lines(results):
+        name, rest = line.split(": ", 1)
+        console.print(f"[bold]{escape(name)}[/]: {escape(rest)}", highlight=False)
+    if results.get("verdicts"):
+        console.print("[dim]each verdict in full, with what would lift its bound: `loadopt explain "
+                      "RESULTS.json` or the report[/]", highlight=False)
 
 
 # Everything after the script is the script's: its own options are not parsed as ours.

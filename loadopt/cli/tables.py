@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -18,56 +19,86 @@ def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> st
 
 
 def results_table(results: dict[str, Any]) -> Table:
-    """One row per loader setting, ranked by throughput; settings that did not run at the end."""
+    """One row per loader setting, ranked by throughput, settings that did not run at the end: one line each
+    within 120 columns (short setting labels, `labels.short_labels`; the full labels, spreads and settings
+    are in results.json and the report)."""
     from loadopt.bench.metrics import median
+    from loadopt.cli.labels import short_labels
 
     table = Table(title=f"loadopt bench: {results['config']['name']} on {results['device']}"
-                        f" ({results['dataset']['num_samples']} samples)", title_justify="left")
+                        f" ({results['dataset']['num_samples']} samples)", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
     by_label = {r["label"]: r for r in results["runs"]}
-    tokens = any("tokens_per_s" in by_label[label]["metrics"] for label in results["ranking"])
+    short = short_labels(results["runs"])
+    ranked = [by_label[label] for label in results["ranking"]]
+    tokens = any("tokens_per_s" in run["metrics"] for run in ranked)
     volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
-    for column, justify in (("#", "right"), ("loader setting", "left"), ("samples/s", "right"),
-                            ("spread", "right"), (volume[0], "right"), ("stall (loader + finish)", "right"),
-                            ("wait p99 ms", "right"),
-                            ("CPU s/1k", "right"), ("peak mem MB", "right"), ("of ceiling", "right"),
-                            ("bytes from", "left"), ("recipe", "left")):
-        table.add_column(column, justify="right" if justify == "right" else "left")
-    for rank, label in enumerate(results["ranking"], start=1):
-        m = by_label[label]["metrics"]
-        rate = m["samples_per_s"]
-        fraction = by_label[label].get("fraction_of_ceiling")
+    sources = {_bytes_from(run) for run in ranked}
+    columns = ["#", "setting", "samples/s", volume[0], "stall", "loader", "finish", "p99 ms", "CPU s/1k", "mem MB",
+               "of ceil", "recipe"] + (["bytes from"] if len(sources) > 1 else [])  # one source: said under it
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("setting", "recipe", "bytes from") else "right",
+                         no_wrap=True)
+    for rank, run in enumerate(ranked, start=1):
+        m = run["metrics"]
+        fraction = run.get("fraction_of_ceiling")
         # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
-        if (by_label[label].get("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low
-            of_ceiling = "unreliable"
-        spread = f"{rate['min']:,.0f}-{rate['max']:,.0f}" if isinstance(rate, dict) else "-"
-        tuned = by_label[label].get("tuned")  # --tune: each backend's best setting, and how many were tried
-        shown = label
+        if (run.get("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low (said below)
+            of_ceiling = "[yellow]?[/]"
+        shown = short[run["label"]]
+        tuned = run.get("tuned")  # --tune: each backend's best setting, and how many were tried
         if tuned:  # a backend far behind after the first round keeps its start (bench/tuner.py)
             climbed = not str(tuned.get("note") or "").startswith("not climbed")
-            shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
-        table.add_row(str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", spread,
-                      _fmt(m, volume[1], volume[2]), _stall_cell(m), _fmt(m, "wait_p99_ms", ",.1f"),
-                      _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
-                      escape(_bytes_from(by_label[label])), _recipe_cell(by_label[label], results.get("recipe")))
+            shown += f" ({tuned['tried']}/{tuned['space_size']}{'' if climbed else ' start'})"
+        loader, finish = _stall_parts(m)
+        cells = [str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", _fmt(m, volume[1], volume[2]),
+                 _fmt(m, "stall_fraction", ".1%"), loader, finish, _fmt(m, "wait_p99_ms", ",.1f"),
+                 _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
+                 _recipe_cell(run, results.get("recipe"))]
+        table.add_row(*cells, *([escape(_bytes_from(run)[:12])] if len(sources) > 1 else []))
     for run in results["runs"]:
         if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
-            table.add_row("-", escape(run["label"]), f"[yellow]{run['status']}[/]", *[""] * 9)
+            table.add_row("-", escape(short[run["label"]]), f"[yellow]{run['status']}[/]",
+                          *[""] * (len(columns) - 3))
     return table
 
 
-def _stall_cell(metrics: dict[str, Any]) -> str:
-    """The accelerator's idle share and whose it was: the loader's (batches late) and the host finishing's
-    (batches there, their copy and finishing not done), where the harness split it (not on CUDA)."""
+def verdict_lines(results: dict[str, Any]) -> list[str]:
+    """One line per backend's best setting: what bounds it and by how much (the verdict's whole sentence is in
+    results.json, the report and `loadopt explain`; the busy-machine note is said once, by the caller)."""
+    from loadopt.bench.metrics import median
+    from loadopt.cli.labels import short_labels
+
+    short = short_labels(results["runs"])
+    by_label = {r["label"]: r for r in results["runs"]}
+    need = ((results.get("ceilings") or {}).get("job") or {}).get("demand_samples_per_s")
+    lines = []
+    for verdict in results.get("verdicts") or []:
+        run = by_label.get(verdict["label"], {})
+        metrics, ceiling = run.get("metrics") or {}, run.get("ceiling") or {}
+        rate, stall = median(metrics, "samples_per_s"), median(metrics, "stall_fraction")
+        parts = [f"{rate:,.0f} samples/s" if rate is not None else "no rate"]
+        fraction = run.get("fraction_of_ceiling")
+        if isinstance(fraction, (int, float)) and ceiling.get("name"):
+            parts.append(f"{fraction:.0%} of {ceiling['name']} ({ceiling['samples_per_s']:,.0f}/s)")
+        if need:
+            parts.append(f"the job needs {need:,.0f}/s")
+        if stall is not None:
+            parts.append(f"stall {stall:.0%}")
+        lines.append(f"{short.get(verdict['label'], verdict['label'])}: {verdict['bottleneck']}: {', '.join(parts)}")
+    return lines
+
+
+def _stall_parts(metrics: dict[str, Any]) -> tuple[str, str]:
+    """Whose the accelerator's idle share was: the loader's (batches late) and the host finishing's (batches
+    there, their copy and finishing not done), where the harness split it (not on CUDA: `-`)."""
     from loadopt.bench.metrics import median
 
-    stall = median(metrics, "stall_fraction")
-    if stall is None:
-        return "-"
     loader, finish = median(metrics, "loader_stall_fraction"), median(metrics, "finish_stall_fraction")
     if loader is None or finish is None:
-        return f"{stall:.1%}"
-    return f"{stall:.1%} ({loader * 100:.1f} + {finish * 100:.1f})"
+        return "-", "-"
+    return f"{loader:.1%}", f"{finish:.1%}"
 
 
 def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:
@@ -78,8 +109,10 @@ def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:
     found = run.get("recipe")
     if not found:
         return "-"
+    if recipe.differences(found, want):
+        return "[yellow]differs[/]"
     stored = str(found.get("stored", found.get("kind", "?"))).replace("whole frame ", "frames ")
-    return f"[yellow]differs: {escape(stored)}[/]" if recipe.differences(found, want) else f"same: {escape(stored)}"
+    return escape(stored.replace(" <= ", "<=").replace(" px", "px")[:14])
 
 
 def recipe_lines(results: dict[str, Any]) -> list[str]:
