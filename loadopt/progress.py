@@ -1,4 +1,4 @@
-"""Progress callbacks of long work (a bench, a dataset's generation, a conversion): the CLI draws them
+"""Progress callbacks of long work (a bench, a dataset's generation, a conversion, `loadopt tiers`): the CLI draws them
 with rich, the library's own default ignores them. A leaf, so the CLI can subclass it without importing
 the harness."""
 
@@ -19,3 +19,17 @@ class Reporter:
     def batch_done(self, done: int) -> None: ...
 
     def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None: ...
+
+
+class TiersProgress:
+    """What `run_tiers` tells as it goes; the CLI prints it, the library ignores it."""
+
+    def status(self, text: str) -> None:
+        """What runs now (a progress bar's description)."""
+
+    def line(self, text: str) -> None:
+        """One finished step (the plan, a trial, a tier), for a log as much as for a terminal."""
+
+    def bench_reporter(self) -> Reporter:
+        """The reporter of the backends' runs through a tier (`loadopt bench`'s)."""
+        return Reporter()

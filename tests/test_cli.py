@@ -37,10 +37,12 @@ def test_bench_end_to_end(tiny_config, tmp_path):
     out = tmp_path / "out"
     proc = loadopt("bench", tiny_config, "--out", out)
     assert proc.returncode == 0, proc.stderr
-    for label in ("torch plain num_workers=0", "torch tuned num_workers=1 prefetch=2"):
+    for label in ("torch plain w=0", "torch tuned w=1"):  # the table's short labels: the knob the sweep varies
         assert label in proc.stdout
     assert "fastest: torch " in proc.stdout
     results = json.loads((out / "results.json").read_text())
+    labels = {run["label"] for run in results["runs"]}  # the full labels: in the results
+    assert {"torch plain num_workers=0", "torch tuned num_workers=1 prefetch=2"} <= labels
     assert results["schema_version"] == 2
     assert results["machine"]["cpu_count"] >= 1 and "torch" in results["machine"]["libraries"]
     assert results["dataset"]["num_samples"] == 48 and results["dataset"]["fingerprint"]

@@ -169,10 +169,10 @@ def test_loadopt_measure_measures_the_loop_over_make_loader_on_every_backend(tmp
     metrics = doc["runs"][0]["repeats"][0]
     assert (metrics["batches"], metrics["samples"]) == (steps, samples)  # both epochs, one measurement
     # The measured windows lie inside the loop's own clock; outside them are only the pass boundaries (the
-    # measurement's process-tree samples: a loop this short, on a busy machine, feels them). Measuring the
-    # backend's inner DataLoader was 29x off.
+    # measurement's process-tree samples and a pass's worker start: a loop this short, on a machine busy with
+    # the rest of the suite, feels them: 4.3x seen). Measuring the backend's inner DataLoader was 29x off.
     loop_rate = samples / loop_s
-    assert loop_rate * 0.98 <= metrics["samples_per_s"] <= loop_rate * 3, (metrics, loop_s)
+    assert loop_rate * 0.98 <= metrics["samples_per_s"] <= loop_rate * 10, (metrics, loop_s)
     assert metrics["mb_per_s"] > 0 and metrics["cpu_seconds_per_1k_samples"] > 0
 
 

@@ -52,7 +52,11 @@ def test_stall_fraction_and_throughput_match_the_truth(delay_s, step_s, backgrou
     finish_s = m["finish_s"] / m["batches"]
     period = max(step_s, made_s if background else made_s + between_s, finish_s)
     true_stall = 1.0 - step_s / period
-    assert m["stall_fraction"] == pytest.approx(true_stall, abs=0.03)
+    # The window may open on up to prefetch + 1 batches the producer made ahead during the warm-up (as the
+    # throughput's bound below counts them): a loader-bound window then stalls less, never more.
+    ahead = period * batches / (batches + prefetch + 1) if background else period
+    least_stall = 1.0 - step_s / max(step_s, ahead)
+    assert least_stall - 0.03 <= m["stall_fraction"] <= true_stall + 0.03, (m["stall_fraction"], true_stall)
     # Whose the stall is: the loader's here (the finishing of these batches is far shorter than a step).
     assert m["loader_stall_fraction"] + m["finish_stall_fraction"] == pytest.approx(m["stall_fraction"], abs=1e-6)
     assert m["finish_stall_fraction"] <= 0.03

@@ -54,6 +54,7 @@ from loadopt.bench.consumers import ConsumerSettings, run_consumers, start_delay
 from loadopt.config import backend_settings
 from loadopt.config_models import Config
 from loadopt.errors import ConfigError, Terminated
+from loadopt.progress import TiersProgress
 from loadopt.schema import SCHEMA_VERSION
 from loadopt.storage.probe import probe
 from loadopt.storage.tiers import (
@@ -76,22 +77,6 @@ BACKEND_START_S = 2.0  # a backend's start, eviction and close, beyond its batch
 BACKEND_IN_FLIGHT = 2  # requests a backend keeps in flight through the tier, for the plan (the configs' threads)
 QUICK_PROBE_S = 0.5  # --quick: seconds per probed level, and no sequential pattern (the prediction reads none)
 QUICK_BACKEND_RUN_S = 6.0  # --quick: each backend's batches through the tier take about this at most
-
-
-class TiersProgress:
-    """What `run_tiers` tells as it goes; the CLI prints it, the library ignores it."""
-
-    def status(self, text: str) -> None:
-        """What runs now (a progress bar's description)."""
-
-    def line(self, text: str) -> None:
-        """One finished step (the plan, a trial, a tier), for a log as much as for a terminal."""
-
-    def bench_reporter(self) -> Reporter:
-        """The reporter of the backends' runs through a tier (`loadopt bench`'s)."""
-        from loadopt.progress import Reporter
-
-        return Reporter()
 
 
 def demand(config: Config, mean_sample_bytes: float, au: float) -> dict[str, float]:

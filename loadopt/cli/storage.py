@@ -10,13 +10,12 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from loadopt.bench.procurement import TiersProgress
 from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
 from loadopt.cli.process import terminate_as_interrupt
 from loadopt.cli.results import auto_report
 from loadopt.cli.tables import backend_lines, backends_table, bounded_lines, probe_table, tiers_table
 from loadopt.errors import Terminated
-from loadopt.progress import Reporter
+from loadopt.progress import Reporter, TiersProgress
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 

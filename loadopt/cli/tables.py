@@ -50,7 +50,7 @@ def results_table(results: dict[str, Any]) -> Table:
         tuned = run.get("tuned")  # --tune: each backend's best setting, and how many were tried
         if tuned:  # a backend far behind after the first round keeps its start (bench/tuner.py)
             climbed = not str(tuned.get("note") or "").startswith("not climbed")
-            shown += f" ({tuned['tried']}/{tuned['space_size']}{'' if climbed else ' start'})"
+            shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
         loader, finish = _stall_parts(m)
         cells = [str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", _fmt(m, volume[1], volume[2]),
                  _fmt(m, "stall_fraction", ".1%"), loader, finish, _fmt(m, "wait_p99_ms", ",.1f"),
