@@ -4,7 +4,7 @@ place)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -21,6 +21,9 @@ from loadopt.cli.tables import (
     verdict_lines,
 )
 from loadopt.errors import Terminated, shown_name
+
+if TYPE_CHECKING:
+    from loadopt.bench.runner import BenchOutcome
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -65,6 +68,43 @@ def bench(
     if outcome.rank != 0:  # a rank other than 0 under torchrun: rank 0 writes and prints
         return
     results = outcome.results
+    _print_results(results)
+    if outcome.json_path is not None:
+        console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
+        auto_report(outcome.json_path)
+    _close(outcome, bool(terminated), out or cfg.report.out)
+    console.print(f"[bold]{results['summary']}[/]", highlight=False)
+
+
+def _close(outcome: BenchOutcome, terminated: bool, out: str) -> None:
+    """The files skipped under on_error: skip, then the exit a stopped or failed bench owes its caller: 143 or
+    130 when interrupted, the user error's one line, 1 when no setting could be measured."""
+    results = outcome.results
+    skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
+    if skipped:
+        listed = "; ".join(f"{shown_name(path)}: {why}" for path, why in list(skipped.items())[:5])
+        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
+                      f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)
+    if outcome.interrupted:
+        signal_name = results.get("interrupted_by") or ("SIGTERM" if terminated else "SIGINT")
+        err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",
+                          highlight=False)
+        raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130)
+    if outcome.error is not None:  # a user error stopped the bench: the runs before it are written
+        with user_errors():
+            raise outcome.error
+    if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
+        reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
+        err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'}); "
+                          f"nothing was written to {out}", highlight=False, markup=False,
+                          soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _print_results(results: dict[str, Any]) -> None:
+    """The ranked table, the lines under it (settings not run, bytes' sources, recipes, the machine's load,
+    unreliable ceilings, the cache), the verdicts and the tuning's summary."""
     console.print(results_table(results))
     for line in not_run_lines(results):
         console.print(f"[yellow]{escape(line)}[/]", highlight=False)
@@ -93,30 +133,6 @@ def bench(
         for backend in tuning["backends"]:
             if backend.get("reason"):
                 console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
-    if outcome.json_path is not None:
-        console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
-        auto_report(outcome.json_path)
-    skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
-    if skipped:
-        listed = "; ".join(f"{shown_name(path)}: {why}" for path, why in list(skipped.items())[:5])
-        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-        console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
-                      f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)
-    if outcome.interrupted:
-        signal_name = results.get("interrupted_by") or ("SIGTERM" if terminated else "SIGINT")
-        err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",
-                          highlight=False)
-        raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130)
-    if outcome.error is not None:  # a user error stopped the bench: the runs before it are written
-        with user_errors():
-            raise outcome.error
-    if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
-        reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
-        err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'}); "
-                          f"nothing was written to {out or cfg.report.out}", highlight=False, markup=False,
-                          soft_wrap=True)
-        raise typer.Exit(1)
-    console.print(f"[bold]{results['summary']}[/]", highlight=False)
 
 
 def _print_verdicts(results: dict[str, Any]) -> None:

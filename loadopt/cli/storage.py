@@ -120,6 +120,47 @@ def probe(
     console.print(f"results: {json_path}", highlight=False)
 
 
+def _tier_names(cfg: Any, tier_names: str | None) -> list[Any]:
+    """The tiers asked for: `--tiers`, else the config's storage.tier when it is not local, else every profile."""
+    from loadopt.storage.tiers import load_tier_profiles
+
+    if tier_names:
+        return [t.strip() for t in tier_names.split(",") if t.strip()]
+    if cfg.storage.tier != "local":
+        return [cfg.storage.tier]
+    return list(load_tier_profiles())
+
+
+def _say_stopped(result: dict[str, Any], json_path: Any, stopped: str, code: int) -> None:
+    """A stopped `tiers`: what was kept and where it was cut short, then its exit (143 or 130)."""
+    cut = result.get("cut_short") or {}
+    where = ""
+    if cut.get("stage") == "backends":
+        where = f"; {cut['tier']} was cut short in its backends (its row and its finished backend runs are kept)"
+    elif cut:
+        where = (f"; {cut['tier']} was cut short in its {cut['stage']} ({len(cut.get('trials') or [])} trial(s) "
+                 "in cut_short, not a row)")
+    err_console.print(f"interrupted ({stopped}): the {len(result['tiers'])} tier(s) measured were kept in "
+                      f"{json_path}{where}", highlight=False, markup=False)
+    raise typer.Exit(code)
+
+
+def _print_tiers(result: dict[str, Any], readers: int) -> None:
+    """The tiers' table, each accelerator's need, the rows bounded by the storage under them, the backends."""
+    console.print(tiers_table(result))
+    need = result["demand"]
+    console.print(f"[dim]each accelerator needs {need['mb_per_s']:,.1f} MB/s at full use "
+                  f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
+                  f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
+                  f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
+    for line in bounded_lines(result):
+        console.print(f"[yellow]{escape(line)}[/]", highlight=False)
+    if any("backends" in row for row in result["tiers"]):
+        console.print(backends_table(result))
+        for line in backend_lines(result):
+            console.print(escape(line), highlight=False)
+
+
 @app.command()
 def tiers(
     config: str = typer.Argument(..., help="The config YAML whose workload (batch size, samples, step time) to serve."),
@@ -151,17 +192,11 @@ def tiers(
     from loadopt.config import load_config
     from loadopt.files import atomic_write_text, discard_output, prepare_output
     from loadopt.schema import results_text
-    from loadopt.storage.tiers import load_tier_profiles
 
     interrupted: list[bool] = []
     with user_errors(), terminate_as_interrupt(interrupted) as terminated:
         cfg = load_config(config, set_ or [])
-        if tier_names:
-            names: list[Any] = [t.strip() for t in tier_names.split(",") if t.strip()]
-        elif cfg.storage.tier != "local":
-            names = [cfg.storage.tier]
-        else:
-            names = list(load_tier_profiles())
+        names = _tier_names(cfg, tier_names)
         # Under torchrun rank 0 writes (the other ranks may be on machines without the folder).
         existed = Path(out).expanduser().exists()
         folder = prepare_output(out) if launched_rank() == 0 else Path(out)
@@ -186,28 +221,8 @@ def tiers(
             raise typer.Exit(code)
         json_path = Path(folder) / "tiers.json"
         atomic_write_text(json_path, results_text(result))
-    console.print(tiers_table(result))
-    need = result["demand"]
-    console.print(f"[dim]each accelerator needs {need['mb_per_s']:,.1f} MB/s at full use "
-                  f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
-                  f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
-                  f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
-    for line in bounded_lines(result):
-        console.print(f"[yellow]{escape(line)}[/]", highlight=False)
-    if any("backends" in row for row in result["tiers"]):
-        console.print(backends_table(result))
-        for line in backend_lines(result):
-            console.print(escape(line), highlight=False)
+    _print_tiers(result, readers)
     console.print(f"results: {json_path} ({result['elapsed_s']:,.0f} s)", highlight=False)
     auto_report(json_path)
     if stopped:
-        cut = result.get("cut_short") or {}
-        where = ""
-        if cut.get("stage") == "backends":
-            where = f"; {cut['tier']} was cut short in its backends (its row and its finished backend runs are kept)"
-        elif cut:
-            where = (f"; {cut['tier']} was cut short in its {cut['stage']} ({len(cut.get('trials') or [])} trial(s) "
-                     "in cut_short, not a row)")
-        err_console.print(f"interrupted ({stopped}): the {len(result['tiers'])} tier(s) measured were kept in "
-                          f"{json_path}{where}", highlight=False, markup=False)
-        raise typer.Exit(code)
+        _say_stopped(result, json_path, stopped, code)
