@@ -179,6 +179,7 @@ def test_a_backend_far_behind_is_not_climbed(tmp_path, knobs):
         unregister("t_slow")
 
 
+@pytest.mark.timing  # a wall-clock bound: the run's teardown (its device thread's join) on a busy machine
 def test_a_tiny_real_budget_ends_the_search_in_time(tmp_path, knobs):
     config = tiny(tmp_path, {"t_knobs": {}}, measure_batches=200)
     tuner = Tuner(config, open_dataset(config), "cpu", 0.5, window=Window(1, 200), limits=MachineLimits(64, BIG, BIG))
