@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from loadopt.bench import procurement
-from loadopt.bench.procurement import demand, predict, run_tiers, search
+from loadopt.bench.procurement import run_tiers
+from loadopt.bench.tier_plan import demand, predict, search
 from loadopt.config import config_from_dict
 from loadopt.storage.emulated import EmulatedFileSystem
 from loadopt.storage.imagefolder import open_dataset
@@ -144,7 +145,7 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
 
 def test_the_tier_sweep_takes_both_image_forms_but_one_of_records():
     """Records (and token windows) have one stored form: sweeping `form` listed each backend twice."""
-    from loadopt.bench.procurement import backend_sweep
+    from loadopt.bench.tier_plan import backend_sweep
 
     from .test_records import records_config
 
@@ -185,7 +186,7 @@ def test_a_tier_over_slower_storage_says_so_and_predicts_from_its_own_figures(tm
 def test_the_plan_said_up_front_follows_the_tiers_figures(tmp_path):
     """The trials the search will run by a tier's figures, and under --quick a tier whose batches are slow
     keeps its backends uncompared (said why) where a fast one runs them all."""
-    from loadopt.bench.procurement import plan_line, plan_tier, search_trials
+    from loadopt.bench.tier_plan import plan_line, plan_tier, search_trials
 
     assert search_trials(5, 64) == [1, 2, 4, 8, 6, 5]  # the sequence `search` tries (test above)
     config = config_from_dict(tiny_config_dict(tmp_path, loaders={"arrow": {}, "torch": {"variant": ["plain",

@@ -148,7 +148,8 @@ def test_import_dlio_bad_files_are_one_line(tmp_path, text, message):
 
 
 def test_tiers_count_the_accelerators_a_tier_keeps_on_records(tmp_path):
-    from loadopt.bench.procurement import demand, run_tiers
+    from loadopt.bench.procurement import run_tiers
+    from loadopt.bench.tier_plan import demand
 
     raw = records_config(tmp_path, "raw", record_bytes=8_000, record_bytes_stdev=0, samples_per_file=8,
                          num_files=8, delivered_bytes=4_000)

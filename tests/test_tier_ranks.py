@@ -11,7 +11,7 @@ import sys
 
 import yaml
 
-from loadopt.bench.procurement import demand
+from loadopt.bench.tier_plan import demand
 from loadopt.config import config_from_dict
 
 from .conftest import REPO
