@@ -32,11 +32,10 @@ from loadopt.errors import WorkerDied
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.torch_samples import Item, RecordSamples, TokenWindows, collate_records, collate_windows
 from loadopt.machine import usable_cores
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.tokens import TokenDataset
-
-Item = tuple[int, int, int]  # (epoch, dataset index, ring slot of its batch; -1 for plain)
 
 
 class TorchSettings(BaseModel):
@@ -184,63 +183,6 @@ def _collate_tuned(batch: Any) -> dict:
     return batch  # the dict `tuned_batch` made (DataLoader hands its collate what `__getitems__` returned)
 
 
-class _Windows(torch.utils.data.Dataset):
-    """Token windows sliced from the memory-mapped corpus, one per call: what nanoGPT-style loaders do."""
-
-    def __init__(self, dataset: TokenDataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, item: Item):
-        window = torch.from_numpy(self.dataset.window(item[1]).astype(np.int64))
-        return window[:-1], window[1:], item[1]
-
-
-class _Records(torch.utils.data.Dataset):
-    """Records read one at a time straight into their batch's row, each delivered as its first
-    `delivered_bytes` bytes (storage/records.py), with the bytes read for them (an npz file is read whole).
-
-    `__getitems__` fills the batch in shared memory as it reads (as `default_collate`'s stack does in a
-    worker), so one record's storage buffer is alive at a time (`RecordDataset.read_into`), and the batch
-    is one tensor through the queue: labels (records carry none) are made by the consumer, not passed as
-    a second shared-memory tensor (a second file descriptor handed over per batch)."""
-
-    def __init__(self, dataset: RecordDataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitems__(self, items: list[Item]) -> dict:
-        wanted = self.dataset.delivered_bytes
-        inputs = _batch_memory(len(items), wanted)
-        rows = inputs.numpy()
-        read = sum(self.dataset.read_into(item[1], rows[k]) for k, item in enumerate(items))
-        return {"inputs": inputs, "labels": None, "indices": np.asarray([item[1] for item in items], dtype=np.int64),
-                "failures": [], "layout": "records", "normalised": True, "bytes_read": read}
-
-
-def _batch_memory(count: int, width: int) -> torch.Tensor:
-    """A (count, width) uint8 batch: in a worker, in shared memory from the start (what `default_collate`
-    does there, with the same torch call), so sending it to the consumer copies nothing."""
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty((count, width), dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(count * width)
-    return torch.empty(0, dtype=torch.uint8).set_(storage).view(count, width)
-
-
-def _collate_records(batch: Any) -> dict:
-    return batch  # the dict `_Records.__getitems__` made
-
-
-def _collate_windows(samples: list) -> dict:
-    return {"inputs": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples]),
-            "indices": np.asarray([s[2] for s in samples], dtype=np.int64), "failures": [], "layout": "tokens",
-            "normalised": True}
-
-
 class _BatchPlan:
     """The batch sampler: replays the batches the base class planned (replaced every epoch). The epoch's
     indices stay in numpy arrays; a batch's `(epoch, index, slot)` items are made only as it is handed
@@ -327,9 +269,9 @@ class TorchLoader(Loader[TorchSettings]):
         samples: torch.utils.data.Dataset
         collate: Callable[[list[Any]], dict]
         if isinstance(self.dataset, TokenDataset):
-            samples, collate = _Windows(self.dataset), _collate_windows
+            samples, collate = TokenWindows(self.dataset), collate_windows
         elif isinstance(self.dataset, RecordDataset):
-            samples, collate = _Records(self.dataset), _collate_records
+            samples, collate = RecordSamples(self.dataset), collate_records
         else:
             samples, collate = _Samples(self), _collate_tuned if s.variant == "tuned" else _collate_plain
         return DataLoader(
@@ -393,7 +335,7 @@ class TorchLoader(Loader[TorchSettings]):
                     yield previous
                 else:
                     labels = out["labels"]
-                    if labels is None:  # records: no labels, made here (see _Records)
+                    if labels is None:  # records: no labels, made here (see RecordSamples)
                         labels = torch.zeros(len(out["indices"]), dtype=torch.int64)
                     yield HostBatch(out["inputs"], labels, out["indices"], out["layout"], out["normalised"],
                                     out["failures"], bytes_read=out.get("bytes_read"))
