@@ -141,6 +141,8 @@ class Decision(_Versioned):
     pipeline: dict[str, Any] | None = None
     machine: dict[str, Any] | None = None
     machine_fingerprint: str | None = None
+    partial: bool = False  # a bench stopped before every setting ran: written beside its results, never cached
+    not_compared: list[str] = []  # a partial decision's settings that were not measured
 
 
 def _version(data: dict[str, Any]) -> int:

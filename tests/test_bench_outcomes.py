@@ -13,9 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from loadopt.bench import decision
 from loadopt.cli import app
 from loadopt.errors import DatasetError
 from loadopt.loaders.registry import backend_class, backend_names, register, unregister
+from loadopt.schema import decision_text
 
 from .backends import DelayLoader
 from .conftest import make_image_folder
@@ -133,7 +135,8 @@ def damaged_after_one_run():
 
 def test_a_bench_stopped_by_an_error_after_a_run_writes_a_consistent_set(tmp_path, own_cache, damaged_after_one_run):
     """The measured run, the failing setting's error and the setting after it (never run) with why; the
-    report of these results; no decision (the bench did not finish), so none of an earlier bench stays."""
+    report of these results; a decision among what was measured, marked partial, beside them (the earlier
+    bench's replaced) but not in the cache, so `auto` keeps the finished bench's answer."""
     out = tmp_path / "results"
     earlier = write_config(tmp_path, loaders={"t_damaged": {"delay_s": 0.001}}, workload=QUICK)
     assert bench(earlier).exit_code == 0
@@ -145,13 +148,19 @@ def test_a_bench_stopped_by_an_error_after_a_run_writes_a_consistent_set(tmp_pat
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines[-1].startswith("error: broken.jpg: damaged JPEG"), result.output
     results = json.loads((out / "results.json").read_text())
-    assert results["interrupted"] is False and "decision" not in results
+    assert results["interrupted"] is False
+    partial = results["decision"]
+    assert partial["partial"] is True and partial["label"] == results["ranking"][0]
+    assert partial["not_compared"] == [r["label"] for r in results["runs"][1:]]
+    assert partial["text"].startswith("partial (stopped at an error; 1 of 3 settings measured"), partial["text"]
     statuses = [(r["status"], r["reason"]) for r in results["runs"]]
     assert statuses[0] == ("ok", "")
     assert statuses[1] == ("error", "broken.jpg: damaged JPEG (set dataset.on_error: skip to skip it)")
     assert statuses[2] == ("not run", "the bench stopped at an error before this setting ran: broken.jpg: "
                                       "damaged JPEG (set dataset.on_error: skip to skip it)")
-    assert not (out / "decision.json").exists()
+    assert json.loads((out / "decision.json").read_text()) == json.loads(decision_text(partial))
+    cached = json.loads(decision.decision_path(results["dataset"]["fingerprint"]).read_text())["entries"]
+    assert [e.get("partial", False) for e in cached] == [False], "a partial decision reached the cache"
     report = (out / "report.html").read_text()
     assert report != report_before and "delay_s=0.003" in report
     assert set(pq.read_table(out / "timings.parquet").column("label").to_pylist()) == {results["ranking"][0]}

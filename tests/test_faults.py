@@ -138,6 +138,9 @@ def test_sigterm_mid_bench_keeps_the_finished_runs(tmp_path, own_cache):
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert results["interrupted"] is True and results["interrupted_by"] == "SIGTERM"
     assert [r["status"] for r in results["runs"]][0] == "ok"
+    beside = json.loads((tmp_path / "results" / "decision.json").read_text())  # the set agrees with itself
+    assert beside == results["decision"] and beside["partial"] is True, beside
+    assert beside["text"].startswith("partial (interrupted by SIGTERM; 1 of 2 settings measured"), beside["text"]
     assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {name for name in shm_after - shm_before if "torch" in name or "loadopt" in name}

@@ -1,4 +1,7 @@
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -223,9 +226,15 @@ def no_sigchld_handler():
     RuntimeError wherever the test happens to be when it fires. The handler is put back after the test."""
     import signal
 
-    previous = signal.getsignal(signal.SIGCHLD)
-    yield lambda: signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGCHLD, previous)
+    installed = []
+
+    def drop() -> None:
+        installed.append(signal.getsignal(signal.SIGCHLD))  # torch's (installed once per process)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+    yield drop
+    if installed:
+        signal.signal(signal.SIGCHLD, installed[0])
 
 
 @pytest.mark.parametrize("variant", ["plain", "tuned"])
@@ -246,6 +255,28 @@ def test_a_killed_worker_is_one_line_naming_it_and_how(folder, variant, no_sigch
         message = str(caught.value)
         assert re.fullmatch(rf"torch: DataLoader worker \d \(pid {pid}\) was killed by SIGKILL \(the kernel's OOM "
                             r"killer .*\); the pass stopped after \d of its batches", message), message
+        assert len(collect(ld)) == 4  # the next pass starts new workers
+    finally:
+        ld.close()
+
+
+def test_a_worker_killed_between_batches_is_one_line_naming_it_from_torchs_own_handler(folder):
+    """torch's SIGCHLD handler (left in place) fires wherever the consumer is: here in its step."""
+    from loadopt.errors import WorkerDied
+
+    ld = loader(folder, variant="plain", workers=2)
+    try:
+        before = _children()
+        batches = iter(ld)
+        next(batches)
+        pid = min(_children() - before)
+        with pytest.raises(WorkerDied) as caught:
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(5)  # the training step: the signal's handler raises in here
+        message = str(caught.value)
+        assert re.fullmatch(rf"torch: DataLoader worker \d \(pid {pid}\) was killed by SIGKILL \(the kernel's OOM "
+                            r"killer .*\), between batches", message), message
+        batches.close()
         assert len(collect(ld)) == 4  # the next pass starts new workers
     finally:
         ld.close()

@@ -25,7 +25,7 @@ from loadopt import recipe
 from loadopt.bench.metrics import median
 from loadopt.files import atomic_write_text, cache_dir
 from loadopt.machine import library_versions, machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, SchemaError, as_dict, decision_text, parse_decision
+from loadopt.schema import SCHEMA_VERSION, RunStatus, SchemaError, as_dict, decision_text, parse_decision
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,19 @@ def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
     }
 
 
+def partial(made: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """The decision of a bench that stopped (interrupted, or at an error) before every setting ran: the
+    fastest of what it measured, marked `partial` with the settings it never compared. It is written beside
+    the results (so the folder agrees with itself) but never into the cache: `auto` takes only a finished
+    bench's answer."""
+    unmeasured = [r["label"] for r in results["runs"] if r.get("status") != RunStatus.OK or "metrics" not in r]
+    measured = len(results["runs"]) - len(unmeasured)
+    stopped = f"interrupted by {results['interrupted_by']}" if results.get("interrupted") else "stopped at an error"
+    return {**made, "partial": True, "not_compared": unmeasured,
+            "text": f"partial ({stopped}; {measured} of {len(results['runs'])} settings measured, not used by "
+                    f"backend='auto'): {made['text']}"}
+
+
 def _entries(path: Path) -> list[dict[str, Any]]:
     try:
         doc = json.loads(path.read_text())
@@ -175,8 +188,15 @@ def record(decision: dict[str, Any], folder: Path | None) -> None:
 
 def record_beside(decision: dict[str, Any] | None, folder: Path) -> None:
     """The decision of the results just written into `folder`, recorded (`record`); where the bench decided
-    nothing (interrupted, stopped at an error, no setting of the config's recipe), the decision.json an
-    earlier bench left there is removed: it would contradict the results beside it."""
+    nothing (nothing of the config's recipe measured), the decision.json an earlier bench left there is
+    removed: it would contradict the results beside it. A partial decision (`partial`) is written beside
+    the results only."""
+    if decision and decision.get("partial"):
+        try:
+            atomic_write_text(folder / FILE_NAME, decision_text(decision))
+        except OSError as exc:
+            log.warning("could not write %s: %s", folder / FILE_NAME, exc)
+        return
     if decision:
         record(decision, folder)
         return

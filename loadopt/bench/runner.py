@@ -244,7 +244,8 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
 
 def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: list[Setting], dataset: Dataset,
            results: dict[str, Any], done: _Pass) -> BenchOutcome:
-    """Attribute the measured settings, decide (a finished bench only), write the files."""
+    """Attribute the measured settings, decide (a stopped bench: among what it measured, marked partial),
+    write the files."""
     config, interrupted = request.config, done.interrupted
     if done.ceilings is not None:
         try:
@@ -256,12 +257,15 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
             results["interrupted_by"] = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
-    if not interrupted and done.user_error is None:
-        tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
-        results["decision"] = decision.make_decision(results, tier)
+    tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
+    made = decision.make_decision(results, tier)
+    if made is not None and (interrupted or done.user_error is not None):
+        made = decision.partial(made, results)  # among what was measured, saying what was not
+    if made is not None:
+        results["decision"] = made
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
-    # A bench that decided nothing (stopped, interrupted) leaves no decision of an earlier bench beside its results.
-    decision.record_beside(results.get("decision"), folder)
+    # A bench that decided nothing leaves no decision of an earlier bench beside its results.
+    decision.record_beside(made, folder)
     return BenchOutcome(results, json_path, parquet_path, interrupted, error=done.user_error)
 
 

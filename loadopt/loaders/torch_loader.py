@@ -17,8 +17,11 @@ persistent workers, which never see the consumer's state after they start.
 
 from __future__ import annotations
 
+import re
 import signal
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -166,6 +169,36 @@ def _dead_worker(iterator: Any, grace_s: float = 2.0) -> str | None:
     return None
 
 
+# Loaders whose DataLoader iterator is running (for the SIGCHLD wrapper below to name a dead worker).
+_iterating: weakref.WeakSet[TorchLoader] = weakref.WeakSet()
+_DEATH_WORDS = ("is killed by signal", "exited unexpectedly")
+
+
+def _name_deaths_on_sigchld() -> None:
+    """torch's SIGCHLD handler raises its RuntimeError wherever the main thread happens to be when a worker
+    dies (between batches: in the training step, far from any `next()`); wrapped once, so that error is a
+    `WorkerDied` naming the worker and how it died, as a death met inside `next()` is."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # torch installs no handler off the main thread either
+    torchs = signal.getsignal(signal.SIGCHLD)
+    if not callable(torchs) or getattr(torchs, "names_deaths", False):
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            torchs(signum, frame)
+        except RuntimeError as exc:
+            if not any(words in str(exc) for words in _DEATH_WORDS):
+                raise
+            died = next((d for ld in list(_iterating) if (d := ld.dead_worker(grace_s=0.5))), None)
+            pid = re.search(r"pid\(?s?\)? ([\d, ]+)", str(exc))
+            died = died or f"worker (pid {pid.group(1).strip() if pid else '?'}) died ({str(exc).strip()})"
+            raise WorkerDied(f"torch: DataLoader {died}, between batches") from exc
+
+    handler.names_deaths = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGCHLD, handler)
+
+
 def _collate_plain(samples: list) -> dict:
     good = [s for s in samples if s[3] is None]
     failures = [(s[2], s[3]) for s in samples if s[3] is not None]
@@ -219,6 +252,7 @@ class TorchLoader(Loader[TorchSettings]):
         self._ring: torch.Tensor | None = None
         self._tokens = self.dataset.kind != "images"  # token windows, records: `variant` does not apply
         self._ring_cursor = 0  # the slot of the next batch to be yielded
+        self._running: Any = None  # the DataLoader iterator of the pass under way
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -314,6 +348,10 @@ class TorchLoader(Loader[TorchSettings]):
         dataloader = self._dataloader
         # Persistent workers that died since the last pass fail this one's start (torch's _reset waits for them).
         iterator = self._next_or_died(lambda: iter(dataloader), getattr(dataloader, "_iterator", None), 0)
+        if self.settings.num_workers > 0:
+            _name_deaths_on_sigchld()  # torch has installed its handler by now
+            self._running = iterator
+            _iterating.add(self)
         previous: HostBatch | None = None
         done = 0
         try:
@@ -340,6 +378,8 @@ class TorchLoader(Loader[TorchSettings]):
                     yield HostBatch(out["inputs"], labels, out["indices"], out["layout"], out["normalised"],
                                     out["failures"], bytes_read=out.get("bytes_read"))
         finally:
+            _iterating.discard(self)
+            self._running = None
             if not self.settings.persistent_workers:
                 shutdown = getattr(iterator, "_shutdown_workers", None)
                 if shutdown is not None:
@@ -355,13 +395,16 @@ class TorchLoader(Loader[TorchSettings]):
         except (RuntimeError, ConnectionError, EOFError) as exc:
             # A worker's own exception comes back as a RuntimeError too ("Caught ... in DataLoader worker"):
             # only torch's words for a death, or a broken connection, are worth looking for a dead worker.
-            death = not isinstance(exc, RuntimeError) or any(
-                words in str(exc) for words in ("is killed by signal", "exited unexpectedly"))
+            death = not isinstance(exc, RuntimeError) or any(words in str(exc) for words in _DEATH_WORDS)
             died = _dead_worker(iterator) if death else None
             if died is None:
                 raise
             self._dataloader = None  # its workers cannot serve another pass: the next one starts new ones
             raise WorkerDied(f"torch: DataLoader {died}; the pass stopped after {done} of its batches") from exc
+
+    def dead_worker(self, grace_s: float) -> str | None:
+        """Which worker of the running pass died and how, in words; None when none has (or no pass runs)."""
+        return _dead_worker(self._running, grace_s) if self._running is not None else None
 
     def close(self) -> None:
         if self._dataloader is not None:
