@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing_extensions import TypedDict
 
 from loadopt.errors import LoadoptError
 
@@ -43,6 +44,23 @@ class RunStatus(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# One figure of a run: a rate, a fraction, a count, a flag (h2d_pinned), a note (measure's compute_source),
+# or None where it was not measured.
+Figure = float | int | bool | str | None
+
+
+class Spread(TypedDict):
+    """One metric over the repeats of a setting."""
+
+    median: float
+    min: float
+    max: float
+
+
+RepeatMetrics = dict[str, Figure]  # the flat metrics of one repeat (loadopt.bench.metrics.step_metrics)
+RunMetrics = dict[str, Spread | Figure]  # per metric its Spread over the repeats, or the one value
 
 
 class _Open(BaseModel):

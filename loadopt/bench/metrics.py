@@ -24,13 +24,14 @@ Definitions (warm-up batches excluded):
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from loadopt.bench.monitor import TreeUsage
 from loadopt.device import Elapsed
+from loadopt.schema import Figure, RepeatMetrics, RunMetrics, Spread
 
 # Metrics that describe the run rather than vary with it are not aggregated over repeats.
 NOT_AGGREGATED = ("h2d_pinned", "h2d_emulated")
@@ -64,7 +65,7 @@ def percentile_ms(values: np.ndarray, q: float) -> float:
 def step_metrics(*, waits_s: np.ndarray, wall_s: float, compute_s: float, samples: int, batches: int,
                  sample_bytes: float | None, h2d_s: float, h2d_bytes: int, cpu_seconds: float | None,
                  storage_bytes_read: int, peak_rss_bytes: int | None, peak_pss_bytes: int | None,
-                 utilisation: float | None = None) -> dict[str, Any]:
+                 utilisation: float | None = None) -> RepeatMetrics:
     """The step metrics of DESIGN.md from one measured window's totals: the one place they are computed,
     for `loadopt bench` (`window_metrics`) and `loadopt measure` (loadopt.measure.results).
 
@@ -99,7 +100,7 @@ def step_metrics(*, waits_s: np.ndarray, wall_s: float, compute_s: float, sample
 
 def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, loader_bytes_read: int,
                    h2d_pinned: bool, h2d_emulated: bool, device_idle_s: float | None = None,
-                   tokens_per_sample: int | None = None) -> dict[str, Any]:
+                   tokens_per_sample: int | None = None) -> RepeatMetrics:
     """The metrics of one repeat of `loadopt bench` from the probes of its measured batches."""
     measured = [p for p in probes if p.measured]
     sample_bytes = sum(p.sample_bytes for p in measured)
@@ -110,6 +111,7 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
         h2d_bytes=sum(p.h2d_bytes for p in measured), cpu_seconds=usage.cpu_seconds,
         storage_bytes_read=usage.storage_bytes_read, peak_rss_bytes=usage.peak_rss_bytes,
         peak_pss_bytes=usage.peak_pss_bytes)
+    samples_per_s = median(metrics, "samples_per_s")
     split = bool(measured) and all(p.loader_stall_s is not None and p.finish_stall_s is not None for p in measured)
     metrics.update({
         "loader_stall_fraction": _share(sum(p.loader_stall_s or 0.0 for p in measured), wall_s) if split else None,
@@ -124,7 +126,7 @@ def window_metrics(probes: list[BatchProbe], wall_s: float, usage: TreeUsage, lo
         "others_cpu_share": usage.others_cpu_share,
     })
     if tokens_per_sample is not None:
-        metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens_per_sample
+        metrics["tokens_per_s"] = (samples_per_s or 0.0) * tokens_per_sample
     if device_idle_s is not None:
         metrics["device_idle_fraction"] = min(1.0, device_idle_s / wall_s) if wall_s > 0 else None
     return metrics
@@ -134,21 +136,22 @@ def _share(seconds: float, wall_s: float) -> float:
     return min(1.0, seconds / wall_s) if wall_s > 0 else 0.0
 
 
-def aggregate(repeats: list[dict[str, Any]]) -> dict[str, dict[str, float] | Any]:
+def aggregate(repeats: list[RepeatMetrics]) -> RunMetrics:
     """Median and min-max spread of every numeric metric over the repeats."""
-    out: dict[str, Any] = {}
+    out: RunMetrics = {}
     for key in repeats[0]:
-        values = [r[key] for r in repeats if r.get(key) is not None]
-        if key in NOT_AGGREGATED or not values or not all(isinstance(v, (int, float)) for v in values):
+        values = [v for r in repeats if (v := r.get(key)) is not None]
+        numbers = [v for v in values if isinstance(v, (int, float))]
+        if key in NOT_AGGREGATED or not values or len(numbers) < len(values):
             out[key] = repeats[0][key]
             continue
-        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        out[key] = Spread(median=statistics.median(numbers), min=min(numbers), max=max(numbers))
     return out
 
 
-def median(metrics: dict[str, Any], key: str) -> float | None:
-    """The median of an aggregated metric (None when it was not measured)."""
+def median(metrics: Mapping[str, Spread | Figure], key: str) -> float | None:
+    """The median of an aggregated metric (None when it was not measured), or a repeat's own value."""
     value = metrics.get(key)
     if isinstance(value, dict):
         return value["median"]
-    return value
+    return value if isinstance(value, (int, float)) else None  # a note or a missing figure has no median

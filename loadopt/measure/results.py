@@ -23,7 +23,7 @@ from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, RunStatus, SchemaError, as_dict, parse_results, results_text
+from loadopt.schema import SCHEMA_VERSION, RepeatMetrics, RunStatus, SchemaError, as_dict, parse_results, results_text
 
 COMMAND = "loadopt.measure"
 CPU_NOTE = "on the CPU the loop body stands for the accelerator"
@@ -50,7 +50,7 @@ class Recorded:
     unmarked_waits: int  # measure_steps: steps whose batch was never marked (wait unknown)
 
 
-def recorded_metrics(rec: Recorded) -> dict[str, Any]:
+def recorded_metrics(rec: Recorded) -> RepeatMetrics:
     """The flat metrics of one measurement, named as `loadopt bench` names them."""
     waits, steps = rec.wait_ns / 1e9, rec.step_ns / 1e9
     wall = float(waits.sum() + steps.sum())
@@ -70,7 +70,7 @@ def recorded_metrics(rec: Recorded) -> dict[str, Any]:
         utilisation=utilisation)
     metrics.update({
         "compute_source": "cuda events" if on_device else f"loop body ({CPU_NOTE})",
-        "wait_fraction": metrics["wait_s"] / wall if wall > 0 else 0.0,
+        "wait_fraction": float(waits.sum()) / wall if wall > 0 else 0.0,
         "step_p50_ms": percentile_ms(steps, 50),
         "step_p95_ms": percentile_ms(steps, 95),
         "h2d_pinned": rec.h2d_pinned,
