@@ -287,6 +287,7 @@ def described(failure: BaseException) -> ToldFailure:
 
 
 def told_of(failure: BaseException | None) -> ToldFailure | None:
+    """`described`, or None where nothing failed."""
     return described(failure) if failure is not None else None
 
 
