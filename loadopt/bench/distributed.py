@@ -22,7 +22,7 @@ an error there is every rank's. Rank 0 gathers every rank's figures after each r
 results.json: per-rank figures, the aggregate over ranks and the slowest rank (the one that waited longest
 for data); after the runs it measures the ceilings again, the stages apart and the decision alone. The
 other ranks write nothing. The per-batch timings file holds rank 0's batches. (The ranks' figures:
-bench/rank_figures.py.)
+bench/rank_figures.py; what a rank reports of a run: bench/rank_report.py.)
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ import torch
 
 from loadopt.bench.knobs import MachineLimits
 from loadopt.bench.rank_figures import RecordingLoader, add_ranks, aggregate_ranks
+from loadopt.bench.rank_report import RankReport, ToldFailure
 from loadopt.device import Elapsed, resolve_device
 from loadopt.errors import LoadoptError, Terminated
 from loadopt.machine import usable_cores
+from loadopt.schema import RepeatMetrics
 
 T = TypeVar("T")
 
@@ -113,12 +115,13 @@ class Ranks:
     def start(self) -> None:
         """Every rank starts its run together; raises `PeerFailed` when another failed before it started."""
 
-    def settle(self, label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
-        """This rank's report of one run (`metrics` or `error`, ...) -> every rank's, in rank order."""
-        return [{**report, "rank": 0}]
+    def settle(self, label: str, report: RankReport) -> list[RankReport]:
+        """This rank's report of one run (its metrics, or its error) -> every rank's, in rank order."""
+        return [dataclasses.replace(report, rank=0)]
 
-    def job_metrics(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        return reports[0]["metrics"]
+    def job_metrics(self, reports: list[RankReport]) -> RepeatMetrics:
+        """The job's figures of a run from every rank's report (none failed)."""
+        return reports[0].figures()
 
     def run_suffix(self) -> str:
         return ""
@@ -142,7 +145,7 @@ class TorchrunRanks(Ranks):
         self._token = torch.zeros(1, device=device) if on_device else None
         self._status = torch.zeros(2)  # [ranks failed, ranks out of the run]
         self._recording: RecordingLoader | None = None
-        self._per_rank: dict[str, list[list[dict[str, Any]]]] = {}
+        self._per_rank: dict[str, list[list[RankReport]]] = {}  # per run label: per rank, its repeats' reports
 
     # -- once for the machine ------------------------------------------------------------------------
 
@@ -162,8 +165,8 @@ class TorchrunRanks(Ranks):
                 value = work()
             except BaseException as exc:  # noqa: BLE001 - every rank learns of it, then it is raised here
                 failure = exc
-        # (value, failure told) from rank 0: the broadcast fills it in on every other rank
-        box: list[Any] = [(value, described(failure)) if self.rank == 0 else None]
+        # (value, failure told) from rank 0: the broadcast replaces the other ranks' (None, None)
+        box: list[tuple[Any, ToldFailure | None]] = [(value, told_of(failure))]
         torch.distributed.broadcast_object_list(box, src=0, group=self._objects)
         value, told = box[0]
         if failure is not None:
@@ -179,8 +182,8 @@ class TorchrunRanks(Ranks):
             value = work()
         except BaseException as exc:  # noqa: BLE001 - every rank learns of it, then it is raised here
             failure = exc
-        told: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(told, described(failure), group=self._objects)
+        told: list[ToldFailure | None] = [None] * self.world_size
+        torch.distributed.all_gather_object(told, told_of(failure), group=self._objects)
         if failure is not None:
             raise failure
         for rank, failed_there in enumerate(told):
@@ -228,23 +231,22 @@ class TorchrunRanks(Ranks):
         torch.distributed.all_reduce(self._status, group=self._objects)
         return int(self._status[0]), int(self._status[1])
 
-    def settle(self, label: str, report: dict[str, Any]) -> list[dict[str, Any]]:
-        failed = report.get("error") is not None or report.get("fatal") is not None
-        while self._exchange(failed=failed, out=True)[1] < self.world_size:
+    def settle(self, label: str, report: RankReport) -> list[RankReport]:
+        while self._exchange(failed=report.failed, out=True)[1] < self.world_size:
             pass  # a rank still running (or stopping at its next step) needs this rank in its collective
-        mine = {**report, "rank": self.rank, "host": os.uname().nodename, "device": str(self.device),
-                "delivered": self._recording.record() if self._recording is not None else []}
+        mine = dataclasses.replace(report, rank=self.rank, host=os.uname().nodename, device=str(self.device),
+                                   delivered=self._recording.record() if self._recording is not None else [])
         self._recording = None
-        reports: list[Any] = [None] * self.world_size
+        reports = [mine] * self.world_size  # the gather puts each rank's report in its place
         torch.distributed.all_gather_object(reports, mine, group=self._objects)
-        if self.rank == 0 and all(r.get("metrics") is not None for r in reports):
+        if self.rank == 0 and all(r.metrics is not None for r in reports):
             ranks = self._per_rank.setdefault(label, [[] for _ in range(self.world_size)])
             for entry in reports:
-                ranks[entry["rank"]].append(entry)
+                ranks[entry.rank].append(entry)
         return reports
 
-    def job_metrics(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        return aggregate_ranks([r["metrics"] for r in reports])
+    def job_metrics(self, reports: list[RankReport]) -> RepeatMetrics:
+        return aggregate_ranks([r.figures() for r in reports])
 
     def run_suffix(self) -> str:
         return f", rank 0 of {self.world_size}"
@@ -275,26 +277,29 @@ def ranks_here(requested_device: str, timeout_s: float) -> Iterator[Ranks]:
             dist.destroy_process_group()
 
 
-def described(failure: BaseException | None) -> dict[str, Any] | None:
+def described(failure: BaseException) -> ToldFailure:
     """A failure as every rank can be told of it (plain data: the exception itself may not pickle)."""
-    if failure is None:
-        return None
     kind = ("interrupt" if isinstance(failure, KeyboardInterrupt) else
             "user" if isinstance(failure, LoadoptError) else "bug")
-    return {"kind": kind, "terminated": isinstance(failure, Terminated),
-            "text": str(failure).splitlines()[0] if str(failure) else type(failure).__name__,
-            "type": type(failure).__name__, "exit_code": getattr(failure, "exit_code", 1)}
+    return ToldFailure(kind=kind, terminated=isinstance(failure, Terminated),
+                       text=str(failure).splitlines()[0] if str(failure) else type(failure).__name__,
+                       exception=type(failure).__name__, exit_code=getattr(failure, "exit_code", 1))
 
 
-def raise_told(described: dict[str, Any] | None, rank: int) -> None:
-    """Raise here what another rank met (`described`)."""
-    if described is None:
+def told_of(failure: BaseException | None) -> ToldFailure | None:
+    """`described`, or None where nothing failed."""
+    return described(failure) if failure is not None else None
+
+
+def raise_told(told: ToldFailure | None, rank: int) -> None:
+    """Raise here what another rank met (`told`)."""
+    if told is None:
         return
-    if described["kind"] == "interrupt":
-        raise Terminated() if described["terminated"] else KeyboardInterrupt()
-    if described["kind"] == "user":
-        raise PeerError(f"rank {rank}: {described['text']}", described["exit_code"])
-    raise RuntimeError(f"rank {rank} failed: {described['type']}: {described['text']}")
+    if told.kind == "interrupt":
+        raise Terminated() if told.terminated else KeyboardInterrupt()
+    if told.kind == "user":
+        raise PeerError(f"rank {rank}: {told.text}", told.exit_code)
+    raise RuntimeError(f"rank {rank} failed: {told.exception}: {told.text}")
 
 
 class _StepSync:

@@ -1,5 +1,6 @@
 """The figures of a torchrun bench's ranks: which samples each rank delivered, the job's metrics from its
-ranks', the slowest rank, and what results.json says of the ranks (bench/distributed.py runs them)."""
+ranks', the slowest rank, and what results.json says of the ranks (bench/distributed.py runs them; each
+rank's report of a run: bench/rank_report.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from typing_extensions import TypedDict
 
 from loadopt.bench.metrics import median
+from loadopt.bench.rank_report import DeliveredEpoch, RankReport
+from loadopt.schema import RepeatMetrics
 
 # Summed over ranks (extensive), the worst over ranks, or the mean over ranks; the rates are recomputed.
 _SUMMED = ("samples", "compute_s", "wait_s", "h2d_s", "finish_s", "sample_bytes_delivered", "bytes_read",
@@ -34,14 +38,14 @@ class RecordingLoader:
             self.delivered.setdefault(self._loader.epoch, []).append(np.asarray(batch.indices, dtype=np.int64))
             yield batch
 
-    def record(self) -> list[dict[str, Any]]:
+    def record(self) -> list[DeliveredEpoch]:
         """Per epoch: how many samples, an order-free digest of which, and whether the epoch was complete."""
         out = []
         per_epoch = len(self._loader.order().indices())
         for epoch, batches in sorted(self.delivered.items()):
             indices = np.sort(np.concatenate(batches))
-            out.append({"epoch": epoch, "samples": len(indices), "complete": len(indices) == per_epoch,
-                        "digest": indices_digest(indices)})
+            out.append(DeliveredEpoch(epoch=epoch, samples=len(indices), complete=len(indices) == per_epoch,
+                                      digest=indices_digest(indices)))
         return out
 
 
@@ -50,12 +54,57 @@ def indices_digest(indices: np.ndarray) -> str:
     return hashlib.sha256(np.sort(np.asarray(indices, dtype=np.int64)).tobytes()).hexdigest()[:16]
 
 
-def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+class SlowestRank(TypedDict):
+    """The rank that waited longest for data (results.json `runs[].slowest_rank`), medians over repeats."""
+
+    rank: int
+    wait_s: float
+    samples_per_s: float
+    accelerator_utilisation: float
+
+
+class RankFigures(TypedDict):
+    """One rank's figures of a run, per repeat (results.json `runs[].ranks[]`)."""
+
+    rank: int
+    host: str
+    device: str
+    metrics: list[RepeatMetrics]
+    delivered: list[list[DeliveredEpoch]]
+
+
+class DistributedNote(TypedDict):
+    """How a torchrun bench ran and what its figures mean (results.json `distributed`)."""
+
+    world_size: int
+    backend: str
+    step_sync: str
+    aggregate: str
+    timings: str
+    alone: str
+    slowest_ranks: list[str]  # per run: which rank was slowest, how long it waited
+
+
+def _number(metrics: RepeatMetrics, key: str) -> float | None:
+    """A numeric figure as recorded (a numpy scalar stays one), None where it was not measured."""
+    value = metrics.get(key)
+    return None if value is None or isinstance(value, str) else value
+
+
+def _figure(metrics: RepeatMetrics, key: str) -> float:
+    """A figure every rank's window metrics hold (bench.metrics.window_metrics)."""
+    value = _number(metrics, key)
+    if value is None:
+        raise KeyError(f"no {key!r} in a rank's metrics")
+    return value
+
+
+def aggregate_ranks(per_rank: list[RepeatMetrics]) -> RepeatMetrics:
     """The job's figures from its ranks': totals, the worst wait percentiles, the mean utilisation."""
     first = per_rank[0]
-    out: dict[str, Any] = {}
+    out: RepeatMetrics = {}
     for key, value in first.items():
-        values = [m[key] for m in per_rank if m.get(key) is not None]
+        values = [v for m in per_rank if (v := _number(m, key)) is not None]
         if key in _SUMMED and values:
             out[key] = sum(values)
         elif key in _WORST and values:
@@ -64,57 +113,62 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = sum(values) / len(values)
         else:
             out[key] = value
-    wall = out["wall_s"]
-    out["samples_per_s"] = out["samples"] / wall if wall > 0 else 0.0
-    out["mb_per_s"] = out["sample_bytes_delivered"] / wall / 1e6 if wall > 0 else 0.0
+    wall, samples, delivered = _figure(out, "wall_s"), _figure(out, "samples"), _figure(out, "sample_bytes_delivered")
+    bytes_read = _number(out, "bytes_read")
+    out["samples_per_s"] = samples / wall if wall > 0 else 0.0
+    out["mb_per_s"] = delivered / wall / 1e6 if wall > 0 else 0.0
     if "tokens_per_s" in first:
-        out["tokens_per_s"] = sum(m["tokens_per_s"] for m in per_rank)
-    out["stall_fraction"] = 1.0 - out["accelerator_utilisation"]
-    out["goodput_ratio"] = out["sample_bytes_delivered"] / out["bytes_read"] if out["bytes_read"] else None
-    out["cpu_seconds_per_1k_samples"] = out["cpu_seconds"] / out["samples"] * 1000.0 if out["samples"] else None
+        out["tokens_per_s"] = sum(_figure(m, "tokens_per_s") for m in per_rank)
+    out["stall_fraction"] = 1.0 - _figure(out, "accelerator_utilisation")
+    out["goodput_ratio"] = delivered / bytes_read if bytes_read else None
+    out["cpu_seconds_per_1k_samples"] = _figure(out, "cpu_seconds") / samples * 1000.0 if samples else None
     return out
 
 
-def slowest_rank(per_rank_repeats: list[list[dict[str, Any]]]) -> dict[str, Any]:
+def slowest_rank(per_rank_repeats: list[list[RankReport]]) -> SlowestRank:
     """The rank that waited longest for data (median over repeats): the one the others waited for."""
-    waits = [float(np.median([r["metrics"]["wait_s"] for r in repeats])) for repeats in per_rank_repeats]
+    def over_repeats(repeats: list[RankReport], key: str) -> float:
+        return float(np.median([_figure(r.figures(), key) for r in repeats]))
+
+    waits = [over_repeats(repeats, "wait_s") for repeats in per_rank_repeats]
     rank = int(np.argmax(waits))
-    rates = [float(np.median([r["metrics"]["samples_per_s"] for r in per_rank_repeats[rank]]))]
-    return {"rank": rank, "wait_s": waits[rank], "samples_per_s": rates[0],
-            "accelerator_utilisation": float(np.median([r["metrics"]["accelerator_utilisation"]
-                                                        for r in per_rank_repeats[rank]]))}
+    slowest = per_rank_repeats[rank]
+    return SlowestRank(rank=rank, wait_s=waits[rank], samples_per_s=over_repeats(slowest, "samples_per_s"),
+                       accelerator_utilisation=over_repeats(slowest, "accelerator_utilisation"))
 
 
-def add_ranks(results: dict[str, Any], per_rank: dict[str, list[list[dict[str, Any]]]], world: int,
-               backend: str) -> None:
+def rank_figures(rank: int, repeats: list[RankReport]) -> RankFigures:
+    return RankFigures(rank=rank, host=repeats[0].host, device=repeats[0].device,
+                       metrics=[r.figures() for r in repeats], delivered=[r.delivered for r in repeats])
+
+
+def add_ranks(results: dict[str, Any], per_rank: dict[str, list[list[RankReport]]], world: int,
+              backend: str) -> None:
+    """Into a bench's results (rank 0's): the command, how the ranks ran, and per run its ranks' figures."""
     results["command"] = f"torchrun --nproc-per-node {world} -m loadopt bench"
-    results["distributed"] = {
-        "world_size": world, "backend": backend,
-        "step_sync": "an all-reduce after every step (stand-in for the gradient all-reduce; it also carries "
-                     "each rank's status, so that a setting failing on one rank fails alone)",
-        "aggregate": "samples/s and MB/s: all ranks' samples over the longest rank's window; utilisation: the "
-                     "mean over ranks; wait percentiles: the worst rank's; CPU, memory, bytes: summed",
-        "timings": "timings.parquet holds rank 0's batches",
-        "alone": "rank 0 alone, the other ranks waiting: the plan and its conversions, the --tune search (each "
-                 "setting within one rank's share of the machine), the ceilings (the decode ceiling with every "
-                 "rank's worker processes on this machine; the job's demand: every rank's accelerator) and the "
-                 "stages apart (one loader over the whole dataset against one accelerator's demand)",
-    }
-    slowest_text = []
+    note = DistributedNote(
+        world_size=world, backend=backend,
+        step_sync="an all-reduce after every step (stand-in for the gradient all-reduce; it also carries "
+                  "each rank's status, so that a setting failing on one rank fails alone)",
+        aggregate="samples/s and MB/s: all ranks' samples over the longest rank's window; utilisation: the "
+                  "mean over ranks; wait percentiles: the worst rank's; CPU, memory, bytes: summed",
+        timings="timings.parquet holds rank 0's batches",
+        alone="rank 0 alone, the other ranks waiting: the plan and its conversions, the --tune search (each "
+              "setting within one rank's share of the machine), the ceilings (the decode ceiling with every "
+              "rank's worker processes on this machine; the job's demand: every rank's accelerator) and the "
+              "stages apart (one loader over the whole dataset against one accelerator's demand)",
+        slowest_ranks=[])
+    results["distributed"] = note
     for run in results["runs"]:
         ranks = per_rank.get(run["label"])
         if not ranks or "metrics" not in run:
             continue
-        run["ranks"] = [{"rank": r, "host": repeats[0]["host"], "device": repeats[0]["device"],
-                         "metrics": [x["metrics"] for x in repeats], "delivered": [x["delivered"] for x in repeats]}
-                        for r, repeats in enumerate(ranks)]
-        run["slowest_rank"] = slowest_rank(ranks)
-        slow = run["slowest_rank"]
-        slowest_text.append(f"{run['label']}: rank {slow['rank']} (waited {slow['wait_s']:.2f} s for data, "
-                            f"AU {slow['accelerator_utilisation']:.0%})")
+        run["ranks"] = [rank_figures(r, repeats) for r, repeats in enumerate(ranks)]
+        slow = run["slowest_rank"] = slowest_rank(ranks)
+        note["slowest_ranks"].append(f"{run['label']}: rank {slow['rank']} (waited {slow['wait_s']:.2f} s for "
+                                     f"data, AU {slow['accelerator_utilisation']:.0%})")
     if results["ranking"]:
         best = next(r for r in results["runs"] if r["label"] == results["ranking"][0])
         rate = median(best["metrics"], "samples_per_s")
         results["summary"] = (f"fastest on {world} ranks: {best['label']} at {rate:,.0f} samples/s in all; "
                               f"slowest rank {best['slowest_rank']['rank']}")
-    results["distributed"]["slowest_ranks"] = slowest_text

@@ -23,6 +23,7 @@ from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's de
 from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
+from loadopt.bench.rank_report import RankReport
 from loadopt.bench.results import write_results
 from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import backend_settings
@@ -316,35 +317,36 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
         if loader is not None:
             loader.close()
     delta = counters_delta(counters, tier_counters(dataset.fs))  # shared by the loader's processes
-    report: dict[str, Any] = {"metrics": result.metrics if result else None, "skipped": result.skipped if result
-                              else [], "tier": delta, "error": None, "fatal": None}
+    report = RankReport(metrics=result.metrics if result else None, skipped=result.skipped if result else [],
+                        tier=delta)
     if error is not None:
         failure = tier_failure(error, dataset.fs, delta)
         # The user's to fix: the bench stops; a worker that died (the OOM killer, say) fails this setting only.
         if isinstance(error, LoadoptError) and not isinstance(error, WorkerDied) and failure is None:
-            report["fatal"] = distributed.described(error)
+            report.fatal = distributed.described(error)
         else:
-            report["error"] = str(failure or f"{type(error).__name__}: {error}").splitlines()[0]
+            report.error = str(failure or f"{type(error).__name__}: {error}").splitlines()[0]
     reports = ranks.settle(setting.label, report)
-    deltas = [r["tier"] for r in reports if r["tier"] is not None]
+    deltas = [r.tier for r in reports if r.tier is not None]
     if deltas:  # reads, retries and faults of the storage tier, over every rank
         setting.tier_counters.append(sum_counters(deltas))
     for other in reports:
-        if other["fatal"] is not None:  # this setting's error, and the bench stops
-            setting.status, setting.reason = RunStatus.ERROR, other["fatal"]["text"] if ranks.world_size == 1 else \
-                f"rank {other['rank']}: {other['fatal']['text']}"
-            if other["rank"] == ranks.rank and error is not None:
+        if other.fatal is not None:  # this setting's error, and the bench stops
+            setting.status, setting.reason = RunStatus.ERROR, other.fatal.text if ranks.world_size == 1 else \
+                f"rank {other.rank}: {other.fatal.text}"
+            if other.rank == ranks.rank and error is not None:
                 raise error
-            distributed.raise_told(other["fatal"], other["rank"])
-    failed = [r for r in reports if r["error"] is not None]
+            distributed.raise_told(other.fatal, other.rank)
+    failed = [r for r in reports if r.error is not None]
     if failed or result is None:
-        first: dict[str, Any] = failed[0] if failed else {"rank": ranks.rank, "error": "no figures"}
+        first = failed[0] if failed else RankReport(rank=ranks.rank, error="no figures")
         setting.status = RunStatus.ERROR
-        setting.reason = first["error"] if ranks.world_size == 1 else f"rank {first['rank']}: {first['error']}"
+        reason = first.error or "no figures"
+        setting.reason = reason if ranks.world_size == 1 else f"rank {first.rank}: {reason}"
         reporter.run_finished(setting.label, None, setting.reason)
         return None
     job = ranks.job_metrics(reports)
-    setting.repeats.append(RepeatResult(job, result.probes, [s for r in reports for s in r["skipped"]]))
+    setting.repeats.append(RepeatResult(job, result.probes, [s for r in reports for s in r.skipped]))
     reporter.run_finished(setting.label, job, None)
     return note
 

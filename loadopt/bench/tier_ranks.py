@@ -19,16 +19,29 @@ real storage's.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from loadopt.bench.consumers import ConsumerSettings, combine, consume
 from loadopt.bench.distributed import Ranks, described, raise_told
+from loadopt.bench.rank_report import ToldFailure
 from loadopt.errors import DatasetError
+from loadopt.schema import Figure
 from loadopt.storage.dataset import Dataset
 
 _STOP = "stop"
+
+
+@dataclass(frozen=True)
+class TrialReport:
+    """What a rank that played one of a trial's accelerators tells the others."""
+
+    rank: int
+    figures: dict[str, Figure] | None = None  # its consumer's (`consume`'s), None when it failed
+    error: str | None = None  # why its consumer failed (one line): the trial fails
+    interrupt: ToldFailure | None = None  # Ctrl-C or SIGTERM here: every rank stops
 
 
 class RankConsumers:
@@ -42,12 +55,13 @@ class RankConsumers:
         if count > self.ranks.world_size:
             raise DatasetError(f"{count} accelerators: the torchrun job has only {self.ranks.world_size} ranks")
         reports = _play(self.ranks, _broadcast(self.ranks, ("run", dataset, settings, count, warmup_s, measure_s)))
-        results = [r for r in reports if r is not None]
-        errors = [f"rank {r['rank']}: {r['error']}" for r in results if "error" in r]
+        played = [r for r in reports if r is not None]
+        errors = [f"rank {r.rank}: {r.error}" for r in played if r.error is not None]
         if errors:
             raise DatasetError(f"consumer failed: {errors[0]}")
         nodes = max(1, self.ranks.world_size // max(1, self.ranks.local_world_size))
-        return combine(results, count, warmup_s, measure_s, machines=nodes)
+        return combine([r.figures for r in played if r.figures is not None], count, warmup_s, measure_s,
+                       machines=nodes)
 
     def stop(self) -> None:
         """Release the other ranks from `serve` (rank 0, once its search is over or failed)."""
@@ -69,26 +83,27 @@ def _broadcast(ranks: Ranks, command: Any) -> Any:
     return box[0]
 
 
-def _play(ranks: Ranks, command: Any) -> list[Any]:
+def _play(ranks: Ranks, command: Any) -> list[TrialReport | None]:
     """Every rank, with the trial rank 0 broadcast: play it if this rank is one of its accelerators; gather."""
     _, dataset, settings, count, warmup_s, measure_s = command
     torch.distributed.barrier()  # every rank has the trial: the clocks start from here, within milliseconds
     t_start = time.perf_counter() + 0.2
     t_window = t_start + warmup_s
     t_end = t_window + measure_s
-    report: dict[str, Any] | None = None
+    report: TrialReport | None = None  # None: this rank plays no accelerator of this trial
     if ranks.rank < count:
         try:
-            report = consume(dataset, settings, ranks.rank, count, t_start, t_window, t_end)
+            report = TrialReport(ranks.rank, figures=consume(dataset, settings, ranks.rank, count, t_start, t_window,
+                                                             t_end))
         except Exception as exc:  # noqa: BLE001 - told to rank 0 as one line, as the forked consumers do
-            report = {"rank": ranks.rank, "error": described(exc)["text"]}  # type: ignore[index]
+            report = TrialReport(ranks.rank, error=described(exc).text)
         except BaseException as exc:  # Ctrl-C / SIGTERM: every rank learns of it after the gather
-            report = {"rank": ranks.rank, "interrupt": described(exc)}
-    gathered: list[Any] = [None] * ranks.world_size
+            report = TrialReport(ranks.rank, interrupt=described(exc))
+    gathered: list[TrialReport | None] = [None] * ranks.world_size
     torch.distributed.all_gather_object(gathered, report)
     for entry in gathered:
-        if entry is not None and "interrupt" in entry:
-            raise_told(entry["interrupt"], entry["rank"])
+        if entry is not None:
+            raise_told(entry.interrupt, entry.rank)
     return gathered
 
 

@@ -34,8 +34,17 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.measure.batch_structure import count_samples, rebuilt, tensors_of
-from loadopt.measure.results import Recorded, rank_info, recorded_metrics, results_document, verdict, write_json
+from loadopt.measure.results import (
+    MeasureResults,
+    Recorded,
+    rank_info,
+    recorded_metrics,
+    results_document,
+    verdict,
+    write_json,
+)
 from loadopt.measure.results import write_ranked as _write_ranked
+from loadopt.schema import RepeatMetrics
 
 log = logging.getLogger("loadopt.measure")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -299,7 +308,7 @@ class Measurement:
             device_busy_s=cuda.busy_ms / 1000.0 if on_device else None,
             device_idle_s=cuda.idle_ms / 1000.0 if on_device else None, unmarked_waits=self._unmarked)
 
-    def metrics(self) -> dict[str, Any] | None:
+    def metrics(self) -> RepeatMetrics | None:
         """The flat metrics so far (None before the first complete step)."""
         if self._open and self._monitor is not None:  # fold the running window's CPU and memory in
             self._stop_monitor()
@@ -313,8 +322,8 @@ class Measurement:
         metrics = self.metrics()
         return verdict(metrics, self.label) if metrics is not None else f"measure {self.label}: no step measured yet"
 
-    def results(self) -> dict[str, Any]:
-        """The results document (the shape of `loadopt bench`'s results.json)."""
+    def results(self) -> MeasureResults:
+        """The results document (the shape of `loadopt bench`'s results.json; `schema.as_dict` gives its data)."""
         return results_document([(self.label, self.metrics())], str(self.device or "cpu"))
 
     def to_json(self, path: str | os.PathLike[str]) -> Path:

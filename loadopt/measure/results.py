@@ -9,12 +9,12 @@ by polling that folder with a timeout: no collective call that could hang a job 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import psutil
@@ -23,11 +23,25 @@ from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, RepeatMetrics, RunStatus, SchemaError, as_dict, parse_results, results_text
+from loadopt.schema import SCHEMA_VERSION, RepeatMetrics, ResultsFile, Run, RunStatus, as_dict, results_text
 
 COMMAND = "loadopt.measure"
 CPU_NOTE = "on the CPU the loop body stands for the accelerator"
-_machine: dict[str, Any] | None = None
+
+
+class MeasureResults(ResultsFile):
+    """measure.json (and each rank's measure-rank<r>.json): a results file with what measure adds. Written
+    with the keys set (`as_dict`), so a field left unset is no key in the file."""
+
+    created_unix: float | None = None  # when it was written: a rank's file counts for this job's gather
+    machine_fingerprint: str | None = None
+    main: str | None = None  # the label of the longest-measured run (None: nothing measured)
+    steps: int = 0  # the main run's steps
+    rank: int | None = None  # a rank's own file: its rank, world size and how many times it has written
+    world_size: int | None = None  # also in rank 0's gathered measure.json
+    sequence: int | None = None
+    missing_ranks: list[int] | None = None  # rank 0's gathered file: ranks that never reported, the slowest one
+    slowest_rank: int | None = None
 
 
 @dataclass
@@ -81,14 +95,22 @@ def recorded_metrics(rec: Recorded) -> RepeatMetrics:
     return metrics
 
 
+def _figure(metrics: RepeatMetrics, key: str) -> float:
+    """A figure every measurement with a step has (`recorded_metrics`)."""
+    value = metrics.get(key)
+    if value is None or isinstance(value, str):
+        raise KeyError(f"no {key!r} in the measured metrics")
+    return value
+
+
 def _speedup(stall: float) -> str:
     value = 1.0 / (1.0 - stall) if stall < 0.999 else float("inf")
     return f"{value:.1f}x" if value >= 1.5 else f"{value:.2f}x"
 
 
-def verdict(metrics: dict[str, Any], label: str | None = None) -> str:
+def verdict(metrics: RepeatMetrics, label: str | None = None) -> str:
     """One paragraph: how long the loop waited for data and what a faster loader would gain."""
-    stall, on_device = metrics["stall_fraction"], metrics["compute_source"] == "cuda events"
+    stall, on_device = _figure(metrics, "stall_fraction"), metrics["compute_source"] == "cuda events"
     name = f" {label}" if label else ""
     text = f"measure{name}: {metrics['batches']:,} steps, {metrics['samples_per_s']:,.0f} samples/s; "
     if on_device:
@@ -112,55 +134,43 @@ def verdict(metrics: dict[str, Any], label: str | None = None) -> str:
     return text
 
 
-def _machine_info() -> dict[str, Any]:
-    global _machine
-    if _machine is None:  # library versions and /proc reads: once per process
-        _machine = machine_info()
-    return _machine
+_machine_info = functools.cache(machine_info)  # library versions and /proc reads: once per process
 
 
-def run_entry(label: str, metrics: dict[str, Any] | None) -> dict[str, Any]:
+def run_entry(label: str, metrics: RepeatMetrics | None) -> Run:
     """One entry of `runs`, as `loadopt bench` writes it (one repeat)."""
-    run: dict[str, Any] = {"backend": "measured", "label": label, "settings": None, "status": RunStatus.OK,
-                           "reason": ""}
     if metrics is None:
-        run["status"], run["reason"] = RunStatus.NOT_RUN, "no batch was measured"
-        return run
-    run["metrics"] = aggregate([metrics])
-    run["repeats"] = [metrics]
-    return run
+        return Run(backend="measured", label=label, settings=None, status=RunStatus.NOT_RUN,
+                   reason="no batch was measured")
+    return Run(backend="measured", label=label, settings=None, status=RunStatus.OK, reason="",
+               metrics=aggregate([metrics]), repeats=[metrics])
 
 
-def results_document(measured: list[tuple[str, dict[str, Any] | None]], device: str,
-                     **extra: Any) -> dict[str, Any]:
+def results_document(measured: list[tuple[str, RepeatMetrics | None]], device: str,
+                     world_size: int | None = None) -> MeasureResults:
     """A results file with one run per measured iterable; `summary` is the verdict of the longest one."""
     machine = _machine_info()
     runs = [run_entry(label, metrics) for label, metrics in measured]
     done = [(label, m) for label, m in measured if m is not None]
-    main = max(done, key=lambda item: item[1]["wall_s"], default=None)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "command": COMMAND,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "created_unix": time.time(),
-        "device": device,
-        "machine": machine,
-        "machine_fingerprint": machine_fingerprint(machine),
-        "runs": runs,
-        "ranking": [label for label, _ in sorted(done, key=lambda item: -item[1]["samples_per_s"])],
-        "main": main[0] if main else None,
-        "summary": verdict(main[1]) if main else "no batch was measured",
-        "steps": main[1]["batches"] if main else 0,
-        **extra,
-    }
+    main = max(done, key=lambda item: _figure(item[1], "wall_s"), default=None)
+    document = MeasureResults(
+        schema_version=SCHEMA_VERSION, command=COMMAND,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), created_unix=time.time(),
+        device=device, machine=machine, machine_fingerprint=machine_fingerprint(machine), runs=runs,
+        ranking=[label for label, _ in sorted(done, key=lambda item: -_figure(item[1], "samples_per_s"))],
+        main=main[0] if main else None, summary=verdict(main[1]) if main else "no batch was measured",
+        steps=int(_figure(main[1], "batches")) if main else 0)
+    if world_size is not None:
+        document.world_size = world_size
+    return document
 
 
-def write_json(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+def write_json(path: str | os.PathLike[str], document: MeasureResults) -> Path:
     """Write atomically; an unwritable place is the user's to fix (OutputError naming it)."""
     target = Path(path).expanduser()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target, results_text(document))  # validated against loadopt.schema
+        atomic_write_text(target, results_text(as_dict(document)))  # validated against loadopt.schema
     except OSError as exc:
         raise OutputError(f"{target}: cannot write the measure results ({exc.strerror or exc})") from None
     return target
@@ -178,68 +188,68 @@ def rank_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def write_ranked(folder: str | os.PathLike[str], document: dict[str, Any], rank: int, world_size: int,
+def write_ranked(folder: str | os.PathLike[str], document: MeasureResults, rank: int, world_size: int,
                  wait_s: float, sequence: int) -> Path:
     """Single process: `measure.json`. Several ranks: `measure-rank<r>.json`, and rank 0 also writes
     `measure.json` with every rank that reported within `wait_s` and the slowest one named."""
     folder = Path(folder).expanduser()
     if world_size <= 1:
         return write_json(folder / "measure.json", document)
-    own = {**document, "rank": rank, "world_size": world_size, "sequence": sequence}
+    own = document.model_copy(update={"rank": rank, "world_size": world_size, "sequence": sequence})
     path = write_json(folder / f"measure-rank{rank}.json", own)
     if rank != 0:
         return path
     docs = _gather(folder, own, world_size, wait_s)
-    return write_json(folder / "measure.json", rank_aggregate(docs, world_size, document["device"], wait_s))
+    return write_json(folder / "measure.json", rank_aggregate(docs, world_size, document.device or "cpu", wait_s))
 
 
-def _gather(folder: Path, own: dict[str, Any], world_size: int, wait_s: float) -> dict[int, dict[str, Any]]:
+def _gather(folder: Path, own: MeasureResults, world_size: int, wait_s: float) -> dict[int, MeasureResults]:
     # A file counts when it is from this job (written after this process started; ranks start
     # together) and from the same point of it (sequence: how many times that rank has written).
     since = psutil.Process().create_time() - 1.0
-    docs: dict[int, dict[str, Any]] = {0: own}
+    docs = {0: own}
     deadline = time.monotonic() + wait_s
     while True:
         for rank in range(1, world_size):
             if rank in docs:
                 continue
             try:  # a rank's file half-written or of another version: not (yet) reported
-                doc = as_dict(parse_results(json.loads((folder / f"measure-rank{rank}.json").read_text()), folder))
-            except (OSError, ValueError, SchemaError):
+                doc = MeasureResults.model_validate(json.loads((folder / f"measure-rank{rank}.json").read_text()))
+            except (OSError, ValueError):
                 continue
-            if doc.get("created_unix", 0) >= since and doc.get("sequence", 0) >= own["sequence"]:
+            if (doc.created_unix or 0) >= since and (doc.sequence or 0) >= (own.sequence or 0):
                 docs[rank] = doc
         if len(docs) == world_size or time.monotonic() >= deadline:
             return docs
         time.sleep(0.05)
 
 
-def _main_metrics(doc: dict[str, Any]) -> dict[str, Any] | None:
-    for run in doc.get("runs", []):
-        if run["label"] == doc.get("main") and run.get("repeats"):
-            return run["repeats"][0]
+def _main_metrics(doc: MeasureResults) -> RepeatMetrics | None:
+    for run in doc.runs:
+        if run.label == doc.main and run.repeats:
+            return run.repeats[0]
     return None
 
 
-def rank_aggregate(docs: dict[int, dict[str, Any]], world_size: int, device: str, wait_s: float) -> dict[str, Any]:
+def rank_aggregate(docs: dict[int, MeasureResults], world_size: int, device: str, wait_s: float) -> MeasureResults:
     """One run per rank ("rank <r>", its longest-measured iterable); the slowest rank is the one that
     waited longest for data: in data-parallel training the others wait for it in the all-reduce."""
     measured = [(f"rank {r}", _main_metrics(docs[r]) if r in docs else None) for r in range(world_size)]
     document = results_document(measured, device, world_size=world_size)
     missing = [r for r in range(world_size) if r not in docs]
-    for run, rank in zip(document["runs"], range(world_size), strict=True):
+    for run, rank in zip(document.runs, range(world_size), strict=True):
         if rank in missing:
-            run["status"], run["reason"] = RunStatus.MISSING, f"no results from this rank within {wait_s:g} s"
+            run.status, run.reason = RunStatus.MISSING, f"no results from this rank within {wait_s:g} s"
     present = [(r, m) for r, (_, m) in enumerate(measured) if m is not None]
-    document["missing_ranks"] = missing
+    document.missing_ranks = missing
     if not present:
-        document["slowest_rank"] = None
+        document.slowest_rank = None
         return document
-    slowest, metrics = max(present, key=lambda item: (item[1]["wait_s"], -item[1]["samples_per_s"]))
-    stalls = sorted(m["stall_fraction"] for _, m in present)
-    document["slowest_rank"] = slowest
-    document["summary"] = (f"{world_size} ranks ({len(present)} reported); slowest: rank {slowest}, which waited "
-                           f"{metrics['wait_s']:.1f} s for data (median rank stall {stalls[len(stalls) // 2]:.0%}). "
-                           + verdict(metrics, f"rank {slowest}"))
-    document["steps"] = metrics["batches"]
+    slowest, metrics = max(present, key=lambda item: (_figure(item[1], "wait_s"), -_figure(item[1], "samples_per_s")))
+    stalls = sorted(_figure(m, "stall_fraction") for _, m in present)
+    document.slowest_rank = slowest
+    document.summary = (f"{world_size} ranks ({len(present)} reported); slowest: rank {slowest}, which waited "
+                        f"{metrics['wait_s']:.1f} s for data (median rank stall {stalls[len(stalls) // 2]:.0%}). "
+                        + verdict(metrics, f"rank {slowest}"))
+    document.steps = int(_figure(metrics, "batches"))
     return document

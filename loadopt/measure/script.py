@@ -24,9 +24,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadopt.errors import LoadoptError
+from loadopt.measure.measuring import Measurement
+
+if TYPE_CHECKING:  # for its type only: `patch` imports it when it runs
+    from loadopt.loaders.base import Loader
 
 log = logging.getLogger("loadopt.measure")
 
@@ -40,14 +44,12 @@ class MeasureSession:
 
     def __init__(self, every: int | None = None) -> None:
         self.every = every
-        self.measurements: list[Any] = []
-        self._by_loader: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.measurements: list[Measurement] = []
+        self._by_loader: weakref.WeakKeyDictionary[Any, Measurement] = weakref.WeakKeyDictionary()
         self._made_by_backends: weakref.WeakSet[Any] = weakref.WeakSet()  # DataLoaders a backend created
         self._originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (class, method, its own)
 
-    def measurement_for(self, loader: Any, name: str | None = None, device: Any = None) -> Any:
-        from loadopt.measure.measuring import Measurement
-
+    def measurement_for(self, loader: Any, name: str | None = None, device: Any = None) -> Measurement:
         found = self._by_loader.get(loader)
         if found is None:
             name = name or type(loader).__name__
@@ -144,7 +146,8 @@ def _inside_a_backend(subject: Any) -> bool:
     return False
 
 
-def _loader_pass(measurement: Any, loader: Any, make_iterator: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+def _loader_pass(measurement: Measurement, loader: Loader[Any],
+                 make_iterator: Callable[[], Iterator[Any]]) -> Iterator[Any]:
     """One measured pass over a loadopt loader; its stored bytes per delivered sample (its own counters)
     give the measurement's MB/s."""
     try:
