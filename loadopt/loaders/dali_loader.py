@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders.base import HostBatch, Loader, WorkKind
-from loadopt.loaders.dali_feed import Feed, Prepared, SampleFeed, dali_error, plan_batch
+from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, plan_batch
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.tokens import TokenDataset
@@ -203,7 +203,7 @@ class DaliLoader(Loader[DaliSettings]):
         """Read a batch and plan each sample's crop (in a reader thread)."""
         return plan_batch(indices, epoch, self._encoded, self.pipeline, self.seed, self.settings.roi_decode)
 
-    def _new_pipeline(self, source: Callable[[], tuple] | None, depth: int | None = None) -> Any:
+    def _new_pipeline(self, source: Callable[[], Columns] | None, depth: int | None = None) -> Any:
         native = None
         if self.settings.reader == "native":
             native = NativeFiles(self.dataset.local_files(), self.rank, self.world_size)

@@ -18,6 +18,7 @@ from typing_extensions import NotRequired, TypedDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
+from loadopt.loaders.dali_feed import Columns
 
 if TYPE_CHECKING:
     from loadopt.loaders.dali_loader import DaliSettings
@@ -56,7 +57,7 @@ class DaliGraph:
         """Whether DALI normalises (float output), rather than the device finishing uint8 pixels."""
         return self.pipeline.dtype == "float32" and self.settings.normalise == "dali"
 
-    def build(self, source: Callable[[], tuple] | None, epoch: int, depth: int | None = None,
+    def build(self, source: Callable[[], Columns] | None, epoch: int, depth: int | None = None,
               native: NativeFiles | None = None) -> Any:
         """A built pipeline over `source` (the external reader's feed), or over `native` files."""
         from nvidia.dali import Pipeline, fn, types

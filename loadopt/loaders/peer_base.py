@@ -243,8 +243,9 @@ class PeerLoader(Loader[PeerSettingsT]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.dataset.kind != "images":
-            raise ConfigError(f"loaders.{self.name}: a peer backend reads image datasets only")
+        readable, why = self.supports(self.dataset)
+        if not readable:
+            raise ConfigError(f"loaders.{self.name}: {why} (a peer backend)")
         if self.world_size > 1:
             raise ConfigError(f"loaders.{self.name}: peer backends run one rank here (their own node splitting "
                               "differs from loadopt's shared order)")

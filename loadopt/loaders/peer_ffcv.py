@@ -24,6 +24,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -84,7 +85,7 @@ class _Indexed:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, position: int) -> tuple:
+    def __getitem__(self, position: int) -> tuple[np.ndarray, int, int]:
         index, label, data = self.samples[position]
         return decode_array(data, "simplejpeg"), label, index
 
