@@ -79,6 +79,7 @@ class ConversionMeta(BaseModel):
     skipped: Skipped = Field(default_factory=list)
 
     def text(self) -> str:
+        """The `DONE` file's text: the keys that have values, as the metadata's dict was always written."""
         return json.dumps(self.model_dump(exclude_none=True))
 
 
