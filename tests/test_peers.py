@@ -131,7 +131,7 @@ def test_webdataset_conversion_is_made_once(tmp_path, monkeypatch):
     loader.prepare()
     files = loader.storage_files()
     assert files and all(f.endswith(".tar") for f in files)
-    assert loader.meta["samples"] == 48 and len(loader.meta["shards"]) >= 2
+    assert loader.meta.samples == 48 and len(loader.meta.shards) >= 2
     before = {f: (tmp_path / f).stat().st_mtime_ns for f in files}
 
     def again(*args):

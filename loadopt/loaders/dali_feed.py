@@ -42,6 +42,10 @@ def image_size(data) -> tuple[int, int]:
         return image.size
 
 
+# What the external source hands DALI per batch: encoded bytes, slice anchors, slice shapes, crop starts, ends.
+Columns = tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass
 class Prepared:
     """One batch ready for DALI: encoded bytes and, per sample, the slice to decode and the crop in it."""
@@ -55,7 +59,7 @@ class Prepared:
     failures: list[tuple[int, str]] = field(default_factory=list)
     bytes_read: int = 0
 
-    def columns(self, keep: slice | list[int] = slice(None)) -> tuple:
+    def columns(self, keep: slice | list[int] = slice(None)) -> Columns:
         data = self.data[keep] if isinstance(keep, slice) else [self.data[k] for k in keep]
         return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep]
 
@@ -124,7 +128,7 @@ class Feed:
     def forget(self, k: int) -> None:
         self.futures.pop(k, None)  # DALI has consumed batch k: its buffers may go
 
-    def __call__(self) -> tuple:
+    def __call__(self) -> Columns:
         while self.cursor < len(self.batches):
             prepared = self.get(self.cursor)
             self.cursor += 1
@@ -138,9 +142,9 @@ class SampleFeed:
 
     def __init__(self, prepared: Prepared, positions: list[int]) -> None:
         self.prepared, self.positions = prepared, list(positions)
-        self.fed: list[tuple] = []
+        self.fed: list[Columns] = []
 
-    def __call__(self) -> tuple:
+    def __call__(self) -> Columns:
         if not self.positions:
             raise StopIteration
         columns = self.prepared.columns([self.positions.pop(0)])

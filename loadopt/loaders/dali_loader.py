@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -33,10 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders.base import HostBatch, Loader, WorkKind
-from loadopt.loaders.dali_feed import Feed, Prepared, SampleFeed, dali_error, plan_batch
+from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, plan_batch
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.storage.tokens import TokenDataset
+
+if TYPE_CHECKING:
+    import fsspec
 
 INSTALL_HINT = "pip install 'loadopt[dali]'"
 
@@ -60,6 +63,15 @@ class DaliSettings(BaseModel):
     host_memory_padding: int | None = Field(None, ge=0)  # mixed: nvJPEG pinned buffer growth, bytes
 
 
+class _TierRanges(NamedTuple):
+    """Where each sample's bytes are in the Arrow file read through a storage tier (range requests)."""
+
+    fs: fsspec.AbstractFileSystem
+    path: str
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+
 class DaliLoader(Loader[DaliSettings]):
     name = "dali"
     Settings = DaliSettings
@@ -76,8 +88,8 @@ class DaliLoader(Loader[DaliSettings]):
             raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; "
                               "use reader: external for remote datasets or source: arrow")
         self.graph = DaliGraph(s, self.pipeline, self.decoder, self.device, self.seed)
-        self._views: list | None = None  # Arrow: (offsets, data) per record batch
-        self._tier_ranges: tuple | None = None  # Arrow on a tier: (fs, path, sample offsets, lengths)
+        self._views: list[tuple[np.ndarray, np.ndarray]] | None = None  # Arrow: (offsets, data) per record batch
+        self._tier_ranges: _TierRanges | None = None  # Arrow on a tier
         self._pipe: Any = None
         self._native_done = 0  # native: batches DALI has delivered in its current epoch
 
@@ -163,7 +175,7 @@ class DaliLoader(Loader[DaliSettings]):
         tier = tier_reads.conversion_tier(self.dataset)
         if tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
             offsets, lengths = tier_reads.arrow_layout(path)
-            self._tier_ranges = (tier, remote or str(path), offsets, lengths)
+            self._tier_ranges = _TierRanges(tier, remote or str(path), offsets, lengths)
 
     def storage_files(self) -> list[str]:
         if self.settings.source == "arrow":
@@ -191,7 +203,7 @@ class DaliLoader(Loader[DaliSettings]):
         """Read a batch and plan each sample's crop (in a reader thread)."""
         return plan_batch(indices, epoch, self._encoded, self.pipeline, self.seed, self.settings.roi_decode)
 
-    def _new_pipeline(self, source: Callable[[], tuple] | None, depth: int | None = None) -> Any:
+    def _new_pipeline(self, source: Callable[[], Columns] | None, depth: int | None = None) -> Any:
         native = None
         if self.settings.reader == "native":
             native = NativeFiles(self.dataset.local_files(), self.rank, self.world_size)
@@ -264,7 +276,7 @@ class DaliLoader(Loader[DaliSettings]):
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _isolate(self, prepared: Prepared, exc: RuntimeError) -> tuple[torch.Tensor, np.ndarray, list]:
+    def _isolate(self, prepared: Prepared, exc: RuntimeError) -> tuple[torch.Tensor, np.ndarray, list[tuple[int, str]]]:
         """Decode a failed batch sample by sample: the good samples' images, indices, and the failures."""
         pending, good, failures = list(range(len(prepared.indices))), [], list(prepared.failures)
         while pending:

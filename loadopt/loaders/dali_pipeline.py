@@ -14,12 +14,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import NotRequired, TypedDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
+from loadopt.loaders.dali_feed import Columns
 
 if TYPE_CHECKING:
     from loadopt.loaders.dali_loader import DaliSettings
+
+
+class DecodeArgs(TypedDict):
+    """The arguments this backend gives DALI's image decoders (`fn.decoders.*`)."""
+
+    device: str  # "cpu" or "mixed"
+    output_type: Any  # DALI's types.RGB (DALI builds its types at run time: mypy takes them as Any)
+    hw_decoder_load: NotRequired[float]  # mixed only, as the padding hints (unset: DALI's defaults)
+    device_memory_padding: NotRequired[int]
+    host_memory_padding: NotRequired[int]
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class DaliGraph:
         """Whether DALI normalises (float output), rather than the device finishing uint8 pixels."""
         return self.pipeline.dtype == "float32" and self.settings.normalise == "dali"
 
-    def build(self, source: Callable[[], tuple] | None, epoch: int, depth: int | None = None,
+    def build(self, source: Callable[[], Columns] | None, epoch: int, depth: int | None = None,
               native: NativeFiles | None = None) -> Any:
         """A built pipeline over `source` (the external reader's feed), or over `native` files."""
         from nvidia.dali import Pipeline, fn, types
@@ -57,12 +69,13 @@ class DaliGraph:
         pipe = Pipeline(batch_size=self.pipeline.batch_size, num_threads=s.num_threads, device_id=device_id,
                         prefetch_queue_depth=depth or s.prefetch_queue_depth, seed=self.seed + 7919 * epoch,
                         bytes_per_sample=s.bytes_per_sample_hint or 0)
-        decode_args: dict[str, Any] = {"device": self.decoder, "output_type": types.RGB}
+        decode_args: DecodeArgs = {"device": self.decoder, "output_type": types.RGB}
         if gpu:
             decode_args["hw_decoder_load"] = s.hw_decoder_load
-            for key in ("device_memory_padding", "host_memory_padding"):
-                if getattr(s, key) is not None:
-                    decode_args[key] = getattr(s, key)
+            if s.device_memory_padding is not None:
+                decode_args["device_memory_padding"] = s.device_memory_padding
+            if s.host_memory_padding is not None:
+                decode_args["host_memory_padding"] = s.host_memory_padding
         with pipe:
             if native is not None:
                 images, labels = self._native_graph(fn, types, decode_args, native)
@@ -88,7 +101,7 @@ class DaliGraph:
         pipe.build()
         return pipe
 
-    def _native_graph(self, fn: Any, types: Any, decode_args: dict[str, Any], native: NativeFiles) -> tuple[Any, Any]:
+    def _native_graph(self, fn: Any, types: Any, decode_args: DecodeArgs, native: NativeFiles) -> tuple[Any, Any]:
         size = self.pipeline.image_size
         # The "label" is the dataset index: the consumer takes labels (and sizes) from the dataset.
         files, labels = fn.readers.file(

@@ -25,20 +25,21 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError, describe_sample_error, shown_name
 from loadopt.files import cache_dir
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
-from loadopt.loaders.peer_batches import rebatch
+from loadopt.loaders.peer_batches import CroppedSample, PeerBatch, rebatch
 from loadopt.machine import usable_cores
 from loadopt.storage import tier_reads
 
@@ -63,6 +64,40 @@ class PeerSettings(BaseModel):
 
 PeerSettingsT = TypeVar("PeerSettingsT", bound=PeerSettings)
 
+# What a conversion depends on beyond the source (a shard size, a stored form): part of its folder's key.
+ConversionSettings = dict[str, float | str | None]
+# (index, reason) of each sample a conversion could not read (`on_error: skip`).
+Skipped = list[tuple[int, str]]
+
+
+class ConversionMeta(BaseModel):
+    """A finished conversion's metadata, its `DONE` file (its keys in this order; `shards` only where the
+    library's reader is handed its files)."""
+
+    shards: list[str] | None = None  # webdataset: its tar shards, in order
+    samples: int  # samples converted
+    skipped: Skipped = Field(default_factory=list)
+
+    def text(self) -> str:
+        """The `DONE` file's text: the keys that have values, as the metadata's dict was always written."""
+        return json.dumps(self.model_dump(exclude_none=True))
+
+
+class DataLoaderOptions(TypedDict):
+    """The torch DataLoader arguments a library's loader takes."""
+
+    num_workers: int
+    prefetch_factor: int | None  # None without workers, as DataLoader requires
+    persistent_workers: bool
+
+
+class StoredRecord(TypedDict):
+    """What a peer's conversion stores per sample; read back, a library may give the ints as text or bytes."""
+
+    jpg: bytes  # the source's stored (JPEG) bytes
+    cls: int | str | bytes  # its label
+    idx: int | str | bytes  # its dataset index
+
 
 def library_available(module: str, dist: str, hint: str = INSTALL_HINT) -> tuple[bool, str]:
     """Whether `module` imports (any failure counts: a library may pull a broken dependency)."""
@@ -83,25 +118,25 @@ def epoch_seed(seed: int, epoch: int) -> int:
 # The conversion
 
 
-def conversion_path(dataset, library: str, settings: dict[str, Any]) -> Path:
+def conversion_path(dataset, library: str, settings: ConversionSettings) -> Path:
     """Where `dataset` converted to `library`'s format with `settings` lives (a folder)."""
     key_fields = {"version": FORMAT_VERSION, "source": dataset.fingerprint, "library": library, **settings}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     return tier_reads.local_dir(dataset, cache_dir()) / "peers" / f"{dataset.fingerprint}-{library}-{key}"
 
 
-def read_meta(path: Path) -> dict[str, Any] | None:
+def read_meta(path: Path) -> ConversionMeta | None:
     """The metadata of a finished conversion at `path`, or None when there is none."""
     try:
-        return json.loads((path / DONE).read_text())
+        return ConversionMeta.model_validate_json((path / DONE).read_text())
     except FileNotFoundError:
         return None
 
 
-def convert_once(path: Path, write: Callable[[Path, list], dict[str, Any]]) -> dict[str, Any]:
+def convert_once(path: Path, write: Callable[[Path, Skipped], ConversionMeta]) -> ConversionMeta:
     """The conversion at `path`, made by `write(folder, skipped)` into a temporary folder beside it and
     renamed into place when finished (an interrupted one is never used; one finished by another process
-    meanwhile wins). `write` returns metadata; `skipped` collects `[index, reason]` of unreadable samples."""
+    meanwhile wins). `write` returns metadata; `skipped` collects (index, reason) of unreadable samples."""
     meta = read_meta(path)
     if meta is not None:
         return meta
@@ -109,9 +144,9 @@ def convert_once(path: Path, write: Callable[[Path, list], dict[str, Any]]) -> d
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         temp.mkdir()
-        skipped: list = []
-        meta = {**write(temp, skipped), "skipped": skipped}
-        (temp / DONE).write_text(json.dumps(meta))
+        skipped: Skipped = []
+        written = write(temp, skipped)
+        (temp / DONE).write_text(written.model_copy(update={"skipped": skipped}).text())
         try:
             os.rename(temp, path)
         except OSError:  # another process finished the same conversion first
@@ -127,9 +162,9 @@ def convert_once(path: Path, write: Callable[[Path, list], dict[str, Any]]) -> d
     return done
 
 
-def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int, int, bytes]]:
+def source_samples(dataset, on_error: str, skipped: Skipped) -> Iterator[tuple[int, int, bytes]]:
     """(index, label, stored bytes) of every sample in index order; unreadable ones raise, or are
-    appended to `skipped` as `[index, reason]` under `on_error: skip`."""
+    appended to `skipped` as (index, reason) under `on_error: skip`."""
     for index in range(len(dataset)):
         try:
             data = dataset.read(index)
@@ -138,7 +173,7 @@ def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int,
             if on_error == "raise":
                 raise DatasetError(f"{shown_name(dataset.path(index))}: {reason} (set dataset.on_error: skip to "
                                    "skip it)") from None
-            skipped.append([index, reason])
+            skipped.append((index, reason))
             continue
         yield index, int(dataset.labels[index]), data
 
@@ -149,28 +184,28 @@ def source_samples(dataset, on_error: str, skipped: list) -> Iterator[tuple[int,
 
 class CropSample:
     """The config's pipeline on one stored sample, run in a library's worker: decode, the shared crop plan
-    of (seed, epoch, index), resize, flip. Returns (HWC uint8 or None, label, index, failure or None): HWC as
-    loadopt's own rings hold crops (`transforms.decode_batch`), the same work on both sides."""
+    of (seed, epoch, index), resize, flip, as a `CroppedSample`: its pixels HWC as loadopt's own rings hold
+    crops (`transforms.decode_batch`), the same work on both sides."""
 
     def __init__(self, pipeline: PipelineConfig, seed: int, epoch: int, decoder: str) -> None:
         self.augment, self.size = pipeline.augment, pipeline.image_size
         self.seed, self.epoch, self.decoder = seed, epoch, transforms.decoder_name(decoder)
 
-    def __call__(self, data: bytes, index: int, label: int) -> tuple:
+    def __call__(self, data: bytes, index: int, label: int) -> CroppedSample:
         out = torch.empty((self.size, self.size, 3), dtype=torch.uint8)
         try:
             transforms.write_sample(data, out.permute(2, 0, 1), self.decoder, "torch", self.augment, self.seed,
                                     self.epoch, index)
         except Exception as exc:  # noqa: BLE001 - a bad sample is reported, by policy, in the consumer
-            return None, label, index, f"{describe_sample_error(exc)} (sample {index})"
-        return out, label, index, None
+            return CroppedSample(None, label, index, f"{describe_sample_error(exc)} (sample {index})")
+        return CroppedSample(out, label, index, None)
 
-    def on_record(self, record: dict[str, Any]) -> tuple:
+    def on_record(self, record: StoredRecord) -> CroppedSample:
         """The pipeline on one stored record (`record`'s fields; ints may come back as text or bytes)."""
         return self(record["jpg"], int(record["idx"]), int(record["cls"]))
 
 
-def record(index: int, label: int, data: bytes) -> dict[str, Any]:
+def record(index: int, label: int, data: bytes) -> StoredRecord:
     """What a peer's conversion stores per sample: the stored JPEG bytes, its label and dataset index."""
     return {"jpg": data, "cls": label, "idx": index}
 
@@ -188,7 +223,7 @@ def cropped(base: type[Any], name: str) -> type[Any]:
             base.__init__(self, **kwargs)
             self.crop = crop
 
-        def __getitem__(self, key: Any) -> tuple:
+        def __getitem__(self, key: Any) -> CroppedSample:
             return self.crop.on_record(base.__getitem__(self, key))
 
         cls = type(name, (base,), {"__init__": __init__, "__getitem__": __getitem__, "__module__": __name__})
@@ -199,7 +234,7 @@ def cropped(base: type[Any], name: str) -> type[Any]:
 class PeerLoader(Loader[PeerSettingsT]):
     """A backend that runs another library's input path. Subclasses set `module`, `dist`, implement
     `_write` (the conversion into a folder) and `library_loader` (the library's loader for one epoch,
-    yielding `collate`'s dicts: what a training script written for that library iterates)."""
+    yielding `PeerBatch`es: what a training script written for that library iterates)."""
 
     module: ClassVar[str]  # the library's import name
     dist: ClassVar[str]  # its pip name
@@ -209,13 +244,14 @@ class PeerLoader(Loader[PeerSettingsT]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.dataset.kind != "images":
-            raise ConfigError(f"loaders.{self.name}: a peer backend reads image datasets only")
+        readable, why = self.supports(self.dataset)
+        if not readable:
+            raise ConfigError(f"loaders.{self.name}: {why} (a peer backend)")
         if self.world_size > 1:
             raise ConfigError(f"loaders.{self.name}: peer backends run one rank here (their own node splitting "
                               "differs from loadopt's shared order)")
         self.path: Path | None = None
-        self.meta: dict[str, Any] | None = None
+        self.meta: ConversionMeta | None = None
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -234,7 +270,7 @@ class PeerLoader(Loader[PeerSettingsT]):
         in_flight = max(1, settings.num_workers) * settings.prefetch_factor + 2
         return {"shared": in_flight * pipeline.batch_size * 3 * pipeline.image_size ** 2, "pinned": 0}
 
-    def conversion_settings(self) -> dict[str, Any]:
+    def conversion_settings(self) -> ConversionSettings:
         """What the conversion depends on beyond the source (a shard size, a stored form)."""
         return {}
 
@@ -272,16 +308,16 @@ class PeerLoader(Loader[PeerSettingsT]):
             log.info("converting %s to %s at %s", self.dataset.root, self.dist, path)
             meta = convert_once(path, self._write)
         self.path, self.meta = path, meta
-        self.unreadable = {int(i): str(why) for i, why in meta.get("skipped", [])}
+        self.unreadable = dict(meta.skipped)
         self._opened()
 
     def _opened(self) -> None:  # noqa: B027 - optional hook: a library that opens its files once
         """Open the finished conversion at `self.path` (after `prepare`)."""
 
-    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+    def _write(self, folder: Path, skipped: Skipped) -> ConversionMeta:
         raise NotImplementedError
 
-    def conversion(self) -> tuple[Path, dict[str, Any]]:
+    def conversion(self) -> tuple[Path, ConversionMeta]:
         """The finished conversion's folder and metadata (`prepare`d first when it is not yet)."""
         if self.path is None or self.meta is None:
             self.prepare(convert_missing=False)
@@ -297,17 +333,17 @@ class PeerLoader(Loader[PeerSettingsT]):
     def crop_sample(self, epoch: int) -> CropSample:
         return CropSample(self.pipeline, self.seed, epoch, self.settings.decoder)
 
-    def dataloader_options(self) -> dict[str, Any]:
+    def dataloader_options(self) -> DataLoaderOptions:
         """The torch DataLoader arguments a library's loader takes (workers, prefetch)."""
         workers = self.settings.num_workers
         return {"num_workers": workers, "prefetch_factor": self.settings.prefetch_factor if workers else None,
                 "persistent_workers": False}
 
-    def library_loader(self, epoch: int) -> Any:
-        """The library's loader for epoch `epoch` (an iterable of `collate`'s dicts in the library's order)."""
+    def library_loader(self, epoch: int) -> Iterable[PeerBatch]:
+        """The library's loader for epoch `epoch` (its batches in the library's order)."""
         raise NotImplementedError
 
-    def library_batches(self, epoch: int) -> Generator[dict[str, Any], None, None]:
+    def library_batches(self, epoch: int) -> Generator[PeerBatch, None, None]:
         """The library's own loop over epoch `epoch`: what a training script written for it iterates."""
         if self.path is None:
             self.prepare()

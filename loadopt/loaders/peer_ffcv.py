@@ -24,13 +24,24 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
 from loadopt.imaging.decode import decode_array
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.loaders.base import Layout, WorkKind
-from loadopt.loaders.peer_base import PeerLoader, PeerSettings, epoch_seed, library_available, source_samples
+from loadopt.loaders.peer_base import (
+    ConversionMeta,
+    ConversionSettings,
+    PeerLoader,
+    PeerSettings,
+    Skipped,
+    epoch_seed,
+    library_available,
+    source_samples,
+)
+from loadopt.loaders.peer_batches import PeerBatch
 
 FFCV_TRAIN_CROP = "FFCV RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, FFCV's own draws and kernel) + flip"
 FFCV_EVAL_CROP = "FFCV centre crop (ratio 224/256)"
@@ -41,6 +52,11 @@ class FfcvSettings(PeerSettings):
     order: Literal["random", "quasi_random"] = "random"
     jpeg_quality: int = Field(90, ge=1, le=100)  # form jpg: FFCV re-encodes every image
     os_cache: bool = True  # FFCV reads the file through the page cache (False: its own process cache)
+
+    @property
+    def reencoded_quality(self) -> int | None:
+        """The JPEG quality FFCV re-encodes every image at (`form: jpg`); None: it stores raw pixels."""
+        return self.jpeg_quality if self.form == "jpg" else None
 
 
 def build_requirements() -> list[str]:
@@ -69,7 +85,7 @@ class _Indexed:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, position: int) -> tuple:
+    def __getitem__(self, position: int) -> tuple[np.ndarray, int, int]:
         index, label, data = self.samples[position]
         return decode_array(data, "simplejpeg"), label, index
 
@@ -98,28 +114,29 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         # FFCV's workers are threads in the consumer process; `form` is the stored form (like arrow's).
         return {"form": ["jpg", "raw"], "num_workers": [n for n in (1, 2, 4, 8, 16, 32) if n < cores] + [cores]}
 
-    def conversion_settings(self) -> dict[str, Any]:
+    def conversion_settings(self) -> ConversionSettings:
         s = self.settings
-        quality = s.jpeg_quality if s.form == "jpg" else None
-        return {"form": s.form, "max_side": self.pipeline.max_side, "quality": quality}
+        return {"form": s.form, "max_side": self.pipeline.max_side, "quality": s.reencoded_quality}
 
     def describe(self) -> str:
         return f"{self.settings.form} threads={self.settings.num_workers} order=ffcv ({self.settings.order})"
 
     @classmethod
     def work_kind(cls, settings, recipe=None) -> str:
-        return WorkKind.JPEG_DECODE if settings.form == "jpg" else WorkKind.CROP_RESIZE  # raw: stored frames
+        # raw: stored frames
+        return WorkKind.JPEG_DECODE if settings.reencoded_quality is not None else WorkKind.CROP_RESIZE
 
     def recipe(self) -> dict[str, Any]:
         from loadopt import recipe
 
         crop = FFCV_TRAIN_CROP if self.pipeline.augment == "train" else FFCV_EVAL_CROP
-        stored = (f"FFCV JPEG q{self.settings.jpeg_quality} re-encoded, " if self.settings.form == "jpg" else "") + \
+        quality = self.settings.reencoded_quality
+        stored = (f"FFCV JPEG q{quality} re-encoded, " if quality is not None else "") + \
             f"whole frame <= {self.pipeline.max_side} px"
         return {**recipe.delivered(self.pipeline, "whole", self.pipeline.max_side), "crop": crop, "stored": stored,
                 "order": self.name}
 
-    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+    def _write(self, folder: Path, skipped: Skipped) -> ConversionMeta:
         from ffcv.fields import IntField, RGBImageField
         from ffcv.writer import DatasetWriter
 
@@ -129,7 +146,7 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         writer = DatasetWriter(str(folder / "data.beton"), {"image": image, "label": IntField(), "index": IntField()},
                                num_workers=max(1, self.settings.num_workers))
         writer.from_indexed_dataset(_Indexed(samples))
-        return {"samples": len(samples)}
+        return ConversionMeta(samples=len(samples))
 
     def _ffcv_loader(self):
         from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder
@@ -165,7 +182,7 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         finally:  # an epoch broken off: its thread stops now, not when the iterator is collected
             epoch_iterator.close()
 
-    def library_batches(self, epoch: int) -> Generator[dict[str, Any], None, None]:
+    def library_batches(self, epoch: int) -> Generator[PeerBatch, None, None]:
         # FFCV reuses its batch buffers: a batch's slot is rewritten once the next batch is asked for. Its
         # pixels (NHWC) are handed over borrowed, as a training script hands them to its device, copied out
         # by the finishing before the next is asked for (`rebatch` copies what it keeps); on CUDA, where

@@ -11,13 +11,23 @@ from the local disk itself, so it runs on the local tier only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field
 
-from loadopt.loaders.peer_base import PeerLoader, PeerSettings, cropped, epoch_seed, record, source_samples
-from loadopt.loaders.peer_batches import collate
+from loadopt.loaders.peer_base import (
+    ConversionMeta,
+    ConversionSettings,
+    PeerLoader,
+    PeerSettings,
+    Skipped,
+    cropped,
+    epoch_seed,
+    record,
+    source_samples,
+)
+from loadopt.loaders.peer_batches import PeerBatch, collate
 
 
 class LitDataSettings(PeerSettings):
@@ -30,13 +40,13 @@ class LitDataLoader(PeerLoader[LitDataSettings]):
     dist = "litdata"
     Settings = LitDataSettings
 
-    def conversion_settings(self) -> dict[str, Any]:
+    def conversion_settings(self) -> ConversionSettings:
         return {"chunk_mib": self.settings.chunk_mib}
 
     def describe(self) -> str:
         return f"chunks {self.settings.chunk_mib:g} MiB " + super().describe()
 
-    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+    def _write(self, folder: Path, skipped: Skipped) -> ConversionMeta:
         from litdata.streaming.writer import BinaryWriter
 
         writer = BinaryWriter(str(folder), chunk_bytes=int(self.settings.chunk_mib * 2**20))
@@ -46,9 +56,9 @@ class LitDataLoader(PeerLoader[LitDataSettings]):
             count += 1
         writer.done()
         writer.merge()
-        return {"samples": count}
+        return ConversionMeta(samples=count)
 
-    def library_loader(self, epoch: int):
+    def library_loader(self, epoch: int) -> Iterable[PeerBatch]:
         """LitData's dataset for one epoch (its shuffle seeded by (seed, epoch)) in its DataLoader."""
         from litdata import StreamingDataLoader, StreamingDataset
 

@@ -12,13 +12,23 @@ tier only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field
 
-from loadopt.loaders.peer_base import PeerLoader, PeerSettings, cropped, epoch_seed, record, source_samples
-from loadopt.loaders.peer_batches import collate
+from loadopt.loaders.peer_base import (
+    ConversionMeta,
+    ConversionSettings,
+    PeerLoader,
+    PeerSettings,
+    Skipped,
+    cropped,
+    epoch_seed,
+    record,
+    source_samples,
+)
+from loadopt.loaders.peer_batches import PeerBatch, collate
 
 
 class StreamingSettings(PeerSettings):
@@ -31,22 +41,22 @@ class StreamingLoader(PeerLoader[StreamingSettings]):
     dist = "mosaicml-streaming"
     Settings = StreamingSettings
 
-    def conversion_settings(self) -> dict[str, Any]:
+    def conversion_settings(self) -> ConversionSettings:
         return {"shard_mib": self.settings.shard_mib}
 
     def describe(self) -> str:
         return f"MDS shards {self.settings.shard_mib:g} MiB " + super().describe()
 
-    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+    def _write(self, folder: Path, skipped: Skipped) -> ConversionMeta:
         from streaming import MDSWriter
 
         columns = {"jpg": "bytes", "cls": "int", "idx": "int"}
         with MDSWriter(out=str(folder), columns=columns, size_limit=int(self.settings.shard_mib * 2**20)) as writer:
             for sample in source_samples(self.dataset, self.on_error, skipped):
                 writer.write(record(*sample))
-        return {"samples": len(self.dataset) - len(skipped)}
+        return ConversionMeta(samples=len(self.dataset) - len(skipped))
 
-    def library_loader(self, epoch: int):
+    def library_loader(self, epoch: int) -> Iterable[PeerBatch]:
         """Streaming's dataset for one epoch (its shuffle seeded by (seed, epoch)) in its DataLoader."""
         from streaming import StreamingDataLoader, StreamingDataset
 

@@ -12,19 +12,26 @@ an emulated tier's limits apply to every byte and a remote home is read from its
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO
 
+import fsspec
 from pydantic import Field
+from typing_extensions import TypedDict
 
+from loadopt.errors import DatasetError
 from loadopt.loaders.peer_base import (
+    DONE,
+    ConversionMeta,
+    ConversionSettings,
     PeerLoader,
     PeerSettings,
+    Skipped,
     epoch_seed,
     source_samples,
 )
-from loadopt.loaders.peer_batches import collate
+from loadopt.loaders.peer_batches import PeerBatch, collate
 from loadopt.storage import tier_reads
 
 
@@ -32,13 +39,25 @@ class WebDatasetSettings(PeerSettings):
     shard_mib: float = Field(32, gt=0)  # tar shard size of the conversion
 
 
+class ShardUrl(TypedDict):
+    """A shard as WebDataset's shard list hands it on."""
+
+    url: str
+
+
+class OpenShard(ShardUrl):
+    """A shard opened for WebDataset's tar expander."""
+
+    stream: IO[bytes]
+
+
 class _Opener:
     """Opens each shard URL: through the tier's filesystem when there is one, else as a local file."""
 
-    def __init__(self, fs) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem | None) -> None:
         self.fs = fs
 
-    def __call__(self, urls: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def __call__(self, urls: Iterator[ShardUrl]) -> Iterator[OpenShard]:
         for item in urls:
             url = item["url"]
             # closed by WebDataset's tar expander when the shard is read
@@ -52,13 +71,13 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
     reads_through_tier = True
     Settings = WebDatasetSettings
 
-    def conversion_settings(self) -> dict[str, Any]:
+    def conversion_settings(self) -> ConversionSettings:
         return {"shard_mib": self.settings.shard_mib}
 
     def describe(self) -> str:
         return f"tar shards {self.settings.shard_mib:g} MiB " + super().describe()
 
-    def _write(self, folder: Path, skipped: list) -> dict[str, Any]:
+    def _write(self, folder: Path, skipped: Skipped) -> ConversionMeta:
         import webdataset as wds
 
         total = int(self.dataset.sizes.sum())
@@ -80,14 +99,16 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
         finally:
             if writer is not None:
                 writer.close()
-        return {"shards": shards, "samples": len(self.dataset) - len(skipped)}
+        return ConversionMeta(shards=shards, samples=len(self.dataset) - len(skipped))
 
     def shard_urls(self) -> list[str]:
         """The shards as the tier names them (the local files, or their copies on a remote home)."""
         path, meta = self.conversion()
-        remote = tier_reads.publish(self.dataset, path, marker="loadopt-peer.json")
+        if meta.shards is None:
+            raise DatasetError(f"{path}: its {DONE} lists no shards (not a webdataset conversion?)")
+        remote = tier_reads.publish(self.dataset, path, marker=DONE)
         base = remote if remote is not None else str(path)
-        return [f"{base}/{name}" for name in meta["shards"]]  # read through `conversion_tier` (after the upload)
+        return [f"{base}/{name}" for name in meta.shards]  # read through `conversion_tier` (after the upload)
 
     def pipeline_for(self, epoch: int):
         """WebDataset's pipeline for one epoch, as a WebDataset user writes it."""
@@ -106,7 +127,7 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
             wds.batched(self.pipeline.batch_size, collation_fn=collate, partial=True),
         )
 
-    def library_loader(self, epoch: int):
+    def library_loader(self, epoch: int) -> Iterable[PeerBatch]:
         import webdataset as wds
 
         return wds.WebLoader(self.pipeline_for(epoch), batch_size=None, **self.dataloader_options())

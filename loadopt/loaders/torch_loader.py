@@ -29,13 +29,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch.utils.data import DataLoader, default_collate
+from typing_extensions import TypedDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.errors import WorkerDied
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
-from loadopt.loaders.torch_samples import Item, RecordSamples, TokenWindows, collate_records, collate_windows
+from loadopt.loaders.torch_samples import Item, RecordSamples, TokenWindows, WorkerBatch, collate_windows, collated
 from loadopt.machine import usable_cores
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.tokens import TokenDataset
@@ -77,6 +78,19 @@ def _describe_error(exc: BaseException) -> str:
     return describe_sample_error(exc)
 
 
+# One image sample of the plain path: (pixels, label, dataset index, why it failed); pixels None when it did.
+PlainSample = tuple[torch.Tensor | None, int, int, str | None]
+
+
+class RingBatch(TypedDict):
+    """The tuned path's batch: its pixels are in ring slot `slot`; only this travels through the queue."""
+
+    slot: int
+    labels: torch.Tensor
+    indices: np.ndarray  # int64 dataset indices of the samples written, in order
+    failures: list[tuple[int, str]]  # (index, reason) of the samples that failed
+
+
 class _Samples(torch.utils.data.Dataset):
     """Reads, decodes and transforms samples; lives in the workers."""
 
@@ -98,7 +112,7 @@ class _Samples(torch.utils.data.Dataset):
         transforms.write_sample(self.dataset.read(index), slot, self.decoder, self.resize, self.pipeline.augment,
                                 self.seed, epoch, index, reduced_scale=self.pipeline.jpeg_scale == "reduced")
 
-    def __getitem__(self, item: Item):
+    def __getitem__(self, item: Item) -> PlainSample:
         """The plain path: one sample, CHW float normalised (or uint8 CHW when so configured)."""
         label = int(self.dataset.labels[item[1]])
         size = self.pipeline.image_size
@@ -118,7 +132,7 @@ class _Samples(torch.utils.data.Dataset):
             return chw, label, item[1], None
         return transforms.normalise_chw(chw, self.pipeline.mean, self.pipeline.std), label, item[1], None
 
-    def tuned_batch(self, items: list[Item]) -> dict:
+    def tuned_batch(self, items: list[Item]) -> RingBatch:
         """The tuned path: decode each sample straight into the batch's ring slot (uint8 NHWC: what the
         resize kernel writes as computed and the device's channels-last finishing reads without a transpose)."""
         if self.ring is None:
@@ -136,7 +150,7 @@ class _Samples(torch.utils.data.Dataset):
         return {"slot": items[0][2], "labels": torch.from_numpy(self.dataset.labels[indices]), "indices": indices,
                 "failures": failures}
 
-    def __getitems__(self, items: list[Item]):
+    def __getitems__(self, items: list[Item]) -> RingBatch | list[PlainSample]:
         # DataLoader calls this for a whole batch when present; the plain variant keeps per-sample calls.
         if self.batched:
             return self.tuned_batch(items)
@@ -199,9 +213,9 @@ def _name_deaths_on_sigchld() -> None:
     signal.signal(signal.SIGCHLD, handler)
 
 
-def _collate_plain(samples: list) -> dict:
+def _collate_plain(samples: list[PlainSample]) -> WorkerBatch:
     good = [s for s in samples if s[3] is None]
-    failures = [(s[2], s[3]) for s in samples if s[3] is not None]
+    failures = [(index, failure) for _, _, index, failure in samples if failure is not None]
     indices = np.asarray([s[2] for s in good], dtype=np.int64)
     if good:
         inputs, labels = default_collate([(s[0], s[1]) for s in good])
@@ -210,10 +224,6 @@ def _collate_plain(samples: list) -> dict:
     # Plain samples leave the worker finished: float normalised, or uint8 CHW when so configured.
     return {"inputs": inputs, "labels": labels, "indices": indices, "failures": failures, "layout": "NCHW",
             "normalised": True}
-
-
-def _collate_tuned(batch: Any) -> dict:
-    return batch  # the dict `tuned_batch` made (DataLoader hands its collate what `__getitems__` returned)
 
 
 class _BatchPlan:
@@ -250,7 +260,8 @@ class TorchLoader(Loader[TorchSettings]):
         self._plan = _BatchPlan()
         self._dataloader: DataLoader | None = None
         self._ring: torch.Tensor | None = None
-        self._tokens = self.dataset.kind != "images"  # token windows, records: `variant` does not apply
+        # What runs: the settings' variant on images; on token windows and records `variant` does not apply.
+        self.variant = {"tokens": "memmap", "records": "records"}.get(self.dataset.kind, self.settings.variant)
         self._ring_cursor = 0  # the slot of the next batch to be yielded
         self._running: Any = None  # the DataLoader iterator of the pass under way
 
@@ -283,8 +294,7 @@ class TorchLoader(Loader[TorchSettings]):
 
     def describe(self) -> str:
         s = self.settings
-        plain = {"tokens": "memmap", "records": "records"}.get(self.dataset.kind, s.variant)
-        text = f"{plain} num_workers={s.num_workers}"
+        text = f"{self.variant} num_workers={s.num_workers}"
         if s.num_workers:
             text += f" prefetch={s.prefetch_factor}"
         if s.persistent_workers:
@@ -301,13 +311,13 @@ class TorchLoader(Loader[TorchSettings]):
         # More workers than cores is a setting a sweep tries on purpose; torch's warning adds nothing.
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         samples: torch.utils.data.Dataset
-        collate: Callable[[list[Any]], dict]
+        collate: Callable[[Any], WorkerBatch | RingBatch]
         if isinstance(self.dataset, TokenDataset):
             samples, collate = TokenWindows(self.dataset), collate_windows
         elif isinstance(self.dataset, RecordDataset):
-            samples, collate = RecordSamples(self.dataset), collate_records
+            samples, collate = RecordSamples(self.dataset), collated
         else:
-            samples, collate = _Samples(self), _collate_tuned if s.variant == "tuned" else _collate_plain
+            samples, collate = _Samples(self), collated if s.variant == "tuned" else _collate_plain
         return DataLoader(
             samples,
             batch_sampler=self._plan,
@@ -335,7 +345,7 @@ class TorchLoader(Loader[TorchSettings]):
 
     def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
         epoch = self.epoch
-        tuned = self.settings.variant == "tuned" and not self._tokens
+        tuned = self.variant == "tuned"
         if tuned and self._ring is None:
             self._ring = self._make_ring()
             self._dataloader = None  # workers must see the ring
@@ -367,16 +377,18 @@ class TorchLoader(Loader[TorchSettings]):
                 done += 1
                 if ring is not None and tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
-                    inputs = ring[out["slot"]][: len(out["indices"])]
-                    previous = HostBatch(inputs, out["labels"], out["indices"], "NHWC", normalised=False,
-                                         failures=out["failures"], borrowed=True)
+                    ringed: RingBatch = out
+                    inputs = ring[ringed["slot"]][: len(ringed["indices"])]
+                    previous = HostBatch(inputs, ringed["labels"], ringed["indices"], "NHWC", normalised=False,
+                                         failures=ringed["failures"], borrowed=True)
                     yield previous
                 else:
-                    labels = out["labels"]
+                    batch: WorkerBatch = out
+                    labels = batch["labels"]
                     if labels is None:  # records: no labels, made here (see RecordSamples)
-                        labels = torch.zeros(len(out["indices"]), dtype=torch.int64)
-                    yield HostBatch(out["inputs"], labels, out["indices"], out["layout"], out["normalised"],
-                                    out["failures"], bytes_read=out.get("bytes_read"))
+                        labels = torch.zeros(len(batch["indices"]), dtype=torch.int64)
+                    yield HostBatch(batch["inputs"], labels, batch["indices"], batch["layout"], batch["normalised"],
+                                    batch["failures"], bytes_read=batch.get("bytes_read"))
         finally:
             _iterating.discard(self)
             self._running = None

@@ -1,18 +1,36 @@
 """The torch backend's DataLoader datasets for token windows and records (its image samples are in
-`torch_loader.py`): what a nanoGPT-style loader and DLIO's reader do, one window or record at a time."""
+`torch_loader.py`): what a nanoGPT-style loader and DLIO's reader do, one window or record at a time;
+and the batch its DataLoader hands the consumer (`WorkerBatch`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import torch
+from typing_extensions import NotRequired, TypedDict
 
+from loadopt.loaders.base import Layout
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.tokens import TokenDataset
 
 # A sample asked of a torch dataset: (epoch, dataset index, ring slot of its batch; -1 for plain).
 Item = tuple[int, int, int]
+# A token window as `TokenWindows` gives it: (inputs, the inputs shifted by one, dataset index).
+Window = tuple[torch.Tensor, torch.Tensor, int]
+
+
+class WorkerBatch(TypedDict):
+    """A batch as the torch backend's DataLoader hands it to the consumer, made in a worker (a dict: the
+    DataLoader pins a dict's tensors on its way, as it would the user's)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor | None  # None: records, which carry none (made by the consumer)
+    indices: np.ndarray  # int64 dataset indices of the samples in `inputs`
+    failures: list[tuple[int, str]]  # (index, reason) of the samples that failed
+    layout: Layout
+    normalised: bool
+    bytes_read: NotRequired[int]  # records: the bytes read for them (an npz file is read whole)
 
 
 class TokenWindows(torch.utils.data.Dataset):
@@ -24,7 +42,7 @@ class TokenWindows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, item: Item):
+    def __getitem__(self, item: Item) -> Window:
         window = torch.from_numpy(self.dataset.window(item[1]).astype(np.int64))
         return window[:-1], window[1:], item[1]
 
@@ -44,7 +62,7 @@ class RecordSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitems__(self, items: list[Item]) -> dict:
+    def __getitems__(self, items: list[Item]) -> WorkerBatch:
         wanted = self.dataset.delivered_bytes
         inputs = batch_memory(len(items), wanted)
         rows = inputs.numpy()
@@ -62,11 +80,16 @@ def batch_memory(count: int, width: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(count, width)
 
 
-def collate_records(batch: Any) -> dict:
-    return batch  # the dict `RecordSamples.__getitems__` made
+BatchT = TypeVar("BatchT")
 
 
-def collate_windows(samples: list) -> dict:
+def collated(batch: BatchT) -> BatchT:
+    """The batch a dataset's `__getitems__` made (records, the tuned images): the DataLoader hands its
+    collate function what that returned."""
+    return batch
+
+
+def collate_windows(samples: list[Window]) -> WorkerBatch:
     return {"inputs": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples]),
             "indices": np.asarray([s[2] for s in samples], dtype=np.int64), "failures": [], "layout": "tokens",
             "normalised": True}
