@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from loadopt.bench.consumers import ConsumerSettings, combine, consume
+from loadopt.bench.consumers import ConsumerFigures, ConsumerSettings, TrialFigures, combine, consume
 from loadopt.bench.distributed import Ranks, described, raise_told
+from loadopt.bench.tier_results import TiersRun, TorchrunConsumers
 from loadopt.errors import DatasetError
 from loadopt.storage.dataset import Dataset
 
@@ -38,7 +39,7 @@ class RankConsumers:
         self.ranks = ranks
 
     def __call__(self, dataset: Dataset, settings: ConsumerSettings, count: int, warmup_s: float,
-                 measure_s: float) -> dict[str, Any]:
+                 measure_s: float) -> TrialFigures:
         if count > self.ranks.world_size:
             raise DatasetError(f"{count} accelerators: the torchrun job has only {self.ranks.world_size} ranks")
         reports = _play(self.ranks, _broadcast(self.ranks, ("run", dataset, settings, count, warmup_s, measure_s)))
@@ -76,7 +77,7 @@ def _play(ranks: Ranks, command: Any) -> list[Any]:
     t_start = time.perf_counter() + 0.2
     t_window = t_start + warmup_s
     t_end = t_window + measure_s
-    report: dict[str, Any] | None = None
+    report: ConsumerFigures | dict[str, Any] | None = None
     if ranks.rank < count:
         try:
             report = consume(dataset, settings, ranks.rank, count, t_start, t_window, t_end)
@@ -92,7 +93,7 @@ def _play(ranks: Ranks, command: Any) -> list[Any]:
     return gathered
 
 
-def run_tiers_here(config: Any, tiers: list[Any], **options: Any) -> dict[str, Any] | None:
+def run_tiers_here(config: Any, tiers: list[Any], **options: Any) -> TiersRun | None:
     """`procurement.run_tiers` as this process takes part in it: alone (forked consumers), or as one rank of
     a torchrun job (rank 0 searches and returns the result; the other ranks serve and return None)."""
     from loadopt.bench.distributed import ranks_here
@@ -114,6 +115,6 @@ def run_tiers_here(config: Any, tiers: list[Any], **options: Any) -> dict[str, A
         finally:
             played.stop()
         nodes = max(1, ranks.world_size // max(1, ranks.local_world_size))
-        result["consumer"]["torchrun"] = {"ranks": ranks.world_size, "nodes": nodes,
-                                          "note": "each rank one emulated accelerator (bench/tier_ranks.py)"}
+        result.consumer.torchrun = TorchrunConsumers(ranks=ranks.world_size, nodes=nodes,
+                                                     note="each rank one emulated accelerator (bench/tier_ranks.py)")
         return result
