@@ -185,10 +185,10 @@ def run_consumers(dataset: Dataset, settings: ConsumerSettings, count: int, warm
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    return combine(consumer_figures(results), count, warmup_s, measure_s)
+    return combine(_consumer_figures(results), count, warmup_s, measure_s)
 
 
-def consumer_figures(results: list[ConsumerFigures | ConsumerFailure]) -> list[ConsumerFigures]:
+def _consumer_figures(results: list[ConsumerFigures | ConsumerFailure]) -> list[ConsumerFigures]:
     """The consumers' figures; a consumer that failed fails the trial."""
     figures: list[ConsumerFigures] = []
     for result in results:

@@ -19,7 +19,7 @@ both forms, decoded and encoded, side by side; every other swept knob at its las
 through the harness as one accelerator on the tier, cold, every byte through the tier
 (storage/tier_reads.py); the fastest is that tier's decision, recorded as `loadopt bench` records it
 (keyed by the tier), so `make_loader(backend="auto")` follows the tier: on a slow one the smaller
-encoded form can win, on a fast one the decoded form.
+encoded form can win, on a fast one the decoded form (bench/tier_backends.py).
 
 Predicted: from `loadopt probe` of the tier (whole-sample reads of the dataset at concurrency 1, 4,
 16 and 64): N consumers with `readers` threads each keep about N x readers requests in flight, so
@@ -43,15 +43,14 @@ import dataclasses
 import datetime as dt
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loadopt.bench.consumers import ConsumerSettings, PlayTrial, run_consumers
+from loadopt.bench.tier_backends import tier_backends
 from loadopt.bench.tier_plan import (
     QUICK_PROBE_S,
     Prediction,
     TierPlan,
-    backend_sweep,
     demand,
     duration_text,
     plan_line,
@@ -64,15 +63,12 @@ from loadopt.bench.tier_plan import (
     search,
 )
 from loadopt.bench.tier_results import (
-    BackendComparison,
-    BackendRun,
     BaseBound,
     ConsumerDescription,
     CutShort,
     MeasuredTier,
     MeasuredTrial,
     PlanSummary,
-    TierDecision,
     TierSeconds,
     TiersRun,
 )
@@ -93,11 +89,10 @@ from loadopt.storage.tiers import (
 )
 
 if TYPE_CHECKING:
-    from loadopt.progress import Reporter
     from loadopt.storage.dataset import Dataset
 
 # ---------------------------------------------------------------------------------------------
-# A tier's dataset, its costs, and every backend through it
+# A tier's dataset and its costs
 
 
 def _tier_dataset(dataset, spec: TierSpec):
@@ -125,57 +120,6 @@ def tier_costs(spec: TierSpec, capacity_tb: float, supported: int) -> dict[str, 
         return {"per_month": None, "per_accelerator_month": None}
     per_month = spec.price_per_tb_month * capacity_tb
     return {"per_month": per_month, "per_accelerator_month": per_month / supported if supported else None}
-
-
-DECISION_KEYS = ("backend", "label", "samples_per_s", "runner_up", "margin", "text", "excluded", "bounded_by_base")
-BACKEND_FIGURES = ("samples_per_s", "mb_per_s", "accelerator_utilisation", "bytes_read", "tier_bytes", "wall_s")
-
-
-def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: int, measure_batches: int,
-                     reporter: Reporter | None = None, quick: bool = False,
-                     bounded_by_base: str | None = None) -> BackendComparison:
-    """Every backend of `backend_sweep` through tier `spec` (cold, one accelerator), as `loadopt bench`
-    runs them: their figures, where their bytes came from, and the decision recorded for this tier
-    (which says so when the tier's row is bounded by the storage under it: `bounded_by_base`).
-    `interrupted_by` is set when Ctrl-C or SIGTERM stopped them (the runs that finished are kept)."""
-    from loadopt.bench.runner import run_bench
-
-    workload = config.workload.model_copy(update={"warmup_batches": warmup_batches,
-                                                  "measure_batches": measure_batches, "repeats": 1})
-    tier_config = config.model_copy(update={
-        "loaders": backend_sweep(config, quick), "workload": workload,
-        "storage": config.storage.model_copy(update={"tier": spec.model_dump(mode="json"), "cache": "cold"})})
-    outcome = run_bench(tier_config, out=out, attribute=False, reporter=reporter)
-    results = outcome.results
-    compared = BackendComparison(runs=[_backend_run(run) for run in results["runs"]], ranking=results["ranking"],
-                                 results=str(outcome.json_path) if outcome.json_path else None,  # None: nothing
-                                 decision=_tier_decision(results.get("decision"), bounded_by_base))
-    if outcome.interrupted:
-        compared.interrupted_by = results.get("interrupted_by") or "SIGINT"
-    return compared
-
-
-def _backend_run(run: Any) -> BackendRun:
-    """One run of a bench's results (a results.json run, read as the dict it is) as the tier records it."""
-    from loadopt.bench.metrics import median
-
-    figures = {key: median(run["metrics"], key) for key in BACKEND_FIGURES} if "metrics" in run else {}
-    return BackendRun(label=run["label"], backend=run["backend"], status=run["status"], reason=run["reason"],
-                      form=(run.get("settings") or {}).get("form"), bytes_source=run.get("bytes_source"),
-                      recipe=run.get("recipe"), bounded_by_base=run.get("bounded_by_base"), **figures)
-
-
-def _tier_decision(made: Any, bounded_by_base: str | None) -> TierDecision | None:
-    """The keys of a bench's decision (read as the dict it is) the tier keeps, saying where the tier's row is
-    bounded by the storage under it; None where the bench decided nothing."""
-    kept = {key: value for key, value in (made or {}).items() if key in DECISION_KEYS}
-    if not kept:
-        return None
-    decision = TierDecision.model_validate(kept)
-    if bounded_by_base and not decision.bounded_by_base:
-        decision.bounded_by_base = bounded_by_base
-        decision.text = f"{decision.text or ''}; the tier's row is {bounded_by_base}"
-    return decision
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,29 +232,14 @@ def _run_tier(config: Config, spec: TierSpec, dataset: Dataset, index: int, opti
     backends_started = time.perf_counter()
     if options.backends_out is not None:
         so_far.current = CutShort(tier=spec.name, stage="backends")
-        row.backends = _tier_backends(config, spec, plan, options, say, row.bounded_by_base)
+        row.backends = tier_backends(config, spec, plan, options.backends_out, options.quick, say,
+                                      row.bounded_by_base)
     row.seconds.backends = time.perf_counter() - backends_started
     elapsed = time.perf_counter() - started
     left = options.seconds(so_far.plans[index + 1:])
     say.line(_tier_line(row, len(row.trials), searched_s, time.perf_counter() - tier_started) +
              f" [{duration_text(elapsed)} in all{f', about {duration_text(left)} left' if left else ''}]")
     return row
-
-
-def _tier_backends(config: Config, spec: TierSpec, plan: TierPlan, options: TiersOptions, say: TiersProgress,
-                   bounded_by_base: str | None) -> BackendComparison:
-    """Every backend through the tier, as its plan sizes them; none where the plan says why not."""
-    if not plan.backend_settings:
-        return BackendComparison(runs=[], ranking=[], results=None, decision=None,
-                                 skipped=plan.backend_note or "no backend to compare")
-    assert options.backends_out is not None  # (only asked for with --backends)
-    say.status(f"{spec.name}: every backend through the tier")
-    say.line(f"{spec.name}: every backend through the tier, cold: {plan.backend_settings} settings, "
-             f"{plan.backend_warmup} + {plan.backend_batches} batches each"
-             f"{' (' + plan.backend_note + ')' if plan.backend_note else ''}")
-    return compare_backends(config, spec, str(Path(options.backends_out) / _folder_name(spec.name)),
-                            plan.backend_warmup, plan.backend_batches, say.bench_reporter(), options.quick,
-                            bounded_by_base)
 
 
 def _tiers_run(config: Config, options: TiersOptions, so_far: TiersSoFar, elapsed_s: float) -> TiersRun:
@@ -365,12 +294,22 @@ def _probe_tier(spec: TierSpec, dataset: Dataset, plan: TierPlan, need: dict[str
                      base_share(tier_counters(probed_on.fs)), storage_under(probed_on.fs, str(dataset.root)), seconds)
 
 
+@dataclasses.dataclass(frozen=True)
+class TierSearch:
+    """What a tier's search found (`tier_plan.search`): the count kept at the threshold, its trials, what bounded it."""
+
+    count: int
+    trials: list[MeasuredTrial]
+    note: str
+    seconds: float
+
+
 def _search_tier(spec: TierSpec, dataset: Dataset, plan: TierPlan, settings: ConsumerSettings, options: TiersOptions,
-                 consumers: PlayTrial, say: TiersProgress, trials_so_far: list[MeasuredTrial]
-                 ) -> tuple[int, list[MeasuredTrial], str]:
-    """The search over accelerator counts, a fresh tier instance each trial: (count, trials, note); each trial is
-    appended to `trials_so_far` as it ends (a stop keeps them)."""
+                 consumers: PlayTrial, say: TiersProgress, trials_so_far: list[MeasuredTrial]) -> TierSearch:
+    """The search over accelerator counts, a fresh tier instance each trial; each trial is appended to
+    `trials_so_far` as it ends (a stop keeps them)."""
     au = options.au
+    started = time.perf_counter()
 
     def trial(n: int) -> MeasuredTrial:
         say.status(f"{spec.name}: {n} accelerator{'s' if n != 1 else ''}")
@@ -386,7 +325,8 @@ def _search_tier(spec: TierSpec, dataset: Dataset, plan: TierPlan, settings: Con
                  f"{result.cpu_load:.0%} ({result.seconds:.1f} s)")
         return result
 
-    return search(trial, au, plan.most, options.budget_s)
+    count, trials, note = search(trial, au, plan.most, options.budget_s)
+    return TierSearch(count, trials, note, time.perf_counter() - started)
 
 
 def _measure_tier(config: Config, spec: TierSpec, dataset: Dataset, plan: TierPlan, need: dict[str, float],
@@ -394,29 +334,23 @@ def _measure_tier(config: Config, spec: TierSpec, dataset: Dataset, plan: TierPl
     """One tier's row: its probe, its search, what bounded it, and its cost."""
     probed = _probe_tier(spec, dataset, plan, need, options, say)
     current.stage = "search"
-    searched = time.perf_counter()
-    measured, trials, note = _search_tier(spec, dataset, plan, options.consumer(config), options, consumers, say,
-                                          current.trials)
-    seconds = TierSeconds(probe=probed.seconds, search=time.perf_counter() - searched, backends=0.0)
-    if plan.bound is not None and measured == plan.most:
+    searched = _search_tier(spec, dataset, plan, options.consumer(config), options, consumers, say, current.trials)
+    note = searched.note
+    if plan.bound is not None and searched.count == plan.most:
         note = f"at least {plan.most}: the search stops there, {plan.bound}"
     # The trial that set the count: the smallest count above it that fell short.
-    short = min((t for t in trials if not t.passed and t.accelerators > measured),
+    short = min((t for t in searched.trials if not t.passed and t.accelerators > searched.count),
                 key=lambda t: t.accelerators, default=None)
     trial_share = short.base_share if short is not None else None
-    bounded, predicted = _bounded_by_base(spec, dataset, plan, need, options.readers, probed, trials, measured,
-                                          trial_share)
+    bounded, predicted = _bounded_by_base(spec, dataset, plan, need, options.readers, probed, searched, trial_share)
     if bounded is not None:
         note = f"{note}; {bounded}"
     capacity = options.capacity_tb if options.capacity_tb is not None else float(dataset.sizes.sum()) / 1e12
-    base = BaseBound(storage=probed.storage, probe_share=probed.base_share, deciding_trial_share=trial_share,
-                     bound_share=BASE_BOUND_SHARE)
-    return _tier_row(spec, options.au, measured, note, predicted, trials, capacity, bounded, seconds, base,
-                     probed.result)
+    return _tier_row(spec, options.au, searched, note, predicted, bounded, probed, trial_share, capacity)
 
 
 def _bounded_by_base(spec: TierSpec, dataset: Dataset, plan: TierPlan, need: dict[str, float], readers: int,
-                     probed: TierProbe, trials: list[MeasuredTrial], measured: int,
+                     probed: TierProbe, searched: TierSearch,
                      trial_share: float | None) -> tuple[str | None, Prediction]:
     """Whether the storage under the tier bounded its figures (what the row then says), and the prediction: the
     probe's, or where the base bounded it the tier's own figures'."""
@@ -426,22 +360,25 @@ def _bounded_by_base(spec: TierSpec, dataset: Dataset, plan: TierPlan, need: dic
     from_probe = probed.prediction.accelerators
     # Bounded by the base where its reads ran past the tier's figures and that lowered a count below theirs:
     # the measured one (through the trial that fell short) or the probe's prediction.
-    lowered_measured = (trial_share or 0) >= BASE_BOUND_SHARE and most_by_figures > measured
+    lowered_measured = (trial_share or 0) >= BASE_BOUND_SHARE and most_by_figures > searched.count
     lowered_predicted = (probed.base_share or 0) >= BASE_BOUND_SHARE and most_by_figures > (from_probe or 0)
     if by_figures is not None and (lowered_measured or lowered_predicted):
-        delivered = [m for _, m in probe_points(probed.result)] + [t.mb_per_s for t in trials]
+        delivered = [m for _, m in probe_points(probed.result)] + [t.mb_per_s for t in searched.trials]
         bounded = base_bound_text(spec.name, probed.storage, max(delivered, default=None))
         return bounded, by_figures.model_copy(update={
             "source": "the tier's own figures (the storage under it is slower)", "probe_accelerators": from_probe})
     return None, probed.prediction.model_copy(update={"source": "the probe"})
 
 
-def _tier_row(spec: TierSpec, au: float, measured: int, note: str, predicted: Prediction, trials: list[MeasuredTrial],
-              capacity: float, bounded: str | None, seconds: TierSeconds, base: BaseBound,
-              probed: dict[str, Any]) -> MeasuredTier:
+def _tier_row(spec: TierSpec, au: float, searched: TierSearch, note: str, predicted: Prediction, bounded: str | None,
+              probed: TierProbe, trial_share: float | None, capacity: float) -> MeasuredTier:
     """The row of tiers.json (loadopt.schema.TierRow, schema version 2: one key each, those `loadopt report` reads)."""
+    measured, trials = searched.count, searched.trials
     cost = tier_costs(spec, capacity, measured)
     at = next((t for t in trials if t.accelerators == measured), None)
+    base = BaseBound(storage=probed.storage, probe_share=probed.base_share, deciding_trial_share=trial_share,
+                     bound_share=BASE_BOUND_SHARE)
+    seconds = TierSeconds(probe=probed.seconds, search=searched.seconds, backends=0.0)
     return MeasuredTier(
         name=spec.name, spec=spec.redacted(), accelerators_supported=measured, measured_note=note, au_threshold=au,
         predicted_accelerators=predicted.accelerators,
@@ -450,7 +387,7 @@ def _tier_row(spec: TierSpec, au: float, measured: int, note: str, predicted: Pr
         prediction=predicted, delivered_mb_s=at.mb_per_s if at else 0.0, samples_per_s=at.samples_per_s if at else 0.0,
         accelerator_utilisation=at.accelerator_utilisation if at else None, cpu_load=at.cpu_load if at else None,
         cost=TierCost(per_month=cost["per_month"]), capacity_tb=capacity, bounded_by_base=bounded, seconds=seconds,
-        base=base, trials=trials, probe=probed)
+        base=base, trials=trials, probe=probed.result)
 
 
 def _tier_line(row: MeasuredTier, trials: int, searched_s: float, tier_s: float) -> str:
@@ -465,10 +402,6 @@ def _tier_line(row: MeasuredTier, trials: int, searched_s: float, tier_s: float)
         text += (f"; backends: {backends.skipped}" if backends.skipped else
                  f"; backends {tier_s - searched_s:.0f} s, auto picks {(decision and decision.label) or 'nothing'}")
     return text
-
-
-def _folder_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "tier"
 
 
 def dataset_probe(dataset: Dataset, duration_s: float, most_in_flight: int = 64,

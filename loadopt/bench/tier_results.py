@@ -87,7 +87,7 @@ class TierDecision(BaseModel):
 
 
 class BackendComparison(BaseModel):
-    """Every backend through one tier (`procurement.compare_backends`), or why none was compared."""
+    """Every backend through one tier (`tier_backends.compare_backends`), or why none was compared."""
 
     runs: list[BackendRun]
     ranking: list[str]
