@@ -15,7 +15,7 @@ import yaml
 
 from loadopt.bench import procurement
 from loadopt.bench.procurement import run_tiers
-from loadopt.bench.tier_plan import demand, predict, search
+from loadopt.bench.tier_plan import Utilisation, demand, predict, search
 from loadopt.config import config_from_dict
 from loadopt.storage.emulated import EmulatedFileSystem
 from loadopt.storage.imagefolder import open_dataset
@@ -39,7 +39,7 @@ def test_supported_accelerators_known_by_construction(tmp_path):
     need = demand(config, float(open_dataset(config).sizes.mean()), AU)["mb_per_s_at_threshold"]
     # A tier of B MB/s keeps floor(B / need) accelerators at AU >= 0.9; B sits halfway between two counts.
     tiers = [{"name": f"bw{k}", "bandwidth_mb_s": (k + 0.5) * need, "latency_ms": 1.0} for k in (2, 5)]
-    result = run_tiers(config, tiers, au=AU, max_accelerators=12, warmup_s=0.4, measure_s=1.2)
+    result = run_tiers(config, tiers, au=AU, max_accelerators=12, warmup_s=0.4, measure_s=1.2).document()
     for row, truth in zip(result["tiers"], (2, 5), strict=True):
         assert math.floor(row["spec"]["bandwidth_mb_s"] / need) == truth
         measured, predicted = row["accelerators_supported"], row["predicted_accelerators"]
@@ -72,13 +72,13 @@ def test_search_doubles_then_bisects():
 
     def trial(n):
         calls.append(n)
-        return {"accelerators": n, "accelerator_utilisation": min(1.0, 5.5 * 0.9 / n)}
+        return Utilisation(n, min(1.0, 5.5 * 0.9 / n))
 
     supported, trials, note = search(trial, 0.9, 64, budget_s=60)
     assert supported == 5 and calls == [1, 2, 4, 8, 6, 5] and "6 accelerators fall below" in note
     supported, _, note = search(trial, 0.9, 3, budget_s=60)
     assert supported == 3 and "--max-accelerators 3" in note
-    supported, trials, _ = search(lambda n: {"accelerators": n, "accelerator_utilisation": 0.5}, 0.9, 8, 60)
+    supported, trials, _ = search(lambda n: Utilisation(n, 0.5), 0.9, 8, 60)
     assert supported == 0 and len(trials) == 1
 
 
@@ -86,9 +86,9 @@ def test_predict_from_probe_points():
     probe = {"patterns": [{"pattern": "files", "concurrency": c, "mb_per_s": m}
                           for c, m in ((1, 10.0), (4, 40.0), (16, 100.0), (64, 100.0))]}
     # 4 readers a consumer: N consumers get probe(4N) / N; 100 MB/s saturates from 16 in flight
-    assert predict(probe, 10.0, readers=4, max_n=64)["accelerators"] == 10
-    assert predict(probe, 30.0, readers=4, max_n=64)["accelerators"] == 2  # 3 consumers: probe(12) = 80, 80 / 3 < 30
-    assert predict(probe, 60.0, readers=4, max_n=64)["accelerators"] == 0  # one consumer gets 40 MB/s
+    assert predict(probe, 10.0, readers=4, max_n=64).accelerators == 10
+    assert predict(probe, 30.0, readers=4, max_n=64).accelerators == 2  # 3 consumers: probe(12) = 80, 80 / 3 < 30
+    assert predict(probe, 60.0, readers=4, max_n=64).accelerators == 0  # one consumer gets 40 MB/s
 
 
 def test_cli_tiers_table_and_errors(tmp_path):
@@ -127,7 +127,7 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
                                                loaders={"arrow": {"form": "decoded"}, "posix": {"shard_mib": 0.25}}))
     tiers = [{"name": "starved", "bandwidth_mb_s": 0.5}, {"name": "roomy", "bandwidth_mb_s": 2000}]
     result = run_tiers(config, tiers, max_accelerators=1, warmup_s=0.1, measure_s=0.3, budget_s=5,
-                       backends_out=str(tmp_path / "backends"), backend_warmup=2, backend_batches=6)
+                       backends_out=str(tmp_path / "backends"), backend_warmup=2, backend_batches=6).document()
     for row in result["tiers"]:
         runs = row["backends"]["runs"]
         assert sorted((r["backend"], r["form"]) for r in runs) == [("arrow", "decoded"), ("arrow", "encoded"),
@@ -169,7 +169,7 @@ def test_a_tier_over_slower_storage_says_so_and_predicts_from_its_own_figures(tm
         return EmulatedFileSystem(spec.model_dump(mode="json"), EmulatedFileSystem(disk, base))
 
     monkeypatch.setattr(procurement, "tier_filesystem", over_slow_disk)
-    row = run_tiers(config, [fast], au=AU, max_accelerators=3, warmup_s=0.3, measure_s=0.8)["tiers"][0]
+    row = run_tiers(config, [fast], au=AU, max_accelerators=3, warmup_s=0.3, measure_s=0.8).document()["tiers"][0]
     assert row["accelerators_supported"] <= 2, row["trials"]  # the disk's answer
     assert "bounded by the" in row["bounded_by_base"] and "not a figure of tier fast" in row["bounded_by_base"]
     assert row["bounded_by_base"] in row["measured_note"]

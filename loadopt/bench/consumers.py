@@ -12,15 +12,18 @@ import queue as queue_module
 import resource
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import final
 
 import numpy as np
+from typing_extensions import TypedDict
 
 from loadopt.errors import DatasetError
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.machine import usable_cores
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.probe_readers import sleep_until
 
 
@@ -35,6 +38,48 @@ class ConsumerSettings:
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
+
+
+@final  # (so that `"error" in r` tells a failure from figures, for mypy too)
+class ConsumerFigures(TypedDict):
+    """One consumer's figures over the window (`consume`); plain data, as it crosses to the parent process or
+    to rank 0 (a queue, a gather), where a consumer that failed sends a `ConsumerFailure` instead."""
+
+    rank: int
+    accelerator_utilisation: float
+    samples_per_s: float
+    mb_per_s: float
+    batches: int
+    wait_p99_ms: float
+    failed_reads: int
+    cpu_s: float
+
+
+@final
+class ConsumerFailure(TypedDict):
+    """A consumer that raised: its rank and the error, in one line."""
+
+    rank: int
+    error: str
+
+
+@dataclass(frozen=True)
+class TrialFigures:
+    """One trial's figures (`combine`): `accelerators` consumers at once, their mean AU, their sums."""
+
+    accelerators: int
+    accelerator_utilisation: float  # the mean over the consumers: the search's criterion
+    min_accelerator_utilisation: float
+    samples_per_s: float
+    mb_per_s: float
+    failed_reads: int
+    cpu_load: float  # the consumers' CPU over what the machines' cores offered in the same time
+    per_consumer: list[ConsumerFigures]
+
+
+# Plays one trial: (the dataset through a fresh tier, the settings, count, warm-up s, measured s) -> its figures;
+# `run_consumers` forks them, bench/tier_ranks.py plays them on a torchrun job's ranks.
+PlayTrial = Callable[[Dataset, ConsumerSettings, int, float, float], TrialFigures]
 
 
 def _batches(num_samples: int, settings: ConsumerSettings, rank: int, world: int):
@@ -54,7 +99,7 @@ def _overlap(start: float, end: float, lo: float, hi: float) -> float:
 
 
 def consume(dataset, settings: ConsumerSettings, rank: int, world: int, t_start: float, t_window: float,
-            t_end: float) -> dict[str, Any]:
+            t_end: float) -> ConsumerFigures:
     """Play one accelerator from `t_start` to `t_end`; its figures over the window [t_window, t_end]."""
     failures = [0]
 
@@ -93,18 +138,18 @@ def consume(dataset, settings: ConsumerSettings, rank: int, world: int, t_start:
     compute = sum(_overlap(got, done, t_window, t_end) for _, got, done, _, _ in steps)
     inside = [s for s in steps if t_window <= s[1] < t_end]
     waits = np.array([got - asked for asked, got, _, _, _ in inside]) if inside else np.zeros(1)
-    return {"rank": rank, "accelerator_utilisation": min(1.0, compute / window),
-            "samples_per_s": sum(s[3] for s in inside) / window, "mb_per_s": sum(s[4] for s in inside) / window / 1e6,
-            "batches": len(inside), "wait_p99_ms": float(np.percentile(waits, 99) * 1000.0),
-            "failed_reads": failures[0],
-            "cpu_s": (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)}
+    return ConsumerFigures(
+        rank=rank, accelerator_utilisation=min(1.0, compute / window),
+        samples_per_s=sum(s[3] for s in inside) / window, mb_per_s=sum(s[4] for s in inside) / window / 1e6,
+        batches=len(inside), wait_p99_ms=float(np.percentile(waits, 99) * 1000.0), failed_reads=failures[0],
+        cpu_s=(cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime))
 
 
 def _consumer_main(queue, dataset, settings, rank, world, t_start, t_window, t_end) -> None:
     try:
         queue.put(consume(dataset, settings, rank, world, t_start, t_window, t_end))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
-        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+        queue.put(ConsumerFailure(rank=rank, error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
 
 
 def start_delay_s(count: int) -> float:
@@ -112,7 +157,8 @@ def start_delay_s(count: int) -> float:
     return 0.2 + 0.02 * count
 
 
-def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: float, measure_s: float) -> dict[str, Any]:
+def run_consumers(dataset: Dataset, settings: ConsumerSettings, count: int, warmup_s: float,
+                  measure_s: float) -> TrialFigures:
     """`count` consumers at once on `dataset` (whose `fs` is the tier); their figures and the mean AU."""
     context = multiprocessing.get_context("fork")  # the consumers inherit the dataset and the tier instance
     queue = context.Queue()
@@ -124,7 +170,7 @@ def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: flo
              for rank in range(count)]
     for proc in procs:
         proc.start()
-    results = []
+    results: list[ConsumerFigures | ConsumerFailure] = []
     try:
         for _ in procs:
             results.append(queue.get(timeout=max(60.0, t_end - time.perf_counter() + 60.0)))
@@ -139,24 +185,29 @@ def run_consumers(dataset, settings: ConsumerSettings, count: int, warmup_s: flo
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise DatasetError(f"consumer failed: {errors[0]}")
-    return combine(results, count, warmup_s, measure_s)
+    return combine(_consumer_figures(results), count, warmup_s, measure_s)
 
 
-def combine(results: list[dict[str, Any]], count: int, warmup_s: float, measure_s: float,
-            machines: int = 1) -> dict[str, Any]:
+def _consumer_figures(results: list[ConsumerFigures | ConsumerFailure]) -> list[ConsumerFigures]:
+    """The consumers' figures; a consumer that failed fails the trial."""
+    figures: list[ConsumerFigures] = []
+    for result in results:
+        if "error" in result:
+            raise DatasetError(f"consumer failed: {result['error']}")
+        figures.append(result)
+    return figures
+
+
+def combine(results: list[ConsumerFigures], count: int, warmup_s: float, measure_s: float,
+            machines: int = 1) -> TrialFigures:
     """One trial's figures from its consumers' (`consume`'s): the mean AU, the sums, the CPU load over the
     cores of the `machines` they ran on."""
     results = sorted(results, key=lambda r: r["rank"])
     cores = usable_cores() * machines
     cpu_s = sum(r["cpu_s"] for r in results)
-    return {"accelerators": count,
-            "accelerator_utilisation": float(np.mean([r["accelerator_utilisation"] for r in results])),
-            "min_accelerator_utilisation": min(r["accelerator_utilisation"] for r in results),
-            "samples_per_s": sum(r["samples_per_s"] for r in results),
-            "mb_per_s": sum(r["mb_per_s"] for r in results),
-            "failed_reads": sum(r["failed_reads"] for r in results),
-            # the consumers' CPU over what the machines' cores offered in the same time
-            "cpu_load": cpu_s / ((warmup_s + measure_s) * cores), "per_consumer": results}
+    return TrialFigures(
+        accelerators=count, accelerator_utilisation=float(np.mean([r["accelerator_utilisation"] for r in results])),
+        min_accelerator_utilisation=min(r["accelerator_utilisation"] for r in results),
+        samples_per_s=sum(r["samples_per_s"] for r in results), mb_per_s=sum(r["mb_per_s"] for r in results),
+        failed_reads=sum(r["failed_reads"] for r in results), cpu_load=cpu_s / ((warmup_s + measure_s) * cores),
+        per_consumer=results)

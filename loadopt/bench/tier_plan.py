@@ -10,9 +10,10 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from pydantic import BaseModel
 
 from loadopt.bench.consumers import start_delay_s
 from loadopt.config import backend_settings
@@ -40,19 +41,39 @@ def demand(config: Config, mean_sample_bytes: float, au: float) -> dict[str, flo
             "mb_per_s_at_threshold": full * au, "mean_sample_bytes": mean_sample_bytes}
 
 
-def search(trial: Callable[[int], dict[str, Any]], threshold: float, max_n: int,
-           budget_s: float) -> tuple[int, list[dict[str, Any]], str]:
+class SearchTrial(Protocol):
+    """What `search` reads of a trial: how many accelerators ran at once and the mean AU they kept."""
+
+    @property
+    def accelerators(self) -> int: ...
+
+    @property
+    def accelerator_utilisation(self) -> float: ...
+
+
+TrialT = TypeVar("TrialT", bound=SearchTrial)
+
+
+@dataclasses.dataclass(frozen=True)
+class Utilisation:
+    """A trial's outcome alone: what `search` needs (`search_trials` plays the search with these)."""
+
+    accelerators: int
+    accelerator_utilisation: float
+
+
+def search(trial: Callable[[int], TrialT], threshold: float, max_n: int,
+           budget_s: float) -> tuple[int, list[TrialT], str]:
     """The largest N in [0, max_n] whose trial keeps mean AU >= threshold: doubling, then bisection.
     Returns (N, the trials, a note on what bounded the search)."""
     started = time.perf_counter()
-    trials: list[dict[str, Any]] = []
+    trials: list[TrialT] = []
     passed, failed = 0, None
 
     def run(n: int) -> bool:
         result = trial(n)
-        result["passed"] = result["accelerator_utilisation"] >= threshold
         trials.append(result)
-        return result["passed"]
+        return result.accelerator_utilisation >= threshold
 
     n = 1
     while True:
@@ -88,8 +109,8 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
 
 def search_trials(supported: int, max_n: int) -> list[int]:
     """The accelerator counts `search` tries when `supported` of them pass and more fail (no time budget)."""
-    trial = lambda n: {"accelerators": n, "accelerator_utilisation": float(n <= supported)}  # noqa: E731
-    return [t["accelerators"] for t in search(trial, 0.5, max_n, math.inf)[1]]
+    trials = search(lambda n: Utilisation(n, float(n <= supported)), 0.5, max_n, math.inf)[1]
+    return [t.accelerators for t in trials]
 
 
 def probe_points(probe_result: dict[str, Any]) -> list[tuple[float, float]]:
@@ -105,17 +126,36 @@ def profile_points(spec: TierSpec, request_bytes: float, levels: tuple[int, ...]
     return [(c, m) for c, m in points if m is not None]
 
 
-def predict(probe_result: dict[str, Any], need_mb_s: float, readers: int, max_n: int) -> dict[str, Any]:
+class ProbePoint(BaseModel):
+    """What a tier delivers to whole-sample reads at one concurrency: the probe's, or the tier's own figures'."""
+
+    concurrency: int | float  # (requests in flight: the probe's levels, or the figures' as floats)
+    mb_per_s: float
+
+
+class Prediction(BaseModel):
+    """N_pred: how many accelerators a tier should keep at the AU threshold, and from what. Dumped with
+    `exclude_unset` (a tiers.json row's `prediction`): a field not set is a key the row does not have."""
+
+    accelerators: int | None  # None: nothing to predict from
+    deliverable_mb_s: float | None = None  # what the tier delivers to that many accelerators
+    probe_points: list[ProbePoint] | None = None
+    note: str
+    source: str | None = None  # "the probe", or the tier's own figures (set by procurement)
+    probe_accelerators: int | None = None  # what the probe predicted, where the tier's figures replaced it
+
+
+def predict(probe_result: dict[str, Any], need_mb_s: float, readers: int, max_n: int) -> Prediction:
     """N_pred from the probe's whole-sample reads: the largest N whose share of what the tier delivers
     at N x readers requests in flight is at least `need_mb_s` (the per-accelerator demand at the AU
     threshold)."""
     points = probe_points(probe_result)
     if not points:
-        return {"accelerators": None, "note": "the probe measured no whole-sample reads"}
+        return Prediction(accelerators=None, note="the probe measured no whole-sample reads")
     return predict_from(points, need_mb_s, readers, max_n)
 
 
-def predict_from(points: list[tuple[float, float]], need_mb_s: float, readers: int, max_n: int) -> dict[str, Any]:
+def predict_from(points: list[tuple[float, float]], need_mb_s: float, readers: int, max_n: int) -> Prediction:
     """`predict` from (requests in flight, MB/s) points: the probe's, or a tier's own figures'."""
     supported = 0
     for n in range(1, max_n + 1):
@@ -124,11 +164,9 @@ def predict_from(points: list[tuple[float, float]], need_mb_s: float, readers: i
         else:
             break
     deliverable = _interpolate(points, max(supported, 1) * readers)
-    return {"accelerators": supported, "deliverable_mb_s": deliverable,
-            "probe_points": [{"concurrency": c, "mb_per_s": m} for c, m in points],
-            "note": f"at most {max_n} (--max-accelerators)" if supported >= max_n else ""}
-
-
+    return Prediction(accelerators=supported, deliverable_mb_s=deliverable,
+                      probe_points=[ProbePoint(concurrency=c, mb_per_s=m) for c, m in points],
+                      note=f"at most {max_n} (--max-accelerators)" if supported >= max_n else "")
 
 
 def backend_sweep(config: Config, quick: bool = False) -> dict[str, dict[str, Any]]:
@@ -145,7 +183,6 @@ def backend_sweep(config: Config, quick: bool = False) -> dict[str, dict[str, An
             settings["form"] = ["decoded", "encoded"]
         loaders[name] = settings
     return loaders
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,8 +238,8 @@ def plan_tier(config: Config, spec: TierSpec, dataset, *, au: float, max_acceler
         most, bound = ranks, f"bounded by the torchrun job: {ranks} ranks, one accelerator each"
     mean = float(dataset.sizes.mean())
     figures = profile_points(spec, mean, probe_levels(most * readers))
-    expected = predict_from(figures, demand(config, mean, au)["mb_per_s_at_threshold"], readers, most)[
-        "accelerators"] if figures else None
+    expected = predict_from(figures, demand(config, mean, au)["mb_per_s_at_threshold"], readers, most
+                            ).accelerators if figures else None
     longest = max((search_trials(n, most) for n in range(most + 1)), key=len)
     sequence = search_trials(expected, most) if expected is not None else longest
     step_s = config.workload.step_time_ms / 1000.0

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from loadopt.bench.consumers import ConsumerSettings, combine, consume
+from loadopt.bench.consumers import ConsumerFigures, ConsumerSettings, TrialFigures, combine, consume
 from loadopt.bench.distributed import Ranks, described, raise_told
 from loadopt.bench.rank_report import ToldFailure
+from loadopt.bench.tier_results import TiersRun, TorchrunConsumers
 from loadopt.errors import DatasetError
-from loadopt.schema import Figure
 from loadopt.storage.dataset import Dataset
 
 _STOP = "stop"
@@ -39,7 +39,7 @@ class TrialReport:
     """What a rank that played one of a trial's accelerators tells the others."""
 
     rank: int
-    figures: dict[str, Figure] | None = None  # its consumer's (`consume`'s), None when it failed
+    figures: ConsumerFigures | None = None  # its consumer's (`consume`'s), None when it failed
     error: str | None = None  # why its consumer failed (one line): the trial fails
     interrupt: ToldFailure | None = None  # Ctrl-C or SIGTERM here: every rank stops
 
@@ -51,7 +51,7 @@ class RankConsumers:
         self.ranks = ranks
 
     def __call__(self, dataset: Dataset, settings: ConsumerSettings, count: int, warmup_s: float,
-                 measure_s: float) -> dict[str, Any]:
+                 measure_s: float) -> TrialFigures:
         if count > self.ranks.world_size:
             raise DatasetError(f"{count} accelerators: the torchrun job has only {self.ranks.world_size} ranks")
         reports = _play(self.ranks, _broadcast(self.ranks, ("run", dataset, settings, count, warmup_s, measure_s)))
@@ -107,7 +107,7 @@ def _play(ranks: Ranks, command: Any) -> list[TrialReport | None]:
     return gathered
 
 
-def run_tiers_here(config: Any, tiers: list[Any], **options: Any) -> dict[str, Any] | None:
+def run_tiers_here(config: Any, tiers: list[Any], **options: Any) -> TiersRun | None:
     """`procurement.run_tiers` as this process takes part in it: alone (forked consumers), or as one rank of
     a torchrun job (rank 0 searches and returns the result; the other ranks serve and return None)."""
     from loadopt.bench.distributed import ranks_here
@@ -129,6 +129,6 @@ def run_tiers_here(config: Any, tiers: list[Any], **options: Any) -> dict[str, A
         finally:
             played.stop()
         nodes = max(1, ranks.world_size // max(1, ranks.local_world_size))
-        result["consumer"]["torchrun"] = {"ranks": ranks.world_size, "nodes": nodes,
-                                          "note": "each rank one emulated accelerator (bench/tier_ranks.py)"}
+        result.consumer.torchrun = TorchrunConsumers(ranks=ranks.world_size, nodes=nodes,
+                                                     note="each rank one emulated accelerator (bench/tier_ranks.py)")
         return result

@@ -5,7 +5,8 @@ loadopt/bench/procurement.py; registered on the app in loadopt/cli/__init__.py, 
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -16,6 +17,10 @@ from loadopt.cli.results import auto_report
 from loadopt.cli.tables import backend_lines, backends_table, bounded_lines, probe_table, tiers_table
 from loadopt.errors import Terminated
 from loadopt.progress import Reporter, TiersProgress
+
+if TYPE_CHECKING:
+    from loadopt.bench.tier_results import TiersRun
+    from loadopt.config_models import Config
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -77,7 +82,6 @@ def probe(
     """Measure a storage location: sequential bandwidth, random-read IOPS, MB/s and latency."""
     import json
     import os
-    from pathlib import Path
 
     from loadopt.files import atomic_write_text, discard_output, prepare_output
     from loadopt.storage.probe import parse_size
@@ -120,7 +124,7 @@ def probe(
     console.print(f"results: {json_path}", highlight=False)
 
 
-def _tier_names(cfg: Any, tier_names: str | None) -> list[Any]:
+def _tier_names(cfg: Config, tier_names: str | None) -> list[str | dict[str, Any]]:
     """The tiers asked for: `--tiers`, else the config's storage.tier when it is not local, else every profile."""
     from loadopt.storage.tiers import load_tier_profiles
 
@@ -131,34 +135,55 @@ def _tier_names(cfg: Any, tier_names: str | None) -> list[Any]:
     return list(load_tier_profiles())
 
 
-def _say_stopped(result: dict[str, Any], json_path: Any, stopped: str, code: int) -> None:
+def _say_stopped(result: TiersRun, json_path: Path, stopped: str, code: int) -> None:
     """A stopped `tiers`: what was kept and where it was cut short, then its exit (143 or 130)."""
-    cut = result.get("cut_short") or {}
+    cut = result.cut_short
     where = ""
-    if cut.get("stage") == "backends":
-        where = f"; {cut['tier']} was cut short in its backends (its row and its finished backend runs are kept)"
-    elif cut:
-        where = (f"; {cut['tier']} was cut short in its {cut['stage']} ({len(cut.get('trials') or [])} trial(s) "
-                 "in cut_short, not a row)")
-    err_console.print(f"interrupted ({stopped}): the {len(result['tiers'])} tier(s) measured were kept in "
+    if cut is not None and cut.stage == "backends":
+        where = f"; {cut.tier} was cut short in its backends (its row and its finished backend runs are kept)"
+    elif cut is not None:
+        where = f"; {cut.tier} was cut short in its {cut.stage} ({len(cut.trials)} trial(s) in cut_short, not a row)"
+    err_console.print(f"interrupted ({stopped}): the {len(result.tiers)} tier(s) measured were kept in "
                       f"{json_path}{where}", highlight=False, markup=False)
     raise typer.Exit(code)
 
 
-def _print_tiers(result: dict[str, Any], readers: int) -> None:
+def _print_tiers(result: TiersRun, readers: int) -> None:
     """The tiers' table, each accelerator's need, the rows bounded by the storage under them, the backends."""
-    console.print(tiers_table(result))
-    need = result["demand"]
+    document = result.document()  # (the tables read the file's content)
+    console.print(tiers_table(document))
+    need = result.demand or {}
     console.print(f"[dim]each accelerator needs {need['mb_per_s']:,.1f} MB/s at full use "
                   f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
-                  f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result['au_threshold']:.0%}; "
+                  f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result.au_threshold:.0%}; "
                   f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
-    for line in bounded_lines(result):
+    for line in bounded_lines(document):
         console.print(f"[yellow]{escape(line)}[/]", highlight=False)
-    if any("backends" in row for row in result["tiers"]):
-        console.print(backends_table(result))
-        for line in backend_lines(result):
+    if any(row.backends is not None for row in result.tiers):
+        console.print(backends_table(document))
+        for line in backend_lines(document):
             console.print(escape(line), highlight=False)
+
+
+def _write_tiers(result: TiersRun, folder: Path, existed: bool) -> Path:
+    """tiers.json in `folder`; a run stopped before any tier finished writes nothing, leaves the folder as it
+    was and exits (143 for SIGTERM, else 130)."""
+    from loadopt.files import atomic_write_text, discard_output
+    from loadopt.schema import results_text
+
+    stopped = result.interrupted_by
+    if stopped and not result.tiers:
+        discard_output(folder, existed)
+        err_console.print(f"interrupted ({stopped}) before any tier finished: no results were written",
+                          highlight=False, markup=False)
+        raise typer.Exit(_stop_code(stopped))
+    json_path = folder / "tiers.json"
+    atomic_write_text(json_path, results_text(result.document()))
+    return json_path
+
+
+def _stop_code(stopped: str) -> int:
+    return Terminated.exit_code if stopped == "SIGTERM" else 130
 
 
 @app.command()
@@ -185,13 +210,10 @@ def tiers(
 ) -> None:
     """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
     and which backend is fastest through it."""
-    from pathlib import Path
-
     from loadopt.bench.distributed import launched_rank
     from loadopt.bench.tier_ranks import run_tiers_here
     from loadopt.config import load_config
-    from loadopt.files import atomic_write_text, discard_output, prepare_output
-    from loadopt.schema import results_text
+    from loadopt.files import prepare_output
 
     interrupted: list[bool] = []
     with user_errors(), terminate_as_interrupt(interrupted) as terminated:
@@ -208,21 +230,13 @@ def tiers(
             result = run_tiers_here(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
                                     warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
                                     progress=RichTiersProgress(progress, terminated, interrupted),
-                                    backends_out=str(Path(folder) / "backends") if backends else None,
+                                    backends_out=str(folder / "backends") if backends else None,
                                     backend_warmup=2 if quick else 3, backend_batches=backend_batches, quick=quick)
         if result is None:  # a torchrun rank other than 0: rank 0 writes and prints
             return
-        stopped = result.get("interrupted_by")
-        code = Terminated.exit_code if stopped == "SIGTERM" else 130
-        if stopped and not result["tiers"]:  # nothing finished: nothing is written, the folder stays as it was
-            discard_output(folder, existed)
-            err_console.print(f"interrupted ({stopped}) before any tier finished: no results were written",
-                              highlight=False, markup=False)
-            raise typer.Exit(code)
-        json_path = Path(folder) / "tiers.json"
-        atomic_write_text(json_path, results_text(result))
+        json_path = _write_tiers(result, folder, existed)
     _print_tiers(result, readers)
-    console.print(f"results: {json_path} ({result['elapsed_s']:,.0f} s)", highlight=False)
+    console.print(f"results: {json_path} ({result.elapsed_s:,.0f} s)", highlight=False)
     auto_report(json_path)
-    if stopped:
-        _say_stopped(result, json_path, stopped, code)
+    if result.interrupted_by:
+        _say_stopped(result, json_path, result.interrupted_by, _stop_code(result.interrupted_by))
