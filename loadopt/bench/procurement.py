@@ -67,7 +67,7 @@ from loadopt.config_models import Config
 from loadopt.errors import ConfigError, Terminated
 from loadopt.progress import TiersProgress
 from loadopt.schema import SCHEMA_VERSION
-from loadopt.storage.probe import probe
+from loadopt.storage.probe import ProbeResult, probe
 from loadopt.storage.tiers import (
     BASE_BOUND_SHARE,
     TierSpec,
@@ -351,7 +351,7 @@ def _folder_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "tier"
 
 
-def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64, sequential: bool = True) -> dict[str, Any]:
+def dataset_probe(dataset, duration_s: float, most_in_flight: int = 64, sequential: bool = True) -> ProbeResult:
     """The probe of a tier for prediction: whole-sample reads at 1, 4, 16 and 64 in flight (those up to
     `most_in_flight`, and that one: no more are ever in flight in the search), and sequential reads."""
     if dataset.kind == "records":  # <root>/<record file>

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, overload
+from typing import overload
 
 import numpy as np
 
@@ -195,11 +195,14 @@ def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float
                 progress(i + 1, n)
     finally:
         out.close()
-    extra: dict[str, Any] = {"frames": np.array(dims, np.int32).reshape(n, 4)} if form == "frames" else {}
     meta = {**_meta(dataset, form, size, shard_mib), "source_content": digest, "skipped": skipped,
             "checksums": {"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
                           "shards": [s.finish() for s in sums]}}
-    np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)), **extra)
+    if form == "frames":  # with each frame's dims
+        np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)),
+                 frames=np.array(dims, np.int32).reshape(n, 4))
+    else:
+        np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)))
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,
