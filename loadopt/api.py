@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from typing import Any, TypedDict
 
 import torch
@@ -62,7 +63,7 @@ def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any],
 
 
 # A split other than train is evaluated: eval augmentation (resize + centre crop), in order, every sample.
-EVAL_SPLIT_DEFAULTS = {"augment": "eval", "shuffle": False, "drop_last": False}
+EVAL_SPLIT_DEFAULTS: dict[str, str | bool] = {"augment": "eval", "shuffle": False, "drop_last": False}
 
 # DataLoader keywords that have no place here, and what to use instead (one line each).
 REFUSED_KEYWORDS = {
@@ -114,17 +115,18 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch)
     if backend != "auto":
         loader = _build(config, dataset, backend, dict(config.loaders.get(backend) or {}), f"loaders.{backend}",
-                        "asked for by name", convert=True, **build)
+                        "asked for by name", build, convert=True)
     else:
         loader = _auto(config, dataset, build)
     loader.batch_transform = batch_transform
     return loader
 
 
-def _split_defaults(split: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def _split_defaults(split: str, given: Collection[str]) -> dict[str, str | bool]:
+    """The defaults of a split other than train that the keywords `given` leave as they are."""
     if split == "train":
         return {}
-    defaults = {k: v for k, v in EVAL_SPLIT_DEFAULTS.items() if k not in overrides}
+    defaults = {k: v for k, v in EVAL_SPLIT_DEFAULTS.items() if k not in given}
     if defaults:
         log.info("make_loader: split %r: %s (a split other than train; pass %s to change)", split,
                  ", ".join(f"{k}={v}" for k, v in defaults.items()), "=, ".join(defaults) + "=")
@@ -146,8 +148,8 @@ def _auto(config: Config, dataset, build: _Placement) -> Loader:
     chosen, settings_raw, why = _choose(config, dataset)
     if chosen:  # never onto another training input (loadopt.recipe): then the fallback order below
         try:
-            return _build(config, dataset, chosen, settings_raw, "the bench decision", why, convert=True,
-                          same_recipe=True, **build)
+            return _build(config, dataset, chosen, settings_raw, "the bench decision", why, build, convert=True,
+                          same_recipe=True)
         except RecipeMismatch as exc:
             why = f"the bench decision is not used: {exc}"
             log.warning("make_loader: %s", why)
@@ -162,8 +164,8 @@ def _auto(config: Config, dataset, build: _Placement) -> Loader:
             continue
         try:
             return _build(config, dataset, name, dict(config.loaders.get(name) or {}), f"loaders.{name}",
-                          f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", convert=False,
-                          same_recipe=True, **build)
+                          f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", build,
+                          convert=False, same_recipe=True)
         except DatasetError as exc:
             log.info("make_loader: skipping %s: %s", name, exc)
     raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
@@ -192,14 +194,13 @@ def _dataloader_keywords(cls: type[Loader], backend: str, overrides: dict[str, A
     return out, why
 
 
-def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], where: str, why: str, *,
-           overrides: dict[str, Any], device: str | torch.device | None, rank: int | None, world_size: int | None,
-           seed: int | None, epoch: int, convert: bool, same_recipe: bool = False) -> Loader:
+def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], where: str, why: str,
+           placement: _Placement, *, convert: bool, same_recipe: bool = False) -> Loader:
     cls = backend_for(backend, f"make_loader: backend={backend!r}")
     available, reason = cls.available()
     if not available:
         raise BackendUnavailable(f"backend {backend}: {reason}")
-    overrides, knob_why = _dataloader_keywords(cls, backend, overrides)
+    overrides, knob_why = _dataloader_keywords(cls, backend, placement["overrides"])
     pipeline_raw = config.pipeline.model_dump()
     settings_raw = dict(settings_raw)
     for key, value in overrides.items():
@@ -216,9 +217,10 @@ def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], 
     settings, start_why = start_settings(cls, settings_raw, where, "make_loader")
     knob_why = {**start_why, **knob_why}
     dist_rank, dist_world = _distributed()
-    loader = cls(dataset, pipeline, settings, device=resolve_device(device or config.workload.device),
+    rank, world_size, seed = placement["rank"], placement["world_size"], placement["seed"]
+    loader = cls(dataset, pipeline, settings, device=resolve_device(placement["device"] or config.workload.device),
                  rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
-                 seed=config.seed if seed is None else seed, epoch=epoch, on_error=config.dataset.on_error)
+                 seed=config.seed if seed is None else seed, epoch=placement["epoch"], on_error=config.dataset.on_error)
     if same_recipe:  # `auto`: only a loader that delivers the config's training input (before any conversion)
         recipe.check(loader, pipeline)
     loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use

@@ -13,9 +13,11 @@ import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
-__all__ = ["LIBRARIES", "library_versions", "machine_fingerprint", "machine_info", "usable_cores"]
+from typing_extensions import TypedDict
+
+__all__ = ["LIBRARIES", "GpuInfo", "MachineInfo", "library_versions", "machine_fingerprint", "machine_info",
+           "usable_cores"]
 LIBRARIES = ("loadopt", "torch", "numpy", "pyarrow", "fsspec", "pillow", "simplejpeg", "nvidia-dali-cuda120",
              "nvidia-dali-cuda130", "kvikio-cu12", "kvikio-cu13", "torchvision")
 
@@ -49,31 +51,52 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def machine_info() -> dict[str, Any]:
+class GpuInfo(TypedDict):
+    """The first CUDA device (and how many there are)."""
+
+    name: str
+    count: int
+    memory_gb: float
+    cuda: str | None  # the CUDA version torch was built with
+
+
+class MachineInfo(TypedDict):
+    """This machine as results.json's and decision.json's `machine` records it."""
+
+    hostname: str
+    platform: str
+    python: str
+    cpu_model: str
+    cpu_count: int  # the usable cores (the affinity mask)
+    ram_gb: float
+    gpu: GpuInfo | None
+    libraries: dict[str, str | None]  # version of each of LIBRARIES; None where it is not installed
+
+
+def machine_info() -> MachineInfo:
     import psutil
     import torch
 
     gpu = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        gpu = {"name": props.name, "count": torch.cuda.device_count(), "memory_gb": props.total_memory / 2**30,
-               "cuda": torch.version.cuda}
-    cores = usable_cores()
-    return {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_model": _cpu_model(),
-        "cpu_count": cores,
-        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpu": gpu,
-        "libraries": library_versions(),
-    }
+        gpu = GpuInfo(name=props.name, count=torch.cuda.device_count(), memory_gb=props.total_memory / 2**30,
+                      cuda=torch.version.cuda)
+    return MachineInfo(
+        hostname=platform.node(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        cpu_model=_cpu_model(),
+        cpu_count=usable_cores(),
+        ram_gb=round(psutil.virtual_memory().total / 2**30, 1),
+        gpu=gpu,
+        libraries=library_versions(),
+    )
 
 
-def machine_fingerprint(machine: dict[str, Any]) -> str:
+def machine_fingerprint(machine: MachineInfo) -> str:
     """What makes two machines comparable for a decision: CPU, cores, RAM, GPU."""
-    gpu = machine.get("gpu") or {}
-    key = json.dumps([machine["cpu_model"], machine["cpu_count"], round(machine["ram_gb"]), gpu.get("name"),
-                      gpu.get("count")])
+    gpu = machine["gpu"]
+    key = json.dumps([machine["cpu_model"], machine["cpu_count"], round(machine["ram_gb"]),
+                      gpu["name"] if gpu else None, gpu["count"] if gpu else None])
     return hashlib.sha256(key.encode()).hexdigest()[:16]

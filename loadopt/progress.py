@@ -4,7 +4,10 @@ the harness."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a leaf at run time: the CLI's help never imports pydantic for it
+    from loadopt.schema import RepeatMetrics
 
 
 class Reporter:
@@ -18,7 +21,7 @@ class Reporter:
 
     def batch_done(self, done: int) -> None: ...
 
-    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None: ...
+    def run_finished(self, label: str, metrics: RepeatMetrics | None, error: str | None) -> None: ...
 
 
 class TiersProgress:

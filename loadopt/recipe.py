@@ -22,7 +22,7 @@ Tokens: `kind: tokens` and `seq_len`. Records (storage/records.py): `kind: recor
 
 from __future__ import annotations
 
-from typing import Any
+from typing_extensions import Required, TypedDict
 
 from loadopt.errors import DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
@@ -30,6 +30,19 @@ from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 TRAIN_CROP = "RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) + flip"
 EVAL_CROP = f"centre {EVAL_CROP_FRACTION:g} of the shorter side"
 COMPARED = ("kind", "crop", "image_size", "normalise", "seq_len")  # must be equal; `max_side` is checked apart
+
+
+class Recipe(TypedDict, total=False):
+    """The training input a loader delivers (the fields of the module's docstring); a record in results.json."""
+
+    kind: Required[str]  # images | tokens | records
+    seq_len: int  # tokens
+    image_size: int
+    normalise: str
+    crop: str
+    stored: str
+    max_side: int | None
+    order: str
 
 
 class RecipeMismatch(DatasetError):
@@ -44,7 +57,7 @@ def check(loader, pipeline) -> None:
                              + "; ".join(found))
 
 
-def _base(pipeline, kind: str) -> dict[str, Any]:
+def _base(pipeline, kind: str) -> Recipe:
     if kind == "tokens":
         return {"kind": "tokens", "seq_len": pipeline.seq_len}
     if kind == "records":
@@ -54,19 +67,19 @@ def _base(pipeline, kind: str) -> dict[str, Any]:
     return {"kind": "images", "image_size": pipeline.image_size, "normalise": normalise}
 
 
-def wanted(pipeline, kind: str = "images") -> dict[str, Any]:
+def wanted(pipeline, kind: str = "images") -> Recipe:
     """The recipe the config asks for (`kind`: the dataset's, images | tokens | records): for images the crop
     plan on the whole frame, at most `max_side` stored."""
     recipe = _base(pipeline, kind)
     recipe["order"] = getattr(pipeline, "order", "shared")  # `any`: a library's own order is allowed
     if kind == "images":
-        recipe.update(crop=TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP,
-                      stored=f"whole frame <= {pipeline.max_side} px", max_side=pipeline.max_side)
+        recipe["crop"] = TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP
+        recipe["stored"], recipe["max_side"] = f"whole frame <= {pipeline.max_side} px", pipeline.max_side
     return recipe
 
 
 def delivered(pipeline, frame: str | None = None, stored_size: int | None = None,
-              kind: str = "images", reencoded_quality: int | None = None) -> dict[str, Any]:
+              kind: str = "images", reencoded_quality: int | None = None) -> Recipe:
     """What a loader delivers: `frame` None reads the source (JPEG) each epoch; `whole` decoded frames
     with the longer side at most `stored_size`, or with `reencoded_quality` JPEGs bounded by it (a larger
     source re-encoded at that quality); `centre` decoded `stored_size` squares."""
@@ -91,7 +104,7 @@ def delivered(pipeline, frame: str | None = None, stored_size: int | None = None
     return {**recipe, "crop": crop, "stored": stored, "max_side": None}
 
 
-def differences(run: dict[str, Any] | None, want: dict[str, Any] | None) -> list[str]:
+def differences(run: Recipe | None, want: Recipe | None) -> list[str]:
     """What differs between a run's recipe and the wanted one, one phrase each ([] when they match;
     also when either is unknown, e.g. results written before recipes were recorded)."""
     if not run or not want:
@@ -100,16 +113,16 @@ def differences(run: dict[str, Any] | None, want: dict[str, Any] | None) -> list
            if run.get(key) != want.get(key)]
     if run.get("order") not in (None, "shared") and want.get("order") != "any":
         out.append(f"order {run['order']}'s own, not the sampler's (pipeline.order: any allows it)")
-    if want.get("kind") == "images" and run.get("max_side") is not None and want.get("max_side") is not None \
-            and run.get("stored", "").startswith(("whole", "JPEG re-encoded")) \
-            and run["max_side"] < want["max_side"]:
-        out.append(f"stored frames <= {run['max_side']} px, the config's max_side {want['max_side']}")
+    run_side, want_side = run.get("max_side"), want.get("max_side")
+    if want.get("kind") == "images" and run_side is not None and want_side is not None \
+            and run.get("stored", "").startswith(("whole", "JPEG re-encoded")) and run_side < want_side:
+        out.append(f"stored frames <= {run_side} px, the config's max_side {want_side}")
     if run.get("stored", "").startswith("centre") and want.get("crop") == TRAIN_CROP and not out:
         out.append(f"stored {run['stored']}: the crops never see the frame's borders")
     return out
 
 
-def describe(recipe: dict[str, Any] | None) -> str:
+def describe(recipe: Recipe | None) -> str:
     """A short label: `RRC+flip 224 float32 / whole frame <= 512 px`."""
     if not recipe:
         return "?"

@@ -179,7 +179,7 @@ def test_a_killed_reader_gives_its_slot_back(tmp_path):
 
 @pytest.mark.parametrize("distribution", ["exponential", "lognormal"])
 def test_latency_distributions_have_the_mean_they_were_told(distribution):
-    fs = EmulatedFileSystem(TierSpec(latency_ms=10, latency_distribution=distribution).model_dump(),
+    fs = EmulatedFileSystem(TierSpec(latency_ms=10, latency_distribution=distribution),
                             fsspec.filesystem("memory"))
     draws = [fs._latency_s() for _ in range(5000)]
     assert statistics.mean(draws) == pytest.approx(0.010, rel=0.10)
@@ -339,8 +339,8 @@ def test_the_storage_under_a_tier_counts_the_time_it_runs_past_the_tiers_figures
     paths = _files(tmp_path, 48, 20_000)
     local = fsspec.implementations.local.LocalFileSystem()
     # a slow disk (itself emulated: 2 MB/s) under a fast tier: most of each request's time is the disk's
-    disk = EmulatedFileSystem(TierSpec(name="disk", bandwidth_mb_s=2).model_dump(mode="json"), local)
-    fast = EmulatedFileSystem(TierSpec(name="fast", bandwidth_mb_s=1000, latency_ms=0.1).model_dump(mode="json"), disk)
+    disk = EmulatedFileSystem(TierSpec(name="disk", bandwidth_mb_s=2), local)
+    fast = EmulatedFileSystem(TierSpec(name="fast", bandwidth_mb_s=1000, latency_ms=0.1), disk)
     _read_all(fast, paths, 4)
     assert base_share(tier_counters(fast)) > 0.6, tier_counters(fast)
     # a slow tier over the local disk: its figures set every request's time, and it delivers what they say
@@ -373,9 +373,9 @@ def test_bench_through_a_tier_over_slower_storage_says_its_figures_are_that_stor
     assert results["runs"][0]["status"] == "ok" and results["runs"][0]["bounded_by_base"] is None
     assert "bounded" not in json.loads((tmp_path / "roomy" / "decision.json").read_text())["text"]
 
-    disk = TierSpec(name="disk", bandwidth_mb_s=0.3).model_dump(mode="json")  # the machine's disk, slower
+    disk = TierSpec(name="disk", bandwidth_mb_s=0.3)  # the machine's disk, slower
     monkeypatch.setattr(imagefolder, "tier_filesystem", lambda spec, base: EmulatedFileSystem(
-        spec.model_dump(mode="json"), EmulatedFileSystem(disk, base)))
+        spec, EmulatedFileSystem(disk, base)))
     results = _bench(tmp_path, tier, loaders, "starved")
     run = results["runs"][0]
     assert run["status"] == "ok" and run["bounded_by_base"].startswith("reads bounded by the"), run

@@ -130,12 +130,11 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
             transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
 
         try:
-            measured = rate_in_workers(work, workers, _DECODE_SECONDS)
+            rate = rate_in_workers(work, workers, _DECODE_SECONDS)["samples_per_s"]
             how = f"{workers} worker processes, one intra-op thread each"
         except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
-            measured = {"samples_per_s": in_process_rate(work, _DECODE_SECONDS) * cores}
+            rate = in_process_rate(work, _DECODE_SECONDS) * cores
             how = f"one thread x {cores} cores (worker processes could not be started)"
-        rate = measured["samples_per_s"]
         out[key] = {"decoder": decoder, "resize": resize, "per_core": rate / cores, "samples_per_s": rate,
                     "how": how}
     if "dali" in config.loaders:  # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's

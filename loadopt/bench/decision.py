@@ -24,7 +24,7 @@ from typing import Any
 from loadopt import recipe
 from loadopt.bench.metrics import median
 from loadopt.files import atomic_write_text, cache_dir
-from loadopt.machine import library_versions, machine_fingerprint, machine_info
+from loadopt.machine import MachineInfo, library_versions, machine_fingerprint, machine_info
 from loadopt.schema import SCHEMA_VERSION, RunStatus, SchemaError, as_dict, decision_text, parse_decision
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,10 @@ def storage_tier(tier: str | dict[str, Any], root: str) -> str:
     return f"{tier}:{fstype}"
 
 
-def machine_key(machine: dict[str, Any], tier: str) -> dict[str, Any]:
-    gpu = machine.get("gpu") or {}
+def machine_key(machine: MachineInfo, tier: str) -> dict[str, Any]:
+    gpu = machine["gpu"]
     return {"fingerprint": machine_fingerprint(machine), "cpu_model": machine["cpu_model"],
-            "cpu_count": machine["cpu_count"], "gpu": gpu.get("name"), "storage_tier": tier}
+            "cpu_count": machine["cpu_count"], "gpu": gpu["name"] if gpu else None, "storage_tier": tier}
 
 
 def pipeline_hash(pipeline: dict[str, Any]) -> str:

@@ -11,9 +11,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
+from typing_extensions import TypedDict
 
 
 @dataclass
@@ -189,6 +189,32 @@ class ProcessTreeMonitor:
 BUSY_SHARE = 0.25  # other processes using a quarter of the cores or more: the machine was busy
 
 
+class LoadAverage(TypedDict):
+    """The 1-minute load average over the bench's samples."""
+
+    mean: float
+    max: float
+
+
+class CpuShare(TypedDict):
+    """The share of all cores other processes used: over the whole bench, and the most in one interval."""
+
+    mean: float | None  # None: the machine's CPU time could not be read
+    max: float | None
+
+
+class LoadSummary(TypedDict):
+    """The machine's load over a bench: results.json's `machine.load`."""
+
+    cores: int
+    samples: int
+    interval_s: float
+    load_average_1m: LoadAverage | None  # None: never sampled
+    others_cpu_share: CpuShare
+    busy: bool  # others used BUSY_SHARE of the cores or more
+    note: str | None  # load_note's sentence when busy
+
+
 class MachineLoad:
     """The machine's load over a whole bench, sampled every `interval_s` from a background thread: the
     load average (1 min) and the share of all cores that other processes used (the machine's busy CPU
@@ -228,36 +254,36 @@ class MachineLoad:
         self._thread.start()
         return self
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> LoadSummary:
         if self._thread.is_alive():
             self._stop.set()
             self._thread.join()
         self._sample()
         return self.summary()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> LoadSummary:
         first, last = self._first, self._last
         overall = None
         if first is not None and last is not None:
             overall = others_share(last[1] - first[1], last[2] - first[2], last[0] - first[0], self._cores)
         peak = max(self._shares, default=overall)
         busy = overall is not None and overall >= BUSY_SHARE
-        out: dict[str, Any] = {
-            "cores": self._cores, "samples": len(self._load), "interval_s": self.interval_s,
-            "load_average_1m": {"mean": sum(self._load) / len(self._load), "max": max(self._load)} if self._load
+        out = LoadSummary(
+            cores=self._cores, samples=len(self._load), interval_s=self.interval_s,
+            load_average_1m=LoadAverage(mean=sum(self._load) / len(self._load), max=max(self._load)) if self._load
             else None,
-            "others_cpu_share": {"mean": overall, "max": peak}, "busy": busy,
-        }
+            others_cpu_share=CpuShare(mean=overall, max=peak), busy=busy, note=None)
         out["note"] = load_note(out)
         return out
 
 
-def load_note(load: dict[str, Any] | None) -> str | None:
+def load_note(load: LoadSummary | None) -> str | None:
     """A sentence saying the machine was busy (None when it was not, or was not sampled)."""
     if not load or not load.get("busy"):
         return None
     share = load["others_cpu_share"]
-    average = load.get("load_average_1m") or {}
+    average = load.get("load_average_1m")
+    highest = average["max"] if average else 0
     return (f"the machine was busy: other processes used {share['mean']:.0%} of its {load['cores']} cores during "
-            f"the bench (up to {share['max']:.0%}; load average up to {average.get('max', 0):.1f}), so rates and "
+            f"the bench (up to {share['max']:.0%}; load average up to {highest:.1f}), so rates and "
             "ceilings are lower than on a quiet machine and close comparisons are less sure")

@@ -14,9 +14,19 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable
-from typing import Any
+
+from typing_extensions import TypedDict
 
 WorkItem = Callable[[int], None]  # does the i-th unit of work (decodes the i-th sample, ...)
+
+
+class WorkerRate(TypedDict):
+    """What `rate_in_workers` measured: units a second, by how many processes, how many units in what time."""
+
+    samples_per_s: float
+    workers: int
+    samples: int
+    seconds: float
 
 
 def _worker(work: WorkItem, ready, go, seconds: float, results) -> None:
@@ -47,7 +57,7 @@ def _collect(queue, count: int, processes: list, deadline: float, what: str) -> 
     return got
 
 
-def rate_in_workers(work: WorkItem, workers: int, seconds: float = 1.0) -> dict[str, Any]:
+def rate_in_workers(work: WorkItem, workers: int, seconds: float = 1.0) -> WorkerRate:
     """Units of `work` per second done by `workers` forked processes running together for `seconds`.
 
     The processes start together once all have warmed up (however long forking takes on a busy machine)
@@ -71,7 +81,7 @@ def rate_in_workers(work: WorkItem, workers: int, seconds: float = 1.0) -> dict[
                 process.join()
     done = sum(count for count, _ in outcomes)
     window = max(elapsed for _, elapsed in outcomes)
-    return {"samples_per_s": done / window, "workers": workers, "samples": done, "seconds": window}
+    return WorkerRate(samples_per_s=done / window, workers=workers, samples=done, seconds=window)
 
 
 def in_process_rate(work: WorkItem, seconds: float = 1.0) -> float:

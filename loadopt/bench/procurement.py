@@ -76,7 +76,7 @@ from loadopt.config_models import Config
 from loadopt.errors import ConfigError, Terminated
 from loadopt.progress import TiersProgress
 from loadopt.schema import SCHEMA_VERSION, TierCost
-from loadopt.storage.probe import probe
+from loadopt.storage.probe import ProbeResult, probe
 from loadopt.storage.tiers import (
     BASE_BOUND_SHARE,
     TierSpec,
@@ -275,7 +275,7 @@ def _tiers_run(config: Config, options: TiersOptions, so_far: TiersSoFar, elapse
 class TierProbe:
     """The probe of a tier (`dataset_probe`) and what it says: the prediction, the base's share, the storage."""
 
-    result: dict[str, Any]  # loadopt.storage.probe's
+    result: ProbeResult  # loadopt.storage.probe's
     prediction: Prediction
     base_share: float | None
     storage: str  # the storage under the tier (`storage_under`)
@@ -405,7 +405,7 @@ def _tier_line(row: MeasuredTier, trials: int, searched_s: float, tier_s: float)
 
 
 def dataset_probe(dataset: Dataset, duration_s: float, most_in_flight: int = 64,
-                  sequential: bool = True) -> dict[str, Any]:
+                  sequential: bool = True) -> ProbeResult:
     """The probe of a tier for prediction: whole-sample reads at 1, 4, 16 and 64 in flight (those up to
     `most_in_flight`, and that one: no more are ever in flight in the search), and sequential reads."""
     from loadopt.storage.records import RecordDataset

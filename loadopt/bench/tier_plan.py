@@ -19,6 +19,7 @@ from loadopt.bench.consumers import start_delay_s
 from loadopt.config import backend_settings
 from loadopt.config_models import Config
 from loadopt.errors import ConfigError
+from loadopt.storage.probe import ProbeResult
 from loadopt.storage.tiers import TierSpec
 
 PROBE_LEVELS = (1, 4, 16, 64)  # whole-sample reads in flight that the probe measures
@@ -113,7 +114,7 @@ def search_trials(supported: int, max_n: int) -> list[int]:
     return [t.accelerators for t in trials]
 
 
-def probe_points(probe_result: dict[str, Any]) -> list[tuple[float, float]]:
+def probe_points(probe_result: ProbeResult) -> list[tuple[float, float]]:
     """(requests in flight, MB/s) of the probe's whole-sample reads."""
     return sorted((p["concurrency"], p["mb_per_s"]) for p in probe_result["patterns"]
                   if p["pattern"] == "files" and "skipped" not in p)
@@ -145,7 +146,7 @@ class Prediction(BaseModel):
     probe_accelerators: int | None = None  # what the probe predicted, where the tier's figures replaced it
 
 
-def predict(probe_result: dict[str, Any], need_mb_s: float, readers: int, max_n: int) -> Prediction:
+def predict(probe_result: ProbeResult, need_mb_s: float, readers: int, max_n: int) -> Prediction:
     """N_pred from the probe's whole-sample reads: the largest N whose share of what the tier delivers
     at N x readers requests in flight is at least `need_mb_s` (the per-accelerator demand at the AU
     threshold)."""

@@ -4,11 +4,15 @@ recipe); `loadopt probe`'s patterns; `loadopt tiers`' tiers and backends through
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:  # the CLI's help stays light: the types only
+    from loadopt.recipe import Recipe
+    from loadopt.storage.probe import ProbeResult
 
 
 def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
@@ -101,7 +105,7 @@ def _stall_parts(metrics: dict[str, Any]) -> tuple[str, str]:
     return f"{loader:.1%}", f"{finish:.1%}"
 
 
-def _recipe_cell(run: dict[str, Any], want: dict[str, Any] | None) -> str:
+def _recipe_cell(run: dict[str, Any], want: Recipe | None) -> str:
     """The table's short form of a run's recipe: what its crops run on, and `differs` (in yellow) where it
     is not the config's training input (named under the table, `recipe_lines`)."""
     from loadopt import recipe
@@ -148,7 +152,7 @@ def bytes_source_lines(results: dict[str, Any]) -> list[str]:
                                       source.startswith("tier") else "") for source in sources]
 
 
-def probe_table(result: dict[str, Any]) -> Table:
+def probe_table(result: ProbeResult) -> Table:
     """One row per read pattern of `loadopt probe`."""
     table = Table(title=f"loadopt probe: {result['url']} (tier {result.get('tier', 'local')})", title_justify="left")
     for column in ("pattern", "block", "readers", "IOPS", "MB/s", "lat p50 ms", "lat p99 ms"):

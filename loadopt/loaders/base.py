@@ -28,6 +28,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.sampler import EpochOrder
+from loadopt.recipe import Recipe
 from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ class Loader(ABC, Generic[SettingsT]):
 
         return bytes_source(self.dataset, conversion=self.reads_conversion())
 
-    def recipe(self) -> dict[str, Any]:
+    def recipe(self) -> Recipe:
         """The training input this setting delivers (`loadopt.recipe`): by default the crop plan on the
         source images, decoded every epoch; backends reading a decoded form say what they store."""
         from loadopt import recipe

@@ -36,6 +36,7 @@ from loadopt.loaders.base import HostBatch, Loader, WorkKind
 from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, plan_batch
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
+from loadopt.recipe import Recipe
 from loadopt.storage.tokens import TokenDataset
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class DaliLoader(Loader[DaliSettings]):
             text += f" normalise={s.normalise}"
         return text + (" NHWC" if s.layout == "NHWC" else "")
 
-    def recipe(self) -> dict[str, Any]:
+    def recipe(self) -> Recipe:
         found = super().recipe()
         # reader native: DALI's file reader orders the samples, not the sampler (`auto` needs pipeline.order: any)
         return {**found, "order": "dali"} if self.settings.reader == "native" else found

@@ -41,6 +41,7 @@ from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.peer_batches import CroppedSample, PeerBatch, rebatch
 from loadopt.machine import usable_cores
+from loadopt.recipe import Recipe
 from loadopt.storage import tier_reads
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ class PeerLoader(Loader[PeerSettingsT]):
         return f"num_workers={s.num_workers} prefetch={s.prefetch_factor} order={self.name}" + \
             tier_reads.via_tier(self.dataset, conversion=True)
 
-    def recipe(self) -> dict[str, Any]:
+    def recipe(self) -> Recipe:
         # the library's order, not the sampler's: `auto` passes it over unless pipeline.order is `any`
         return {**super().recipe(), "order": self.name}
 

@@ -42,6 +42,7 @@ from loadopt.loaders.peer_base import (
     source_samples,
 )
 from loadopt.loaders.peer_batches import PeerBatch
+from loadopt.recipe import Recipe
 
 FFCV_TRAIN_CROP = "FFCV RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, FFCV's own draws and kernel) + flip"
 FFCV_EVAL_CROP = "FFCV centre crop (ratio 224/256)"
@@ -126,7 +127,7 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
         # raw: stored frames
         return WorkKind.JPEG_DECODE if settings.reencoded_quality is not None else WorkKind.CROP_RESIZE
 
-    def recipe(self) -> dict[str, Any]:
+    def recipe(self) -> Recipe:
         from loadopt import recipe
 
         crop = FFCV_TRAIN_CROP if self.pipeline.augment == "train" else FFCV_EVAL_CROP

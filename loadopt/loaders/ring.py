@@ -25,6 +25,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
+from loadopt.recipe import Recipe
 from loadopt.storage import conversions, tier_reads
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.tokens import TokenDataset
@@ -148,7 +149,7 @@ class RingLoader(Loader[RingSettingsT]):
             return False, f"{cls.name} reads image folders and token corpora, not records"
         return True, ""  # image folders (converted), and token corpora (windows gathered)
 
-    def recipe(self) -> dict[str, Any]:
+    def recipe(self) -> Recipe:
         from loadopt import recipe
 
         if self.form == "tokens" or self.frame is None:  # token windows; the sources' own JPEGs

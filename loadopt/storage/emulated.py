@@ -28,7 +28,7 @@ import pickle
 import time
 import uuid
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -36,6 +36,9 @@ from fsspec.spec import AbstractBufferedFile
 
 from loadopt.storage.remote import read_with_retries
 from loadopt.storage.tier_state import COUNTERS, SharedTierState, remove_state, sleep_until_monotonic, state_root
+
+if TYPE_CHECKING:  # tiers.py imports this module where it makes a tier
+    from loadopt.storage.tiers import TierSpec
 
 __all__ = ["COUNTERS", "EmulatedFileSystem", "InjectedReadError", "InjectedTimeout", "SharedTierState"]
 
@@ -51,7 +54,7 @@ class InjectedTimeout(TimeoutError):
 
 
 class EmulatedFileSystem(fsspec.AbstractFileSystem):
-    """`base_fs` read under the limits of tier `spec` (a TierSpec as a dict); listing is passed through.
+    """`base_fs` read under the limits of tier `spec`; listing is passed through.
 
     Read-only. Paths are `base_fs`'s own. `state_dir` and `owner_pid` are set when unpickled in
     another process (the same tier instance); leave them out to make a new instance."""
@@ -60,12 +63,12 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
     cachable = False  # every instance is its own tier (its own clock, slots and counters)
     root_marker = ""
 
-    def __init__(self, spec: dict[str, Any], base_fs: fsspec.AbstractFileSystem, state_dir: str | None = None,
+    def __init__(self, spec: TierSpec, base_fs: fsspec.AbstractFileSystem, state_dir: str | None = None,
                  owner_pid: int | None = None, **kwargs: Any) -> None:
         from loadopt.storage.tiers import TierSpec
 
         super().__init__(**kwargs)
-        self.spec = TierSpec(**spec)
+        self.spec = TierSpec.model_validate(spec)
         self._base, self._base_pid = base_fs, os.getpid()
         if state_dir is None:
             state_dir, owner_pid = str(state_root() / uuid.uuid4().hex), os.getpid()
@@ -82,7 +85,7 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
         return self._base
 
     def __reduce__(self):  # pickled by reference to this instance's state: other processes join the same tier
-        return type(self), (self.spec.model_dump(mode="json"), self.base_fs, self.state_dir, -1)
+        return type(self), (self.spec, self.base_fs, self.state_dir, -1)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:

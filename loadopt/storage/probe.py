@@ -26,15 +26,16 @@ import os
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import fsspec
 import numpy as np
+from typing_extensions import NotRequired, TypedDict
 
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.pagecache import evict
 from loadopt.storage.probe_readers import (
     File,
+    LatencyStats,
     Picker,
     Reader,
     direct_works,
@@ -51,6 +52,38 @@ DEFAULT_CONCURRENCY = (1, 4, 16, 64)
 
 ProgressFn = Callable[[str, int, int], None]  # (pattern label, patterns done, patterns in all)
 
+
+class PatternResult(TypedDict):
+    """One pattern of a probe: what it read and, unless it was skipped, what it delivered (LatencyStats)."""
+
+    pattern: str  # sequential | random | files
+    block_bytes: float  # a `files` pattern: the mean bytes of a request (a whole file)
+    concurrency: int
+    skipped: NotRequired[str]  # why it was not run (no file holds a block); then none of the figures below
+    requests: NotRequired[int]
+    bytes: NotRequired[int]
+    seconds: NotRequired[float]
+    iops: NotRequired[float]
+    mb_per_s: NotRequired[float]
+    lat_mean_ms: NotRequired[float | None]
+    lat_p50_ms: NotRequired[float | None]
+    lat_p99_ms: NotRequired[float | None]
+
+
+class ProbeResult(TypedDict):
+    """What `probe` measured (`loadopt probe`'s JSON): what was read and how, and each pattern's figures."""
+
+    url: str  # credentials redacted
+    local: bool
+    direct: bool  # O_DIRECT reads
+    cold: bool  # the page cache evicted before each pattern
+    cache_note: str
+    files: int
+    total_bytes: int
+    test_file_written: bool
+    duration_s: float
+    patterns: list[PatternResult]
+    tier: NotRequired[str]  # `loadopt probe --tier`'s (local without one): set by the command, in probe.json
 
 
 def _list_files(fs: fsspec.AbstractFileSystem, path: str, url: str) -> tuple[list[File], bool]:
@@ -79,7 +112,7 @@ def probe(url: str, *, block_sizes: tuple[int, ...] = DEFAULT_BLOCKS,
           seq_bytes: int = 1 << 30, max_requests: int = 1_000_000, whole_files: bool | None = None,
           cold: bool = True, direct: bool = True, file_size: int | None = None,
           fs: fsspec.AbstractFileSystem | None = None, seed: int = 0, sequential: bool = True,
-          progress: ProgressFn | None = None, source: str | None = None) -> dict[str, Any]:
+          progress: ProgressFn | None = None, source: str | None = None) -> ProbeResult:
     """Measure the storage at `url` (a file or folder; a path within `fs` when given) and return the
     figures as a JSON-ready dict: `patterns`, one entry per pattern, and what was read and how.
     `sequential=False` leaves the sequential pattern out. `source`: the URL a path in `fs` was opened
@@ -133,7 +166,7 @@ def _write_test_file(fs: fsspec.AbstractFileSystem, folder: str, url: str, size:
 def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[File], is_folder: bool,
                  block_sizes: tuple[int, ...], concurrencies: tuple[int, ...], duration_s: float, seq_block: int,
                  seq_bytes: int, max_requests: int, whole_files: bool | None, cold: bool, direct: bool, seed: int,
-                 progress: ProgressFn | None, wrote_test_file: bool) -> dict[str, Any]:
+                 progress: ProgressFn | None, wrote_test_file: bool) -> ProbeResult:
     local = is_local_fs(fs)
     direct = bool(direct and local and direct_works(files[0].path))
     whole_files = is_folder if whole_files is None else whole_files
@@ -143,36 +176,38 @@ def _probe_files(url: str, fs: fsspec.AbstractFileSystem, files: list[File], is_
     if whole_files:
         plan += [("files", 0, c) for c in concurrencies]
     local_paths = [f.path for f in files] if local else []
-    patterns: list[dict[str, Any]] = []
+    patterns: list[PatternResult] = []
     for done, (kind, block, concurrency) in enumerate(plan):
         label = f"{kind} {_size_label(block)} x{concurrency}" if kind == "random" else f"{kind} x{concurrency}"
         if progress is not None:
             progress(label, done, len(plan))
-        entry: dict[str, Any] = {"pattern": kind, "block_bytes": block, "concurrency": concurrency}
         fitting = [f for f in files if f.size >= block] if kind == "random" else files
         if not fitting:
-            entry["skipped"] = f"no file holds {_size_label(block)} (largest {largest:,} bytes)"
-            patterns.append(entry)
+            patterns.append({"pattern": kind, "block_bytes": block, "concurrency": concurrency,
+                             "skipped": f"no file holds {_size_label(block)} (largest {largest:,} bytes)"})
             continue
         if cold and local_paths:
             evict(local_paths)
         max_length = max(f.size for f in fitting) if kind == "files" else block
         make_reader = lambda max_length=max_length: Reader(fs, local, direct, max_length)  # noqa: E731
+        stats: LatencyStats
         if kind == "sequential":
-            entry.update(_sequential(fs, local, direct, files, seq_block, seq_bytes, duration_s))
+            stats = _sequential(fs, local, direct, files, seq_block, seq_bytes, duration_s)
         else:
             pick = _file_picker(fitting) if kind == "files" else _offset_picker(fitting, block)
-            entry.update(run_concurrent(make_reader, fitting, pick, concurrency, processes_for(concurrency, local),
-                                         duration_s, max_requests, seed + done))
-        if kind == "files":
-            entry["block_bytes"] = entry["bytes"] / entry["requests"] if entry["requests"] else 0
-        patterns.append(entry)
+            stats = run_concurrent(make_reader, fitting, pick, concurrency, processes_for(concurrency, local),
+                                   duration_s, max_requests, seed + done)
+        if kind == "files":  # the mean whole file read
+            block_bytes: float = stats["bytes"] / stats["requests"] if stats["requests"] else 0
+        else:
+            block_bytes = block
+        patterns.append({"pattern": kind, "block_bytes": block_bytes, "concurrency": concurrency, **stats})
     if progress is not None:
         progress("done", len(plan), len(plan))
-    return {"url": url, "local": local, "direct": direct, "cold": bool(cold and local),
-            "cache_note": _cache_note(local, cold, direct), "files": len(files),
-            "total_bytes": sum(f.size for f in files), "test_file_written": wrote_test_file,
-            "duration_s": duration_s, "patterns": patterns}
+    return ProbeResult(url=url, local=local, direct=direct, cold=bool(cold and local),
+                       cache_note=_cache_note(local, cold, direct), files=len(files),
+                       total_bytes=sum(f.size for f in files), test_file_written=wrote_test_file,
+                       duration_s=duration_s, patterns=patterns)
 
 
 def _cache_note(local: bool, cold: bool, direct: bool) -> str:
@@ -216,7 +251,7 @@ def _file_picker(files: list[File]) -> Picker:
 
 
 def _sequential(fs: fsspec.AbstractFileSystem, local: bool, direct: bool, files: list[File], block: int,
-                max_bytes: int, duration_s: float) -> dict[str, Any]:
+                max_bytes: int, duration_s: float) -> LatencyStats:
     """Read the files in order, `block` bytes at a time, pass after pass (as fio's `time_based` does),
     until `max_bytes` or the time is up."""
     latencies: list[float] = []
@@ -226,7 +261,7 @@ def _sequential(fs: fsspec.AbstractFileSystem, local: bool, direct: bool, files:
     return latency_stats(latencies, done.nbytes, done.seconds)
 
 
-def summary(result: dict[str, Any]) -> dict[str, float | None]:
+def summary(result: ProbeResult) -> dict[str, float | None]:
     """The headline figures: sequential MB/s, and the best random IOPS / MB/s over the patterns."""
     measured = [p for p in result["patterns"] if "skipped" not in p]
     sequential = next((p for p in measured if p["pattern"] == "sequential"), None)

@@ -17,6 +17,7 @@ from typing import Any
 
 import fsspec
 import numpy as np
+from typing_extensions import TypedDict
 
 from loadopt.machine import usable_cores
 from loadopt.storage.raw_format import ALIGN, align_up
@@ -106,15 +107,28 @@ def direct_works(path: str) -> bool:
         os.close(fd)
 
 
-def latency_stats(latencies: list[float] | np.ndarray, nbytes: int, seconds: float) -> dict[str, Any]:
+class LatencyStats(TypedDict):
+    """What a pattern's requests delivered: their count, bytes, rate and latency (None without requests)."""
+
+    requests: int
+    bytes: int
+    seconds: float
+    iops: float
+    mb_per_s: float
+    lat_mean_ms: float | None
+    lat_p50_ms: float | None
+    lat_p99_ms: float | None
+
+
+def latency_stats(latencies: list[float] | np.ndarray, nbytes: int, seconds: float) -> LatencyStats:
     lat = np.asarray(latencies) * 1000.0
     requests = len(lat)
-    return {"requests": requests, "bytes": nbytes, "seconds": seconds,
-            "iops": requests / seconds if seconds > 0 else 0.0,
-            "mb_per_s": nbytes / seconds / 1e6 if seconds > 0 else 0.0,
-            "lat_mean_ms": float(lat.mean()) if requests else None,
-            "lat_p50_ms": float(np.percentile(lat, 50)) if requests else None,
-            "lat_p99_ms": float(np.percentile(lat, 99)) if requests else None}
+    return LatencyStats(requests=requests, bytes=nbytes, seconds=seconds,
+                        iops=requests / seconds if seconds > 0 else 0.0,
+                        mb_per_s=nbytes / seconds / 1e6 if seconds > 0 else 0.0,
+                        lat_mean_ms=float(lat.mean()) if requests else None,
+                        lat_p50_ms=float(np.percentile(lat, 50)) if requests else None,
+                        lat_p99_ms=float(np.percentile(lat, 99)) if requests else None)
 
 
 def _thread_loop(make_reader: Callable[[], Reader], files: list[File], pick: Picker, seed: int, quota: int,
@@ -237,7 +251,7 @@ def _process_main(queue: Any, ready: Any, shared: Any, make_reader: Callable[[],
 
 
 def run_concurrent(make_reader: Callable[[], Reader], files: list[File], pick: Picker, concurrency: int,
-                    processes: int, duration_s: float, max_requests: int, seed: int) -> dict[str, Any]:
+                    processes: int, duration_s: float, max_requests: int, seed: int) -> LatencyStats:
     """`concurrency` readers for `duration_s`, as threads spread over `processes` forked processes
     (one process: threads here). Python threads share one GIL: past ~8 readers of small blocks the
     interpreter, not the storage, would be the limit, so local patterns spread them over the cores.

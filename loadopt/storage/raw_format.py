@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, overload
+from typing import overload
 
 import numpy as np
+from typing_extensions import NotRequired, TypedDict
 
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir, is_no_space
@@ -50,6 +51,36 @@ INDEX_DTYPE = np.dtype([("sample_id", "<i8"), ("shard", "<i4"), ("offset", "<i8"
                         ("label", "<i8")])
 
 
+class RawKey(TypedDict):
+    """What a conversion is of (hashed into its folder's name, checked when it is opened)."""
+
+    version: int
+    form: Form
+    source: str  # the dataset's fingerprint
+    rows: int
+    shard_bytes: int
+    size: int | None
+    shape: list[int | None] | None  # of a decoded image (the size) or a token window
+    dtype: str
+    seq_len: int | None
+    jpeg_quality: NotRequired[int]  # reencoded
+    jpeg_restarts: NotRequired[int | None]  # encoded, reencoded: restarts_key()
+
+
+class ShardChecksums(TypedDict):
+    algorithm: str
+    chunk_bytes: int
+    shards: list[list[int]]  # per shard, the CRC of each chunk
+
+
+class RawMeta(RawKey):
+    """A finished conversion's metadata: index.npz's `meta`."""
+
+    source_content: str  # the source's digest when the conversion was made ("" where not read)
+    skipped: list[list[int | str]]  # [sample index, reason] of each sample that could not be read
+    checksums: ShardChecksums
+
+
 @overload
 def align_up(n: int) -> int: ...
 @overload
@@ -63,9 +94,9 @@ def shard_bytes(shard_mib: float) -> int:
     return max(ALIGN, int(align_up(int(shard_mib * (1 << 20)))))
 
 
-def _meta(dataset, form: Form, size: int | None, shard_mib: float) -> dict:
-    meta = {"version": FORMAT_VERSION, "form": form, "source": dataset.fingerprint, "rows": len(dataset),
-            "shard_bytes": shard_bytes(shard_mib), "size": size, "shape": None, "dtype": "uint8", "seq_len": None}
+def _meta(dataset, form: Form, size: int | None, shard_mib: float) -> RawKey:
+    meta = RawKey(version=FORMAT_VERSION, form=form, source=dataset.fingerprint, rows=len(dataset),
+                  shard_bytes=shard_bytes(shard_mib), size=size, shape=None, dtype="uint8", seq_len=None)
     if form == "decoded":
         meta["shape"] = [size, size, 3]
     if form == "reencoded":
@@ -73,7 +104,8 @@ def _meta(dataset, form: Form, size: int | None, shard_mib: float) -> dict:
     if form in ("encoded", "reencoded"):
         meta["jpeg_restarts"] = restarts_key()
     if form == "tokens":
-        meta.update(seq_len=dataset.seq_len, shape=[dataset.seq_len + 1], dtype=str(dataset.tokens.dtype))
+        meta["seq_len"], meta["shape"] = dataset.seq_len, [dataset.seq_len + 1]
+        meta["dtype"] = str(dataset.tokens.dtype)
     return meta
 
 
@@ -95,7 +127,7 @@ class RawIndex:
     root: Path
     shards: list[Path]
     index: np.ndarray  # INDEX_DTYPE, row i = sample i
-    meta: dict
+    meta: RawMeta
     frames: np.ndarray | None = None  # the `frames` form: (n, 4) int32 height, width, source height, width
 
     def __post_init__(self) -> None:
@@ -171,7 +203,7 @@ def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float
            on_error: str = "raise", digest: str = "") -> None:
     limit, n = shard_bytes(shard_mib), len(dataset)
     sums = [integrity.ChunkSums()]
-    skipped: list = []
+    skipped: list[list[int | str]] = []
     index = np.zeros(n, INDEX_DTYPE)
     index["sample_id"] = np.arange(n)
     if form != "tokens":
@@ -195,11 +227,14 @@ def _write(folder: Path, dataset, form: Form, size: int | None, shard_mib: float
                 progress(i + 1, n)
     finally:
         out.close()
-    extra: dict[str, Any] = {"frames": np.array(dims, np.int32).reshape(n, 4)} if form == "frames" else {}
-    meta = {**_meta(dataset, form, size, shard_mib), "source_content": digest, "skipped": skipped,
-            "checksums": {"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
-                          "shards": [s.finish() for s in sums]}}
-    np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)), **extra)
+    meta: RawMeta = {**_meta(dataset, form, size, shard_mib), "source_content": digest, "skipped": skipped,
+                     "checksums": {"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES,
+                                   "shards": [s.finish() for s in sums]}}
+    if form == "frames":  # with each frame's dims
+        np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)),
+                 frames=np.array(dims, np.int32).reshape(n, 4))
+    else:
+        np.savez(folder / "index.npz", index=index, meta=np.array(json.dumps(meta)))
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -60,7 +60,7 @@ class SyntheticSpecLike(Protocol):
     jpeg_quality: int
     seed: int
 
-    def model_dump(self, *, mode: str = "python") -> dict[str, Any]: ...
+    def model_dump(self, *, mode: str = "python") -> dict[str, float]: ...  # every parameter is a number
 
 
 def synthetic_key(spec: SyntheticSpecLike) -> str:

@@ -162,7 +162,7 @@ def tier_filesystem(spec: TierSpec, base_fs: fsspec.AbstractFileSystem) -> fsspe
         base_fs = base_fs.base_fs
     if not spec.emulates() and is_local_fs(base_fs):
         return base_fs
-    return EmulatedFileSystem(spec.model_dump(mode="json"), base_fs)
+    return EmulatedFileSystem(spec, base_fs)
 
 
 def tier_counters(fs: fsspec.AbstractFileSystem) -> dict[str, float] | None:
