@@ -123,9 +123,9 @@ def main() -> int:
             print(f"  centre squares, {augment:5s} crops: {nbytes / 1e9:5.2f} GB/s delivered "
                   f"({samples:,.0f} images/s), {nbytes / bandwidth:.2f} of the memory copy bandwidth "
                   f"({bandwidth / 1e9:.1f} GB/s, before and after)")
-        before = crop_resize_rate(train, dataset, threads)["samples_per_s"]
+        before = crop_resize_rate(train, dataset, threads).samples_per_s
         _, samples = host_rate(whole, max(args.batches // 2, 10))
-        ceiling = (before + crop_resize_rate(train, dataset, threads)["samples_per_s"]) / 2
+        ceiling = (before + crop_resize_rate(train, dataset, threads).samples_per_s) / 2
         ratios["whole"].append(samples / ceiling)
         print(f"  whole frames, train crops: {samples:,.0f} images/s; crop + resize ceiling {ceiling:,.0f} samples/s: "
               f"{samples / ceiling:.2f} of it")

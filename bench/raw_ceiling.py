@@ -289,9 +289,9 @@ def main() -> int:
               f"crop + resize ceiling in {threads} worker processes")
         whole_ratios = []
         for round_index in range(args.rounds):
-            before = crop_resize_rate(train, dataset, threads)["samples_per_s"]
+            before = crop_resize_rate(train, dataset, threads).samples_per_s
             rate = samples_rate(frames, args.frame_batches)
-            ceiling = (before + crop_resize_rate(train, dataset, threads)["samples_per_s"]) / 2
+            ceiling = (before + crop_resize_rate(train, dataset, threads).samples_per_s) / 2
             whole_ratios.append(rate / ceiling)
             print(f"  round {round_index + 1}: posix whole frames {rate:,.0f} images/s, crop + resize ceiling "
                   f"{ceiling:,.0f} samples/s: {rate / ceiling:.2f} of it")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from loadopt.bench.attribution import attribute
+from loadopt.bench import attribution
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.report import render_report
+from loadopt.schema_ceilings import Ceilings, Job, RunCeiling, written
 
 from .conftest import tiny_config_dict
 
@@ -20,6 +21,13 @@ JOB = {"batch_size": 64, "step_ms": 25.0, "demand_samples_per_s": 2560.0, "cache
        "mean_sample_bytes": 110e3, "kind": "images"}
 
 
+def attribute(run_metrics: dict, label: str, ceilings: dict, job: dict, settings: dict | None = None,
+              recipe: dict | None = None) -> attribution.Attribution:
+    """`attribution.attribute` on ceilings and a job written as results.json holds them."""
+    return attribution.attribute(run_metrics, label, Ceilings.model_validate(ceilings), Job.model_validate(job),
+                                 settings, recipe)
+
+
 def metrics(stall: float, wait_s: float, finish_s: float, rate: float, batches: int = 100) -> dict:
     samples = batches * 64
     return {"samples_per_s": rate, "stall_fraction": stall, "wait_s": wait_s, "finish_s": finish_s,
@@ -30,52 +38,52 @@ def metrics(stall: float, wait_s: float, finish_s: float, rate: float, batches: 
 def test_a_stalled_jpeg_loader_waiting_for_batches_is_prep_bound_on_decode():
     found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=650.0), "torch tuned num_workers=2 prefetch=2",
                       CEILINGS, JOB, {"variant": "tuned", "decoder": "auto"})
-    assert found["bottleneck"] == "prep-bound"
-    assert found["ceiling"] == {"name": "decode simplejpeg x 2 cores", "samples_per_s": 690.0}
-    assert "2 cores decode 690 img/s" in found["text"] and "2,560" in found["text"]
-    assert "dali" in found["text"] and "arrow --decoded" in found["text"]
+    assert found.bottleneck == "prep-bound"
+    assert written(found.ceiling) == {"name": "decode simplejpeg x 2 cores", "samples_per_s": 690.0}
+    assert "2 cores decode 690 img/s" in found.text and "2,560" in found.text
+    assert "dali" in found.text and "arrow --decoded" in found.text
 
 
 def test_plain_torch_is_held_against_the_pil_ceiling_and_told_of_the_faster_decoder():
     found = attribute(metrics(0.8, wait_s=8.0, finish_s=0.3, rate=380.0), "torch plain num_workers=2 prefetch=2",
                       CEILINGS, JOB, {"variant": "plain", "decoder": "auto"})
-    assert found["ceiling"]["samples_per_s"] == 400.0
-    assert "simplejpeg" in found["text"]
+    assert found.ceiling.samples_per_s == 400.0
+    assert "simplejpeg" in found.text
 
 
 def test_small_wait_but_large_finish_names_the_finishing_on_the_device():
     found = attribute(metrics(0.5, wait_s=0.05, finish_s=2.5, rate=1300.0), "arrow decoded 256px threads=2 prefetch=2",
                       CEILINGS, JOB, {"form": "decoded"})
-    assert found["bottleneck"] == "finish-bound"
-    assert "copying and normalising" in found["text"] and "on the device" in found["text"]
-    assert found["ceiling"]["name"].startswith("memory copy bandwidth")
+    assert found.bottleneck == "finish-bound"
+    assert "copying and normalising" in found.text and "on the device" in found.text
+    assert found.ceiling.name.startswith("memory copy bandwidth")
     # 10 GB/s over 150,528 bytes per sample
-    assert abs(found["ceiling"]["samples_per_s"] - 10e9 / (3 * 224 * 224)) < 1.0
+    assert abs(found.ceiling.samples_per_s - 10e9 / (3 * 224 * 224)) < 1.0
 
 
 def test_a_tiny_stall_is_compute_bound():
     found = attribute(metrics(0.01, wait_s=0.02, finish_s=0.01, rate=2540.0), "arrow decoded 256px threads=2",
                       CEILINGS, JOB, {"form": "decoded"})
-    assert found["bottleneck"] == "compute-bound"
-    assert "would not speed this job up" in found["text"]
+    assert found.bottleneck == "compute-bound"
+    assert "would not speed this job up" in found.text
 
 
 def test_a_cold_cache_is_fetch_bound_when_storage_is_the_lower_capacity():
     slow_disk = {**CEILINGS, "storage": {"name": "storage sequential read", "bytes_per_s": 50e6}}
     found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.2, rate=400.0), "arrow encoded threads=2", slow_disk,
                       {**JOB, "cache": "cold"}, {"form": "encoded"})
-    assert found["bottleneck"] == "fetch-bound" and "50 MB/s" in found["text"]
-    assert abs(found["ceiling"]["samples_per_s"] - 50e6 / 110e3) < 1.0
+    assert found.bottleneck == "fetch-bound" and "50 MB/s" in found.text
+    assert abs(found.ceiling.samples_per_s - 50e6 / 110e3) < 1.0
     # A faster disk leaves decode (690 img/s) as the lower capacity, cold or not.
     found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.2, rate=600.0), "arrow encoded threads=2", CEILINGS,
                       {**JOB, "cache": "cold"}, {"form": "encoded"})
-    assert found["bottleneck"] == "prep-bound"
+    assert found.bottleneck == "prep-bound"
 
 
 def test_step_time_zero_has_no_demand():
     found = attribute(metrics(1.0, wait_s=6.0, finish_s=0.1, rate=650.0), "arrow encoded threads=2", CEILINGS,
                       {**JOB, "step_ms": 0.0, "demand_samples_per_s": None}, {"form": "encoded"})
-    assert found["bottleneck"] == "prep-bound" and "step time 0" in found["text"]
+    assert found.bottleneck == "prep-bound" and "step time 0" in found.text
 
 
 def test_run_bench_writes_ceilings_and_verdicts_and_the_report_renders(tmp_path):
@@ -115,14 +123,14 @@ def test_a_slow_host_to_device_link_bounds_before_the_memory_copy():
     slow_link = {**CEILINGS, "h2d": {"name": "pinned h2d bandwidth", "bytes_per_s": 0.2e9}}
     found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=1200.0), "arrow decoded 256px threads=2",
                       slow_link, JOB, {"form": "decoded"})
-    assert found["bottleneck"] == "transfer-bound" and found["ceiling"]["name"].startswith("pinned h2d")
-    assert "warm page cache" in found["text"]
+    assert found.bottleneck == "transfer-bound" and found.ceiling.name.startswith("pinned h2d")
+    assert "warm page cache" in found.text
 
 
 def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
     found = attribute(metrics(0.45, wait_s=0.82, finish_s=1.2, rate=1380.0), "torch tuned num_workers=2 prefetch=2",
                       CEILINGS, JOB, {"variant": "tuned", "decoder": "auto"})
-    assert found["bottleneck"] == "prep-bound" and "normalising on the device adds 12.0 ms" in found["text"]
+    assert found.bottleneck == "prep-bound" and "normalising on the device adds 12.0 ms" in found.text
 
 
 # -- ceilings that hold on a busy machine -------------------------------------------------------------------
@@ -131,14 +139,13 @@ def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
 def test_a_run_more_than_10pct_above_its_ceiling_is_marked_unreliable_with_no_fraction():
     from loadopt.bench.attribution import hold_to_ceiling
 
-    run = {"ceiling": {"name": "decode simplejpeg x 2 cores", "samples_per_s": 100.0}}
-    hold_to_ceiling(run, 631.0, 100.0, {"busy": True})
-    assert run["fraction_of_ceiling"] is None
-    assert run["ceiling"]["unreliable"] is True and run["ceiling"]["measured_fraction"] == 6.31
-    assert "busy" in run["ceiling"]["reason"] and "631" in run["ceiling"]["reason"]
-    close = {"ceiling": {"name": "x", "samples_per_s": 100.0}}
-    hold_to_ceiling(close, 109.0, 100.0, None)  # within 10%: noise of the two measurements, shown as it is
-    assert close["fraction_of_ceiling"] == 1.09 and "unreliable" not in close["ceiling"]
+    run = hold_to_ceiling(RunCeiling(name="decode simplejpeg x 2 cores", samples_per_s=100.0), 631.0, busy=True)
+    assert run.fraction is None
+    assert run.ceiling.unreliable is True and run.ceiling.measured_fraction == 6.31
+    assert "busy" in run.ceiling.reason and "631" in run.ceiling.reason
+    # within 10%: noise of the two measurements, shown as it is
+    close = hold_to_ceiling(RunCeiling(name="x", samples_per_s=100.0), 109.0, busy=False)
+    assert close.fraction == 1.09 and "unreliable" not in written(close.ceiling)
 
 
 def test_the_verdict_never_states_a_fraction_above_110pct_nor_recommends_a_decoder_measured_slower():
@@ -146,9 +153,9 @@ def test_the_verdict_never_states_a_fraction_above_110pct_nor_recommends_a_decod
     ceilings = {**CEILINGS, "decode": {"cores": 2, "pil": CEILINGS["decode"]["pil"],
                                        "fast": {**CEILINGS["decode"]["fast"], "samples_per_s": 48.0}}}
     fast = attribute(metrics(0.6, 20.0, 0.2, 303.0), "torch tuned num_workers=2", ceilings, JOB)
-    assert "631%" not in fast["text"] and "unreliable" in fast["text"]
+    assert "631%" not in fast.text and "unreliable" in fast.text
     plain = attribute(metrics(0.8, 30.0, 0.2, 300.0), "torch plain num_workers=2", ceilings, JOB)
-    assert "a faster decoder" not in plain["text"]
+    assert "a faster decoder" not in plain.text
 
 
 # Whole frames (the decoded forms under augment: train): crop + resize, 2 cores 900 samples/s.
@@ -162,29 +169,30 @@ TRAIN_JOB = {**JOB, "augment": "train"}
 def test_a_whole_frame_run_is_held_to_the_crop_and_resize_ceiling_with_what_lifts_it():
     found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=810.0), "arrow decoded whole 512px threads=2",
                       CROPPING, TRAIN_JOB, {"form": "decoded", "frame": "auto"}, WHOLE)
-    assert found["ceiling"] == {"name": "crop + resize of stored frames x 2 cores", "samples_per_s": 900.0}
-    assert found["bottleneck"] == "prep-bound"
-    assert "2 cores crop and resize 900 samples/s from stored frames <= 512 px" in found["text"]
-    assert "(90% of that ceiling)" in found["text"]  # 810 of 900, not 810 of ~66,000 copied
+    assert written(found.ceiling) == {"name": "crop + resize of stored frames x 2 cores", "samples_per_s": 900.0}
+    assert found.bottleneck == "prep-bound"
+    assert "2 cores crop and resize 900 samples/s from stored frames <= 512 px" in found.text
+    assert "(90% of that ceiling)" in found.text  # 810 of 900, not 810 of ~66,000 copied
     for lever in ("frame: centre", "max_side", "GPU"):
-        assert lever in found["text"]
+        assert lever in found.text
     # Far below its ceiling, which would be enough for the job: loader-bound, the fraction of crop + resize.
     slow = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=450.0), "posix decoded whole 512px",
                      {**CROPPING, "crop_resize": {**CROPPING["crop_resize"], "samples_per_s": 3000.0}}, TRAIN_JOB,
                      {"form": "decoded"}, WHOLE)
-    assert slow["bottleneck"] == "loader-bound" and "(15% of that ceiling)" in slow["text"]
+    assert slow.bottleneck == "loader-bound" and "(15% of that ceiling)" in slow.text
 
 
 def test_a_centre_square_run_stays_held_to_the_memory_copy_whatever_the_augment():
     for job in (TRAIN_JOB, {**JOB, "augment": "eval"}):
         found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=1200.0), "arrow decoded centre 256px threads=2",
                           CROPPING, job, {"form": "decoded", "frame": "centre"}, CENTRE)
-        assert found["ceiling"]["name"].startswith("memory copy bandwidth")
-        assert abs(found["ceiling"]["samples_per_s"] - 10e9 / (3 * 224 * 224)) < 1.0
+        assert found.ceiling.name.startswith("memory copy bandwidth")
+        assert abs(found.ceiling.samples_per_s - 10e9 / (3 * 224 * 224)) < 1.0
 
 
 def test_the_stored_form_is_read_from_the_recipe_before_the_settings_and_the_label():
-    from loadopt.bench.attribution import stores_whole_frames
+    def stores_whole_frames(label: str, settings: dict, recipe: dict | None, job: dict) -> bool:
+        return attribution.stores_whole_frames(label, settings, recipe, Job.model_validate(job))
 
     # The recorded recipe decides, whatever the label says.
     assert stores_whole_frames("arrow decoded 256px", {"form": "decoded"}, WHOLE, JOB)
@@ -204,7 +212,7 @@ def test_the_stored_form_is_read_from_the_recipe_before_the_settings_and_the_lab
 def test_an_unmeasured_crop_ceiling_says_so_rather_than_borrowing_another():
     found = attribute(metrics(0.7, wait_s=7.0, finish_s=0.3, rate=810.0), "arrow decoded whole 512px threads=2",
                       CEILINGS, TRAIN_JOB, {"form": "decoded"}, WHOLE)
-    assert found["ceiling"]["samples_per_s"] is None and "crop + resize capacity not measured" in found["text"]
+    assert found.ceiling.samples_per_s is None and "crop + resize capacity not measured" in found.text
 
 
 def test_a_warm_record_read_is_held_to_the_page_cache_copy_and_a_cold_one_to_the_storage_read():
@@ -217,14 +225,14 @@ def test_a_warm_record_read_is_held_to_the_page_cache_copy_and_a_cold_one_to_the
         return {**metrics(0.5, wait_s=5.0, finish_s=0.1, rate=rate), "bytes_read": 100 * 64 * 1.5e6}
 
     warm = attribute(run(4000.0), "arrow records threads=2", CEILINGS, job, {}, records)
-    assert "page cache copy" in warm["ceiling"]["name"] and "above that ceiling" not in warm["text"]
-    assert abs(warm["ceiling"]["samples_per_s"] - 10e9 / 1.5e6) < 1.0  # 4,000 of 6,667: 60%, not 30x
+    assert "page cache copy" in warm.ceiling.name and "above that ceiling" not in warm.text
+    assert abs(warm.ceiling.samples_per_s - 10e9 / 1.5e6) < 1.0  # 4,000 of 6,667: 60%, not 30x
     cold = attribute(run(120.0), "arrow records threads=2", CEILINGS, {**job, "cache": "cold"}, {}, records)
-    assert cold["bottleneck"] == "fetch-bound" and abs(cold["ceiling"]["samples_per_s"] - 200e6 / 1.5e6) < 1.0
+    assert cold.bottleneck == "fetch-bound" and abs(cold.ceiling.samples_per_s - 200e6 / 1.5e6) < 1.0
     # Remote objects have no page cache: warm or not, the storage's read bounds them.
     remote = {**CEILINGS, "storage": {"name": "storage read", "bytes_per_s": 200e6}}
     found = attribute(run(120.0), "arrow records threads=2", remote, job, {}, records)
-    assert found["ceiling"]["name"].startswith("storage read")
+    assert found.ceiling.name.startswith("storage read")
 
 
 def test_an_encoded_form_is_held_to_the_stored_jpegs_decode_ceiling():
@@ -236,9 +244,9 @@ def test_an_encoded_form_is_held_to_the_stored_jpegs_decode_ceiling():
     for label in ("arrow encoded threads=2 prefetch=2", "posix encoded o_direct=False io_threads=2 threads=2"):
         found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=850.0), label, ceilings, JOB,
                           {"form": "encoded"}, recipe)
-        assert found["ceiling"] == {"name": "decode simplejpeg (stored JPEGs) x 2 cores", "samples_per_s": 900.0}
-        assert "stored JPEGs" in found["text"]
+        assert written(found.ceiling) == {"name": "decode simplejpeg (stored JPEGs) x 2 cores", "samples_per_s": 900.0}
+        assert "stored JPEGs" in found.text
     # the torch backend reads the sources: the source JPEGs' ceiling
     found = attribute(metrics(0.6, wait_s=6.0, finish_s=0.3, rate=650.0), "torch tuned num_workers=2 prefetch=2",
                       ceilings, JOB, {"variant": "tuned", "decoder": "auto"}, recipe)
-    assert found["ceiling"]["samples_per_s"] == 690.0
+    assert found.ceiling.samples_per_s == 690.0

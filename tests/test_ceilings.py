@@ -16,16 +16,17 @@ from .conftest import tiny_config_dict
 def test_ceilings_measured_on_the_tiny_config_are_positive_and_named(tmp_path):
     config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
     ceilings = measure_ceilings(config, open_dataset(config), torch.device("cpu"))
-    for key in ("memcpy", "storage", "compute"):
-        assert ceilings[key]["name"] and ceilings[key]["bytes_per_s" if key != "compute" else "samples_per_s"] > 0
+    for rate in (ceilings.memcpy, ceilings.storage):
+        assert rate.name and rate.bytes_per_s > 0
+    assert ceilings.compute.name and ceilings.compute.samples_per_s > 0
     for key in ("pil", "fast"):
-        assert ceilings["decode"][key]["samples_per_s"] > 0 and ceilings["decode"][key]["decoder"]
-    crop = ceilings["crop_resize"]  # the loaders' own primitive on frames stored as the decoded forms store them
-    assert crop["samples_per_s"] > 0 and crop["primitive"] == "loadopt.loaders.crops.crop_frames"
-    assert crop["max_side"] == config.pipeline.max_side and 0 < crop["mean_frame_pixels"] <= 512 * 512
-    assert crop["how"].endswith("one intra-op thread each") or crop["how"].startswith("one thread")
-    assert "skipped" in ceilings["h2d"]  # no CUDA here
-    assert ceilings["job"]["demand_samples_per_s"] == 8 / 0.002
+        assert ceilings.decode.rate(key).samples_per_s > 0 and ceilings.decode.rate(key).decoder
+    crop = ceilings.crop_resize  # the loaders' own primitive on frames stored as the decoded forms store them
+    assert crop.samples_per_s > 0 and crop.primitive == "loadopt.loaders.crops.crop_frames"
+    assert crop.max_side == config.pipeline.max_side and 0 < crop.mean_frame_pixels <= 512 * 512
+    assert crop.how.endswith("one intra-op thread each") or crop.how.startswith("one thread")
+    assert ceilings.h2d.skipped  # no CUDA here
+    assert ceilings.job.demand_samples_per_s == 8 / 0.002
 
 
 def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
@@ -36,7 +37,7 @@ def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
     big = tmp_path / "corpus.bin"
     big.write_bytes(b"\0" * (3 << 20))
     found = storage_bandwidth(SimpleNamespace(local_files=lambda: [str(big)]), budget_bytes=1 << 20)
-    assert found["bytes"] == 1 << 20 and found["bytes_per_s"] > 0
+    assert found.bytes == 1 << 20 and found.bytes_per_s > 0
 
 
 def test_decode_rate_in_worker_processes_runs_one_intra_op_thread_in_each():
@@ -63,6 +64,7 @@ def test_decode_rate_in_worker_processes_runs_one_intra_op_thread_in_each():
 
 def test_keep_best_keeps_the_higher_measurement_of_each_ceiling_and_both_values(tmp_path):
     from loadopt.bench.ceilings import keep_best
+    from loadopt.schema_ceilings import Ceilings, written
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
     dataset = open_dataset(config)
@@ -71,7 +73,7 @@ def test_keep_best_keeps_the_higher_measurement_of_each_ceiling_and_both_values(
            "decode": {"cores": 2, "workers": 2, "pil": {"decoder": "pil", "samples_per_s": 0.5},
                       "fast": {"decoder": "simplejpeg", "samples_per_s": 1e9}}}
     low["crop_resize"] = {"name": "crop + resize of stored frames", "samples_per_s": 0.5, "workers": 1}
-    best = keep_best(low, config, dataset)
+    best = written(keep_best(Ceilings.model_validate(low), config, dataset))
     assert best["crop_resize"]["samples_per_s"] > 0.5 and best["crop_resize"]["measured"]["before"] == 0.5
     assert best["crop_resize"]["workers"] == 1
     assert best["memcpy"]["bytes_per_s"] > 1.0 and best["memcpy"]["measured"]["before"] == 1.0

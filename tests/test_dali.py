@@ -287,13 +287,14 @@ def test_dali_is_judged_against_its_own_engine(tmp_path):
     dali run's verdict is against that ceiling, not PIL's or simplejpeg's."""
     from loadopt.bench.attribution import bounding_ceiling
     from loadopt.bench.ceilings import decode_rates
+    from loadopt.schema_ceilings import Ceilings, Job
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out", loaders={"dali": {}}), "d.yaml")
     decode = decode_rates(config, open_dataset(config))
-    engine = decode["dali"]
-    assert engine["decoder"] == "dali cpu" and engine["per_core"] > 0
-    assert engine["samples_per_s"] == pytest.approx(engine["per_core"] * decode["cores"])
+    engine = decode.rate("dali")
+    assert engine.decoder == "dali cpu" and engine.per_core > 0
+    assert engine.samples_per_s == pytest.approx(engine.per_core * decode.cores)
     metrics = {"samples_per_s": {"median": 10.0}}
-    stage, _, capacity, words, _ = bounding_ceiling(metrics, "dali cpu num_threads=2", {"decode": decode},
-                                                    {"kind": "images"}, {"decoder": "auto"})
-    assert stage == "prep-bound" and capacity == engine["samples_per_s"] and "dali cpu" in words
+    stage, _, capacity, words, _ = bounding_ceiling(metrics, "dali cpu num_threads=2", Ceilings(decode=decode),
+                                                    Job(kind="images"), {"decoder": "auto"})
+    assert stage == "prep-bound" and capacity == engine.samples_per_s and "dali cpu" in words

@@ -115,23 +115,24 @@ def declaring_package(tmp_path, monkeypatch):
 
 
 def test_attribution_holds_an_outside_backend_to_the_ceiling_it_declares(declaring_package):
-    from loadopt.bench.attribution import attribute, declared_work_kind
+    from loadopt.bench.attribution import declared_work_kind
+    from loadopt.schema_ceilings import Job
 
-    from .test_attribution import CEILINGS, JOB, metrics
+    from .test_attribution import CEILINGS, JOB, attribute, metrics
 
     run = metrics(0.6, wait_s=6.0, finish_s=0.3, rate=650.0)
-    assert declared_work_kind("readonly delay_s=0.01", {"delay_s": 0.01}, None, JOB) == "io"
+    assert declared_work_kind("readonly delay_s=0.01", {"delay_s": 0.01}, None, Job.model_validate(JOB)) == "io"
     found = attribute(run, "readonly delay_s=0.01", CEILINGS, {**JOB, "cache": "cold"}, {"delay_s": 0.01})
-    assert found["ceiling"]["name"] == "storage read (200 MB/s)"  # 200 MB/s / 110 KB a sample
-    assert abs(found["ceiling"]["samples_per_s"] - 200e6 / 110e3) < 1
+    assert found.ceiling.name == "storage read (200 MB/s)"  # 200 MB/s / 110 KB a sample
+    assert abs(found.ceiling.samples_per_s - 200e6 / 110e3) < 1
     # Warm, its local bytes come from the page cache: a memory copy of them bounds it, not the disk.
     found = attribute(run, "readonly delay_s=0.01", CEILINGS, JOB, {"delay_s": 0.01})
-    assert found["ceiling"]["name"] == "page cache copy (10.0 GB/s)"
+    assert found.ceiling.name == "page cache copy (10.0 GB/s)"
     # Declaring nothing: what its recipe says (the source JPEGs decoded), never the memory copy by default.
     found = attribute(run, "undeclared delay_s=0.01", CEILINGS, JOB, {"delay_s": 0.01},
                       {"kind": "images", "stored": "source"})
-    assert found["ceiling"]["name"] == "decode simplejpeg x 2 cores" and "memory copies" not in found["text"]
-    assert declared_work_kind("undeclared", {}, None, JOB) == "jpeg_decode"
+    assert found.ceiling.name == "decode simplejpeg x 2 cores" and "memory copies" not in found.text
+    assert declared_work_kind("undeclared", {}, None, Job.model_validate(JOB)) == "jpeg_decode"
 
 
 def test_the_builtins_declare_what_bounds_them():

@@ -49,14 +49,14 @@ def test_stages_name_decode_when_the_decoder_is_slow(tmp_path, monkeypatch):
     # persistent workers: the 6-batch epochs of the tiny dataset would otherwise restart them every 6 batches
     found = stages_of(stage_case(tmp_path, "cold", {"torch": {"variant": "tuned", "num_workers": 2,
                                                               "persistent_workers": True}}))
-    stages = found["stages"]
-    assert found["bottleneck"] == "prep-bound", found["text"]
-    assert stages["prep"]["samples_per_s"] < 250 < stages["storage"]["samples_per_s"]  # decode, not the disk
+    stages = found.stages
+    assert found.bottleneck == "prep-bound", found.text
+    assert stages.prep.samples_per_s < 250 < stages.storage.samples_per_s  # decode, not the disk
     # The loader: 2 workers x 100 samples/s, plus at most the 4 batches its workers prefetched (2 each) and the
     # 2 they were making when the 12 measured began (265 and 272 read with a 4-batch bound; 700+ unslowed).
     most = 2 / 0.010 * (12 + 6) / 12 * 1.01
-    assert stages["loader_warm"]["samples_per_s"] < most and stages["loader_cold"]["samples_per_s"] < most
-    assert "decode" in found["text"] and "the job needs 8,000 samples/s" in found["text"]
+    assert stages.loader_warm.samples_per_s < most and stages.loader_cold.samples_per_s < most
+    assert "decode" in found.text and "the job needs 8,000 samples/s" in found.text
 
 
 def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
@@ -85,14 +85,19 @@ def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
     monkeypatch.setattr(PosixReader, "read", slow_read)
     monkeypatch.setattr(stages, "_read_file", slow_file)
     found = stages_of(stage_case(tmp_path, "cold", {"posix": {"form": "decoded", "io_threads": 4}}))
-    s = found["stages"]
-    assert found["bottleneck"] == "fetch-bound", found["text"]
-    assert s["storage"]["bytes_per_s"] < 1.3e6 and s["storage"]["samples_per_s"] < s["prep"]["samples_per_s"]
-    assert "the storage reads 1 MB/s" in found["text"] and "a faster tier" in found["text"]
+    s = found.stages
+    assert found.bottleneck == "fetch-bound", found.text
+    assert s.storage.bytes_per_s < 1.3e6 and s.storage.samples_per_s < s.prep.samples_per_s
+    assert "the storage reads 1 MB/s" in found.text and "a faster tier" in found.text
 
 
 def test_stage_verdict_on_constructed_stages():
-    from loadopt.bench.stages import stage_verdict
+    from loadopt.bench import stages
+    from loadopt.schema_ceilings import Job, Stages
+
+    def stage_verdict(measured: dict, job: dict) -> stages.StageVerdict:
+        """`stages.stage_verdict` on stages and a job written as results.json holds them."""
+        return stages.stage_verdict(Stages.model_validate(measured), Job.model_validate(job))
 
     job = {"demand_samples_per_s": 2560.0, "cache": "warm", "device": "cpu"}
     base = {"compute": {"samples_per_s": 2560.0},
@@ -103,22 +108,22 @@ def test_stage_verdict_on_constructed_stages():
         return {"samples_per_s": rate, "stall_fraction": stall, "wait_ms": wait_ms, "finish_ms": finish_ms}
 
     assert stage_verdict({**base, "loader_warm": run(2550, 0.01), "loader_cold": run(2500, 0.02)},
-                         job)["bottleneck"] == "compute-bound"
+                         job).bottleneck == "compute-bound"
     assert stage_verdict({**base, "loader_warm": run(680, 0.7), "loader_cold": run(650, 0.7)},
-                         job)["bottleneck"] == "prep-bound"
+                         job).bottleneck == "prep-bound"
     short = stage_verdict({**base, "loader_warm": run(300, 0.8), "loader_cold": run(290, 0.8)}, job)
-    assert short["bottleneck"] == "loader-bound" and "43% of that capacity" in short["text"]
+    assert short.bottleneck == "loader-bound" and "43% of that capacity" in short.text
     slow_finish = {"loader_warm": run(1200, 0.5, 0.5, 12.0), "loader_cold": run(1100, 0.5)}
     # A decoded form (copy-bound preparation): finishing on the device is the stall.
     copying = {**base, "prep": {**base["prep"], "kind": "copy-bound"}}
-    assert stage_verdict({**copying, **slow_finish}, job)["bottleneck"] == "finish-bound"
+    assert stage_verdict({**copying, **slow_finish}, job).bottleneck == "finish-bound"
     # A decoding loader on the emulated device: decoding and finishing share the CPU's cores.
     shared = stage_verdict({**base, **slow_finish}, job)
-    assert shared["bottleneck"] == "cpu-bound" and "share the same cores" in shared["text"]
-    assert stage_verdict({**base, **slow_finish}, {**job, "device": "cuda"})["bottleneck"] == "finish-bound"
+    assert shared.bottleneck == "cpu-bound" and "share the same cores" in shared.text
+    assert stage_verdict({**base, **slow_finish}, {**job, "device": "cuda"}).bottleneck == "finish-bound"
     slow_disk = {**base, "storage": {"samples_per_s": 200.0, "bytes_per_s": 22e6, "bytes_per_sample": 110e3}}
     cold = stage_verdict({**slow_disk, "loader_warm": run(680, 0.7), "loader_cold": run(190, 0.9)},
                          {**job, "cache": "cold"})
-    assert cold["bottleneck"] == "fetch-bound" and "22 MB/s" in cold["text"]
+    assert cold.bottleneck == "fetch-bound" and "22 MB/s" in cold.text
     warm = stage_verdict({**slow_disk, "loader_warm": run(680, 0.7), "loader_cold": run(190, 0.9)}, job)
-    assert warm["bottleneck"] == "prep-bound" and "cold it would be fetch-bound" in warm["text"]
+    assert warm.bottleneck == "prep-bound" and "cold it would be fetch-bound" in warm.text

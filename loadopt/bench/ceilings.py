@@ -13,8 +13,9 @@ import functools
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -24,6 +25,19 @@ from loadopt.config_models import Config
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
 from loadopt.machine import usable_cores
+from loadopt.schema_ceilings import (
+    DECODERS,
+    Bandwidth,
+    BeforeAfter,
+    Ceilings,
+    ComputeAlone,
+    CropResizeRate,
+    DecodeRate,
+    DecodeRates,
+    Job,
+    Measurement,
+    StorageRead,
+)
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.pagecache import evict
 from loadopt.storage.sequential import read_sequential
@@ -58,7 +72,7 @@ def memcpy_bandwidth(repeats: int = 5) -> float:
     return size / statistics.median(times)
 
 
-def storage_bandwidth(dataset: Dataset, budget_bytes: int = _STORAGE_BUDGET_BYTES) -> dict[str, Any]:
+def storage_bandwidth(dataset: Dataset, budget_bytes: int = _STORAGE_BUDGET_BYTES) -> StorageRead:
     """Sequential read rate of a sample of the dataset's files, page cache evicted first.
 
     The files are read whole, so they are back in the page cache afterwards: a warm bench is not
@@ -73,9 +87,9 @@ def storage_bandwidth(dataset: Dataset, budget_bytes: int = _STORAGE_BUDGET_BYTE
             if time.perf_counter() - start > 2.0:
                 break
         seconds = time.perf_counter() - start
-        return {"name": "storage read", "bytes_per_s": nbytes / seconds if seconds > 0 else None, "bytes": nbytes,
-                "note": "dataset.read of a sample of remote objects (no page cache to evict)"}
-    chosen: list = []
+        return StorageRead(name="storage read", bytes_per_s=nbytes / seconds if seconds > 0 else None, bytes=nbytes,
+                           note="dataset.read of a sample of remote objects (no page cache to evict)")
+    chosen: list[str] = []
     total = 0
     for i in rng.permutation(len(files)):
         size = os.path.getsize(files[i])
@@ -87,8 +101,8 @@ def storage_bandwidth(dataset: Dataset, budget_bytes: int = _STORAGE_BUDGET_BYTE
     evicted = _evict_head(chosen[0], budget_bytes) if total > budget_bytes else evict(chosen)
     # Buffered (not O_DIRECT): the files end up in the page cache, as the docstring says.
     nbytes, seconds, _ = read_sequential(chosen, 4 << 20, max_bytes=budget_bytes)
-    return {"name": "storage sequential read", "bytes_per_s": nbytes / seconds if seconds > 0 else None,
-            "bytes": nbytes, "note": f"{len(chosen)} files, {evicted} evicted from the page cache first"}
+    return StorageRead(name="storage sequential read", bytes_per_s=nbytes / seconds if seconds > 0 else None,
+                       bytes=nbytes, note=f"{len(chosen)} files, {evicted} evicted from the page cache first")
 
 
 def _evict_head(path: str, length: int) -> int:
@@ -106,27 +120,26 @@ def _evict_head(path: str, length: int) -> int:
         os.close(fd)
 
 
-def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -> dict[str, Any]:
+def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -> DecodeRates:
     """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path), the fastest decoder
     (torch's resize: `tuned`) and the same on the encoded forms' stored JPEGs (`stored`: with restart
     markers, `imaging.reencode.with_restarts`), measured the way the loaders run: `workers` processes at
     once (default: the usable cores), one intra-op thread each (bench/parallel.py)."""
     if config.dataset.kind != "images":
-        return {"skipped": "token samples are not decoded"}
+        return DecodeRates(skipped="token samples are not decoded")
     size, augment = config.pipeline.image_size, config.pipeline.augment
     slot = torch.empty((size, size, 3), dtype=torch.uint8).permute(2, 0, 1)  # a ring slot's CHW view of HWC memory
     blobs = _decodable_samples(dataset, min(_DECODE_SAMPLES, len(dataset)), slot, augment, config.seed)
     if not blobs:
-        return {"skipped": "none of the first samples could be read and decoded"}
+        return DecodeRates(skipped="none of the first samples could be read and decoded")
     count = len(blobs)
     cores = usable_cores()
     workers = max(workers or cores, 1)
-    out: dict[str, Any] = {"cores": cores, "workers": workers}
     stored = [with_restarts(blob) for blob in blobs]
     fast = transforms.decoder_name("auto")
-    for key, decoder, resize, samples in (("pil", "pil", "pil", blobs), ("fast", fast, "torch", blobs),
-                                          ("stored", fast, "torch", stored)):
-        def work(i: int, decoder: str = decoder, resize: str = resize, samples: list = samples) -> None:
+
+    def rate_of(decoder: str, resize: str, samples: list[bytes]) -> DecodeRate:
+        def work(i: int) -> None:
             transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
 
         try:
@@ -135,10 +148,12 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
         except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
             rate = in_process_rate(work, _DECODE_SECONDS) * cores
             how = f"one thread x {cores} cores (worker processes could not be started)"
-        out[key] = {"decoder": decoder, "resize": resize, "per_core": rate / cores, "samples_per_s": rate,
-                    "how": how}
+        return DecodeRate(decoder=decoder, resize=resize, per_core=rate / cores, samples_per_s=rate, how=how)
+
+    out = DecodeRates(cores=cores, workers=workers, pil=rate_of("pil", "pil", blobs),
+                      fast=rate_of(fast, "torch", blobs), stored=rate_of(fast, "torch", stored))
     if "dali" in config.loaders:  # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's
-        out["dali"] = _guarded(_dali_engine_rate, config, dataset, cores)
+        out.dali = _guarded(DecodeRate, _dali_engine_rate, config, dataset, cores)
     return out
 
 
@@ -164,7 +179,7 @@ class _Inline:
     map = staticmethod(map)
 
 
-def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = None) -> dict[str, Any]:
+def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = None) -> CropResizeRate:
     """Stored whole frames -> training samples: the shared crop plan (RandomResizedCrop + flip on the
     source size, scaled into stored pixels) and the loaders' own crop/resize (`crops.crop_frames`), from
     frames in memory stored as the decoded forms store them (`imaging.frames.stored_frame`, longer side
@@ -173,7 +188,7 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
     from loadopt.imaging.frames import stored_frame
 
     if config.dataset.kind != "images":
-        return {"skipped": "token samples are not cropped"}
+        return CropResizeRate(skipped="token samples are not cropped")
     p = config.pipeline
     frames, dims = [], []
     for i in range(min(_CROP_FRAMES, len(dataset))):
@@ -184,7 +199,7 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
         frames.append(np.frombuffer(blob, np.uint8))
         dims.append(dim)
     if not frames:
-        return {"skipped": "none of the first samples could be read and decoded"}
+        return CropResizeRate(skipped="none of the first samples could be read and decoded")
     count, batch = len(frames), max(1, min(p.batch_size, len(frames)))
     dims_array, zeros = np.asarray(dims, np.int32), np.zeros(batch, np.int64)
     out = np.empty((batch, p.image_size, p.image_size, 3), np.uint8)
@@ -203,18 +218,18 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
         rate, how = in_process_rate(work, _DECODE_SECONDS) * batch * cores, \
             f"one thread x {cores} cores (worker processes could not be started)"
     pixels = float(np.mean([h * w for h, w, _, _ in dims]))
-    return {"name": "crop + resize of stored frames", "samples_per_s": rate, "workers": workers, "cores": cores,
-            "frames": count, "mean_frame_pixels": pixels, "max_side": p.max_side, "image_size": p.image_size,
-            "augment": p.augment, "how": how, "primitive": "loadopt.loaders.crops.crop_frames"}
+    return CropResizeRate(name="crop + resize of stored frames", samples_per_s=rate, workers=workers, cores=cores,
+                          frames=count, mean_frame_pixels=pixels, max_side=p.max_side, image_size=p.image_size,
+                          augment=p.augment, how=how, primitive="loadopt.loaders.crops.crop_frames")
 
 
-def _dali_engine_rate(config: Config, dataset: Dataset, cores: int) -> dict[str, Any]:
+def _dali_engine_rate(config: Config, dataset: Dataset, cores: int) -> DecodeRate:
     from loadopt.loaders.registry import backend_class
 
     cls = backend_class("dali")
     available, reason = cls.available()
     if not available:
-        return {"skipped": reason}
+        return DecodeRate(skipped=reason)
     # Decode + crop alone: uint8 HWC straight from DALI's resize (no normalisation pass), the fastest
     # pipeline DALI runs here, so that every DALI setting stays within its ceiling.
     settings = cls.Settings(num_threads=1, prefetch_queue_depth=1, decoder="cpu", normalise="device", layout="NHWC")
@@ -223,7 +238,7 @@ def _dali_engine_rate(config: Config, dataset: Dataset, cores: int) -> dict[str,
         per_core, _ = cast("DaliLoader", loader).engine_rate(batches=3)  # backend_class names the base type
     finally:
         loader.close()
-    return {"decoder": "dali cpu", "resize": "dali", "per_core": per_core, "samples_per_s": per_core * cores}
+    return DecodeRate(decoder="dali cpu", resize="dali", per_core=per_core, samples_per_s=per_core * cores)
 
 
 def copy_to_device_bandwidth(device: torch.device, pinned: bool = True, size: int = 256 << 20) -> float:
@@ -242,13 +257,13 @@ def copy_to_device_bandwidth(device: torch.device, pinned: bool = True, size: in
     return 5 * size / (start.elapsed_time(end) / 1000.0)
 
 
-def h2d_bandwidth(device: torch.device) -> dict[str, Any]:
+def h2d_bandwidth(device: torch.device) -> Bandwidth:
     if device.type != "cuda":
-        return {"skipped": f"device {device}: no host-to-device link to measure (the copy is emulated)"}
-    return {"name": "pinned h2d bandwidth", "bytes_per_s": copy_to_device_bandwidth(device)}
+        return Bandwidth(skipped=f"device {device}: no host-to-device link to measure (the copy is emulated)")
+    return Bandwidth(name="pinned h2d bandwidth", bytes_per_s=copy_to_device_bandwidth(device))
 
 
-def compute_alone(config: Config, dataset: Dataset, device: torch.device) -> dict[str, Any]:
+def compute_alone(config: Config, dataset: Dataset, device: torch.device) -> ComputeAlone:
     """The accelerator's step on a batch already on the device: what the job does with no loader."""
     from loadopt.bench.accelerator import make_accelerator
 
@@ -268,72 +283,94 @@ def compute_alone(config: Config, dataset: Dataset, device: torch.device) -> dic
         steps += 1
     accelerator.drain()
     step_s = (time.perf_counter() - start) / steps
-    return {"name": "compute alone", "step_ms": step_s * 1000.0,
-            "samples_per_s": p.batch_size / step_s if step_s > 0 else None}
+    return ComputeAlone(name="compute alone", step_ms=step_s * 1000.0,
+                        samples_per_s=p.batch_size / step_s if step_s > 0 else None)
 
 
-def _guarded(fn, *args) -> dict[str, Any]:
+Part = TypeVar("Part", bound=Measurement)  # one ceiling's measurement
+
+
+def _guarded(kind: type[Part], fn: Callable[..., Part], *args: Any) -> Part:
     try:
         return fn(*args)
     except Exception as exc:  # noqa: BLE001 - a ceiling that cannot be measured must not stop the bench
-        return {"skipped": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        return kind(skipped=f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+
+def _memcpy() -> Bandwidth:
+    """The memory copy ceiling, measured again (not the process's cached figure)."""
+    return Bandwidth(name="memory copy bandwidth", bytes_per_s=memcpy_bandwidth.__wrapped__())
+
+
+def _job(config: Config, dataset: Dataset, device: torch.device, compute: ComputeAlone) -> Job:
+    """The job the runs are held against: its demand is a batch per step (the emulated one, or the model's)."""
+    p, w = config.pipeline, config.workload
+    step_ms = w.step_time_ms if w.model == "none" else compute.step_ms
+    return Job(batch_size=p.batch_size, step_ms=step_ms, model=w.model, cache=config.storage.cache,
+               demand_samples_per_s=p.batch_size / (step_ms / 1000.0) if step_ms else None,
+               augment=p.augment, max_side=p.max_side, mean_sample_bytes=float(dataset.sizes.mean()),
+               kind=config.dataset.kind, device=device.type)
 
 
 def measure_ceilings(config: Config, dataset: Dataset, device: torch.device,
-                     workers: int | None = None) -> dict[str, Any]:
+                     workers: int | None = None) -> Ceilings:
     """The machine's ceilings and the job's demand, measured now (a few seconds in all). `workers`: the
     decode ceiling's worker processes (the most any loader setting of the bench runs; default the cores)."""
     started = time.perf_counter()
-    memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth()})
-    ceilings: dict[str, Any] = {"memcpy": memcpy, "storage": _guarded(storage_bandwidth, dataset),
-                "decode": _guarded(decode_rates, config, dataset, workers),
-                "crop_resize": _guarded(crop_resize_rate, config, dataset, workers),
-                "h2d": _guarded(h2d_bandwidth, device),
-                "compute": _guarded(compute_alone, config, dataset, device)}
-    p, w = config.pipeline, config.workload
-    step_ms = w.step_time_ms if w.model == "none" else ceilings["compute"].get("step_ms")
-    ceilings["job"] = {"batch_size": p.batch_size, "step_ms": step_ms, "model": w.model, "cache": config.storage.cache,
-                       "demand_samples_per_s": p.batch_size / (step_ms / 1000.0) if step_ms else None,
-                       "augment": p.augment, "max_side": p.max_side,
-                       "mean_sample_bytes": float(dataset.sizes.mean()), "kind": config.dataset.kind,
-                       "device": device.type}
-    ceilings["seconds"] = time.perf_counter() - started
+    ceilings = Ceilings(
+        memcpy=_guarded(Bandwidth, lambda: Bandwidth(name="memory copy bandwidth", bytes_per_s=memcpy_bandwidth())),
+        storage=_guarded(StorageRead, storage_bandwidth, dataset),
+        decode=_guarded(DecodeRates, decode_rates, config, dataset, workers),
+        crop_resize=_guarded(CropResizeRate, crop_resize_rate, config, dataset, workers),
+        h2d=_guarded(Bandwidth, h2d_bandwidth, device),
+        compute=_guarded(ComputeAlone, compute_alone, config, dataset, device))
+    ceilings.job = _job(config, dataset, device, ceilings.compute)
+    ceilings.seconds = time.perf_counter() - started
     return ceilings
 
 
-def _higher(before: dict[str, Any], after: dict[str, Any], key: str) -> dict[str, Any]:
+def _higher(before: Part, after: Part, value: Callable[[Part], float | None]) -> Part:
     """The better of two measurements of one ceiling, with both recorded."""
-    first, second = before.get(key), after.get(key)
+    first, second = value(before), value(after)
     best = before if second is None or (first is not None and first >= second) else after
     if first is None and second is None:
         return best
-    return {**best, "measured": {"before": first, "after": second}}
+    return best.model_copy(update={"measured": BeforeAfter(before=first, after=second)})
 
 
-def keep_best(ceilings: dict[str, Any], config: Config, dataset: Dataset) -> dict[str, Any]:
+def _bytes_rate(part: Bandwidth | StorageRead) -> float | None:
+    return part.bytes_per_s
+
+
+def _samples_rate(part: DecodeRate | CropResizeRate) -> float | None:
+    return part.samples_per_s
+
+
+def _best_decode(before: DecodeRates, config: Config, dataset: Dataset) -> DecodeRates:
+    """Each decoder's higher rate of the two measurements (a decoder measured only once kept as it is)."""
+    after = _guarded(DecodeRates, decode_rates, config, dataset, before.workers)
+    update = {key: _higher(before.rate(key), after.rate(key), _samples_rate) for key in DECODERS
+              if key in before.model_fields_set or key in after.model_fields_set}
+    return before.model_copy(update=update)
+
+
+def keep_best(ceilings: Ceilings, config: Config, dataset: Dataset) -> Ceilings:
     """The ceilings measured again after the runs; of each, the higher of the two measurements.
 
     A busy phase of a shared machine can only lower a measurement, so the higher one is the nearer to
     what the machine does; each keeps both values (`measured.before`, `measured.after`)."""
     started = time.perf_counter()
-    memcpy = _guarded(lambda: {"name": "memory copy bandwidth", "bytes_per_s": memcpy_bandwidth.__wrapped__()})
-    best = dict(ceilings)
-    best["memcpy"] = _higher(ceilings.get("memcpy") or {}, memcpy, "bytes_per_s")
-    best["storage"] = _higher(ceilings.get("storage") or {}, _guarded(storage_bandwidth, dataset), "bytes_per_s")
-    decode_before = ceilings.get("decode") or {}
-    if "skipped" not in decode_before or not decode_before:
-        decode_after = _guarded(decode_rates, config, dataset, decode_before.get("workers"))
-        decode = {**decode_before}
-        for key in ("pil", "fast", "stored", "dali"):
-            if key in decode_before or key in decode_after:
-                decode[key] = _higher(decode_before.get(key) or {}, decode_after.get(key) or {}, "samples_per_s")
-        best["decode"] = decode
-    crop_before = ceilings.get("crop_resize") or {}
-    if crop_before and "skipped" not in crop_before:
-        crop_after = _guarded(crop_resize_rate, config, dataset, crop_before.get("workers"))
-        best["crop_resize"] = _higher(crop_before, crop_after, "samples_per_s")
-    best["seconds"] = ceilings.get("seconds", 0.0) + time.perf_counter() - started
-    best["kept"] = "the higher of two measurements, before and after the runs"
+    best = ceilings.model_copy(update={
+        "memcpy": _higher(ceilings.memcpy, _guarded(Bandwidth, _memcpy), _bytes_rate),
+        "storage": _higher(ceilings.storage, _guarded(StorageRead, storage_bandwidth, dataset), _bytes_rate)})
+    if ceilings.decode.skipped is None:
+        best.decode = _best_decode(ceilings.decode, config, dataset)
+    crop_before = ceilings.crop_resize
+    if crop_before.model_fields_set and crop_before.skipped is None:
+        crop_after = _guarded(CropResizeRate, crop_resize_rate, config, dataset, crop_before.workers)
+        best.crop_resize = _higher(crop_before, crop_after, _samples_rate)
+    best.seconds = (ceilings.seconds or 0.0) + time.perf_counter() - started
+    best.kept = "the higher of two measurements, before and after the runs"
     return best
 
 

@@ -34,6 +34,7 @@ from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
 from loadopt.schema import RunStatus
+from loadopt.schema_ceilings import Ceilings, Verdict, written
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.pagecache import evict
@@ -155,7 +156,7 @@ class _Pass:
     """How the plan's runs went: the ceilings measured around them, the page cache's state, and whether
     (and by what) the pass was stopped."""
 
-    ceilings: dict[str, Any] | None = None
+    ceilings: Ceilings | None = None
     cache_note: str = "warm: the page cache was left as it was"
     interrupted: bool = False
     stopped_by: str = "SIGINT"
@@ -250,7 +251,7 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
     config, interrupted = request.config, done.interrupted
     if done.ceilings is not None:
         try:
-            _attribute(results, ranks.job_ceilings(done.ceilings))
+            _attribute(results, Ceilings.model_validate(ranks.job_ceilings(written(done.ceilings))))
             if (request.tune or request.attribute_stages) and not interrupted and done.user_error is None:
                 stages.attribute_stages(config, dataset, ranks.device, results, done.ceilings, request.reporter)
         except KeyboardInterrupt as exc:
@@ -351,21 +352,21 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
     return note
 
 
-def _attribute(results: dict[str, Any], ceilings: dict[str, Any]) -> None:
+def _attribute(results: dict[str, Any], ceilings: Ceilings) -> None:
     """Each measured run against the ceiling that bounds it; a verdict for each backend's best setting."""
-    results["ceilings"] = ceilings
+    results["ceilings"] = written(ceilings)
     by_label = {r["label"]: r for r in results["runs"]}
     verdicts, seen = [], set()
+    busy = bool((results["machine"].get("load") or {}).get("busy"))
     for label in results["ranking"]:  # fastest first: the first of a backend is its best setting
         run = by_label[label]
-        found = attribution.attribute(run["metrics"], label, ceilings, ceilings["job"], run["settings"],
+        found = attribution.attribute(run["metrics"], label, ceilings, ceilings.job, run["settings"],
                                       run.get("recipe"))
-        run["ceiling"] = found["ceiling"]
-        capacity, rate = found["ceiling"]["samples_per_s"], median(run["metrics"], "samples_per_s")
-        attribution.hold_to_ceiling(run, rate, capacity, results["machine"].get("load"))
+        held = attribution.hold_to_ceiling(found.ceiling, median(run["metrics"], "samples_per_s"), busy)
+        run["ceiling"], run["fraction_of_ceiling"] = written(held.ceiling), held.fraction
         if run["backend"] not in seen:
             seen.add(run["backend"])
-            busy = load_note(results["machine"].get("load"))
-            verdicts.append({"label": label, "bottleneck": found["bottleneck"],
-                             "text": found["text"] + (f"; {busy}" if busy else "")})
-    results["verdicts"] = verdicts
+            note = load_note(results["machine"].get("load"))
+            verdicts.append(Verdict(label=label, bottleneck=found.bottleneck,
+                                    text=found.text + (f"; {note}" if note else "")))
+    results["verdicts"] = [written(v) for v in verdicts]

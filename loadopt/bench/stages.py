@@ -17,15 +17,32 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
+import torch
 
 from loadopt.bench import attribution
-from loadopt.bench.accelerator import make_accelerator
+from loadopt.bench.accelerator import Accelerator, make_accelerator
 from loadopt.bench.harness import run_repeat
+from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer
 from loadopt.loaders.registry import backend_class, configured_loader
+from loadopt.progress import Reporter
+from loadopt.schema import RepeatMetrics
+from loadopt.schema_ceilings import (
+    Ceilings,
+    ComputeStage,
+    Job,
+    LoaderRun,
+    PrepStage,
+    StageMeasurement,
+    Stages,
+    StorageStage,
+    Verdict,
+    written,
+)
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.pagecache import evict
 
 STORAGE_BUDGET_BYTES = 128 << 20
@@ -44,10 +61,10 @@ def _read_file(path: str, limit: int) -> int:
 
 
 def storage_alone(files: list[str], budget_bytes: int = STORAGE_BUDGET_BYTES,
-                  budget_s: float = STORAGE_BUDGET_S) -> dict[str, Any]:
+                  budget_s: float = STORAGE_BUDGET_S) -> StorageStage:
     """Sequential read rate of the loader's own files with the page cache evicted first."""
     if not files:
-        return {"skipped": "the loader reads no local files (nothing to evict or read apart)"}
+        return StorageStage(skipped="the loader reads no local files (nothing to evict or read apart)")
     evicted = evict(files)
     start, nbytes, count = time.perf_counter(), 0, 0
     for path in files:
@@ -56,8 +73,9 @@ def storage_alone(files: list[str], budget_bytes: int = STORAGE_BUDGET_BYTES,
         if nbytes >= budget_bytes or time.perf_counter() - start > budget_s:
             break
     seconds = time.perf_counter() - start
-    return {"name": "storage read alone", "bytes_per_s": nbytes / seconds if seconds > 0 else None, "bytes": nbytes,
-            "note": f"{count} of {len(files)} files read after {evicted} were evicted from the page cache"}
+    return StorageStage(name="storage read alone", bytes_per_s=nbytes / seconds if seconds > 0 else None,
+                        bytes=nbytes, note=f"{count} of {len(files)} files read after {evicted} were evicted "
+                                           "from the page cache")
 
 
 def warm_files(files: list[str]) -> str:
@@ -70,7 +88,9 @@ def warm_files(files: list[str]) -> str:
     return f"its {len(files)} files ({total / 1e6:,.0f} MB) read into the page cache first"
 
 
-def _loader_run(config, dataset, device, backend: str, settings, cold: bool, accelerator) -> dict[str, Any]:
+def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend: str, settings: dict[str, Any],
+                cold: bool, accelerator: Accelerator) -> tuple[LoaderRun, list[str], RepeatMetrics]:
+    """A short run of the loader warm or cold; the files it reads and its metrics beside."""
     loader = configured_loader(backend, config, dataset, backend_class(backend).Settings(**settings), device=device)
     try:
         loader.prepare(convert_missing=False)
@@ -85,99 +105,109 @@ def _loader_run(config, dataset, device, backend: str, settings, cold: bool, acc
     m = result.metrics
     per_sample = m["bytes_read"] / m["samples"] if m["samples"] and m["bytes_read"] else None
     batches = max(m["batches"], 1)
-    return {"samples_per_s": m["samples_per_s"], "stall_fraction": m["stall_fraction"], "note": note,
-            "loader_stall_fraction": m.get("loader_stall_fraction"),
-            "finish_stall_fraction": m.get("finish_stall_fraction"),
-            "bytes_read_per_sample": per_sample, "wait_ms": m["wait_s"] / batches * 1000.0,
-            "finish_ms": m["finish_s"] / batches * 1000.0, "files": files, "metrics": m}
+    run = LoaderRun(samples_per_s=m["samples_per_s"], stall_fraction=m["stall_fraction"], note=note,
+                    loader_stall_fraction=m.get("loader_stall_fraction"),
+                    finish_stall_fraction=m.get("finish_stall_fraction"), bytes_read_per_sample=per_sample,
+                    wait_ms=m["wait_s"] / batches * 1000.0, finish_ms=m["finish_s"] / batches * 1000.0)
+    return run, files, m
 
 
-def measure_stages(config, dataset, device, backend: str, settings: dict[str, Any], label: str,
-                   ceilings: dict[str, Any]) -> dict[str, Any]:
+def measure_stages(config: Config, dataset: Dataset, device: torch.device, backend: str, settings: dict[str, Any],
+                   label: str, ceilings: Ceilings) -> StageMeasurement:
     """The stages of one loader setting measured apart, and the verdict on which bounds the job."""
     w = config.workload
     accelerator = make_accelerator(w.model, w.step_time_ms, len(dataset.classes), device)
-    warm = _loader_run(config, dataset, device, backend, settings, False, accelerator)
-    storage = storage_alone(warm.pop("files"))
-    cold = _loader_run(config, dataset, device, backend, settings, True, accelerator)
-    cold.pop("files"), cold.pop("metrics")
-    run_metrics = warm.pop("metrics")  # what a batch of this setting carries to the device, for the copy ceiling
-    # Decode + transform from memory: the ceiling of what this setting does, as if the cache were warm.
-    prep_stage = attribution.bounding_ceiling(run_metrics, label, ceilings, {**ceilings["job"], "cache": "warm"},
-                                              settings)
-    per_sample = cold["bytes_read_per_sample"] or float(dataset.sizes.mean())
-    storage_rate = storage["bytes_per_s"] / per_sample if storage.get("bytes_per_s") else None
-    stages = {
-        "compute": {"samples_per_s": (ceilings.get("compute") or {}).get("samples_per_s")},
-        "storage": {**storage, "samples_per_s": storage_rate, "bytes_per_sample": per_sample},
-        "prep": {"name": prep_stage[1], "kind": prep_stage[0], "samples_per_s": prep_stage[2], "words": prep_stage[3],
-                 "lift": prep_stage[4]},
-        "loader_warm": warm, "loader_cold": cold,
-    }
-    return {"label": label, "stages": stages, **stage_verdict(stages, ceilings["job"])}
+    warm, files, run_metrics = _loader_run(config, dataset, device, backend, settings, False, accelerator)
+    storage = storage_alone(files)
+    cold, _, _ = _loader_run(config, dataset, device, backend, settings, True, accelerator)
+    # Decode + transform from memory: the ceiling of what this setting does, as if the cache were warm (the
+    # warm run's metrics: what a batch of this setting carries to the device, for the copy ceiling).
+    prep = attribution.bounding_ceiling(run_metrics, label, ceilings,
+                                        ceilings.job.model_copy(update={"cache": "warm"}), settings)
+    per_sample = cold.bytes_read_per_sample or float(dataset.sizes.mean())
+    storage_rate = storage.bytes_per_s / per_sample if storage.bytes_per_s else None
+    stages = Stages(
+        compute=ComputeStage(samples_per_s=ceilings.compute.samples_per_s),
+        storage=storage.model_copy(update={"samples_per_s": storage_rate, "bytes_per_sample": per_sample}),
+        prep=PrepStage(name=prep.name, kind=prep.stage, samples_per_s=prep.samples_per_s, words=prep.words,
+                       lift=prep.lift),
+        loader_warm=warm, loader_cold=cold)
+    verdict = stage_verdict(stages, ceilings.job)
+    return StageMeasurement(label=label, stages=stages, bottleneck=verdict.bottleneck, text=verdict.text)
 
 
-def stage_verdict(stages: dict[str, Any], job: dict[str, Any]) -> dict[str, str]:
+class StageVerdict(NamedTuple):
+    """Which stage bounds the job, and the sentence that says it."""
+
+    bottleneck: str
+    text: str
+def stage_verdict(stages: Stages, job: Job) -> StageVerdict:
     """Which stage bounds the job, its capacity against the demand, and what would move it (one sentence)."""
-    cold_job = job.get("cache") == "cold"
-    run = stages["loader_cold" if cold_job else "loader_warm"]
-    rate, stall = run["samples_per_s"], run["stall_fraction"]
-    demand = job.get("demand_samples_per_s")
+    cold_job = job.cache == "cold"
+    run = stages.loader_cold if cold_job else stages.loader_warm
+    rate, stall = run.samples_per_s, run.stall_fraction
+    demand = job.demand_samples_per_s
     need = f"the job needs {demand:,.0f} samples/s" if demand else "the job asks as fast as possible (step time 0)"
-    both = (f"the loader delivers {stages['loader_warm']['samples_per_s']:,.0f} samples/s warm and "
-            f"{stages['loader_cold']['samples_per_s']:,.0f} cold")
-    storage, prep = stages["storage"], stages["prep"]
-    fetch = storage.get("samples_per_s")
-    fetch_words = (f"the storage reads {storage['bytes_per_s'] / 1e6:,.0f} MB/s = {fetch:,.0f} samples/s of "
-                   f"{storage['bytes_per_sample'] / 1e3:,.0f} KB") if fetch else ""
+    both = (f"the loader delivers {stages.loader_warm.samples_per_s:,.0f} samples/s warm and "
+            f"{stages.loader_cold.samples_per_s:,.0f} cold")
+    storage, prep = stages.storage, stages.prep
+    fetch = storage.samples_per_s
+    fetch_words = (f"the storage reads {(storage.bytes_per_s or 0) / 1e6:,.0f} MB/s = {fetch:,.0f} samples/s of "
+                   f"{(storage.bytes_per_sample or 0) / 1e3:,.0f} KB") if fetch else ""
     if stall < attribution.STALL_COMPUTE_BOUND:
-        compute = stages["compute"].get("samples_per_s")
+        compute = stages.compute.samples_per_s
         cap = f"compute alone runs {compute:,.0f} samples/s" if compute else "compute alone"
-        return {"bottleneck": "compute-bound",
-                "text": f"compute-bound: {cap}, the accelerator is busy {1 - stall:.0%} of the time; {both}; "
-                        "a faster accelerator step (or a larger model batch) would move it, a faster loader would not"}
+        return StageVerdict("compute-bound",
+                            f"compute-bound: {cap}, the accelerator is busy {1 - stall:.0%} of the time; {both}; "
+                            "a faster accelerator step (or a larger model batch) would move it, a faster loader "
+                            "would not")
     # The bounding stage: preparation always; the storage fetch when the job reads cold (the warm one hits
     # the page cache).
-    stage, capacity, words, lift = prep["kind"], prep["samples_per_s"], prep["words"], prep["lift"]
+    stage, capacity, words, lift = prep.kind, prep.samples_per_s, prep.words, prep.lift
     if cold_job and fetch and (capacity is None or fetch < capacity):
         stage, capacity, words = "fetch-bound", fetch, fetch_words
         lift = "a faster tier, more reads in flight, a warm page cache or a smaller stored form would move it"
-    emulated = job.get("device") == "cpu"
-    finishing = attribution.finishing_stalls(run, run["wait_ms"], run["finish_ms"])
+    emulated = job.device == "cpu"
+    finishing = attribution.finishing_stalls(run.loader_stall_fraction, run.finish_stall_fraction, run.wait_ms,
+                                             run.finish_ms)
     if finishing and emulated and stage == "prep-bound":
         # The loader decodes on the same cores the emulated device finishes on: neither bounds alone.
-        return {"bottleneck": "cpu-bound",
-                "text": f"cpu-bound: decoding ({words}) and finishing the batches on the device (emulated on the "
-                        f"host CPU here: {run['finish_ms']:.1f} ms a batch) share the same cores; {need}; {both}; "
-                        f"on a GPU the finishing leaves the CPU to decoding; here {lift}"}
+        return StageVerdict("cpu-bound",
+                            f"cpu-bound: decoding ({words}) and finishing the batches on the device (emulated on the "
+                            f"host CPU here: {run.finish_ms:.1f} ms a batch) share the same cores; {need}; {both}; "
+                            f"on a GPU the finishing leaves the CPU to decoding; here {lift}")
     if finishing:  # batches arrive in time; finishing them is the stall
         where = " (emulated on the host CPU here)" if emulated else ""
-        return {"bottleneck": "finish-bound",
-                "text": f"finish-bound: batches arrive in time (wait {run['wait_ms']:.1f} ms a batch) but copying "
-                        f"and normalising them on the device{where} takes {run['finish_ms']:.1f} ms a batch; {need}; "
-                        f"{both}; uint8 batches (normalised in the model) and pinned, non-blocking copies "
-                        "would move it"}
+        return StageVerdict("finish-bound",
+                            f"finish-bound: batches arrive in time (wait {run.wait_ms:.1f} ms a batch) but copying "
+                            f"and normalising them on the device{where} takes {run.finish_ms:.1f} ms a batch; "
+                            f"{need}; {both}; uint8 batches (normalised in the model) and pinned, non-blocking "
+                            "copies would move it")
     if capacity and rate < LOADER_SHORT_OF_STAGE * capacity:
-        return {"bottleneck": "loader-bound",
-                "text": f"loader-bound: {words}, yet {both} ({rate / capacity:.0%} of that capacity), "
-                        f"{need}; more workers or threads, or deeper prefetch would move it"}
+        return StageVerdict("loader-bound",
+                            f"loader-bound: {words}, yet {both} ({rate / capacity:.0%} of that capacity), "
+                            f"{need}; more workers or threads, or deeper prefetch would move it")
     of = f" ({rate / capacity:.0%} of that capacity)" if capacity else ""
     if capacity and rate > attribution.CEILING_OVERSHOOT * capacity:  # measured low: no fraction as a fact
         of = " (above that capacity as measured: the stage's measurement is unreliable)"
     tail = f"; cold it would be fetch-bound ({fetch_words})" if not cold_job and fetch and fetch < (capacity or 0) \
         else ""
-    return {"bottleneck": stage, "text": f"{stage}: {words}, {need}; {both}{of}; {lift}{tail}"}
+    return StageVerdict(stage, f"{stage}: {words}, {need}; {both}{of}; {lift}{tail}")
 
 
-def attribute_stages(config, dataset, device, results: dict[str, Any], ceilings: dict[str, Any], reporter=None) -> None:
+def attribute_stages(config: Config, dataset: Dataset, device: torch.device, results: dict[str, Any],
+                     ceilings: Ceilings, reporter: Reporter | None = None) -> None:
     """Stages apart for each backend's best setting; its verdict replaces the ceiling-only one."""
     by_label = {r["label"]: r for r in results["runs"]}
+    verdicts = [Verdict.model_validate(v) for v in results.get("verdicts") or []]
     found = []
-    for verdict in results.get("verdicts") or []:
-        run = by_label[verdict["label"]]
+    for verdict in verdicts:
+        run = by_label[verdict.label]
         if reporter is not None:
-            reporter.run_started(f"stages apart: {verdict['label']}", 0)
+            reporter.run_started(f"stages apart: {verdict.label}", 0)
         stage = measure_stages(config, dataset, device, run["backend"], run["settings"] or {}, run["label"], ceilings)
-        verdict.update({"bottleneck": stage["bottleneck"], "text": stage["text"], "by": "stages measured apart"})
+        verdict.bottleneck, verdict.text, verdict.by = stage.bottleneck, stage.text, "stages measured apart"
         found.append(stage)
-    results["stages"] = found
+    if verdicts:
+        results["verdicts"] = [written(v) for v in verdicts]
+    results["stages"] = [written(stage) for stage in found]

@@ -138,10 +138,11 @@ def _print_results(results: dict[str, Any]) -> None:
 def _print_verdicts(results: dict[str, Any]) -> None:
     """The measured ceilings, then one bottleneck verdict per backend's best setting."""
     from loadopt.bench.attribution import ceilings_summary
+    from loadopt.schema_ceilings import Ceilings
 
     if results.get("ceilings"):
-        console.print(f"[dim]ceilings measured in this run: {escape(ceilings_summary(results['ceilings']))}[/]",
-                      highlight=False)
+        summary = ceilings_summary(Ceilings.model_validate(results["ceilings"]))
+        console.print(f"[dim]ceilings measured in this run: {escape(summary)}[/]", highlight=False)
     for line in verdict_lines(results):
         name, rest = line.split(": ", 1)
         console.print(f"[bold]{escape(name)}[/]: {escape(rest)}", highlight=False)
