@@ -261,10 +261,11 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
     tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
     made = decision.make_decision(results, tier)
-    if made is not None and (interrupted or done.user_error is not None):
-        made = decision.partial(made, results)  # among what was measured, saying what was not
-    if made is not None:
-        results["decision"] = made
+    if interrupted or done.user_error is not None:
+        if made is not None:  # among what was measured, saying what was not
+            results["decision"] = made = decision.partial(made, results)
+    else:
+        results["decision"] = made  # None: nothing of the config's recipe was measured
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
     # A bench that decided nothing leaves no decision of an earlier bench beside its results.
     decision.record_beside(made, folder)
