@@ -228,9 +228,9 @@ def test_tune_on_real_backends_of_the_tiny_config(tmp_path):
                                                        "arrow": {"form": ["decoded"], "prefetch": [2]}},
                            workload={"step_time_ms": 1, "warmup_batches": 1, "measure_batches": 4})
     outcome = run_bench(config_from_dict(raw, "tiny.yaml"), tune=True, budget_s=30, quick=True)
-    runs = [r for r in outcome.results["runs"] if r["status"] == "ok"]
+    runs = [r for r in outcome.document()["runs"] if r["status"] == "ok"]
     assert {r["backend"] for r in runs} == {"torch", "arrow"}
-    for backend in outcome.results["tuning"]["backends"]:
+    for backend in outcome.document()["tuning"]["backends"]:
         # a backend far behind the other after round 1 keeps its start (successive halving over backends)
         assert (backend["tried"] >= 2 or backend["reason"].startswith("not climbed")) and backend["seconds"] <= 30
         for trial in backend["trials"]:

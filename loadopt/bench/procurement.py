@@ -132,7 +132,7 @@ def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: i
         "loaders": backend_sweep(config, quick), "workload": workload,
         "storage": config.storage.model_copy(update={"tier": spec.model_dump(mode="json"), "cache": "cold"})})
     outcome = run_bench(tier_config, out=out, attribute=False, reporter=reporter)
-    results = outcome.results
+    results = outcome.document()
     runs = []
     for run in results["runs"]:
         row = {"label": run["label"], "backend": run["backend"], "status": run["status"], "reason": run["reason"],
