@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from loadopt.errors import LoadoptError
 
@@ -55,8 +55,8 @@ class Spread(TypedDict):
     """One metric over the repeats of a setting (an integer metric, samples or batches, keeps its ints)."""
 
     median: float | int
-    min: float | int
-    max: float | int
+    min: NotRequired[float | int]  # a file written by hand or another tool may hold only the median
+    max: NotRequired[float | int]
 
 
 RepeatMetrics = dict[str, Figure]  # the flat metrics of one repeat (loadopt.bench.metrics.step_metrics)
