@@ -85,7 +85,7 @@ def test_never_proposes_more_workers_x_threads_than_the_cores(tmp_path, knobs):
     run = [p for p in KnobLoader.proposed]
     assert run and all(p["workers"] * p["threads"] <= 4 for p in run)
     assert tuning.best.settings["workers"] * tuning.best.settings["threads"] == 4  # the most it may use wins
-    assert tuning.refused and all("needs" in r["reason"] for r in tuning.refused)
+    assert tuning.refused and all("needs" in r.reason for r in tuning.refused)
     # fewer trials than the grid of what fits (8 of the 4 x 3 x 3 grid fit within 4 cores... and 3 prefetch)
     fitting = sum(1 for w in (1, 2, 4, 8) for t in (1, 2, 4) if w * t <= 4) * 3
     assert len(tuning.trials) < fitting
