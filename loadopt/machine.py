@@ -14,6 +14,7 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from pydantic import ConfigDict, with_config
 from typing_extensions import TypedDict
 
 __all__ = ["LIBRARIES", "GpuInfo", "MachineInfo", "library_versions", "machine_fingerprint", "machine_info",
@@ -60,7 +61,34 @@ class GpuInfo(TypedDict):
     cuda: str | None  # the CUDA version torch was built with
 
 
-class MachineInfo(TypedDict):
+class LoadAverage(TypedDict):
+    """The 1-minute load average over the bench's samples."""
+
+    mean: float
+    max: float
+
+
+class CpuShare(TypedDict):
+    """The share of all cores other processes used: over the whole bench, and the most in one interval."""
+
+    mean: float | None  # None: the machine's CPU time could not be read
+    max: float | None
+
+
+class LoadSummary(TypedDict):
+    """The machine's load over a bench: results.json's `machine.load`."""
+
+    cores: int
+    samples: int
+    interval_s: float
+    load_average_1m: LoadAverage | None  # None: never sampled
+    others_cpu_share: CpuShare
+    busy: bool  # others used BUSY_SHARE of the cores or more
+    note: str | None  # load_note's sentence when busy
+
+
+@with_config(ConfigDict(extra="allow"))  # results.json adds the bench's `load`; older files lack keys
+class MachineInfo(TypedDict, total=False):
     """This machine as results.json's and decision.json's `machine` records it."""
 
     hostname: str
@@ -71,6 +99,7 @@ class MachineInfo(TypedDict):
     ram_gb: float
     gpu: GpuInfo | None
     libraries: dict[str, str | None]  # version of each of LIBRARIES; None where it is not installed
+    load: LoadSummary | None  # a bench's results only: the machine's load over the bench (bench/monitor.py)
 
 
 def machine_info() -> MachineInfo:

@@ -22,27 +22,13 @@ Tokens: `kind: tokens` and `seq_len`. Records (storage/records.py): `kind: recor
 
 from __future__ import annotations
 
-from typing_extensions import Required, TypedDict
-
 from loadopt.errors import DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
+from loadopt.schema import Recipe
 
 TRAIN_CROP = "RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) + flip"
 EVAL_CROP = f"centre {EVAL_CROP_FRACTION:g} of the shorter side"
 COMPARED = ("kind", "crop", "image_size", "normalise", "seq_len")  # must be equal; `max_side` is checked apart
-
-
-class Recipe(TypedDict, total=False):
-    """The training input a loader delivers (the fields of the module's docstring); a record in results.json."""
-
-    kind: Required[str]  # images | tokens | records
-    seq_len: int  # tokens
-    image_size: int
-    normalise: str
-    crop: str
-    stored: str
-    max_side: int | None
-    order: str
 
 
 class RecipeMismatch(DatasetError):

@@ -1,7 +1,7 @@
 """The one results schema: `results.json` (loadopt bench), `measure.json` (loadopt measure), `tiers.json`
 (loadopt tiers) and `decision.json` (and the cache's decision entries), as pydantic models with a
 `schema_version`. Every writer writes through `results_text` / `decision_text`, every reader reads
-through `read_results` / `parse_results` / `parse_decision`.
+through `read_results_file` (`read_results`: as plain data) / `parse_results` / `parse_decision`.
 
 The models name the keys the readers rely on; everything else a producer, backend or plugin records is
 kept as it is (`extra="allow"`), so no recorded figure is dropped. Versions:
@@ -20,10 +20,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from typing_extensions import TypedDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, with_config
+from typing_extensions import NotRequired, Required, TypedDict
 
 from loadopt.errors import LoadoptError
+from loadopt.machine import MachineInfo
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -52,31 +53,73 @@ Figure = float | int | bool | str | None
 
 
 class Spread(TypedDict):
-    """One metric over the repeats of a setting."""
+    """One metric over the repeats of a setting (an integer metric, samples or batches, keeps its ints)."""
 
-    median: float
-    min: float
-    max: float
+    median: float | int
+    min: NotRequired[float | int]  # a file written by hand or another tool may hold only the median
+    max: NotRequired[float | int]
 
 
 RepeatMetrics = dict[str, Figure]  # the flat metrics of one repeat (loadopt.bench.metrics.step_metrics)
 RunMetrics = dict[str, Spread | Figure]  # per metric its Spread over the repeats, or the one value
 
 
+@with_config(ConfigDict(extra="allow"))  # a key an outside backend adds is kept, as the files held it
+class Recipe(TypedDict, total=False):
+    """The training input a loader delivers (loadopt.recipe's docstring says each field); a record in results.json."""
+
+    kind: Required[str]  # images | tokens | records
+    seq_len: int  # tokens
+    image_size: int
+    normalise: str
+    crop: str
+    stored: str
+    max_side: int | None
+    order: str
+
+
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    def extra(self, key: str) -> Any:
+        """A field the schema keeps as recorded without naming it (a run's `ceiling`, the `verdicts`), or None."""
+        return (self.model_extra or {}).get(key)
+
+
+class SkippedFile(_Open):
+    """An unreadable file a run skipped (dataset.on_error: skip), and how many times its repeats met it."""
+
+    path: str
+    reason: str
+    times: int = 0
+
+
+class RunTuned(_Open):
+    """`loadopt bench --tune`: how the search reached a run's setting."""
+
+    tried: int
+    space_size: int
+    note: str = ""
+
 
 class Run(_Open):
-    """One loader setting (bench), measured iterable or rank (measure) of a results file."""
+    """One loader setting (bench), measured iterable or rank (measure) of a results file. The bench's runs
+    also say where their bytes came from and what training input they deliver; `ceiling` and
+    `fraction_of_ceiling` (bench/attribution.py) are kept as the extra fields they are."""
 
     label: str
     backend: str = ""
     status: RunStatus = RunStatus.OK
     reason: str = ""
-    settings: dict[str, Any] | None = None
-    metrics: dict[str, Any] | None = None  # per metric: {median, min, max} over the repeats, or the value
-    repeats: list[dict[str, Any]] = []  # the flat metrics of each repeat (loadopt.bench.metrics.step_metrics)
+    settings: dict[str, Any] | None = None  # the backend's knobs: its own, open
+    metrics: RunMetrics | None = None  # per metric: its Spread over the repeats, or the one value
+    repeats: list[RepeatMetrics] = []  # the flat metrics of each repeat (loadopt.bench.metrics.step_metrics)
+    bytes_source: str | None = None  # the local disk read directly, or the storage tier every read passed
+    recipe: Recipe | None = None  # the training input it delivers (loadopt.recipe)
+    skipped_files: list[SkippedFile] = []
+    tier_counters: dict[str, int | float] | None = None  # reads, retries, faults of the tier over every repeat
+    bounded_by_base: str | None = None  # an emulated tier over slower storage: what its figures are instead
+    tuned: RunTuned | None = None
 
 
 class TierCost(_Open):
@@ -130,19 +173,90 @@ class _Versioned(_Open):
         return data
 
 
-class ResultsFile(_Versioned):
-    """results.json, measure.json and tiers.json: runs (none for tiers), ranking, summary."""
+class TrialRecord(_Open):
+    """One short run of the `--tune` search (bench/tuner.py `Trial`)."""
 
-    schema_version: int = SCHEMA_VERSION
-    command: str = ""
-    created: str | None = None
-    device: str | None = None
-    machine: dict[str, Any] | None = None
-    runs: list[Run]
-    ranking: list[str] = []
-    summary: str = ""
-    # a row that is not a tier (no name) is kept as it is: the report skips it, the rest still renders
-    tiers: list[Annotated[TierRow | Any, Field(union_mode="left_to_right")]] | None = None
+    label: str
+    settings: dict[str, Any]  # the backend's knobs
+    samples_per_s: float | None = None
+    measured_batches: int = 0
+    seconds: float = 0.0
+    outcome: str = "ok"  # ok | stopped early | cut by the budget | error
+    reason: str = ""
+
+
+class Refusal(_Open):
+    """A setting of the search never run: over the machine, or its conversion missing."""
+
+    settings: dict[str, Any]
+    reason: str
+
+
+class BackendTuningRecord(_Open):
+    """One backend's search (bench/tuner.py `BackendTuning`)."""
+
+    backend: str
+    status: RunStatus = RunStatus.OK
+    reason: str = ""
+    space: dict[str, list[Any]] = {}  # per knob, the values searched: the backend's own
+    space_size: int = 0
+    tried: int = 0
+    refused: list[Refusal] = []
+    best: TrialRecord | None = None
+    budget_share_s: float = 0.0
+    seconds: float = 0.0
+    trials: list[TrialRecord] = []
+
+
+class TuningSummary(_Open):
+    """results.json `tuning`: the `--tune` search's trace."""
+
+    method: str
+    budget_s: float
+    seconds: float
+    backends: list[BackendTuningRecord] = []
+
+
+class DatasetSection(_Open):
+    """results.json `dataset`: what was read (its root redacted of credentials)."""
+
+    root: str = ""
+    fingerprint: str = ""
+    synthetic: bool = False
+    num_samples: int = 0
+    num_classes: int = 0
+    total_bytes: int = 0
+    mean_sample_bytes: float = 0.0
+
+
+class CacheSection(_Open):
+    """results.json `cache`: the page cache's mode, and what was done to it."""
+
+    mode: str = ""
+    note: str = ""
+
+
+class RunnerUp(_Open):
+    label: str
+    backend: str
+    samples_per_s: float | None = None
+
+
+class Excluded(_Open):
+    """A measured setting a decision never chose: it delivers another training input."""
+
+    label: str
+    differences: list[str]
+
+
+class MachineKey(_Open):
+    """The machine a decision was made on: what `auto` compares with the machine it runs on."""
+
+    fingerprint: str | None = None
+    cpu_model: str | None = None
+    cpu_count: int | None = None
+    gpu: str | None = None
+    storage_tier: str | None = None
 
 
 class Decision(_Versioned):
@@ -151,16 +265,71 @@ class Decision(_Versioned):
     schema_version: int = SCHEMA_VERSION
     backend: str
     label: str = ""
-    settings: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = None  # the backend's knobs
     samples_per_s: float | None = None
     margin: float | None = None
     text: str = ""
     dataset_fingerprint: str | None = None
-    pipeline: dict[str, Any] | None = None
-    machine: dict[str, Any] | None = None
+    pipeline: dict[str, Any] | None = None  # the config's pipeline section, as dumped: part of the key
+    machine: MachineKey | None = None
     machine_fingerprint: str | None = None
     partial: bool = False  # a bench stopped before every setting ran: written beside its results, never cached
     not_compared: list[str] = []  # a partial decision's settings that were not measured
+    runner_up: RunnerUp | None = None  # the best setting of another backend
+    tuned: bool = False
+    recipe: Recipe | None = None  # the training input the setting delivers (loadopt.recipe)
+    excluded: list[Excluded] = []
+    passed_over_for_order: list[str] = []
+    bounded_by_base: str | None = None
+    created: str | None = None
+    date: str | None = None
+    loadopt_version: str | None = None
+    config_source: str | None = None
+    device: str | None = None
+    pipeline_hash: str | None = None
+
+
+class DecisionNote(_Open):
+    """A results file's decision as older or hand-written files hold it: a setting and a sentence."""
+
+    label: str = ""
+    text: str = ""
+
+
+class ResultsFile(_Versioned):
+    """results.json, measure.json and tiers.json: runs (none for tiers), ranking, summary; a bench's results
+    also its config, dataset, workload, cache and tier sections, the tuning and the decision. Its ceilings,
+    verdicts and stages (bench/attribution.py, stages.py) are kept as the extra fields they are."""
+
+    schema_version: int = SCHEMA_VERSION
+    command: str = ""
+    created: str | None = None
+    device: str | None = None
+    machine: MachineInfo | None = None  # loadopt.machine.machine_info(), and the bench's `load`
+    runs: list[Run]
+    ranking: list[str] = []
+    summary: str = ""
+    # a row that is not a tier (no name) is kept as it is: the report skips it, the rest still renders
+    tiers: list[Annotated[TierRow | Any, Field(union_mode="left_to_right")]] | None = None
+    config_source: str | None = None
+    config: dict[str, Any] | None = None  # the config as run, redacted: a config dump
+    quick: bool = False
+    interrupted: bool = False
+    interrupted_by: str | None = None  # SIGINT or SIGTERM
+    machine_fingerprint: str | None = None
+    tier: dict[str, Any] | None = None  # the storage tier's profile, redacted: a config dump
+    dataset: DatasetSection | None = None
+    workload: dict[str, Any] | None = None  # the workload as run: a config dump
+    cache: CacheSection | None = None
+    recipe: Recipe | None = None  # the config's training input (loadopt.recipe)
+    tuning: TuningSummary | None = None
+    # a bench's decision; older files may hold only a setting and a sentence
+    decision: Annotated[Decision | DecisionNote, Field(union_mode="left_to_right")] | None = None
+
+    def measured(self) -> list[Run]:
+        """The measured runs, in the ranking's order (fastest first)."""
+        by_label = {r.label: r for r in self.runs}
+        return [by_label[label] for label in self.ranking]
 
 
 def _version(data: dict[str, Any]) -> int:
@@ -215,17 +384,25 @@ def read_json(path: str | Path) -> Any:
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
-    """A results file (results.json, measure.json, tiers.json; any readable version), validated and upgraded."""
-    return as_dict(parse_results(read_json(path), path))
+    """A results file (results.json, measure.json, tiers.json; any readable version), validated and upgraded,
+    as plain JSON-shaped data (for the readers of a tier row's open sections)."""
+    return as_dict(read_results_file(path))
 
 
-def results_text(doc: dict[str, Any]) -> str:
+def read_results_file(path: str | Path) -> ResultsFile:
+    """A results file (any readable version), validated and upgraded, as the schema's model."""
+    return parse_results(read_json(path), path)
+
+
+def results_text(doc: ResultsFile | dict[str, Any]) -> str:
     """The JSON text of a results document, validated against the schema (a writer's bug fails here, loudly)."""
-    return _dumps(as_dict(ResultsFile.model_validate({"schema_version": SCHEMA_VERSION, **doc})))
+    data = as_dict(doc) if isinstance(doc, ResultsFile) else doc
+    return _dumps(as_dict(ResultsFile.model_validate({"schema_version": SCHEMA_VERSION, **data})))
 
 
-def decision_text(doc: dict[str, Any]) -> str:
-    return _dumps(as_dict(Decision.model_validate({"schema_version": SCHEMA_VERSION, **doc})))
+def decision_text(doc: Decision | dict[str, Any]) -> str:
+    data = as_dict(doc) if isinstance(doc, Decision) else doc
+    return _dumps(as_dict(Decision.model_validate({"schema_version": SCHEMA_VERSION, **data})))
 
 
 def _dumps(data: Any) -> str:

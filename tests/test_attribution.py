@@ -114,7 +114,7 @@ def test_run_bench_writes_ceilings_and_verdicts_and_the_report_renders(tmp_path)
 
 def test_run_bench_without_attribution_writes_no_ceilings(tmp_path):
     raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}})
-    results = run_bench(config_from_dict(raw, "tiny.yaml"), attribute=False).results
+    results = run_bench(config_from_dict(raw, "tiny.yaml"), attribute=False).document()
     assert "ceilings" not in results and "verdicts" not in results
     assert all("ceiling" not in r for r in results["runs"])
 

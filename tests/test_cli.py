@@ -222,15 +222,15 @@ def test_the_bench_table_fits_120_columns_one_line_a_setting():
     from rich.console import Console
 
     from loadopt.cli.tables import results_table, verdict_lines
-    from loadopt.schema import read_results
+    from loadopt.schema import read_results_file
 
-    results = read_results(Path(__file__).parent / "fixtures" / "bench_after" / "results.json")
+    results = read_results_file(Path(__file__).parent / "fixtures" / "bench_after" / "results.json")
     console = Console(width=120, record=True)
     console.print(results_table(results))
     lines = [line.rstrip() for line in console.export_text().splitlines()]
     assert max(len(line) for line in lines) <= 120
     rows = [line for line in lines if line[:3].strip().isdigit()]
-    assert len(rows) == len(results["ranking"])
+    assert len(rows) == len(results.ranking)
     labels = [row.split("  ")[1].strip() if "  " in row else row for row in rows]
     assert len(set(labels)) == len(labels) and all("…" not in label for label in labels)
     for line in verdict_lines(results):

@@ -283,7 +283,7 @@ def _bench(tmp_path: Path, tier: dict, loaders: dict, name: str) -> dict:
     outcome = run_bench(config_from_dict(raw, f"{name}.yaml"), attribute=False)
     if outcome.json_path is None:  # nothing measured: the reasons are returned, nothing is written
         assert not (tmp_path / name).exists()
-        return outcome.results
+        return outcome.document()
     return json.loads(outcome.json_path.read_text())
 
 

@@ -27,9 +27,9 @@ def test_no_decision_then_the_bench_decision(tmp_path):
     assert "no bench decision" in before and "auto falls back to:" in before
     outcome = run_bench(cfg)
     after = explain_config(cfg)
-    assert f"auto uses: {outcome.results['ranking'][0]}" in after and "the fastest in the bench" in after
+    assert f"auto uses: {outcome.document()['ranking'][0]}" in after and "the fastest in the bench" in after
     text = explain_results(outcome.json_path)
-    assert outcome.results["summary"] in text
+    assert outcome.document()["summary"] in text
     assert text.count("\n- ") == 2 and "samples/s, the accelerator idle" in text
 
 
@@ -66,13 +66,13 @@ def test_a_decision_of_another_recipe_is_not_used(tmp_path):
     cfg = config(tmp_path)
     cfg = cfg.model_copy(update={"loaders": {"arrow": {"form": "decoded", "frame": "centre"}}})
     outcome = run_bench(cfg)
-    assert outcome.results["decision"] is None  # its only setting delivers another training input
-    assert "random 48 px crop" in str(outcome.results["runs"][0]["recipe"])
+    assert outcome.results.decision is None  # its only setting delivers another training input
+    assert "random 48 px crop" in str(outcome.document()["runs"][0]["recipe"])
     from loadopt.bench import decision
 
-    forced = {**decision.make_decision({**outcome.results, "recipe": None}, "x"), "machine": None}
-    forced["machine"] = decision.machine_key(decision.machine_info(), decision.storage_tier(
-        cfg.storage.tier, outcome.results["dataset"]["root"]))
+    forced = decision.make_decision(outcome.results.model_copy(update={"recipe": None}), "x")
+    forced = forced.model_copy(update={"machine": decision.machine_key(decision.machine_info(), decision.storage_tier(
+        cfg.storage.tier, outcome.document()["dataset"]["root"]))})
     decision.record(forced, None)  # as an older loadopt, which did not compare recipes, would have
     text = explain_config(cfg)
     assert "delivers another training input" in text and "auto does not use it" in text

@@ -109,13 +109,13 @@ def test_bench_writes_decision_json_beside_the_results_and_keyed_in_the_cache(tm
     config = load_config(config_path, ["loaders.torch.num_workers=[0]", "loaders.arrow={form: decoded}"])
     outcome = run_bench(config, attribute=False)
     beside = json.loads((outcome.json_path.parent / "decision.json").read_text())
-    assert beside == outcome.results["decision"]
-    assert beside["backend"] == outcome.results["ranking"][0].split()[0]
+    assert beside == outcome.document()["decision"]
+    assert beside["backend"] == outcome.document()["ranking"][0].split()[0]
     assert beside["runner_up"]["backend"] != beside["backend"] and beside["margin"] >= 1.0
     assert beside["date"] == beside["created"][:10] and beside["loadopt_version"]
     machine = beside["machine"]
     assert machine["cpu_model"] and machine["cpu_count"] >= 1 and "gpu" in machine
-    assert machine["storage_tier"] == storage_tier("local", outcome.results["dataset"]["root"])
+    assert machine["storage_tier"] == storage_tier("local", outcome.document()["dataset"]["root"])
     assert machine["storage_tier"].startswith("local:")
     assert beside["pipeline"] == config.pipeline.model_dump(mode="json") and beside["dataset_fingerprint"]
     # The cache keeps one entry per (pipeline, machine): a decision from elsewhere survives this bench.
@@ -123,7 +123,7 @@ def test_bench_writes_decision_json_beside_the_results_and_keyed_in_the_cache(tm
     other = {**beside, "backend": "torch", "machine_fingerprint": "elsewhere",
              "machine": {**machine, "cpu_count": 512, "fingerprint": "elsewhere"}}
     path.write_text(json.dumps({"entries": [other, beside]}))
-    latest = run_bench(config, attribute=False).results["decision"]
+    latest = run_bench(config, attribute=False).document()["decision"]
     entries = json.loads(path.read_text())["entries"]
     assert len(entries) == 2 and {e["machine_fingerprint"] for e in entries} == {"elsewhere",
                                                                                 beside["machine_fingerprint"]}
@@ -174,7 +174,7 @@ def test_auto_finds_a_decision_recorded_under_an_inline_tier(config_path, caplog
     # An inline tier (a mapping, maybe with credentials) is keyed by its name in the decision.
     tier = "storage.tier={name: fastdisk, bandwidth_mb_s: 2000}"
     config = load_config(config_path, ["loaders.torch.num_workers=[0]", tier])
-    decision = run_bench(config, attribute=False, quick=True).results["decision"]
+    decision = run_bench(config, attribute=False, quick=True).document()["decision"]
     assert decision["machine"]["storage_tier"].startswith("fastdisk:")
     try:
         with caplog.at_level(logging.INFO, logger="loadopt"):

@@ -15,6 +15,7 @@ from loadopt.errors import ConfigError
 from loadopt.loaders import peer_base, peer_batches
 from loadopt.loaders.registry import backend_class, backend_names
 from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+from loadopt.schema import ResultsFile
 from loadopt.storage.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
@@ -315,24 +316,25 @@ def test_loadopt_bench_measures_a_peer_beside_a_builtin(tmp_path):
 
     raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0},
                                                        "webdataset": {"num_workers": 1}, "ffcv": {"num_workers": 1}})
-    results = run_bench(config_from_dict(raw, "tiny.yaml")).results
+    outcome = run_bench(config_from_dict(raw, "tiny.yaml"))
+    results = outcome.document()
     rows = {r["backend"]: r for r in results["runs"]}
     assert rows["webdataset"]["metrics"] and "order=webdataset" in rows["webdataset"]["label"]
     assert "decode" in rows["webdataset"]["ceiling"]["name"], rows["webdataset"]["ceiling"]
     assert recipe.differences(rows["webdataset"]["recipe"], {**results["recipe"], "order": "any"}) == []
     from loadopt.bench.decision import recipe_exclusions
 
-    passed_over = recipe_exclusions(results)  # by the decision and auto: its order
+    passed_over = recipe_exclusions(outcome.results)  # by the decision and auto: its order
     assert rows["webdataset"]["label"] in passed_over and rows["torch"]["label"] not in passed_over
     if not backend_class("ffcv").available()[0]:
         assert "metrics" not in rows["ffcv"] and "ffcv" in json.dumps(rows["ffcv"])
 
 
-def _bench_results(pipeline, dataset, runs: list[tuple[str, str, dict, float, dict]]) -> dict:
+def _bench_results(pipeline, dataset, runs: list[tuple[str, str, dict, float, dict]]) -> ResultsFile:
     """A finished bench's results (fastest first) as `decision.make_decision` reads them."""
     from loadopt.bench import decision
 
-    return json.loads(json.dumps({
+    return ResultsFile.model_validate_json(json.dumps({
         "created": "2026-12-01T00:00:00+00:00", "device": "cpu", "config_source": "peers.yaml",
         "machine": decision.machine_info(), "config": {"pipeline": pipeline.model_dump(mode="json")},
         "dataset": {"fingerprint": dataset.fingerprint}, "recipe": recipe.wanted(pipeline),
@@ -364,12 +366,12 @@ def test_auto_keeps_the_samplers_order_unless_the_config_allows_a_librarys(tmp_p
             ("webdataset", "webdataset", {"num_workers": 0}, 900.0, webdataset.recipe()),
             ("torch tuned", "torch", {"variant": "tuned", "num_workers": 0}, 600.0, torch_tuned.recipe())])
         made = decision.make_decision(results, decision.storage_tier(cfg.storage.tier, dataset.root))
-        assert made["backend"] == winner
+        assert made is not None and made.backend == winner
         if order == "shared":
-            assert made["passed_over_for_order"] == ["webdataset"] and "webdataset" in made["text"]
-            assert "order webdataset's own" in made["excluded"][0]["differences"][0]
+            assert made.passed_over_for_order == ["webdataset"] and "webdataset" in made.text
+            assert "order webdataset's own" in made.excluded[0].differences[0]
         else:
-            assert made["passed_over_for_order"] == [] and made["excluded"] == []
+            assert made.passed_over_for_order == [] and made.excluded == []
         decision.record(made, None)
         caplog.clear()
         caplog.set_level("INFO", logger="loadopt.api")
@@ -383,7 +385,7 @@ def test_auto_keeps_the_samplers_order_unless_the_config_allows_a_librarys(tmp_p
 
     raw["pipeline"] = {**raw["pipeline"], "order": "shared"}
     cfg = config_from_dict(raw, "peers.yaml")
-    decision.record({**made, "pipeline": cfg.pipeline.model_dump(mode="json")}, None)  # names webdataset
+    decision.record(made.model_copy(update={"pipeline": cfg.pipeline.model_dump(mode="json")}), None)  # webdataset
     caplog.clear()
     chosen = make_loader(cfg, num_workers=0)
     try:

@@ -20,6 +20,7 @@ from loadopt.config import config_from_dict
 from loadopt.imaging.frames import scaled_frame
 from loadopt.loaders import transforms
 from loadopt.loaders.registry import backend_class
+from loadopt.schema import ResultsFile
 
 LOW, SPAN = 20.0, 215.0  # the ramps run from 20 to 235: away from clipping at 0 and 255
 SIZE, MAX_SIDE, SEED = 64, 200, 3
@@ -185,7 +186,7 @@ def test_a_recipe_mismatch_keeps_auto_on_the_matching_path(folder, tmp_path, cap
     loader.close()
     centre = {"form": "decoded", "frame": "centre"}
     whole = {"form": "decoded", "frame": "whole"}
-    results = json.loads(json.dumps({
+    results = ResultsFile.model_validate_json(json.dumps({
         "created": "2026-11-30T00:00:00+00:00", "device": "cpu", "config_source": "gradients.yaml",
         "machine": decision.machine_info(), "config": {"pipeline": pipeline.model_dump(mode="json")},
         "dataset": {"fingerprint": dataset.fingerprint}, "recipe": recipe.wanted(pipeline),
@@ -196,16 +197,17 @@ def test_a_recipe_mismatch_keeps_auto_on_the_matching_path(folder, tmp_path, cap
         "ranking": ["arrow centre", "arrow whole", "torch tuned"]}))
     tier = decision.storage_tier(cfg.storage.tier, dataset.root)
     made = decision.make_decision(results, tier)
-    assert made["label"] == "arrow whole" and made["runner_up"]["label"] == "torch tuned"
-    assert [e["label"] for e in made["excluded"]] == ["arrow centre"]
-    assert "crop" in made["excluded"][0]["differences"][0]
+    assert made is not None and made.runner_up is not None
+    assert made.label == "arrow whole" and made.runner_up.label == "torch tuned"
+    assert [e.label for e in made.excluded] == ["arrow centre"]
+    assert "crop" in made.excluded[0].differences[0]
     decision.record(made, None)
     chosen = make_loader(cfg)  # auto
     assert chosen.name == "arrow" and chosen.frame == "whole"
     assert recipe.differences(chosen.recipe(), recipe.wanted(pipeline)) == []
     chosen.close()
 
-    stale = {**made, "backend": "arrow", "settings": centre, "label": "arrow centre"}  # an older decision
+    stale = made.model_copy(update={"backend": "arrow", "settings": centre, "label": "arrow centre"})  # an older one
     decision.record(stale, None)
     caplog.set_level("WARNING", logger="loadopt.api")
     chosen = make_loader(cfg)

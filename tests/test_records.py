@@ -68,7 +68,7 @@ def test_a_bench_of_records_runs_the_backends_that_read_them(tmp_path):
     raw = records_config(tmp_path)
     raw["loaders"] = {"torch": {"num_workers": [0, 1]}, "arrow": {}}
     outcome = run_bench(config_from_dict(raw, "rec.yaml"))
-    runs = list(outcome.results["runs"])
+    runs = list(outcome.document()["runs"])
     assert [r["status"] for r in runs] == ["ok"] * 3 and all(r["recipe"]["kind"] == "records" for r in runs)
     assert all(r["metrics"]["samples_per_s"]["median"] > 0 for r in runs)
     # torch reads an npz file whole per record: more bytes read than delivered

@@ -59,15 +59,15 @@ def config(tmp_path, loaders, repeats=1):
 def test_unavailable_and_failing_backends_are_listed_and_the_rest_runs(tmp_path, backends):
     cfg = config(tmp_path, {"t_delay": {"delay_s": [0.001, 0.02]}, "t_unavailable": {}, "t_fails": {}})
     outcome = run_bench(cfg)
-    runs = {r["backend"]: r for r in outcome.results["runs"]}
+    runs = {r["backend"]: r for r in outcome.document()["runs"]}
     assert runs["t_unavailable"]["status"] == "unavailable"
     assert "frobnicator" in runs["t_unavailable"]["reason"]
     assert runs["t_fails"]["status"] == "error" and "the device fell over" in runs["t_fails"]["reason"]
-    measured = [r for r in outcome.results["runs"] if r["status"] == "ok"]
-    assert len(measured) == 2 and len(outcome.results["ranking"]) == 2
-    assert outcome.results["summary"].startswith("fastest: t_delay delay_s=0.001")
+    measured = [r for r in outcome.document()["runs"] if r["status"] == "ok"]
+    assert len(measured) == 2 and len(outcome.document()["ranking"]) == 2
+    assert outcome.document()["summary"].startswith("fastest: t_delay delay_s=0.001")
     on_disk = json.loads(outcome.json_path.read_text())
-    assert on_disk["runs"] == json.loads(json.dumps(outcome.results["runs"]))
+    assert on_disk["runs"] == json.loads(json.dumps(outcome.document()["runs"]))
 
 
 def test_ctrl_c_keeps_the_finished_runs(tmp_path, backends):
@@ -86,15 +86,15 @@ def test_cold_cache_is_stated(tmp_path, backends):
     raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}},
                            storage={"cache": "cold"})
     outcome = run_bench(config_from_dict(raw, "cold.yaml"))
-    assert outcome.results["cache"]["mode"] == "cold"
-    assert "evicted from the page cache (posix_fadvise DONTNEED)" in outcome.results["cache"]["note"]
+    assert outcome.document()["cache"]["mode"] == "cold"
+    assert "evicted from the page cache (posix_fadvise DONTNEED)" in outcome.document()["cache"]["note"]
 
 
 def test_real_model_step(tmp_path, backends):
     raw = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}},
                            workload={"model": "small_cnn"})
     outcome = run_bench(config_from_dict(raw, "model.yaml"))
-    metrics = outcome.results["runs"][0]["metrics"]
+    metrics = outcome.document()["runs"][0]["metrics"]
     assert metrics["compute_s"]["median"] > 0 and 0 < metrics["accelerator_utilisation"]["median"] <= 1
 
 
@@ -136,7 +136,7 @@ def test_a_token_bench_runs_every_token_backend(tmp_path):
                            loaders={"torch": {"num_workers": 0}, "arrow": {}, "posix": {}},
                            workload={"step_time_ms": 0, "warmup_batches": 1, "measure_batches": 3})
     outcome = run_bench(config_from_dict(raw, "tokens.yaml"), quick=True, attribute=False)
-    runs = {r["backend"]: r for r in outcome.results["runs"]}
+    runs = {r["backend"]: r for r in outcome.document()["runs"]}
     assert set(runs) == {"torch", "arrow", "posix"}
     for run in runs.values():
         assert run["status"] == "ok", run["reason"]

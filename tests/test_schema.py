@@ -16,6 +16,7 @@ from loadopt.schema import (
     decision_text,
     parse_decision,
     read_results,
+    read_results_file,
     results_text,
 )
 
@@ -69,25 +70,25 @@ def test_explain_reads_version_1(name):
 
 
 def test_decision_from_version_1_results_and_auto_reads_a_version_1_decision(tmp_path, monkeypatch):
-    results = read_results(V1["results"])
+    results = read_results_file(V1["results"])
     made = decision.make_decision(results, "local:ext4")
-    assert made["label"] == results["ranking"][0] and made["schema_version"] == SCHEMA_VERSION
-    assert parse_decision(json.loads(decision_text(made)), "made").label == made["label"]
+    assert made is not None and made.label == results.ranking[0] and made.schema_version == SCHEMA_VERSION
+    assert parse_decision(json.loads(decision_text(made)), "made").label == made.label
 
     # A version 1 entry (no schema_version) in the cache, for this machine: `auto` finds and uses it.
     old = raw("decision")
     assert "schema_version" not in old
     here = decision.machine_key(decision.machine_info(), old["machine"]["storage_tier"])
-    old.update(machine=here, machine_fingerprint=here["fingerprint"])  # made here, whatever machine runs this
+    old.update(machine=here.model_dump(), machine_fingerprint=here.fingerprint)  # made here, whatever machine runs this
     monkeypatch.setenv("LOADOPT_CACHE", str(tmp_path))
     path = decision.decision_path(old["dataset_fingerprint"])
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(old))
-    found, match, _ = decision.find(old["pipeline"], old["dataset_fingerprint"], here["storage_tier"])
+    found, match, _ = decision.find(old["pipeline"], old["dataset_fingerprint"], here.storage_tier)
     assert match == "exact" and found["backend"] == old["backend"] and found["schema_version"] == SCHEMA_VERSION
     # an entry of an unknown version is not used (not this loadopt's to interpret)
     path.write_text(json.dumps({**old, "schema_version": 99}))
-    found, match, _ = decision.find(old["pipeline"], old["dataset_fingerprint"], here["storage_tier"])
+    found, match, _ = decision.find(old["pipeline"], old["dataset_fingerprint"], here.storage_tier)
     assert found is None and match == "none"
 
 

@@ -14,6 +14,7 @@ import torch
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError, StorageError
+from loadopt.schema import ResultsFile
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.tiers import tier_counters
 
@@ -190,10 +191,10 @@ def test_the_bench_table_names_each_rows_bytes_source_and_puts_reasons_under_it(
     reason = "nvidia-dali not usable (ModuleNotFoundError: No module named 'nvidia'); pip install 'loadopt[dali]'"
     metrics = {"samples_per_s": {"median": 100.0, "min": 90.0, "max": 110.0}, "mb_per_s": 11.0,
                "stall_fraction": 0.5, "wait_p99_ms": 3.0, "cpu_seconds_per_1k_samples": 1.0, "peak_pss_mb": 100.0}
-    results = {"config": {"name": "t"}, "device": "cpu", "dataset": {"num_samples": 8}, "ranking": ["torch plain"],
-               "runs": [{"label": "torch plain", "metrics": metrics,
-                         "bytes_source": "tier fast (emulated) over local disk"},
-                        {"label": "dali", "status": "unavailable", "reason": reason}]}
+    results = ResultsFile.model_validate(
+        {"config": {"name": "t"}, "device": "cpu", "dataset": {"num_samples": 8}, "ranking": ["torch plain"],
+         "runs": [{"label": "torch plain", "metrics": metrics, "bytes_source": "tier fast (emulated) over local disk"},
+                  {"label": "dali", "status": "unavailable", "reason": reason}]})
     console = Console(width=200, record=True)
     console.print(results_table(results))
     table = console.export_text()
@@ -245,8 +246,9 @@ def test_the_bench_tables_stall_says_whose_it_is():
     split = {**base, "stall_fraction": {"median": 0.375, "min": 0.37, "max": 0.38},
              "loader_stall_fraction": {"median": 0.371, "min": 0.36, "max": 0.38}, "finish_stall_fraction": 0.004}
     cuda = {**base, "stall_fraction": 0.2, "loader_stall_fraction": None, "finish_stall_fraction": None}
-    results = {"config": {"name": "t"}, "device": "cpu", "dataset": {"num_samples": 8}, "ranking": ["a", "b"],
-               "runs": [{"label": "a", "metrics": split}, {"label": "b", "metrics": cuda}]}
+    results = ResultsFile.model_validate(
+        {"config": {"name": "t"}, "device": "cpu", "dataset": {"num_samples": 8}, "ranking": ["a", "b"],
+         "runs": [{"label": "a", "metrics": split}, {"label": "b", "metrics": cuda}]})
     console = Console(width=250, record=True)
     console.print(results_table(results))
     lines = console.export_text().splitlines()

@@ -85,7 +85,7 @@ def test_never_proposes_more_workers_x_threads_than_the_cores(tmp_path, knobs):
     run = [p for p in KnobLoader.proposed]
     assert run and all(p["workers"] * p["threads"] <= 4 for p in run)
     assert tuning.best.settings["workers"] * tuning.best.settings["threads"] == 4  # the most it may use wins
-    assert tuning.refused and all("needs" in r["reason"] for r in tuning.refused)
+    assert tuning.refused and all("needs" in r.reason for r in tuning.refused)
     # fewer trials than the grid of what fits (8 of the 4 x 3 x 3 grid fit within 4 cores... and 3 prefetch)
     fitting = sum(1 for w in (1, 2, 4, 8) for t in (1, 2, 4) if w * t <= 4) * 3
     assert len(tuning.trials) < fitting
@@ -228,9 +228,9 @@ def test_tune_on_real_backends_of_the_tiny_config(tmp_path):
                                                        "arrow": {"form": ["decoded"], "prefetch": [2]}},
                            workload={"step_time_ms": 1, "warmup_batches": 1, "measure_batches": 4})
     outcome = run_bench(config_from_dict(raw, "tiny.yaml"), tune=True, budget_s=30, quick=True)
-    runs = [r for r in outcome.results["runs"] if r["status"] == "ok"]
+    runs = [r for r in outcome.document()["runs"] if r["status"] == "ok"]
     assert {r["backend"] for r in runs} == {"torch", "arrow"}
-    for backend in outcome.results["tuning"]["backends"]:
+    for backend in outcome.document()["tuning"]["backends"]:
         # a backend far behind the other after round 1 keeps its start (successive halving over backends)
         assert (backend["tried"] >= 2 or backend["reason"].startswith("not climbed")) and backend["seconds"] <= 30
         for trial in backend["trials"]:

@@ -25,7 +25,20 @@ from loadopt import recipe
 from loadopt.bench.metrics import median
 from loadopt.files import atomic_write_text, cache_dir
 from loadopt.machine import MachineInfo, library_versions, machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, RunStatus, SchemaError, as_dict, decision_text, parse_decision
+from loadopt.schema import (
+    SCHEMA_VERSION,
+    Decision,
+    Excluded,
+    MachineKey,
+    ResultsFile,
+    Run,
+    RunnerUp,
+    RunStatus,
+    SchemaError,
+    as_dict,
+    decision_text,
+    parse_decision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,94 +72,101 @@ def storage_tier(tier: str | dict[str, Any], root: str) -> str:
     return f"{tier}:{fstype}"
 
 
-def machine_key(machine: MachineInfo, tier: str) -> dict[str, Any]:
-    gpu = machine["gpu"]
-    return {"fingerprint": machine_fingerprint(machine), "cpu_model": machine["cpu_model"],
-            "cpu_count": machine["cpu_count"], "gpu": gpu["name"] if gpu else None, "storage_tier": tier}
+def machine_key(machine: MachineInfo, tier: str) -> MachineKey:
+    """The machine a decision is made on (`machine`: loadopt.machine.machine_info()) and its storage tier."""
+    gpu = machine.get("gpu")
+    return MachineKey(fingerprint=machine_fingerprint(machine), cpu_model=machine["cpu_model"],
+                      cpu_count=machine["cpu_count"], gpu=gpu["name"] if gpu else None, storage_tier=tier)
 
 
 def pipeline_hash(pipeline: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(pipeline, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def recipe_exclusions(results: dict[str, Any]) -> dict[str, list[str]]:
-    """{label: differences} of the measured settings whose recipe is not the config's (`results["recipe"]`)."""
-    want = results.get("recipe")
+def recipe_exclusions(results: ResultsFile) -> dict[str, list[str]]:
+    """{label: differences} of the measured settings whose recipe is not the config's (`results.recipe`)."""
     out = {}
-    for run in results.get("runs", []):
-        differences = recipe.differences(run.get("recipe"), want)
-        if differences and "metrics" in run:
-            out[run["label"]] = differences
+    for run in results.runs:
+        differences = recipe.differences(run.recipe, results.recipe)
+        if differences and run.metrics is not None:
+            out[run.label] = differences
     return out
 
 
 ORDER_OPT_IN = "not the sampler's order a DataLoader keeps; pipeline.order: any allows them"
 
 
-def order_passed_over(results: dict[str, Any], excluded: dict[str, list[str]]) -> list[str]:
+def order_passed_over(results: ResultsFile, excluded: dict[str, list[str]]) -> list[str]:
     """The excluded settings whose library orders the samples itself (peers, dali reader native), by label:
     a drop-in for DataLoader keeps the sampler's order, so `auto` takes them only under `pipeline.order: any`."""
-    by_label = {r["label"]: r for r in results.get("runs", [])}
-    return [label for label in excluded if (by_label[label].get("recipe") or {}).get("order") not in (None, "shared")]
+    by_label = {r.label: r for r in results.runs}
+    recipes = {label: by_label[label].recipe for label in excluded}
+    return [label for label, made in recipes.items() if made is not None and made.get("order") not in (None, "shared")]
 
 
-def make_decision(results: dict[str, Any], tier: str) -> dict[str, Any] | None:
+def make_decision(results: ResultsFile, tier: str) -> Decision | None:
     """The decision of a finished bench: the fastest setting whose recipe is the config's, its margin
     over the runner-up backend (also of that recipe); the faster settings of other recipes are listed."""
-    by_label = {r["label"]: r for r in results["runs"]}
     excluded = recipe_exclusions(results)
-    ranked = [by_label[label] for label in results.get("ranking", []) if label not in excluded]
+    ranked = [run for run in results.measured() if run.label not in excluded]
     if not ranked:
         return None
     best = ranked[0]
-    rate = median(best["metrics"], "samples_per_s")
+    rate = median(best.metrics or {}, "samples_per_s")
     # The runner-up is the best setting of another backend: the margin says what switching would cost.
-    other = next((r for r in ranked[1:] if r["backend"] != best["backend"]), None)
-    other_rate = median(other["metrics"], "samples_per_s") if other else None
+    other = next((r for r in ranked[1:] if r.backend != best.backend), None)
+    other_rate = median(other.metrics or {}, "samples_per_s") if other else None
     margin = rate / other_rate if rate and other_rate else None
-    machine = machine_key(results["machine"], tier)
-    pipeline = results["config"]["pipeline"]
-    text = f"{best['label']} at {rate:,.0f} samples/s"
-    text += f", {margin:.2f}x the runner-up {other['label']}" if margin and other else " (no other backend measured)"
+    machine = machine_key(results.machine or {}, tier)
+    pipeline = (results.config or {})["pipeline"]
+    created = results.created or ""
+    return Decision(
+        schema_version=SCHEMA_VERSION,
+        backend=best.backend, settings=best.settings, label=best.label, samples_per_s=rate,
+        runner_up=RunnerUp(label=other.label, backend=other.backend, samples_per_s=other_rate) if other else None,
+        margin=margin, text=_decision_text(results, best, rate, other, margin, excluded),
+        tuned=results.tuning is not None, recipe=best.recipe or results.recipe,
+        # faster or not, never chosen: they deliver another training input
+        excluded=[Excluded(label=label, differences=why) for label, why in excluded.items()],
+        passed_over_for_order=order_passed_over(results, excluded),
+        bounded_by_base=best.bounded_by_base,
+        created=created, date=created[:10],
+        loadopt_version=library_versions().get("loadopt"), config_source=results.config_source,
+        device=results.device,
+        # the key: dataset fingerprint, pipeline settings, machine (CPU, GPU, storage tier)
+        dataset_fingerprint=results.dataset.fingerprint if results.dataset else None, pipeline=pipeline,
+        pipeline_hash=pipeline_hash(pipeline), machine=machine, machine_fingerprint=machine.fingerprint,
+    )
+
+
+def _decision_text(results: ResultsFile, best: Run, rate: float | None, other: Run | None, margin: float | None,
+                   excluded: dict[str, list[str]]) -> str:
+    """The decision in one sentence: the setting, its margin, what was passed over and why."""
+    text = f"{best.label} at {rate:,.0f} samples/s"
+    text += f", {margin:.2f}x the runner-up {other.label}" if margin and other else " (no other backend measured)"
     own_order = order_passed_over(results, excluded)
     if own_order:
         text += f"; passed over for their library's own order ({ORDER_OPT_IN}): {', '.join(own_order)}"
-    if best.get("bounded_by_base"):  # its figures are the storage's under the emulated tier, not the tier's
-        text += f"; {best['bounded_by_base']}"
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "backend": best["backend"], "settings": best["settings"], "label": best["label"], "samples_per_s": rate,
-        "runner_up": {"label": other["label"], "backend": other["backend"], "samples_per_s": other_rate}
-        if other else None,
-        "margin": margin, "text": text, "tuned": "tuning" in results,
-        "recipe": best.get("recipe") or results.get("recipe"),
-        # faster or not, never chosen: they deliver another training input
-        "excluded": [{"label": label, "differences": why} for label, why in excluded.items()],
-        "passed_over_for_order": own_order,
-        "bounded_by_base": best.get("bounded_by_base"),
-        "created": results["created"], "date": results["created"][:10],
-        "loadopt_version": library_versions().get("loadopt"), "config_source": results.get("config_source"),
-        "device": results["device"],
-        # the key: dataset fingerprint, pipeline settings, machine (CPU, GPU, storage tier)
-        "dataset_fingerprint": results["dataset"]["fingerprint"], "pipeline": pipeline,
-        "pipeline_hash": pipeline_hash(pipeline), "machine": machine, "machine_fingerprint": machine["fingerprint"],
-    }
+    if best.bounded_by_base:  # its figures are the storage's under the emulated tier, not the tier's
+        text += f"; {best.bounded_by_base}"
+    return text
 
 
-def partial(made: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+def partial(made: Decision, results: ResultsFile) -> Decision:
     """The decision of a bench that stopped (interrupted, or at an error) before every setting ran: the
     fastest of what it measured, marked `partial` with the settings it never compared. It is written beside
     the results (so the folder agrees with itself) but never into the cache: `auto` takes only a finished
     bench's answer."""
-    unmeasured = [r["label"] for r in results["runs"] if r.get("status") != RunStatus.OK or "metrics" not in r]
-    measured = len(results["runs"]) - len(unmeasured)
-    stopped = f"interrupted by {results['interrupted_by']}" if results.get("interrupted") else "stopped at an error"
-    return {**made, "partial": True, "not_compared": unmeasured,
-            "text": f"partial ({stopped}; {measured} of {len(results['runs'])} settings measured, not used by "
-                    f"backend='auto'): {made['text']}"}
+    unmeasured = [r.label for r in results.runs if r.status != RunStatus.OK or r.metrics is None]
+    measured = len(results.runs) - len(unmeasured)
+    stopped = f"interrupted by {results.interrupted_by}" if results.interrupted else "stopped at an error"
+    return made.model_copy(update={
+        "partial": True, "not_compared": unmeasured,
+        "text": f"partial ({stopped}; {measured} of {len(results.runs)} settings measured, not used by "
+                f"backend='auto'): {made.text}"})
 
 
-def _entries(path: Path) -> list[dict[str, Any]]:
+def _entries(path: Path) -> list[Decision]:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -156,18 +176,18 @@ def _entries(path: Path) -> list[dict[str, Any]]:
     entries = []
     for entry in raw:  # through the schema; an entry of an unknown version or shape is not this loadopt's to use
         try:
-            entries.append(as_dict(parse_decision(entry, path)))
+            entries.append(parse_decision(entry, path))
         except SchemaError as exc:
             log.debug("%s", exc)
     return entries
 
 
-def _same_machine(entry: dict[str, Any], here: dict[str, Any]) -> bool:
-    tier = (entry.get("machine") or {}).get("storage_tier")
-    return entry.get("machine_fingerprint") == here["fingerprint"] and tier in (None, here["storage_tier"])
+def _same_machine(entry: Decision, here: MachineKey) -> bool:
+    tier = entry.machine.storage_tier if entry.machine else None
+    return entry.machine_fingerprint == here.fingerprint and tier in (None, here.storage_tier)
 
 
-def record(decision: dict[str, Any], folder: Path | None) -> None:
+def record(decision: Decision, folder: Path | None) -> None:
     """Write a decision beside the results (`folder/decision.json`) and into the cache's entries."""
     text = decision_text(decision)
     if folder is not None:
@@ -175,29 +195,29 @@ def record(decision: dict[str, Any], folder: Path | None) -> None:
             atomic_write_text(folder / FILE_NAME, text)
         except OSError as exc:
             log.warning("could not write %s: %s", folder / FILE_NAME, exc)
-    path = decision_path(decision["dataset_fingerprint"])
-    keep = [e for e in _entries(path) if not (_same_machine(e, decision["machine"])
-                                              and e.get("pipeline") == decision["pipeline"])]
+    path = decision_path(decision.dataset_fingerprint or "")
+    here = decision.machine or MachineKey()
+    keep = [e for e in _entries(path) if not (_same_machine(e, here) and e.pipeline == decision.pipeline)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"schema_version": SCHEMA_VERSION, "entries": [decision, *keep]},
-                                           indent=2) + "\n")
+        entries = [as_dict(decision), *(as_dict(e) for e in keep)]
+        atomic_write_text(path, json.dumps({"schema_version": SCHEMA_VERSION, "entries": entries}, indent=2) + "\n")
     except OSError as exc:  # the results are written; a missing decision only costs `auto` its memory
         log.warning("could not record the decision in %s: %s", path, exc)
 
 
-def record_beside(decision: dict[str, Any] | None, folder: Path) -> None:
+def record_beside(decision: Decision | None, folder: Path) -> None:
     """The decision of the results just written into `folder`, recorded (`record`); where the bench decided
     nothing (nothing of the config's recipe measured), the decision.json an earlier bench left there is
     removed: it would contradict the results beside it. A partial decision (`partial`) is written beside
     the results only."""
-    if decision and decision.get("partial"):
+    if decision is not None and decision.partial:
         try:
             atomic_write_text(folder / FILE_NAME, decision_text(decision))
         except OSError as exc:
             log.warning("could not write %s: %s", folder / FILE_NAME, exc)
         return
-    if decision:
+    if decision is not None:
         record(decision, folder)
         return
     try:
@@ -208,17 +228,24 @@ def record_beside(decision: dict[str, Any] | None, folder: Path) -> None:
 
 def find(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple[dict[str, Any] | None, str, str]:
     """(decision, match, why) for this dataset, pipeline and machine. `match` is `exact`, `other settings`
-    (this machine, other pipeline settings: used, with a warning), `other machine` (not used) or `none`."""
+    (this machine, other pipeline settings: used, with a warning), `other machine` (not used) or `none`.
+    The decision is the entry as its file holds it (`as_dict`), for `auto` and `explain`."""
+    found, match, why = find_entry(pipeline, dataset_fingerprint, tier)
+    return (as_dict(found) if found is not None else None), match, why
+
+
+def find_entry(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple[Decision | None, str, str]:
+    """`find`, the decision as the schema's model."""
     path = decision_path(dataset_fingerprint)
     entries = _entries(path)
     here = machine_key(machine_info(), tier)
     mine = [e for e in entries if _same_machine(e, here)]
     for entry in mine:
-        if entry.get("pipeline") == pipeline:
-            return entry, "exact", f"the decision of the bench of {entry.get('created', '?')} on this machine ({path})"
+        if entry.pipeline == pipeline:
+            return entry, "exact", f"the decision of the bench of {entry.created or '?'} on this machine ({path})"
     if mine:
         return mine[0], "other settings", (f"the decision in {path} was measured on this machine with other pipeline "
-                                           f"settings ({_differences(mine[0].get('pipeline') or {}, pipeline)})")
+                                           f"settings ({_differences(mine[0].pipeline or {}, pipeline)})")
     if entries:
         return None, "other machine", (f"no bench decision for this machine: the one in {path} was made on another "
                                        f"machine ({_machine_differences(entries[0], here)}), auto does not use it")
@@ -227,12 +254,15 @@ def find(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple
 
 
 def _differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
+    """The first three pipeline settings (config dumps) that differ, there and here."""
     keys = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
     return ", ".join(f"{k} {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in keys[:3]) or "?"
 
 
-def _machine_differences(entry: dict[str, Any], here: dict[str, Any]) -> str:
-    theirs = entry.get("machine") or {}
-    keys = [k for k in ("cpu_model", "cpu_count", "gpu", "storage_tier") if k in theirs and theirs[k] != here[k]]
-    return _differences({k: theirs[k] for k in keys}, {k: here[k] for k in keys}) if keys else \
+def _machine_differences(entry: Decision, here: MachineKey) -> str:
+    theirs = entry.machine
+    recorded = theirs.model_fields_set if theirs is not None else set()
+    keys = sorted(k for k in ("cpu_model", "cpu_count", "gpu", "storage_tier")
+                  if k in recorded and getattr(theirs, k) != getattr(here, k))
+    return ", ".join(f"{k} {getattr(theirs, k)!r} there, {getattr(here, k)!r} here" for k in keys[:3]) or \
         "its machine fingerprint differs"

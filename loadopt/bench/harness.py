@@ -26,20 +26,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from loadopt.bench.accelerator import AHEAD, Accelerator, EmulatedAccelerator
 from loadopt.bench.metrics import BatchProbe, window_metrics
 from loadopt.bench.monitor import ProcessTreeMonitor
 from loadopt.device import DeviceTransfer, Elapsed, EmulatedStream, HostCopyDone, StreamWork, TransferTiming
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.schema import RepeatMetrics
 from loadopt.storage.probe_readers import sleep_until
 from loadopt.storage.tiers import tier_counters
 
 
 @dataclass
 class RepeatResult:
-    metrics: dict[str, Any]
+    metrics: RepeatMetrics
     probes: list[BatchProbe]
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
@@ -57,23 +57,49 @@ class _Launched:
     work: StreamWork  # its copy and finishing; the result is the copy's TransferTiming
 
 
+@dataclass
+class _Window:
+    """What one repeat saw: its probes, the measured window's wall time, and the loader's and the tier's
+    byte counts where the window opened and closed."""
+
+    probes: list[BatchProbe] = field(default_factory=list)
+    wall_s: float = 0.0
+    bytes_read_start: int = 0
+    tier_start: dict[str, float] | None = None
+    tier_end: dict[str, float] | None = None
+
+
 def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfer, warmup_batches: int,
                measure_batches: int, on_batch: Callable[[int], None] | None = None) -> RepeatResult:
     """Iterate `warmup_batches + measure_batches` batches (across epochs as needed) and measure."""
-    total = warmup_batches + measure_batches
     monitor = ProcessTreeMonitor()
+    skipped_start = len(loader.counters.skipped)
+    window = _play(loader, accelerator, transfer, warmup_batches, measure_batches, monitor, on_batch)
+    usage = monitor.usage
+    assert usage is not None
+    metrics = window_metrics(window.probes, window.wall_s, usage, loader.counters.bytes_read - window.bytes_read_start,
+                             h2d_pinned=transfer.last.pinned, h2d_emulated=transfer.emulate,
+                             device_idle_s=_device_idle(window.probes),
+                             tokens_per_sample=getattr(loader.dataset, "seq_len", None))
+    # Bytes that crossed the storage tier in the window (None on plain local disk: no tier wrapper),
+    # beside the loader's own `bytes_read`: a backend that bypassed the tier would show far fewer.
+    start, end = window.tier_start, window.tier_end
+    metrics["tier_bytes"] = end["bytes"] - start["bytes"] if start and end else None
+    return RepeatResult(metrics, window.probes, loader.counters.skipped[skipped_start:])
+
+
+def _play(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfer, warmup_batches: int,
+          measure_batches: int, monitor: ProcessTreeMonitor, on_batch: Callable[[int], None] | None) -> _Window:
+    """The batches of one repeat through the device, the monitor watching the measured window."""
     run_start = time.perf_counter()
     window_start = run_start
-    bytes_read_start = loader.counters.bytes_read
-    tier_start = tier_end = None
-    skipped_start = len(loader.counters.skipped)
+    window = _Window(bytes_read_start=loader.counters.bytes_read)
     batches = _Batches(loader)
     device = None
     if isinstance(accelerator, EmulatedAccelerator) and accelerator.clocked and transfer.emulate:
         device = _ClockedDevice(loader, accelerator, transfer, run_start)
-    probes: list[BatchProbe] = []
     try:
-        for index in range(total):
+        for index in range(warmup_batches + measure_batches):
             if device is not None and index == max(0, warmup_batches - 1):
                 # Started while the device still runs the warm-up's steps: the monitor's first look at the
                 # process tree takes the host milliseconds that would otherwise hold up the first measured
@@ -84,41 +110,32 @@ def run_repeat(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfe
                     accelerator.drain()
                 if not monitor.running:
                     monitor.start()
-                bytes_read_start = loader.counters.bytes_read
-                tier_start = tier_counters(getattr(loader.dataset, "fs", None))
+                window.bytes_read_start = loader.counters.bytes_read
+                window.tier_start = tier_counters(getattr(loader.dataset, "fs", None))
                 window_start = time.perf_counter()
                 if device is not None:
                     device.opened = window_start
             if device is not None:
-                probes += device.take(index, batches, measured=index >= warmup_batches)
+                window.probes += device.take(index, batches, measured=index >= warmup_batches)
             else:
-                probes.append(_serial_step(loader, accelerator, transfer, batches, index, index >= warmup_batches,
-                                           run_start))
+                window.probes.append(_serial_step(loader, accelerator, transfer, batches, index,
+                                                  index >= warmup_batches, run_start))
             if on_batch is not None:
                 on_batch(index + 1)
         if device is not None:
-            probes += device.drain()
-            wall = device.busy_until - (device.window_start or window_start)
+            window.probes += device.drain()
+            window.wall_s = device.busy_until - (device.window_start or window_start)
         else:
             accelerator.drain()
-            wall = time.perf_counter() - window_start
-        tier_end = tier_counters(getattr(loader.dataset, "fs", None))
+            window.wall_s = time.perf_counter() - window_start
+        window.tier_end = tier_counters(getattr(loader.dataset, "fs", None))
     finally:
         if device is not None:
             device.close()
         batches.close()
         if monitor.running:
             monitor.stop()
-    usage = monitor.usage
-    assert usage is not None
-    metrics = window_metrics(probes, wall, usage, loader.counters.bytes_read - bytes_read_start,
-                             h2d_pinned=transfer.last.pinned, h2d_emulated=transfer.emulate,
-                             device_idle_s=_device_idle(probes),
-                             tokens_per_sample=getattr(loader.dataset, "seq_len", None))
-    # Bytes that crossed the storage tier in the window (None on plain local disk: no tier wrapper),
-    # beside the loader's own `bytes_read`: a backend that bypassed the tier would show far fewer.
-    metrics["tier_bytes"] = tier_end["bytes"] - tier_start["bytes"] if tier_start and tier_end else None
-    return RepeatResult(metrics, probes, loader.counters.skipped[skipped_start:])
+    return window
 
 
 class _Batches:

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 
 import psutil
-from typing_extensions import TypedDict
+
+from loadopt.machine import CpuShare, LoadAverage, LoadSummary
 
 
 @dataclass
@@ -187,32 +188,6 @@ class ProcessTreeMonitor:
 
 
 BUSY_SHARE = 0.25  # other processes using a quarter of the cores or more: the machine was busy
-
-
-class LoadAverage(TypedDict):
-    """The 1-minute load average over the bench's samples."""
-
-    mean: float
-    max: float
-
-
-class CpuShare(TypedDict):
-    """The share of all cores other processes used: over the whole bench, and the most in one interval."""
-
-    mean: float | None  # None: the machine's CPU time could not be read
-    max: float | None
-
-
-class LoadSummary(TypedDict):
-    """The machine's load over a bench: results.json's `machine.load`."""
-
-    cores: int
-    samples: int
-    interval_s: float
-    load_average_1m: LoadAverage | None  # None: never sampled
-    others_cpu_share: CpuShare
-    busy: bool  # others used BUSY_SHARE of the cores or more
-    note: str | None  # load_note's sentence when busy
 
 
 class MachineLoad:

@@ -7,16 +7,15 @@ reader never sees half a file and an interrupted bench never destroys the previo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write, atomic_write_text
-from loadopt.schema import results_text
+from loadopt.schema import ResultsFile, results_text
 
 __all__ = ["write_results"]
 
 
-def write_results(folder: Path, results: dict[str, Any], timing_rows: dict[str, list]) -> tuple[Path, Path]:
+def write_results(folder: Path, results: ResultsFile, timing_rows: dict[str, list]) -> tuple[Path, Path]:
     """Write `results.json` and `timings.parquet` into `folder`; returns their paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq

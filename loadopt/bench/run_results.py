@@ -4,8 +4,8 @@ line; and the per-batch rows of `timings.parquet`. (bench/results.py writes both
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -17,7 +17,7 @@ from loadopt.errors import LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import configured_loader
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, RunStatus
+from loadopt.schema import SCHEMA_VERSION, CacheSection, DatasetSection, ResultsFile, Run, RunStatus, SkippedFile
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bounded_by_base, bytes_source
@@ -38,60 +38,65 @@ class Setting:
 
 
 def results_document(config: Config, plan: list[Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
-                     quick: bool, interrupted: bool, cache_note: str, not_run: str = "") -> dict[str, Any]:
+                     quick: bool, interrupted: bool, cache_note: str, not_run: str = "") -> ResultsFile:
     """results.json of a bench: every planned setting's run (its metrics over the repeats, or why it has
     none: `not_run` for a setting the bench stopped before, interrupted or at an error), fastest first in
     `ranking`, and the summary line."""
     machine = machine_info()
-    runs = []
-    for setting in plan:
-        built = built_loader(setting, config, dataset)
-        run: dict[str, Any] = {"backend": setting.backend, "label": setting.label,
-                               "settings": setting.settings.model_dump() if setting.settings else None,
-                               "status": setting.status, "reason": setting.reason,
-                               "bytes_source": built.bytes_source() if built else bytes_source(dataset),
-                               "recipe": built.recipe() if built else None}
-        if built is not None:
-            built.close()
-        if setting.repeats and setting.status == RunStatus.OK:
-            run["metrics"] = aggregate([r.metrics for r in setting.repeats])
-            run["repeats"] = [r.metrics for r in setting.repeats]
-            run["skipped_files"] = skipped_files(r.skipped for r in setting.repeats)
-        elif setting.status == RunStatus.OK:
-            run["status"], run["reason"] = RunStatus.NOT_RUN, not_run or "the bench stopped before this setting ran"
-        if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
-            run["tier_counters"] = sum_counters(setting.tier_counters)
-            if "metrics" in run:  # a slower storage under an emulated tier answers for itself, not the tier
-                figures = [median(run["metrics"], k) for k in ("tier_bytes", "wall_s", "accelerator_utilisation")]
-                run["bounded_by_base"] = bounded_by_base(dataset, run["tier_counters"], *figures)
-        runs.append(run)
-    measured = sorted((r for r in runs if "metrics" in r),
-                      key=lambda r: -(median(r["metrics"], "samples_per_s") or 0.0))
+    runs = [_run(setting, config, dataset, not_run) for setting in plan]
+    measured = sorted((r for r in runs if r.metrics is not None),
+                      key=lambda r: -(median(r.metrics or {}, "samples_per_s") or 0.0))
     want = recipe.wanted(config.pipeline, kind=dataset.kind)
     # "fastest" among the settings that deliver the config's training input (loadopt.recipe)
-    summary = summary_line([r for r in measured if not recipe.differences(r.get("recipe"), want)] or measured)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "loadopt bench",
-        "config_source": config.source,
-        "config": redact(config.model_dump(mode="json")),
-        "quick": quick,
-        "interrupted": interrupted,
-        "device": str(device),
-        "machine": machine,
-        "machine_fingerprint": machine_fingerprint(machine),
-        "tier": resolve_tier(config.storage.tier).redacted(),
-        "dataset": {"root": redact(dataset.root), "fingerprint": dataset.fingerprint, "synthetic": dataset.synthetic,
-                    "num_samples": len(dataset), "num_classes": len(dataset.classes),
-                    "total_bytes": int(dataset.sizes.sum()), "mean_sample_bytes": float(dataset.sizes.mean())},
-        "workload": workload.model_dump(),
-        "cache": {"mode": config.storage.cache, "note": cache_note},
-        "recipe": want,  # the config's
-        "runs": runs,
-        "ranking": [r["label"] for r in measured],
-        "summary": summary,
-    }
+    summary = summary_line([r for r in measured if not recipe.differences(r.recipe, want)] or measured)
+    return ResultsFile(
+        schema_version=SCHEMA_VERSION,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        command="loadopt bench",
+        config_source=config.source,
+        config=redact(config.model_dump(mode="json")),
+        quick=quick,
+        interrupted=interrupted,
+        device=str(device),
+        machine=machine,
+        machine_fingerprint=machine_fingerprint(machine),
+        tier=resolve_tier(config.storage.tier).redacted(),
+        dataset=DatasetSection(root=redact(dataset.root), fingerprint=dataset.fingerprint,
+                               synthetic=dataset.synthetic, num_samples=len(dataset),
+                               num_classes=len(dataset.classes), total_bytes=int(dataset.sizes.sum()),
+                               mean_sample_bytes=float(dataset.sizes.mean())),
+        workload=workload.model_dump(),
+        cache=CacheSection(mode=config.storage.cache, note=cache_note),
+        recipe=want,  # the config's
+        runs=runs,
+        ranking=[r.label for r in measured],
+        summary=summary,
+    )
+
+
+def _run(setting: Setting, config: Config, dataset: ImageDataset, not_run: str) -> Run:
+    """One planned setting's run: its metrics over the repeats, or why it has none (`not_run`: the bench
+    stopped before it)."""
+    built = built_loader(setting, config, dataset)
+    run = Run(backend=setting.backend, label=setting.label,
+              settings=setting.settings.model_dump() if setting.settings else None,
+              status=setting.status, reason=setting.reason,
+              bytes_source=built.bytes_source() if built else bytes_source(dataset),
+              recipe=built.recipe() if built else None)
+    if built is not None:
+        built.close()
+    if setting.repeats and setting.status == RunStatus.OK:
+        run.metrics = aggregate([r.metrics for r in setting.repeats])
+        run.repeats = [r.metrics for r in setting.repeats]
+        run.skipped_files = skipped_files(r.skipped for r in setting.repeats)
+    elif setting.status == RunStatus.OK:
+        run.status, run.reason = RunStatus.NOT_RUN, not_run or "the bench stopped before this setting ran"
+    if setting.tier_counters:  # reads, retries and faults of the storage tier, over every repeat
+        run.tier_counters = counters = sum_counters(setting.tier_counters)
+        if run.metrics is not None:  # a slower storage under an emulated tier answers for itself, not the tier
+            figures = [median(run.metrics, k) for k in ("tier_bytes", "wall_s", "accelerator_utilisation")]
+            run.bounded_by_base = bounded_by_base(dataset, counters, *figures)
+    return run
 
 
 def built_loader(setting: Setting, config: Config, dataset) -> Loader | None:
@@ -105,27 +110,27 @@ def built_loader(setting: Setting, config: Config, dataset) -> Loader | None:
         return None
 
 
-def summary_line(measured: list[dict[str, Any]]) -> str:
+def summary_line(measured: list[Run]) -> str:
     """The fastest of the measured runs (fastest first) and its margin over the next."""
     if not measured:
         return "no loader setting was measured"
     best = measured[0]
-    rate = median(best["metrics"], "samples_per_s")
-    text = f"fastest: {best['label']} at {rate:,.0f} samples/s"
+    rate = median(best.metrics or {}, "samples_per_s")
+    text = f"fastest: {best.label} at {rate:,.0f} samples/s"
     if len(measured) > 1:
         second = measured[1]
-        other = median(second["metrics"], "samples_per_s")
-        text += f", {rate / other:.2f}x the next ({second['label']}, {other:,.0f} samples/s)" if rate and other else ""
+        other = median(second.metrics or {}, "samples_per_s")
+        text += f", {rate / other:.2f}x the next ({second.label}, {other:,.0f} samples/s)" if rate and other else ""
     return text
 
 
-def skipped_files(per_repeat) -> list[dict[str, Any]]:
+def skipped_files(per_repeat: Iterable[list[tuple[str, str]]]) -> list[SkippedFile]:
     """One entry per unreadable file (path, what was wrong, how many times a repeat met it): a file
     met in every epoch of every repeat is still one file."""
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, SkippedFile] = {}
     for skipped in per_repeat:
         for path, why in skipped:
-            files.setdefault(path, {"path": path, "reason": why, "times": 0})["times"] += 1
+            files.setdefault(path, SkippedFile(path=path, reason=why, times=0)).times += 1
     return list(files.values())
 
 

@@ -33,7 +33,7 @@ from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
-from loadopt.schema import RunStatus
+from loadopt.schema import ResultsFile, RunStatus, RunTuned, as_dict
 from loadopt.schema_ceilings import Ceilings, Verdict, written
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.imagefolder import open_dataset
@@ -61,7 +61,7 @@ class BenchRequest:
 
 @dataclass
 class BenchOutcome:
-    results: dict[str, Any]
+    results: ResultsFile | None  # None on a rank other than 0 under torchrun (rank 0 writes)
     # None where nothing was written: on a rank other than 0 under torchrun (rank 0 writes), or when no
     # setting was measured (every one unavailable or failing: the output folder is left as it was)
     json_path: Path | None
@@ -71,6 +71,11 @@ class BenchOutcome:
     # The user error that stopped the bench after some runs (only with `run_bench(return_errors=True)`;
     # otherwise raised): the runs measured before it are written, the settings after it say so.
     error: LoadoptError | None = None
+
+    def document(self) -> dict[str, Any]:
+        """The results as plain JSON-shaped data (`as_dict`: the keys results.json has), for the readers of
+        its open sections; on a rank other than 0, only the rank."""
+        return as_dict(self.results) if self.results is not None else {"rank": self.rank}
 
 
 def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
@@ -194,20 +199,22 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
     if not ranks.lead or machine_load is None:  # a rank other than 0: rank 0 writes and prints
         if done.user_error is not None:
             raise done.user_error
-        return BenchOutcome({"rank": ranks.rank}, None, None, done.interrupted, ranks.rank)
+        return BenchOutcome(None, None, None, done.interrupted, ranks.rank)
     results = results_document(config, plan, dataset, ranks.device, workload, request.quick, done.interrupted,
                                done.cache_note, done.not_run())
-    ranks.annotate(results)
+    doc = as_dict(results)  # the ranks' figures (bench/distributed.py) are added to the document as plain data
+    ranks.annotate(doc)
+    results = ResultsFile.model_validate(doc)
     if done.interrupted:
-        results["interrupted_by"] = done.stopped_by
-    results["machine"]["load"] = load
+        results.interrupted_by = done.stopped_by
+    if results.machine is not None:
+        results.machine["load"] = load
     if tunings is not None:
-        results["tuning"] = tuner.tuning_summary(tunings, request.budget_s)
-        tried = {t.backend: (len(t.trials), t.space_size, t.reason) for t in tunings}
-        for run in results["runs"]:
-            count, size, note = tried[run["backend"]]
-            run["tuned"] = {"tried": count, "space_size": size, "note": note}
-    if not results["ranking"]:  # nothing measured: nothing in the folder is replaced
+        results.tuning = tuner.tuning_summary(tunings, request.budget_s)
+        tried = {t.backend: RunTuned(tried=len(t.trials), space_size=t.space_size, note=t.reason) for t in tunings}
+        for run in results.runs:
+            run.tuned = tried[run.backend]
+    if not results.ranking:  # nothing measured: nothing in the folder is replaced
         if done.user_error is not None:
             raise done.user_error
         if done.interrupted:
@@ -245,27 +252,29 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
 
 
 def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: list[Setting], dataset: Dataset,
-           results: dict[str, Any], done: _Pass) -> BenchOutcome:
+           results: ResultsFile, done: _Pass) -> BenchOutcome:
     """Attribute the measured settings, decide (a stopped bench: among what it measured, marked partial),
     write the files."""
     config, interrupted = request.config, done.interrupted
     if done.ceilings is not None:
+        doc = as_dict(results)  # attribution and stages read and annotate the document as plain data
         try:
-            _attribute(results, Ceilings.model_validate(ranks.job_ceilings(written(done.ceilings))))
+            _attribute(doc, Ceilings.model_validate(ranks.job_ceilings(written(done.ceilings))))
             if (request.tune or request.attribute_stages) and not interrupted and done.user_error is None:
-                stages.attribute_stages(config, dataset, ranks.device, results, done.ceilings, request.reporter)
+                stages.attribute_stages(config, dataset, ranks.device, doc, done.ceilings, request.reporter)
         except KeyboardInterrupt as exc:
-            interrupted = results["interrupted"] = True
-            results["interrupted_by"] = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+            interrupted = doc["interrupted"] = True
+            doc["interrupted_by"] = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
+        results = ResultsFile.model_validate(doc)  # what the attribution added, also where it was cut short
     tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
     made = decision.make_decision(results, tier)
     if interrupted or done.user_error is not None:
         if made is not None:  # among what was measured, saying what was not
-            results["decision"] = made = decision.partial(made, results)
+            results.decision = made = decision.partial(made, results)
     else:
-        results["decision"] = made  # None: nothing of the config's recipe was measured
+        results.decision = made  # None: nothing of the config's recipe was measured
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
     # A bench that decided nothing leaves no decision of an earlier bench beside its results.
     decision.record_beside(made, folder)

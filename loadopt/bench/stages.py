@@ -102,7 +102,7 @@ def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend:
                             min(w.measure_batches, STAGE_BATCHES))
     finally:
         loader.close()
-    m = result.metrics
+    m: dict[str, Any] = dict(result.metrics)
     per_sample = m["bytes_read"] / m["samples"] if m["samples"] and m["bytes_read"] else None
     batches = max(m["batches"], 1)
     run = LoaderRun(samples_per_s=m["samples_per_s"], stall_fraction=m["stall_fraction"], note=note,

@@ -37,7 +37,7 @@ def compare_backends(config: Config, spec: TierSpec, out: str, warmup_batches: i
         "loaders": backend_sweep(config, quick), "workload": workload,
         "storage": config.storage.model_copy(update={"tier": spec.model_dump(mode="json"), "cache": "cold"})})
     outcome = run_bench(tier_config, out=out, attribute=False, reporter=reporter)
-    results = outcome.results
+    results = outcome.document()
     compared = BackendComparison(runs=[_backend_run(run) for run in results["runs"]], ranking=results["ranking"],
                                  results=str(outcome.json_path) if outcome.json_path else None,  # None: nothing
                                  decision=_tier_decision(results.get("decision"), bounded_by_base))

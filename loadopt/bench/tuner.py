@@ -39,7 +39,7 @@ from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
-from loadopt.schema import RunStatus
+from loadopt.schema import BackendTuningRecord, Refusal, RunStatus, TrialRecord, TuningSummary
 from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,11 @@ class Trial:
     outcome: str = "ok"  # ok | stopped early | cut by the budget | error
     reason: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "settings": self.settings, "samples_per_s": self.samples_per_s,
-                "measured_batches": self.batches, "seconds": round(self.seconds, 3), "outcome": self.outcome,
-                "reason": self.reason}
+    def record(self) -> TrialRecord:
+        """The trial as results.json's tuning trace holds it."""
+        return TrialRecord(label=self.label, settings=self.settings, samples_per_s=self.samples_per_s,
+                           measured_batches=self.batches, seconds=round(self.seconds, 3), outcome=self.outcome,
+                           reason=self.reason)
 
 
 @dataclass
@@ -95,18 +96,20 @@ class BackendTuning:
     space: dict[str, list[Any]] = field(default_factory=dict)
     space_size: int = 0
     start: BaseModel | None = None
-    refused: list[dict[str, Any]] = field(default_factory=list)  # settings over the machine, never run
+    refused: list[Refusal] = field(default_factory=list)  # settings over the machine, never run
     trials: list[Trial] = field(default_factory=list)
     best: Trial | None = None
     best_settings: BaseModel | None = None
     share_s: float = 0.0
     seconds: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "status": self.status, "reason": self.reason, "space": self.space,
-                "space_size": self.space_size, "tried": len(self.trials), "refused": self.refused,
-                "best": self.best.to_json() if self.best else None, "budget_share_s": round(self.share_s, 2),
-                "seconds": round(self.seconds, 2), "trials": [t.to_json() for t in self.trials]}
+    def record(self) -> BackendTuningRecord:
+        """The backend's search as results.json's tuning trace holds it."""
+        return BackendTuningRecord(backend=self.backend, status=self.status, reason=self.reason, space=self.space,
+                                   space_size=self.space_size, tried=len(self.trials), refused=self.refused,
+                                   best=self.best.record() if self.best else None,
+                                   budget_share_s=round(self.share_s, 2), seconds=round(self.seconds, 2),
+                                   trials=[t.record() for t in self.trials])
 
 
 class _Stop(Exception):
@@ -190,7 +193,7 @@ class Tuner:
                     self._build(cls, point, prepare=True).close()
                 except DatasetError as exc:  # e.g. a missing conversion under --no-convert: drop the value
                     tuning.space[key] = [v for v in tuning.space[key] if v != value]
-                    tuning.refused.append({"settings": point.model_dump(), "reason": str(exc)})
+                    tuning.refused.append(Refusal(settings=point.model_dump(), reason=str(exc)))
         return tuning
 
     def _point(self, cls: type[Loader], base: BaseModel, key: str, value: Any) -> BaseModel | None:
@@ -235,7 +238,7 @@ class Tuner:
                         refused = self.limits.refuses(cls, point, self.config.pipeline)
                         if refused:
                             seen.add(_key(point))
-                            tuning.refused.append({"settings": point.model_dump(), "reason": refused})
+                            tuning.refused.append(Refusal(settings=point.model_dump(), reason=refused))
                             continue
                         trial = self._trial(cls, tuning, point, incumbent.samples_per_s, deadline, seen)
                         if trial is None:  # the budget cannot fit another run
@@ -287,7 +290,8 @@ class Tuner:
         try:
             result = run_repeat(loader, self.accelerator, DeviceTransfer(self.device, emulate=True), w.warmup_batches,
                                 w.measure_batches, on_batch=check)
-            trial.samples_per_s, trial.batches = steady_rate(result.probes), result.metrics["batches"]
+            trial.samples_per_s = steady_rate(result.probes)
+            trial.batches = sum(1 for p in result.probes if p.measured)
         except _Stop as stop:
             trial.outcome, trial.reason = stop.outcome, stop.reason
         except (LoadoptError, KeyboardInterrupt):
@@ -337,8 +341,8 @@ def _unique_label(label: str, settings: BaseModel, tuning: BackendTuning) -> str
     return label
 
 
-def tuning_summary(tunings: list[BackendTuning], budget_s: float) -> dict[str, Any]:
+def tuning_summary(tunings: list[BackendTuning], budget_s: float) -> TuningSummary:
     """The tuning trace for results.json."""
-    return {"method": "coordinate-wise hill climbing with early stopping (loadopt/bench/tuner.py)",
-            "budget_s": budget_s, "seconds": round(sum(t.seconds for t in tunings), 2),
-            "backends": [t.to_json() for t in tunings]}
+    return TuningSummary(method="coordinate-wise hill climbing with early stopping (loadopt/bench/tuner.py)",
+                         budget_s=budget_s, seconds=round(sum(t.seconds for t in tunings), 2),
+                         backends=[t.record() for t in tunings])

@@ -4,7 +4,7 @@ place)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -24,6 +24,7 @@ from loadopt.errors import Terminated, shown_name
 
 if TYPE_CHECKING:
     from loadopt.bench.runner import BenchOutcome
+    from loadopt.schema import ResultsFile
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -65,44 +66,43 @@ def bench(
                 err_console.print(f"interrupted ({signal_name}) before any run finished: no results were written",
                                   highlight=False, markup=False)
                 raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130) from None
-    if outcome.rank != 0:  # a rank other than 0 under torchrun: rank 0 writes and prints
-        return
     results = outcome.results
+    if results is None:  # a rank other than 0 under torchrun: rank 0 writes and prints
+        return
     _print_results(results)
     if outcome.json_path is not None:
         console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
         auto_report(outcome.json_path)
-    _close(outcome, bool(terminated), out or cfg.report.out)
-    console.print(f"[bold]{results['summary']}[/]", highlight=False)
+    _close(outcome, results, bool(terminated), out or cfg.report.out)
+    console.print(f"[bold]{results.summary}[/]", highlight=False)
 
 
-def _close(outcome: BenchOutcome, terminated: bool, out: str) -> None:
+def _close(outcome: BenchOutcome, results: ResultsFile, terminated: bool, out: str) -> None:
     """The files skipped under on_error: skip, then the exit a stopped or failed bench owes its caller: 143 or
     130 when interrupted, the user error's one line, 1 when no setting could be measured."""
-    results = outcome.results
-    skipped = {f["path"]: f["reason"] for r in results["runs"] for f in r.get("skipped_files", [])}
+    skipped = {f.path: f.reason for r in results.runs for f in r.skipped_files}
     if skipped:
         listed = "; ".join(f"{shown_name(path)}: {why}" for path, why in list(skipped.items())[:5])
         more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
                       f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)
     if outcome.interrupted:
-        signal_name = results.get("interrupted_by") or ("SIGTERM" if terminated else "SIGINT")
+        signal_name = results.interrupted_by or ("SIGTERM" if terminated else "SIGINT")
         err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",
                           highlight=False)
         raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130)
     if outcome.error is not None:  # a user error stopped the bench: the runs before it are written
         with user_errors():
             raise outcome.error
-    if not results["ranking"]:  # every backend unavailable or failing: nothing answers the question asked
-        reasons = "; ".join(f"{r['label']}: {r['reason']}" for r in results["runs"] if r.get("reason"))
+    if not results.ranking:  # every backend unavailable or failing: nothing answers the question asked
+        reasons = "; ".join(f"{r.label}: {r.reason}" for r in results.runs if r.reason)
         err_console.print(f"error: no loader setting could be measured ({reasons or 'none configured'}); "
                           f"nothing was written to {out}", highlight=False, markup=False,
                           soft_wrap=True)
         raise typer.Exit(1)
 
 
-def _print_results(results: dict[str, Any]) -> None:
+def _print_results(results: ResultsFile) -> None:
     """The ranked table, the lines under it (settings not run, bytes' sources, recipes, the machine's load,
     unreliable ceilings, the cache), the verdicts and the tuning's summary."""
     console.print(results_table(results))
@@ -115,38 +115,42 @@ def _print_results(results: dict[str, Any]) -> None:
     for n, line in enumerate(recipe_lines(results)):
         console.print(f"[dim]{escape(line)}[/]" if n == 0 else f"[yellow]{escape(line)}[/]", highlight=False)
     console.print("[dim]peak mem: the process tree's proportional set size (shared pages counted once)[/]")
-    busy = (results["machine"].get("load") or {}).get("note")
+    load = results.machine.get("load") if results.machine else None
+    busy = load["note"] if load else None
     if busy:
         console.print(f"[yellow]{escape(busy)}[/]", highlight=False)
-    unreliable = [r for r in results["runs"] if (r.get("ceiling") or {}).get("unreliable")]
-    for run in unreliable:
-        console.print(f"[yellow]of ceiling, {escape(run['label'])}: unreliable: {escape(run['ceiling']['reason'])}[/]",
-                      highlight=False)
-    console.print(f"[dim]{results['cache']['note']}; device {results['device']}"
-                  f"{' (emulated host-to-device copy)' if results['device'] == 'cpu' else ''}[/]", highlight=False)
+    for run in results.runs:
+        ceiling = run.extra("ceiling") or {}
+        if ceiling.get("unreliable"):
+            console.print(f"[yellow]of ceiling, {escape(run.label)}: unreliable: {escape(ceiling['reason'])}[/]",
+                          highlight=False)
+    cache_note = results.cache.note if results.cache else ""
+    console.print(f"[dim]{cache_note}; device {results.device}"
+                  f"{' (emulated host-to-device copy)' if results.device == 'cpu' else ''}[/]", highlight=False)
     _print_verdicts(results)
-    if results.get("tuning"):
-        tuning = results["tuning"]
-        console.print(f"[dim]tuning: {sum(b['tried'] for b in tuning['backends'])} settings tried in "
-                      f"{tuning['seconds']:,.0f} s of a {tuning['budget_s']:,.0f} s budget ({tuning['method']})[/]",
+    tuning = results.tuning
+    if tuning:
+        console.print(f"[dim]tuning: {sum(b.tried for b in tuning.backends)} settings tried in "
+                      f"{tuning.seconds:,.0f} s of a {tuning.budget_s:,.0f} s budget ({tuning.method})[/]",
                       highlight=False)
-        for backend in tuning["backends"]:
-            if backend.get("reason"):
-                console.print(f"[dim]  {backend['backend']}: {escape(backend['reason'])}[/]", highlight=False)
+        for backend in tuning.backends:
+            if backend.reason:
+                console.print(f"[dim]  {backend.backend}: {escape(backend.reason)}[/]", highlight=False)
 
 
-def _print_verdicts(results: dict[str, Any]) -> None:
+def _print_verdicts(results: ResultsFile) -> None:
     """The measured ceilings, then one bottleneck verdict per backend's best setting."""
     from loadopt.bench.attribution import ceilings_summary
     from loadopt.schema_ceilings import Ceilings
 
-    if results.get("ceilings"):
-        summary = ceilings_summary(Ceilings.model_validate(results["ceilings"]))
+    ceilings = results.extra("ceilings")
+    if ceilings:
+        summary = ceilings_summary(Ceilings.model_validate(ceilings))
         console.print(f"[dim]ceilings measured in this run: {escape(summary)}[/]", highlight=False)
     for line in verdict_lines(results):
         name, rest = line.split(": ", 1)
         console.print(f"[bold]{escape(name)}[/]: {escape(rest)}", highlight=False)
-    if results.get("verdicts"):
+    if results.extra("verdicts"):
         console.print("[dim]each verdict in full, with what would lift its bound: `loadopt explain "
                       "RESULTS.json` or the report[/]", highlight=False)
 

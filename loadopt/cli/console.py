@@ -7,15 +7,18 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from loadopt.errors import LoadoptError, Terminated
 from loadopt.progress import Reporter
+
+if TYPE_CHECKING:
+    from loadopt.schema import RepeatMetrics
 
 # Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
 WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
@@ -44,9 +47,9 @@ class RichReporter(Reporter):
     def __init__(self, progress: Progress, terminated: list[bool] | None = None) -> None:
         self.progress = progress
         self.terminated = terminated if terminated is not None else []
-        self._task: Any = None
-        self._dataset_task: Any = None
-        self._conversions: dict[str, Any] = {}
+        self._task: TaskID | None = None
+        self._dataset_task: TaskID | None = None
+        self._conversions: dict[str, TaskID] = {}
 
     def stop_if_terminated(self) -> None:
         """Raise `Terminated` again where it is safe: the signal handler's own raise can land where Python
@@ -72,14 +75,18 @@ class RichReporter(Reporter):
 
     def batch_done(self, done: int) -> None:
         self.stop_if_terminated()
-        self.progress.update(self._task, completed=done)
+        if self._task is not None:  # a batch is always of a run started
+            self.progress.update(self._task, completed=done)
 
-    def run_finished(self, label: str, metrics: dict[str, Any] | None, error: str | None) -> None:
+    def run_finished(self, label: str, metrics: RepeatMetrics | None, error: str | None) -> None:
         if error is not None:
             self.progress.console.print(f"[red]{escape(label)}: failed: {escape(error)}[/]", highlight=False)
         elif metrics is not None:
+            from loadopt.bench.metrics import median
+
             self.progress.console.print(
-                f"  {label}: {metrics['samples_per_s']:,.0f} samples/s, stall {metrics['stall_fraction']:.0%}",
+                f"  {label}: {median(metrics, 'samples_per_s') or 0.0:,.0f} samples/s, "
+                f"stall {median(metrics, 'stall_fraction') or 0.0:.0%}",
                 highlight=False)
 
     def tuning_trial(self, label: str, outcome: str, samples_per_s: float | None, reason: str) -> None:

@@ -5,7 +5,10 @@ The full label stays in results.json, the report and the verdicts."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loadopt.schema import Run
 
 # The knobs' short names in the table (the full names are in results.json's settings).
 SHORT_KEYS = {"num_workers": "w", "num_threads": "t", "threads": "t", "io_threads": "io", "prefetch": "pf",
@@ -21,13 +24,13 @@ def _words(label: str, backend: str) -> tuple[list[str], dict[str, str]]:
     return words, knobs
 
 
-def short_labels(runs: Sequence[dict[str, Any]]) -> dict[str, str]:
+def short_labels(runs: Sequence[Run]) -> dict[str, str]:
     """Each run's label -> its short form: the backend, its plain words, then the knobs whose values differ
     between that backend's runs (`w=1`, `w=2`); two runs never share a short label."""
     parsed: dict[str, tuple[str, list[str], dict[str, str]]] = {}
     for run in runs:
-        backend = run.get("backend") or run["label"].split()[0]
-        parsed[run["label"]] = (backend, *_words(run["label"], backend))
+        backend = run.backend or run.label.split()[0]
+        parsed[run.label] = (backend, *_words(run.label, backend))
     values_of: dict[tuple[str, str], set[str]] = {}  # (backend, knob) -> the values its runs have
     for backend, _, knobs in parsed.values():
         for key, value in knobs.items():

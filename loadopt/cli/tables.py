@@ -12,30 +12,32 @@ from rich.table import Table
 
 if TYPE_CHECKING:  # the CLI's help stays light: the types only
     from loadopt.recipe import Recipe
+    from loadopt.schema import ResultsFile, Run, RunMetrics
     from loadopt.storage.probe import ProbeResult
 
 
-def _fmt(metrics: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+
+def _fmt(metrics: RunMetrics, key: str, spec: str, scale: float = 1.0) -> str:
     from loadopt.bench.metrics import median
 
     value = median(metrics, key)
     return "-" if value is None else format(value * scale, spec)
 
 
-def results_table(results: dict[str, Any]) -> Table:
+def results_table(results: ResultsFile) -> Table:
     """One row per loader setting, ranked by throughput, settings that did not run at the end: one line each
     within 120 columns (short setting labels, `labels.short_labels`; the full labels, spreads and settings
     are in results.json and the report)."""
     from loadopt.bench.metrics import median
     from loadopt.cli.labels import short_labels
 
-    table = Table(title=f"loadopt bench: {results['config']['name']} on {results['device']}"
-                        f" ({results['dataset']['num_samples']} samples)", title_justify="left",
+    samples = results.dataset.num_samples if results.dataset else "?"
+    table = Table(title=f"loadopt bench: {(results.config or {})['name']} on {results.device}"
+                        f" ({samples} samples)", title_justify="left",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    by_label = {r["label"]: r for r in results["runs"]}
-    short = short_labels(results["runs"])
-    ranked = [by_label[label] for label in results["ranking"]]
-    tokens = any("tokens_per_s" in run["metrics"] for run in ranked)
+    short = short_labels(results.runs)
+    ranked = results.measured()
+    tokens = any("tokens_per_s" in (run.metrics or {}) for run in ranked)
     volume = ("tokens/s", "tokens_per_s", ",.0f") if tokens else ("MB/s", "mb_per_s", ",.1f")
     sources = {_bytes_from(run) for run in ranked}
     columns = ["#", "setting", "samples/s", volume[0], "stall", "loader", "finish", "p99 ms", "CPU s/1k", "mem MB",
@@ -44,46 +46,45 @@ def results_table(results: dict[str, Any]) -> Table:
         table.add_column(column, justify="left" if column in ("setting", "recipe", "bytes from") else "right",
                          no_wrap=True)
     for rank, run in enumerate(ranked, start=1):
-        m = run["metrics"]
-        fraction = run.get("fraction_of_ceiling")
+        m = run.metrics or {}
+        fraction = run.extra("fraction_of_ceiling")
         # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
-        if (run.get("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low (said below)
+        if (run.extra("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low (said below)
             of_ceiling = "[yellow]?[/]"
-        shown = short[run["label"]]
-        tuned = run.get("tuned")  # --tune: each backend's best setting, and how many were tried
-        if tuned:  # a backend far behind after the first round keeps its start (bench/tuner.py)
-            climbed = not str(tuned.get("note") or "").startswith("not climbed")
-            shown += f" (tried {tuned['tried']} of {tuned['space_size']}{'' if climbed else ', start only'})"
+        shown = short[run.label]
+        if run.tuned:  # --tune: each backend's best setting, and how many were tried; a backend far behind
+            climbed = not run.tuned.note.startswith("not climbed")  # after the first round keeps its start
+            shown += f" (tried {run.tuned.tried} of {run.tuned.space_size}{'' if climbed else ', start only'})"
         loader, finish = _stall_parts(m)
         cells = [str(rank), escape(shown), f"{median(m, 'samples_per_s'):,.0f}", _fmt(m, volume[1], volume[2]),
                  _fmt(m, "stall_fraction", ".1%"), loader, finish, _fmt(m, "wait_p99_ms", ",.1f"),
                  _fmt(m, "cpu_seconds_per_1k_samples", ".2f"), _fmt(m, "peak_pss_mb", ",.0f"), of_ceiling,
-                 _recipe_cell(run, results.get("recipe"))]
+                 _recipe_cell(run, results.recipe)]
         table.add_row(*cells, *([escape(_bytes_from(run)[:12])] if len(sources) > 1 else []))
-    for run in results["runs"]:
-        if run["label"] not in results["ranking"]:  # its reason goes under the table (not_run_lines)
-            table.add_row("-", escape(short[run["label"]]), f"[yellow]{run['status']}[/]",
-                          *[""] * (len(columns) - 3))
+    for run in results.runs:
+        if run.label not in results.ranking:  # its reason goes under the table (not_run_lines)
+            table.add_row("-", escape(short[run.label]), f"[yellow]{run.status}[/]", *[""] * (len(columns) - 3))
     return table
 
 
-def verdict_lines(results: dict[str, Any]) -> list[str]:
+def verdict_lines(results: ResultsFile) -> list[str]:
     """One line per backend's best setting: what bounds it and by how much (the verdict's whole sentence is in
     results.json, the report and `loadopt explain`; the busy-machine note is said once, by the caller)."""
     from loadopt.bench.metrics import median
     from loadopt.cli.labels import short_labels
 
-    short = short_labels(results["runs"])
-    by_label = {r["label"]: r for r in results["runs"]}
-    need = ((results.get("ceilings") or {}).get("job") or {}).get("demand_samples_per_s")
+    short = short_labels(results.runs)
+    by_label = {r.label: r for r in results.runs}
+    need = ((results.extra("ceilings") or {}).get("job") or {}).get("demand_samples_per_s")
     lines = []
-    for verdict in results.get("verdicts") or []:
-        run = by_label.get(verdict["label"], {})
-        metrics, ceiling = run.get("metrics") or {}, run.get("ceiling") or {}
+    for verdict in results.extra("verdicts") or []:
+        run = by_label.get(verdict["label"])
+        metrics = (run.metrics if run else None) or {}
+        ceiling = (run.extra("ceiling") if run else None) or {}
         rate, stall = median(metrics, "samples_per_s"), median(metrics, "stall_fraction")
         parts = [f"{rate:,.0f} samples/s" if rate is not None else "no rate"]
-        fraction = run.get("fraction_of_ceiling")
+        fraction = run.extra("fraction_of_ceiling") if run else None
         if isinstance(fraction, (int, float)) and ceiling.get("name"):
             parts.append(f"{fraction:.0%} of {ceiling['name']} ({ceiling['samples_per_s']:,.0f}/s)")
         if need:
@@ -94,7 +95,7 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stall_parts(metrics: dict[str, Any]) -> tuple[str, str]:
+def _stall_parts(metrics: RunMetrics) -> tuple[str, str]:
     """Whose the accelerator's idle share was: the loader's (batches late) and the host finishing's (batches
     there, their copy and finishing not done), where the harness split it (not on CUDA: `-`)."""
     from loadopt.bench.metrics import median
@@ -105,12 +106,12 @@ def _stall_parts(metrics: dict[str, Any]) -> tuple[str, str]:
     return f"{loader:.1%}", f"{finish:.1%}"
 
 
-def _recipe_cell(run: dict[str, Any], want: Recipe | None) -> str:
+def _recipe_cell(run: Run, want: Recipe | None) -> str:
     """The table's short form of a run's recipe: what its crops run on, and `differs` (in yellow) where it
     is not the config's training input (named under the table, `recipe_lines`)."""
     from loadopt import recipe
 
-    found = run.get("recipe")
+    found = run.recipe
     if not found:
         return "-"
     if recipe.differences(found, want):
@@ -119,35 +120,34 @@ def _recipe_cell(run: dict[str, Any], want: Recipe | None) -> str:
     return escape(stored.replace(" <= ", "<=").replace(" px", "px")[:14])
 
 
-def recipe_lines(results: dict[str, Any]) -> list[str]:
+def recipe_lines(results: ResultsFile) -> list[str]:
     """The config's recipe, then one line per measured setting of another recipe, naming the difference."""
     from loadopt import recipe
     from loadopt.bench.decision import recipe_exclusions
 
-    if not results.get("recipe"):
+    if not results.recipe:
         return []
-    lines = [f"recipe of the config: {recipe.describe(results['recipe'])}"]
+    lines = [f"recipe of the config: {recipe.describe(results.recipe)}"]
     for label, differences in recipe_exclusions(results).items():
         lines.append(f"{label}: another training input, never chosen by the decision or auto: {'; '.join(differences)}")
     return lines
 
 
-def _bytes_from(run: dict[str, Any]) -> str:
+def _bytes_from(run: Run) -> str:
     """The table's short form of a run's `bytes_source`: `local disk` or `tier NAME`."""
-    source = str(run.get("bytes_source") or "")
+    source = run.bytes_source or ""
     return source.split(" (", 1)[0] if source else "-"
 
 
-def not_run_lines(results: dict[str, Any]) -> list[str]:
+def not_run_lines(results: ResultsFile) -> list[str]:
     """One line per setting that did not run (unavailable, failed, not run), with its reason; printed
     under the table so that a long reason does not widen it."""
-    return [f"{run['label']}: {run['status']}: {run['reason']}" for run in results["runs"]
-            if run["label"] not in results["ranking"]]
+    return [f"{run.label}: {run.status}: {run.reason}" for run in results.runs if run.label not in results.ranking]
 
 
-def bytes_source_lines(results: dict[str, Any]) -> list[str]:
+def bytes_source_lines(results: ResultsFile) -> list[str]:
     """Where the runs' bytes came from, in full, once per distinct source."""
-    sources = sorted({str(r["bytes_source"]) for r in results["runs"] if r.get("bytes_source")})
+    sources = sorted({r.bytes_source for r in results.runs if r.bytes_source})
     return [f"bytes from {source}" + ("; tier_bytes in results.json counts what crossed it" if
                                       source.startswith("tier") else "") for source in sources]
 
@@ -216,10 +216,9 @@ def bounded_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run_bound_lines(results: dict[str, Any]) -> list[str]:
+def run_bound_lines(results: ResultsFile) -> list[str]:
     """One line per bench run through an emulated tier whose figures the storage under the tier bounded."""
-    return [f"{run['label']}: {run['bounded_by_base']}" for run in results.get("runs") or []
-            if run.get("bounded_by_base")]
+    return [f"{run.label}: {run.bounded_by_base}" for run in results.runs if run.bounded_by_base]
 
 
 def backend_lines(result: dict[str, Any]) -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from loadopt.errors import LoadoptError
-from loadopt.schema import SchemaError, as_dict, parse_results
+from loadopt.schema import RepeatMetrics, RunMetrics, SchemaError, as_dict, parse_results
 
 OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
@@ -46,9 +46,9 @@ class Run:
     backend: str
     status: str
     reason: str
-    metrics: dict[str, Any]
-    repeats: list[dict[str, Any]]
-    ceiling: dict[str, Any] | None
+    metrics: RunMetrics
+    repeats: list[RepeatMetrics]
+    ceiling: dict[str, Any] | None  # bench/attribution.py's, as recorded
 
     @property
     def measured(self) -> bool:
@@ -275,7 +275,7 @@ def load(path: str | os.PathLike[str], tag: str = "A", timings: bool = True) -> 
         if not isinstance(raw, dict) or not isinstance(raw.get("label"), str):
             raise ResultsFileError(f"{p}: runs[{i}] is not a loader setting with a label")
         found = raw.get("metrics")
-        metrics: dict[str, Any] = found if isinstance(found, dict) else {}
+        metrics: RunMetrics = found if isinstance(found, dict) else {}
         runs.append(Run(raw["label"], str(raw.get("backend") or ""), str(raw.get("status") or "ok"),
                         str(raw.get("reason") or ""), metrics,
                         [r for r in raw.get("repeats") or [] if isinstance(r, dict)],
