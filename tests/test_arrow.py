@@ -182,7 +182,7 @@ def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(loader, "_crops", broken)
+    monkeypatch.setattr(loader.filler, "fill", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
         next(iter(loader))
     loader.close()
