@@ -193,7 +193,7 @@ class RingLoader(Loader[RingSettingsT]):
         return self.filler.batch(self._ring[slot], indices, failures, bytes_read)
 
     def frame_sources(self) -> list[np.ndarray] | None:
-        """The stored bytes of a form in `worker_fillers` (whole frames; encoded JPEGs), as the arrays the
+        """The stored bytes of a filler in `worker_fillers` (whole frames; encoded JPEGs), as the arrays the
         workers' `which` indexes, for them to inherit; None where this backend reads none from memory."""
         return None
 
