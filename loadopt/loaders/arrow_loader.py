@@ -2,13 +2,14 @@
 
 Reading a sample costs a page-cache hit and a copy: no file opens, no per-sample Python objects.
 A producer thread assembles each batch straight into a slot of a preallocated ring (pinned where
-CUDA is there), `prefetch` batches ahead, with `threads` threads sharing each batch:
+CUDA is there), `prefetch` batches ahead, with `threads` threads sharing each batch. The backend only
+locates each sample's bytes in the mapped file (`ArrowColumn`); the stored form's filler (fillers.py) fills:
 - decoded pixels: whole frames (train): the JPEG paths' crop box scaled into stored pixels, resized
   and flipped (`crops.crop_frames`); centre squares (eval, or `frame: centre`): a crop copied from the
   mapped rows;
 - encoded JPEGs: decoded in the threads (simplejpeg and torch's resize release the GIL) with the
   same pipeline as the `torch` backend, so both deliver equal tensors;
-- token windows: gathered per record batch with numpy fancy indexing into int64 inputs/targets;
+- token windows: one gather a batch over the whole mapped file into int64 inputs/targets;
 - records (`dataset.kind: records`): the `records` form holds each record whole; its first `delivered_bytes`
   are copied into the slot's row and the rest read into a scratch buffer (every byte of a record is read
   from storage, as the `torch` and `posix` backends read it: the workload is the record's size).

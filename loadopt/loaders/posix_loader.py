@@ -5,11 +5,12 @@ Per batch, the samples' byte ranges are sorted by (shard, offset), adjacent ones
 of at most `task_kib` and read by `io_threads` threads straight into the staging buffer. With
 `o_direct` the shards are opened O_DIRECT (every offset, length and the buffer are 4 KiB aligned),
 bypassing the page cache. The reads of the next `read_ahead` batches are in flight while batch n is
-finished into its ring slot (pinned where CUDA is there):
+finished into its ring slot (pinned where CUDA is there) by the stored form's filler (fillers.py) from
+the staging buffer (`fillers.Located`):
 - decoded pixels: whole frames (train) cropped, resized and flipped by the JPEG paths' plan
   (`crops.crop_frames`); centre squares (eval, `frame: centre`): the crop copied, one copy;
 - encoded JPEGs: decoded in threads with the pipeline of the `torch` and `arrow` backends;
-- token windows: one vectorised copy into int64 inputs and targets;
+- token windows: one gather into int64 inputs and targets;
 - records (`dataset.kind: records`): the raw shards' `records` form holds each record whole, read by its
   byte range like any sample (O_DIRECT too: 4 KiB aligned), its first `delivered_bytes` copied into the
   slot's row (`fillers.Records`).
