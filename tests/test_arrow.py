@@ -182,7 +182,7 @@ def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(loader, "_crops", broken)
+    monkeypatch.setattr(loader.filler, "fill", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
         next(iter(loader))
     loader.close()
@@ -233,7 +233,7 @@ def test_native_crops_refuse_reads_past_a_source():
 
 
 def test_encoded_pages_released_every_32_batches_read_back_the_same(tmp_path, monkeypatch):
-    """The encoded form unmaps the JPEG pages it read every 32 batches (`_release_mapped_jpegs`): the next
+    """The encoded form unmaps the JPEG pages it read every 32 batches (`_release_mapped`): the next
     epochs read the same bytes back from the page cache."""
     from loadopt.loaders import arrow_loader
     from loadopt.storage.imagefolder import open_dataset

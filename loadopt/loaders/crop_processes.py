@@ -208,7 +208,6 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
     torch.set_num_threads(1)  # one core's worth each, as the ceiling's workers
     if crops.cv2 is not None:
         crops.cv2.setNumThreads(1)
-    pool = InlinePool()
     if map_all:
         populate(sources)
     while True:
@@ -226,17 +225,21 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         failures: list[tuple[int, str]] = []
         error = None
+        work, doing = WORK[kind]
         try:
-            if kind == "crop":
-                frames, augment, seed, epoch, boxes, flips = rest
-                crops.crop_frames(out[slot][first:end], indices, sources, which, starts, frames, augment, seed,
-                                  epoch, pool, 1, planned=(boxes, flips))
-            else:
-                failures = decode(out[slot][first:end], sources, indices, which, starts, *rest)
+            failures = work(out[slot][first:end], sources, indices, which, starts, *rest)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as one line
-            doing = "cropping" if kind == "crop" else "decoding"
             error = f"{doing} samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
         connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults, failures))
+
+
+def crop(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
+         starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
+         boxes: np.ndarray, flips: np.ndarray) -> list[tuple[int, str]]:
+    """A worker's share of `send`: its whole frames cropped into `out` by the plan drawn in the parent."""
+    crops.crop_frames(out, indices, sources, which, starts, frames, augment, seed, epoch, InlinePool(), 1,
+                      planned=(boxes, flips))
+    return []
 
 
 def decode(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
@@ -255,3 +258,8 @@ def decode(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, 
         for source in sources:
             release_pages(np.asarray(source))
     return failures
+
+
+# What a worker does with each kind of message (`CropProcesses._send`), and its name in an error.
+WORK: dict[str, tuple[Callable[..., list[tuple[int, str]]], str]] = {"crop": (crop, "cropping"),
+                                                                      "decode": (decode, "decoding")}

@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
-from loadopt.errors import BackendUnavailable, DatasetError
-from loadopt.imaging.resize import crop_resize_flip_chw
-from loadopt.loaders import crops, transforms
+from loadopt.errors import DatasetError
 from loadopt.loaders.base import WorkKind
+from loadopt.loaders.device_fillers import DEVICE_FILLERS
+from loadopt.loaders.fillers import FillContext
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
 from loadopt.loaders.shard_reader import aligned_empty
 from loadopt.loaders.transforms import DeviceDecoder
-from loadopt.storage.raw_format import align_up
 from loadopt.storage.tier_reads import TierReader
-from loadopt.storage.tokens import TokenDataset
 
 
 def nvidia_fs_loaded() -> bool:
@@ -139,6 +136,7 @@ class _Waitable:
 class KvikioLoader(PosixLoader):
     name = "kvikio"
     Settings = PosixSettings
+    fillers = DEVICE_FILLERS  # each form finished on the staging buffer's device
     reader_class: type = KvikioReader
     sample_reads = False  # whole batches into device memory, finished there
     staging_device: str = "cuda"
@@ -188,16 +186,23 @@ class KvikioLoader(PosixLoader):
 
     def describe(self) -> str:
         text = f"{super().describe()}{f' cuFile {self.mode}' if self.mode else ''}"
-        if self.form == "encoded" and self._decoder_name:
+        if self._decoder_name:  # found for the encoded forms
             text += f", JPEG bytes read into pinned host memory, decoded by {self._decoder_name}"
         return text
 
+    def fill_context(self) -> FillContext:
+        return replace(super().fill_context(), device_decoder=self._device_decoder)
+
+    def _device_decoder(self) -> tuple[DeviceDecoder | None, str]:
+        """The encoded forms' GPU decoder (`jpeg_decoder`, else the one installed here) and its name."""
+        if self.jpeg_decoder is None:
+            self.jpeg_decoder, why = gpu_jpeg_decoder()
+            self._decoder_name = why if self.jpeg_decoder is not None else ""
+            return self.jpeg_decoder, why
+        return self.jpeg_decoder, self._decoder_name
+
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
-        if self.form == "encoded" and self.jpeg_decoder is None and not self._records:
-            decoder, why = gpu_jpeg_decoder()
-            if decoder is None:
-                raise BackendUnavailable(f"loaders.kvikio.form encoded: {why}")
-            self.jpeg_decoder, self._decoder_name = decoder, why
+        self.open_filler()  # first: an encoded form without a GPU decoder is refused before anything is converted
         super().prepare(progress, convert_missing)
         if self.reader_class is KvikioReader and not self._through_tier():
             self.mode = cufile_mode()[1]
@@ -216,90 +221,17 @@ class KvikioLoader(PosixLoader):
             return torch.from_numpy(aligned_empty(nbytes))
         if self._through_tier():  # the tier's reads land in host memory, pinned for the copy to the device
             return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        if self.form == "encoded":  # JPEG bitstreams: the decoders parse them on the host
+        if self.filler.bytes_on_host:  # JPEG bitstreams: the decoders parse them on the host
             return torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         return torch.empty(nbytes, dtype=torch.uint8, device=self.staging_device)
 
     def _make_ring(self) -> list[torch.Tensor]:
-        slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
-        shape: tuple[int, ...]
-        if isinstance(self.dataset, TokenDataset):
-            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
-        elif self._records:  # each record's first bytes
-            shape, dtype = (slots, b, self.records.delivered_bytes), torch.uint8
-        else:  # image slots are HWC (RingLoader.layout), decoded JPEGs' crops written through CHW views
-            shape, dtype = (slots, b, size, size, 3), torch.uint8
-        return list(torch.empty(shape, dtype=dtype, device=self.staging_device))
+        # image slots are HWC (RingLoader.layout), decoded JPEGs' crops written through CHW views
+        slot, dtype = self.filler.slot_shape()
+        return list(torch.empty((self.settings.prefetch + 2, *slot), dtype=dtype, device=self.staging_device))
 
     def _submit(self, staging, tasks, io) -> list:
         reader = self._reader
         if not isinstance(reader, KvikioReader):  # a host reader: its blocking reads go to the pool
             return super()._submit(staging, tasks, io)
         return [reader.submit(shard, offset, staging[at : at + nbytes]) for shard, offset, at, nbytes in tasks]
-
-    def _fill(self, slot: torch.Tensor, staging: np.ndarray | torch.Tensor, starts: np.ndarray, indices: np.ndarray,
-              epoch: int, pool: Any) -> list[tuple[int, str]]:
-        staging = torch.as_tensor(staging)  # `_new_staging`'s tensor (a numpy buffer viewed, for the POSIX reader)
-        raw = self._raw
-        assert raw is not None, "prepare() opens the shards"
-        length = raw.length[indices]
-        if self._records:  # each record's first bytes, zero-padded, copied on the staging buffer's device
-            for k in range(len(indices)):
-                kept = min(int(length[k]), slot.shape[1])
-                slot[k][:kept].copy_(staging[int(starts[k]) : int(starts[k]) + kept])
-                slot[k][kept:].zero_()
-            self._sync(staging)
-            return []
-        if self._tokens:
-            dtype = torch.from_numpy(np.zeros(0, raw.meta["dtype"])).dtype
-            width, n = int(length[0]), len(indices)
-            stride = int(align_up(width))  # fixed-size windows: staging row r holds batch position order[r]
-            windows = staging[: n * stride].view(n, stride)[:, :width].contiguous().view(dtype).long()
-            order = torch.from_numpy(np.argsort(starts)).to(staging.device)
-            slot[0][order], slot[1][order] = windows[:, :-1], windows[:, 1:]
-            self._sync(staging)
-            return []
-        if self.form == "encoded":
-            return self._decode_into(slot, staging, starts, length, indices, epoch)
-        if self.stored_form == "frames":  # whole frames: the shared plan's box, resized on the device
-            assert raw.frames is not None, "the frames form stores each frame's dims"
-            frames = raw.frames[indices]
-            boxes, flips = crops.frame_boxes(indices, frames, self.pipeline.augment, self.seed, epoch)
-            for k in range(len(indices)):
-                height, width = int(frames[k][0]), int(frames[k][1])
-                pixels = staging[int(starts[k]) : int(starts[k]) + height * width * 3].view(height, width, 3)
-                crop_resize_flip_chw(pixels.permute(2, 0, 1), tuple(boxes[k]), bool(flips[k]), slot[k].permute(2, 0, 1))
-            self._sync(staging)
-            return []
-        stored, size = self.size, self.pipeline.image_size
-        assert stored is not None, "the decoded form is stored at a size"
-        tops, lefts, flips = crops.plan_crops(indices, stored - size, self.pipeline.augment, self.seed, epoch)
-        for k in range(len(indices)):  # views and one copy kernel per sample, no host round trip
-            pixels = staging[int(starts[k]) : int(starts[k] + length[k])].view(stored, stored, 3)
-            crop = pixels[tops[k] : tops[k] + size, lefts[k] : lefts[k] + size]
-            slot[k].copy_(crop.flip(1) if flips[k] else crop)
-        self._sync(staging)
-        return []
-
-    def _decode_into(self, slot: torch.Tensor, staging: torch.Tensor, starts: np.ndarray, length: np.ndarray,
-                     indices: np.ndarray, epoch: int) -> list[tuple[int, str]]:
-        """Decode the batch's JPEGs in one call on the slot's device, then crop/resize/flip each with the
-        plan every backend shares (`transforms.decode_batch`; a failing batch is decoded again sample by
-        sample to name the bad ones)."""
-        decoder = self.jpeg_decoder
-        if decoder is None:  # set by `prepare` for the encoded form
-            raise BackendUnavailable("loaders.kvikio.form encoded: no GPU JPEG decoder was set up")
-
-        def stream(k: int) -> torch.Tensor:  # sample k's bitstream, a view of the (pinned) staging buffer
-            return staging[int(starts[k]) : int(starts[k] + length[k])]
-
-        failures = transforms.decode_batch(slot, indices, stream, decoder, self.pipeline.augment, self.seed, epoch)
-        self._sync(slot)  # the decoder may still copy bitstreams from this staging buffer asynchronously
-        return failures
-
-    @staticmethod
-    def _sync(buffer: torch.Tensor) -> None:
-        """Wait for the kernels reading the staging buffer: cuFile refills it next, outside the stream."""
-        if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
-

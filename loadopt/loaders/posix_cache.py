@@ -1,5 +1,6 @@
 """Part of the `posix` backend (posix_loader.py): its decoded samples read through the page cache, in C.
 
+The centre squares' producer of the posix backend where it reads through the page cache (`PageCacheCrops`).
 The shards are mapped read-only (`PosixLoader.mapped_shards`); a batch is cropped by one native call
 (`_native.read_crops`: `threads` threads in C, no Python per sample, the GIL released throughout).
 A sample whose crop rows are all in the page cache (mincore) is cropped straight from the mapping
@@ -29,9 +30,13 @@ When a batch misses the cache:
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import psutil
@@ -39,7 +44,12 @@ import psutil
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops
 from loadopt.loaders.ring import next_slot
+from loadopt.loaders.shard_reader import PosixReader
+from loadopt.storage.raw_format import RawIndex
 from loadopt.storage.sequential import read_sequential
+
+# A batch's read tasks: (shard, file offset, staging offset, nbytes) each (`PosixLoader.plan`)
+ReadTasks = list[tuple[int, int, int, int]]
 
 PREFILL_BLOCK = 8 << 20  # sequential reads this large make the kernel's readahead use large folios
 
@@ -49,13 +59,12 @@ def fits_in_memory(shards: list) -> bool:
     return sum(os.path.getsize(shard) for shard in shards) <= psutil.virtual_memory().available // 2
 
 
-def advise(loader, indices: np.ndarray) -> None:
+def advise(crops_: PageCacheCrops, indices: np.ndarray) -> None:
     """POSIX_FADV_WILLNEED over the runs of these samples (a no-op for pages already cached)."""
     if not hasattr(os, "posix_fadvise"):
         return
-    _, tasks, _ = loader.plan(indices)
-    for shard, offset, _, nbytes in tasks:
-        os.posix_fadvise(loader.reader.fds[shard], offset, nbytes, os.POSIX_FADV_WILLNEED)
+    for shard, offset, _, nbytes in crops_.tasks(indices):
+        os.posix_fadvise(crops_.reader.fds[shard], offset, nbytes, os.POSIX_FADV_WILLNEED)
 
 
 def all_cached(fds: list[int], places: list[tuple[int, int]], nbytes: int) -> bool:
@@ -81,56 +90,76 @@ def prefill(shards: list) -> None:
     read_sequential([str(shard) for shard in shards], PREFILL_BLOCK)
 
 
-def produce(loader, reader, ring: list, batches: list[np.ndarray], epoch: int, free: queue.Queue,
-            ready: queue.Queue, stop: threading.Event) -> None:
-    """The producer of `PosixLoader` (`loader`, prepared; `reader` its `PosixReader`) for decoded samples
-    without O_DIRECT: fills free slots of `ring` with `batches` in order and puts `(slot, indices,
-    failures, bytes read)` on `ready`."""
-    raw, maps = loader.raw, loader.mapped_shards()
-    size, stored, threads = loader.pipeline.image_size, loader.size, loader.settings.threads
-    span = (size - 1) * stored * 3 + size * 3  # from a crop's first pixel to past its last
-    fd_array, mapped = np.asarray(reader.fds, np.int32), np.array([len(m) for m in maps], np.int64)
-    depth, advised = loader.settings.read_ahead, 0
-    # mincore each sample (`check`) until a batch is all cached, and again after any miss; in between the crops
-    # read the mappings unchecked and a miss shows as a major fault (a system call a sample costs rate)
-    check = True
-    prefill_allowed = loader.settings.prefill and fits_in_memory(raw.shards)
-    if prefill_allowed and batches:
-        # Before any sample is read: samples read at random first break the kernel's sequential
-        # readahead at every one of them, and the prefill then leaves mostly small folios.
-        first = batches[0][:8]
-        if not all_cached(reader.fds, list(zip(raw.shard[first].tolist(), raw.offset[first].tolist(),
-                                               strict=True)), span):
-            prefill(raw.shards)
-            prefill_allowed = False
-    for n, indices in enumerate(batches):
-        slot = next_slot(free, stop)
-        if slot is None:
-            return
-        tops, lefts, flips = crops.plan_crops(indices, stored - size, loader.pipeline.augment, loader.seed, epoch)
-        shards = raw.shard[indices].astype(np.int32)
-        offsets = crops.crop_offsets(raw.offset[indices], tops, lefts, stored)
-        # a shard truncated since it was mapped: named here (a crop past its end would be SIGBUS unchecked)
-        ends = np.minimum(mapped, [os.fstat(fd).st_size for fd in reader.fds])
+@dataclass
+class PageCacheCrops:
+    """The producer of the posix backend for centre squares without O_DIRECT: each batch read and cropped
+    from the shards' mappings (`maps`, through `reader`'s descriptors) by one native call, `size` px crops of
+    `stored` px squares; a miss prefills the shards (`prefill`: where they fit in memory) or announces the
+    next `read_ahead` batches (`advise`, over the read `tasks` of a batch)."""
+
+    raw: RawIndex
+    reader: PosixReader
+    maps: list[mmap.mmap | bytes]
+    tasks: Callable[[np.ndarray], ReadTasks]
+    stored: int
+    size: int
+    augment: Literal["train", "eval"]
+    seed: int
+    threads: int
+    read_ahead: int
+    prefill: bool
+
+    def produce(self, ring: list, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
+                stop: threading.Event) -> None:
+        """Fill free slots of `ring` with `batches` in order; put `(slot, indices, failures, bytes read)` on
+        `ready`."""
+        raw, reader, stored, size = self.raw, self.reader, self.stored, self.size
+        span = (size - 1) * stored * 3 + size * 3  # from a crop's first pixel to past its last
+        fd_array, mapped = np.asarray(reader.fds, np.int32), np.array([len(m) for m in self.maps], np.int64)
+        advised = 0
+        # mincore each sample (`check`) until a batch is all cached, and again after any miss; in between the
+        # crops read the mappings unchecked and a miss shows as a major fault (a system call a sample costs rate)
+        check = True
+        prefill_allowed = self.prefill and fits_in_memory(raw.shards)
+        if prefill_allowed and batches:
+            # Before any sample is read: samples read at random first break the kernel's sequential
+            # readahead at every one of them, and the prefill then leaves mostly small folios.
+            first = batches[0][:8]
+            if not all_cached(reader.fds, list(zip(raw.shard[first].tolist(), raw.offset[first].tolist(),
+                                                   strict=True)), span):
+                prefill(raw.shards)
+                prefill_allowed = False
+        for n, indices in enumerate(batches):
+            slot = next_slot(free, stop)
+            if slot is None:
+                return
+            tops, lefts, flips = crops.plan_crops(indices, stored - size, self.augment, self.seed, epoch)
+            shards = raw.shard[indices].astype(np.int32)
+            offsets = crops.crop_offsets(raw.offset[indices], tops, lefts, stored)
+            self._check_ends(shards, offsets, span, mapped)
+            # One call a batch: `threads` threads in C, the GIL released (Python worker threads handing the GIL
+            # back and forth at every chunk cost rate).
+            misses, failed, _ = crops.native.read_crops(ring[slot].numpy(), self.maps, fd_array, shards, offsets,
+                                                        flips.astype(np.uint8), stored * 3, size, 0, len(indices),
+                                                        self.threads, check)
+            check = misses > 0
+            if failed >= 0:  # read again here for the one-line error that names the shard
+                reader.read(int(shards[failed]), int(offsets[failed]), np.empty(span, np.uint8))
+                raise DatasetError(f"{raw.shards[shards[failed]]}: cannot read the sample at byte {offsets[failed]}")
+            if misses and prefill_allowed:
+                prefill(raw.shards)
+                prefill_allowed = False  # once an epoch: a later miss means the cache cannot hold them
+            elif misses:
+                for ahead in range(max(advised, n + 1), min(n + self.read_ahead + 1, len(batches))):
+                    advise(self, batches[ahead])
+                advised = max(advised, n + self.read_ahead + 1)
+            ready.put((slot, indices, [], span * len(indices)))
+
+    def _check_ends(self, shards: np.ndarray, offsets: np.ndarray, span: int, mapped: np.ndarray) -> None:
+        """Name a shard truncated since it was mapped (a crop past its end would be SIGBUS unchecked)."""
+        ends = np.minimum(mapped, [os.fstat(fd).st_size for fd in self.reader.fds])
         short = np.nonzero(offsets + span > ends[shards])[0]
         if len(short):
             k = int(short[0])
-            raise DatasetError(f"{raw.shards[shards[k]]}: ends at byte {ends[shards[k]]}, the index needs "
+            raise DatasetError(f"{self.raw.shards[shards[k]]}: ends at byte {ends[shards[k]]}, the index needs "
                                f"{offsets[k] + span} (truncated shard)")
-        # One call a batch: `threads` threads in C, the GIL released (Python worker threads handing the GIL
-        # back and forth at every chunk cost rate).
-        misses, failed, _ = crops.native.read_crops(ring[slot].numpy(), maps, fd_array, shards, offsets,
-                                                    flips.astype(np.uint8), stored * 3, size, 0, len(indices), threads,
-                                                    check)
-        check = misses > 0
-        if failed >= 0:  # read again here for the one-line error that names the shard
-            reader.read(int(shards[failed]), int(offsets[failed]), np.empty(span, np.uint8))
-            raise DatasetError(f"{raw.shards[shards[failed]]}: cannot read the sample at byte {offsets[failed]}")
-        if misses and prefill_allowed:
-            prefill(raw.shards)
-            prefill_allowed = False  # once an epoch: a later miss means the cache cannot hold them
-        elif misses:
-            for ahead in range(max(advised, n + 1), min(n + depth + 1, len(batches))):
-                advise(loader, batches[ahead])
-            advised = max(advised, n + depth + 1)
-        ready.put((slot, indices, [], span * len(indices)))

@@ -5,14 +5,15 @@ Per batch, the samples' byte ranges are sorted by (shard, offset), adjacent ones
 of at most `task_kib` and read by `io_threads` threads straight into the staging buffer. With
 `o_direct` the shards are opened O_DIRECT (every offset, length and the buffer are 4 KiB aligned),
 bypassing the page cache. The reads of the next `read_ahead` batches are in flight while batch n is
-finished into its ring slot (pinned where CUDA is there):
+finished into its ring slot (pinned where CUDA is there) by the stored form's filler (fillers.py) from
+the staging buffer (`fillers.Located`):
 - decoded pixels: whole frames (train) cropped, resized and flipped by the JPEG paths' plan
   (`crops.crop_frames`); centre squares (eval, `frame: centre`): the crop copied, one copy;
 - encoded JPEGs: decoded in threads with the pipeline of the `torch` and `arrow` backends;
-- token windows: one vectorised copy into int64 inputs and targets;
+- token windows: one gather into int64 inputs and targets;
 - records (`dataset.kind: records`): the raw shards' `records` form holds each record whole, read by its
   byte range like any sample (O_DIRECT too: 4 KiB aligned), its first `delivered_bytes` copied into the
-  slot's row (`record_ring`).
+  slot's row (`fillers.Records`).
 Decoded centre squares through the page cache (no O_DIRECT) take another path where the native module is
 built: one read per sample's crop rows into a buffer that stays in cache, then the crop
 (`posix_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
@@ -34,9 +35,9 @@ import torch
 from pydantic import Field
 
 from loadopt.errors import DatasetError
-from loadopt.loaders import crops, posix_cache, record_ring, transforms
-from loadopt.loaders.base import HostBatch
-from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, slot_batch
+from loadopt.loaders import crops, posix_cache
+from loadopt.loaders.fillers import Located
+from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.loaders.shard_reader import PosixReader, ShardReader, aligned_empty
 from loadopt.machine import usable_cores
 from loadopt.storage import raw_format, tier_reads
@@ -59,11 +60,17 @@ class PosixSettings(RingSettings):
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
 
 
-class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
+# `loadopt convert`'s flags for a stored form (the message of a missing conversion)
+CONVERT_FLAGS = {"decoded": " --decoded", "frames": " --decoded", "reencoded": " --frame whole"}
+
+
+class PosixLoader(RingLoader[PosixSettings]):
     name = "posix"
     Settings = PosixSettings
     reader_class: type = PosixReader  # a device backend swaps its reader in; tests swap it back
-    sample_reads = True  # decoded pixels through the page cache: per sample, see `posix_cache.produce`
+    # Through the page cache, the fillers' `page_cache_path`: centre squares per sample
+    # (`posix_cache.PageCacheCrops`), whole frames from the mappings when cached (`_MappedCrops`).
+    sample_reads = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -125,15 +132,14 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
 
     def describe(self) -> str:
         s = self.settings
-        text = "records" if self._records else self.form + (f" {self.frame} {self.size}px" if self.size else "")
-        return f"{text} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
+        return f"{self.stored_text()} o_direct={s.o_direct} io_threads={s.io_threads} threads={s.threads}" + \
             tier_reads.via_tier(self.dataset, conversion=True)
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         if not (path / "index.npz").exists():
             if not convert_missing:
-                flags = " --decoded" if self.form == "decoded" else " --frame whole" if self.size else ""
+                flags = CONVERT_FLAGS.get(self.stored_form, "")
                 raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to raw{flags}`")
             raw_format.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib, progress=progress,
@@ -193,37 +199,17 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
 
     # -- batches -------------------------------------------------------------------------------
 
-    def _fill(self, slot: torch.Tensor, staging: np.ndarray, starts: np.ndarray, indices: np.ndarray, epoch: int,
-              pool) -> list[tuple[int, str]]:
+    def _staged(self, staging, starts: np.ndarray, indices: np.ndarray, nbytes: int) -> Located:
+        """The batch's bytes read into `staging` at `starts` (`plan`)."""
         raw = self.raw
-        length = raw.length[indices]
-        if self._records:
-            record_ring.deliver_rows(self.records, slot.numpy(),
-                                     [staging[starts[k] : starts[k] + length[k]] for k in range(len(indices))])
-            return []
-        if self._tokens:
-            dtype, n = np.dtype(raw.meta["dtype"]), len(indices)
-            stride = int(align_up(int(length[0])))  # fixed-size windows: one strided view of all of them
-            rows = np.lib.stride_tricks.as_strided(staging, (n, int(length[0])), (stride, 1))
-            windows = np.ascontiguousarray(rows).view(dtype)
-            order = np.argsort(starts)  # staging row r holds batch position order[r]
-            inputs, targets = slot[0].numpy(), slot[1].numpy()
-            inputs[order], targets[order] = windows[:, :-1], windows[:, 1:]
-            return []
-        if self.stored_form == "frames":
-            crops.crop_frames(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts,
-                              raw.frames_of(indices), self.pipeline.augment, self.seed, epoch, pool,
-                              self.settings.threads)
-            return []
-        if self.form == "decoded":
-            assert self.size is not None  # the decoded form is stored at a size
-            crops.crop_batch(slot.numpy(), indices, [staging], np.zeros(len(indices), np.int32), starts, self.size,
-                             self.pipeline.augment, self.seed, epoch, pool, self.settings.threads)
-            return []
-        return transforms.decode_batch(slot, indices, lambda k: staging[starts[k] : starts[k] + length[k]].data,
-                                       transforms.decoder_name(self.settings.decoder), self.pipeline.augment,
-                                       self.seed, epoch, reduced_scale=self.pipeline.jpeg_scale == "reduced",
-                                       pool=pool, threads=self.settings.threads)
+        return Located([staging], np.zeros(len(indices), np.int32), starts, raw.length[indices].astype(np.int64),
+                       nbytes, raw.frames[indices] if raw.frames is not None else None)
+
+    def through_page_cache(self) -> bool:
+        """Whether batches may be cropped from the shards' mappings (the filler's `page_cache_path`): the
+        reads go through the page cache, into this process, with the native module there."""
+        return self.sample_reads and not self.settings.o_direct and crops.native is not None and \
+            isinstance(self.reader, PosixReader)
 
     def storage_files(self) -> list[str]:
         if self._raw is None:
@@ -235,21 +221,14 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
     def is_open(self) -> bool:
         return self._raw is not None
 
-    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], nbytes: int) -> HostBatch:
-        ring = self._ring
-        assert ring is not None  # produce made it
-        if self._records:
-            return record_ring.record_batch(ring[slot], indices, nbytes)
-        return slot_batch(ring[slot], indices, failures, self.raw.index["label"], self.layout, nbytes)
-
     def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
         """`read_ahead` + 1 staging buffers: the reads of the next `read_ahead` batches are in flight
         while this one is finished (a batch's slot is refilled only after it was finished)."""
-        raw, ring = self.raw, self._ring
+        raw, ring, filler = self.raw, self._ring, self.filler
         assert ring is not None  # produce made it
-        if self.sample_reads and self.stored_form == "decoded" and not self.settings.o_direct and \
-                crops.native is not None and isinstance(self._reader, PosixReader):
-            posix_cache.produce(self, self._reader, ring, batches, epoch, free, ready, stop)
+        cached = filler.page_cache_path if self.through_page_cache() else "staged"
+        if cached == "per sample":
+            self._page_cache_crops().produce(ring, batches, epoch, free, ready, stop)
             return
         most = int(align_up(raw.length).max()) * self.pipeline.batch_size
         depth = self.settings.read_ahead
@@ -257,9 +236,7 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
         pending: dict[int, tuple] = {}
         # Whole frames through the page cache: a batch whose frames are all cached is cropped from the
         # shards' mappings (no staging copy of whole frames: the crop reads only its box).
-        cached_frames = self.sample_reads and self.stored_form == "frames" and not self.settings.o_direct and \
-            crops.native is not None and isinstance(self._reader, PosixReader)
-        maps = [np.frombuffer(m, np.uint8) for m in self.mapped_shards()] if cached_frames else None
+        maps = [np.frombuffer(m, np.uint8) for m in self.mapped_shards()] if cached == "mapped batches" else None
         mapped_crops = _MappedCrops(self, ring, maps, self.croppers if maps is not None else None, epoch, ready)
         try:
             with ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix=f"loadopt-{self.name}-io") as io, \
@@ -283,8 +260,9 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
                     if mapped:
                         mapped_crops.start(slot, indices, shards, starts, nbytes, planned, finisher, pool)
                         continue
-                    failures = self._fill(ring[slot], staging[n % (depth + 1)], starts, indices, epoch, pool)
-                    ready.put((slot, indices, failures, nbytes))
+                    filled = filler.fill(ring[slot], indices, self._staged(staging[n % (depth + 1)], starts, indices,
+                                                                           nbytes), epoch, pool)
+                    ready.put((slot, *filled))
                 mapped_crops.collect(0)
         finally:
             if mapped_crops.croppers is not None:
@@ -317,10 +295,17 @@ class PosixLoader(record_ring.RecordsInRing, RingLoader[PosixSettings]):
 
     def frame_sources(self) -> list[np.ndarray] | None:
         """The shards' mappings, where whole frames are cropped from the page cache (see `fill_ring`)."""
-        if self.sample_reads and not self.settings.o_direct and crops.native is not None and \
-                isinstance(self.reader, PosixReader):
+        if self.through_page_cache():
             return [np.frombuffer(m, np.uint8) for m in self.mapped_shards()]
         return None
+
+    def _page_cache_crops(self) -> posix_cache.PageCacheCrops:
+        """The centre squares' producer through the page cache (`posix_cache`), over the mapped shards."""
+        reader, s = self._reader, self.settings
+        assert isinstance(reader, PosixReader) and self.size is not None, "through the page cache: centre squares"
+        return posix_cache.PageCacheCrops(self.raw, reader, self.mapped_shards(), lambda indices: self.plan(indices)[1],
+                                          self.size, self.pipeline.image_size, self.pipeline.augment, self.seed,
+                                          s.threads, s.read_ahead, s.prefill)
 
     def close_maps(self) -> None:
         """Unmap the shards (`mapped_shards`) and close the crop workers that inherited them; the next

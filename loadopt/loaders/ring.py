@@ -13,7 +13,7 @@ import mmap
 import queue
 import threading
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -25,9 +25,12 @@ from loadopt.config_models import PipelineConfig
 from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.loaders.base import HostBatch, Layout, Loader, WorkKind
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
+from loadopt.loaders.fillers import HOST_FILLERS, FillContext, Filler, WholeFrames
+from loadopt.loaders.transforms import decoder_name
 from loadopt.recipe import Recipe
 from loadopt.storage import conversions, tier_reads
 from loadopt.storage.dataset import Dataset
+from loadopt.storage.records import RecordDataset
 from loadopt.storage.tokens import TokenDataset
 
 Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
@@ -76,20 +79,6 @@ def next_slot(free: queue.Queue, stop: threading.Event) -> int | None:
     return None if slot is None or stop.is_set() else slot
 
 
-def slot_batch(buffer: torch.Tensor, indices: np.ndarray, failures: list[tuple[int, str]], labels: np.ndarray,
-               layout: Layout, bytes_read: int | None = None) -> HostBatch:
-    """The host batch over one ring slot: token (inputs, targets) pairs, or images without the samples
-    that failed (their slots hold garbage)."""
-    if layout == "tokens":
-        n = len(indices)
-        return HostBatch(buffer[0][:n], buffer[1][:n], indices, "tokens", bytes_read=bytes_read, borrowed=True)
-    failed = {index for index, _ in failures}
-    kept = np.array([index not in failed for index in indices.tolist()], dtype=bool)
-    inputs = buffer[: len(indices)] if kept.all() else buffer[: len(indices)][torch.from_numpy(kept)]
-    return HostBatch(inputs, torch.from_numpy(labels[indices[kept]]), indices[kept], layout, normalised=False,
-                     failures=failures, bytes_read=bytes_read, borrowed=True)
-
-
 class RingSettings(BaseModel):
     """The knobs every ring backend has: its `Settings` subclass this and add their own."""
 
@@ -109,27 +98,34 @@ RingSettingsT = TypeVar("RingSettingsT", bound=RingSettings)
 
 
 class RingLoader(Loader[RingSettingsT]):
-    """A backend that reads a converted form of the dataset (`decoded` pixels, `encoded` JPEGs, or
-    token windows) into a ring of batch slots; its Settings subclass `RingSettings` (`form`,
+    """A backend that reads a converted form of the dataset (`decoded` pixels, `encoded` JPEGs, token
+    windows, records) into a ring of batch slots; its Settings subclass `RingSettings` (`form`,
     `decoded_size`, `frame`, `prefetch`).
-    A subclass implements `is_open`, `fill_ring` (the producer thread) and `ring_batch`; `produce` runs
-    them and hands each slot back once its batch's device copy is done (docs/plugins.md)."""
+    A subclass implements `is_open` and `fill_ring` (the producer thread), which fills each slot with the
+    stored form's `filler` from where the backend has the batch's bytes (`fillers.Located`); `ring_batch`
+    makes the batch over a slot, `produce` runs them and hands each slot back once its batch's device copy
+    is done (docs/plugins.md)."""
 
-    # The stored forms this backend hands to worker processes (`crops_in_processes`; `frame_sources` gives
-    # them their bytes): whole frames by default; the Arrow backend its encoded JPEGs too.
-    worker_forms: ClassVar[tuple[str, ...]] = ("frames",)
+    # The filler of each stored form (fillers.py); a backend finishing batches elsewhere (kvikio) has its own.
+    fillers: ClassVar[Mapping[str, type[Filler]]] = HOST_FILLERS
+    # The fillers this backend hands to worker processes (`crops_in_processes`; `frame_sources` gives them
+    # their bytes): whole frames by default; the Arrow backend its encoded JPEGs too.
+    worker_fillers: ClassVar[tuple[type[Filler], ...]] = (WholeFrames,)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._tokens = isinstance(self.dataset, TokenDataset)
-        self.form: Literal["decoded", "encoded", "tokens"] = "tokens" if self._tokens else self.settings.form
         # What it reads, resolved as `loadopt convert` resolves it (storage/conversions.py): the decoded
         # frame (`whole`: longer side <= pipeline.max_side, the JPEG paths' crop plan; `centre`: a
-        # decoded_size square, the eval recipe; auto: whole for train), the stored form and the pixel size.
+        # decoded_size square, the eval recipe; auto: whole for train), the stored form and the pixel size;
+        # token windows and records whatever the settings ask for.
         converted = conversions.converted_form(self.pipeline, self.settings.form, self.settings.decoded_size,
-                                               self.settings.frame, self._tokens,
-                                               where=f"loaders.{self.name}.decoded_size")
-        self.frame, self.stored_form, self.size = converted.frame, converted.stored, converted.size
+                                               self.settings.frame, isinstance(self.dataset, TokenDataset),
+                                               where=f"loaders.{self.name}.decoded_size",
+                                               records=isinstance(self.dataset, RecordDataset))
+        self.form, self.frame, self.stored_form, self.size = \
+            converted.form, converted.frame, converted.stored, converted.size
+        self.filler_class = self.fillers[self.stored_form]  # the stored form's, made on first use (`filler`)
+        self._filler: Filler | None = None
         self._ring: list[torch.Tensor] | None = None
         self._croppers: CropProcesses | None = None
         self._croppers_refused = False  # worker processes could not start here: threads crop
@@ -145,14 +141,12 @@ class RingLoader(Loader[RingSettingsT]):
 
     @classmethod
     def supports(cls, dataset: Dataset) -> tuple[bool, str]:
-        if dataset.kind == "records":
-            return False, f"{cls.name} reads image folders and token corpora, not records"
-        return True, ""  # image folders (converted), and token corpora (windows gathered)
+        return True, ""  # image folders, token corpora and records: each converted to a form with a filler
 
     def recipe(self) -> Recipe:
         from loadopt import recipe
 
-        if self.form == "tokens" or self.frame is None:  # token windows; the sources' own JPEGs
+        if self.frame is None:  # token windows, records, the sources' own JPEGs
             return super().recipe()
         # the encoded form bounded by max_side: JPEGs over it re-encoded (imaging/reencode.py), as FFCV's jpg
         reencoded = REENCODE_QUALITY if self.stored_form == "reencoded" else None
@@ -162,7 +156,27 @@ class RingLoader(Loader[RingSettingsT]):
     def layout(self) -> Layout:
         # Image slots are HWC: crops of decoded rows are row copies, and a JPEG's crop is resized as the
         # kernel computes it (channels-last); the device's channels-last finishing reads them untransposed.
-        return "tokens" if self._tokens else "NHWC"
+        return self.filler_class.layout
+
+    def stored_text(self) -> str:
+        """What is read, for `describe`: the form, and a decoded frame's kind and size."""
+        return self.form + (f" {self.frame} {self.size}px" if self.size else "")
+
+    @property
+    def filler(self) -> Filler:
+        """The stored form's filler (`fillers`), made once, on first use (`open_filler`)."""
+        return self.open_filler()
+
+    def open_filler(self) -> Filler:
+        """Make the stored form's filler, once (it raises where the form cannot be filled here)."""
+        if self._filler is None:
+            self._filler = self.filler_class(self.fill_context())
+        return self._filler
+
+    def fill_context(self) -> FillContext:
+        """What the filler needs of this loader (a backend adds its own: a damage check, a GPU decoder)."""
+        return FillContext(self.name, self.pipeline, self.dataset, self.seed, getattr(self.settings, "threads", 1),
+                           self.size, decoder_name(getattr(self.settings, "decoder", "auto")))
 
     @abstractmethod
     def is_open(self) -> bool:
@@ -173,20 +187,22 @@ class RingLoader(Loader[RingSettingsT]):
                   stop: threading.Event) -> None:
         """Fill free slots with `batches` in order; put `(slot, indices, failures[, ...])` on `ready`."""
 
-    @abstractmethod
-    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]], *rest: Any) -> HostBatch:
-        """The batch over a filled slot, from what the producer put on `ready`."""
+    def ring_batch(self, slot: int, indices: np.ndarray, failures: list[tuple[int, str]],
+                   bytes_read: int | None = None) -> HostBatch:
+        """The batch over a filled slot, from what the producer put on `ready` (`fillers.Filled`)."""
+        assert self._ring is not None, "produce() makes the ring before the producer fills it"
+        return self.filler.batch(self._ring[slot], indices, failures, bytes_read)
 
     def frame_sources(self) -> list[np.ndarray] | None:
-        """The stored bytes of a form in `worker_forms` (whole frames; encoded JPEGs), as the arrays the
+        """The stored bytes of a filler in `worker_fillers` (whole frames; encoded JPEGs), as the arrays the
         workers' `which` indexes, for them to inherit; None where this backend reads none from memory."""
         return None
 
     def crops_in_processes(self) -> bool:
-        """Whether worker processes crop (or decode) the stored form (`crop_in`, for a form in
-        `worker_forms`), writing into a ring in shared memory: not on CUDA (the ring is pinned there),
+        """Whether worker processes crop (or decode) the stored form (`crop_in`, for a filler in
+        `worker_fillers`), writing into a ring in shared memory: not on CUDA (the ring is pinned there),
         nor where fork is unavailable, nor on a tier (read through it batch by batch, not mapped)."""
-        return self.settings.crop_in == "processes" and self.stored_form in self.worker_forms and \
+        return self.settings.crop_in == "processes" and issubclass(self.filler_class, self.worker_fillers) and \
             self.device.type != "cuda" and fork_available() and tier_reads.conversion_tier(self.dataset) is None
 
     @property
@@ -236,12 +252,9 @@ class RingLoader(Loader[RingSettingsT]):
         return {"shared": 0, "pinned": (settings.prefetch + 2) * pipeline.batch_size * 3 * pipeline.image_size ** 2}
 
     def _make_ring(self) -> list[torch.Tensor]:
-        slots, b, size = self.settings.prefetch + 2, self.pipeline.batch_size, self.pipeline.image_size
-        shape: tuple[int, ...]
-        if isinstance(self.dataset, TokenDataset):
-            shape, dtype = (slots, 2, b, self.dataset.seq_len), torch.int64
-        else:
-            shape, dtype = (slots, b, size, size, 3), torch.uint8
+        """`prefetch` + 2 slots of the filler's shape: in shared memory for crop workers, pinned on CUDA."""
+        slot, dtype = self.filler.slot_shape()
+        shape = (self.settings.prefetch + 2, *slot)
         if self.crops_in_processes():
             return list(shared_empty(shape, dtype))
         ring = torch.empty(shape, dtype=dtype)
