@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from loadopt.bench.consumers import TrialFigures
 from loadopt.bench.tier_plan import Prediction
+from loadopt.machine import MachineInfo
 from loadopt.schema import ConfigDump, Recipe, Run, RunStatus, TierRow
 
 
@@ -170,7 +171,7 @@ class TiersRun(BaseModel):
     created: str
     config_source: str
     config: dict[str, str]  # the config's name
-    machine: dict[str, Any]  # loadopt.machine.machine_info
+    machine: MachineInfo  # loadopt.machine.machine_info
     device: str
     au_threshold: float
     quick: bool
