@@ -19,6 +19,7 @@ from loadopt.loaders.base import BatchTransform, Loader
 from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
 from loadopt.recipe import RecipeMismatch
+from loadopt.schema import Knobs
 from loadopt.storage.imagefolder import ImageDataset, open_dataset
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def _choose(config: Config, dataset: ImageDataset) -> tuple[str, dict[str, Any], str]:
+def _choose(config: Config, dataset: ImageDataset) -> tuple[str, Knobs, str]:
     """(backend, settings, why) for `auto` from the recorded decision; backend "" when none applies.
 
     A decision applies when it was made for this dataset on this machine (CPU model and count, GPU
@@ -194,7 +195,7 @@ def _dataloader_keywords(cls: type[Loader], backend: str, overrides: dict[str, A
     return out, why
 
 
-def _build(config: Config, dataset, backend: str, settings_raw: dict[str, Any], where: str, why: str,
+def _build(config: Config, dataset, backend: str, settings_raw: Knobs, where: str, why: str,
            placement: _Placement, *, convert: bool, same_recipe: bool = False) -> Loader:
     cls = backend_for(backend, f"make_loader: backend={backend!r}")
     available, reason = cls.available()

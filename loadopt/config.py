@@ -36,6 +36,7 @@ from loadopt.config_models import (  # noqa: F401 - re-exported: the models are 
 from loadopt.errors import ConfigError
 from loadopt.files import yaml_problem
 from loadopt.loaders.registry import backend_class
+from loadopt.schema import Knobs
 from loadopt.storage.tiers import resolve_tier
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def _deep_copy(value: Any) -> Any:
 # Backend settings and sweeps
 
 
-def expand_settings(model: type[BaseModel], raw: dict[str, Any], where: str, source: str,
+def expand_settings(model: type[BaseModel], raw: Knobs, where: str, source: str,
                     overrides: list[str] | tuple[str, ...] = ()) -> list[BaseModel]:
     """Validate a backend's raw settings; a list value sweeps that knob (the cartesian product).
 

@@ -20,7 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator, with_config
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator, with_config
 from typing_extensions import NotRequired, Required, TypedDict
 
 from loadopt.errors import LoadoptError
@@ -62,6 +62,19 @@ class Spread(TypedDict):
 
 RepeatMetrics = dict[str, Figure]  # the flat metrics of one repeat (loadopt.bench.metrics.step_metrics)
 RunMetrics = dict[str, Spread | Figure]  # per metric its Spread over the repeats, or the one value
+
+# A backend's knob settings: its setting model's `model_dump(mode="json")`. The knobs are each backend's own (an
+# outside backend's may hold any JSON value), so the values are JSON's, not a narrower union.
+Knobs = dict[str, JsonValue]
+
+
+def knobs_of(settings: BaseModel) -> Knobs:
+    """A backend's setting as the files record it (a tuple a list, an enum its value: what JSON would make of it)."""
+    return settings.model_dump(mode="json")
+
+
+# A config section (or a tier's spec) as the files hold it: its model's `model_dump(mode="json")`, redacted.
+ConfigDump = dict[str, JsonValue]
 
 
 @with_config(ConfigDict(extra="allow"))  # a key an outside backend adds is kept, as the files held it
@@ -111,7 +124,7 @@ class Run(_Open):
     backend: str = ""
     status: RunStatus = RunStatus.OK
     reason: str = ""
-    settings: dict[str, Any] | None = None  # the backend's knobs: its own, open
+    settings: Knobs | None = None  # the backend's knobs: its own, open
     metrics: RunMetrics | None = None  # per metric: its Spread over the repeats, or the one value
     repeats: list[RepeatMetrics] = []  # the flat metrics of each repeat (loadopt.bench.metrics.step_metrics)
     bytes_source: str | None = None  # the local disk read directly, or the storage tier every read passed
@@ -177,7 +190,7 @@ class TrialRecord(_Open):
     """One short run of the `--tune` search (bench/tuner.py `Trial`)."""
 
     label: str
-    settings: dict[str, Any]  # the backend's knobs
+    settings: Knobs
     samples_per_s: float | None = None
     measured_batches: int = 0
     seconds: float = 0.0
@@ -188,7 +201,7 @@ class TrialRecord(_Open):
 class Refusal(_Open):
     """A setting of the search never run: over the machine, or its conversion missing."""
 
-    settings: dict[str, Any]
+    settings: Knobs
     reason: str
 
 
@@ -265,12 +278,12 @@ class Decision(_Versioned):
     schema_version: int = SCHEMA_VERSION
     backend: str
     label: str = ""
-    settings: dict[str, Any] | None = None  # the backend's knobs
+    settings: Knobs | None = None
     samples_per_s: float | None = None
     margin: float | None = None
     text: str = ""
     dataset_fingerprint: str | None = None
-    pipeline: dict[str, Any] | None = None  # the config's pipeline section, as dumped: part of the key
+    pipeline: ConfigDump | None = None  # the config's pipeline section: part of the key
     machine: MachineKey | None = None
     machine_fingerprint: str | None = None
     partial: bool = False  # a bench stopped before every setting ran: written beside its results, never cached
@@ -312,14 +325,14 @@ class ResultsFile(_Versioned):
     # a row that is not a tier (no name) is kept as it is: the report skips it, the rest still renders
     tiers: list[Annotated[TierRow | Any, Field(union_mode="left_to_right")]] | None = None
     config_source: str | None = None
-    config: dict[str, Any] | None = None  # the config as run, redacted: a config dump
+    config: ConfigDump | None = None  # the config as run, redacted
     quick: bool = False
     interrupted: bool = False
     interrupted_by: str | None = None  # SIGINT or SIGTERM
     machine_fingerprint: str | None = None
-    tier: dict[str, Any] | None = None  # the storage tier's profile, redacted: a config dump
+    tier: ConfigDump | None = None  # the storage tier's profile, redacted (TierSpec.redacted)
     dataset: DatasetSection | None = None
-    workload: dict[str, Any] | None = None  # the workload as run: a config dump
+    workload: ConfigDump | None = None  # the workload as run
     cache: CacheSection | None = None
     recipe: Recipe | None = None  # the config's training input (loadopt.recipe)
     tuning: TuningSummary | None = None

@@ -8,13 +8,13 @@ are measured by loadopt/bench/ceilings.py), and the verdict says which stage bou
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pydantic import BaseModel
 
 from loadopt.loaders.base import WorkKind
 from loadopt.machine import usable_cores
-from loadopt.schema import RepeatMetrics, RunMetrics
+from loadopt.schema import Knobs, Recipe, RepeatMetrics, RunMetrics
 from loadopt.schema_ceilings import DECODERS, Ceilings, DecodeRates, Job, RunCeiling
 
 CEILING_OVERSHOOT = 1.1  # a run this far above its ceiling shows the ceiling was measured low
@@ -74,7 +74,7 @@ def _delivered_bytes(metrics: RunMetrics | RepeatMetrics) -> float | None:
     return rate * 1e9 * seconds / samples if rate and seconds and samples else None
 
 
-def stores_whole_frames(label: str, settings: dict[str, Any] | None, recipe: dict[str, Any] | None,
+def stores_whole_frames(label: str, settings: Knobs | None, recipe: Recipe | None,
                         job: Job) -> bool:
     """Whether a setting crops and resizes stored whole frames on the host: its recorded recipe says so
     (`stored: whole frame <= N px`, loadopt/recipe.py), else its settings (decoded, `frame` whole, or
@@ -91,8 +91,8 @@ def stores_whole_frames(label: str, settings: dict[str, Any] | None, recipe: dic
     return frame == "whole" or (frame == "auto" and job.augment == "train")
 
 
-def _recorded_or_implied_recipe(label: str, settings: dict[str, Any], recipe: dict[str, Any] | None,
-                                job: Job) -> dict[str, Any]:
+def _recorded_or_implied_recipe(label: str, settings: Knobs, recipe: Recipe | None,
+                                job: Job) -> Recipe:
     """The run's recorded recipe, else what its settings imply (results written before runs recorded one)."""
     if recipe:
         return recipe
@@ -104,7 +104,7 @@ def _recorded_or_implied_recipe(label: str, settings: dict[str, Any], recipe: di
     return {"kind": "images", "stored": "centre square" if decoded else "source"}
 
 
-def declared_work_kind(label: str, settings: dict[str, Any] | None, recipe: dict[str, Any] | None,
+def declared_work_kind(label: str, settings: Knobs | None, recipe: Recipe | None,
                        job: Job) -> str:
     """What bounds a run, as its backend declares it (`Loader.work_kind`, a `WorkKind` value): the backend is
     the label's first word, looked up in the registry (outside backends included); a backend no longer
@@ -180,7 +180,7 @@ def _page_cache_stage(metrics: RunMetrics | RepeatMetrics, ceilings: Ceilings, j
                  "adds the storage read)")
 
 
-def _decode_stage(label: str, settings: dict[str, Any], decode: DecodeRates, kind: str) -> Bound:
+def _decode_stage(label: str, settings: Knobs, decode: DecodeRates, kind: str) -> Bound:
     """JPEG decode on the host, at the rate of the decoder this setting runs. No device decode ceiling is
     measured: the host's decode stands in for DEVICE_DECODE."""
     words = label.split()
@@ -210,7 +210,7 @@ def _decode_stage(label: str, settings: dict[str, Any], decode: DecodeRates, kin
 
 
 def _host_work_stage(metrics: RunMetrics | RepeatMetrics, label: str, ceilings: Ceilings, job: Job,
-                     settings: dict[str, Any], kind: str) -> Bound:
+                     settings: Knobs, kind: str) -> Bound:
     """The ceiling of the work per sample the backend declares (`kind`, a `WorkKind` value)."""
     if kind == WorkKind.CROP_RESIZE:
         return _crop_resize_stage(ceilings)
@@ -224,7 +224,7 @@ def _host_work_stage(metrics: RunMetrics | RepeatMetrics, label: str, ceilings: 
 
 
 def bounding_ceiling(metrics: RunMetrics | RepeatMetrics, label: str, ceilings: Ceilings, job: Job,
-                     settings: dict[str, Any] | None, recipe: dict[str, Any] | None = None) -> Bound:
+                     settings: Knobs | None, recipe: Recipe | None = None) -> Bound:
     """The ceiling that bounds a run, for the work the run's backend declares (`declared_work_kind`), or the
     host-to-device link, or (cold) the storage read, where that is the lower capacity."""
     settings = settings or {}
@@ -247,7 +247,7 @@ def bounding_ceiling(metrics: RunMetrics | RepeatMetrics, label: str, ceilings: 
 
 
 def attribute(run_metrics: RunMetrics | RepeatMetrics, backend_label: str, ceilings: Ceilings, job: Job,
-              settings: dict[str, Any] | None = None, recipe: dict[str, Any] | None = None) -> Attribution:
+              settings: Knobs | None = None, recipe: Recipe | None = None) -> Attribution:
     """The ceiling that bounds this loader setting and a one-sentence verdict on what bounds the job.
     `recipe`: the run's recorded recipe (what it stores decides which ceiling applies)."""
     from loadopt.bench.metrics import median

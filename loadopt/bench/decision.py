@@ -27,6 +27,7 @@ from loadopt.files import atomic_write_text, cache_dir
 from loadopt.machine import MachineInfo, library_versions, machine_fingerprint, machine_info
 from loadopt.schema import (
     SCHEMA_VERSION,
+    ConfigDump,
     Decision,
     Excluded,
     MachineKey,
@@ -79,7 +80,7 @@ def machine_key(machine: MachineInfo, tier: str) -> MachineKey:
                       cpu_count=machine["cpu_count"], gpu=gpu["name"] if gpu else None, storage_tier=tier)
 
 
-def pipeline_hash(pipeline: dict[str, Any]) -> str:
+def pipeline_hash(pipeline: ConfigDump) -> str:
     return hashlib.sha256(json.dumps(pipeline, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -119,6 +120,8 @@ def make_decision(results: ResultsFile, tier: str) -> Decision | None:
     margin = rate / other_rate if rate and other_rate else None
     machine = machine_key(results.machine or {}, tier)
     pipeline = (results.config or {})["pipeline"]
+    if not isinstance(pipeline, dict):  # the key of the decision: the pipeline section as the config dumped it
+        raise SchemaError(f"results config.pipeline: expected the pipeline section, got {pipeline!r}")
     created = results.created or ""
     return Decision(
         schema_version=SCHEMA_VERSION,
@@ -226,7 +229,7 @@ def record_beside(decision: Decision | None, folder: Path) -> None:
         log.warning("could not remove the earlier bench's %s: %s", folder / FILE_NAME, exc)
 
 
-def find(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple[dict[str, Any] | None, str, str]:
+def find(pipeline: ConfigDump, dataset_fingerprint: str, tier: str) -> tuple[dict[str, Any] | None, str, str]:
     """(decision, match, why) for this dataset, pipeline and machine. `match` is `exact`, `other settings`
     (this machine, other pipeline settings: used, with a warning), `other machine` (not used) or `none`.
     The decision is the entry as its file holds it (`as_dict`), for `auto` and `explain`."""
@@ -234,7 +237,7 @@ def find(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple
     return (as_dict(found) if found is not None else None), match, why
 
 
-def find_entry(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) -> tuple[Decision | None, str, str]:
+def find_entry(pipeline: ConfigDump, dataset_fingerprint: str, tier: str) -> tuple[Decision | None, str, str]:
     """`find`, the decision as the schema's model."""
     path = decision_path(dataset_fingerprint)
     entries = _entries(path)
@@ -253,7 +256,7 @@ def find_entry(pipeline: dict[str, Any], dataset_fingerprint: str, tier: str) ->
         else f"no bench decision for this dataset in {path}"
 
 
-def _differences(theirs: dict[str, Any], mine: dict[str, Any]) -> str:
+def _differences(theirs: ConfigDump, mine: ConfigDump) -> str:
     """The first three pipeline settings (config dumps) that differ, there and here."""
     keys = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
     return ", ".join(f"{k} {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in keys[:3]) or "?"

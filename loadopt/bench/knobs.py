@@ -17,6 +17,7 @@ from loadopt.config import backend_settings, expand_settings
 from loadopt.config_models import Config
 from loadopt.loaders.base import Loader
 from loadopt.machine import usable_cores
+from loadopt.schema import Knobs
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class MachineLimits:
         return ""
 
 
-def start_settings(cls: type[Loader], raw: dict[str, Any], where: str, source: str
+def start_settings(cls: type[Loader], raw: Knobs, where: str, source: str
                    ) -> tuple[BaseModel, dict[str, str]]:
     """The setting a backend starts from, given its raw config settings (lists sweep a knob), and why each
     knob has its value. A swept knob takes the backend's own default for this machine when the sweep holds

@@ -17,7 +17,16 @@ from loadopt.errors import LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import configured_loader
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, CacheSection, DatasetSection, ResultsFile, Run, RunStatus, SkippedFile
+from loadopt.schema import (
+    SCHEMA_VERSION,
+    CacheSection,
+    DatasetSection,
+    ResultsFile,
+    Run,
+    RunStatus,
+    SkippedFile,
+    knobs_of,
+)
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bounded_by_base, bytes_source
@@ -79,7 +88,7 @@ def _run(setting: Setting, config: Config, dataset: ImageDataset, not_run: str) 
     stopped before it)."""
     built = built_loader(setting, config, dataset)
     run = Run(backend=setting.backend, label=setting.label,
-              settings=setting.settings.model_dump() if setting.settings else None,
+              settings=knobs_of(setting.settings) if setting.settings else None,
               status=setting.status, reason=setting.reason,
               bytes_source=built.bytes_source() if built else bytes_source(dataset),
               recipe=built.recipe() if built else None)

@@ -29,7 +29,7 @@ from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer
 from loadopt.loaders.registry import backend_class, configured_loader
 from loadopt.progress import Reporter
-from loadopt.schema import RepeatMetrics
+from loadopt.schema import Knobs, RepeatMetrics
 from loadopt.schema_ceilings import (
     Ceilings,
     ComputeStage,
@@ -88,7 +88,7 @@ def warm_files(files: list[str]) -> str:
     return f"its {len(files)} files ({total / 1e6:,.0f} MB) read into the page cache first"
 
 
-def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend: str, settings: dict[str, Any],
+def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend: str, settings: Knobs,
                 cold: bool, accelerator: Accelerator) -> tuple[LoaderRun, list[str], RepeatMetrics]:
     """A short run of the loader warm or cold; the files it reads and its metrics beside."""
     loader = configured_loader(backend, config, dataset, backend_class(backend).Settings(**settings), device=device)
@@ -112,7 +112,7 @@ def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend:
     return run, files, m
 
 
-def measure_stages(config: Config, dataset: Dataset, device: torch.device, backend: str, settings: dict[str, Any],
+def measure_stages(config: Config, dataset: Dataset, device: torch.device, backend: str, settings: Knobs,
                    label: str, ceilings: Ceilings) -> StageMeasurement:
     """The stages of one loader setting measured apart, and the verdict on which bounds the job."""
     w = config.workload

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel
@@ -19,6 +19,7 @@ from loadopt.bench.consumers import start_delay_s
 from loadopt.config import backend_settings
 from loadopt.config_models import Config
 from loadopt.errors import ConfigError
+from loadopt.schema import Knobs
 from loadopt.storage.probe import ProbeResult
 from loadopt.storage.tiers import TierSpec
 
@@ -170,11 +171,11 @@ def predict_from(points: list[tuple[float, float]], need_mb_s: float, readers: i
                       note=f"at most {max_n} (--max-accelerators)" if supported >= max_n else "")
 
 
-def backend_sweep(config: Config, quick: bool = False) -> dict[str, dict[str, Any]]:
+def backend_sweep(config: Config, quick: bool = False) -> dict[str, Knobs]:
     """The backends to compare on each tier: the config's, arrow and posix in both forms (images; records
     and tokens have one stored form, whatever `form` says), every other swept knob at its last (most
     parallel) listed value; `quick` takes the last `variant` too (the stored forms are the tier's question)."""
-    loaders: dict[str, dict[str, Any]] = {}
+    loaders: dict[str, Knobs] = {}
     one_form = config.dataset.kind != "images"
     kept = ("form",) if quick else ("form", "variant")
     for name, raw in config.loaders.items():

@@ -16,7 +16,8 @@ from pydantic import BaseModel
 
 from loadopt.bench.consumers import TrialFigures
 from loadopt.bench.tier_plan import Prediction
-from loadopt.schema import Run, RunStatus, TierRow
+from loadopt.machine import MachineInfo
+from loadopt.schema import ConfigDump, Recipe, Run, RunStatus, TierRow
 
 
 class MeasuredTrial(BaseModel):
@@ -49,7 +50,7 @@ class BackendRun(BaseModel):
     reason: str
     form: str | None
     bytes_source: str | None
-    recipe: dict[str, Any] | None  # a setting of another recipe never becomes the tier's decision
+    recipe: Recipe | None  # a setting of another recipe never becomes the tier's decision
     bounded_by_base: str | None
     # the medians of what it measured; a run that measured nothing has none of these keys
     samples_per_s: int | float | None = None
@@ -115,7 +116,7 @@ class BaseBound(BaseModel):
 class MeasuredTier(TierRow):
     """One tier's row of tiers.json: `TierRow`'s keys (those `loadopt report` reads) and what measured them."""
 
-    spec: dict[str, Any]  # the tier's figures as JSON data, credentials removed (TierSpec.redacted)
+    spec: ConfigDump  # the tier's figures, credentials removed (TierSpec.redacted)
     au_by_accelerators: list[tuple[int, float]]  # (accelerators, AU) of every trial, by count
     prediction: Prediction
     capacity_tb: float
@@ -170,7 +171,7 @@ class TiersRun(BaseModel):
     created: str
     config_source: str
     config: dict[str, str]  # the config's name
-    machine: dict[str, Any]  # loadopt.machine.machine_info
+    machine: MachineInfo  # loadopt.machine.machine_info
     device: str
     au_threshold: float
     quick: bool

@@ -39,7 +39,7 @@ from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
-from loadopt.schema import BackendTuningRecord, Refusal, RunStatus, TrialRecord, TuningSummary
+from loadopt.schema import BackendTuningRecord, Knobs, Refusal, RunStatus, TrialRecord, TuningSummary, knobs_of
 from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Window:
 
 @dataclass
 class Trial:
-    settings: dict[str, Any]
+    settings: Knobs  # as results.json records them (`schema.knobs_of`)
     label: str
     samples_per_s: float | None = None
     batches: int = 0
@@ -193,7 +193,7 @@ class Tuner:
                     self._build(cls, point, prepare=True).close()
                 except DatasetError as exc:  # e.g. a missing conversion under --no-convert: drop the value
                     tuning.space[key] = [v for v in tuning.space[key] if v != value]
-                    tuning.refused.append(Refusal(settings=point.model_dump(), reason=str(exc)))
+                    tuning.refused.append(Refusal(settings=knobs_of(point), reason=str(exc)))
         return tuning
 
     def _point(self, cls: type[Loader], base: BaseModel, key: str, value: Any) -> BaseModel | None:
@@ -238,7 +238,7 @@ class Tuner:
                         refused = self.limits.refuses(cls, point, self.config.pipeline)
                         if refused:
                             seen.add(_key(point))
-                            tuning.refused.append(Refusal(settings=point.model_dump(), reason=refused))
+                            tuning.refused.append(Refusal(settings=knobs_of(point), reason=refused))
                             continue
                         trial = self._trial(cls, tuning, point, incumbent.samples_per_s, deadline, seen)
                         if trial is None:  # the budget cannot fit another run
@@ -267,7 +267,7 @@ class Tuner:
             return None
         seen.add(_key(settings))
         loader = self._build(cls, settings)
-        trial = Trial(settings.model_dump(), _unique_label(f"{tuning.backend} {loader.describe()}", settings, tuning))
+        trial = Trial(knobs_of(settings), _unique_label(f"{tuning.backend} {loader.describe()}", settings, tuning))
         w = self.window
         started = time.perf_counter()
         first: list[float] = []
@@ -334,10 +334,10 @@ def steady_rate(probes: list[BatchProbe]) -> float:
 
 def _unique_label(label: str, settings: BaseModel, tuning: BackendTuning) -> str:
     """`describe()` may not show every knob searched: name the ones that tell two trials apart."""
-    mine = settings.model_dump()
+    mine, shown = knobs_of(settings), settings.model_dump()  # compared as recorded, named as the backend holds them
     for trial in tuning.trials:
         if trial.label == label and trial.settings != mine:
-            label += "".join(f" {k}={v}" for k, v in mine.items() if trial.settings.get(k) != v)
+            label += "".join(f" {k}={shown[k]}" for k, v in mine.items() if trial.settings.get(k) != v)
     return label
 
 

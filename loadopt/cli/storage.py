@@ -150,18 +150,17 @@ def _say_stopped(result: TiersRun, json_path: Path, stopped: str, code: int) -> 
 
 def _print_tiers(result: TiersRun, readers: int) -> None:
     """The tiers' table, each accelerator's need, the rows bounded by the storage under them, the backends."""
-    document = result.document()  # (the tables read the file's content)
-    console.print(tiers_table(document))
+    console.print(tiers_table(result))
     need = result.demand or {}
     console.print(f"[dim]each accelerator needs {need['mb_per_s']:,.1f} MB/s at full use "
                   f"({need['batch_bytes'] / 1e6:,.2f} MB a batch every {need['step_time_ms']:g} ms), "
                   f"{need['mb_per_s_at_threshold']:,.1f} MB/s at AU {result.au_threshold:.0%}; "
                   f"consumers read the stored bytes with {readers} threads each[/]", highlight=False)
-    for line in bounded_lines(document):
+    for line in bounded_lines(result):
         console.print(f"[yellow]{escape(line)}[/]", highlight=False)
     if any(row.backends is not None for row in result.tiers):
-        console.print(backends_table(document))
-        for line in backend_lines(document):
+        console.print(backends_table(result))
+        for line in backend_lines(result):
             console.print(escape(line), highlight=False)
 
 

@@ -4,13 +4,14 @@ recipe); `loadopt probe`'s patterns; `loadopt tiers`' tiers and backends through
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:  # the CLI's help stays light: the types only
+    from loadopt.bench.tier_results import TiersRun
     from loadopt.recipe import Recipe
     from loadopt.schema import ResultsFile, Run, RunMetrics
     from loadopt.storage.probe import ProbeResult
@@ -170,49 +171,48 @@ def probe_table(result: ProbeResult) -> Table:
     return table
 
 
-def backends_table(result: dict[str, Any]) -> Table:
+def backends_table(result: TiersRun) -> Table:
     """Every backend setting (rows) through every tier (columns): samples/s and accelerator utilisation of
     one accelerator, the tier's winner marked."""
-    rows = [row for row in result["tiers"] if "backends" in row]
+    rows = [(row, row.backends) for row in result.tiers if row.backends is not None]
     table = Table(title="every backend through each tier (one accelerator, cold; * = the tier's decision)",
                   title_justify="left")
     table.add_column("backend setting", justify="left")
-    for row in rows:
-        table.add_column(f"{row['name']}: samples/s (AU)", justify="right")
+    for row, _ in rows:
+        table.add_column(f"{row.name}: samples/s (AU)", justify="right")
     labels: list[str] = []
-    for row in rows:
-        labels += [run["label"].removesuffix(" via tier") for run in row["backends"]["runs"]
-                   if run["label"].removesuffix(" via tier") not in labels]
+    for _, backends in rows:
+        labels += [run.label.removesuffix(" via tier") for run in backends.runs
+                   if run.label.removesuffix(" via tier") not in labels]
     for label in labels:
         cells = []
-        for row in rows:
-            run = next((r for r in row["backends"]["runs"] if r["label"].removesuffix(" via tier") == label), None)
+        for _, backends in rows:
+            run = next((r for r in backends.runs if r.label.removesuffix(" via tier") == label), None)
             if run is None:
                 cells.append("-")
-            elif run.get("samples_per_s") is None:
-                cells.append(f"[yellow]{run['status']}[/]")
+            elif run.samples_per_s is None:
+                cells.append(f"[yellow]{run.status}[/]")
             else:
-                chosen = (row["backends"].get("decision") or {}).get("label") == run["label"]
-                au = run.get("accelerator_utilisation")
-                cells.append(f"{'* ' if chosen else ''}{run['samples_per_s']:,.0f}"
+                chosen = backends.decision is not None and backends.decision.label == run.label
+                au = run.accelerator_utilisation
+                cells.append(f"{'* ' if chosen else ''}{run.samples_per_s:,.0f}"
                              f"{f' ({au:.0%})' if au is not None else ''}")
         table.add_row(escape(label), *cells)
     return table
 
 
-def bounded_lines(result: dict[str, Any]) -> list[str]:
+def bounded_lines(result: TiersRun) -> list[str]:
     """Per tier of `loadopt tiers` whose figures the storage under it bounded: why, and what its own figures say."""
     lines = []
-    for row in result.get("tiers") or []:
-        if not row.get("bounded_by_base"):
+    for row in result.tiers:
+        if not row.bounded_by_base:
             continue
-        base = row.get("base") or {}
-        share = max((s for s in (base.get("probe_share"), base.get("deciding_trial_share")) if s is not None),
-                    default=None)
-        why = (f" ({share:.0%} of the read time was the {base.get('storage', 'storage under it')}'s, past the tier's "
+        base = row.base
+        share = max((s for s in (base.probe_share, base.deciding_trial_share) if s is not None), default=None)
+        why = (f" ({share:.0%} of the read time was the {base.storage}'s, past the tier's "
                f"own figures: an emulated tier can only slow the storage under it down)") if share is not None else ""
-        lines.append(f"{row['name']}: measured {row['accelerators_supported']}, {row['bounded_by_base']}{why}; "
-                     f"its own figures predict {row['predicted_accelerators']}")
+        lines.append(f"{row.name}: measured {row.accelerators_supported}, {row.bounded_by_base}{why}; "
+                     f"its own figures predict {row.predicted_accelerators}")
     return lines
 
 
@@ -221,45 +221,45 @@ def run_bound_lines(results: ResultsFile) -> list[str]:
     return [f"{run.label}: {run.bounded_by_base}" for run in results.runs if run.bounded_by_base]
 
 
-def backend_lines(result: dict[str, Any]) -> list[str]:
+def backend_lines(result: TiersRun) -> list[str]:
     """Per tier: the decision and where the bytes came from; then the settings that did not run, and why."""
     lines = []
-    for row in result["tiers"]:
-        backends = row.get("backends")
+    for row in result.tiers:
+        backends = row.backends
         if not backends:
             continue
-        if backends.get("skipped"):
-            lines.append(f"{row['name']}: backends not compared: {backends['skipped']}")
+        if backends.skipped:
+            lines.append(f"{row.name}: backends not compared: {backends.skipped}")
             continue
-        decision = backends.get("decision") or {}
-        sources = sorted({str(r["bytes_source"]) for r in backends["runs"] if r.get("bytes_source")})
-        ran = sum(1 for r in backends["runs"] if r.get("samples_per_s") is not None)
-        nothing = (f"nothing (interrupted by {backends['interrupted_by']} after {ran} of {len(backends['runs'])} "
-                   "settings: no decision recorded)") if backends.get("interrupted_by") else "nothing (no setting ran)"
-        lines.append(f"{row['name']}: auto picks {decision.get('label') or nothing}"
-                     f"{'; ' + decision['text'] if decision.get('text') else ''}; bytes from {', '.join(sources)}")
-        for run in backends["runs"]:
-            if run.get("samples_per_s") is None:
-                lines.append(f"  {row['name']}, {run['label']}: {run['status']}: {run['reason']}")
-            elif run.get("bounded_by_base"):
-                lines.append(f"  {row['name']}, {run['label']}: {run['bounded_by_base']}")
+        label, text = (backends.decision.label, backends.decision.text) if backends.decision else (None, None)
+        sources = sorted({str(r.bytes_source) for r in backends.runs if r.bytes_source})
+        ran = sum(1 for r in backends.runs if r.samples_per_s is not None)
+        nothing = (f"nothing (interrupted by {backends.interrupted_by} after {ran} of {len(backends.runs)} "
+                   "settings: no decision recorded)") if backends.interrupted_by else "nothing (no setting ran)"
+        lines.append(f"{row.name}: auto picks {label or nothing}"
+                     f"{'; ' + text if text else ''}; bytes from {', '.join(sources)}")
+        for run in backends.runs:
+            if run.samples_per_s is None:
+                lines.append(f"  {row.name}, {run.label}: {run.status}: {run.reason}")
+            elif run.bounded_by_base:
+                lines.append(f"  {row.name}, {run.label}: {run.bounded_by_base}")
     return lines
 
 
-def tiers_table(result: dict[str, Any]) -> Table:
+def tiers_table(result: TiersRun) -> Table:
     """One row per tier of `loadopt tiers`."""
     from loadopt.report.data import stored_size  # numpy and the schema load only when a table is drawn
 
-    table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result['au_threshold']:.0%}", title_justify="left")
+    table = Table(title=f"loadopt tiers: accelerators kept at AU >= {result.au_threshold:.0%}", title_justify="left")
     for column in ("tier", "measured", "predicted", "dataset", "delivered MB/s", "samples/s", "AU", "CPU load",
                    "$/month", "$/accelerator-month", "search"):
         table.add_column(column, justify="left" if column in ("tier", "search") else "right")
-    for row in result["tiers"]:
-        costs = (row["cost"]["per_month"], row["cost_per_supported_accelerator"])
+    for row in result.tiers:
+        costs = (row.cost.per_month, row.cost_per_supported_accelerator)
         money = ["-" if cost is None else f"{cost:,.2f}" for cost in costs]
-        au = "-" if row["accelerator_utilisation"] is None else f"{row['accelerator_utilisation']:.1%}"
-        load = "-" if row["cpu_load"] is None else f"{row['cpu_load']:.0%}"
-        table.add_row(escape(row["name"]), str(row["accelerators_supported"]), str(row["predicted_accelerators"]),
-                      stored_size(row.get("capacity_tb")), f"{row['delivered_mb_s']:,.1f}",
-                      f"{row['samples_per_s']:,.0f}", au, load, *money, escape(row["measured_note"]))
+        au = "-" if row.accelerator_utilisation is None else f"{row.accelerator_utilisation:.1%}"
+        load = "-" if row.cpu_load is None else f"{row.cpu_load:.0%}"
+        table.add_row(escape(row.name), str(row.accelerators_supported), str(row.predicted_accelerators),
+                      stored_size(row.capacity_tb), f"{row.delivered_mb_s:,.1f}",
+                      f"{row.samples_per_s:,.0f}", au, load, *money, escape(row.measured_note))
     return table

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
+from typing import Any, ClassVar, Generic, Literal, TypedDict, TypeVar, cast
 
 import numpy as np
 import torch
@@ -56,10 +56,11 @@ class WorkKind(str, Enum):
     IO = "io"  # read the stored bytes and little else (the storage read ceiling)
 
 
-def work_kind_of_recipe(recipe: dict[str, Any] | None) -> WorkKind:
+def work_kind_of_recipe(recipe: Recipe | None) -> WorkKind:
     """The work a recipe (`loadopt.recipe`) implies: token windows, records read, stored whole frames cropped
     and resized, stored centre squares copied, or the source JPEG decoded every epoch."""
-    recipe = recipe or {}
+    if not recipe:  # none recorded: the source JPEG decoded every epoch
+        return WorkKind.JPEG_DECODE
     if recipe.get("kind") == "tokens":
         return WorkKind.TOKEN_GATHER
     if recipe.get("kind") == "records":  # read the record, hand its first bytes over: the storage read bounds it
@@ -98,6 +99,24 @@ def release_free_heap() -> None:
     the workers forked from it each epoch inherit that heap. A trim every `TRIM_EVERY` batches keeps it flat."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+class LoaderState(TypedDict):
+    """Where a loader is in its epochs (`Loader.state_dict`), as a training checkpoint stores it: a plain dict."""
+
+    backend: str
+    epoch: int
+    batches_done: int  # of this epoch: the next batch delivered after a resume is the one after them
+    seed: int
+    rank: int
+    world_size: int
+    num_samples: int
+    batch_size: int
+
+
+# The keys of a state that must be this loader's for it to resume there (the same order of the same samples).
+RESUMED_ONLY_IF_EQUAL: tuple[Literal["seed", "rank", "world_size", "num_samples", "batch_size"], ...] = (
+    "seed", "rank", "world_size", "num_samples", "batch_size")
 
 
 class NoSettings(BaseModel):
@@ -207,7 +226,7 @@ class Loader(ABC, Generic[SettingsT]):
         return {"shared": 0, "pinned": 0}
 
     @classmethod
-    def work_kind(cls, settings: SettingsT, recipe: dict[str, Any] | None = None) -> str:
+    def work_kind(cls, settings: SettingsT, recipe: Recipe | None = None) -> str:
         """What bounds `settings` (a `WorkKind` value): the attribution holds the setting's runs to the
         ceiling of this work. `recipe` is what the setting's `recipe()` returned (None: not recorded).
         By default the recipe says it: the source JPEG decoded every epoch unless it stores something else."""
@@ -289,14 +308,14 @@ class Loader(ABC, Generic[SettingsT]):
         if epoch != self._epoch:
             self._epoch, self._position = epoch, 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> LoaderState:
         return {"backend": self.name, "epoch": self._epoch, "batches_done": self._position, "seed": self.seed,
                 "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.dataset),
                 "batch_size": self.pipeline.batch_size}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: LoaderState) -> None:
         """Resume where `state` was taken: the next batch is the first one not yet delivered."""
-        for key in ("seed", "rank", "world_size", "num_samples", "batch_size"):
+        for key in RESUMED_ONLY_IF_EQUAL:
             mine = self.state_dict()[key]
             if key in state and state[key] != mine:
                 raise ValueError(f"loader state was taken with {key}={state[key]}, this loader has {key}={mine}")

@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
-from loadopt.loaders.base import HostBatch, Loader, WorkKind
+from loadopt.loaders.base import HostBatch, Loader, LoaderState, WorkKind
 from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, plan_batch
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
@@ -126,7 +126,7 @@ class DaliLoader(Loader[DaliSettings]):
         return settings.num_threads
 
     @classmethod
-    def work_kind(cls, settings: DaliSettings, recipe: dict[str, Any] | None = None) -> str:
+    def work_kind(cls, settings: DaliSettings, recipe: Recipe | None = None) -> str:
         # auto decodes on the GPU on a CUDA device: the run's label says `mixed` there (attribution reads it)
         return WorkKind.DEVICE_DECODE if settings.decoder == "mixed" else WorkKind.JPEG_DECODE
 
@@ -239,7 +239,7 @@ class DaliLoader(Loader[DaliSettings]):
             return _dali_shard_order(self)
         return super().order()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: LoaderState) -> None:
         if self.settings.reader == "native" and int(state.get("batches_done", 0)):
             raise ConfigError("loaders.dali.reader native: DALI's file reader cannot resume mid-epoch (its order "
                               "is its own); use reader: external to resume exactly")

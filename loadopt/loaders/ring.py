@@ -14,7 +14,7 @@ import queue
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 import numpy as np
 import psutil
@@ -131,7 +131,7 @@ class RingLoader(Loader[RingSettingsT]):
         self._croppers_refused = False  # worker processes could not start here: threads crop
 
     @classmethod
-    def work_kind(cls, settings: RingSettingsT, recipe: dict[str, Any] | None = None) -> str:
+    def work_kind(cls, settings: RingSettingsT, recipe: Recipe | None = None) -> str:
         """The recipe's work (`Loader.work_kind`); the encoded form's JPEGs are the stored ones, with restart
         markers (`imaging.reencode.with_restarts`): held to their own decode ceiling."""
         kind = super().work_kind(settings, recipe)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from loadopt.errors import ConfigError, StorageError
 from loadopt.files import read_yaml
+from loadopt.schema import ConfigDump
 from loadopt.storage.remote import RetryPolicy, is_local_fs, redact
 
 TIERS_ENV = "LOADOPT_TIERS"
@@ -72,7 +73,7 @@ class TierSpec(BaseModel):
         rate = served * request_bytes / seconds
         return (rate if pipe is None else min(rate, pipe)) / 1e6
 
-    def redacted(self) -> dict[str, Any]:
+    def redacted(self) -> ConfigDump:
         """The spec as JSON-ready data, with credentials removed (for results and printing)."""
         return redact(self.model_dump(mode="json"))
 
