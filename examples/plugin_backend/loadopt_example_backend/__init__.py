@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.loaders import HostBatch, Loader, WorkKind, transforms
+from loadopt.schema import Recipe
 
 __all__ = ["ThreadedJpegLoader", "ThreadedJpegSettings"]
 
@@ -34,7 +35,7 @@ class ThreadedJpegLoader(Loader[ThreadedJpegSettings]):
     Settings = ThreadedJpegSettings
 
     @classmethod
-    def work_kind(cls, settings: ThreadedJpegSettings, recipe: dict | None = None) -> str:
+    def work_kind(cls, settings: ThreadedJpegSettings, recipe: Recipe | None = None) -> str:
         return WorkKind.JPEG_DECODE
 
     @classmethod
