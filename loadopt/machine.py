@@ -61,21 +61,24 @@ class GpuInfo(TypedDict):
     cuda: str | None  # the CUDA version torch was built with
 
 
-class LoadAverage(TypedDict):
+@with_config(ConfigDict(extra="allow"))  # read back from files: older or hand-written ones may differ
+class LoadAverage(TypedDict, total=False):
     """The 1-minute load average over the bench's samples."""
 
     mean: float
     max: float
 
 
-class CpuShare(TypedDict):
+@with_config(ConfigDict(extra="allow"))  # read back from files: older or hand-written ones may differ
+class CpuShare(TypedDict, total=False):
     """The share of all cores other processes used: over the whole bench, and the most in one interval."""
 
     mean: float | None  # None: the machine's CPU time could not be read
     max: float | None
 
 
-class LoadSummary(TypedDict):
+@with_config(ConfigDict(extra="allow"))  # read back from files: older or hand-written ones may differ
+class LoadSummary(TypedDict, total=False):
     """The machine's load over a bench: results.json's `machine.load`."""
 
     cores: int

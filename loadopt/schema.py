@@ -25,6 +25,7 @@ from typing_extensions import NotRequired, Required, TypedDict
 
 from loadopt.errors import LoadoptError
 from loadopt.machine import MachineInfo
+from loadopt.schema_ceilings import Ceilings, RunCeiling, StageMeasurement, Verdict
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -94,10 +95,6 @@ class Recipe(TypedDict, total=False):
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    def extra(self, key: str) -> Any:
-        """A field the schema keeps as recorded without naming it (a run's `ceiling`, the `verdicts`), or None."""
-        return (self.model_extra or {}).get(key)
-
 
 class SkippedFile(_Open):
     """An unreadable file a run skipped (dataset.on_error: skip), and how many times its repeats met it."""
@@ -115,10 +112,50 @@ class RunTuned(_Open):
     note: str = ""
 
 
+class DeliveredEpoch(TypedDict):
+    """Which samples a rank delivered in one epoch (results.json `runs[].ranks[].delivered`)."""
+
+    epoch: int
+    samples: int
+    complete: bool  # every sample of the rank's share of that epoch
+    digest: str  # order-free digest of the indices (bench/rank_figures.indices_digest)
+
+
+class RankFigures(TypedDict):
+    """One rank's figures of a run, per repeat (results.json `runs[].ranks[]`, a torchrun bench)."""
+
+    rank: int
+    host: str
+    device: str
+    metrics: list[RepeatMetrics]
+    delivered: list[list[DeliveredEpoch]]
+
+
+class SlowestRank(TypedDict):
+    """The rank that waited longest for data (results.json `runs[].slowest_rank`), medians over repeats."""
+
+    rank: int
+    wait_s: float
+    samples_per_s: float
+    accelerator_utilisation: float
+
+
+class DistributedNote(TypedDict):
+    """How a torchrun bench ran and what its figures mean (results.json `distributed`)."""
+
+    world_size: int
+    backend: str
+    step_sync: str
+    aggregate: str
+    timings: str
+    alone: str
+    slowest_ranks: list[str]  # per run: which rank was slowest, how long it waited
+
+
 class Run(_Open):
     """One loader setting (bench), measured iterable or rank (measure) of a results file. The bench's runs
-    also say where their bytes came from and what training input they deliver; `ceiling` and
-    `fraction_of_ceiling` (bench/attribution.py) are kept as the extra fields they are."""
+    also say where their bytes came from and what training input they deliver, the ceiling they are held
+    to (bench/attribution.py) and, under torchrun, their ranks' figures (bench/rank_figures.py)."""
 
     label: str
     backend: str = ""
@@ -133,6 +170,11 @@ class Run(_Open):
     tier_counters: dict[str, int | float] | None = None  # reads, retries, faults of the tier over every repeat
     bounded_by_base: str | None = None  # an emulated tier over slower storage: what its figures are instead
     tuned: RunTuned | None = None
+    # declared in the order the bench adds them, so that results.json keeps its keys' order
+    ranks: list[RankFigures] = []  # a torchrun bench: each rank's figures
+    slowest_rank: SlowestRank | None = None  # a torchrun bench
+    ceiling: RunCeiling | None = None  # the ceiling of the stage that bounds it (bench/attribution.py)
+    fraction_of_ceiling: float | None = None  # None where the ceiling is unreliable or unmeasured
 
 
 class TierCost(_Open):
@@ -311,8 +353,9 @@ class DecisionNote(_Open):
 
 class ResultsFile(_Versioned):
     """results.json, measure.json and tiers.json: runs (none for tiers), ranking, summary; a bench's results
-    also its config, dataset, workload, cache and tier sections, the tuning and the decision. Its ceilings,
-    verdicts and stages (bench/attribution.py, stages.py) are kept as the extra fields they are."""
+    also its config, dataset, workload, cache and tier sections, the tuning and the decision, the ceilings
+    and verdicts (bench/attribution.py), the stages measured apart (bench/stages.py) and how a torchrun
+    bench's ranks ran (bench/rank_figures.py)."""
 
     schema_version: int = SCHEMA_VERSION
     command: str = ""
@@ -338,6 +381,12 @@ class ResultsFile(_Versioned):
     tuning: TuningSummary | None = None
     # a bench's decision; older files may hold only a setting and a sentence
     decision: Annotated[Decision | DecisionNote, Field(union_mode="left_to_right")] | None = None
+    # declared in the order the bench adds them, so that results.json keeps its keys' order
+    distributed: DistributedNote | None = None  # a torchrun bench
+    ceilings: Ceilings | None = None  # the machine's, measured in the bench's own run (bench/ceilings.py)
+    # per backend's best setting; an older or hand-written file may hold plain sentences
+    verdicts: list[Annotated[Verdict | str, Field(union_mode="left_to_right")]] = []
+    stages: list[StageMeasurement] = []  # each backend's best setting measured stage by stage
 
     def measured(self) -> list[Run]:
         """The measured runs, in the ranking's order (fastest first)."""

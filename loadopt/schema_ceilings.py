@@ -2,11 +2,12 @@
 (measured by loadopt/bench/ceilings.py), each run's `ceiling` and the `verdicts` (loadopt/bench/attribution.py),
 and the `stages` measured apart (loadopt/bench/stages.py).
 
-A bottom-layer module (pydantic and typing only), so that the results schema and the report can read them.
-Each model is written with `written(model)`: exactly the keys its producer set (a measurement that was
-skipped is `{"skipped": why}` alone), in the order they are declared here; readers get the defaults
-(None, or an empty part) for what a file does not say. Unknown keys are kept (`extra="allow"`), as in
-loadopt/schema.py, so no recorded figure is dropped.
+A bottom-layer module (pydantic and typing only), so that the results schema (loadopt/schema.py: fields of
+`ResultsFile` and `Run`) and the report can read them. Each model is written with `written(model)` (or as
+part of the results file, `schema.as_dict`, which dumps the same way): exactly the keys its producer set
+(a measurement that was skipped is `{"skipped": why}` alone), in the order they are declared here; readers
+get the defaults (None, or an empty part) for what a file does not say. Unknown keys are kept
+(`extra="allow"`), as in loadopt/schema.py, so no recorded figure is dropped.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ from loadopt.bench.rank_report import RankReport, ToldFailure
 from loadopt.device import Elapsed, resolve_device
 from loadopt.errors import LoadoptError, Terminated
 from loadopt.machine import usable_cores
-from loadopt.schema import RepeatMetrics
+from loadopt.schema import RepeatMetrics, ResultsFile
+from loadopt.schema_ceilings import Ceilings
 
 T = TypeVar("T")
 
@@ -101,7 +102,7 @@ class Ranks:
         """The decode ceiling's worker processes: what every rank on this machine runs at once."""
         return per_rank
 
-    def job_ceilings(self, ceilings: dict[str, Any]) -> dict[str, Any]:
+    def job_ceilings(self, ceilings: Ceilings) -> Ceilings:
         """The ceilings with the job's demand: every rank's accelerator."""
         return ceilings
 
@@ -126,7 +127,7 @@ class Ranks:
     def run_suffix(self) -> str:
         return ""
 
-    def annotate(self, results: dict[str, Any]) -> None:
+    def annotate(self, results: ResultsFile) -> None:
         """Add what the ranks alone know to rank 0's results."""
 
 
@@ -199,12 +200,11 @@ class TorchrunRanks(Ranks):
     def decode_workers(self, per_rank: int) -> int:
         return min(usable_cores(), per_rank * self.local_world_size)
 
-    def job_ceilings(self, ceilings: dict[str, Any]) -> dict[str, Any]:
-        job = dict(ceilings.get("job") or {})
-        if job.get("demand_samples_per_s"):
-            job["demand_samples_per_s"] *= self.world_size
-        job["ranks"] = self.world_size
-        return {**ceilings, "job": job}
+    def job_ceilings(self, ceilings: Ceilings) -> Ceilings:
+        job: dict[str, int | float] = {"ranks": self.world_size}
+        if ceilings.job.demand_samples_per_s:
+            job["demand_samples_per_s"] = ceilings.job.demand_samples_per_s * self.world_size
+        return ceilings.model_copy(update={"job": ceilings.job.model_copy(update=job)})
 
     # -- each run --------------------------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ class TorchrunRanks(Ranks):
     def run_suffix(self) -> str:
         return f", rank 0 of {self.world_size}"
 
-    def annotate(self, results: dict[str, Any]) -> None:
+    def annotate(self, results: ResultsFile) -> None:
         add_ranks(results, self._per_rank, self.world_size, torch.distributed.get_backend())
 
 

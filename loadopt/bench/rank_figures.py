@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from typing_extensions import TypedDict
 
 from loadopt.bench.metrics import median
-from loadopt.bench.rank_report import DeliveredEpoch, RankReport
-from loadopt.schema import RepeatMetrics
+from loadopt.bench.rank_report import RankReport
+from loadopt.schema import DeliveredEpoch, DistributedNote, RankFigures, RepeatMetrics, ResultsFile, SlowestRank
 
 # Summed over ranks (extensive), the worst over ranks, or the mean over ranks; the rates are recomputed.
 _SUMMED = ("samples", "compute_s", "wait_s", "h2d_s", "finish_s", "sample_bytes_delivered", "bytes_read",
@@ -52,37 +51,6 @@ class RecordingLoader:
 def indices_digest(indices: np.ndarray) -> str:
     """A digest of a set of sample indices (sorted first, so the order does not matter)."""
     return hashlib.sha256(np.sort(np.asarray(indices, dtype=np.int64)).tobytes()).hexdigest()[:16]
-
-
-class SlowestRank(TypedDict):
-    """The rank that waited longest for data (results.json `runs[].slowest_rank`), medians over repeats."""
-
-    rank: int
-    wait_s: float
-    samples_per_s: float
-    accelerator_utilisation: float
-
-
-class RankFigures(TypedDict):
-    """One rank's figures of a run, per repeat (results.json `runs[].ranks[]`)."""
-
-    rank: int
-    host: str
-    device: str
-    metrics: list[RepeatMetrics]
-    delivered: list[list[DeliveredEpoch]]
-
-
-class DistributedNote(TypedDict):
-    """How a torchrun bench ran and what its figures mean (results.json `distributed`)."""
-
-    world_size: int
-    backend: str
-    step_sync: str
-    aggregate: str
-    timings: str
-    alone: str
-    slowest_ranks: list[str]  # per run: which rank was slowest, how long it waited
 
 
 def _number(metrics: RepeatMetrics, key: str) -> float | None:
@@ -142,10 +110,9 @@ def rank_figures(rank: int, repeats: list[RankReport]) -> RankFigures:
                        metrics=[r.figures() for r in repeats], delivered=[r.delivered for r in repeats])
 
 
-def add_ranks(results: dict[str, Any], per_rank: dict[str, list[list[RankReport]]], world: int,
-              backend: str) -> None:
+def add_ranks(results: ResultsFile, per_rank: dict[str, list[list[RankReport]]], world: int, backend: str) -> None:
     """Into a bench's results (rank 0's): the command, how the ranks ran, and per run its ranks' figures."""
-    results["command"] = f"torchrun --nproc-per-node {world} -m loadopt bench"
+    results.command = f"torchrun --nproc-per-node {world} -m loadopt bench"
     note = DistributedNote(
         world_size=world, backend=backend,
         step_sync="an all-reduce after every step (stand-in for the gradient all-reduce; it also carries "
@@ -158,17 +125,17 @@ def add_ranks(results: dict[str, Any], per_rank: dict[str, list[list[RankReport]
               "rank's worker processes on this machine; the job's demand: every rank's accelerator) and the "
               "stages apart (one loader over the whole dataset against one accelerator's demand)",
         slowest_ranks=[])
-    results["distributed"] = note
-    for run in results["runs"]:
-        ranks = per_rank.get(run["label"])
-        if not ranks or "metrics" not in run:
+    results.distributed = note
+    for run in results.runs:
+        ranks = per_rank.get(run.label)
+        if not ranks or run.metrics is None:
             continue
-        run["ranks"] = [rank_figures(r, repeats) for r, repeats in enumerate(ranks)]
-        slow = run["slowest_rank"] = slowest_rank(ranks)
-        note["slowest_ranks"].append(f"{run['label']}: rank {slow['rank']} (waited {slow['wait_s']:.2f} s for "
+        run.ranks = [rank_figures(r, repeats) for r, repeats in enumerate(ranks)]
+        slow = run.slowest_rank = slowest_rank(ranks)
+        note["slowest_ranks"].append(f"{run.label}: rank {slow['rank']} (waited {slow['wait_s']:.2f} s for "
                                      f"data, AU {slow['accelerator_utilisation']:.0%})")
-    if results["ranking"]:
-        best = next(r for r in results["runs"] if r["label"] == results["ranking"][0])
-        rate = median(best["metrics"], "samples_per_s")
-        results["summary"] = (f"fastest on {world} ranks: {best['label']} at {rate:,.0f} samples/s in all; "
-                              f"slowest rank {best['slowest_rank']['rank']}")
+    best = results.measured()[0] if results.ranking else None
+    if best is not None and best.slowest_rank is not None:  # every measured run has its ranks' figures
+        rate = median(best.metrics or {}, "samples_per_s")
+        results.summary = (f"fastest on {world} ranks: {best.label} at {rate:,.0f} samples/s in all; "
+                           f"slowest rank {best.slowest_rank['rank']}")

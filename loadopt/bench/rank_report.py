@@ -1,22 +1,12 @@
 """What the ranks of a torchrun bench tell each other of one run (bench/distributed.py carries it): a rank's
-`RankReport`, the samples it delivered per epoch, and a failure as plain data (`ToldFailure`)."""
+`RankReport` (with the samples it delivered per epoch: the schema's `DeliveredEpoch`), and a failure as
+plain data (`ToldFailure`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing_extensions import TypedDict
-
-from loadopt.schema import RepeatMetrics
-
-
-class DeliveredEpoch(TypedDict):
-    """Which samples a rank delivered in one epoch (results.json `runs[].ranks[].delivered`)."""
-
-    epoch: int
-    samples: int
-    complete: bool  # every sample of the rank's share of that epoch
-    digest: str  # order-free digest of the indices (rank_figures.indices_digest)
+from loadopt.schema import DeliveredEpoch, RepeatMetrics
 
 
 @dataclass(frozen=True)

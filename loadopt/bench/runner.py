@@ -34,7 +34,7 @@ from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
 from loadopt.schema import ResultsFile, RunStatus, RunTuned, as_dict
-from loadopt.schema_ceilings import Ceilings, Verdict, written
+from loadopt.schema_ceilings import Ceilings, Verdict
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.pagecache import evict
@@ -202,9 +202,7 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
         return BenchOutcome(None, None, None, done.interrupted, ranks.rank)
     results = results_document(config, plan, dataset, ranks.device, workload, request.quick, done.interrupted,
                                done.cache_note, done.not_run())
-    doc = as_dict(results)  # the ranks' figures (bench/distributed.py) are added to the document as plain data
-    ranks.annotate(doc)
-    results = ResultsFile.model_validate(doc)
+    ranks.annotate(results)  # the ranks' figures (bench/distributed.py)
     if done.interrupted:
         results.interrupted_by = done.stopped_by
     if results.machine is not None:
@@ -256,18 +254,16 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
     """Attribute the measured settings, decide (a stopped bench: among what it measured, marked partial),
     write the files."""
     config, interrupted = request.config, done.interrupted
-    if done.ceilings is not None:
-        doc = as_dict(results)  # attribution and stages read and annotate the document as plain data
+    if done.ceilings is not None:  # what the attribution adds is kept, also where it was cut short
         try:
-            _attribute(doc, Ceilings.model_validate(ranks.job_ceilings(written(done.ceilings))))
+            _attribute(results, ranks.job_ceilings(done.ceilings))
             if (request.tune or request.attribute_stages) and not interrupted and done.user_error is None:
-                stages.attribute_stages(config, dataset, ranks.device, doc, done.ceilings, request.reporter)
+                stages.attribute_stages(config, dataset, ranks.device, results, done.ceilings, request.reporter)
         except KeyboardInterrupt as exc:
-            interrupted = doc["interrupted"] = True
-            doc["interrupted_by"] = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+            interrupted = results.interrupted = True
+            results.interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         except Exception:  # noqa: BLE001 - the measured runs must reach the disk whatever the attribution does
             log.warning("bottleneck attribution failed; the results are written without it", exc_info=True)
-        results = ResultsFile.model_validate(doc)  # what the attribution added, also where it was cut short
     tier = decision.storage_tier(tier_label(config.storage.tier), dataset.root)  # a name: never the options
     made = decision.make_decision(results, tier)
     if interrupted or done.user_error is not None:
@@ -362,21 +358,22 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
     return note
 
 
-def _attribute(results: dict[str, Any], ceilings: Ceilings) -> None:
+def _attribute(results: ResultsFile, ceilings: Ceilings) -> None:
     """Each measured run against the ceiling that bounds it; a verdict for each backend's best setting."""
-    results["ceilings"] = written(ceilings)
-    by_label = {r["label"]: r for r in results["runs"]}
-    verdicts, seen = [], set()
-    busy = bool((results["machine"].get("load") or {}).get("busy"))
-    for label in results["ranking"]:  # fastest first: the first of a backend is its best setting
-        run = by_label[label]
-        found = attribution.attribute(run["metrics"], label, ceilings, ceilings.job, run["settings"],
-                                      run.get("recipe"))
-        held = attribution.hold_to_ceiling(found.ceiling, median(run["metrics"], "samples_per_s"), busy)
-        run["ceiling"], run["fraction_of_ceiling"] = written(held.ceiling), held.fraction
-        if run["backend"] not in seen:
-            seen.add(run["backend"])
-            note = load_note(results["machine"].get("load"))
-            verdicts.append(Verdict(label=label, bottleneck=found.bottleneck,
+    results.ceilings = ceilings
+    load = results.machine.get("load") if results.machine is not None else None
+    busy = bool(load and load.get("busy"))
+    verdicts: list[Verdict | str] = []
+    seen = set()
+    for run in results.measured():  # fastest first: the first of a backend is its best setting
+        metrics = run.metrics or {}
+        found = attribution.attribute(metrics, run.label, ceilings, ceilings.job, run.settings,
+                                      run.recipe)
+        held = attribution.hold_to_ceiling(found.ceiling, median(metrics, "samples_per_s"), busy)
+        run.ceiling, run.fraction_of_ceiling = held.ceiling, held.fraction
+        if run.backend not in seen:
+            seen.add(run.backend)
+            note = load_note(load)
+            verdicts.append(Verdict(label=run.label, bottleneck=found.bottleneck,
                                     text=found.text + (f"; {note}" if note else "")))
-    results["verdicts"] = [written(v) for v in verdicts]
+    results.verdicts = verdicts

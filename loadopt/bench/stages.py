@@ -29,7 +29,7 @@ from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer
 from loadopt.loaders.registry import backend_class, configured_loader
 from loadopt.progress import Reporter
-from loadopt.schema import Knobs, RepeatMetrics
+from loadopt.schema import Knobs, RepeatMetrics, ResultsFile
 from loadopt.schema_ceilings import (
     Ceilings,
     ComputeStage,
@@ -40,7 +40,6 @@ from loadopt.schema_ceilings import (
     Stages,
     StorageStage,
     Verdict,
-    written,
 )
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.pagecache import evict
@@ -195,19 +194,20 @@ def stage_verdict(stages: Stages, job: Job) -> StageVerdict:
     return StageVerdict(stage, f"{stage}: {words}, {need}; {both}{of}; {lift}{tail}")
 
 
-def attribute_stages(config: Config, dataset: Dataset, device: torch.device, results: dict[str, Any],
+def attribute_stages(config: Config, dataset: Dataset, device: torch.device, results: ResultsFile,
                      ceilings: Ceilings, reporter: Reporter | None = None) -> None:
-    """Stages apart for each backend's best setting; its verdict replaces the ceiling-only one."""
-    by_label = {r["label"]: r for r in results["runs"]}
-    verdicts = [Verdict.model_validate(v) for v in results.get("verdicts") or []]
+    """Stages apart for each backend's best setting; its verdict replaces the ceiling-only one (all of them
+    at the end: a bench stopped on the way keeps its verdicts and gets no stages)."""
+    by_label = {r.label: r for r in results.runs}
+    verdicts = [v.model_copy() for v in results.verdicts if isinstance(v, Verdict)]  # the bench writes no sentence
     found = []
     for verdict in verdicts:
         run = by_label[verdict.label]
         if reporter is not None:
             reporter.run_started(f"stages apart: {verdict.label}", 0)
-        stage = measure_stages(config, dataset, device, run["backend"], run["settings"] or {}, run["label"], ceilings)
+        stage = measure_stages(config, dataset, device, run.backend, run.settings or {}, run.label, ceilings)
         verdict.bottleneck, verdict.text, verdict.by = stage.bottleneck, stage.text, "stages measured apart"
         found.append(stage)
     if verdicts:
-        results["verdicts"] = [written(v) for v in verdicts]
-    results["stages"] = [written(stage) for stage in found]
+        results.verdicts = [*verdicts]
+    results.stages = found

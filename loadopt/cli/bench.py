@@ -120,9 +120,8 @@ def _print_results(results: ResultsFile) -> None:
     if busy:
         console.print(f"[yellow]{escape(busy)}[/]", highlight=False)
     for run in results.runs:
-        ceiling = run.extra("ceiling") or {}
-        if ceiling.get("unreliable"):
-            console.print(f"[yellow]of ceiling, {escape(run.label)}: unreliable: {escape(ceiling['reason'])}[/]",
+        if run.ceiling is not None and run.ceiling.unreliable:
+            console.print(f"[yellow]of ceiling, {escape(run.label)}: unreliable: {escape(run.ceiling.reason or '')}[/]",
                           highlight=False)
     cache_note = results.cache.note if results.cache else ""
     console.print(f"[dim]{cache_note}; device {results.device}"
@@ -141,16 +140,14 @@ def _print_results(results: ResultsFile) -> None:
 def _print_verdicts(results: ResultsFile) -> None:
     """The measured ceilings, then one bottleneck verdict per backend's best setting."""
     from loadopt.bench.attribution import ceilings_summary
-    from loadopt.schema_ceilings import Ceilings
 
-    ceilings = results.extra("ceilings")
-    if ceilings:
-        summary = ceilings_summary(Ceilings.model_validate(ceilings))
+    if results.ceilings is not None:
+        summary = ceilings_summary(results.ceilings)
         console.print(f"[dim]ceilings measured in this run: {escape(summary)}[/]", highlight=False)
     for line in verdict_lines(results):
         name, rest = line.split(": ", 1)
         console.print(f"[bold]{escape(name)}[/]: {escape(rest)}", highlight=False)
-    if results.extra("verdicts"):
+    if results.verdicts:
         console.print("[dim]each verdict in full, with what would lift its bound: `loadopt explain "
                       "RESULTS.json` or the report[/]", highlight=False)
 

@@ -48,10 +48,10 @@ def results_table(results: ResultsFile) -> Table:
                          no_wrap=True)
     for rank, run in enumerate(ranked, start=1):
         m = run.metrics or {}
-        fraction = run.extra("fraction_of_ceiling")
+        fraction = run.fraction_of_ceiling
         # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
-        if (run.extra("ceiling") or {}).get("unreliable"):  # > 110%: the ceiling was measured low (said below)
+        if run.ceiling is not None and run.ceiling.unreliable:  # > 110%: the ceiling was measured low (said below)
             of_ceiling = "[yellow]?[/]"
         shown = short[run.label]
         if run.tuned:  # --tune: each backend's best setting, and how many were tried; a backend far behind
@@ -77,22 +77,24 @@ def verdict_lines(results: ResultsFile) -> list[str]:
 
     short = short_labels(results.runs)
     by_label = {r.label: r for r in results.runs}
-    need = ((results.extra("ceilings") or {}).get("job") or {}).get("demand_samples_per_s")
+    need = results.ceilings.job.demand_samples_per_s if results.ceilings is not None else None
     lines = []
-    for verdict in results.extra("verdicts") or []:
-        run = by_label.get(verdict["label"])
+    for verdict in results.verdicts:
+        if isinstance(verdict, str):  # a sentence of an older file: no setting to line up
+            continue
+        run = by_label.get(verdict.label)
         metrics = (run.metrics if run else None) or {}
-        ceiling = (run.extra("ceiling") if run else None) or {}
+        ceiling = run.ceiling if run else None
         rate, stall = median(metrics, "samples_per_s"), median(metrics, "stall_fraction")
         parts = [f"{rate:,.0f} samples/s" if rate is not None else "no rate"]
-        fraction = run.extra("fraction_of_ceiling") if run else None
-        if isinstance(fraction, (int, float)) and ceiling.get("name"):
-            parts.append(f"{fraction:.0%} of {ceiling['name']} ({ceiling['samples_per_s']:,.0f}/s)")
+        fraction = run.fraction_of_ceiling if run else None
+        if fraction is not None and ceiling is not None and ceiling.name:
+            parts.append(f"{fraction:.0%} of {ceiling.name} ({ceiling.samples_per_s or 0:,.0f}/s)")
         if need:
             parts.append(f"the job needs {need:,.0f}/s")
         if stall is not None:
             parts.append(f"stall {stall:.0%}")
-        lines.append(f"{short.get(verdict['label'], verdict['label'])}: {verdict['bottleneck']}: {', '.join(parts)}")
+        lines.append(f"{short.get(verdict.label, verdict.label)}: {verdict.bottleneck}: {', '.join(parts)}")
     return lines
 
 

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from loadopt.errors import LoadoptError
-from loadopt.schema import RepeatMetrics, RunMetrics, SchemaError, as_dict, parse_results
+from loadopt.schema import RepeatMetrics, ResultsFile, RunMetrics, SchemaError, as_dict, parse_results
+from loadopt.schema_ceilings import RunCeiling
 
 OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
@@ -48,7 +49,7 @@ class Run:
     reason: str
     metrics: RunMetrics
     repeats: list[RepeatMetrics]
-    ceiling: dict[str, Any] | None  # bench/attribution.py's, as recorded
+    ceiling: RunCeiling | None  # bench/attribution.py's, as recorded
 
     @property
     def measured(self) -> bool:
@@ -77,14 +78,14 @@ class Run:
         return None
 
     def ceiling_rate(self) -> float | None:
-        rate = (self.ceiling or {}).get("samples_per_s")
-        return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+        rate = self.ceiling.samples_per_s if self.ceiling is not None else None
+        return float(rate) if rate is not None and rate > 0 else None
 
     def ceiling_unreliable(self) -> bool:
         """A ceiling the run beat by more than 10% (marked so by the bench, or found so here in an older
         file): it was measured low, and no fraction of it is shown as a fact."""
         ceiling, rate = self.ceiling_rate(), self.value("samples_per_s")
-        return bool((self.ceiling or {}).get("unreliable")) or bool(
+        return bool(self.ceiling is not None and self.ceiling.unreliable) or bool(
             ceiling and rate is not None and rate > OVERSHOOT * ceiling)
 
     def ceiling_fraction(self) -> float | None:
@@ -98,9 +99,10 @@ class Run:
         """The "of ceiling" cell: the fraction, `unreliable (reason)`, or "-"."""
         fraction = self.ceiling_fraction()
         if fraction is not None:
-            return f"{fraction:.0%} of {(self.ceiling or {}).get('name', 'ceiling')}"
+            return f"{fraction:.0%} of {self.ceiling.name if self.ceiling is not None else 'ceiling'}"
         if self.ceiling_unreliable():
-            reason = (self.ceiling or {}).get("reason") or "the run beat its ceiling by more than 10%"
+            reason = (self.ceiling.reason if self.ceiling is not None else None) or \
+                "the run beat its ceiling by more than 10%"
             return f"unreliable ({reason})"
         return "-"
 
@@ -150,7 +152,8 @@ class Timings:
 @dataclass
 class Results:
     path: Path
-    doc: dict[str, Any]
+    doc: dict[str, Any]  # the file as plain data (`as_dict(file)`), for the sections read as recorded
+    file: ResultsFile
     runs: list[Run]
     tag: str = "A"
     timings: dict[str, Timings] = field(default_factory=dict)
@@ -228,11 +231,11 @@ class Results:
     def verdicts(self) -> list[tuple[str | None, str]]:
         """(loader setting or None, sentence) per bottleneck verdict."""
         out: list[tuple[str | None, str]] = []
-        for item in self.doc.get("verdicts") or []:
+        for item in self.file.verdicts:
             if isinstance(item, str):
                 out.append((None, item))
-            elif isinstance(item, dict) and item.get("text"):
-                out.append((str(item["label"]) if item.get("label") else None, str(item["text"])))
+            elif item.text:
+                out.append((item.label or None, item.text))
         return out
 
     def tiers(self) -> list[dict[str, Any]]:
@@ -270,21 +273,21 @@ def load(path: str | os.PathLike[str], tag: str = "A", timings: bool = True) -> 
         raise ResultsFileError(f"{p}: not valid JSON ({str(exc).splitlines()[0]})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise ResultsFileError(f"{p}: not a loadopt results file (no 'runs' list)")
-    runs = []
     for i, raw in enumerate(doc["runs"]):
         if not isinstance(raw, dict) or not isinstance(raw.get("label"), str):
             raise ResultsFileError(f"{p}: runs[{i}] is not a loader setting with a label")
+    try:  # the schema's shape and version (loadopt.schema); version 1 files are upgraded as read
+        file = parse_results(doc, p)
+    except SchemaError as exc:
+        raise ResultsFileError(str(exc)) from None
+    runs = []
+    for raw, run in zip(doc["runs"], file.runs, strict=True):
         found = raw.get("metrics")
         metrics: RunMetrics = found if isinstance(found, dict) else {}
         runs.append(Run(raw["label"], str(raw.get("backend") or ""), str(raw.get("status") or "ok"),
                         str(raw.get("reason") or ""), metrics,
-                        [r for r in raw.get("repeats") or [] if isinstance(r, dict)],
-                        raw["ceiling"] if isinstance(raw.get("ceiling"), dict) else None))
-    try:  # the schema's shape and version (loadopt.schema); version 1 files are upgraded as read
-        doc = as_dict(parse_results(doc, p))
-    except SchemaError as exc:
-        raise ResultsFileError(str(exc)) from None
-    results = Results(p, doc, runs, tag)
+                        [r for r in raw.get("repeats") or [] if isinstance(r, dict)], run.ceiling))
+    results = Results(p, as_dict(file), file, runs, tag)
     if timings:
         results.timings, results.timings_note = _timings(p.parent / "timings.parquet", runs)
     return results

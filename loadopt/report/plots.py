@@ -151,7 +151,7 @@ def ranking_figure(res: Results, palette: Palette) -> Figure:
         shown = "unreliable" if run.ceiling_unreliable() else f"{fraction:.0%}"  # never a fraction above 110%
         ax.text(xmax * 0.005, i, shown, va="center", fontsize=7, zorder=5,
                 bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.85, "linewidth": 0})
-        name = (run.ceiling or {}).get("name", "ceiling")
+        name = run.ceiling.name if run.ceiling is not None else "ceiling"
         beyond = f", at {ceiling:,.0f}" if off else ""
         ax.text(max(rate, at) + xmax * 0.015, i, f"{rate:,.0f} ({shown} of {name}{beyond})", va="center",
                 fontsize=7.5)
