@@ -68,9 +68,22 @@ class RecordSpec(_Strict):
         return data
 
 
+class ParquetColumns(_Strict):
+    """The Parquet columns holding each sample's image (a `{bytes, path}` struct, as Hugging Face `datasets`
+    writes it, or plain binary) and its label (an integer or a class name)."""
+
+    image: str = "image"
+    label: str = "label"
+
+
 class DatasetConfig(_Strict):
     kind: Literal["images", "tokens", "records"] = "images"
     path: str | None = None
+    # How `path` stores the images: `auto` tells an ImageFolder, WebDataset tar shards and Parquet files
+    # apart by what the path holds (loadopt/storage/source_format.py).
+    format: Literal["auto", "imagefolder", "webdataset", "parquet"] = "auto"
+    label_key: str | None = None  # WebDataset: the `json` member's field holding the label (default: the `cls` member)
+    columns: ParquetColumns = ParquetColumns()
     synthetic: SyntheticSpec = SyntheticSpec()
     tokens: TokenSpec = TokenSpec()
     records: RecordSpec = RecordSpec()

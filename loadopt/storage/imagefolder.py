@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 import numpy as np
@@ -26,6 +26,10 @@ from loadopt.storage.records import RecordDataset
 from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
+
+if TYPE_CHECKING:  # they import this module's helpers
+    from loadopt.storage.parquet_source import ParquetDataset
+    from loadopt.storage.webdataset_source import WebDataset
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
@@ -188,7 +192,8 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     """The dataset a config names (its `dataset.path`, the tier's `base`, or the synthetic one, generated if
     missing), read through `storage.tier`.
 
-    Images give an `ImageDataset`; `dataset.kind: tokens` a `TokenDataset` (one split: the file);
+    Images give an `ImageDataset`, a `WebDataset` or a `ParquetDataset` (`dataset.format`);
+    `dataset.kind: tokens` a `TokenDataset` (one split: the file);
     `dataset.kind: records` a `RecordDataset` (storage/records.py; one split: the folder).
     """
     tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
@@ -198,16 +203,38 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
                               "tiers apply to image datasets (use storage.tier: local)")
         return _open_tokens(config, progress)
     path = dataset_root(tier, config.dataset.path, where=config.source)
-    dataset: ImageDataset | RecordDataset
+    dataset: ImageDataset | RecordDataset | WebDataset | ParquetDataset
     if config.dataset.kind == "records":
         dataset = _open_records(config, path, tier.storage_options, progress)
     elif path is not None:
-        dataset = scan_image_folder(path, split, tier.storage_options)
+        dataset = _open_images(config, path, split, tier.storage_options)
     else:
         dataset = _open_synthetic(config, split, progress)
     dataset.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)
     dataset.converted = conversion_home(config.storage.converted, tier.base, dataset.fs, dataset.root)
     return dataset
+
+
+def _open_images(config: Config, path: str, split: str, storage_options: dict[str, Any] | None
+                 ) -> ImageDataset | WebDataset | ParquetDataset:
+    """The images at `path` in the format `dataset.format` names, or the one it holds (`auto`)."""
+    spec = config.dataset
+    source_format: str = spec.format
+    if source_format == "auto":
+        from loadopt.storage.source_format import detect_format
+
+        fs, inner = open_url(path, storage_options)
+        with storage_errors(path, "look at the dataset"):
+            source_format = detect_format(fs, inner, split, redact(path))
+    if source_format == "webdataset":
+        from loadopt.storage.webdataset_source import open_webdataset
+
+        return open_webdataset(path, split, storage_options, spec.label_key, spec.on_error)
+    if source_format == "parquet":
+        from loadopt.storage.parquet_source import open_parquet
+
+        return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label)
+    return scan_image_folder(path, split, storage_options)
 
 
 def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], None] | None) -> ImageDataset:

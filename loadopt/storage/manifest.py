@@ -230,3 +230,54 @@ def local_listing(root: str, identity: str, extensions: tuple[str, ...], cache: 
     if len(listing.paths):
         save(path, listing, identity, folders, mtimes)
     return listing
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample indexes of container files (tar shards, Parquet files): built once, reused while the fingerprint holds
+
+INDEX_VERSION = 1
+
+
+@dataclass
+class SampleIndex:
+    """Where each sample of a set of container files lives (named arrays, one entry per sample or per file),
+    the class names, and the fingerprint of the files it was built from."""
+
+    arrays: dict[str, np.ndarray]
+    classes: list[str]
+    fingerprint: str
+    notes: list[str]  # samples left out while indexing, named for a message
+
+
+def save_index(path: Path, index: SampleIndex, identity: str) -> None:
+    """Write the index folder (a temporary folder renamed into place); best effort, as `save`."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.mkdir(parents=True)
+        for name, array in index.arrays.items():
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+        meta = {"version": INDEX_VERSION, "identity": identity, "fingerprint": index.fingerprint,
+                "classes": index.classes, "arrays": sorted(index.arrays), "notes": index.notes}
+        (tmp / META).write_text(json.dumps(meta))
+        old = path.with_name(f"{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        if path.exists():
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.debug("sample index not saved at %s: %s", path, exc)
+
+
+def load_index(path: Path, identity: str, fingerprint: str) -> SampleIndex | None:
+    """The saved index when it was built from files of this fingerprint, else None (the arrays memory-mapped)."""
+    try:
+        meta = json.loads((path / META).read_text())
+        if (meta.get("version") != INDEX_VERSION or meta.get("identity") != identity
+                or meta.get("fingerprint") != fingerprint):
+            return None
+        arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in meta["arrays"]}
+        return SampleIndex(arrays=arrays, classes=list(meta["classes"]), fingerprint=fingerprint,
+                           notes=list(meta["notes"]))
+    except (OSError, ValueError, KeyError, TypeError):  # missing, damaged, of another layout: index again
+        return None

@@ -1,0 +1,222 @@
+"""Parquet files as a dataset (`dataset.format: parquet`): a folder as downloaded from the Hugging Face hub
+(`data/train-00000-of-00042.parquet`, the split from the file names), or a folder, list or glob of files.
+
+The image column is a `{bytes, path}` struct, as Hugging Face `datasets` writes an `Image()` feature, or
+plain binary; the label column an integer or a class-name string, the class names taken from the
+`huggingface` schema metadata where present (`dataset.columns`). Row groups are the unit read: remote
+files through `pyarrow.parquet.ParquetFile` over an fsspec file (byte ranges, never the whole file), the
+last few decoded row groups kept so a batch's samples do not reread theirs. The index (file, row group,
+row and stored bytes per sample) is kept in the cache with the files' fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from loadopt.errors import DatasetError
+from loadopt.files import cache_dir
+from loadopt.storage import manifest
+from loadopt.storage.imagefolder import modified
+from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.source_format import GLOB_CHARS, labels_and_classes, of_split
+
+ROW_GROUPS_KEPT = 4  # decoded row groups held per process: a batch's samples in a few row groups read each once
+
+
+@dataclass
+class ParquetDataset:
+    """The samples of one split of Parquet files: each sample's file, row group and row, label and size."""
+
+    root: str
+    fs: fsspec.AbstractFileSystem
+    files: np.ndarray  # fixed-width UTF-8 bytes, one per file, as `fs` names them
+    file_of: np.ndarray  # int64
+    group_of: np.ndarray  # int64, the row group in its file
+    row_of: np.ndarray  # int64, the row in its row group
+    labels: np.ndarray  # int64
+    sizes: np.ndarray  # int64, the image's stored bytes
+    classes: list[str]
+    fingerprint: str
+    image_column: str = "image"
+    synthetic: bool = False
+    converted: str | None = None
+    kind: ClassVar[str] = "images"
+    _groups: OrderedDict[tuple[int, int], pa.Array] = field(default_factory=OrderedDict, repr=False)
+    _handles: dict[int, pq.ParquetFile] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:  # open files and decoded row groups stay in their process
+        state = self.__dict__.copy()
+        state.update(_groups=OrderedDict(), _handles={}, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def path(self, index: int) -> str:
+        return (f"{self.files[self.file_of[index]].decode()} (row group {int(self.group_of[index])}, "
+                f"row {int(self.row_of[index])})")
+
+    def is_local(self) -> bool:
+        return is_local_fs(self.fs)
+
+    def local_files(self) -> list[str]:
+        return [f.decode() for f in self.files] if self.is_local() else []
+
+    def read(self, index: int) -> bytes:
+        """The image's stored bytes, from its row group (read once while among the last few used)."""
+        key = (int(self.file_of[index]), int(self.group_of[index]))
+        with self._lock:
+            images = self._groups.get(key)
+            if images is not None:
+                self._groups.move_to_end(key)
+        if images is None:
+            images = self._read_group(*key)
+            with self._lock:
+                self._groups[key] = images
+                while len(self._groups) > ROW_GROUPS_KEPT:
+                    self._groups.popitem(last=False)
+        value = images[int(self.row_of[index])].as_py()
+        if value is None:
+            raise DatasetError(f"{redact(self.path(index))}: no image bytes (null)")
+        return value
+
+    def _read_group(self, file: int, group: int) -> pa.Array:
+        handle = self._handles.get(file)
+        name = self.files[file].decode()
+        if handle is None:
+            handle = pq.ParquetFile(name if self.is_local() else self.fs.open(name, "rb"))
+            self._handles[file] = handle
+        try:
+            return image_bytes(handle.read_row_group(group, columns=[self.image_column]), self.image_column, name)
+        except (OSError, pa.ArrowException) as exc:
+            raise DatasetError(f"{redact(name)}: cannot read row group {group} ({exc})") from None
+
+
+def image_bytes(table: pa.Table, column: str, where: str) -> pa.Array:
+    """The image column's bytes: the `bytes` field of Hugging Face's `{bytes, path}` struct, or the column."""
+    if column not in table.column_names:
+        raise DatasetError(f"{redact(where)}: no column {column!r} (columns: {', '.join(table.column_names)}); "
+                           "set dataset.columns.image")
+    values = table.column(column).combine_chunks()
+    if pa.types.is_struct(values.type):
+        if values.type.get_field_index("bytes") < 0:
+            raise DatasetError(f"{redact(where)}: column {column!r} is a struct without a `bytes` field")
+        values = values.field("bytes")
+    if not (pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)):
+        raise DatasetError(f"{redact(where)}: column {column!r} holds {values.type}, not image bytes")
+    return values
+
+
+def class_names(schema: pa.Schema, label: str) -> list[str] | None:
+    """The label's class names from the `huggingface` schema metadata (a ClassLabel feature), else None."""
+    try:
+        info = json.loads((schema.metadata or {})[b"huggingface"])
+        names = info["info"]["features"][label]["names"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return [str(n) for n in names] if isinstance(names, list) else None
+
+
+def parquet_files(fs: fsspec.AbstractFileSystem, path: str | list[str], split: str,
+                  shown: str) -> tuple[str, list[str]]:
+    """The files' folder and the Parquet files of `split`: a list as given, a glob's matches, one file, or
+    a folder's `*.parquet` (a Hugging Face folder's `data/` ones) of that split."""
+    if isinstance(path, list):
+        return path[0].rpartition("/")[0], list(path)
+    if any(c in path for c in GLOB_CHARS):
+        return path.rpartition("/")[0], sorted(fs.glob(path))
+    if path.endswith(".parquet") and not fs.isdir(path):
+        return path.rpartition("/")[0], [path]
+    folder = path.rstrip("/")
+    for inner in (folder, f"{folder}/data", f"{folder}/{split}"):
+        if fs.isdir(inner):
+            files = sorted(n for n in fs.ls(inner, detail=False) if n.endswith(".parquet"))
+            if files:
+                return inner, files if inner.endswith(f"/{split}") else of_split(files, split, shown)
+    raise DatasetError(f"{shown}: no .parquet files (looked in it, its data/ and its {split}/)")
+
+
+def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple[str, str],
+                 fingerprint: str) -> manifest.SampleIndex:
+    """Read each file's label column and image sizes, row group by row group."""
+    image, label = columns
+    file_of, group_of, row_of, sizes, labels = [], [], [], [], []
+    names_found: list[str] | None = None
+    first_schema: pa.Schema | None = None
+    for number, name in enumerate(names):
+        with fs.open(name, "rb") as handle:
+            parquet = pq.ParquetFile(handle)
+            schema = parquet.schema_arrow
+            for column in columns:
+                if column not in schema.names:
+                    raise DatasetError(f"{redact(fs.unstrip_protocol(name))}: no column {column!r} (columns: "
+                                       f"{', '.join(schema.names)}); set dataset.columns")
+            if first_schema is None:
+                first_schema, names_found = schema, class_names(schema, label)
+            elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
+                raise DatasetError(f"{redact(fs.unstrip_protocol(name))}: its schema differs from "
+                                   f"{redact(fs.unstrip_protocol(names[0]))}'s")
+            for group in range(parquet.num_row_groups):
+                table = parquet.read_row_group(group, columns=[image, label])
+                images = image_bytes(table, image, name)
+                lengths = pc.binary_length(images).fill_null(0).to_numpy(zero_copy_only=False)
+                sizes.append(lengths.astype(np.int64))
+                labels += table.column(label).to_pylist()
+                file_of.append(np.full(len(lengths), number, dtype=np.int64))
+                group_of.append(np.full(len(lengths), group, dtype=np.int64))
+                row_of.append(np.arange(len(lengths), dtype=np.int64))
+    numbers, classes = labels_and_classes(labels, names_found, redact(fs.unstrip_protocol(names[0])))
+    empty = np.array([], dtype=np.int64)
+    arrays = {"file_of": np.concatenate(file_of or [empty]), "group_of": np.concatenate(group_of or [empty]),
+              "row_of": np.concatenate(row_of or [empty]), "sizes": np.concatenate(sizes or [empty]),
+              "labels": np.array(numbers, dtype=np.int64)}
+    return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=[])
+
+
+def open_parquet(path_url: str | list[str], split: str = "train", storage_options: dict[str, Any] | None = None,
+                 image_column: str = "image", label_column: str = "label") -> ParquetDataset:
+    """The `split` of the Parquet files at `path_url`: from the cached index while the files' names, sizes
+    and modification times are unchanged, else indexed."""
+    first = path_url[0] if isinstance(path_url, list) else path_url
+    fs, path = open_url(first, storage_options)
+    paths: str | list[str] = [open_url(p, storage_options)[1] for p in path_url] if isinstance(path_url, list) else path
+    shown = redact(first)
+    with storage_errors(first, "list the Parquet files"):
+        if not isinstance(paths, list) and not any(c in path for c in GLOB_CHARS) and not fs.exists(path):
+            raise DatasetError(f"{shown}: {why_missing(fs, path, first, 'Parquet files not found')}")
+        folder, names = parquet_files(fs, paths, split, shown)
+        if not names:
+            raise DatasetError(f"{shown}: no .parquet files found")
+        infos = [fs.info(name) for name in names]
+    identity = f"parquet:{fs.unstrip_protocol(folder)}:{split}:{image_column}:{label_column}"
+    fingerprint = manifest.fingerprint(identity, [n.rsplit("/", 1)[-1] for n in names],
+                                       [int(i.get("size") or 0) for i in infos], [modified(i) for i in infos])
+    where = manifest.manifest_path(identity, cache_dir())
+    index = manifest.load_index(where, identity, fingerprint)
+    if index is None:
+        with storage_errors(first, "read the Parquet files"):
+            index = _index_files(fs, names, (image_column, label_column), fingerprint)
+        manifest.save_index(where, index, identity)
+    if not len(index.arrays["sizes"]):
+        raise DatasetError(f"{shown}: no rows in {len(names)} Parquet file(s)")
+    arrays = index.arrays
+    return ParquetDataset(root=fs.unstrip_protocol(folder) if not is_local_fs(fs) else folder, fs=fs,
+                          files=np.array([n.encode() for n in names], dtype=np.bytes_), file_of=arrays["file_of"],
+                          group_of=arrays["group_of"], row_of=arrays["row_of"], labels=arrays["labels"],
+                          sizes=arrays["sizes"], classes=index.classes, fingerprint=fingerprint,
+                          image_column=image_column)

@@ -1,0 +1,257 @@
+"""WebDataset tar shards and Parquet files (the Hugging Face layout) as datasets: their indexes, labels,
+bytes, cached indexes, format detection, remote reads, and the backends reading them in the shared order."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from loadopt import make_loader
+from loadopt.config import load_config
+from loadopt.errors import DatasetError
+from loadopt.storage import parquet_source, webdataset_source
+from loadopt.storage.imagefolder import open_dataset, scan_image_folder
+from loadopt.storage.parquet_source import open_parquet
+from loadopt.storage.webdataset_source import open_webdataset
+
+from .conftest import make_image_folder, tiny_config_dict
+from .servers import python_http_server
+
+LONG_KEY = "deep/" + "x" * 120  # a member name over 100 characters: GNU `././@LongLink` or a pax header
+
+
+def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 1_700_000_000
+    archive.addfile(info, io.BytesIO(data))
+
+
+def folder_samples(root: Path) -> list[tuple[str, int, bytes]]:
+    """(key, label, JPEG bytes) of an ImageFolder's train split, in its order."""
+    dataset = scan_image_folder(str(root))
+    return [(f"s{i:04d}", int(dataset.labels[i]), dataset.read(i)) for i in range(len(dataset))]
+
+
+def write_shards(folder: Path, samples: list[tuple[str, int, bytes]], per_shard: int, split: str = "train",
+                 labels_in: str = "cls", tar_format: int = tarfile.GNU_FORMAT, extra: bool = False) -> list[Path]:
+    """Tar shards `<split>-NNNNNN.tar` of the samples, as WebDataset's ShardWriter lays them out; `extra`
+    adds a sample with a long name and a sample without an image member to the first shard."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for number, start in enumerate(range(0, len(samples), per_shard)):
+        path = folder / f"{split}-{number:06d}.tar"
+        with tarfile.open(path, "w", format=tar_format) as archive:
+            if extra and number == 0:
+                _add(archive, f"{LONG_KEY}.txt", b"metadata only")  # no image member
+            for key, label, data in samples[start:start + per_shard]:
+                _add(archive, f"{key}.jpg", data)
+                if labels_in == "cls":
+                    _add(archive, f"{key}.cls", str(label).encode())
+                else:
+                    _add(archive, f"{key}.json", json.dumps({"target": label, "caption": key}).encode())
+        shards.append(path)
+    return shards
+
+
+def write_parquet(folder: Path, samples: list[tuple[str, int, bytes]], classes: list[str], hf: bool = True,
+                  files: int = 2, rows_per_group: int = 3) -> list[Path]:
+    """Parquet files of the samples: Hugging Face's layout (`data/train-0000N-of-0000M.parquet`, an image
+    struct of `{bytes, path}`, a ClassLabel `label` named in the `huggingface` metadata), as `datasets`'
+    `Dataset.to_parquet` writes an `Image()` feature; else plain binary `jpg` and integer `cls` columns."""
+    out = folder / "data" if hf else folder
+    out.mkdir(parents=True, exist_ok=True)
+    per_file = -(-len(samples) // files)
+    written = []
+    for number in range(files):
+        chunk = samples[number * per_file:(number + 1) * per_file]
+        if hf:
+            image = pa.array([{"bytes": data, "path": f"{key}.jpg"} for key, _, data in chunk],
+                             type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+            features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
+            table = pa.table({"image": image, "label": pa.array([label for _, label, _ in chunk], pa.int64())})
+            table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+            path = out / f"train-{number:05d}-of-{files:05d}.parquet"
+        else:
+            table = pa.table({"jpg": pa.array([data for _, _, data in chunk], pa.binary()),
+                              "cls": pa.array([label for _, label, _ in chunk], pa.int32())})
+            path = out / f"part-{number}.parquet"
+        pq.write_table(table, path, row_group_size=rows_per_group)
+        written.append(path)
+    return written
+
+
+@pytest.fixture
+def image_folder(tmp_path) -> Path:
+    make_image_folder(tmp_path / "folder", classes=3, per_class=4)
+    return tmp_path / "folder"
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_webdataset_index_labels_and_bytes(tmp_path, image_folder, tar_format, own_cache):
+    samples = folder_samples(image_folder)
+    write_shards(tmp_path / "shards", samples, per_shard=5, tar_format=tar_format, extra=True)
+    with pytest.raises(DatasetError, match=r"train-000000.tar \(sample deep/x+: no image member; members: txt\)"):
+        open_webdataset(str(tmp_path / "shards"))
+    dataset = open_webdataset(str(tmp_path / "shards"), on_error="skip")
+    assert len(dataset) == len(samples) and dataset.kind == "images"
+    assert dataset.labels.dtype == np.int64 and dataset.labels.tolist() == [label for _, label, _ in samples]
+    assert dataset.classes == ["0", "1", "2"]
+    assert [dataset.read(i) for i in range(len(dataset))] == [data for _, _, data in samples]
+    assert dataset.sizes.tolist() == [len(data) for _, _, data in samples]
+    assert len(dataset.left_out) == 1 and "deep/" + "x" * 120 in dataset.left_out[0]
+    assert dataset.path(6).startswith(str(tmp_path / "shards" / "train-000001.tar") + " (sample s0006, bytes ")
+    assert dataset.is_local() and len(dataset.local_files()) == 3 and not dataset.synthetic
+    assert dataset.converted is None and dataset.root == str(tmp_path / "shards")
+
+
+def test_webdataset_json_label_brace_pattern_and_split(tmp_path, image_folder, own_cache):
+    samples = folder_samples(image_folder)
+    write_shards(tmp_path / "shards", samples[:8], per_shard=4, labels_in="json")
+    write_shards(tmp_path / "shards", samples[8:], per_shard=4, split="val", labels_in="json")
+    pattern = str(tmp_path / "shards" / "train-{000000..000001}.tar")
+    train = open_webdataset(pattern, label_key="target")
+    assert train.labels.tolist() == [label for _, label, _ in samples[:8]]
+    val = open_webdataset(pattern, split="val", label_key="target")  # train- swapped for val- in the pattern
+    assert val.labels.tolist() == [label for _, label, _ in samples[8:]] and val.read(0) == samples[8][2]
+    assert open_webdataset(str(tmp_path / "shards"), split="val", label_key="target").fingerprint == val.fingerprint
+    with pytest.raises(DatasetError, match="no `cls` member"):
+        open_webdataset(str(tmp_path / "shards"))
+
+
+def test_webdataset_index_is_cached(tmp_path, image_folder, own_cache, monkeypatch):
+    samples = folder_samples(image_folder)
+    shards = write_shards(tmp_path / "shards", samples, per_shard=6)
+    opened = []
+    real_reader = webdataset_source._reader
+    monkeypatch.setattr(webdataset_source, "_reader", lambda fs, name: opened.append(name) or real_reader(fs, name))
+    first = open_webdataset(str(tmp_path / "shards"))
+    assert len(opened) == 2
+    second = open_webdataset(str(tmp_path / "shards"))
+    assert len(opened) == 2  # the second open read no shard
+    assert second.fingerprint == first.fingerprint and second.labels.tolist() == first.labels.tolist()
+    write_shards(tmp_path / "shards", samples[:6], per_shard=6)  # shard 0 rewritten, shard 1 unchanged
+    os.utime(shards[0], (1_800_000_000, 1_800_000_000))
+    third = open_webdataset(str(tmp_path / "shards"))
+    assert len(opened) == 4 and third.fingerprint != first.fingerprint
+
+
+def test_truncated_shard_names_the_offset(tmp_path, image_folder, own_cache):
+    (shard,) = write_shards(tmp_path / "shards", folder_samples(image_folder)[:3], per_shard=3)
+    shard.write_bytes(shard.read_bytes()[:1500])
+    with pytest.raises(DatasetError, match=r"train-000000.tar: truncated at offset \d+"):
+        open_webdataset(str(tmp_path / "shards"))
+
+
+@pytest.mark.parametrize("hf", [True, False])
+def test_parquet_index_labels_and_bytes(tmp_path, image_folder, hf, own_cache, monkeypatch):
+    samples = folder_samples(image_folder)
+    write_parquet(tmp_path / "pq", samples, ["c0", "c1", "c2"], hf=hf)
+    columns = {} if hf else {"image_column": "jpg", "label_column": "cls"}
+    dataset = open_parquet(str(tmp_path / "pq"), **columns)
+    assert len(dataset) == len(samples) and dataset.labels.dtype == np.int64
+    assert dataset.labels.tolist() == [label for _, label, _ in samples]
+    assert dataset.classes == (["c0", "c1", "c2"] if hf else ["0", "1", "2"])
+    assert dataset.sizes.tolist() == [len(data) for _, _, data in samples]
+    reads = []
+    real = parquet_source.ParquetDataset._read_group
+    monkeypatch.setattr(parquet_source.ParquetDataset, "_read_group",
+                        lambda self, f, g: reads.append((f, g)) or real(self, f, g))
+    assert [dataset.read(i) for i in range(len(dataset))] == [data for _, _, data in samples]
+    assert len(reads) == 4  # 2 files of 2 row groups (3 rows each): each row group read once
+    assert dataset.path(7) == f"{dataset.files[1].decode()} (row group 0, row 1)"
+    assert dataset.is_local() and len(dataset.local_files()) == 2
+    indexed = []
+    monkeypatch.setattr(parquet_source, "_index_files", lambda *a: indexed.append(a))
+    assert open_parquet(str(tmp_path / "pq"), **columns).fingerprint == dataset.fingerprint and not indexed
+
+
+def test_parquet_string_labels_and_missing_column(tmp_path, image_folder, own_cache):
+    samples = folder_samples(image_folder)
+    names = ["cat", "dog", "eel"]
+    table = pa.table({"image": pa.array([d for _, _, d in samples], pa.binary()),
+                      "label": pa.array([names[label] for _, label, _ in samples])})
+    pq.write_table(table, tmp_path / "named.parquet", row_group_size=5)
+    dataset = open_parquet(str(tmp_path / "named.parquet"))
+    assert dataset.classes == names and dataset.labels.tolist() == [label for _, label, _ in samples]
+    with pytest.raises(DatasetError, match=r"no column 'picture' \(columns: image, label\)"):
+        open_parquet(str(tmp_path / "*.parquet"), image_column="picture")
+
+
+def _config(tmp_path: Path, path: str, **dataset):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    raw = tiny_config_dict(tmp_path / "results", dataset={"path": path, **dataset})
+    (tmp_path / "c.yaml").write_text(json.dumps(raw))
+    return load_config(tmp_path / "c.yaml")
+
+
+def test_auto_detects_each_format_and_names_what_else_is_there(tmp_path, image_folder, own_cache):
+    samples = folder_samples(image_folder)
+    write_shards(tmp_path / "shards", samples, per_shard=6)
+    write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
+    found = {name: type(open_dataset(_config(tmp_path, str(path)))).__name__
+             for name, path in (("folder", image_folder), ("shards", tmp_path / "shards"),
+                                ("hub", tmp_path / "hub"), ("pattern", tmp_path / "shards" / "train-{000000..000001}.tar"),
+                                ("file", tmp_path / "hub" / "data" / "train-00000-of-00002.parquet"))}
+    assert found == {"folder": "ImageDataset", "shards": "WebDataset", "hub": "ParquetDataset",
+                     "pattern": "WebDataset", "file": "ParquetDataset"}
+    (tmp_path / "notes").mkdir()
+    for name in ("a.txt", "b.csv"):
+        (tmp_path / "notes" / name).write_text("x")
+    with pytest.raises(DatasetError) as caught:
+        open_dataset(_config(tmp_path, str(tmp_path / "notes")))
+    message = str(caught.value)
+    assert "\n" not in message and "found 2 file(s): a.txt, b.csv" in message and ".tar shards" in message
+    forced = open_dataset(_config(tmp_path, str(tmp_path / "hub"), format="parquet", columns={"image": "image"}))
+    assert type(forced).__name__ == "ParquetDataset"
+
+
+def test_remote_shards_and_parquet(tmp_path, image_folder, own_cache):
+    samples = folder_samples(image_folder)
+    shards = write_shards(tmp_path / "shards", samples, per_shard=5)
+    files = write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
+    memory = fsspec.filesystem("memory")
+    for path in shards + files:
+        memory.pipe(f"/sources/{path.relative_to(tmp_path)}", path.read_bytes())
+    remote = open_parquet("memory://sources/hub")
+    assert not remote.is_local() and remote.local_files() == []
+    assert [remote.read(i) for i in range(len(remote))] == [data for _, _, data in samples]
+    assert remote.classes == ["c0", "c1", "c2"]
+    in_memory = open_webdataset("memory://sources/shards")
+    assert [in_memory.read(i) for i in range(len(in_memory))] == [data for _, _, data in samples]
+    with python_http_server(tmp_path) as url:
+        over_http = open_webdataset(f"{url}/shards/train-{{000000..000002}}.tar")
+        assert over_http.labels.tolist() == [label for _, label, _ in samples]
+        assert over_http.read(7) == samples[7][2] and over_http.root == f"{url}/shards"
+
+
+def _epoch_labels(config, backend: str, **settings) -> list[int]:
+    loader = make_loader(config, backend=backend, seed=5, **settings)
+    try:
+        return [label for _, labels in loader for label in labels.tolist()]
+    finally:
+        loader.close()
+
+
+def test_backends_read_every_format_in_the_same_order(tmp_path, image_folder, own_cache):
+    samples = folder_samples(image_folder)
+    write_shards(tmp_path / "shards", samples, per_shard=5)
+    write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
+    runs = (("torch", {"variant": "plain", "num_workers": 0}), ("torch", {"variant": "tuned", "num_workers": 0}),
+            ("arrow", {"form": "decoded"}))
+    configs = {name: _config(tmp_path / name, str(path))
+               for name, path in (("folder", image_folder), ("shards", tmp_path / "shards"), ("hub", tmp_path / "hub"))}
+    for backend, settings in runs:
+        expected = _epoch_labels(configs["folder"], backend, **settings)
+        assert sorted(expected) == sorted(label for _, label, _ in samples)
+        for name in ("shards", "hub"):
+            assert _epoch_labels(configs[name], backend, **settings) == expected, (name, backend, settings)
