@@ -199,8 +199,8 @@ def test_auto_detects_each_format_and_names_what_else_is_there(tmp_path, image_f
     write_shards(tmp_path / "shards", samples, per_shard=6)
     write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
     found = {name: type(open_dataset(_config(tmp_path, str(path)))).__name__
-             for name, path in (("folder", image_folder), ("shards", tmp_path / "shards"),
-                                ("hub", tmp_path / "hub"), ("pattern", tmp_path / "shards" / "train-{000000..000001}.tar"),
+             for name, path in (("folder", image_folder), ("shards", tmp_path / "shards"), ("hub", tmp_path / "hub"),
+                                ("pattern", tmp_path / "shards" / "train-{000000..000001}.tar"),
                                 ("file", tmp_path / "hub" / "data" / "train-00000-of-00002.parquet"))}
     assert found == {"folder": "ImageDataset", "shards": "WebDataset", "hub": "ParquetDataset",
                      "pattern": "WebDataset", "file": "ParquetDataset"}
