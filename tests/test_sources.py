@@ -247,7 +247,7 @@ def test_backends_read_every_format_in_the_same_order(tmp_path, image_folder, ow
     write_shards(tmp_path / "shards", samples, per_shard=5)
     write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
     runs = (("torch", {"variant": "plain", "num_workers": 0}), ("torch", {"variant": "tuned", "num_workers": 0}),
-            ("arrow", {"form": "decoded"}))
+            ("arrow", {"form": "decoded"}), ("posix", {}))
     configs = {name: _config(tmp_path / name, str(path))
                for name, path in (("folder", image_folder), ("shards", tmp_path / "shards"), ("hub", tmp_path / "hub"))}
     for backend, settings in runs:
