@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import tarfile
 from pathlib import Path
 
@@ -163,13 +164,15 @@ def test_parquet_index_labels_and_bytes(tmp_path, image_folder, hf, own_cache, m
     assert dataset.classes == (["c0", "c1", "c2"] if hf else ["0", "1", "2"])
     assert dataset.sizes.tolist() == [len(data) for _, _, data in samples]
     reads = []
-    real = parquet_source.ParquetDataset._read_group
-    monkeypatch.setattr(parquet_source.ParquetDataset, "_read_group",
-                        lambda self, f, g: reads.append((f, g)) or real(self, f, g))
+    real = parquet_source.ParquetDataset.read_group
+    monkeypatch.setattr(parquet_source.ParquetDataset, "read_group",
+                        lambda self, f, g, handle: reads.append((f, g)) or real(self, f, g, handle))
     assert [dataset.read(i) for i in range(len(dataset))] == [data for _, _, data in samples]
     assert len(reads) == 4  # 2 files of 2 row groups (3 rows each): each row group read once
     assert dataset.path(7) == f"{dataset.files[1].decode()} (row group 0, row 1)"
     assert dataset.is_local() and len(dataset.local_files()) == 2
+    copied = pickle.loads(pickle.dumps(dataset))  # as a worker process gets it: no open file, no decoded rows
+    assert not copied.row_groups.groups and copied.read(7) == samples[7][2]
     indexed = []
     monkeypatch.setattr(parquet_source, "_index_files", lambda *a: indexed.append(a))
     assert open_parquet(str(tmp_path / "pq"), **columns).fingerprint == dataset.fingerprint and not indexed

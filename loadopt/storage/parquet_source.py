@@ -51,18 +51,7 @@ class ParquetDataset:
     synthetic: bool = False
     converted: str | None = None
     kind: ClassVar[str] = "images"
-    _groups: OrderedDict[tuple[int, int], pa.Array] = field(default_factory=OrderedDict, repr=False)
-    _handles: dict[int, pq.ParquetFile] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __getstate__(self) -> dict[str, Any]:  # open files and decoded row groups stay in their process
-        state = self.__dict__.copy()
-        state.update(_groups=OrderedDict(), _handles={}, _lock=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    row_groups: RowGroupCache = field(default_factory=lambda: RowGroupCache(), repr=False)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -79,32 +68,51 @@ class ParquetDataset:
 
     def read(self, index: int) -> bytes:
         """The image's stored bytes, from its row group (read once while among the last few used)."""
-        key = (int(self.file_of[index]), int(self.group_of[index]))
-        with self._lock:
-            images = self._groups.get(key)
-            if images is not None:
-                self._groups.move_to_end(key)
-        if images is None:
-            images = self._read_group(*key)
-            with self._lock:
-                self._groups[key] = images
-                while len(self._groups) > ROW_GROUPS_KEPT:
-                    self._groups.popitem(last=False)
+        images = self.row_groups.images(self, int(self.file_of[index]), int(self.group_of[index]))
         value = images[int(self.row_of[index])].as_py()
         if value is None:
             raise DatasetError(f"{redact(self.path(index))}: no image bytes (null)")
         return value
 
-    def _read_group(self, file: int, group: int) -> pa.Array:
-        handle = self._handles.get(file)
+    def read_group(self, file: int, group: int, handle: pq.ParquetFile | None) -> tuple[pa.Array, pq.ParquetFile]:
+        """The image bytes of one row group, and the file opened to read it (`handle`, or opened now)."""
         name = self.files[file].decode()
         if handle is None:
             handle = pq.ParquetFile(name if self.is_local() else self.fs.open(name, "rb"))
-            self._handles[file] = handle
         try:
-            return image_bytes(handle.read_row_group(group, columns=[self.image_column]), self.image_column, name)
+            table = handle.read_row_group(group, columns=[self.image_column])
         except (OSError, pa.ArrowException) as exc:
             raise DatasetError(f"{redact(name)}: cannot read row group {group} ({exc})") from None
+        return image_bytes(table, self.image_column, name), handle
+
+
+class RowGroupCache:
+    """The last few decoded row groups and the open files of one process (a pickled copy starts empty:
+    open files and decoded data stay in the process that made them)."""
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
+        self.handles: dict[int, pq.ParquetFile] = {}
+        self.lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[type[RowGroupCache], tuple[()]]:
+        return RowGroupCache, ()
+
+    def images(self, dataset: ParquetDataset, file: int, group: int) -> pa.Array:
+        key = (file, group)
+        with self.lock:
+            images = self.groups.get(key)
+            if images is not None:
+                self.groups.move_to_end(key)
+                return images
+            handle = self.handles.get(file)
+        images, handle = dataset.read_group(file, group, handle)
+        with self.lock:
+            self.handles[file] = handle
+            self.groups[key] = images
+            while len(self.groups) > ROW_GROUPS_KEPT:
+                self.groups.popitem(last=False)
+        return images
 
 
 def image_bytes(table: pa.Table, column: str, where: str) -> pa.Array:
