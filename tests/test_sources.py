@@ -258,3 +258,21 @@ def test_backends_read_every_format_in_the_same_order(tmp_path, image_folder, ow
         assert sorted(expected) == sorted(label for _, label, _ in samples)
         for name in ("shards", "hub"):
             assert _epoch_labels(configs[name], backend, **settings) == expected, (name, backend, settings)
+
+
+def test_dali_native_reader_refuses_tar_shards_and_parquet_in_one_line(tmp_path, image_folder, own_cache):
+    """DALI's file reader opens one file per sample: handed a shard it would decode the tar as an image."""
+    pytest.importorskip("nvidia.dali")
+    from loadopt.errors import ConfigError
+
+    samples = folder_samples(image_folder)
+    write_shards(tmp_path / "shards", samples, per_shard=5)
+    write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
+    for name in ("shards", "hub"):
+        config = _config(tmp_path / f"{name}-config", str(tmp_path / name))
+        with pytest.raises(ConfigError, match="reader native reads local ImageFolder files only; use reader: "
+                                              "external for remote, tar-shard or Parquet datasets"):
+            make_loader(config, backend="dali", reader="native", decoder="cpu")
+    assert _epoch_labels(_config(tmp_path / "external", str(tmp_path / "shards")), "dali", reader="external",
+                         decoder="cpu") == _epoch_labels(_config(tmp_path / "folder", str(image_folder)), "dali",
+                                                          reader="external", decoder="cpu")

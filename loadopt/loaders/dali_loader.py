@@ -37,6 +37,7 @@ from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.recipe import Recipe
+from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
 if TYPE_CHECKING:
@@ -85,9 +86,11 @@ class DaliLoader(Loader[DaliSettings]):
         self.decoder = s.decoder if s.decoder != "auto" else "mixed" if self.device.type == "cuda" else "cpu"
         if self.decoder == "mixed" and not torch.cuda.is_available():
             raise BackendUnavailable("loaders.dali.decoder mixed needs a CUDA device; none is visible here")
-        if s.reader == "native" and (s.source != "images" or not self.dataset.is_local()):
-            raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; "
-                              "use reader: external for remote datasets or source: arrow")
+        # DALI's file reader opens one file per sample: tar shards and Parquet files hold many.
+        one_file_each = isinstance(self.dataset, ImageDataset)
+        if s.reader == "native" and (s.source != "images" or not self.dataset.is_local() or not one_file_each):
+            raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; use reader: "
+                              "external for remote, tar-shard or Parquet datasets, or source: arrow")
         self.graph = DaliGraph(s, self.pipeline, self.decoder, self.device, self.seed)
         self._views: list[tuple[np.ndarray, np.ndarray]] | None = None  # Arrow: (offsets, data) per record batch
         self._tier_ranges: _TierRanges | None = None  # Arrow on a tier
