@@ -17,11 +17,7 @@ persistent workers, which never see the consumer's state after they start.
 
 from __future__ import annotations
 
-import re
-import signal
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -34,7 +30,7 @@ from typing_extensions import TypedDict
 from loadopt.config_models import PipelineConfig
 from loadopt.errors import WorkerDied
 from loadopt.imaging.decode import simplejpeg
-from loadopt.loaders import transforms
+from loadopt.loaders import torch_workers, transforms
 from loadopt.loaders.base import HostBatch, Loader
 from loadopt.loaders.torch_samples import Item, RecordSamples, TokenWindows, WorkerBatch, collate_windows, collated
 from loadopt.machine import usable_cores
@@ -157,62 +153,6 @@ class _Samples(torch.utils.data.Dataset):
         return [self[item] for item in items]
 
 
-def _dead_worker(iterator: Any, grace_s: float = 2.0) -> str | None:
-    """Which of a DataLoader iterator's worker processes died and how, in words; None when all live.
-
-    Called on an error that a dying worker may cause before the kernel has its exit status (a
-    multi-threaded process is reported once every thread is gone): waits up to `grace_s` for one to end."""
-    from multiprocessing.connection import wait
-
-    workers = list(getattr(iterator, "_workers", None) or [])
-    ended = set(wait([w.sentinel for w in workers], timeout=grace_s)) if workers else set()
-    for number, process in enumerate(workers):
-        if process.sentinel not in ended:
-            continue
-        process.join()  # it has ended: reaps it (torch's SIGCHLD handler leaves it a zombie, waitid WNOWAIT)
-        code = process.exitcode
-        if code is None or code == 0:
-            continue
-        if code < 0:
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-            how = f"was killed by {name}" + (" (the kernel's OOM killer sends it when memory runs out: see "
-                                             "dmesg)" if -code == signal.SIGKILL else "")
-        else:
-            how = f"exited with status {code}"
-        return f"worker {number} (pid {process.pid}) {how}"
-    return None
-
-
-# Loaders whose DataLoader iterator is running (for the SIGCHLD wrapper below to name a dead worker).
-_iterating: weakref.WeakSet[TorchLoader] = weakref.WeakSet()
-_DEATH_WORDS = ("is killed by signal", "exited unexpectedly")
-
-
-def _name_deaths_on_sigchld() -> None:
-    """torch's SIGCHLD handler raises its RuntimeError wherever the main thread happens to be when a worker
-    dies (between batches: in the training step, far from any `next()`); wrapped once, so that error is a
-    `WorkerDied` naming the worker and how it died, as a death met inside `next()` is."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # torch installs no handler off the main thread either
-    torchs = signal.getsignal(signal.SIGCHLD)
-    if not callable(torchs) or getattr(torchs, "names_deaths", False):
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        try:
-            torchs(signum, frame)
-        except RuntimeError as exc:
-            if not any(words in str(exc) for words in _DEATH_WORDS):
-                raise
-            died = next((d for ld in list(_iterating) if (d := ld.dead_worker(grace_s=0.5))), None)
-            pid = re.search(r"pid\(?s?\)? ([\d, ]+)", str(exc))
-            died = died or f"worker (pid {pid.group(1).strip() if pid else '?'}) died ({str(exc).strip()})"
-            raise WorkerDied(f"torch: DataLoader {died}, between batches") from exc
-
-    handler.names_deaths = True  # type: ignore[attr-defined]
-    signal.signal(signal.SIGCHLD, handler)
-
-
 def _collate_plain(samples: list[PlainSample]) -> WorkerBatch:
     good = [s for s in samples if s[3] is None]
     failures = [(index, failure) for _, _, index, failure in samples if failure is not None]
@@ -263,7 +203,6 @@ class TorchLoader(Loader[TorchSettings]):
         # What runs: the settings' variant on images; on token windows and records `variant` does not apply.
         self.variant = {"tokens": "memmap", "records": "records"}.get(self.dataset.kind, self.settings.variant)
         self._ring_cursor = 0  # the slot of the next batch to be yielded
-        self._running: Any = None  # the DataLoader iterator of the pass under way
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -359,9 +298,7 @@ class TorchLoader(Loader[TorchSettings]):
         # Persistent workers that died since the last pass fail this one's start (torch's _reset waits for them).
         iterator = self._next_or_died(lambda: iter(dataloader), getattr(dataloader, "_iterator", None), 0)
         if self.settings.num_workers > 0:
-            _name_deaths_on_sigchld()  # torch has installed its handler by now
-            self._running = iterator
-            _iterating.add(self)
+            torch_workers.watch(iterator)
         previous: HostBatch | None = None
         done = 0
         try:
@@ -390,8 +327,7 @@ class TorchLoader(Loader[TorchSettings]):
                     yield HostBatch(batch["inputs"], labels, batch["indices"], batch["layout"], batch["normalised"],
                                     batch["failures"], bytes_read=batch.get("bytes_read"))
         finally:
-            _iterating.discard(self)
-            self._running = None
+            torch_workers.unwatch(iterator)
             if not self.settings.persistent_workers:
                 shutdown = getattr(iterator, "_shutdown_workers", None)
                 if shutdown is not None:
@@ -407,16 +343,12 @@ class TorchLoader(Loader[TorchSettings]):
         except (RuntimeError, ConnectionError, EOFError) as exc:
             # A worker's own exception comes back as a RuntimeError too ("Caught ... in DataLoader worker"):
             # only torch's words for a death, or a broken connection, are worth looking for a dead worker.
-            death = not isinstance(exc, RuntimeError) or any(words in str(exc) for words in _DEATH_WORDS)
-            died = _dead_worker(iterator) if death else None
+            death = not isinstance(exc, RuntimeError) or any(words in str(exc) for words in torch_workers.DEATH_WORDS)
+            died = torch_workers.dead_worker(iterator) if death else None
             if died is None:
                 raise
             self._dataloader = None  # its workers cannot serve another pass: the next one starts new ones
             raise WorkerDied(f"torch: DataLoader {died}; the pass stopped after {done} of its batches") from exc
-
-    def dead_worker(self, grace_s: float) -> str | None:
-        """Which worker of the running pass died and how, in words; None when none has (or no pass runs)."""
-        return _dead_worker(self._running, grace_s) if self._running is not None else None
 
     def close(self) -> None:
         if self._dataloader is not None:
