@@ -176,14 +176,20 @@ def save(path: Path, listing: Listing, identity: str, folders: np.ndarray, mtime
         meta = {"version": MANIFEST_VERSION, "identity": identity, "fingerprint": listing.fingerprint,
                 "classes": listing.classes}
         (tmp / META).write_text(json.dumps(meta))
-        old = path.with_name(f"{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        if path.exists():  # readers holding the old arrays mapped keep them (unlinked files stay mapped)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_in(tmp, path)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         log.debug("listing manifest not saved at %s: %s", path, exc)
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """The folder written at `tmp` becomes `path`; readers holding the old arrays mapped keep them
+    (unlinked files stay mapped)."""
+    old = path.with_name(f"{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def forget(root: str, cache: Path) -> None:
@@ -259,11 +265,7 @@ def save_index(path: Path, index: SampleIndex, identity: str) -> None:
         meta = {"version": INDEX_VERSION, "identity": identity, "fingerprint": index.fingerprint,
                 "classes": index.classes, "arrays": sorted(index.arrays), "notes": index.notes}
         (tmp / META).write_text(json.dumps(meta))
-        old = path.with_name(f"{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        if path.exists():
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_in(tmp, path)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         log.debug("sample index not saved at %s: %s", path, exc)
