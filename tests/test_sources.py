@@ -178,6 +178,27 @@ def test_parquet_index_labels_and_bytes(tmp_path, image_folder, hf, own_cache, m
     assert open_parquet(str(tmp_path / "pq"), **columns).fingerprint == dataset.fingerprint and not indexed
 
 
+def test_parquet_reads_from_many_threads_at_once(tmp_path, own_cache, monkeypatch):
+    """`source_digest` and the torch workers' threads read one file's row groups at once: every thread gets
+    its sample's bytes, each row group still read once at a time (Arrow aborted on a shared ParquetFile)."""
+    from concurrent.futures import ThreadPoolExecutor
+    samples = [(f"s{i:03d}", i % 3, os.urandom(64 + i)) for i in range(240)]
+    write_parquet(tmp_path / "pq", samples, ["c0", "c1", "c2"], files=1, rows_per_group=4)
+    dataset = open_parquet(str(tmp_path / "pq"))
+    monkeypatch.setattr(parquet_source, "ROW_GROUPS_KEPT", 60)
+    reads = []
+    real = parquet_source.ParquetDataset.read_group
+    monkeypatch.setattr(parquet_source.ParquetDataset, "read_group",
+                        lambda self, f, g, handle: reads.append((f, g)) or real(self, f, g, handle))
+    for _ in range(3):
+        dataset.row_groups = parquet_source.RowGroupCache()
+        reads.clear()
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(dataset.read, range(len(dataset))))
+        assert got == [data for _, _, data in samples]
+        assert sorted(reads) == sorted(set(reads)) and len(reads) == 60
+
+
 def test_parquet_string_labels_and_missing_column(tmp_path, image_folder, own_cache):
     samples = folder_samples(image_folder)
     names = ["cat", "dog", "eel"]

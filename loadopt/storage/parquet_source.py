@@ -88,30 +88,45 @@ class ParquetDataset:
 
 class RowGroupCache:
     """The last few decoded row groups and the open files of one process (a pickled copy starts empty:
-    open files and decoded data stay in the process that made them)."""
+    open files and decoded data stay in the process that made them).
+
+    A `ParquetFile` is not safe to read from two threads at once (Arrow aborts the process), so each
+    thread keeps its own open files; a row group two threads want at once is read by one of them."""
 
     def __init__(self) -> None:
         self.groups: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
-        self.handles: dict[int, pq.ParquetFile] = {}
+        self.reading: dict[tuple[int, int], threading.Lock] = {}
         self.lock = threading.Lock()
+        self.per_thread = threading.local()
 
     def __reduce__(self) -> tuple[type[RowGroupCache], tuple[()]]:
         return RowGroupCache, ()
 
-    def images(self, dataset: ParquetDataset, file: int, group: int) -> pa.Array:
-        key = (file, group)
+    def kept(self, key: tuple[int, int]) -> pa.Array | None:
         with self.lock:
             images = self.groups.get(key)
             if images is not None:
                 self.groups.move_to_end(key)
-                return images
-            handle = self.handles.get(file)
-        images, handle = dataset.read_group(file, group, handle)
+            return images
+
+    def images(self, dataset: ParquetDataset, file: int, group: int) -> pa.Array:
+        key = (file, group)
+        images = self.kept(key)
+        if images is not None:
+            return images
         with self.lock:
-            self.handles[file] = handle
-            self.groups[key] = images
-            while len(self.groups) > ROW_GROUPS_KEPT:
-                self.groups.popitem(last=False)
+            reading = self.reading.setdefault(key, threading.Lock())
+        with reading:
+            images = self.kept(key)
+            if images is not None:
+                return images
+            handles: dict[int, pq.ParquetFile] = self.per_thread.__dict__.setdefault("handles", {})
+            images, handles[file] = dataset.read_group(file, group, handles.get(file))
+            with self.lock:
+                self.groups[key] = images
+                self.reading.pop(key, None)
+                while len(self.groups) > ROW_GROUPS_KEPT:
+                    self.groups.popitem(last=False)
         return images
 
 
