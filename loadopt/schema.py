@@ -276,12 +276,14 @@ class DatasetSection(_Open):
     """results.json `dataset`: what was read (its root redacted of credentials)."""
 
     root: str = ""
+    format: str = ""  # imagefolder | webdataset | parquet | tokens | records (empty in files before it)
     fingerprint: str = ""
     synthetic: bool = False
     num_samples: int = 0
     num_classes: int = 0
     total_bytes: int = 0
     mean_sample_bytes: float = 0.0
+    left_out: list[str] = []  # samples left out when indexed (dataset.on_error: skip), each named
 
 
 class CacheSection(_Open):

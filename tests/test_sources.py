@@ -3,7 +3,6 @@ bytes, cached indexes, format detection, remote reads, and the backends reading 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -20,75 +19,13 @@ from loadopt import make_loader
 from loadopt.config import load_config
 from loadopt.errors import DatasetError
 from loadopt.storage import parquet_source, webdataset_source
-from loadopt.storage.imagefolder import open_dataset, scan_image_folder
+from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.parquet_source import open_parquet
 from loadopt.storage.webdataset_source import open_webdataset
 
 from .conftest import make_image_folder, tiny_config_dict
 from .servers import python_http_server
-
-LONG_KEY = "deep/" + "x" * 120  # a member name over 100 characters: GNU `././@LongLink` or a pax header
-
-
-def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = 1_700_000_000
-    archive.addfile(info, io.BytesIO(data))
-
-
-def folder_samples(root: Path) -> list[tuple[str, int, bytes]]:
-    """(key, label, JPEG bytes) of an ImageFolder's train split, in its order."""
-    dataset = scan_image_folder(str(root))
-    return [(f"s{i:04d}", int(dataset.labels[i]), dataset.read(i)) for i in range(len(dataset))]
-
-
-def write_shards(folder: Path, samples: list[tuple[str, int, bytes]], per_shard: int, split: str = "train",
-                 labels_in: str = "cls", tar_format: int = tarfile.GNU_FORMAT, extra: bool = False) -> list[Path]:
-    """Tar shards `<split>-NNNNNN.tar` of the samples, as WebDataset's ShardWriter lays them out; `extra`
-    adds a sample with a long name and a sample without an image member to the first shard."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shards = []
-    for number, start in enumerate(range(0, len(samples), per_shard)):
-        path = folder / f"{split}-{number:06d}.tar"
-        with tarfile.open(path, "w", format=tar_format) as archive:
-            if extra and number == 0:
-                _add(archive, f"{LONG_KEY}.txt", b"metadata only")  # no image member
-            for key, label, data in samples[start:start + per_shard]:
-                _add(archive, f"{key}.jpg", data)
-                if labels_in == "cls":
-                    _add(archive, f"{key}.cls", str(label).encode())
-                else:
-                    _add(archive, f"{key}.json", json.dumps({"target": label, "caption": key}).encode())
-        shards.append(path)
-    return shards
-
-
-def write_parquet(folder: Path, samples: list[tuple[str, int, bytes]], classes: list[str], hf: bool = True,
-                  files: int = 2, rows_per_group: int = 3) -> list[Path]:
-    """Parquet files of the samples: Hugging Face's layout (`data/train-0000N-of-0000M.parquet`, an image
-    struct of `{bytes, path}`, a ClassLabel `label` named in the `huggingface` metadata), as `datasets`'
-    `Dataset.to_parquet` writes an `Image()` feature; else plain binary `jpg` and integer `cls` columns."""
-    out = folder / "data" if hf else folder
-    out.mkdir(parents=True, exist_ok=True)
-    per_file = -(-len(samples) // files)
-    written = []
-    for number in range(files):
-        chunk = samples[number * per_file:(number + 1) * per_file]
-        if hf:
-            image = pa.array([{"bytes": data, "path": f"{key}.jpg"} for key, _, data in chunk],
-                             type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
-            features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
-            table = pa.table({"image": image, "label": pa.array([label for _, label, _ in chunk], pa.int64())})
-            table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
-            path = out / f"train-{number:05d}-of-{files:05d}.parquet"
-        else:
-            table = pa.table({"jpg": pa.array([data for _, _, data in chunk], pa.binary()),
-                              "cls": pa.array([label for _, label, _ in chunk], pa.int32())})
-            path = out / f"part-{number}.parquet"
-        pq.write_table(table, path, row_group_size=rows_per_group)
-        written.append(path)
-    return written
+from .source_files import folder_samples, write_parquet, write_shards
 
 
 @pytest.fixture
@@ -297,3 +234,30 @@ def test_dali_native_reader_refuses_tar_shards_and_parquet_in_one_line(tmp_path,
     assert _epoch_labels(_config(tmp_path / "external", str(tmp_path / "shards")), "dali", reader="external",
                          decoder="cpu") == _epoch_labels(_config(tmp_path / "folder", str(image_folder)), "dali",
                                                           reader="external", decoder="cpu")
+
+
+def test_bench_under_skip_counts_and_names_what_it_left_out(tmp_path, image_folder, own_cache):
+    """dataset.on_error: skip on tar shards: a sample without an image member is left out when indexed, one of
+    other bytes when read; results.json names both and says the source's format."""
+    from typer.testing import CliRunner
+
+    from loadopt.cli import app
+    from loadopt.schema import ResultsFile
+
+    from .source_files import LONG_KEY
+
+    samples = folder_samples(image_folder)
+    key, label, _ = samples[3]
+    samples[3] = (key, label, b"not an image at all" * 10)
+    shards = write_shards(tmp_path / "shards", samples, per_shard=5, extra=True)
+    raw = tiny_config_dict(tmp_path / "results", dataset={"path": str(tmp_path / "shards"), "on_error": "skip"})
+    (tmp_path / "job.yaml").write_text(json.dumps(raw))
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "job.yaml"), "--quick", "--loaders", "torch"])
+    assert result.exit_code == 0, result.output
+    results = ResultsFile.model_validate_json((tmp_path / "results" / "results.json").read_text())
+    assert results.dataset.format == "webdataset" and results.dataset.num_samples == len(samples)
+    assert results.dataset.left_out == [f"{shards[0]} (sample {LONG_KEY}: no image member; members: txt)"]
+    skipped = {f.path for run in results.runs for f in run.skipped_files}
+    assert skipped and all(path.startswith(f"{shards[0]} (sample {key}, bytes ") for path in skipped), skipped
+    said = " ".join(result.output.split())
+    assert "1 sample(s) left out when indexed" in said and "unreadable file(s) skipped" in said

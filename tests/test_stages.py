@@ -89,6 +89,7 @@ def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
     assert found.bottleneck == "fetch-bound", found.text
     assert s.storage.bytes_per_s < 1.3e6 and s.storage.samples_per_s < s.prep.samples_per_s
     assert "the storage reads 1 MB/s" in found.text and "a faster tier" in found.text
+    assert "stayed cached" not in s.loader_cold.note, s.loader_cold.note  # the cold run read the tier
 
 
 def test_stage_verdict_on_constructed_stages():

@@ -27,7 +27,7 @@ from loadopt.schema import (
     SkippedFile,
     knobs_of,
 )
-from loadopt.storage.imagefolder import ImageDataset
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import bounded_by_base, bytes_source
 from loadopt.storage.tiers import resolve_tier, sum_counters
@@ -46,7 +46,7 @@ class Setting:
     tier_counters: list[dict[str, float]] = field(default_factory=list)  # per repeat: retries, faults, ...
 
 
-def results_document(config: Config, plan: list[Setting], dataset: ImageDataset, device, workload: WorkloadConfig,
+def results_document(config: Config, plan: list[Setting], dataset: Dataset, device, workload: WorkloadConfig,
                      quick: bool, interrupted: bool, cache_note: str, not_run: str = "") -> ResultsFile:
     """results.json of a bench: every planned setting's run (its metrics over the repeats, or why it has
     none: `not_run` for a setting the bench stopped before, interrupted or at an error), fastest first in
@@ -70,10 +70,11 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
         machine=machine,
         machine_fingerprint=machine_fingerprint(machine),
         tier=resolve_tier(config.storage.tier).redacted(),
-        dataset=DatasetSection(root=redact(dataset.root), fingerprint=dataset.fingerprint,
-                               synthetic=dataset.synthetic, num_samples=len(dataset),
-                               num_classes=len(dataset.classes), total_bytes=int(dataset.sizes.sum()),
-                               mean_sample_bytes=float(dataset.sizes.mean())),
+        dataset=DatasetSection(root=redact(dataset.root), format=dataset.source_format,
+                               fingerprint=dataset.fingerprint, synthetic=dataset.synthetic,
+                               num_samples=len(dataset), num_classes=len(dataset.classes),
+                               total_bytes=int(dataset.sizes.sum()), mean_sample_bytes=float(dataset.sizes.mean()),
+                               left_out=[redact(note) for note in dataset.left_out]),
         workload=workload.model_dump(),
         cache=CacheSection(mode=config.storage.cache, note=cache_note),
         recipe=want,  # the config's
@@ -83,7 +84,7 @@ def results_document(config: Config, plan: list[Setting], dataset: ImageDataset,
     )
 
 
-def _run(setting: Setting, config: Config, dataset: ImageDataset, not_run: str) -> Run:
+def _run(setting: Setting, config: Config, dataset: Dataset, not_run: str) -> Run:
     """One planned setting's run: its metrics over the repeats, or why it has none (`not_run`: the bench
     stopped before it)."""
     built = built_loader(setting, config, dataset)

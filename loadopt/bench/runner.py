@@ -37,7 +37,7 @@ from loadopt.schema import ResultsFile, RunStatus, RunTuned, as_dict
 from loadopt.schema_ceilings import Ceilings, Verdict
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.pagecache import evict
+from loadopt.storage.pagecache import evict_for_cold
 from loadopt.storage.tiers import counters_delta, sum_counters, tier_counters, tier_failure, tier_label
 
 log = logging.getLogger(__name__)
@@ -280,9 +280,11 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
 def _evict(files: list[str]) -> str:
     if not files:
         return "cold requested, but the data is not on a local disk: its cache could not be evicted"
-    count = evict(files)
+    count, left = evict_for_cold(files)
+    stayed = f"; {left / 1e6:,.1f} MB stayed cached for the last run (mapped by a live process)" if left else ""
     return (f"cold: the files each loader reads ({count} of {len(files)} for the last run: the source images, "
-            "or a backend's converted files) evicted from the page cache (posix_fadvise DONTNEED) before each run")
+            "or a backend's converted files) evicted from the page cache (posix_fadvise DONTNEED) before each run"
+            f"{stayed}")
 
 
 def setting_loader(config: Config, setting: Setting, dataset, device, rank: int = 0, world_size: int = 1):

@@ -42,7 +42,7 @@ from loadopt.schema_ceilings import (
     Verdict,
 )
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.pagecache import evict
+from loadopt.storage.pagecache import cold_note, evict, evict_for_cold
 
 STORAGE_BUDGET_BYTES = 128 << 20
 STORAGE_BUDGET_S = 2.0
@@ -94,8 +94,11 @@ def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend:
     try:
         loader.prepare(convert_missing=False)
         files = loader.storage_files()
-        note = (f"{evict(files)} of {len(files)} files evicted from the page cache first" if cold
-                else warm_files(files))
+        if cold:
+            evicted, left = evict_for_cold(files)
+            note = cold_note(evicted, len(files), left)
+        else:
+            note = warm_files(files)
         w = config.workload
         result = run_repeat(loader, accelerator, DeviceTransfer(device, emulate=True), min(w.warmup_batches, 2),
                             min(w.measure_batches, STAGE_BATCHES))

@@ -86,6 +86,11 @@ def _close(outcome: BenchOutcome, results: ResultsFile, terminated: bool, out: s
         more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped (dataset.on_error: skip): "
                       f"{escape(listed)}{more} (all in results.json, runs[i].skipped_files)[/]", highlight=False)
+    left_out = results.dataset.left_out if results.dataset else []
+    if left_out:
+        console.print(f"[yellow]{len(left_out)} sample(s) left out when indexed (dataset.on_error: skip): "
+                      f"{escape('; '.join(left_out[:5]))}{'; and more' if len(left_out) > 5 else ''} (all in "
+                      "results.json, dataset.left_out)[/]", highlight=False)
     if outcome.interrupted:
         signal_name = results.interrupted_by or ("SIGTERM" if terminated else "SIGINT")
         err_console.print(f"interrupted ({signal_name}): the results of the runs that finished were kept",

@@ -32,9 +32,10 @@ def results_table(results: ResultsFile) -> Table:
     from loadopt.bench.metrics import median
     from loadopt.cli.labels import short_labels
 
-    samples = results.dataset.num_samples if results.dataset else "?"
+    dataset = results.dataset
+    samples = f"{dataset.num_samples} samples" + (f", {dataset.format}" if dataset.format else "") if dataset else "?"
     table = Table(title=f"loadopt bench: {(results.config or {})['name']} on {results.device}"
-                        f" ({samples} samples)", title_justify="left",
+                        f" ({samples})", title_justify="left",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
     short = short_labels(results.runs)
     ranked = results.measured()

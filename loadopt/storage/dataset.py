@@ -14,6 +14,7 @@ class Dataset(Protocol):
     """A split's samples: how many, their labels and stored sizes, where they live and how to name one."""
 
     kind: ClassVar[str]  # images | tokens | records: what `recipe` and the backends' `supports` tell apart
+    source_format: ClassVar[str]  # imagefolder | webdataset | parquet | tokens | records: as the files hold it
     root: str  # the split's folder or file, as a path or URL
     fingerprint: str  # changes whenever the samples do (names, sizes, modification times, or generator)
     synthetic: bool
@@ -21,6 +22,7 @@ class Dataset(Protocol):
     labels: np.ndarray  # int64, one per sample (zeros where samples have no class)
     sizes: np.ndarray  # int64, each sample's stored bytes
     converted: str | None  # where its conversions live when not in the local cache (storage/tier_reads.py)
+    left_out: list[str]  # samples its indexing left out (dataset.on_error: skip), each named
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem | None:

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -47,7 +47,9 @@ class ImageDataset:
     fingerprint: str
     synthetic: bool = False
     converted: str | None = None  # where its conversions live when not in the cache (storage/tier_reads.py)
+    left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     kind: ClassVar[str] = "images"  # what `recipe` and the backends' `supports` tell datasets apart by
+    source_format: ClassVar[str] = "imagefolder"
 
     def __len__(self) -> int:
         return len(self.paths)

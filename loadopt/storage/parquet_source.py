@@ -27,7 +27,7 @@ from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
 from loadopt.storage import manifest
 from loadopt.storage.imagefolder import modified
-from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.source_format import GLOB_CHARS, labels_and_classes, of_split
 
 ROW_GROUPS_KEPT = 4  # decoded row groups held per process: a batch's samples in a few row groups read each once
@@ -50,7 +50,9 @@ class ParquetDataset:
     image_column: str = "image"
     synthetic: bool = False
     converted: str | None = None
+    left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     kind: ClassVar[str] = "images"
+    source_format: ClassVar[str] = "parquet"
     row_groups: RowGroupCache = field(default_factory=lambda: RowGroupCache(), repr=False)
 
     def __len__(self) -> int:
@@ -187,13 +189,13 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
             schema = parquet.schema_arrow
             for column in columns:
                 if column not in schema.names:
-                    raise DatasetError(f"{redact(fs.unstrip_protocol(name))}: no column {column!r} (columns: "
+                    raise DatasetError(f"{display_name(fs, name)}: no column {column!r} (columns: "
                                        f"{', '.join(schema.names)}); set dataset.columns")
             if first_schema is None:
                 first_schema, names_found = schema, class_names(schema, label)
             elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
-                raise DatasetError(f"{redact(fs.unstrip_protocol(name))}: its schema differs from "
-                                   f"{redact(fs.unstrip_protocol(names[0]))}'s")
+                raise DatasetError(f"{display_name(fs, name)}: its schema differs from "
+                                   f"{display_name(fs, names[0])}'s")
             for group in range(parquet.num_row_groups):
                 table = parquet.read_row_group(group, columns=[image, label])
                 images = image_bytes(table, image, name)
@@ -203,7 +205,7 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
                 file_of.append(np.full(len(lengths), number, dtype=np.int64))
                 group_of.append(np.full(len(lengths), group, dtype=np.int64))
                 row_of.append(np.arange(len(lengths), dtype=np.int64))
-    numbers, classes = labels_and_classes(labels, names_found, redact(fs.unstrip_protocol(names[0])))
+    numbers, classes = labels_and_classes(labels, names_found, display_name(fs, names[0]))
     empty = np.array([], dtype=np.int64)
     arrays = {"file_of": np.concatenate(file_of or [empty]), "group_of": np.concatenate(group_of or [empty]),
               "row_of": np.concatenate(row_of or [empty]), "sizes": np.concatenate(sizes or [empty]),

@@ -59,7 +59,9 @@ class RecordDataset:
     synthetic: bool = False
     classes: list[str] = field(default_factory=list)
     converted: str | None = None
+    left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     kind: ClassVar[str] = "records"
+    source_format: ClassVar[str] = "records"
 
     def __post_init__(self) -> None:
         self.labels = np.zeros(len(self.sizes), dtype=np.int64)  # records carry no class; kept for the protocol

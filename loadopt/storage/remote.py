@@ -85,6 +85,11 @@ def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in ((protocol,) if isinstance(protocol, str) else tuple(protocol))
 
 
+def display_name(fs: fsspec.AbstractFileSystem, name: str) -> str:
+    """A file of `fs` named for a message: its path on a local disk, else its URL, credentials redacted."""
+    return name if is_local_fs(fs) else redact(fs.unstrip_protocol(name))
+
+
 def _causes(exc: BaseException) -> list[BaseException]:
     """`exc` and what it was raised from (aiohttp keeps the OS error as `os_error`)."""
     seen: list[BaseException] = []

@@ -40,7 +40,9 @@ class TokenDataset:
     # No filesystem to read through (nor a storage tier): the corpus is a local memory map.
     fs: None = None
     converted: str | None = None  # a corpus is local: its conversions live in the local cache
+    left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     kind: ClassVar[str] = "tokens"  # what `recipe` and the backends' `supports` tell datasets apart by
+    source_format: ClassVar[str] = "tokens"
 
     def __post_init__(self) -> None:
         count = max(0, (len(self.tokens) - 1) // self.seq_len)

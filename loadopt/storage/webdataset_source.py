@@ -25,7 +25,7 @@ from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
 from loadopt.storage import manifest
 from loadopt.storage.imagefolder import modified
-from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.source_format import BRACE, GLOB_CHARS, expand_braces, labels_and_classes, of_split
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,11 @@ class WebDataset:
     sizes: np.ndarray  # int64, the image member's bytes
     classes: list[str]
     fingerprint: str
-    left_out: list[str] = field(default_factory=list)  # samples without an image member, named
+    left_out: list[str] = field(default_factory=list)  # samples without an image member, empty shards
     synthetic: bool = False
     converted: str | None = None
     kind: ClassVar[str] = "images"
+    source_format: ClassVar[str] = "webdataset"
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -250,7 +251,7 @@ def _shard_infos(fs: fsspec.AbstractFileSystem, folder: str, names: list[str], s
         info = listed.get(fs._strip_protocol(name).rstrip("/")) or listed.get(name)
         if info is None or info.get("size") is None:
             if not fs.exists(name):
-                raise DatasetError(f"{redact(fs.unstrip_protocol(name))}: shard not found (of {shown})")
+                raise DatasetError(f"{display_name(fs, name)}: shard not found (of {shown})")
             info = fs.info(name)
         found.append((int(info.get("size") or fs.size(name) or 0), modified(info)))
     return found
@@ -261,9 +262,13 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
     """Read every shard's headers (and label members): the index the dataset is opened from."""
     shard_of, offsets, lengths, keys, labels, left_out = [], [], [], [], [], []
     for number, (name, total) in enumerate(zip(names, sizes, strict=True)):
+        shown = display_name(fs, name)
+        if total == 0:  # an upload that failed part way, or a writer killed before its first sample
+            left_out.append(f"{shown} (an empty file: 0 bytes, no tar header)")
+            continue
         read, close = _reader(fs, name)
         try:
-            found = index_shard(read, total, redact(fs.unstrip_protocol(name)), label_key)
+            found = index_shard(read, total, shown, label_key)
         finally:
             close()
         shard_of += [number] * len(found.sizes)
@@ -272,7 +277,7 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
         keys += found.keys
         labels += found.labels
         left_out += found.left_out
-    numbers, classes = labels_and_classes(labels, None, redact(fs.unstrip_protocol(names[0])))
+    numbers, classes = labels_and_classes(labels, None, display_name(fs, names[0]))
     arrays = {"shard_of": np.array(shard_of, dtype=np.int64), "offsets": np.array(offsets, dtype=np.int64),
               "sizes": np.array(lengths, dtype=np.int64), "labels": np.array(numbers, dtype=np.int64),
               "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)}
@@ -283,7 +288,8 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
                     label_key: str | None = None, on_error: str = "raise") -> WebDataset:
     """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
     the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
-    A sample without an image member is an error, or under `on_error: skip` left out and named."""
+    A sample without an image member, or an empty shard, is an error, or under `on_error: skip` left out
+    and named."""
     fs, path = open_url(path_url, storage_options)
     shown = redact(path_url)
     with storage_errors(path_url, "list the shards"):
@@ -304,11 +310,11 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
             index = _index_shards(fs, names, [s for s, _ in infos], label_key, fingerprint)
         manifest.save_index(where, index, identity)
     if index.notes and on_error != "skip":
-        raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave such samples out "
-                           f"({len(index.notes)} in all)")
+        raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave it out "
+                           f"({len(index.notes)} such in all)")
     if index.notes:
-        log.warning("%s: %d sample(s) without an image member left out, the first: %s", shown, len(index.notes),
-                    index.notes[0])
+        log.warning("%s: %d sample(s) without an image member or empty shard(s) left out, the first: %s", shown,
+                    len(index.notes), index.notes[0])
     if not len(index.arrays["sizes"]):
         raise DatasetError(f"{shown}: no samples with an image member in {len(names)} shard(s)")
     arrays = index.arrays
