@@ -261,3 +261,36 @@ def test_bench_under_skip_counts_and_names_what_it_left_out(tmp_path, image_fold
     assert skipped and all(path.startswith(f"{shards[0]} (sample {key}, bytes ") for path in skipped), skipped
     said = " ".join(result.output.split())
     assert "1 sample(s) left out when indexed" in said and "unreadable file(s) skipped" in said
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_webdataset_peer_reads_the_datasets_own_shards(tmp_path, image_folder, own_cache, workers):
+    """On tar shards, WebDataset's own loop reads them as they are (no conversion): every indexed sample once
+    an epoch, a sample without an image member passed over, each with the torch path's crop and label."""
+    pytest.importorskip("webdataset")
+    import torch
+
+    from loadopt.loaders.registry import backend_class
+    from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+
+    samples = folder_samples(image_folder)
+    write_shards(tmp_path / "shards", samples, per_shard=5, extra=True)
+    config = _config(tmp_path / "cfg", str(tmp_path / "shards"), on_error="skip")
+    dataset = open_dataset(config)
+    cls = backend_class("webdataset")
+    loader = cls(dataset, config.pipeline, cls.Settings(num_workers=workers), seed=3)
+    try:
+        loader.prepare()
+        assert loader.storage_files() == dataset.local_files() and not list(own_cache.rglob("*.tar"))
+        assert "the dataset's own tar shards" in loader.describe() and not loader.reads_conversion()
+        got = {}
+        for batch in loader.host_batches():
+            got.update({int(i): (batch.inputs[k].clone(), int(batch.labels[k])) for k, i in enumerate(batch.indices)})
+    finally:
+        loader.close()
+    assert sorted(got) == list(range(len(samples)))
+    reference = TorchLoader(dataset, config.pipeline, TorchSettings(num_workers=0), seed=3)
+    for batch in reference.host_batches():
+        for k, index in enumerate(batch.indices):
+            pixels, label = got[int(index)]
+            assert torch.equal(pixels, batch.inputs[k]) and label == int(batch.labels[k]), f"sample {index}"

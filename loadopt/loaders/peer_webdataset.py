@@ -7,6 +7,11 @@ split over the workers, each worker's samples shuffled in a `shuffle_buffer` buf
 (seed, epoch)), the config's pipeline mapped over them (`peer_base.CropSample`), batched in the worker.
 Its tar streams are opened through the storage tier when there is one (`reads_through_tier`), so
 an emulated tier's limits apply to every byte and a remote home is read from its storage.
+
+A dataset that is tar shards already (`dataset.format: webdataset`) is read as it is, with no conversion:
+WebDataset's natural path. Its shards are opened through the dataset's filesystem; each sample WebDataset
+groups is found in loadopt's index by (shard, key), for its index (the crop plan) and label, so it gets
+the same crop and label as on every other backend; a sample the index left out is passed over.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 import fsspec
+import numpy as np
 from pydantic import Field
 from typing_extensions import TypedDict
 
@@ -25,14 +31,16 @@ from loadopt.loaders.peer_base import (
     DONE,
     ConversionMeta,
     ConversionSettings,
+    CropSample,
     PeerLoader,
     PeerSettings,
     Skipped,
     epoch_seed,
     source_samples,
 )
-from loadopt.loaders.peer_batches import PeerBatch, collate
+from loadopt.loaders.peer_batches import CroppedSample, PeerBatch, collate
 from loadopt.storage import tier_reads
+from loadopt.storage.webdataset_source import IMAGE_MEMBER_EXTENSIONS, WebDataset
 
 
 class WebDatasetSettings(PeerSettings):
@@ -64,6 +72,25 @@ class _Opener:
             yield {**item, "stream": self.fs.open(url, "rb") if self.fs is not None else open(url, "rb")}  # noqa: SIM115
 
 
+class SourceSamples:
+    """The samples WebDataset groups from a tar-shard dataset's own shards, matched to loadopt's index by
+    (shard, key): `known` passes over those the index left out, `crop` runs the pipeline with the index's
+    sample number and label."""
+
+    def __init__(self, shards: list[str], shard_of: np.ndarray, keys: np.ndarray, labels: np.ndarray,
+                 crop: CropSample) -> None:
+        self.index_of = {(shards[int(s)], k.decode()): i for i, (s, k) in enumerate(zip(shard_of, keys, strict=True))}
+        self.labels, self.crop = labels, crop
+
+    def known(self, sample: dict) -> bool:
+        return (sample["__url__"], sample["__key__"]) in self.index_of
+
+    def __call__(self, sample: dict) -> CroppedSample:
+        index = self.index_of[(sample["__url__"], sample["__key__"])]
+        data = next(sample[e] for e in IMAGE_MEMBER_EXTENSIONS if e in sample)
+        return self.crop(data, index, int(self.labels[index]))
+
+
 class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
     name = "webdataset"
     module = "webdataset"
@@ -75,7 +102,29 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
         return {"shard_mib": self.settings.shard_mib}
 
     def describe(self) -> str:
-        return f"tar shards {self.settings.shard_mib:g} MiB " + super().describe()
+        own = self.source_shards() is not None
+        shards = "the dataset's own tar shards" if own else f"tar shards {self.settings.shard_mib:g} MiB"
+        return f"{shards} {super().describe()}"
+
+    def source_shards(self) -> WebDataset | None:
+        """The dataset, where it is tar shards already: read as they are (no conversion)."""
+        return self.dataset if isinstance(self.dataset, WebDataset) else None
+
+    def prepare(self, progress=None, convert_missing: bool = True) -> None:
+        source = self.source_shards()
+        if source is None:
+            super().prepare(progress, convert_missing)
+            return
+        self.path = Path(source.root)
+        self.meta = ConversionMeta(shards=[s.decode() for s in source.shards], samples=len(source))
+        self.unreadable = {}
+
+    def reads_conversion(self) -> bool:
+        return self.source_shards() is None
+
+    def storage_files(self) -> list[str]:
+        source = self.source_shards()
+        return source.local_files() if source is not None else super().storage_files()
 
     def _write(self, folder: Path, skipped: Skipped) -> ConversionMeta:
         import webdataset as wds
@@ -102,7 +151,11 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
         return ConversionMeta(shards=shards, samples=len(self.dataset) - len(skipped))
 
     def shard_urls(self) -> list[str]:
-        """The shards as the tier names them (the local files, or their copies on a remote home)."""
+        """The shards as the tier names them (the local files, or their copies on a remote home); a tar-shard
+        dataset's own, as its filesystem names them."""
+        source = self.source_shards()
+        if source is not None:
+            return [s.decode() for s in source.shards]
         path, meta = self.conversion()
         if meta.shards is None:
             raise DatasetError(f"{path}: its {DONE} lists no shards (not a webdataset conversion?)")
@@ -116,14 +169,23 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
         from webdataset.tariterators import group_by_keys, tar_file_expander
 
         seed = epoch_seed(self.seed, epoch)
+        shards = self.shard_urls()
+        dataset = self.source_shards()
+        if dataset is not None:
+            samples = SourceSamples(shards, dataset.shard_of, dataset.keys, dataset.labels, self.crop_sample(epoch))
+            opener = _Opener(None if dataset.is_local() else dataset.fs)
+            stages = [wds.select(samples.known), wds.map(samples)]
+        else:
+            opener = _Opener(tier_reads.conversion_tier(self.dataset))
+            stages = [wds.map(self.crop_sample(epoch).on_record)]
         return wds.DataPipeline(
-            wds.SimpleShardList(self.shard_urls(), seed=seed),
+            wds.SimpleShardList(shards, seed=seed),
             wds.split_by_worker,
-            _Opener(tier_reads.conversion_tier(self.dataset)),
+            opener,
             tar_file_expander,
             group_by_keys,
             wds.shuffle(self.settings.shuffle_buffer, initial=min(100, self.settings.shuffle_buffer), seed=seed),
-            wds.map(self.crop_sample(epoch).on_record),
+            *stages,
             wds.batched(self.pipeline.batch_size, collation_fn=collate, partial=True),
         )
 
