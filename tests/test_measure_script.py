@@ -143,6 +143,7 @@ def test_python_dash_m_loadopt_measure_on_the_example(tmp_path):
 LOOP_LINE = re.compile(r"the loop: (\d+) steps, (\d+) samples in ([\d.]+) s")
 
 
+@pytest.mark.timing  # rates of sleeps and of a short loop: a busy machine stretches them
 @pytest.mark.parametrize("backend", backend_names())
 def test_loadopt_measure_measures_the_loop_over_make_loader_on_every_backend(tmp_path, capsys, backend):
     """The example's loop over `make_loader`, run by `loadopt measure`: one measurement, of the loadopt loader

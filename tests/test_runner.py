@@ -116,7 +116,7 @@ def test_cold_runs_evict_what_each_loader_reads(tmp_path, backends, monkeypatch)
     from loadopt.bench import runner
 
     evicted: list[list[str]] = []
-    monkeypatch.setattr(runner, "evict", lambda files: evicted.append(list(files)) or len(files))
+    monkeypatch.setattr(runner, "evict_for_cold", lambda files: evicted.append(list(files)) or (len(files), 0))
     raw = tiny_config_dict(tmp_path / "out", storage={"cache": "cold"},
                            loaders={"torch": {"variant": "tuned", "num_workers": 0}, "arrow": {"form": "decoded"},
                                     "posix": {"form": "decoded"}})

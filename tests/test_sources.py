@@ -122,7 +122,7 @@ def test_parquet_reads_from_many_threads_at_once(tmp_path, own_cache, monkeypatc
     samples = [(f"s{i:03d}", i % 3, os.urandom(64 + i)) for i in range(240)]
     write_parquet(tmp_path / "pq", samples, ["c0", "c1", "c2"], files=1, rows_per_group=4)
     dataset = open_parquet(str(tmp_path / "pq"))
-    monkeypatch.setattr(parquet_source, "ROW_GROUPS_KEPT", 60)
+    monkeypatch.setattr(parquet_source, "ROW_GROUP_CACHE_BYTES", 1 << 30)
     reads = []
     real = parquet_source.ParquetDataset.read_group
     monkeypatch.setattr(parquet_source.ParquetDataset, "read_group",
@@ -134,6 +134,18 @@ def test_parquet_reads_from_many_threads_at_once(tmp_path, own_cache, monkeypatc
             got = list(pool.map(dataset.read, range(len(dataset))))
         assert got == [data for _, _, data in samples]
         assert sorted(reads) == sorted(set(reads)) and len(reads) == 60
+
+
+def test_parquet_row_groups_held_by_their_bytes(tmp_path, own_cache, monkeypatch):
+    samples = [(f"s{i:03d}", 0, bytes([i]) * 1000) for i in range(12)]
+    write_parquet(tmp_path / "pq", samples, ["c0"], files=1, rows_per_group=4)
+    dataset = open_parquet(str(tmp_path / "pq"))
+    monkeypatch.setattr(parquet_source, "ROW_GROUP_CACHE_BYTES", 8500)  # two groups of 4 x 1000 bytes, not three
+    cache = dataset.row_groups
+    for index in (0, 4, 8):
+        dataset.read(index)
+    assert list(cache.groups) == [(0, 1), (0, 2)] and cache.held == sum(a.nbytes for a in cache.groups.values())
+    assert dataset.read(1) == samples[1][2] and list(cache.groups) == [(0, 2), (0, 0)]
 
 
 def test_parquet_string_labels_and_missing_column(tmp_path, image_folder, own_cache):

@@ -3,6 +3,7 @@ the stage verdict on constructed stages."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loadopt.bench.ceilings import measure_ceilings
@@ -32,6 +33,7 @@ def stages_of(config):
     return stages.measure_stages(config, dataset, device, name, settings, f"{name} {settings}", ceilings)
 
 
+@pytest.mark.timing  # rates of sleeps and of a short loop: a busy machine stretches them
 def test_stages_name_decode_when_the_decoder_is_slow(tmp_path, monkeypatch):
     """A loader made slow on purpose in decode: 10 ms a sample, in decode alone and in the loader's 2 workers
     (forked: they inherit the slow decoder)."""
@@ -59,6 +61,7 @@ def test_stages_name_decode_when_the_decoder_is_slow(tmp_path, monkeypatch):
     assert "decode" in found.text and "the job needs 8,000 samples/s" in found.text
 
 
+@pytest.mark.timing  # rates of sleeps and of a short loop: a busy machine stretches them
 def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
     """A tier made slow on purpose: 1 MB/s shared by every read of the raw shards (the posix loader's
     preadv threads and the storage-alone stage), one read at a time, as a link of that bandwidth would."""

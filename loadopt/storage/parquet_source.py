@@ -30,7 +30,10 @@ from loadopt.storage.imagefolder import modified
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.source_format import GLOB_CHARS, labels_and_classes, of_split
 
-ROW_GROUPS_KEPT = 4  # decoded row groups held per process: a batch's samples in a few row groups read each once
+# Decoded row groups held per process, by their image bytes (the newest always kept). A random order meets
+# a new row group at almost every sample once the split outgrows this: each then costs a whole row group's
+# read and decompression (bench/sources.py shows it); the converting backends read each sample alone.
+ROW_GROUP_CACHE_BYTES = 512 << 20
 
 
 @dataclass
@@ -90,13 +93,14 @@ class ParquetDataset:
 
 class RowGroupCache:
     """The last few decoded row groups and the open files of one process (a pickled copy starts empty:
-    open files and decoded data stay in the process that made them).
+    open files and decoded data stay in the process that made them); `ROW_GROUP_CACHE_BYTES` of them.
 
     A `ParquetFile` is not safe to read from two threads at once (Arrow aborts the process), so each
     thread keeps its own open files; a row group two threads want at once is read by one of them."""
 
     def __init__(self) -> None:
         self.groups: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
+        self.held = 0  # bytes of the groups held
         self.reading: dict[tuple[int, int], threading.Lock] = {}
         self.lock = threading.Lock()
         self.per_thread = threading.local()
@@ -126,9 +130,10 @@ class RowGroupCache:
             images, handles[file] = dataset.read_group(file, group, handles.get(file))
             with self.lock:
                 self.groups[key] = images
+                self.held += images.nbytes
                 self.reading.pop(key, None)
-                while len(self.groups) > ROW_GROUPS_KEPT:
-                    self.groups.popitem(last=False)
+                while self.held > ROW_GROUP_CACHE_BYTES and len(self.groups) > 1:
+                    self.held -= self.groups.popitem(last=False)[1].nbytes
         return images
 
 
