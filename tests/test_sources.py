@@ -24,7 +24,7 @@ from loadopt.storage.parquet_source import open_parquet
 from loadopt.storage.webdataset_source import open_webdataset
 
 from .conftest import make_image_folder, tiny_config_dict
-from .servers import python_http_server
+from .servers import python_http_server, s3_endpoint  # noqa: F401 - s3_endpoint is a fixture
 from .source_files import folder_samples, write_parquet, write_shards
 
 
@@ -306,3 +306,31 @@ def test_webdataset_peer_reads_the_datasets_own_shards(tmp_path, image_folder, o
         for k, index in enumerate(batch.indices):
             pixels, label = got[int(index)]
             assert torch.equal(pixels, batch.inputs[k]) and label == int(batch.labels[k]), f"sample {index}"
+
+
+def test_shards_from_webdatasets_own_writer_and_both_formats_over_s3(tmp_path, image_folder, own_cache,
+                                                                        s3_endpoint):  # noqa: F811 - a fixture
+    """Shards written by webdataset's ShardWriter read as written; both formats read from S3 (moto) by ranges,
+    and torch delivers the same labels in the same order from there as from the local copy."""
+    wds = pytest.importorskip("webdataset")
+    import s3fs
+
+    samples = folder_samples(image_folder)
+    (tmp_path / "wds").mkdir()
+    with wds.ShardWriter(str(tmp_path / "wds" / "train-%06d.tar"), maxcount=5, verbose=0) as sink:
+        for key, label, data in samples:
+            sink.write({"__key__": key, "jpg": data, "cls": label})
+    written = open_webdataset(str(tmp_path / "wds"))
+    assert written.labels.tolist() == [label for _, label, _ in samples] and len(written.shards) == 3
+    assert [written.read(i) for i in range(len(written))] == [data for _, _, data in samples]
+    write_parquet(tmp_path / "hub", samples, ["c0", "c1", "c2"])
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir("loadopt-sources")
+    fs.put(f"{tmp_path / 'wds'}/", "loadopt-sources/wds/", recursive=True)
+    fs.put(f"{tmp_path / 'hub'}/", "loadopt-sources/hub/", recursive=True)
+    for name in ("wds", "hub"):
+        local = _config(tmp_path / f"{name}-local", str(tmp_path / name))
+        remote = _config(tmp_path / f"{name}-s3", f"s3://loadopt-sources/{name}")
+        dataset = open_dataset(remote)
+        assert not dataset.is_local() and dataset.read(7) == samples[7][2]
+        assert _epoch_labels(remote, "torch", num_workers=0) == _epoch_labels(local, "torch", num_workers=0)
