@@ -4,7 +4,8 @@ Parquet (the Hugging Face layout), each backend's rate on each, rounds interleav
 The tar shards are written with WebDataset's `ShardWriter` (`<key>.jpg`, `<key>.cls`), the Parquet files
 by pyarrow in the layout Hugging Face `datasets` writes an `Image()` feature (`data/train-0000N-of-0000M
 .parquet`, a `{bytes, path}` struct and a ClassLabel `label` named in the `huggingface` metadata). Every
-backend runs loader-bound (step time 0) through the harness, warm, after its conversion (not timed).
+backend runs loader-bound (step time 0) through the harness after its conversion (not timed), warm (the
+files it reads read once just before), the formats' order rotated round by round.
 Per round, a format's rate ÷ the ImageFolder's on the same backend; the RESULT is the median over rounds:
 
     RESULT source_cost_<format>_<backend> ratio=<rate on the format / rate on the ImageFolder> target>=0.9
@@ -120,10 +121,18 @@ def main() -> int:
           f"batches, backends {', '.join(usable)}; load average {load:.2f} at the start", flush=True)
     rates: dict[tuple[str, str], list[float]] = {}
     same_input: dict[str, bool] = {}
+    from loadopt.bench.stages import warm_files
+
+    formats = list(configs)
     for round_index in range(args.rounds):
+        # each round starts the formats at another one: no format always runs first (or after the same one)
+        order = formats[round_index % len(formats):] + formats[:round_index % len(formats)]
         for name in usable:
-            for source, config in configs.items():
+            for source in order:
+                config = configs[source]
                 loader = build_loader(config, name.split("-")[0], **BACKENDS[name])
+                loader.prepare()  # the conversion, not timed
+                warm_files(loader.storage_files())  # warm: every file this loader reads is in the page cache
                 if source == "webdataset":  # the config's training input (the order aside: a library's own)
                     want = {**recipe.wanted(config.pipeline), "order": "any"}
                     same_input[name] = not recipe.differences({**loader.recipe(), "order": "any"}, want)
