@@ -4,6 +4,7 @@ measurements before and after the loaders, and the busy-machine note beside them
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loadopt.bench.ceilings import measure_ceilings
@@ -96,3 +97,17 @@ def test_others_cpu_share_and_the_busy_note():
     summary = MachineLoad(interval_s=0.05).start().stop()
     assert summary["samples"] >= 2 and 0.0 <= summary["others_cpu_share"]["mean"] <= 1.0
     assert isinstance(summary["busy"], bool) and summary["load_average_1m"]["max"] >= 0
+
+
+def test_the_ceilings_window_from_the_environment(monkeypatch):
+    from loadopt.bench.ceilings import ceiling_seconds
+    from loadopt.errors import ConfigError
+
+    monkeypatch.delenv("LOADOPT_CEILING_SECONDS")
+    assert ceiling_seconds() == 1.0
+    monkeypatch.setenv("LOADOPT_CEILING_SECONDS", "0.5")
+    assert ceiling_seconds() == 0.5
+    for bad in ("fast", "0", "-1", "nan", "1e9"):
+        monkeypatch.setenv("LOADOPT_CEILING_SECONDS", bad)
+        with pytest.raises(ConfigError, match=r"^LOADOPT_CEILING_SECONDS=.*: expected seconds between 0.01 and 60$"):
+            ceiling_seconds()

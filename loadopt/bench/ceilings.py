@@ -22,6 +22,7 @@ import torch
 
 from loadopt.bench.parallel import in_process_rate, rate_in_workers
 from loadopt.config_models import Config
+from loadopt.errors import ConfigError
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
 from loadopt.machine import usable_cores
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
     from loadopt.loaders.dali_loader import DaliLoader
 
 _STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
-_DECODE_SECONDS = 1.0  # per decoder: a few hundred samples or this long, whichever comes first
+CEILING_SECONDS_ENV = "LOADOPT_CEILING_SECONDS"
+_DECODE_SECONDS = 1.0  # each decode and crop ceiling's timed window, unless the environment says otherwise
 _DECODE_SAMPLES = 300
 _CROP_FRAMES = 64  # stored frames the crop + resize ceiling cycles through (decoded once, ~10 MB at 512 px)
 
@@ -120,6 +122,21 @@ def _evict_head(path: str, length: int) -> int:
         os.close(fd)
 
 
+def ceiling_seconds() -> float:
+    """Each decode and crop ceiling's timed window: 1 s, or `$LOADOPT_CEILING_SECONDS` (shorter: a quicker
+    bench and noisier ceilings; the test suite, which runs a hundred tiny benches, uses 0.2 s)."""
+    text = os.environ.get(CEILING_SECONDS_ENV, "").strip()
+    if not text:
+        return _DECODE_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0.01 <= seconds <= 60:
+        raise ConfigError(f"{CEILING_SECONDS_ENV}={text!r}: expected seconds between 0.01 and 60")
+    return seconds
+
+
 def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -> DecodeRates:
     """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path), the fastest decoder
     (torch's resize: `tuned`) and the same on the encoded forms' stored JPEGs (`stored`: with restart
@@ -143,10 +160,10 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
             transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
 
         try:
-            rate = rate_in_workers(work, workers, _DECODE_SECONDS)["samples_per_s"]
+            rate = rate_in_workers(work, workers, ceiling_seconds())["samples_per_s"]
             how = f"{workers} worker processes, one intra-op thread each"
         except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
-            rate = in_process_rate(work, _DECODE_SECONDS) * cores
+            rate = in_process_rate(work, ceiling_seconds()) * cores
             how = f"one thread x {cores} cores (worker processes could not be started)"
         return DecodeRate(decoder=decoder, resize=resize, per_core=rate / cores, samples_per_s=rate, how=how)
 
@@ -212,10 +229,10 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
     cores = usable_cores()
     workers = max(workers or cores, 1)
     try:
-        measured = rate_in_workers(work, workers, _DECODE_SECONDS)
+        measured = rate_in_workers(work, workers, ceiling_seconds())
         rate, how = measured["samples_per_s"] * batch, f"{workers} worker processes, one intra-op thread each"
     except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
-        rate, how = in_process_rate(work, _DECODE_SECONDS) * batch * cores, \
+        rate, how = in_process_rate(work, ceiling_seconds()) * batch * cores, \
             f"one thread x {cores} cores (worker processes could not be started)"
     pixels = float(np.mean([h * w for h, w, _, _ in dims]))
     return CropResizeRate(name="crop + resize of stored frames", samples_per_s=rate, workers=workers, cores=cores,
@@ -316,6 +333,7 @@ def measure_ceilings(config: Config, dataset: Dataset, device: torch.device,
                      workers: int | None = None) -> Ceilings:
     """The machine's ceilings and the job's demand, measured now (a few seconds in all). `workers`: the
     decode ceiling's worker processes (the most any loader setting of the bench runs; default the cores)."""
+    ceiling_seconds()  # a bad setting is the user's one-line error here, not a ceiling marked skipped
     started = time.perf_counter()
     ceilings = Ceilings(
         memcpy=_guarded(Bandwidth, lambda: Bandwidth(name="memory copy bandwidth", bytes_per_s=memcpy_bandwidth())),
