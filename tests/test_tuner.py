@@ -179,6 +179,7 @@ def test_a_backend_far_behind_is_not_climbed(tmp_path, knobs):
         unregister("t_slow")
 
 
+@pytest.mark.timing  # wall-clock: a busy moment between the reference and the search can still push it out
 def test_a_tiny_real_budget_ends_the_search_in_time(tmp_path, knobs):
     """Past its deadline the search runs at most one more batch: the whole search takes the budget plus what
     one trial costs around its batches (opening the loader, the harness's start and teardown), measured here
