@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator, with_config
-from typing_extensions import NotRequired, Required, TypedDict
+from typing_extensions import Required, TypedDict
 
 from loadopt.errors import LoadoptError
 from loadopt.machine import MachineInfo
 from loadopt.schema_ceilings import Ceilings, RunCeiling, StageMeasurement, Verdict
+from loadopt.schema_metrics import DistributedNote, RankFigures, RepeatMetrics, RunMetrics, SlowestRank
+from loadopt.schema_tiers import TierRow
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -47,22 +49,6 @@ class RunStatus(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-
-# One figure of a run: a rate, a fraction, a count, a flag (h2d_pinned), a note (measure's compute_source),
-# or None where it was not measured.
-Figure = float | int | bool | str | None
-
-
-class Spread(TypedDict):
-    """One metric over the repeats of a setting (an integer metric, samples or batches, keeps its ints)."""
-
-    median: float | int
-    min: NotRequired[float | int]  # a file written by hand or another tool may hold only the median
-    max: NotRequired[float | int]
-
-
-RepeatMetrics = dict[str, Figure]  # the flat metrics of one repeat (loadopt.bench.metrics.step_metrics)
-RunMetrics = dict[str, Spread | Figure]  # per metric its Spread over the repeats, or the one value
 
 # A backend's knob settings: its setting model's `model_dump(mode="json")`. The knobs are each backend's own (an
 # outside backend's may hold any JSON value), so the values are JSON's, not a narrower union.
@@ -112,46 +98,6 @@ class RunTuned(_Open):
     note: str = ""
 
 
-class DeliveredEpoch(TypedDict):
-    """Which samples a rank delivered in one epoch (results.json `runs[].ranks[].delivered`)."""
-
-    epoch: int
-    samples: int
-    complete: bool  # every sample of the rank's share of that epoch
-    digest: str  # order-free digest of the indices (bench/rank_figures.indices_digest)
-
-
-class RankFigures(TypedDict):
-    """One rank's figures of a run, per repeat (results.json `runs[].ranks[]`, a torchrun bench)."""
-
-    rank: int
-    host: str
-    device: str
-    metrics: list[RepeatMetrics]
-    delivered: list[list[DeliveredEpoch]]
-
-
-class SlowestRank(TypedDict):
-    """The rank that waited longest for data (results.json `runs[].slowest_rank`), medians over repeats."""
-
-    rank: int
-    wait_s: float
-    samples_per_s: float
-    accelerator_utilisation: float
-
-
-class DistributedNote(TypedDict):
-    """How a torchrun bench ran and what its figures mean (results.json `distributed`)."""
-
-    world_size: int
-    backend: str
-    step_sync: str
-    aggregate: str
-    timings: str
-    alone: str
-    slowest_ranks: list[str]  # per run: which rank was slowest, how long it waited
-
-
 class Run(_Open):
     """One loader setting (bench), measured iterable or rank (measure) of a results file. The bench's runs
     also say where their bytes came from and what training input they deliver, the ceiling they are held
@@ -175,46 +121,6 @@ class Run(_Open):
     slowest_rank: SlowestRank | None = None  # a torchrun bench
     ceiling: RunCeiling | None = None  # the ceiling of the stage that bounds it (bench/attribution.py)
     fraction_of_ceiling: float | None = None  # None where the ceiling is unreliable or unmeasured
-
-
-class TierCost(_Open):
-    per_month: float | None = None  # the capacity stored, at the tier's price
-
-
-class TierRow(_Open):
-    """One storage tier of `loadopt tiers` (or a bench results file's `tiers` section)."""
-
-    name: str
-    au_threshold: float | None = None
-    accelerators_supported: int | None = None  # measured
-    predicted_accelerators: int | None = None
-    measured_note: str = ""
-    delivered_mb_s: float | None = None
-    samples_per_s: float | None = None
-    accelerator_utilisation: float | None = None
-    cpu_load: float | None = None
-    price_per_tb_month: float | None = None
-    cost_per_supported_accelerator: float | None = None  # $ a month per accelerator kept at the threshold
-    cost: TierCost = TierCost()
-    bounded_by_base: str | None = None  # an emulated tier over slower storage: what its figures are instead
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_key_each(cls, data: Any) -> Any:
-        """Version 1 rows: the same value under two keys; keep the one key of version 2."""
-        if not isinstance(data, dict):
-            return data
-        row = dict(data)
-        for old, new in (("tier", "name"), ("measured", "accelerators_supported"),
-                         ("predicted", "predicted_accelerators")):
-            if old in row:
-                value = row.pop(old)
-                row.setdefault(new, value)
-        if isinstance(row.get("cost"), dict) and "per_accelerator_month" in row["cost"]:
-            cost = dict(row["cost"])
-            row.setdefault("cost_per_supported_accelerator", cost.pop("per_accelerator_month"))
-            row["cost"] = cost
-        return row
 
 
 class _Versioned(_Open):

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
-import re
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -21,8 +18,17 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_format
 
+from .bad_source_inputs import (
+    dali_native_reader_on_tar_shards,
+    empty_tar_shard,
+    no_dataset_format_in_the_folder,
+    parquet_files_of_different_schemas,
+    parquet_without_the_named_column,
+    tar_sample_of_other_bytes,
+    tar_sample_without_an_image,
+    truncated_tar_shard,
+)
 from .faults import Setup, free_port, images, temps, write_config
-from .source_files import LONG_KEY, folder_samples, write_parquet, write_shards
 
 # ---------------------------------------------------------------------------------------------
 # The cases
@@ -253,94 +259,15 @@ def dlio_workload_not_yaml(tmp_path, cache):
     return Setup(["import-dlio", str(path)], f"{path}: line ")
 
 
-def _shard_set(tmp_path, extra: bool = False, bad_image: int | None = None):
-    """Tar shards of 10 photos (5 a shard), `extra` a sample with no image member, `bad_image` a sample whose
-    image member holds other bytes; and a config reading them."""
-    root, _ = images(tmp_path, corrupt=0)
-    samples = folder_samples(root)
-    if bad_image is not None:
-        key, label, _ = samples[bad_image]
-        samples[bad_image] = (key, label, b"not an image at all" * 10)
-    shards = write_shards(tmp_path / "shards", samples, per_shard=5, extra=extra)
-    return shards, write_config(tmp_path, dataset={"path": str(tmp_path / "shards")})
+def bad_ceiling_window(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("LOADOPT_CEILING_SECONDS", "fast")
+    config = write_config(tmp_path)
 
+    def nothing_written() -> None:
+        assert not (tmp_path / "results").exists(), "results of a bench that could not start"
 
-def truncated_tar_shard(tmp_path, cache):
-    shards, config = _shard_set(tmp_path)
-    shards[1].write_bytes(shards[1].read_bytes()[:3000])  # an upload cut short
-    return Setup(["bench", str(config)], f"{shards[1]}: truncated at offset ", config=config, backend="torch",
-                 leftovers=temps(cache))
-
-
-def tar_sample_without_an_image(tmp_path, cache):
-    shards, config = _shard_set(tmp_path, extra=True)
-    return Setup(["bench", str(config)], f"{shards[0]} (sample {LONG_KEY}: no image member; members: txt); set "
-                 "dataset.on_error: skip to leave it out", config=config, backend="torch")
-
-
-def empty_tar_shard(tmp_path, cache):
-    _, config = _shard_set(tmp_path)
-    empty = tmp_path / "shards" / "train-000002.tar"
-    empty.write_bytes(b"")
-    return Setup(["bench", str(config)], f"{empty} (an empty file: 0 bytes, no tar header)", config=config,
-                 backend="torch")
-
-
-def tar_sample_of_other_bytes(tmp_path, cache):
-    """Met while reading, not while opening: the library's error is raised by the epoch that reads it."""
-    shards, config = _shard_set(tmp_path, bad_image=3)
-    culprit = f"{shards[0]} (sample s0003, bytes "
-
-    def library_raises_while_reading() -> None:
-        assert not (tmp_path / "results").exists(), "results of a bench that measured nothing"
-        loader = make_loader(config, backend="torch", num_workers=0)
-        try:
-            with pytest.raises(LoadoptError, match=re.escape(culprit)):
-                for _ in loader:
-                    pass
-        finally:
-            loader.close()
-
-    return Setup(["bench", str(config), "--loaders", "torch"], culprit, config=config,
-                 after=library_raises_while_reading)
-
-
-def _parquet_set(tmp_path, **dataset):
-    root, _ = images(tmp_path, corrupt=0)
-    files = write_parquet(tmp_path / "hub", folder_samples(root), ["c0", "c1"])
-    return files, write_config(tmp_path, dataset={"path": str(tmp_path / "hub"), **dataset})
-
-
-def parquet_without_the_named_column(tmp_path, cache):
-    files, config = _parquet_set(tmp_path, columns={"image": "picture"})
-    return Setup(["bench", str(config)], f"{files[0]}: no column 'picture' (columns: image, label); set "
-                 "dataset.columns", config=config, backend="torch")
-
-
-def parquet_files_of_different_schemas(tmp_path, cache):
-    files, config = _parquet_set(tmp_path)
-    table = pq.read_table(files[1])
-    pq.write_table(table.set_column(1, "label", table.column("label").cast(pa.string())), files[1])
-    return Setup(["bench", str(config)], f"{files[1]}: its schema differs from {files[0]}'s", config=config,
-                 backend="torch")
-
-
-def dali_native_reader_on_tar_shards(tmp_path, cache):
-    pytest.importorskip("nvidia.dali")
-    _, config = _shard_set(tmp_path)
-    return Setup(["bench", str(config), "--loaders", "dali", "--set", "loaders.dali.reader=native"],
-                 "loaders.dali.reader native reads local ImageFolder files only; use reader: external for remote, "
-                 "tar-shard or Parquet datasets", config=config, backend="dali",
-                 overrides={"reader": "native", "decoder": "cpu"})
-
-
-def no_dataset_format_in_the_folder(tmp_path, cache):
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "readme.txt").write_text("not a dataset")
-    config = write_config(tmp_path, dataset={"path": str(tmp_path / "notes")})
-    return Setup(["bench", str(config)], f"{tmp_path / 'notes'}: not a dataset loadopt reads (found 1 file(s): "
-                 "readme.txt; expected class folders (ImageFolder), .tar shards (WebDataset) or .parquet files)",
-                 config=config, backend="torch")
+    return Setup(["bench", str(config)], "LOADOPT_CEILING_SECONDS='fast': expected seconds between 0.01 and 60",
+                 config=config, after=nothing_written)
 
 
 CASES = {  # name: (setup, exit code)
@@ -370,6 +297,7 @@ CASES = {  # name: (setup, exit code)
     "tar sample of non-image bytes, bench": (tar_sample_of_other_bytes, 1),
     "Parquet without the named image column, bench": (parquet_without_the_named_column, 1),
     "Parquet files of different schemas, bench": (parquet_files_of_different_schemas, 1),
+    "$LOADOPT_CEILING_SECONDS not a number, bench": (bad_ceiling_window, 2),
     "dali reader native on tar shards, bench": (dali_native_reader_on_tar_shards, 2),
     "a folder of no dataset format, bench": (no_dataset_format_in_the_folder, 1),
 }

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadopt.bench import procurement
+from loadopt.bench import tier_measure
 from loadopt.bench.procurement import run_tiers
 from loadopt.bench.tier_plan import Utilisation, demand, predict, search
 from loadopt.config import config_from_dict
@@ -168,7 +168,7 @@ def test_a_tier_over_slower_storage_says_so_and_predicts_from_its_own_figures(tm
     def over_slow_disk(spec, base):  # the machine's disk, as slow as the one the tier's answer followed
         return EmulatedFileSystem(spec.model_dump(mode="json"), EmulatedFileSystem(disk, base))
 
-    monkeypatch.setattr(procurement, "tier_filesystem", over_slow_disk)
+    monkeypatch.setattr(tier_measure, "tier_filesystem", over_slow_disk)  # where a tier's dataset is made
     row = run_tiers(config, [fast], au=AU, max_accelerators=3, warmup_s=0.3, measure_s=0.8).document()["tiers"][0]
     assert row["accelerators_supported"] <= 2, row["trials"]  # the disk's answer
     assert "bounded by the" in row["bounded_by_base"] and "not a figure of tier fast" in row["bounded_by_base"]

@@ -42,8 +42,9 @@ from loadopt.bench.rank_report import RankReport, ToldFailure
 from loadopt.device import Elapsed, resolve_device
 from loadopt.errors import LoadoptError, Terminated
 from loadopt.machine import usable_cores
-from loadopt.schema import RepeatMetrics, ResultsFile
+from loadopt.schema import ResultsFile
 from loadopt.schema_ceilings import Ceilings
+from loadopt.schema_metrics import RepeatMetrics
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from loadopt.bench.metrics import BatchProbe, window_metrics
 from loadopt.bench.monitor import ProcessTreeMonitor
 from loadopt.device import DeviceTransfer, Elapsed, EmulatedStream, HostCopyDone, StreamWork, TransferTiming
 from loadopt.loaders.base import HostBatch, Loader
-from loadopt.schema import RepeatMetrics
+from loadopt.schema_metrics import RepeatMetrics
 from loadopt.storage.probe_readers import sleep_until
 from loadopt.storage.tiers import tier_counters
 

@@ -129,6 +129,8 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     as it was. One that measured part writes what it measured, each setting not run with the reason; a
     user error then is raised after the writing, or returned in `BenchOutcome.error` with
     `return_errors` (the CLI, which prints the runs and writes the report before the error)."""
+    if attribute:
+        ceiling_measures.ceiling_seconds()  # a bad $LOADOPT_CEILING_SECONDS: its one line before any work
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
     timeout_s = 1800.0 + (budget_s if tune else 0.0)
     with distributed.ranks_here(config.workload.device, timeout_s) as ranks:

@@ -29,7 +29,7 @@ from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer
 from loadopt.loaders.registry import backend_class, configured_loader
 from loadopt.progress import Reporter
-from loadopt.schema import Knobs, RepeatMetrics, ResultsFile
+from loadopt.schema import Knobs, ResultsFile
 from loadopt.schema_ceilings import (
     Ceilings,
     ComputeStage,
@@ -41,6 +41,7 @@ from loadopt.schema_ceilings import (
     StorageStage,
     Verdict,
 )
+from loadopt.schema_metrics import RepeatMetrics
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.pagecache import cold_note, evict, evict_for_cold
 

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from loadopt.bench.consumers import TrialFigures
 from loadopt.bench.tier_plan import Prediction
 from loadopt.machine import MachineInfo
-from loadopt.schema import ConfigDump, Recipe, Run, RunStatus, TierRow
+from loadopt.schema import ConfigDump, Recipe, Run, RunStatus
+from loadopt.schema_tiers import TierRow
 
 
 class MeasuredTrial(BaseModel):

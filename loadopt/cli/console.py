@@ -18,7 +18,7 @@ from loadopt.errors import LoadoptError, Terminated
 from loadopt.progress import Reporter
 
 if TYPE_CHECKING:
-    from loadopt.schema import RepeatMetrics
+    from loadopt.schema_metrics import RepeatMetrics
 
 # Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
 WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160

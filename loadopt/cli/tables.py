@@ -13,7 +13,8 @@ from rich.table import Table
 if TYPE_CHECKING:  # the CLI's help stays light: the types only
     from loadopt.bench.tier_results import TiersRun
     from loadopt.recipe import Recipe
-    from loadopt.schema import ResultsFile, Run, RunMetrics
+    from loadopt.schema import ResultsFile, Run
+    from loadopt.schema_metrics import RunMetrics
     from loadopt.storage.probe import ProbeResult
 
 

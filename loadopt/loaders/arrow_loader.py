@@ -37,8 +37,8 @@ from pydantic import Field
 
 from loadopt.errors import DatasetError
 from loadopt.imaging.frames import FRAME_FIELDS
-from loadopt.loaders.base import TRIM_EVERY
 from loadopt.loaders.fillers import EncodedJpegs, FillContext, Filled, Located, WholeFrames
+from loadopt.loaders.heap import TRIM_EVERY
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.storage import tier_reads
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, ArrowConversion, arrow_path, convert, open_arrow

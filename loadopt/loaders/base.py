@@ -11,8 +11,6 @@ mid-epoch resumption, the `on_error` policy, the counters, and finishing a batch
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator
@@ -27,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
+from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.recipe import Recipe
 from loadopt.storage.dataset import Dataset
@@ -71,34 +70,6 @@ def work_kind_of_recipe(recipe: Recipe | None) -> WorkKind:
     if stored.startswith("centre"):
         return WorkKind.PIXEL_COPY
     return WorkKind.JPEG_DECODE
-
-
-# Batches between two returns of the consumer's free heap memory to the system (`release_free_heap`).
-TRIM_EVERY = 32
-
-
-def _libc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim  # glibc only
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
-def release_free_heap() -> None:
-    """Give the consumer's freed heap memory back to the system (glibc's `malloc_trim`; a no-op elsewhere):
-    `host_batches` does every `TRIM_EVERY` batches, for every backend.
-
-    Each batch handed out is fresh memory (the caller may keep it); glibc serves these multi-MB blocks from
-    its heap once one has been freed (its mmap threshold rises to their size) and keeps what is freed:
-    measured with bench/scale.py (100k files, batches of 256 x 64 px uint8, 4 workers), the consumer's
-    anonymous memory rose 80 -> 317 MB over 360 batches, all of it free (317 -> 47 MB after one trim), and
-    the workers forked from it each epoch inherit that heap. A trim every `TRIM_EVERY` batches keeps it flat."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class LoaderState(TypedDict):

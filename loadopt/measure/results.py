@@ -23,7 +23,8 @@ from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import SCHEMA_VERSION, RepeatMetrics, ResultsFile, Run, RunStatus, as_dict, results_text
+from loadopt.schema import SCHEMA_VERSION, ResultsFile, Run, RunStatus, as_dict, results_text
+from loadopt.schema_metrics import RepeatMetrics
 
 COMMAND = "loadopt.measure"
 CPU_NOTE = "on the CPU the loop body stands for the accelerator"

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from loadopt.errors import LoadoptError
-from loadopt.schema import RepeatMetrics, ResultsFile, RunMetrics, SchemaError, as_dict, parse_results
+from loadopt.schema import ResultsFile, SchemaError, as_dict, parse_results
 from loadopt.schema_ceilings import RunCeiling
+from loadopt.schema_metrics import RepeatMetrics, RunMetrics
 
 OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
