@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 _STORAGE_BUDGET_BYTES = 128 << 20  # enough for a sequential rate, small enough to read in ~1 s cold
 CEILING_SECONDS_ENV = "LOADOPT_CEILING_SECONDS"
-_DECODE_SECONDS = 1.0  # each decode and crop ceiling's timed window, unless the environment says otherwise
+_CEILING_SECONDS = 1.0  # each decode and crop ceiling's timed window, unless the environment says otherwise
 _DECODE_SAMPLES = 300
 _CROP_FRAMES = 64  # stored frames the crop + resize ceiling cycles through (decoded once, ~10 MB at 512 px)
 
@@ -127,7 +127,7 @@ def ceiling_seconds() -> float:
     bench and noisier ceilings; the test suite, which runs a hundred tiny benches, uses 0.2 s)."""
     text = os.environ.get(CEILING_SECONDS_ENV, "").strip()
     if not text:
-        return _DECODE_SECONDS
+        return _CEILING_SECONDS
     try:
         seconds = float(text)
     except ValueError:
@@ -154,16 +154,17 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
     workers = max(workers or cores, 1)
     stored = [with_restarts(blob) for blob in blobs]
     fast = transforms.decoder_name("auto")
+    window = ceiling_seconds()
 
     def rate_of(decoder: str, resize: str, samples: list[bytes]) -> DecodeRate:
         def work(i: int) -> None:
             transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
 
         try:
-            rate = rate_in_workers(work, workers, ceiling_seconds())["samples_per_s"]
+            rate = rate_in_workers(work, workers, window)["samples_per_s"]
             how = f"{workers} worker processes, one intra-op thread each"
         except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
-            rate = in_process_rate(work, ceiling_seconds()) * cores
+            rate = in_process_rate(work, window) * cores
             how = f"one thread x {cores} cores (worker processes could not be started)"
         return DecodeRate(decoder=decoder, resize=resize, per_core=rate / cores, samples_per_s=rate, how=how)
 
@@ -226,13 +227,13 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
         crops.crop_frames(out, positions, [frames[k] for k in positions], np.arange(batch), zeros,
                           dims_array[positions], p.augment, config.seed, i * batch // count, _Inline, 1)
 
-    cores = usable_cores()
+    cores, window = usable_cores(), ceiling_seconds()
     workers = max(workers or cores, 1)
     try:
-        measured = rate_in_workers(work, workers, ceiling_seconds())
+        measured = rate_in_workers(work, workers, window)
         rate, how = measured["samples_per_s"] * batch, f"{workers} worker processes, one intra-op thread each"
     except (OSError, ValueError, RuntimeError):  # no fork here: one process, one thread, times the cores
-        rate, how = in_process_rate(work, ceiling_seconds()) * batch * cores, \
+        rate, how = in_process_rate(work, window) * batch * cores, \
             f"one thread x {cores} cores (worker processes could not be started)"
     pixels = float(np.mean([h * w for h, w, _, _ in dims]))
     return CropResizeRate(name="crop + resize of stored frames", samples_per_s=rate, workers=workers, cores=cores,
@@ -333,7 +334,6 @@ def measure_ceilings(config: Config, dataset: Dataset, device: torch.device,
                      workers: int | None = None) -> Ceilings:
     """The machine's ceilings and the job's demand, measured now (a few seconds in all). `workers`: the
     decode ceiling's worker processes (the most any loader setting of the bench runs; default the cores)."""
-    ceiling_seconds()  # a bad setting is the user's one-line error here, not a ceiling marked skipped
     started = time.perf_counter()
     ceilings = Ceilings(
         memcpy=_guarded(Bandwidth, lambda: Bandwidth(name="memory copy bandwidth", bytes_per_s=memcpy_bandwidth())),
