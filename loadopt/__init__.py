@@ -22,11 +22,12 @@ from loadopt.errors import LoadoptError
 __version__ = "0.1.0"
 
 # name -> the module that defines it
-_LAZY = {"make_loader": "loadopt.api", "Config": "loadopt.config_models", "load_config": "loadopt.config",
+_LAZY = {"make_loader": "loadopt.api", "make_preprocessor": "loadopt.api", "Config": "loadopt.config_models",
+         "load_config": "loadopt.config",
          "measure": "loadopt.measure", "measure_steps": "loadopt.measure", "run_bench": "loadopt.bench.runner"}
 
 if TYPE_CHECKING:
-    from loadopt.api import make_loader
+    from loadopt.api import make_loader, make_preprocessor
     from loadopt.bench.runner import run_bench
     from loadopt.config import load_config
     from loadopt.config_models import Config
@@ -54,5 +55,5 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["Config", "LoadoptError", "load_config", "make_loader", "measure", "measure_steps", "run_bench",
-           "__version__"]
+__all__ = ["Config", "LoadoptError", "load_config", "make_loader", "make_preprocessor", "measure", "measure_steps",
+           "run_bench", "__version__"]

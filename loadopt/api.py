@@ -244,3 +244,13 @@ def _knobs_line(settings, why: dict[str, str]) -> str:
         else:
             parts.append(f"{keys[0]}={getattr(settings, keys[0])!r} ({reason})")
     return "; ".join(sorted(parts, key=lambda part: part.startswith("at the backend's defaults")))
+
+
+def make_preprocessor(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], path: str = "auto",
+                      device: str | torch.device | None = None):
+    """A serving input path: a callable from request bytes (or a list of them) to the model's input batch on the
+    device, with the eval recipe. `path` "auto": the best request path of the last `loadopt bench` in a serving
+    scenario (serve.json in the config's report.out), else the config's first; or a path's label from that table."""
+    from loadopt.serve.preprocessor import make_preprocessor as make
+
+    return make(_as_config(config_or_path), path, device)

@@ -114,7 +114,34 @@ class PipelineConfig(_Strict):
     seq_len: int = Field(1024, gt=0)  # tokens: each sample is seq_len + 1 tokens (inputs, shifted targets)
 
 
+class ServeConfig(_Strict):
+    """The inference scenarios' settings (`workload.scenario` offline, server or single_stream), in the
+    terms of MLPerf Inference's LoadGen and Triton's dynamic batcher (docs/serving.md)."""
+
+    # server: the mean rate of the open-loop Poisson arrivals, requests per second
+    target_qps: float = Field(200.0, gt=0)
+    # server: a file of arrival times instead (seconds from the start, one per line, non-decreasing)
+    arrivals: str | None = None
+    requests: int = Field(2000, gt=0)  # server and single_stream: requests per run (the dataset's samples in turn)
+    # server: a run's requests also stop at this many seconds of arrivals (but never fewer than 200): a low rate
+    # tried by the search takes seconds, not minutes
+    run_seconds: float = Field(10.0, gt=0)
+    # the dynamic batcher: at most max_batch requests per step, the oldest waiting at most max_queue_delay_ms
+    max_batch: int = Field(8, ge=1)
+    max_queue_delay_ms: float = Field(2.0, ge=0)
+    # the emulated accelerator's step for n requests: workload.step_time_ms + per_sample_ms x n
+    per_sample_ms: float = Field(0.0, ge=0)
+    workers: int | None = Field(None, ge=1)  # threads preprocessing requests (null: the usable cores)
+    # server: search the highest rate whose p99 latency stays within this bound (LoadGen's server mode)
+    slo_ms: float | None = Field(None, gt=0)
+    search_runs: int = Field(7, ge=2)  # runs of the rate search, the first at target_qps
+    seed: int = 0  # the arrivals' random draws
+
+
 class WorkloadConfig(_Strict):
+    # train: the training loop; offline, server, single_stream: MLPerf Inference LoadGen's scenarios (serve)
+    scenario: Literal["train", "offline", "server", "single_stream"] = "train"
+    serve: ServeConfig = ServeConfig()
     step_time_ms: float = Field(25.0, ge=0)
     warmup_batches: int = Field(5, ge=0)
     measure_batches: int = Field(200, gt=0)

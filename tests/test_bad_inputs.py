@@ -270,6 +270,33 @@ def bad_ceiling_window(tmp_path, cache, monkeypatch):
                  config=config, after=nothing_written)
 
 
+def serving(tmp_path, scenario: str = "server", **serve):
+    return write_config(tmp_path, workload={"scenario": scenario, "serve": {"requests": 20, **serve}},
+                        loaders={"torch": {"variant": "tuned"}})
+
+
+def arrivals_file_with_a_bad_line(tmp_path, cache):
+    arrivals = tmp_path / "arrivals.txt"
+    arrivals.write_text("0.0\nsoon\n")
+    config = serving(tmp_path, arrivals=str(arrivals))
+    return Setup(["bench", str(config)], f"{arrivals}:2: expected an arrival time in seconds, not 'soon'",
+                 config=config, leftovers=lambda: [p for p in [tmp_path / "results"] if p.exists()])
+
+
+def damaged_jpeg_request(tmp_path, cache):
+    root, bad = images(tmp_path)
+    config = write_config(tmp_path, dataset={"path": str(root)}, workload={"scenario": "single_stream"},
+                          loaders={"torch": {"variant": "tuned"}})
+    return Setup(["bench", str(config)], f"{bad[0]}: damaged JPEG", config=config,
+                 leftovers=lambda: [p for p in [tmp_path / "results"] if p.exists()])
+
+
+def slo_on_a_training_config(tmp_path, cache):
+    config = write_config(tmp_path)
+    return Setup(["bench", str(config), "--slo-ms", "20"], "--slo-ms bounds the server scenario's latency",
+                 config=config)
+
+
 CASES = {  # name: (setup, exit code)
     "empty config file": (empty_config, 2),
     "corrupt JPEG, decoded Arrow conversion": (corrupt_jpeg_decoded_arrow, 1),
@@ -300,6 +327,9 @@ CASES = {  # name: (setup, exit code)
     "$LOADOPT_CEILING_SECONDS not a number, bench": (bad_ceiling_window, 2),
     "dali reader native on tar shards, bench": (dali_native_reader_on_tar_shards, 2),
     "a folder of no dataset format, bench": (no_dataset_format_in_the_folder, 1),
+    "arrivals file with a bad line, serving bench": (arrivals_file_with_a_bad_line, 2),
+    "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
+    "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
 }
 
 

@@ -56,7 +56,7 @@ class EmulatedAccelerator(Accelerator):
     def __init__(self, step_time_s: float, device: torch.device) -> None:
         super().__init__(device)
         self.step_time_s = step_time_s
-        self._cycles_per_s = _calibrate_sleep(device) if device.type == "cuda" else 0.0
+        self._cycles_per_s = calibrate_sleep(device) if device.type == "cuda" else 0.0
         self._busy_until = 0.0  # the CPU clock's: when the last step launched ends (host clock)
 
     @property
@@ -88,7 +88,7 @@ def _bound_queue(pending: deque, event: torch.cuda.Event, depth: int = AHEAD) ->
         pending.popleft().synchronize()
 
 
-def _calibrate_sleep(device: torch.device) -> float:
+def calibrate_sleep(device: torch.device) -> float:
     """Clock cycles per second of `torch.cuda._sleep` on this GPU, measured with events."""
     with torch.cuda.device(device):
         torch.cuda._sleep(1_000)  # warm up the kernel

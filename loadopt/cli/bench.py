@@ -20,7 +20,7 @@ from loadopt.cli.tables import (
     run_bound_lines,
     verdict_lines,
 )
-from loadopt.errors import Terminated, shown_name
+from loadopt.errors import ConfigError, Terminated, shown_name
 
 if TYPE_CHECKING:
     from loadopt.bench.runner import BenchOutcome
@@ -44,6 +44,8 @@ def bench(
     budget: str = typer.Option("10m", "--budget", help="Time for the --tune search, e.g. 90s, 10m, 1h."),
     attribute_stages: bool = typer.Option(False, "--attribute-stages", help="Run the stages of each backend's best "
                                           "setting apart (loader warm and cold, storage read); implied by --tune."),
+    slo_ms: float = typer.Option(None, "--slo-ms", min=0.001, help="workload.scenario server: search the highest "
+                                 "request rate whose p99 latency stays within this many ms."),
 ) -> None:
     """Run every configured loader setting through the harness and rank them."""
     from loadopt.bench.runner import run_bench
@@ -56,6 +58,14 @@ def bench(
         cfg = load_config(config, set_ or [])
         budget_s = parse_budget(budget)
         names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
+        if cfg.workload.scenario != "train":  # the inference scenarios (loadopt/serve/)
+            from loadopt.cli.serve import run_serve
+
+            run_serve(cfg, names, out, quick, slo_ms, not no_convert, terminated)
+            return
+        if slo_ms is not None:
+            raise ConfigError(f"--slo-ms bounds the server scenario's latency; {config} runs workload.scenario: "
+                              "train (set workload.scenario: server)")
         with progress_bar() as progress:
             try:
                 outcome = run_bench(cfg, loaders=names, out=out, quick=quick,

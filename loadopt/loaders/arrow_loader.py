@@ -40,6 +40,7 @@ from loadopt.imaging.frames import FRAME_FIELDS
 from loadopt.loaders.fillers import EncodedJpegs, FillContext, Filled, Located, WholeFrames
 from loadopt.loaders.heap import TRIM_EVERY
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
+from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.storage import tier_reads
 from loadopt.storage.arrow_format import ROWS_PER_BATCH, ArrowConversion, arrow_path, convert, open_arrow
 from loadopt.storage.pagecache import release_pages
@@ -132,6 +133,14 @@ class ArrowLoader(RingLoader[ArrowSettings]):
 
     def reads_conversion(self) -> bool:
         return True
+
+    def request_paths(self, max_batch: int) -> list[RequestPath]:
+        """A fixed catalogue: the request carries a sample id, its image is read from this conversion."""
+        from loadopt.loaders.serving_paths import CatalogueRequests
+
+        if self.dataset.kind != "images":
+            raise Unservable(f"arrow serves image requests; this dataset holds {self.dataset.kind}")
+        return [CatalogueRequests(f"arrow {self.stored_text()} catalogue", self.pipeline, self.seed, self)]
 
     def describe(self) -> str:
         s = self.settings

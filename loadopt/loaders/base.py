@@ -27,6 +27,7 @@ from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
 from loadopt.loaders.sampler import EpochOrder
+from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
 from loadopt.storage.dataset import Dataset
 
@@ -245,6 +246,11 @@ class Loader(ABC, Generic[SettingsT]):
         from loadopt import recipe
 
         return recipe.delivered(self.pipeline, kind=self.dataset.kind)
+
+    def request_paths(self, max_batch: int) -> list[RequestPath]:
+        """This setting's ways of serving requests (the inference scenarios: loaders/serving.py), each on its
+        own row; `Unservable` with the reason for a backend that reads whole batches in an order it keeps."""
+        raise Unservable(f"{self.name} reads batches of the dataset in an epoch's order; it has no request path")
 
     def describe(self) -> str:
         """A short label of this setting for tables (e.g. `plain num_workers=2`)."""

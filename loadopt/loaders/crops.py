@@ -98,8 +98,8 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
         native.crop_batch(out, sources, which32, offsets, flags, stored * 3, size, 0, len(indices), threads)
         return
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
-    list(pool.map(lambda c: copy_crops(out, sources, which32, offsets, flags, stored * 3, int(c[0]), int(c[-1]) + 1),
-                  chunks))
+    list((pool.map if pool is not None else map)(  # no pool: in this thread (one request's crop)
+        lambda c: copy_crops(out, sources, which32, offsets, flags, stored * 3, int(c[0]), int(c[-1]) + 1), chunks))
 
 
 # Under OpenMP, torch.set_num_threads in a thread sets that thread's team size only (the pool threads'
@@ -174,4 +174,4 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
                 resize_aa(crop, size, slot_views[k])
 
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
-    list(pool.map(run, chunks))
+    list((pool.map if pool is not None else map)(run, chunks))  # no pool: in this thread (one request's crop)

@@ -36,6 +36,7 @@ from loadopt.loaders.base import HostBatch, Loader, LoaderState, WorkKind
 from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, plan_batch
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
+from loadopt.loaders.serving import RequestPath
 from loadopt.recipe import Recipe
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
@@ -135,6 +136,13 @@ class DaliLoader(Loader[DaliSettings]):
 
     def reads_conversion(self) -> bool:
         return self.settings.source == "arrow"
+
+    def request_paths(self, max_batch: int) -> list[RequestPath]:
+        """Each dynamic batch through DALI (`external_source`), decoded on the GPU (`mixed`) where there is one."""
+        from loadopt.loaders.serving_paths import DaliRequests
+
+        return [DaliRequests(f"dali {self.decoder} threads={self.settings.num_threads}", self.pipeline, self.seed,
+                             max_batch, self.settings.num_threads, self.decoder, self.device)]
 
     def describe(self) -> str:
         s = self.settings

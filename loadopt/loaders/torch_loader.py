@@ -32,6 +32,7 @@ from loadopt.errors import WorkerDied
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import torch_workers, transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.loaders.torch_samples import Item, RecordSamples, TokenWindows, WorkerBatch, collate_windows, collated
 from loadopt.machine import usable_cores
 from loadopt.storage.records import RecordDataset
@@ -230,6 +231,21 @@ class TorchLoader(Loader[TorchSettings]):
     @classmethod
     def supports(cls, dataset) -> tuple[bool, str]:
         return True, ""  # image folders, token corpora (windows from a memmap), records (storage/records.py)
+
+    def request_paths(self, max_batch: int) -> list[RequestPath]:
+        """plain: PIL's decoder and resize; tuned: the fastest decoder with torch's resize, the whole JPEG
+        decoded, and again over the crop's region only (the region decoder)."""
+        from loadopt.loaders.serving_paths import DecodedRequests
+
+        if self.dataset.kind != "images":
+            raise Unservable(f"torch serves image requests; this dataset holds {self.dataset.kind}")
+        s, p = self.settings, self.pipeline
+        decoder, resize = s.resolved_decoder(), s.resolved_resize()
+        if self.variant == "plain":
+            return [DecodedRequests("torch plain", p, self.seed, decoder, resize, region=False)]
+        name = "torch tuned" + ("" if decoder == "simplejpeg" else f" {decoder}")
+        return [DecodedRequests(name, p, self.seed, decoder, resize, region=False),
+                DecodedRequests(f"{name} region", p, self.seed, decoder, resize, region=True)]
 
     def describe(self) -> str:
         s = self.settings

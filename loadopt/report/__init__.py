@@ -37,6 +37,11 @@ def _check_format(fmt: str) -> None:
 def render_report(paths: Sequence[PathLike], fmt: str = "html") -> str:
     """The report's text: the HTML page, or the Markdown summary."""
     _check_format(fmt)
+    serving = _serving(paths)
+    if serving is not None:
+        from loadopt.report import serve_page
+
+        return serve_page.render(serving) if fmt == "html" else serve_page.markdown(serving)
     files = load_all(list(paths))
     if fmt == "markdown":
         from loadopt.report import markdown
@@ -45,6 +50,28 @@ def render_report(paths: Sequence[PathLike], fmt: str = "html") -> str:
     from loadopt.report import html  # matplotlib is only imported for the page
 
     return html.render(files)
+
+
+def _serving(paths: Sequence[PathLike]):
+    """The serving bench's results when `paths` is one serve.json (None for the other results files)."""
+    import json
+
+    from pydantic import ValidationError
+
+    from loadopt.report.data import resolve
+    from loadopt.schema_serve import ServeResults
+
+    if not paths:
+        return None
+    first = resolve(paths[0])
+    if first.name != "serve.json":
+        return None
+    if len(paths) > 1:
+        raise ReportError(f"{first}: a serving bench's results are reported alone (no side-by-side comparison yet)")
+    try:
+        return ServeResults.model_validate(json.loads(first.read_text()))
+    except (OSError, ValueError, ValidationError) as exc:
+        raise ResultsFileError(f"{first}: not a loadopt serve.json ({str(exc).splitlines()[0]})") from None
 
 
 def default_output(paths: Sequence[PathLike], fmt: str = "html") -> Path:

@@ -86,7 +86,7 @@ def _svg(fig: Figure) -> str:
     return text.replace("<svg", '<svg role="img"', 1).strip()
 
 
-def _render(build, *args: Any) -> str:
+def render_svg(build, *args: Any) -> str:
     with matplotlib.rc_context(STYLE):
         fig = build(*args)
         return _svg(fig)
@@ -113,7 +113,7 @@ OFF_SCALE = 3.0  # a ceiling above this multiple of the fastest rate is marked a
 def ranking(res: Results, palette: Palette) -> str:
     """Throughput per loader setting as bars (min-max spread as whiskers), the bounding ceiling as a
     black diamond with the fraction written on the bar."""
-    return _render(ranking_figure, res, palette)
+    return render_svg(ranking_figure, res, palette)
 
 
 def ranking_figure(res: Results, palette: Palette) -> Figure:
@@ -167,7 +167,7 @@ def ranking_figure(res: Results, palette: Palette) -> Figure:
 
 def comparison(files: list[Results], labels: list[str]) -> str:
     """Samples/s of the loader settings common to every file, grouped, one colour per file."""
-    return _render(_comparison, files, labels)
+    return render_svg(_comparison, files, labels)
 
 
 def _comparison(files: list[Results], labels: list[str]) -> Figure:
@@ -199,7 +199,7 @@ def _comparison(files: list[Results], labels: list[str]) -> Figure:
 
 def breakdown(res: Results, palette: Palette) -> str:
     """Per loader setting, one stacked bar of a step's mean time: compute, waiting for data, the copy."""
-    return _render(breakdown_figure, res, palette.width)
+    return render_svg(breakdown_figure, res, palette.width)
 
 
 def breakdown_figure(res: Results, width: float) -> Figure:
@@ -229,7 +229,7 @@ def breakdown_figure(res: Results, width: float) -> Figure:
 def latency(res: Results, palette: Palette) -> str:
     """The CDF of per-batch wait for each loader setting (measured batches of every repeat), with
     p50 (circle) and p99 (triangle) marked."""
-    return _render(_latency, res, palette)
+    return render_svg(_latency, res, palette)
 
 
 def _latency(res: Results, palette: Palette) -> Figure:
@@ -267,7 +267,7 @@ def _latency(res: Results, palette: Palette) -> Figure:
 def over_time(res: Results, palette: Palette) -> str:
     """Per loader setting, one row: samples/s per batch and wait per batch along its median repeat,
     warm-up shaded."""
-    return _render(over_time_figure, res, palette)
+    return render_svg(over_time_figure, res, palette)
 
 
 def _timeline(t: Timings, repeat: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -317,13 +317,13 @@ def tier_plots(res: Results, palette: Palette) -> list[tuple[str, str]]:
     if any(isinstance(t.get("accelerators_supported"), (int, float)) for t in tiers):
         thresholds = {t["au_threshold"] for t in tiers if isinstance(t.get("au_threshold"), (int, float))}
         at = f"{thresholds.pop():.0%}" if len(thresholds) == 1 else "each tier's threshold"
-        out.append(("Accelerators supported per tier", _render(_tier_bars, width, tiers, "accelerators_supported",
+        out.append(("Accelerators supported per tier", render_svg(_tier_bars, width, tiers, "accelerators_supported",
                                                                f"accelerators kept at AU ≥ {at} (count)", "{:,.0f}")))
     if any(t.get("au_by_accelerators") for t in tiers):
-        out.append(("Accelerator utilisation against accelerator count", _render(tier_au_figure, width, tiers)))
+        out.append(("Accelerator utilisation against accelerator count", render_svg(tier_au_figure, width, tiers)))
     if any(isinstance(t.get("cost_per_supported_accelerator"), (int, float)) for t in tiers):
         out.append(("Cost per supported accelerator",
-                    _render(_tier_bars, width, tiers, "cost_per_supported_accelerator",
+                    render_svg(_tier_bars, width, tiers, "cost_per_supported_accelerator",
                             "cost per supported accelerator ($ per month)", "${:,.2f}")))
     return out
 
