@@ -267,6 +267,10 @@ def test_bench_server_with_a_bound(tmp_path, serve_config):
         assert 1 <= len(row["curve"]) <= 3
         assert row["best_within_slo"] is None or row["best_within_slo"]["p99_ms"] <= 200
     assert document["summary"].startswith("server:")
+    page = (tmp_path / "results" / "report.html").read_text()  # written beside serve.json, with the curve
+    assert "<svg" in page and "offered rate" in page and "torch tuned region" in page
+    markdown = CliRunner().invoke(app, ["report", str(tmp_path / "results"), "--format", "markdown"])
+    assert markdown.exit_code == 0 and "| torch plain |" in markdown.output
 
 
 def test_bench_single_stream_and_offline(tmp_path, serve_config):

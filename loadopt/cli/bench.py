@@ -61,6 +61,11 @@ def bench(
         if cfg.workload.scenario != "train":  # the inference scenarios (loadopt/serve/)
             from loadopt.cli.serve import run_serve
 
+            if tune or attribute_stages:
+                flag = "--tune" if tune else "--attribute-stages"
+                raise ConfigError(f"{flag} measures training input; {config} runs workload.scenario: "
+                                  f"{cfg.workload.scenario} (its request paths are compared as configured)")
+
             run_serve(cfg, names, out, quick, slo_ms, not no_convert, terminated)
             return
         if slo_ms is not None:

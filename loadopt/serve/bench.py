@@ -161,6 +161,12 @@ class _ServeBench:
                                        settings=knobs))
                 continue
             if self.config.workload.scenario == "offline":
+                if not loader.shared_order:  # a peer library orders the samples itself
+                    loader.close()
+                    rows.append(PathResult(label=name, backend=name, status="unavailable", settings=knobs,
+                                           reason=f"{name} orders the samples itself; offline takes them in input "
+                                                  "order"))
+                    continue
                 rows.append(self.offline_row(loader, name, knobs))
                 continue
             try:

@@ -118,13 +118,17 @@ class _Batcher:
         return [self.pending.popleft() for _ in range(count)]
 
 
-def sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float, stop: threading.Event | None = None) -> None:
     """Sleep until `deadline` (perf_counter's clock): a sleep to `SPIN_S` before it, then yielding to other threads
     until it (a plain sleep wakes 0.1-0.3 ms late on a shared machine; a worker woken late for an arrival would add
     that to the latency of every request its busy period serves)."""
     left = deadline - time.perf_counter()
     if left > SPIN_S:
-        time.sleep(left - SPIN_S)
+        if stop is not None:  # woken at once when the run is stopped (Ctrl-C), not at a far arrival
+            if stop.wait(left - SPIN_S):
+                return
+        else:
+            time.sleep(left - SPIN_S)
     while time.perf_counter() < deadline:
         os.sched_yield()  # releases the GIL: the spin never holds up the other threads
 
@@ -155,7 +159,9 @@ def serve_open_loop(path: RequestPath, payloads: Sequence[Payload], scheduled: n
                 if request is None:
                     return
                 if scheduled[request] > clock():
-                    sleep_until(start + scheduled[request])
+                    sleep_until(start + scheduled[request], stop)
+                    if stop.is_set():
+                        return
                 began = clock()
                 times.started[request] = began
                 if path.per_batch:  # preprocessed with its batch, after the batcher
