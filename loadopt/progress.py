@@ -23,6 +23,9 @@ class Reporter:
 
     def run_finished(self, label: str, metrics: RepeatMetrics | None, error: str | None) -> None: ...
 
+    def line(self, text: str) -> None:
+        """One finished step that has no metrics of its own (a serving path's runs), for a log or a terminal."""
+
 
 class TiersProgress:
     """What `run_tiers` tells as it goes; the CLI prints it, the library ignores it."""

@@ -100,5 +100,6 @@ class ServeResults(_Model):
     slo_ms: float | None = None
     workers: int
     machine_load: str = ""  # a busy-machine note, once
+    interrupted_by: str | None = None  # SIGINT or SIGTERM: the paths finished before it are kept
     paths: list[PathResult]
     summary: str = ""

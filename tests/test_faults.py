@@ -208,3 +208,26 @@ def test_damage_met_while_reading_blames_the_converted_file_not_the_source(tmp_p
     message = str(caught.value)
     assert message.startswith(f"{path}: record batch 0") and "checksum mismatch" in message, message
     assert str(root) not in message
+
+
+def test_sigterm_mid_serving_bench_keeps_the_finished_paths(tmp_path, own_cache):
+    """A serving bench stopped between its paths: the finished ones in serve.json, exit 143, one line."""
+    config = write_config(tmp_path, workload={"scenario": "server", "step_time_ms": 1,
+                                              "serve": {"target_qps": 40, "requests": 120, "max_batch": 4}},
+                          loaders={"torch": {"variant": ["plain", "tuned"]}})
+    log = tmp_path / "bench.log"
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "bench", str(config)], stdout=out,
+                                 stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+        deadline = time.time() + 240
+        while time.time() < deadline and "torch plain:" not in log.read_text() and child.poll() is None:
+            time.sleep(0.1)
+        assert child.poll() is None, log.read_text()  # the tuned paths are still to come (3 s of arrivals each)
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=60)
+    text = log.read_text()
+    assert code == 143, text
+    assert "Traceback" not in text and "interrupted (SIGTERM): the paths that finished were kept" in text
+    document = json.loads((tmp_path / "results" / "serve.json").read_text())
+    assert [p["label"] for p in document["paths"]] == ["torch plain"], document["paths"]
+    assert document["interrupted_by"] == "SIGTERM"

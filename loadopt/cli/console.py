@@ -89,6 +89,9 @@ class RichReporter(Reporter):
                 f"stall {median(metrics, 'stall_fraction') or 0.0:.0%}",
                 highlight=False)
 
+    def line(self, text: str) -> None:
+        self.progress.console.print(escape(text), highlight=False)
+
     def tuning_trial(self, label: str, outcome: str, samples_per_s: float | None, reason: str) -> None:
         rate = f"{samples_per_s:,.0f} samples/s" if samples_per_s is not None else "no rate"
         why = f" ({reason})" if reason and outcome != "ok" else ""

@@ -40,7 +40,9 @@ def run_serve(cfg: Config, names: list[str] | None, out: str | None, quick: bool
         auto_report(outcome.json_path)
     if outcome.interrupted:
         signal_name = "SIGTERM" if terminated else "SIGINT"
-        err_console.print(f"interrupted ({signal_name}): the paths that finished were kept", highlight=False)
+        kept = ("the paths that finished were kept" if outcome.json_path is not None
+                else "before any path finished: nothing was written")
+        err_console.print(f"interrupted ({signal_name}): {kept}", highlight=False)
         raise typer.Exit(Terminated.exit_code if terminated else 130)
     if outcome.json_path is None:
         reasons = "; ".join(f"{p.label}: {p.reason}" for p in results.paths if p.reason)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from loadopt.bench.monitor import MachineLoad, load_note
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, ServeConfig
 from loadopt.device import DeviceTransfer, finish_inputs, resolve_device
-from loadopt.errors import BackendUnavailable, DatasetError, LoadoptError, shown_name
+from loadopt.errors import BackendUnavailable, DatasetError, LoadoptError, Terminated, shown_name
 from loadopt.files import atomic_write_text, discard_output, prepare_output
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_for, configured_loader
@@ -77,13 +78,16 @@ def run_serve_bench(config: Config, *, loaders: list[str] | None = None, out: st
     bench = _ServeBench.start(config, serve, arrivals, reporter or Reporter(), convert)
     load = MachineLoad().start()
     paths: list[PathResult] = []
-    interrupted = False
+    interrupted_by: str | None = None
     try:
         for name in loaders or list(config.loaders):
-            paths += bench.backend_rows(name)
-    except KeyboardInterrupt:
-        interrupted = True
+            for row in bench.backend_rows(name):  # row by row: an interrupt keeps the rows before it
+                paths.append(row)
+    except KeyboardInterrupt as exc:  # the paths finished are kept; the one under way is not
+        interrupted_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+    interrupted = interrupted_by is not None
     results = bench.results(paths, load_note(load.stop()) or "")
+    results.interrupted_by = interrupted_by
     if not any(p.status == "ok" for p in paths):
         discard_output(folder, existed)
         return ServeOutcome(results, None, interrupted)
@@ -143,42 +147,41 @@ class _ServeBench:
         results.summary = summary(results)
         return results
 
-    def backend_rows(self, name: str) -> list[PathResult]:
+    def backend_rows(self, name: str) -> Iterator[PathResult]:
         """The rows of one configured backend: one per setting (offline) or per request path of each setting."""
         cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
         if available:
             available, reason = cls.supports(self.dataset)
         if not available:
-            return [PathResult(label=name, backend=name, status="unavailable", reason=reason)]
-        rows: list[PathResult] = []
+            yield PathResult(label=name, backend=name, status="unavailable", reason=reason)
+            return
         for settings in backend_settings(self.config, name):
             knobs = settings.model_dump(mode="json")
             try:
                 loader = configured_loader(name, self.config, self.dataset, settings, device=self.device)
             except BackendUnavailable as exc:
-                rows.append(PathResult(label=name, backend=name, status="unavailable", reason=str(exc),
-                                       settings=knobs))
+                yield PathResult(label=name, backend=name, status="unavailable", reason=str(exc), settings=knobs)
                 continue
             if self.config.workload.scenario == "offline":
                 if not loader.shared_order:  # a peer library orders the samples itself
                     loader.close()
-                    rows.append(PathResult(label=name, backend=name, status="unavailable", settings=knobs,
-                                           reason=f"{name} orders the samples itself; offline takes them in input "
-                                                  "order"))
+                    yield PathResult(label=name, backend=name, status="unavailable", settings=knobs,
+                                     reason=f"{name} orders the samples itself; offline takes them in input order")
                     continue
-                rows.append(self.offline_row(loader, name, knobs))
+                yield self.offline_row(loader, name, knobs)
                 continue
             try:
                 request_paths = loader.request_paths(self.serve.max_batch)
             except Unservable as exc:
                 loader.close()
-                rows.append(PathResult(label=name, backend=name, status="unavailable", reason=str(exc),
-                                       settings=knobs))
+                yield PathResult(label=name, backend=name, status="unavailable", reason=str(exc), settings=knobs)
                 continue
-            rows += [self.path_row(path, name, knobs) for path in request_paths]
-            loader.close()
-        return rows
+            try:
+                for path in request_paths:
+                    yield self.path_row(path, name, knobs)
+            finally:
+                loader.close()
 
     def offline_row(self, loader: Loader, name: str, knobs: dict) -> PathResult:
         label = f"{name} {loader.describe()}"
@@ -194,6 +197,8 @@ class _ServeBench:
         finally:
             loader.close()
         self.reporter.run_finished(f"{label} offline", None, None)
+        self.reporter.line(f"  {label}: {offline.samples_per_s:,.0f} samples/s offline, first result in "
+                           f"{offline.first_result_s:.2f} s")
         return PathResult(label=label, backend=name, status="ok", settings=knobs, offline=offline)
 
     def path_row(self, path: RequestPath, name: str, knobs: dict) -> PathResult:
@@ -215,6 +220,7 @@ class _ServeBench:
             else:
                 self.server_runs(row, path, requests, len(payloads))
             self.reporter.run_finished(path.label, None, None)
+            self.reporter.line(f"  {path.label}: {_row_line(row)}")
         except (BackendUnavailable, ImportError) as exc:
             return PathResult(label=path.label, backend=name, status="unavailable",
                               reason=str(exc).splitlines()[0], settings=knobs)
@@ -257,6 +263,18 @@ class _ServeBench:
             request, reason = min(failures.items())
             raise DatasetError(f"{shown_name(self.dataset.path(request % samples))}: {reason} (request {request}; "
                                "dataset.on_error: skip serves the others and counts it)")
+
+
+def _row_line(row: PathResult) -> str:
+    """A finished path's figures in a few words (the progress line)."""
+    if row.single_stream is not None:
+        return f"p90 {row.single_stream.p90_ms:.1f} ms one at a time"
+    best = row.best_within_slo
+    if best is not None:
+        return f"{best.offered_qps:,.0f} requests/s within the bound (p99 {best.p99_ms:.1f} ms)"
+    if row.server is not None:
+        return f"p99 {row.server.p99_ms:.1f} ms at {row.server.offered_qps:,.0f} requests/s"
+    return "done"
 
 
 def _arrivals_text(serve: ServeConfig, arrivals: np.ndarray | None) -> str:
