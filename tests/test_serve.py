@@ -318,3 +318,36 @@ def test_make_preprocessor_hands_over_the_best_path(tmp_path, serve_config):
     assert one.is_contiguous(memory_format=torch.channels_last)
     with pytest.raises(ConfigError, match="no request path 'dali'"):
         make_preprocessor(path, path="dali")
+
+
+def test_bench_server_from_an_arrivals_file(tmp_path, serve_config):
+    arrivals = tmp_path / "arrivals.txt"
+    arrivals.write_text("\n".join(f"{k * 0.01:.3f}" for k in range(1, 41)) + "\n")  # 100 requests/s, 40 of them
+    result = CliRunner().invoke(app, ["bench", serve_config("server", loaders={"torch": {"variant": "tuned"}},
+                                                            arrivals=str(arrivals))])
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "results" / "serve.json").read_text())
+    assert document["arrivals"].startswith(f"{arrivals}: 40 arrivals, 100.0 requests/s")
+    for row in document["paths"]:
+        assert row["server"]["requests"] == 40 and row["server"]["scheduled_qps"] == pytest.approx(100.0)
+        assert row["curve"] == [row["server"]] and row["best_within_slo"] is None
+
+
+def test_damaged_requests_are_skipped_and_counted(tmp_path):
+    """on_error: skip serves the others, counts the damaged ones and leaves them out of the latencies."""
+    from .conftest import make_image_folder
+
+    root = tmp_path / "photos"
+    make_image_folder(root, classes=2, per_class=5, corrupt=1)
+    config = tiny_config_dict(tmp_path / "results", dataset={"path": str(root), "on_error": "skip"},
+                              workload={"scenario": "server", "step_time_ms": 1,
+                                        "serve": {"target_qps": 200, "requests": 44, "max_batch": 4}},
+                              loaders={"torch": {"variant": "tuned"}})
+    path = tmp_path / "skip.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["bench", str(path)])
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "results" / "serve.json").read_text())
+    for row in document["paths"]:
+        assert row["server"]["errors"] == 4, row  # the damaged file is 1 of 11 samples, each requested 4 times
+        assert row["server"]["p99_ms"] > 0

@@ -211,11 +211,11 @@ class _ServeBench:
             payloads = [path.payload(self.dataset, i) for i in range(min(count, len(self.dataset)))]
             requests = [payloads[i % len(payloads)] for i in range(count)]
             warm = serve_one_at_a_time(path, requests[:WARMUP_REQUESTS], self.step, self.finish)
-            self.raise_on_failures(warm.failures, len(payloads))
+            self.raise_on_failures(warm.failures, len(payloads), 0)  # 0: the warm-up alone never ends a skip run
             self.reporter.run_started(f"{path.label} {self.config.workload.scenario}", 0)
             if self.config.workload.scenario == "single_stream":
                 times = serve_one_at_a_time(path, requests, self.step, self.finish)
-                self.raise_on_failures(times.failures, len(payloads))
+                self.raise_on_failures(times.failures, len(payloads), len(requests))
                 row.single_stream = latency.single_stream(times)
             else:
                 self.server_runs(row, path, requests, len(payloads))
@@ -242,7 +242,7 @@ class _ServeBench:
                 schedule = poisson_arrivals(rate, n, serve.seed)
             times = serve_open_loop(path, requests[: len(schedule)], schedule, batching, self.step, self.finish,
                                     self.workers, stop=threading.Event())
-            self.raise_on_failures(times.failures, samples)
+            self.raise_on_failures(times.failures, samples, len(schedule))
             return latency.server_point(times, rate, serve.slo_ms)
 
         if self.arrivals is not None:
@@ -256,11 +256,14 @@ class _ServeBench:
             row.server = trial(serve.target_qps)
             row.curve = [row.server]
 
-    def raise_on_failures(self, failures: dict[int, str], samples: int) -> None:
+    def raise_on_failures(self, failures: dict[int, str], samples: int, total: int) -> None:
         """dataset.on_error: raise stops at the first request that could not be preprocessed, naming its sample
-        (request i is sample i % `samples`); skip counts them."""
-        if failures and self.config.dataset.on_error == "raise":
+        (request i is sample i % `samples`); skip counts them, unless none of the `total` could be."""
+        if failures and (self.config.dataset.on_error == "raise" or len(failures) == total):
             request, reason = min(failures.items())
+            if len(failures) == total and self.config.dataset.on_error == "skip":
+                raise DatasetError(f"none of the {total} requests could be preprocessed; the first: "
+                                   f"{shown_name(self.dataset.path(request % samples))}: {reason}")
             raise DatasetError(f"{shown_name(self.dataset.path(request % samples))}: {reason} (request {request}; "
                                "dataset.on_error: skip serves the others and counts it)")
 
