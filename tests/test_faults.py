@@ -113,6 +113,22 @@ def test_temps_of_a_killed_conversion_are_removed_at_the_next_start(tmp_path, ow
     assert not killed.exists() and alive.exists()
 
 
+def bench_stopped_by_sigterm(config, log, after: str, before_signal=lambda pid: None) -> tuple[int, str]:
+    """`loadopt bench CONFIG` in a real process, sent SIGTERM once `after` is in its output (it must still be
+    running then): its exit code and output."""
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "bench", str(config)], stdout=out,
+                                 stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+        deadline = time.time() + 240
+        while time.time() < deadline and after not in log.read_text() and child.poll() is None:
+            time.sleep(0.1)
+        assert child.poll() is None, log.read_text()
+        before_signal(child.pid)
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=120)
+    return code, log.read_text()
+
+
 def test_sigterm_mid_bench_keeps_the_finished_runs(tmp_path, own_cache):
     """Slurm/Kubernetes/`timeout`: the finished run kept, `interrupted: true`, exit 143, no worker left."""
     psutil = pytest.importorskip("psutil")
@@ -120,19 +136,10 @@ def test_sigterm_mid_bench_keeps_the_finished_runs(tmp_path, own_cache):
                                               "repeats": 1},
                           loaders={"torch": {"variant": "plain", "num_workers": [1, 2]}})
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    env = {**os.environ, "COLUMNS": "200"}
-    log = tmp_path / "bench.log"
-    with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "bench", str(config)], stdout=out,
-                                 stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 240
-        while time.time() < deadline and "samples/s, stall" not in log.read_text() and child.poll() is None:
-            time.sleep(0.1)
-        assert child.poll() is None, log.read_text()  # still running: the second setting is under way
-        workers = psutil.Process(child.pid).children(recursive=True)
-        child.send_signal(signal.SIGTERM)
-        code = child.wait(timeout=120)
-    text = log.read_text()
+    workers: list = []
+    # once the first setting has its run, the second is under way: its workers are noted, then the signal
+    code, text = bench_stopped_by_sigterm(config, tmp_path / "bench.log", "samples/s, stall",
+                                          lambda pid: workers.extend(psutil.Process(pid).children(recursive=True)))
     assert code == 143, text
     assert "Traceback" not in text and "interrupted (SIGTERM): the results of the runs that finished were kept" in text
     results = json.loads((tmp_path / "results" / "results.json").read_text())
@@ -215,17 +222,8 @@ def test_sigterm_mid_serving_bench_keeps_the_finished_paths(tmp_path, own_cache)
     config = write_config(tmp_path, workload={"scenario": "server", "step_time_ms": 1,
                                               "serve": {"target_qps": 40, "requests": 120, "max_batch": 4}},
                           loaders={"torch": {"variant": ["plain", "tuned"]}})
-    log = tmp_path / "bench.log"
-    with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "bench", str(config)], stdout=out,
-                                 stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
-        deadline = time.time() + 240
-        while time.time() < deadline and "torch plain:" not in log.read_text() and child.poll() is None:
-            time.sleep(0.1)
-        assert child.poll() is None, log.read_text()  # the tuned paths are still to come (3 s of arrivals each)
-        child.send_signal(signal.SIGTERM)
-        code = child.wait(timeout=60)
-    text = log.read_text()
+    # once torch plain's line is out, the tuned paths are still to come (3 s of arrivals each)
+    code, text = bench_stopped_by_sigterm(config, tmp_path / "bench.log", "torch plain:")
     assert code == 143, text
     assert "Traceback" not in text and "interrupted (SIGTERM): the paths that finished were kept" in text
     document = json.loads((tmp_path / "results" / "serve.json").read_text())

@@ -271,6 +271,10 @@ def test_bench_server_with_a_bound(tmp_path, serve_config):
     assert "<svg" in page and "offered rate" in page and "torch tuned region" in page
     markdown = CliRunner().invoke(app, ["report", str(tmp_path / "results"), "--format", "markdown"])
     assert markdown.exit_code == 0 and "| torch plain |" in markdown.output
+    (tmp_path / "results" / "report.html").unlink()
+    again = CliRunner().invoke(app, ["report", str(tmp_path / "results")])  # the folder: serve.json's page
+    assert again.exit_code == 0, again.output
+    assert "<svg" in (tmp_path / "results" / "report.html").read_text()
 
 
 def test_bench_single_stream_and_offline(tmp_path, serve_config):

@@ -52,19 +52,26 @@ def render_report(paths: Sequence[PathLike], fmt: str = "html") -> str:
     return html.render(files)
 
 
+def _serve_file(path: PathLike) -> Path | None:
+    """`path` as a serving bench's serve.json (the file, or a folder holding it and no other results), else None."""
+    given = Path(path).expanduser()
+    if given.is_dir() and not (given / "results.json").is_file() and not (given / "measure.json").is_file():
+        given = given / "serve.json"
+    return given if given.name == "serve.json" and given.is_file() else None
+
+
 def _serving(paths: Sequence[PathLike]):
     """The serving bench's results when `paths` is one serve.json (None for the other results files)."""
     import json
 
     from pydantic import ValidationError
 
-    from loadopt.report.data import resolve
     from loadopt.schema_serve import ServeResults
 
     if not paths:
         return None
-    first = resolve(paths[0])
-    if first.name != "serve.json":
+    first = _serve_file(paths[0])
+    if first is None:
         return None
     if len(paths) > 1:
         raise ReportError(f"{first}: a serving bench's results are reported alone (no side-by-side comparison yet)")
@@ -81,7 +88,8 @@ def default_output(paths: Sequence[PathLike], fmt: str = "html") -> Path:
     _check_format(fmt)
     if not paths:
         raise ResultsFileError("no results file given")
-    return resolve(paths[0]).parent / FORMATS[fmt]
+    serving = _serve_file(paths[0])
+    return (serving or resolve(paths[0])).parent / FORMATS[fmt]
 
 
 def write_report(paths: Sequence[PathLike], out: PathLike | None = None, fmt: str = "html") -> Path:

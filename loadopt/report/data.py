@@ -251,13 +251,13 @@ class Results:
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
-    """A results file, or a folder holding `results.json` (or `measure.json`, or a serving bench's `serve.json`)."""
+    """A results file, or a folder holding `results.json` (or `measure.json`)."""
     p = Path(path).expanduser()
     if p.is_dir():
-        for name in ("results.json", "measure.json", "serve.json"):
+        for name in ("results.json", "measure.json"):
             if (p / name).is_file():
                 return p / name
-        raise ResultsFileError(f"{p}: no results.json, measure.json or serve.json in this folder")
+        raise ResultsFileError(f"{p}: no results.json or measure.json in this folder")
     return p
 
 
