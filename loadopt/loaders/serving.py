@@ -59,6 +59,3 @@ class RequestPath:
 class Unservable(Exception):
     """A backend that cannot serve requests, and why (listed as unavailable for the scenario)."""
 
-
-def unservable(name: str, why: str) -> str:
-    return f"{name} cannot serve requests: {why}"

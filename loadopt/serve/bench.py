@@ -29,6 +29,7 @@ from loadopt.files import atomic_write_text, discard_output, prepare_output
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import RequestPath, Unservable
+from loadopt.machine import usable_cores
 from loadopt.progress import Reporter
 from loadopt.schema_serve import PathResult, ServeResults, ServerPoint
 from loadopt.serve import latency
@@ -96,10 +97,10 @@ def run_serve_bench(config: Config, *, loaders: list[str] | None = None, out: st
     return ServeOutcome(results, json_path, interrupted)
 
 
-def _usable_cores() -> int:
-    from loadopt.machine import usable_cores
-
-    return usable_cores()
+def inference_config(config: Config) -> Config:
+    """`config` as inference takes it: the eval recipe, in input order, nothing dropped."""
+    pipeline = config.pipeline.model_copy(update={"augment": "eval", "shuffle": False, "drop_last": False})
+    return config.model_copy(update={"pipeline": pipeline})
 
 
 @dataclass
@@ -121,12 +122,11 @@ class _ServeBench:
     @classmethod
     def start(cls, config: Config, serve: ServeConfig, arrivals: np.ndarray | None, reporter: Reporter,
               convert: bool) -> _ServeBench:
-        pipeline = config.pipeline.model_copy(update={"augment": "eval", "shuffle": False, "drop_last": False})
         device = resolve_device(config.workload.device)
         dataset = open_dataset(config, progress=reporter.dataset_progress)
-        return cls(config.model_copy(update={"pipeline": pipeline}), serve, arrivals, dataset, device,
+        return cls(inference_config(config), serve, arrivals, dataset, device,
                    ServingStep(config.workload, max(1, len(dataset.classes)), device),
-                   DeviceTransfer(device, emulate=True), serve.workers or _usable_cores(), reporter, convert)
+                   DeviceTransfer(device, emulate=True), serve.workers or usable_cores(), reporter, convert)
 
     def finish(self, images: torch.Tensor) -> torch.Tensor:
         """The server's batch on the device, finished (layout, normalisation) as the loaders' are."""

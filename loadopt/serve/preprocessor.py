@@ -10,15 +10,17 @@ from pathlib import Path
 
 import torch
 
+from loadopt.config import backend_settings
 from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer, finish_inputs, resolve_device
 from loadopt.errors import ConfigError
 from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import Payload, RequestPath, Unservable
 from loadopt.schema_serve import ServeResults
+from loadopt.serve.bench import best_path, inference_config
 from loadopt.storage.imagefolder import open_dataset
 
-DEFAULT_PATH = "torch"  # without a serve bench: torch tuned's region decode, the fastest host path here
+DEFAULT_BACKEND = "torch"  # a config naming no loader: torch's request paths
 
 
 class Preprocessor:
@@ -43,29 +45,27 @@ class Preprocessor:
 
 
 def make_preprocessor(config: Config, path: str = "auto", device: str | torch.device | None = None) -> Preprocessor:
-    """The request path named `path` (a label of serve.json's rows, e.g. "torch tuned simplejpeg region"), or with
-    "auto" the best one of the last serve bench in `config.report.out` (else torch tuned's region decode)."""
+    """The request path named `path` (a label of serve.json's rows, e.g. "torch tuned region"), or with "auto" the
+    best one of the last serving bench in `config.report.out` (else the config's first request path)."""
     resolved = resolve_device(device if device is not None else config.workload.device)
     label, why = _choose(config, path)
-    pipeline = config.pipeline.model_copy(update={"augment": "eval", "shuffle": False, "drop_last": False})
-    eval_config = config.model_copy(update={"pipeline": pipeline})
+    eval_config = inference_config(config)
     dataset = open_dataset(eval_config)
-    for name in list(config.loaders) or [DEFAULT_PATH]:
-        cls = backend_for(name, f"loaders.{name}")
-        if not cls.available()[0]:
+    for name in list(config.loaders) or [DEFAULT_BACKEND]:
+        if not backend_for(name, f"loaders.{name}").available()[0]:
             continue
-        from loadopt.config import backend_settings
-
         for settings in backend_settings(eval_config, name):
+            loader = configured_loader(name, eval_config, dataset, settings, device=resolved)
             try:
-                paths = configured_loader(name, eval_config, dataset, settings, device=resolved).request_paths(
-                    config.workload.serve.max_batch)
+                paths = loader.request_paths(config.workload.serve.max_batch)
             except Unservable:
+                paths = []
+            chosen = next((candidate for candidate in paths if label is None or candidate.label == label), None)
+            if chosen is None:
+                loader.close()
                 continue
-            for candidate in paths:
-                if label is None or candidate.label == label:
-                    candidate.open(dataset)
-                    return Preprocessor(candidate, resolved, why)
+            chosen.open(dataset)
+            return Preprocessor(chosen, resolved, why)
     raise ConfigError(f"make_preprocessor: no request path {label!r} among the config's loaders "
                       f"({', '.join(config.loaders)})")
 
@@ -76,8 +76,6 @@ def _choose(config: Config, path: str) -> tuple[str | None, str]:
     results = Path(config.report.out).expanduser() / "serve.json"
     if results.exists():
         document = ServeResults.model_validate(json.loads(results.read_text()))
-        from loadopt.serve.bench import best_path
-
         best = best_path(document)
         if best is not None:
             return best.label, f"best in {results} ({document.scenario})"
