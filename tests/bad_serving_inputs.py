@@ -31,3 +31,14 @@ def slo_on_a_training_config(tmp_path, cache):
     config = write_config(tmp_path)
     return Setup(["bench", str(config), "--slo-ms", "20"], "--slo-ms bounds the server scenario's latency",
                  config=config)
+
+
+def every_request_damaged(tmp_path, cache):
+    root, bad = images(tmp_path, corrupt=1)
+    for good in (root / "train").rglob("[0-9]*.jpg"):
+        good.unlink()  # the damaged file alone is left
+    config = write_config(tmp_path, dataset={"path": str(root), "on_error": "skip"},
+                          workload={"scenario": "single_stream", "serve": {"requests": 10}},
+                          loaders={"torch": {"variant": "tuned"}})
+    return Setup(["bench", str(config)], f"none of the 10 requests could be preprocessed; the first: {bad[0]}: "
+                 "damaged JPEG", config=config, leftovers=lambda: [p for p in [tmp_path / "results"] if p.exists()])

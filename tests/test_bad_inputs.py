@@ -18,7 +18,12 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_format
 
-from .bad_serving_inputs import arrivals_file_with_a_bad_line, damaged_jpeg_request, slo_on_a_training_config
+from .bad_serving_inputs import (
+    arrivals_file_with_a_bad_line,
+    damaged_jpeg_request,
+    every_request_damaged,
+    slo_on_a_training_config,
+)
 from .bad_source_inputs import (
     dali_native_reader_on_tar_shards,
     empty_tar_shard,
@@ -304,6 +309,7 @@ CASES = {  # name: (setup, exit code)
     "arrivals file with a bad line, serving bench": (arrivals_file_with_a_bad_line, 2),
     "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
+    "every request damaged under on_error: skip, serving bench": (every_request_damaged, 1),
 }
 
 
