@@ -103,7 +103,14 @@ class PipelineConfig(_Strict):
     dtype: Literal["float32", "uint8"] = "float32"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    shuffle: bool = True
+    # global: one permutation of every sample per epoch; window: shards permuted, samples shuffled within a window
+    # of `window_shards` shards, each rank reading its own shards (loaders/sampler.py); none: in order.
+    # true and false are global and none.
+    shuffle: Literal["global", "window", "none"] = "global"
+    window_shards: int = Field(16, ge=1)
+    # a source without files of many samples (an ImageFolder, tokens) is cut into shards of this many
+    # (storage/shards.py)
+    shard_samples: int = Field(1024, ge=1)
     # `shared`: batches in the sampler's order, as DataLoader's (every loadopt backend); `any` also lets `auto`
     # pick a backend whose library orders the samples itself (the peers, dali reader native): loadopt.recipe.
     order: Literal["shared", "any"] = "shared"
@@ -112,6 +119,11 @@ class PipelineConfig(_Strict):
     # convolutions prefer) or contiguous (NCHW memory, as DataLoader's default_collate gives); cost: docs/performance.
     memory_format: Literal["channels_last", "contiguous"] = "channels_last"
     seq_len: int = Field(1024, gt=0)  # tokens: each sample is seq_len + 1 tokens (inputs, shifted targets)
+
+    @field_validator("shuffle", mode="before")
+    @classmethod
+    def _shuffle_from_bool(cls, value: object) -> object:
+        return {True: "global", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class ServeConfig(_Strict):

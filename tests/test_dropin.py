@@ -135,7 +135,7 @@ def test_val_split_is_every_sample_once_in_order_with_eval_crops(backend, caplog
     available(backend)
     with caplog.at_level(logging.INFO, logger="loadopt"):
         val = make_loader(tiny(), "val", backend, num_workers=1)
-    assert (val.pipeline.augment, val.pipeline.shuffle, val.pipeline.drop_last) == ("eval", False, False)
+    assert (val.pipeline.augment, val.pipeline.shuffle, val.pipeline.drop_last) == ("eval", "none", False)
     assert "split 'val': augment=eval, shuffle=False, drop_last=False" in caplog.text
     indices = np.concatenate([b.indices for b in val.host_batches()])
     assert indices.tolist() == list(range(12))  # every sample once, unshuffled

@@ -2,29 +2,54 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadopt.loaders.sampler import EpochOrder
+from loadopt.loaders.sampler import EpochOrder, ShardWindows
+from loadopt.storage.shards import ShardTable
 
 from .backends import delay_loader
 
 orders = st.fixed_dictionaries({
     "num_samples": st.integers(1, 500), "world_size": st.integers(1, 8), "seed": st.integers(0, 2**31),
-    "epoch": st.integers(0, 1000), "batch_size": st.integers(1, 40), "shuffle": st.booleans()})
+    "epoch": st.integers(0, 1000), "batch_size": st.integers(1, 40), "shuffle": st.booleans(),
+    "drop_last": st.booleans()})
 
 
-@given(orders)
-@settings(max_examples=200, deadline=None)
-def test_every_sample_once_per_epoch_across_ranks(p):
-    seen = []
+def _window(p, shard_samples, window_shards):
+    table = ShardTable.blocks(p["num_samples"], shard_samples)
+    return {**p, "shuffle": "window", "windows": ShardWindows(table, window_shards)}
+
+
+window_orders = st.builds(_window, orders, st.integers(1, 60), st.integers(1, 5))
+
+
+@given(st.one_of(orders, window_orders))
+@settings(max_examples=300, deadline=None)
+def test_every_rank_the_same_batches_and_every_sample_once_but_the_stated_padding(p):
+    """The equal-batches rule (loaders/sampler.py): same batch count on every rank; without drop_last every
+    sample at least once and at most world_size - 1 of them twice; with drop_last none twice and fewer than
+    world_size x (batch_size + 1) left out."""
+    seen, counts, padded = [], set(), 0
     for rank in range(p["world_size"]):
         order = EpochOrder(rank=rank, **p)
         batches = order.batches()
         assert len(batches) == len(order)
-        assert all(len(b) <= p["batch_size"] for b in batches)
+        counts.add(len(order))
+        assert all(0 < len(b) <= p["batch_size"] for b in batches)
+        assert not p["drop_last"] or all(len(b) == p["batch_size"] for b in batches)
         seen.extend(np.concatenate(batches).tolist() if batches else [])
-    assert sorted(seen) == list(range(p["num_samples"]))
+        padded += order.padding()
+    assert len(counts) == 1
+    n, world = p["num_samples"], p["world_size"]
+    distinct = set(seen)
+    assert len(seen) - len(distinct) == padded
+    if p["drop_last"]:
+        assert padded == 0 and n - len(distinct) < world * (p["batch_size"] + 1)
+    else:
+        assert distinct == set(range(n)) and padded <= world - 1
+    if world == 1:
+        assert padded == 0 and (p["drop_last"] or sorted(seen) == list(range(n)))
 
 
-@given(orders, st.data())
+@given(st.one_of(orders, window_orders), st.data())
 @settings(max_examples=200, deadline=None)
 def test_resume_gives_exactly_the_remaining_batches(p, data):
     rank = data.draw(st.integers(0, p["world_size"] - 1))

@@ -21,10 +21,11 @@ import numpy as np
 from typing_extensions import TypedDict
 
 from loadopt.errors import DatasetError
-from loadopt.loaders.sampler import EpochOrder
+from loadopt.loaders.sampler import DEFAULT_WINDOW_SHARDS, EpochOrder, ShardWindows, Shuffle
 from loadopt.machine import usable_cores
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.probe_readers import sleep_until
+from loadopt.storage.shards import DEFAULT_SHARD_SAMPLES, shard_table
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,10 @@ class ConsumerSettings:
     readers: int = 4  # threads reading samples through the tier
     prefetch: int = 2  # batches read ahead of the one being consumed
     seed: int = 0
-    shuffle: bool = True
+    shuffle: Shuffle = "global"  # pipeline.shuffle, with its window settings below
     drop_last: bool = False
+    window_shards: int = DEFAULT_WINDOW_SHARDS
+    shard_samples: int = DEFAULT_SHARD_SAMPLES
 
 
 @final  # (so that `"error" in r` tells a failure from figures, for mypy too)
@@ -82,14 +85,16 @@ class TrialFigures:
 PlayTrial = Callable[[Dataset, ConsumerSettings, int, float, float], TrialFigures]
 
 
-def _batches(num_samples: int, settings: ConsumerSettings, rank: int, world: int):
-    epoch = 0
+def _batches(dataset: Dataset, settings: ConsumerSettings, rank: int, world: int):
+    epoch, num_samples = 0, len(dataset)
+    windows = ShardWindows(shard_table(dataset, settings.shard_samples), settings.window_shards) \
+        if settings.shuffle == "window" else None
     while True:
         order = EpochOrder(num_samples, settings.batch_size, settings.seed, epoch, rank, world, settings.shuffle,
-                           settings.drop_last)
+                           settings.drop_last, windows)
         batches = order.batches()
         if not batches:
-            raise DatasetError(f"rank {rank} of {world} has no samples: the dataset has only {num_samples}")
+            raise DatasetError(f"rank {rank} of {world} has no batches: the dataset has only {num_samples} samples")
         yield from batches
         epoch += 1
 
@@ -112,7 +117,7 @@ def consume(dataset, settings: ConsumerSettings, rank: int, world: int, t_start:
             failures[0] += 1
             return 0
 
-    batches = _batches(len(dataset), settings, rank, world)
+    batches = _batches(dataset, settings, rank, world)
     steps: list[tuple[float, float, float, int, int]] = []  # (asked, got, done, samples, bytes)
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     with ThreadPoolExecutor(settings.readers) as pool:

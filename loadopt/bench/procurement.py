@@ -109,7 +109,8 @@ class TiersOptions:
     def consumer(self, config: Config) -> ConsumerSettings:
         """What each emulated accelerator's consumer does, for the config's workload."""
         return ConsumerSettings(config.pipeline.batch_size, config.workload.step_time_ms / 1000.0, self.readers,
-                                self.prefetch, config.seed, config.pipeline.shuffle, config.pipeline.drop_last)
+                                self.prefetch, config.seed, config.pipeline.shuffle, config.pipeline.drop_last,
+                                config.pipeline.window_shards, config.pipeline.shard_samples)
 
 
 @dataclasses.dataclass

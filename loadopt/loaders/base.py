@@ -26,10 +26,11 @@ from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
-from loadopt.loaders.sampler import EpochOrder
+from loadopt.loaders.sampler import EpochOrder, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
 from loadopt.storage.dataset import Dataset
+from loadopt.storage.shards import shard_table
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class Loader(ABC, Generic[SettingsT]):
         self.batch_transform: BatchTransform | None = None
         self._transfer = DeviceTransfer(self.device, emulate=False)
         self._intermediates: dict[tuple, torch.Tensor] = {}
+        self._windows: ShardWindows | None = None
         self.order()  # validates rank/world_size/batch_size now rather than at first iteration
 
     # -- what a backend provides -----------------------------------------------------------------
@@ -262,8 +264,14 @@ class Loader(ABC, Generic[SettingsT]):
     # -- the shared protocol ---------------------------------------------------------------------
 
     def order(self) -> EpochOrder:
+        windows = None
+        if self.pipeline.shuffle == "window":
+            if self._windows is None:  # the dataset's shards, once: the same for every epoch
+                self._windows = ShardWindows(shard_table(self.dataset, self.pipeline.shard_samples),
+                                             self.pipeline.window_shards)
+            windows = self._windows
         return EpochOrder(len(self.dataset), self.pipeline.batch_size, self.seed, self._epoch, self.rank,
-                          self.world_size, self.pipeline.shuffle, self.pipeline.drop_last)
+                          self.world_size, self.pipeline.shuffle, self.pipeline.drop_last, windows)
 
     def __len__(self) -> int:
         return len(self.order())

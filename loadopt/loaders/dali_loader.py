@@ -336,7 +336,7 @@ def _dali_shard_order(loader: DaliLoader) -> EpochOrder:
     n, k, r = len(loader.dataset), loader.world_size, loader.rank
     first, last = n * r // k, n * (r + 1) // k
     return _ShardOrder(last - first, loader.pipeline.batch_size, loader.seed, loader.epoch, 0, 1, False,
-                       loader.pipeline.drop_last, first)
+                       loader.pipeline.drop_last, offset=first)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,41 @@
 """The shared per-epoch sample order: every backend draws its batches from here.
 
-The order depends only on (num_samples, seed, epoch, shuffle, rank, world_size, batch_size), so
-two backends given the same seed deliver the same samples in the same batches, and a switch of
-backend changes nothing but speed. Ranks take a strided share of the epoch's permutation without
-padding: every sample appears exactly once per epoch across ranks (rank shares differ by at most
-one sample, unlike torch's DistributedSampler, which repeats samples to even them out).
+The order depends only on (num_samples, seed, epoch, shuffle, rank, world_size, batch_size, drop_last) and,
+for the shard-window shuffle, the dataset's shard table, so two backends given the same seed deliver the same
+samples in the same batches, and a switch of backend changes nothing but speed. Worker counts play no part:
+a run resumed with other workers continues the same order.
+
+Shuffles (`pipeline.shuffle`):
+- `global`: one permutation of every sample per epoch; rank r takes every world_size-th of it from r.
+- `window`: the shards (storage/shards.py) permuted per epoch, their samples laid end to end and cut into
+  world_size contiguous shares, so a rank reads about shards/world_size of them; its share is shuffled within
+  windows of `window_shards` shards. A rank holds its own share only, never the dataset's order.
+- `none`: the samples in order, strided over ranks as `global`.
+
+Every rank gets the same number of batches, so no collective of a distributed step can wait for a rank that
+ran out (ranks' shares differ by at most one sample, which can leave one rank a batch short):
+- `drop_last`: every rank takes (num_samples // world_size) // batch_size full batches; a sample of the
+  tail beyond them is not seen this epoch (fewer than world_size x batch_size + world_size of them).
+- otherwise: every rank takes ceil(ceil(num_samples / world_size) / batch_size) batches; a rank a batch
+  short appends one sample of its own share again (its first), so at most world_size - 1 samples are seen
+  twice in an epoch, each counted in `padding()`. With one rank nothing is ever repeated or dropped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+from loadopt.storage.shards import ShardTable
+
+Shuffle = Literal["global", "window", "none"]
+SHUFFLES: tuple[Shuffle, ...] = ("global", "window", "none")
+DEFAULT_WINDOW_SHARDS = 16
+
+# Stream ids of the window shuffle's generators: apart from `epoch_permutation`'s (seed, epoch).
+_SHARD_STREAM, _WINDOW_STREAM = 1, 2
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -27,6 +51,28 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = T
     return order.astype(np.int64)
 
 
+@dataclass(frozen=True, eq=False)
+class ShardWindows:
+    """What the window shuffle needs of the dataset: its shards and how many make a window."""
+
+    table: ShardTable
+    window_shards: int = DEFAULT_WINDOW_SHARDS
+
+    def __post_init__(self) -> None:
+        if self.window_shards < 1:
+            raise ValueError(f"window_shards must be at least 1, got {self.window_shards}")
+
+
+@dataclass(frozen=True)
+class RankShards:
+    """The shards a rank reads in one epoch under the window shuffle, in the order it reads them, and the
+    part of each: samples `first[i]` to `last[i]` (exclusive) of shard `shards[i]`, counted from its start."""
+
+    shards: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+
 @dataclass(frozen=True)
 class EpochOrder:
     """The batches of sample indices one rank iterates in one epoch."""
@@ -37,30 +83,104 @@ class EpochOrder:
     epoch: int = 0
     rank: int = 0
     world_size: int = 1
-    shuffle: bool = True
+    shuffle: Shuffle | bool = "global"  # True: global, False: none (the older boolean spelling)
     drop_last: bool = False
+    windows: ShardWindows | None = None  # the window shuffle's shards (required by it, ignored otherwise)
 
     def __post_init__(self) -> None:
+        if isinstance(self.shuffle, bool):
+            object.__setattr__(self, "shuffle", "global" if self.shuffle else "none")
+        if self.shuffle not in SHUFFLES:
+            raise ValueError(f"shuffle {self.shuffle!r}: unknown (known: {', '.join(SHUFFLES)})")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
-
-    def indices(self) -> np.ndarray:
-        """This rank's sample indices for the epoch, in order."""
-        order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
-        mine = order[self.rank :: self.world_size]
-        if self.drop_last:
-            mine = mine[: len(mine) // self.batch_size * self.batch_size]
-        return mine
+        if self.shuffle == "window":
+            if self.windows is None:
+                raise ValueError("the window shuffle needs the dataset's shards (windows=ShardWindows(...))")
+            if self.windows.table.num_samples != self.num_samples:
+                raise ValueError(f"the shard table holds {self.windows.table.num_samples} samples, the order "
+                                 f"{self.num_samples}")
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank."""
-        per_rank = len(range(self.rank, self.num_samples, self.world_size))
-        full, rest = divmod(per_rank, self.batch_size)
-        return full if self.drop_last or rest == 0 else full + 1
+        """Batches per epoch: the same on every rank (the module's rule)."""
+        if self.drop_last:
+            return (self.num_samples // self.world_size) // self.batch_size
+        longest = -(-self.num_samples // self.world_size)  # ceil: the longest share
+        return -(-longest // self.batch_size)
+
+    def share(self) -> np.ndarray:
+        """This rank's samples for the epoch, in order, before the equal-batches rule."""
+        if self.shuffle == "window":
+            return self._window_share()
+        return epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle == "global")[
+            self.rank :: self.world_size]
+
+    def indices(self) -> np.ndarray:
+        """This rank's sample indices for the epoch, in order: its share cut or padded to `len(self)` batches."""
+        mine = self.share()
+        wanted = len(self) * self.batch_size
+        if self.drop_last or len(mine) > wanted - self.batch_size:
+            return mine[:wanted]
+        # A batch short (the share a multiple of batch_size, one sample below the longest): one sample again.
+        return np.append(mine, mine[0] if len(mine) else self._first_sample())
+
+    def padding(self) -> int:
+        """Samples this rank delivers twice this epoch (0 or 1; always 0 on one rank or with drop_last)."""
+        return max(0, len(self.indices()) - len(self.share()))
 
     def batches(self, start: int = 0) -> list[np.ndarray]:
         """The batches from batch `start` on (resumption skips the first `start` batches)."""
         mine = self.indices()
         return [mine[i : i + self.batch_size] for i in range(start * self.batch_size, len(mine), self.batch_size)]
+
+    # -- the window shuffle ----------------------------------------------------------------------
+
+    def rank_shards(self) -> RankShards:
+        """The shards this rank reads this epoch and which part of each (the window shuffle only): what a
+        per-rank index needs to load, nothing else."""
+        if self.shuffle != "window" or self.windows is None:
+            raise ValueError("only the window shuffle deals shards to ranks")
+        permuted, starts, ends = self._shard_layout()
+        lo = self.num_samples * self.rank // self.world_size
+        hi = self.num_samples * (self.rank + 1) // self.world_size
+        take = slice(int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left")))
+        return RankShards(permuted[take], np.maximum(lo, starts[take]) - starts[take],
+                          np.minimum(hi, ends[take]) - starts[take])
+
+    def _shard_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The epoch's shard permutation and where each permuted shard starts and ends once laid end to end."""
+        assert self.windows is not None  # checked in __post_init__
+        table = self.windows.table
+        rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch, _SHARD_STREAM]))
+        permuted = rng.permutation(table.num_shards)
+        ends = np.cumsum(table.sizes()[permuted])
+        return permuted, ends - table.sizes()[permuted], ends
+
+    def _window_share(self) -> np.ndarray:
+        assert self.windows is not None  # checked in __post_init__
+        bounds, size = self.windows.table.bounds, self.windows.window_shards
+        part = self.rank_shards()
+        out = np.empty(int((part.last - part.first).sum()), dtype=np.int64)
+        at = 0
+        for window, begin in enumerate(range(0, len(part.shards), size)):
+            start = at
+            for shard, first, last in zip(part.shards[begin : begin + size].tolist(),
+                                          part.first[begin : begin + size].tolist(),
+                                          part.last[begin : begin + size].tolist(), strict=True):
+                out[at : at + last - first] = np.arange(bounds[shard] + first, bounds[shard] + last)
+                at += last - first
+            rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch, _WINDOW_STREAM, self.rank, window]))
+            rng.shuffle(out[start:at])
+        return out
+
+    def _first_sample(self) -> np.int64:
+        """A sample for a rank whose share is empty (fewer samples than ranks): one of another rank's."""
+        position = self.rank % self.num_samples
+        if self.shuffle == "window":
+            assert self.windows is not None
+            permuted, starts, ends = self._shard_layout()
+            j = int(np.searchsorted(ends, position, side="right"))
+            return np.int64(self.windows.table.bounds[permuted[j]] + position - starts[j])
+        return epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle == "global")[position]
