@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Generic, Literal, TypedDict, TypeVar, cast
@@ -215,7 +215,7 @@ class Loader(ABC, Generic[SettingsT]):
         return True, ""
 
     @abstractmethod
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         """Yield one `HostBatch` per entry of `batches`, in order: the extension point of every backend.
 
         `batches` are the shared order's batches of dataset indices (samples known to be unreadable already
@@ -310,7 +310,7 @@ class Loader(ABC, Generic[SettingsT]):
     def host_batches(self) -> Generator[HostBatch, None, None]:
         """Batches as produced (host tensors, or device tensors for device backends), position kept."""
         order = self.order()
-        batches = order.batches(self._position)
+        batches: Sequence[np.ndarray] = order.batches(self._position)
         unreadable = self.unreadable
         if unreadable:
             known = np.fromiter(unreadable, np.int64)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -103,7 +103,7 @@ class Feed:
     Batches whose every sample failed before DALI (unreadable header) are never fed; the consumer
     skips them too, so the n-th DALI output is the n-th fed batch."""
 
-    def __init__(self, prepare: Callable[[np.ndarray], Prepared] | None, batches: list[np.ndarray],
+    def __init__(self, prepare: Callable[[np.ndarray], Prepared] | None, batches: Sequence[np.ndarray],
                  pool: ThreadPoolExecutor | None, ahead: int) -> None:
         self.prepare, self.batches, self.pool, self.ahead = prepare, batches, pool, ahead
         self.futures: dict[int, Future[Prepared]] = {}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -256,12 +256,12 @@ class DaliLoader(Loader[DaliSettings]):
                               "is its own); use reader: external to resume exactly")
         super().load_state_dict(state)
 
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         if self.settings.reader == "native":
             return self._produce_native(batches)
         return self._produce_external(batches)
 
-    def _produce_external(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def _produce_external(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         self.prepare()
         epoch, s = self.epoch, self.settings
         pool = ThreadPoolExecutor(s.read_threads, thread_name_prefix="loadopt-dali-read")
@@ -307,7 +307,7 @@ class DaliLoader(Loader[DaliSettings]):
         images = torch.cat([t for _, t in good]) if good else torch.empty(0)
         return images, prepared.indices[positions], failures
 
-    def _produce_native(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def _produce_native(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         start, planned = self._position, len(self.order())
         dali_batches = math.ceil(self.order().num_samples / self.pipeline.batch_size)  # drop_last: DALI still pads
         if self._pipe is None or self._native_done != start:

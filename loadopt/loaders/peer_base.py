@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -365,7 +365,7 @@ class PeerLoader(Loader[PeerSettingsT]):
         finally:
             stream.close()
 
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         if self.path is None:
             self.prepare()
         planned = self.order().batches()

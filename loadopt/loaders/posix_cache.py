@@ -34,7 +34,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,7 +109,7 @@ class PageCacheCrops:
     read_ahead: int
     prefill: bool
 
-    def produce(self, ring: list, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
+    def produce(self, ring: list, batches: Sequence[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
                 stop: threading.Event) -> None:
         """Fill free slots of `ring` with `batches` in order; put `(slot, indices, failures, bytes read)` on
         `ready`."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
@@ -142,5 +142,5 @@ class _BrokenLoader(Loader[NoSettings]):
     def available(cls) -> tuple[bool, str]:
         return False, cls._reason
 
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:  # pragma: no cover - never built
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:  # pragma: no cover - never built
         raise RuntimeError(self._reason)

@@ -13,7 +13,7 @@ import mmap
 import queue
 import threading
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -183,7 +183,7 @@ class RingLoader(Loader[RingSettingsT]):
         """Whether `prepare` has opened the converted form (the producer reads it)."""
 
     @abstractmethod
-    def fill_ring(self, batches: list[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
+    def fill_ring(self, batches: Sequence[np.ndarray], epoch: int, free: queue.Queue, ready: queue.Queue,
                   stop: threading.Event) -> None:
         """Fill free slots with `batches` in order; put `(slot, indices, failures[, ...])` on `ready`."""
 
@@ -235,7 +235,7 @@ class RingLoader(Loader[RingSettingsT]):
             self._croppers.close()
             self._croppers = None
 
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         if not self.is_open():
             self.prepare()
         if self._ring is None:

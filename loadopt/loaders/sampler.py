@@ -23,8 +23,9 @@ ran out (ranks' shares differ by at most one sample, which can leave one rank a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 import numpy as np
 
@@ -73,6 +74,33 @@ class RankShards:
     last: np.ndarray
 
 
+class Batches(Sequence[np.ndarray]):
+    """An epoch's batches from batch `start` on: views of the rank's indices made when asked for, so a rank of
+    a large epoch holds its indices and not also an array object per batch (+22% at batches of 64)."""
+
+    def __init__(self, indices: np.ndarray, batch_size: int, start: int = 0) -> None:
+        self._indices, self._size = indices, batch_size
+        self._first = start * batch_size
+        self._count = max(0, -(-(len(indices) - self._first) // batch_size))
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, k: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, k: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._count))]
+        if k < 0:
+            k += self._count
+        if not 0 <= k < self._count:
+            raise IndexError(f"batch {k} of {self._count}")
+        at = self._first + k * self._size
+        return self._indices[at : at + self._size]
+
+
 @dataclass(frozen=True)
 class EpochOrder:
     """The batches of sample indices one rank iterates in one epoch."""
@@ -114,8 +142,9 @@ class EpochOrder:
         """This rank's samples for the epoch, in order, before the equal-batches rule."""
         if self.shuffle == "window":
             return self._window_share()
+        # a copy: a strided view would keep the whole epoch's permutation alive for as long as the batches
         return epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle == "global")[
-            self.rank :: self.world_size]
+            self.rank :: self.world_size].copy()
 
     def indices(self) -> np.ndarray:
         """This rank's sample indices for the epoch, in order: its share cut or padded to `len(self)` batches."""
@@ -130,10 +159,9 @@ class EpochOrder:
         """Samples this rank delivers twice this epoch (0 or 1; always 0 on one rank or with drop_last)."""
         return max(0, len(self.indices()) - len(self.share()))
 
-    def batches(self, start: int = 0) -> list[np.ndarray]:
+    def batches(self, start: int = 0) -> Batches:
         """The batches from batch `start` on (resumption skips the first `start` batches)."""
-        mine = self.indices()
-        return [mine[i : i + self.batch_size] for i in range(start * self.batch_size, len(mine), self.batch_size)]
+        return Batches(self.indices(), self.batch_size, start)
 
     # -- the window shuffle ----------------------------------------------------------------------
 
@@ -146,8 +174,9 @@ class EpochOrder:
         lo = self.num_samples * self.rank // self.world_size
         hi = self.num_samples * (self.rank + 1) // self.world_size
         take = slice(int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left")))
-        return RankShards(permuted[take], np.maximum(lo, starts[take]) - starts[take],
-                          np.minimum(hi, ends[take]) - starts[take])
+        first, last = np.maximum(lo, starts[take]) - starts[take], np.minimum(hi, ends[take]) - starts[take]
+        some = last > first  # an empty share (fewer samples than ranks) touches no shard
+        return RankShards(permuted[take][some], first[some], last[some])
 
     def _shard_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The epoch's shard permutation and where each permuted shard starts and ends once laid end to end."""

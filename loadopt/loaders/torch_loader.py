@@ -18,7 +18,7 @@ persistent workers, which never see the consumer's state after they start.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -174,12 +174,12 @@ class _BatchPlan:
     them the pages it shares with the workers forked from it: pytorch/pytorch#13246)."""
 
     def __init__(self) -> None:
-        self.batches: list[np.ndarray] = []
+        self.batches: Sequence[np.ndarray] = []
         self.epoch = 0
         self.first_slot = 0
         self.slots = 0  # ring slots; 0: no ring (plain), every item's slot is -1
 
-    def plan(self, batches: list[np.ndarray], epoch: int, first_slot: int, slots: int) -> None:
+    def plan(self, batches: Sequence[np.ndarray], epoch: int, first_slot: int, slots: int) -> None:
         self.batches, self.epoch, self.first_slot, self.slots = batches, epoch, first_slot, slots
 
     def __iter__(self) -> Iterator[list[Item]]:
@@ -298,7 +298,7 @@ class TorchLoader(Loader[TorchSettings]):
                 raise RuntimeError(f"cudaHostRegister of the batch ring failed with CUDA error {int(error)}")
         return ring
 
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         epoch = self.epoch
         tuned = self.variant == "tuned"
         if tuned and self._ring is None:

@@ -9,7 +9,7 @@ emulated slow production step, to check that the stall and the attribution find 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -46,7 +46,7 @@ class ThreadedJpegLoader(Loader[ThreadedJpegSettings]):
     def cpu_demand(cls, settings: ThreadedJpegSettings) -> int:
         return settings.threads
 
-    def produce(self, batches: list[np.ndarray]) -> Iterator[HostBatch]:
+    def produce(self, batches: Sequence[np.ndarray]) -> Iterator[HostBatch]:
         size, augment = self.pipeline.image_size, self.pipeline.augment
         decoder, epoch, seed = transforms.decoder_name("auto"), self.epoch, self.seed
         delay = self.settings.delay_ms / 1000.0

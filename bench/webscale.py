@@ -1,0 +1,157 @@
+"""Web scale (issue 34): what a shard-window order costs and mixes, a rank's share of the order, and the time to
+the first batch at millions of samples.
+
+Parts (`--part`, all by default):
+- `shuffle`: one epoch's order from each shuffle on the same class-sorted synthetic ImageFolder (`--samples`,
+  default 20,000 tiny JPEGs of 100 classes): loadopt's `global` and `window` (its defaults, and a window
+  the size of the peers' buffers), and the peers' own loops (WebDataset's shard shuffle and 1,000-sample
+  buffer, LitData's chunk shuffle: the indices their batches carry, read through their workers). The figures
+  (loaders/shuffle_quality.py): `neighbour_spread` (1: random, 0: storage order) and `class_mix` (distinct
+  classes per batch over a random batch's expectation). Figures of the orders only: no timing.
+- `order`: at `--order-samples` (default 10M) over world size 8, each rank's order under `global` and
+  `window` built in its own process: the bytes it holds (its share against the whole permutation it needs
+  under `global`) and the seconds to build it. `RESULT window_order_per_rank_10m_world8`: a window rank's
+  bytes over (the global permutation's / 8), target <= 1.2.
+
+    python bench/webscale.py [--part shuffle,order] [--samples N] [--order-samples N] [--world 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, build_loader, result_line
+
+PEERS = ("webdataset", "litdata")
+
+
+def _config(folder: Path, samples: int):
+    """A config of the synthetic JPEGs opened as the ImageFolder they are written as: listed, so class-sorted
+    as any ImageFolder is (the synthetic set's own index interleaves the classes)."""
+    from loadopt.config import load_config
+    from loadopt.storage.imagefolder import open_dataset
+
+    overrides = [f"dataset.synthetic.num_samples={samples}", "dataset.synthetic.num_classes=100",
+                 "dataset.synthetic.mean_width=40", "dataset.synthetic.mean_height=36", "pipeline.image_size=32",
+                 "pipeline.max_side=64", "pipeline.batch_size=64", f"report.out={folder / 'results'}"]
+    synthetic = open_dataset(load_config(REPO / "configs" / "peers.yaml", overrides))
+    root = Path(synthetic.root).parent
+    return load_config(REPO / "configs" / "peers.yaml", [*overrides, f"dataset.path={root}"])
+
+
+def _peer_order(config, backend: str) -> list[int]:
+    """The indices one epoch of the peer's own loop delivers (its library's order), epoch 0."""
+    loader = build_loader(config, backend, num_workers=2)
+    try:
+        loader.prepare()
+        return [int(i) for batch in loader.library_batches(0) for i in batch["indices"].tolist()]
+    finally:
+        loader.close()
+
+
+def shuffle_part(samples: int) -> list[dict]:
+    import numpy as np
+
+    from loadopt.loaders.sampler import EpochOrder, ShardWindows
+    from loadopt.loaders.shuffle_quality import shuffle_quality
+    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.shards import shard_table
+
+    with tempfile.TemporaryDirectory(prefix="webscale-") as folder:
+        config = _config(Path(folder), samples)
+        dataset = open_dataset(config)
+        n, batch, labels = len(dataset), config.pipeline.batch_size, dataset.labels
+        orders: dict[str, np.ndarray] = {"loadopt global": EpochOrder(n, batch, config.seed).indices()}
+        for shard_samples, window_shards in ((1024, 16), (250, 4)):
+            windows = ShardWindows(shard_table(dataset, shard_samples), window_shards)
+            name = f"loadopt window {window_shards} x {shard_samples}"
+            orders[name] = EpochOrder(n, batch, config.seed, shuffle="window", windows=windows).indices()
+        for peer in PEERS:
+            try:
+                orders[f"{peer} (own loop)"] = np.array(_peer_order(config, peer))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is a row saying why
+                print(f"{peer}: not measured ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+        rows = []
+        for name, order in orders.items():
+            quality = shuffle_quality(order, labels, batch)
+            rows.append({"order": name, "samples": quality.samples, "neighbour_spread": quality.neighbour_spread,
+                         "class_mix": quality.class_mix, "classes_per_batch": quality.classes_per_batch})
+    print(f"\nshuffle quality, {samples:,} class-sorted samples of 100 classes, batches of {batch}, epoch 0")
+    print(f"{'order':<34} {'samples':>8} {'neighbour spread':>17} {'class mix':>10} {'classes/batch':>14}")
+    for row in rows:
+        print(f"{row['order']:<34} {row['samples']:>8,} {row['neighbour_spread']:>17.3f} {row['class_mix']:>10.3f} "
+              f"{row['classes_per_batch']:>14.1f}")
+    return rows
+
+
+def _rank_order(args: tuple[int, int, int, str]) -> dict:
+    """One rank's order in a fresh process: the peak of what it allocated building it (tracemalloc, which
+    numpy's buffers report to), what it holds after, and the time."""
+    samples, rank, world, shuffle = args
+    import tracemalloc
+
+    from loadopt.loaders.sampler import EpochOrder, ShardWindows
+    from loadopt.storage.shards import ShardTable
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    windows = ShardWindows(ShardTable.blocks(samples)) if shuffle == "window" else None
+    batches = EpochOrder(samples, 64, 0, 0, rank, world, shuffle, windows=windows).batches()
+    seconds = time.perf_counter() - start
+    held, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"rank": rank, "shuffle": shuffle, "seconds": seconds, "held_bytes": held, "peak_bytes": peak,
+            "batches": len(batches)}
+
+
+def order_part(samples: int, world: int) -> str:
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for shuffle in ("global", "window"):
+        for rank in range(world):
+            with context.Pool(1) as pool:  # a fresh process per rank: its peak is its own
+                rows.append(pool.map(_rank_order, [(samples, rank, world, shuffle)])[0])
+    whole = samples * 8  # the global permutation every rank builds, int64
+    print(f"\nthe order per rank, {samples:,} samples, world size {world}")
+    print(f"{'shuffle':<8} {'seconds (median)':>17} {'held MB (max)':>14} {'peak MB while built (max)':>26}")
+    for shuffle in ("global", "window"):
+        mine = [r for r in rows if r["shuffle"] == shuffle]
+        print(f"{shuffle:<8} {statistics.median(r['seconds'] for r in mine):>17.3f} "
+              f"{max(r['held_bytes'] for r in mine) / 1e6:>14.1f} {max(r['peak_bytes'] for r in mine) / 1e6:>26.1f}")
+    window_peak = max(r["peak_bytes"] for r in rows if r["shuffle"] == "window")
+    print(f"the global permutation: {whole / 1e6:.1f} MB; its share per rank: {whole / world / 1e6:.1f} MB")
+    return result_line(f"window_order_per_rank_{samples // 1_000_000}m_world{world}", window_peak / (whole / world),
+                       "<=", 1.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", default="shuffle,order")
+    parser.add_argument("--samples", type=int, default=20_000)
+    parser.add_argument("--order-samples", type=int, default=10_000_000)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    parts = set(args.part.split(","))
+    figures: dict = {}
+    results = []
+    if "shuffle" in parts:
+        figures["shuffle"] = shuffle_part(args.samples)
+    if "order" in parts:
+        results.append(order_part(args.order_samples, args.world))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    for line in results:
+        print(line)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
