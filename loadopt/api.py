@@ -86,7 +86,7 @@ PARALLELISM_KNOBS = ("num_workers", "num_threads", "threads")
 def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], split: str = "train",
                 backend: str = "auto", *, device: str | torch.device | None = None, rank: int | None = None,
                 world_size: int | None = None, seed: int | None = None, epoch: int = 0,
-                batch_transform: BatchTransform | None = None,
+                batch_transform: BatchTransform | None = None, relist: bool = False,
                 **overrides: Any) -> Loader:
     """A loader for `split` of the configured dataset, iterating `(inputs, labels)` on `device`.
 
@@ -102,7 +102,8 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     `torch.distributed`. Where the config sweeps a knob (a list), the backend's default for this machine
     is used when the list holds it (the tuner's start), else the list's first value; the log says which
     value each knob took and why. `batch_transform(inputs, labels) -> (inputs, labels)` runs on each
-    finished batch on the device.
+    finished batch on the device. `relist=True` lists the dataset again (as `--relist`: a remote dataset's
+    listing is saved on its first open and reused).
     """
     for key in overrides:
         if key in REFUSED_KEYWORDS:
@@ -111,7 +112,7 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
         raise ConfigError(f"make_loader: batch_transform= must be a function of (inputs, labels), got "
                           f"{type(batch_transform).__name__}")
     config = _as_config(config_or_path)
-    dataset = open_dataset(config, split)
+    dataset = open_dataset(config, split, relist=relist)
     overrides = {**_split_defaults(split, overrides), **overrides}
     build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch)
     if backend != "auto":

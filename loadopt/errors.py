@@ -24,6 +24,19 @@ class DatasetError(LoadoptError):
     """A dataset that is missing, empty or holds a file that cannot be read or decoded."""
 
 
+class DatasetChanged(DatasetError):
+    """A file of a remote dataset that vanished or changed since its listing was saved
+    (storage/remote_listing.py). `name` is the file as messages show it, `reason` the rest of the line; both
+    are the exception's args, so it pickles across the loaders' worker processes."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(name, reason)
+        self.name, self.reason = name, reason
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+
 class BackendUnavailable(LoadoptError):
     """A backend that cannot run here (package not installed, no GPU, ...)."""
 
@@ -52,6 +65,8 @@ def describe_sample_error(exc: BaseException) -> str:
     0x...>" says which in-memory buffer, not what is wrong; the file is named by the caller."""
     import re
 
+    if isinstance(exc, DatasetChanged):  # the file is named by the caller
+        return exc.reason
     text = str(exc).splitlines()[0] if str(exc) else ""
     name = type(exc).__name__
     if name == "UnidentifiedImageError" or text.startswith("cannot identify image file"):

@@ -16,13 +16,14 @@ from loadopt.report.data import Run
 from loadopt.report.data import load as load_results
 
 
-def explain_config(config) -> str:
-    """The decision `auto` would use for `config` on this machine, in sentences."""
+def explain_config(config, relist: bool = False) -> str:
+    """The decision `auto` would use for `config` on this machine, in sentences (`relist`: the dataset
+    listed again, its saved listing replaced)."""
     from loadopt.api import FALLBACK_ORDER
     from loadopt.bench import decision
     from loadopt.storage.imagefolder import open_dataset
 
-    dataset = open_dataset(config)
+    dataset = open_dataset(config, relist=relist)
     tier = decision.storage_tier(config.storage.tier, dataset.root)
     lines = [f"dataset {dataset.root} (fingerprint {dataset.fingerprint}), {len(dataset):,} samples, "
              f"storage tier {tier}"]

@@ -1,18 +1,23 @@
-"""The bad-input cases of the shard formats (tar shards, Parquet) and of a folder holding no format, for
-tests/test_bad_inputs.py's table: each prepares a dataset and says the one line `loadopt bench` must print."""
+"""The bad-input cases of the shard formats (tar shards, Parquet), of a folder holding no format and of a
+remote dataset changed since it was listed, for tests/test_bad_inputs.py's table: each prepares a dataset
+and says the one line `loadopt bench` must print."""
 
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
 from loadopt import make_loader
+from loadopt.cli import app
 from loadopt.errors import LoadoptError
 
 from .faults import Setup, images, temps, write_config
+from .servers import python_http_server
 from .source_files import LONG_KEY, folder_samples, write_parquet, write_shards
 
 
@@ -104,3 +109,21 @@ def no_dataset_format_in_the_folder(tmp_path, cache):
     return Setup(["bench", str(config)], f"{tmp_path / 'notes'}: not a dataset loadopt reads (found 1 file(s): "
                  "readme.txt; expected class folders (ImageFolder), .tar shards (WebDataset) or .parquet files)",
                  config=config, backend="torch")
+
+
+def file_removed_since_the_listing(tmp_path, cache):
+    """A dataset over HTTP, listed by a first command (its listing saved), one of its files removed since:
+    the conversion that reads it names the file, when the dataset was listed, and --relist."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
+    images(tmp_path, corrupt=0)
+    served = ExitStack()
+    url = served.enter_context(python_http_server(tmp_path))
+    config = write_config(tmp_path, dataset={"path": f"{url}/photos"})
+    listed = CliRunner().invoke(app, ["make-dataset", str(config)])
+    if listed.exit_code != 0:
+        served.close()
+    assert listed.exit_code == 0, listed.output
+    (tmp_path / "photos" / "train" / "c0" / "1.jpg").unlink()
+    return Setup(["convert", str(config), "--to", "arrow"], f"{url}/photos/train/c0/1.jpg: not found: the dataset "
+                 "changed since it was listed (", config=config, backend="arrow", overrides={"form": "encoded"},
+                 leftovers=temps(cache), close=served.close)

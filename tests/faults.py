@@ -32,6 +32,7 @@ class Setup:
     overrides: dict = field(default_factory=dict)  # make_loader keywords (the form the CLI converted)
     must_not_contain: list[str] = field(default_factory=list)
     after: Callable[[], None] = lambda: None  # more checks once the command ran
+    close: Callable[[], None] = lambda: None  # what the case started (a server), stopped when the test ends
 
 
 def write_config(tmp_path: Path, **sections) -> Path:

@@ -27,6 +27,7 @@ from .bad_serving_inputs import (
 from .bad_source_inputs import (
     dali_native_reader_on_tar_shards,
     empty_tar_shard,
+    file_removed_since_the_listing,
     no_dataset_format_in_the_folder,
     parquet_files_of_different_schemas,
     parquet_without_the_named_column,
@@ -306,6 +307,7 @@ CASES = {  # name: (setup, exit code)
     "$LOADOPT_CEILING_SECONDS not a number, bench": (bad_ceiling_window, 2),
     "dali reader native on tar shards, bench": (dali_native_reader_on_tar_shards, 2),
     "a folder of no dataset format, bench": (no_dataset_format_in_the_folder, 1),
+    "a remote file removed since the dataset was listed, convert": (file_removed_since_the_listing, 1),
     "arrivals file with a bad line, serving bench": (arrivals_file_with_a_bad_line, 2),
     "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
@@ -340,10 +342,11 @@ def _forget_s3_instances() -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input(case, tmp_path, own_cache, s3_env, monkeypatch):
+def test_bad_input(case, tmp_path, own_cache, s3_env, monkeypatch, request):
     make, code = CASES[case]
     setup = make(tmp_path, own_cache, monkeypatch) if "monkeypatch" in make.__code__.co_varnames else \
         make(tmp_path, own_cache)
+    request.addfinalizer(setup.close)
     result = CliRunner().invoke(app, setup.args)
     output = result.output + (result.stderr if result.stderr_bytes is not None else "")
     assert result.exit_code == code, output

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from loadopt.storage import manifest
-from loadopt.storage.imagefolder import IMAGE_EXTENSIONS, modified, scan_image_folder
+from loadopt.storage.imagefolder import IMAGE_EXTENSIONS, scan_image_folder
+from loadopt.storage.remote_listing import modified
 
 OLD = 1_600_000_000  # folders' mtimes set this far in the past: the listing is not racy
 

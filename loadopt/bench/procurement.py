@@ -95,6 +95,7 @@ class TiersOptions:
     backend_batches: int
     ranks: int | None
     quick: bool
+    relist: bool = False  # list the dataset again (`--relist`), once per location, instead of its saved listing
 
     def __post_init__(self) -> None:
         if not 0 < self.au <= 1:
@@ -130,14 +131,15 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
               probe_s: float = 1.0, budget_s: float = 300.0, capacity_tb: float | None = None,
               progress: TiersProgress | None = None, backends_out: str | None = None, backend_warmup: int = 3,
               backend_batches: int = 20, consumers: PlayTrial = run_consumers,
-              ranks: int | None = None, quick: bool = False) -> TiersRun:
+              ranks: int | None = None, quick: bool = False, relist: bool = False) -> TiersRun:
     """For each tier: supported accelerators (measured and predicted), with what was delivered and cost;
     with `backends_out` (a folder), also every backend compared on it (`compare_backends`). `consumers` plays
     a trial's accelerators (forked processes; under torchrun the job's `ranks`, bench/tier_ranks.py).
     `quick`: no sequential probe, the last `variant` only, and each tier's backend runs sized to its figures.
-    Ctrl-C or SIGTERM ends it early with the tiers that finished (`interrupted_by`)."""
+    Ctrl-C or SIGTERM ends it early with the tiers that finished (`interrupted_by`). `relist` lists the
+    dataset again (storage/remote_listing.py)."""
     options = TiersOptions(au, max_accelerators, readers, prefetch, warmup_s, measure_s, probe_s, budget_s, capacity_tb,
-                           backends_out, backend_warmup, backend_batches, ranks, quick)
+                           backends_out, backend_warmup, backend_batches, ranks, quick, relist)
     say = progress or TiersProgress()
     started = time.perf_counter()
     specs = [resolve_tier(t, where=f"--tiers {t}") for t in tiers]
@@ -160,9 +162,11 @@ def _plan_tiers(config: Config, specs: list[TierSpec], options: TiersOptions, sa
                 plans: list[TierPlan]) -> list[Dataset]:
     """Each tier's dataset, opened; its plan appended to `plans` (those planned are kept if a stop comes)."""
     datasets = []
+    relisted: set[str | None] = set()  # the tiers' locations (`base`) listed again: each once
     for spec in specs:
         say.status(f"{spec.name}: opening the dataset")
-        datasets.append(_open_for_tier(config, spec))
+        datasets.append(_open_for_tier(config, spec, options.relist and spec.base not in relisted))
+        relisted.add(spec.base)
         plans.append(plan_tier(config, spec, datasets[-1], au=options.au, max_accelerators=options.max_accelerators,
                                readers=options.readers, probe_s=options.probe_s, ranks=options.ranks,
                                backends=options.backends_out is not None, backend_warmup=options.backend_warmup,
@@ -219,12 +223,12 @@ def _tiers_run(config: Config, options: TiersOptions, so_far: TiersSoFar, elapse
     return run
 
 
-def _open_for_tier(config: Config, spec: TierSpec):
+def _open_for_tier(config: Config, spec: TierSpec, relist: bool = False):
     from loadopt.storage.imagefolder import open_dataset
 
     tier_config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"tier": spec.model_dump(mode="json")})})
-    dataset = open_dataset(tier_config)
+    dataset = open_dataset(tier_config, relist=relist)
     if dataset.kind == "tokens":
         raise ConfigError(f"{config.source}: dataset.kind: `loadopt tiers` reads image datasets and records "
                           "(sample files), not a memory-mapped token corpus")

@@ -57,6 +57,7 @@ class BenchRequest:
     tune: bool  # search each backend's knobs within budget_s first
     budget_s: float
     attribute_stages: bool  # run each backend's best setting's stages apart
+    relist: bool = False  # list the dataset again (`--relist`) instead of reading its saved listing
 
 
 @dataclass
@@ -114,7 +115,8 @@ def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: 
 
 def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
               reporter: Reporter | None = None, convert: bool = True, attribute: bool = True, tune: bool = False,
-              budget_s: float = 600.0, attribute_stages: bool = False, return_errors: bool = False) -> BenchOutcome:
+              budget_s: float = 600.0, attribute_stages: bool = False, return_errors: bool = False,
+              relist: bool = False) -> BenchOutcome:
     """Measure every configured loader setting; write results.json and timings.parquet into `out`.
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
@@ -128,7 +130,8 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     setting unavailable or failing, a user error or an interrupt before the first run finished) leaves it
     as it was. One that measured part writes what it measured, each setting not run with the reason; a
     user error then is raised after the writing, or returned in `BenchOutcome.error` with
-    `return_errors` (the CLI, which prints the runs and writes the report before the error)."""
+    `return_errors` (the CLI, which prints the runs and writes the report before the error). `relist` lists
+    the dataset again and saves the new listing (storage/remote_listing.py)."""
     if attribute:
         ceiling_measures.ceiling_seconds()  # a bad $LOADOPT_CEILING_SECONDS: its one line before any work
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
@@ -136,7 +139,7 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     with distributed.ranks_here(config.workload.device, timeout_s) as ranks:
         request = BenchRequest(config, loaders or list(config.loaders), out, quick,
                                (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
-                               attribute_stages)
+                               attribute_stages, relist)
         outcome = _bench(request, ranks)
     if outcome.error is not None and not return_errors:
         raise outcome.error
@@ -182,7 +185,9 @@ class _Pass:
 def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> BenchOutcome:
     config = request.config
     workload = effective_workload(config.workload, request.quick)
-    dataset = ranks.first(lambda: open_dataset(config, progress=request.reporter.dataset_progress))
+    # Rank 0 lists again where asked; the others, opening after it, read the listing it saved.
+    dataset = ranks.first(lambda: open_dataset(config, progress=request.reporter.dataset_progress,
+                                               relist=request.relist and ranks.lead))
     tunings = None
     if request.tune:  # the search's trials, then each backend's best setting measured as any configured one
         tunings = ranks.alone(lambda: tuner.Tuner(config, dataset, ranks.device, request.budget_s,

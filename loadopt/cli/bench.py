@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 import typer
 from rich.markup import escape
 
-from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
+from loadopt.cli.console import (
+    RelistOption,
+    RichReporter,
+    SetOption,
+    console,
+    err_console,
+    progress_bar,
+    user_errors,
+)
 from loadopt.cli.process import setup_logging, terminate_as_interrupt
 from loadopt.cli.results import auto_report
 from loadopt.cli.tables import (
@@ -46,6 +54,7 @@ def bench(
                                           "setting apart (loader warm and cold, storage read); implied by --tune."),
     slo_ms: float = typer.Option(None, "--slo-ms", min=0.001, help="workload.scenario server: search the highest "
                                  "request rate whose p99 latency stays within this many ms."),
+    relist: bool = RelistOption,
 ) -> None:
     """Run every configured loader setting through the harness and rank them."""
     from loadopt.bench.runner import run_bench
@@ -66,7 +75,7 @@ def bench(
                 raise ConfigError(f"{flag} measures training input; {config} runs workload.scenario: "
                                   f"{cfg.workload.scenario} (its request paths are compared as configured)")
 
-            run_serve(cfg, names, out, quick, slo_ms, not no_convert, terminated)
+            run_serve(cfg, names, out, quick, slo_ms, not no_convert, terminated, relist)
             return
         if slo_ms is not None:
             raise ConfigError(f"--slo-ms bounds the server scenario's latency; {config} runs workload.scenario: "
@@ -75,7 +84,8 @@ def bench(
             try:
                 outcome = run_bench(cfg, loaders=names, out=out, quick=quick,
                                     reporter=RichReporter(progress, terminated), convert=not no_convert, tune=tune,
-                                    budget_s=budget_s, attribute_stages=attribute_stages, return_errors=True)
+                                    budget_s=budget_s, attribute_stages=attribute_stages, return_errors=True,
+                                    relist=relist)
             except KeyboardInterrupt as exc:  # before any run finished: the output folder is as it was
                 signal_name = "SIGTERM" if isinstance(exc, Terminated) or terminated else "SIGINT"
                 err_console.print(f"interrupted ({signal_name}) before any run finished: no results were written",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from loadopt.cli.console import RichReporter, SetOption, console, progress_bar, user_errors
+from loadopt.cli.console import RelistOption, RichReporter, SetOption, console, progress_bar, user_errors
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -18,6 +18,7 @@ app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `load
 def make_dataset(
     config: str = typer.Argument(..., help="The config YAML whose dataset to prepare."),
     set_: list[str] = SetOption,
+    relist: bool = RelistOption,
 ) -> None:
     """Generate (or check) the config's dataset, and nothing else."""
     from loadopt.config import load_config
@@ -27,7 +28,7 @@ def make_dataset(
         cfg = load_config(config, set_ or [])
         with progress_bar() as progress:
             reporter = RichReporter(progress)
-            dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+            dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
     what = {"images": f"images in {len(dataset.classes)} classes", "tokens": f"windows of {cfg.pipeline.seq_len + 1} "
             "tokens", "records": f"records in {len(getattr(dataset, 'files', []))} files"}[dataset.kind]
     console.print(f"{dataset.root}: {len(dataset):,} {what}, mean {dataset.sizes.mean() / 1e3:,.1f} KB, "
@@ -61,6 +62,7 @@ def convert(
                                                         "recorded (reads the whole source); reconverts on a change."),
     force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
     set_: list[str] = SetOption,
+    relist: bool = RelistOption,
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done)."""
     from loadopt.config import load_config
@@ -73,7 +75,7 @@ def convert(
         cfg = load_config(config, set_ or [])
         with progress_bar() as progress:
             reporter = RichReporter(progress)
-            dataset = open_dataset(cfg, progress=reporter.dataset_progress)
+            dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
             form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
                                               frame, isinstance(dataset, TokenDataset), where="--size",
                                               records=dataset.kind == "records")

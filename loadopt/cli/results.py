@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from loadopt.cli.console import SetOption, console, err_console, user_errors
+from loadopt.cli.console import RelistOption, SetOption, console, err_console, user_errors
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -66,6 +66,7 @@ def explain(
     target: str = typer.Argument(..., help="A config YAML (what backend=auto does here) or a results.json "
                                            "(from loadopt bench or loadopt.measure), or its folder."),
     set_: list[str] = SetOption,
+    relist: bool = RelistOption,
 ) -> None:
     """Say which input path `make_loader(backend="auto")` picks here and why, or what a results file says."""
     from pathlib import Path
@@ -76,5 +77,5 @@ def explain(
     with user_errors():
         path = Path(target)
         text = explain_results(path) if path.is_dir() or path.suffix == ".json" else \
-            explain_config(load_config(target, set_ or []))
+            explain_config(load_config(target, set_ or []), relist)
     console.print(text, highlight=False, markup=False)

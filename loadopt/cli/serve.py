@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 
 
 def run_serve(cfg: Config, names: list[str] | None, out: str | None, quick: bool, slo_ms: float | None,
-              convert: bool, terminated: list[bool]) -> None:
+              convert: bool, terminated: list[bool], relist: bool = False) -> None:
     from loadopt.serve.bench import run_serve_bench
 
     with progress_bar() as progress:
         outcome = run_serve_bench(cfg, loaders=names, out=out, quick=quick, slo_ms=slo_ms, convert=convert,
-                                  reporter=RichReporter(progress, terminated))
+                                  reporter=RichReporter(progress, terminated), relist=relist)
     results = outcome.results
     console.print(serve_table(results))
     for path in results.paths:

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.markup import escape
 
-from loadopt.cli.console import RichReporter, SetOption, console, err_console, progress_bar, user_errors
+from loadopt.cli.console import (
+    RelistOption,
+    RichReporter,
+    SetOption,
+    console,
+    err_console,
+    progress_bar,
+    user_errors,
+)
 from loadopt.cli.process import terminate_as_interrupt
 from loadopt.cli.results import auto_report
 from loadopt.cli.tables import backend_lines, backends_table, bounded_lines, probe_table, tiers_table
@@ -206,6 +214,7 @@ def tiers(
                                                       "per tier, a shorter probe, up to 8 measured batches per "
                                                       "backend (fewer, or none, where a tier's batches are slow)."),
     set_: list[str] = SetOption,
+    relist: bool = RelistOption,
 ) -> None:
     """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
     and which backend is fastest through it."""
@@ -230,7 +239,8 @@ def tiers(
                                     warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
                                     progress=RichTiersProgress(progress, terminated, interrupted),
                                     backends_out=str(folder / "backends") if backends else None,
-                                    backend_warmup=2 if quick else 3, backend_batches=backend_batches, quick=quick)
+                                    backend_warmup=2 if quick else 3, backend_batches=backend_batches, quick=quick,
+                                    relist=relist)
         if result is None:  # a torchrun rank other than 0: rank 0 writes and prints
             return
         json_path = _write_tiers(result, folder, existed)

@@ -67,8 +67,9 @@ def serve_settings(config: Config, quick: bool, slo_ms: float | None) -> ServeCo
 
 def run_serve_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None,
                     quick: bool = False, reporter: Reporter | None = None, slo_ms: float | None = None,
-                    convert: bool = True) -> ServeOutcome:
-    """Measure every configured backend in `config.workload.scenario`; write serve.json into `out`."""
+                    convert: bool = True, relist: bool = False) -> ServeOutcome:
+    """Measure every configured backend in `config.workload.scenario`; write serve.json into `out`. `relist`
+    lists the dataset again and saves the new listing (storage/remote_listing.py)."""
     serve = serve_settings(config, quick, slo_ms)
     if config.workload.scenario == "train":
         raise ValueError("run_serve_bench runs the inference scenarios; train is run_bench's")
@@ -76,7 +77,7 @@ def run_serve_bench(config: Config, *, loaders: list[str] | None = None, out: st
     requested = Path(out or config.report.out).expanduser()
     existed = requested.exists()
     folder = prepare_output(requested)
-    bench = _ServeBench.start(config, serve, arrivals, reporter or Reporter(), convert)
+    bench = _ServeBench.start(config, serve, arrivals, reporter or Reporter(), convert, relist)
     load = MachineLoad().start()
     paths: list[PathResult] = []
     interrupted_by: str | None = None
@@ -121,9 +122,9 @@ class _ServeBench:
 
     @classmethod
     def start(cls, config: Config, serve: ServeConfig, arrivals: np.ndarray | None, reporter: Reporter,
-              convert: bool) -> _ServeBench:
+              convert: bool, relist: bool = False) -> _ServeBench:
         device = resolve_device(config.workload.device)
-        dataset = open_dataset(config, progress=reporter.dataset_progress)
+        dataset = open_dataset(config, progress=reporter.dataset_progress, relist=relist)
         return cls(inference_config(config), serve, arrivals, dataset, device,
                    ServingStep(config.workload, max(1, len(dataset.classes)), device),
                    DeviceTransfer(device, emulate=True), serve.workers or usable_cores(), reporter, convert)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -21,9 +20,10 @@ import numpy as np
 from loadopt.config_models import Config
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.files import cache_dir, is_no_space
-from loadopt.storage import manifest
+from loadopt.storage import manifest, remote_listing
 from loadopt.storage.records import RecordDataset
-from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote_listing import ListingKey, SavedListing
 from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
@@ -48,6 +48,7 @@ class ImageDataset:
     synthetic: bool = False
     converted: str | None = None  # where its conversions live when not in the cache (storage/tier_reads.py)
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
+    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
     kind: ClassVar[str] = "images"  # what `recipe` and the backends' `supports` tell datasets apart by
     source_format: ClassVar[str] = "imagefolder"
 
@@ -65,7 +66,9 @@ class ImageDataset:
         if self.is_local():
             with open(self.paths[index], "rb") as handle:
                 return handle.read()
-        return self.fs.cat_file(self.path(index))
+        name = self.path(index)
+        return remote_listing.read_listed(self.fs, name, display_name(self.fs, name), self.listed_at,
+                                          int(self.sizes[index]))
 
     # DataLoader-era code reads these off `loader.dataset` (torchvision's ImageFolder has the same names).
     @property
@@ -93,78 +96,66 @@ def scan_image_folder(root_url: str, split: str = "train",
     `root_url` is a path or any fsspec URL (`s3://`, `http(s)://`, `memory://`, ...), opened with
     `storage_options`; messages show it with its credentials redacted. A local folder's listing is kept
     in the cache and reused while its folders' mtimes are unchanged (storage/manifest.py says what that
-    misses); `relist` lists it again regardless."""
+    misses); a remote one's is saved on its first open and read on every later one without a request
+    (storage/remote_listing.py); `relist` lists either again regardless."""
     fs, root = open_url(root_url, storage_options)
-    url, root_url = root_url, redact(root_url)
-    with storage_errors(url, "list the dataset"):
-        if not fs.exists(root):  # remote drivers say False for a host that refused too: ask why
-            raise DatasetError(f"{root_url}: {why_missing(fs, root, url, 'dataset folder not found')}")
-        split_root = root.rstrip("/") + "/" + split
-        if fs.isdir(split_root):
-            root = split_root
-        elif split != "train" and fs.isdir(root):  # only train may be the root itself (a bare class tree)
-            splits = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
-            raise DatasetError(f"{root_url}: no split folder {split!r} (expected <root>/{split}/<class>/; folders "
-                               f"there: {', '.join(splits) or 'none'})")
-        elif not fs.isdir(root):
-            raise DatasetError(f"{root_url}: is not a folder (expected an ImageFolder tree <root>/{split}/<class>/)")
-        if is_local_fs(fs):  # one listing, kept with its fingerprint
-            # A local tree is named by its real path: the same files reached through a symlink reuse its conversions.
-            listing = manifest.local_listing(root.rstrip("/") or "/", fs.unstrip_protocol(os.path.realpath(root)),
-                                             IMAGE_EXTENSIONS, cache_dir(), relist)
-            if not len(listing.paths):
-                raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg "
-                                   "under it)")
-            return ImageDataset(root=root, fs=fs, paths=listing.paths, labels=listing.labels, sizes=listing.sizes,
-                                classes=listing.classes, fingerprint=listing.fingerprint)
-        files = fs.find(root, detail=True)
-    prefix = root.rstrip("/") + "/"
-    entries = []
-    for name, info in files.items():
-        relative = name[len(prefix):] if name.startswith(prefix) else name
-        parts = relative.split("/")
-        if len(parts) == 2 and parts[1].lower().endswith(IMAGE_EXTENSIONS):
-            entries.append((parts[0], name, info.get("size")))
-    with storage_errors(url, "list the dataset"):
-        entries = _with_sizes(fs, entries)
-    if not entries:
+    if not is_local_fs(fs):
+        key = ListingKey.of("imagefolder", root_url, split, storage_options)
+        listing = remote_listing.remembered(fs, root, key, relist, lambda: _list_remote(fs, root, split, root_url))
+        return ImageDataset(root=fs.unstrip_protocol(listing.root), fs=fs, paths=listing.files,
+                            labels=listing.arrays["labels"], sizes=listing.sizes, classes=listing.classes,
+                            fingerprint=listing.fingerprint, listed_at=listing.listed_at)
+    with storage_errors(root_url, "list the dataset"):
+        root = _split_folder(fs, root, split, root_url)
+    # A local tree is named by its real path: the same files reached through a symlink reuse its conversions.
+    listing_here = manifest.local_listing(root.rstrip("/") or "/", fs.unstrip_protocol(os.path.realpath(root)),
+                                          IMAGE_EXTENSIONS, cache_dir(), relist)
+    if not len(listing_here.paths):
         raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it)")
-    entries.sort()
+    return ImageDataset(root=root, fs=fs, paths=listing_here.paths, labels=listing_here.labels,
+                        sizes=listing_here.sizes, classes=listing_here.classes, fingerprint=listing_here.fingerprint)
+
+
+def _split_folder(fs: fsspec.AbstractFileSystem, root: str, split: str, url: str) -> str:
+    """The split's folder: `<root>/<split>`, else `root` itself for train (a bare class tree)."""
+    shown = redact(url)
+    if not fs.exists(root):  # remote drivers say False for a host that refused too: ask why
+        raise DatasetError(f"{shown}: {why_missing(fs, root, url, 'dataset folder not found')}")
+    split_root = root.rstrip("/") + "/" + split
+    if fs.isdir(split_root):
+        return split_root
+    if split != "train" and fs.isdir(root):  # only train may be the root itself (a bare class tree)
+        splits = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.isdir(p))
+        raise DatasetError(f"{shown}: no split folder {split!r} (expected <root>/{split}/<class>/; folders "
+                           f"there: {', '.join(splits) or 'none'})")
+    if not fs.isdir(root):
+        raise DatasetError(f"{shown}: is not a folder (expected an ImageFolder tree <root>/{split}/<class>/)")
+    return root
+
+
+def _list_remote(fs: fsspec.AbstractFileSystem, root: str, split: str, url: str) -> SavedListing:
+    """The split's images on remote storage (`fs.find`, plus a HEAD a file where the listing has no sizes),
+    by (class, file name), their labels and fingerprint."""
+    with storage_errors(url, "list the dataset"):
+        root = _split_folder(fs, root, split, url)
+        prefix = root.rstrip("/") + "/"
+        entries = []
+        for name, info in fs.find(root, detail=True).items():
+            parts = (name[len(prefix):] if name.startswith(prefix) else name).split("/")
+            if len(parts) == 2 and parts[1].lower().endswith(IMAGE_EXTENSIONS):
+                entries.append((parts[0], name, {**info, "name": name}))
+        entries.sort(key=lambda entry: entry[:2])
+        files = remote_listing.described(fs, [info for _, _, info in entries])
+    if not files:
+        raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it)")
     classes = sorted({c for c, _, _ in entries})
     class_index = {c: i for i, c in enumerate(classes)}
     # Modification times too: a file replaced by other bytes of the same size makes a new dataset (its
     # conversions are not reused); `loadopt convert --verify` also compares the content.
-    digest = manifest.fingerprint(fs.unstrip_protocol(root), [name[len(prefix):] for _, name, _ in entries],
-                                  [size for _, _, size in entries],
-                                  [modified(files.get(name) or {}) for _, name, _ in entries])
-    return ImageDataset(
-        root=fs.unstrip_protocol(root),
-        fs=fs,
-        paths=np.array([n.encode() for _, n, _ in entries]),
-        labels=np.array([class_index[c] for c, _, _ in entries], dtype=np.int64),
-        sizes=np.array([s for _, _, s in entries], dtype=np.int64),
-        classes=classes,
-        fingerprint=digest,
-    )
-
-
-def modified(info: dict[str, Any]) -> str:
-    """A file's modification time as its filesystem lists it (local disks and object stores; "" where
-    the listing has none, as plain HTTP directory listings)."""
-    for key in ("mtime", "LastModified", "last_modified", "updated"):
-        if info.get(key) is not None:
-            return str(info[key])
-    return ""
-
-
-def _with_sizes(fs: fsspec.AbstractFileSystem, entries: list[tuple[str, str, Any]]) -> list[tuple[str, str, int]]:
-    """Entries with their stored sizes: HTTP directory listings carry none, so ask for them (HEAD)."""
-    missing = [name for _, name, size in entries if size is None]
-    if not missing:
-        return entries
-    with ThreadPoolExecutor(16) as pool:  # one round trip each: overlap them
-        sizes = dict(zip(missing, pool.map(fs.size, missing), strict=True))
-    return [(c, name, int(size if size is not None else sizes[name] or 0)) for c, name, size in entries]
+    digest = manifest.fingerprint(fs.unstrip_protocol(root), [f.name[len(prefix):] for f in files],
+                                  [f.size for f in files], [f.mtime for f in files])
+    labels = np.array([class_index[c] for c, _, _ in entries], dtype=np.int64)
+    return remote_listing.listing_of(root, files, digest, classes, {"labels": labels})
 
 
 def _from_manifest(root: Path, split: str) -> ImageDataset | None:
@@ -190,9 +181,11 @@ def _from_manifest(root: Path, split: str) -> ImageDataset | None:
     )
 
 
-def open_dataset(config: Config, split: str = "train", progress: Callable[[int, int], None] | None = None):
+def open_dataset(config: Config, split: str = "train", progress: Callable[[int, int], None] | None = None,
+                 relist: bool = False):
     """The dataset a config names (its `dataset.path`, the tier's `base`, or the synthetic one, generated if
-    missing), read through `storage.tier`.
+    missing), read through `storage.tier`. Its listing is the saved one where there is one (a remote
+    dataset's, a local ImageFolder's while its folders are unchanged); `relist` lists it again (`--relist`).
 
     Images give an `ImageDataset`, a `WebDataset` or a `ParquetDataset` (`dataset.format`);
     `dataset.kind: tokens` a `TokenDataset` (one split: the file);
@@ -207,9 +200,9 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     path = dataset_root(tier, config.dataset.path, where=config.source)
     dataset: ImageDataset | RecordDataset | WebDataset | ParquetDataset
     if config.dataset.kind == "records":
-        dataset = _open_records(config, path, tier.storage_options, progress)
+        dataset = _open_records(config, path, tier.storage_options, progress, relist)
     elif path is not None:
-        dataset = _open_images(config, path, split, tier.storage_options)
+        dataset = _open_images(config, path, split, tier.storage_options, relist)
     else:
         dataset = _open_synthetic(config, split, progress)
     dataset.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)
@@ -217,26 +210,36 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     return dataset
 
 
-def _open_images(config: Config, path: str, split: str, storage_options: dict[str, Any] | None
-                 ) -> ImageDataset | WebDataset | ParquetDataset:
-    """The images at `path` in the format `dataset.format` names, or the one it holds (`auto`)."""
+def _open_images(config: Config, path: str, split: str, storage_options: dict[str, Any] | None,
+                 relist: bool = False) -> ImageDataset | WebDataset | ParquetDataset:
+    """The images at `path` in the format `dataset.format` names, or the one it holds (`auto`: the format
+    of its saved listing, asking the storage only where none is saved)."""
     spec = config.dataset
     source_format: str = spec.format
     if source_format == "auto":
+        from loadopt.storage import parquet_source, webdataset_source
         from loadopt.storage.source_format import detect_format
 
         fs, inner = open_url(path, storage_options)
-        with storage_errors(path, "look at the dataset"):
-            source_format = detect_format(fs, inner, split, redact(path))
+        keys = [webdataset_source.listing_key(path, split, storage_options, spec.label_key),
+                parquet_source.listing_key(path, split, storage_options, spec.columns.image, spec.columns.label),
+                ListingKey.of("imagefolder", path, split, storage_options)]
+        saved = [key.source_format for key in keys if not relist and remote_listing.saves_listing(fs, inner)
+                 and remote_listing.is_saved(key)]
+        if saved:  # detected when it was listed: asking again would cost the requests the listing saves
+            source_format = saved[0]
+        else:
+            with storage_errors(path, "look at the dataset"):
+                source_format = detect_format(fs, inner, split, redact(path))
     if source_format == "webdataset":
         from loadopt.storage.webdataset_source import open_webdataset
 
-        return open_webdataset(path, split, storage_options, spec.label_key, spec.on_error)
+        return open_webdataset(path, split, storage_options, spec.label_key, spec.on_error, relist)
     if source_format == "parquet":
         from loadopt.storage.parquet_source import open_parquet
 
-        return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label)
-    return scan_image_folder(path, split, storage_options)
+        return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label, relist)
+    return scan_image_folder(path, split, storage_options, relist)
 
 
 def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], None] | None) -> ImageDataset:
@@ -262,13 +265,13 @@ def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], N
 
 
 def _open_records(config: Config, path: str | None, storage_options: dict[str, Any] | None,
-                  progress: Callable[[int, int], None] | None) -> RecordDataset:
+                  progress: Callable[[int, int], None] | None, relist: bool = False) -> RecordDataset:
     from loadopt.storage import integrity
     from loadopt.storage.records import ensure_records, open_records, record_sizes
 
     spec = config.dataset.records
     if path is not None:
-        return open_records(path, spec, storage_options)
+        return open_records(path, spec, storage_options, relist=relist)
     try:
         folder = ensure_records(spec, cache_dir(), progress=progress)
     except OSError as exc:

@@ -167,19 +167,30 @@ def save(path: Path, listing: Listing, identity: str, folders: np.ndarray, mtime
     be written costs the next open a listing, nothing else. `folders` empty: the listing was racy, not saved."""
     if not len(folders):
         return
+    arrays = {"paths": listing.paths, "labels": listing.labels, "sizes": listing.sizes, "folders": folders,
+              "mtimes": mtimes}
+    meta = {"version": MANIFEST_VERSION, "identity": identity, "fingerprint": listing.fingerprint,
+            "classes": listing.classes}
+    write_arrays(path, arrays, meta, "listing manifest")
+
+
+def write_arrays(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any], what: str) -> bool:
+    """The folder `path` holding each array as `<name>.npy` and `meta` as `meta.json`, written in a temporary
+    folder renamed into place (a reader sees the old folder or the new one, never half of one). Best effort:
+    a cache that cannot be written costs the next open its work again, so a failure is logged (naming
+    `what`) and False returned."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.mkdir(parents=True)
-        for name, array in (("paths", listing.paths), ("labels", listing.labels), ("sizes", listing.sizes),
-                            ("folders", folders), ("mtimes", mtimes)):
+        for name, array in arrays.items():
             np.save(tmp / f"{name}.npy", array, allow_pickle=False)
-        meta = {"version": MANIFEST_VERSION, "identity": identity, "fingerprint": listing.fingerprint,
-                "classes": listing.classes}
         (tmp / META).write_text(json.dumps(meta))
         _swap_in(tmp, path)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        log.debug("listing manifest not saved at %s: %s", path, exc)
+        log.debug("%s not saved at %s: %s", what, path, exc)
+        return False
+    return True
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
@@ -257,18 +268,9 @@ class SampleIndex:
 
 def save_index(path: Path, index: SampleIndex, identity: str) -> None:
     """Write the index folder (a temporary folder renamed into place); best effort, as `save`."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        tmp.mkdir(parents=True)
-        for name, array in index.arrays.items():
-            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
-        meta = {"version": INDEX_VERSION, "identity": identity, "fingerprint": index.fingerprint,
-                "classes": index.classes, "arrays": sorted(index.arrays), "notes": index.notes}
-        (tmp / META).write_text(json.dumps(meta))
-        _swap_in(tmp, path)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.debug("sample index not saved at %s: %s", path, exc)
+    meta = {"version": INDEX_VERSION, "identity": identity, "fingerprint": index.fingerprint,
+            "classes": index.classes, "arrays": sorted(index.arrays), "notes": index.notes}
+    write_arrays(path, index.arrays, meta, "sample index")
 
 
 def load_index(path: Path, identity: str, fingerprint: str) -> SampleIndex | None:

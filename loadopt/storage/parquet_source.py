@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
-from loadopt.storage import manifest
-from loadopt.storage.imagefolder import modified
+from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
 from loadopt.storage.source_format import GLOB_CHARS, labels_and_classes, of_split
 
 # Decoded row groups held per process, by their image bytes (the newest always kept). A random order meets
@@ -54,6 +54,8 @@ class ParquetDataset:
     synthetic: bool = False
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
+    file_bytes: np.ndarray | None = None  # int64, each file's size as listed
+    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "parquet"
     row_groups: RowGroupCache = field(default_factory=lambda: RowGroupCache(), repr=False)
@@ -83,7 +85,10 @@ class ParquetDataset:
         """The image bytes of one row group, and the file opened to read it (`handle`, or opened now)."""
         name = self.files[file].decode()
         if handle is None:
-            handle = pq.ParquetFile(name if self.is_local() else self.fs.open(name, "rb"))
+            expected = int(self.file_bytes[file]) if self.file_bytes is not None else None
+            handle = pq.ParquetFile(name if self.is_local() else
+                                    remote_listing.open_listed(self.fs, name, display_name(self.fs, name),
+                                                               self.listed_at, expected))
         try:
             table = handle.read_row_group(group, columns=[self.image_column])
         except (OSError, pa.ArrowException) as exc:
@@ -218,13 +223,19 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
     return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=[])
 
 
-def open_parquet(path_url: str | list[str], split: str = "train", storage_options: dict[str, Any] | None = None,
-                 image_column: str = "image", label_column: str = "label") -> ParquetDataset:
-    """The `split` of the Parquet files at `path_url`: from the cached index while the files' names, sizes
-    and modification times are unchanged, else indexed."""
-    first = path_url[0] if isinstance(path_url, list) else path_url
-    fs, path = open_url(first, storage_options)
-    paths: str | list[str] = [open_url(p, storage_options)[1] for p in path_url] if isinstance(path_url, list) else path
+def listing_key(path_url: str | list[str], split: str, storage_options: dict[str, Any] | None, image_column: str,
+                label_column: str) -> ListingKey:
+    """What names the saved listing of these files (the columns are in their fingerprint)."""
+    return ListingKey.of("parquet", path_url, split, storage_options, f"{image_column}:{label_column}")
+
+
+def _identity(fs: fsspec.AbstractFileSystem, folder: str, split: str, columns: tuple[str, str]) -> str:
+    return f"parquet:{fs.unstrip_protocol(folder)}:{split}:{columns[0]}:{columns[1]}"
+
+
+def _list_files(fs: fsspec.AbstractFileSystem, path: str, paths: str | list[str], first: str, split: str,
+                columns: tuple[str, str]) -> SavedListing:
+    """The Parquet files of `split`, with their sizes, modification times and fingerprint (a stat each)."""
     shown = redact(first)
     with storage_errors(first, "list the Parquet files"):
         if not isinstance(paths, list) and not any(c in path for c in GLOB_CHARS) and not fs.exists(path):
@@ -233,20 +244,38 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
         if not names:
             raise DatasetError(f"{shown}: no .parquet files found")
         infos = [fs.info(name) for name in names]
-    identity = f"parquet:{fs.unstrip_protocol(folder)}:{split}:{image_column}:{label_column}"
-    fingerprint = manifest.fingerprint(identity, [n.rsplit("/", 1)[-1] for n in names],
-                                       [int(i.get("size") or 0) for i in infos], [modified(i) for i in infos])
+    files = [ListedFile(name, int(i.get("size") or 0), remote_listing.modified(i), remote_listing.etag(i))
+             for name, i in zip(names, infos, strict=True)]
+    fingerprint = manifest.fingerprint(_identity(fs, folder, split, columns), [n.rsplit("/", 1)[-1] for n in names],
+                                       [f.size for f in files], [f.mtime for f in files])
+    return remote_listing.listing_of(folder, files, fingerprint)
+
+
+def open_parquet(path_url: str | list[str], split: str = "train", storage_options: dict[str, Any] | None = None,
+                 image_column: str = "image", label_column: str = "label", relist: bool = False) -> ParquetDataset:
+    """The `split` of the Parquet files at `path_url`: from the cached index while the files' names, sizes
+    and modification times are unchanged, else indexed. Remote files are listed once and their listing
+    saved (storage/remote_listing.py; `relist` lists them again)."""
+    first = path_url[0] if isinstance(path_url, list) else path_url
+    fs, path = open_url(first, storage_options)
+    paths: str | list[str] = [open_url(p, storage_options)[1] for p in path_url] if isinstance(path_url, list) else path
+    shown = redact(first)
+    columns = (image_column, label_column)
+    listing = remote_listing.remembered(fs, path, listing_key(path_url, split, storage_options, *columns), relist,
+                                        lambda: _list_files(fs, path, paths, first, split, columns))
+    folder, fingerprint = listing.root, listing.fingerprint
+    identity = _identity(fs, folder, split, columns)
     where = manifest.manifest_path(identity, cache_dir())
     index = manifest.load_index(where, identity, fingerprint)
     if index is None:
         with storage_errors(first, "read the Parquet files"):
-            index = _index_files(fs, names, (image_column, label_column), fingerprint)
+            index = _index_files(fs, listing.names(), columns, fingerprint)
         manifest.save_index(where, index, identity)
     if not len(index.arrays["sizes"]):
-        raise DatasetError(f"{shown}: no rows in {len(names)} Parquet file(s)")
+        raise DatasetError(f"{shown}: no rows in {len(listing.files)} Parquet file(s)")
     arrays = index.arrays
     return ParquetDataset(root=fs.unstrip_protocol(folder) if not is_local_fs(fs) else folder, fs=fs,
-                          files=np.array([n.encode() for n in names], dtype=np.bytes_), file_of=arrays["file_of"],
-                          group_of=arrays["group_of"], row_of=arrays["row_of"], labels=arrays["labels"],
-                          sizes=arrays["sizes"], classes=index.classes, fingerprint=fingerprint,
-                          image_column=image_column)
+                          files=listing.files, file_of=arrays["file_of"], group_of=arrays["group_of"],
+                          row_of=arrays["row_of"], labels=arrays["labels"], sizes=arrays["sizes"],
+                          classes=index.classes, fingerprint=fingerprint, image_column=image_column,
+                          file_bytes=listing.sizes, listed_at=listing.listed_at)

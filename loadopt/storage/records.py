@@ -35,7 +35,9 @@ import numpy as np
 from loadopt.config_models import RecordSpec
 from loadopt.errors import DatasetError
 from loadopt.files import honour_umask
-from loadopt.storage.remote import is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage import remote_listing
+from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote_listing import ListingKey, SavedListing
 
 GENERATOR_VERSION = 1
 MIN_RECORD_BYTES = 1024  # a draw below this (the normal's left tail) is clipped to it
@@ -60,6 +62,7 @@ class RecordDataset:
     classes: list[str] = field(default_factory=list)
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
+    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
     kind: ClassVar[str] = "records"
     source_format: ClassVar[str] = "records"
 
@@ -87,16 +90,18 @@ class RecordDataset:
         name = self.files[self.file_of[index]].decode()
         row, size = int(self.row_of[index]), int(self.sizes[index])
         try:
+            shown, listed_at = display_name(self.fs, name), self.listed_at
             if self.file_format == "raw":
-                data = self.fs.cat_file(name, start=row * size, end=(row + 1) * size)
+                data = remote_listing.read_listed(self.fs, name, shown, listed_at, size, row * size, (row + 1) * size)
                 if len(data) != size:
                     raise DatasetError(f"{redact(name)}: record {row} is cut short ({len(data)} of {size} bytes)")
                 return np.frombuffer(data, dtype=np.uint8), size
             # Parsed from the open file, as DLIO's reader does (reading it into a buffer first and parsing
             # that copy costs two fresh buffers of the file's size per sample).
-            with self.fs.open(name, "rb") as handle, np.load(handle) as archive:
-                rows = archive["x"]
-            whole = int(self.file_bytes[self.file_of[index]])  # the whole file is read for its `x`
+            whole = int(self.file_bytes[self.file_of[index]])
+            with remote_listing.open_listed(self.fs, name, shown, listed_at, whole) as handle, \
+                    np.load(handle) as archive:
+                rows = archive["x"]  # the whole file is read for its `x`
             if rows.ndim == 3 and row < rows.shape[2]:  # DLIO's layout: (dim1, dim2, samples)
                 return np.ascontiguousarray(rows[..., row]).reshape(-1).view(np.uint8), whole
             if rows.ndim != 2 or row >= len(rows):
@@ -204,44 +209,63 @@ def _npz_rows(fs: fsspec.AbstractFileSystem, name: str) -> tuple[int, int]:
     return int(shape[0]), int(shape[1]) * np.dtype(dtype).itemsize
 
 
-def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | None = None,
-                 synthetic: bool = False) -> RecordDataset:
-    """The records of the folder at `path` (a path or URL): `*.bin` files of `samples_per_file` records
-    each, or `*.npz` files with an `x` array of records (one per row)."""
-    fs, root = open_url(path, storage_options)
+def _list_records(fs: fsspec.AbstractFileSystem, root: str, path: str, spec: RecordSpec) -> SavedListing:
+    """The record files of the folder, by name, with their sizes, modification times and fingerprint; an npz
+    file's records and bytes per record too (its `x` array's header: a read each, kept with the listing)."""
     shown = redact(path)
     suffix = RECORD_EXTENSIONS[spec.file_format]
     with storage_errors(path, "list the record folder"):
         if not fs.isdir(root):
             raise DatasetError(f"{shown}: {why_missing(fs, root, path, 'record folder not found')}")
-        found = sorted((info["name"], int(info["size"]), str(info.get("mtime") or info.get("LastModified") or ""))
-                       for info in fs.find(root, detail=True).values() if info["name"].endswith(suffix))
-    if not found:
+        infos = sorted((info for info in fs.find(root, detail=True).values() if info["name"].endswith(suffix)),
+                       key=lambda info: info["name"])
+        files = remote_listing.described(fs, infos)
+    if not files:
         raise DatasetError(f"{shown}: no {suffix} record files found (dataset.records.file_format: "
                            f"{spec.file_format})")
-    file_of, row_of, sizes = [], [], []
-    for number, (name, size, _) in enumerate(found):
-        if spec.file_format == "raw":
-            rows = spec.samples_per_file
-            if size % rows:
-                raise DatasetError(f"{redact(name)}: {size} bytes is not {rows} records of one size "
-                                   "(dataset.records.samples_per_file)")
-            record = size // rows
-        else:
+    arrays = {}
+    if spec.file_format == "npz":
+        shapes = []
+        for file in files:
             try:
-                rows, record = _npz_rows(fs, name)
+                shapes.append(_npz_rows(fs, file.name))
             except DatasetError:
                 raise
             except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-                raise DatasetError(f"{redact(name)}: not a readable npz record file ({exc})") from None
-        file_of.append(np.full(rows, number, dtype=np.int64))
-        row_of.append(np.arange(rows, dtype=np.int64))
-        sizes.append(np.full(rows, record, dtype=np.int64))
-    names = [name for name, _, _ in found]
-    # Names, sizes and modification times: a file rewritten in place is another dataset.
-    digest = hashlib.sha256(json.dumps([(fs.unstrip_protocol(n), s, m) for n, s, m in found]).encode()).hexdigest()[:16]
-    return RecordDataset(root=root, fs=fs, files=np.array([n.encode() for n in names]),
-                         file_bytes=np.array([size for _, size, _ in found], dtype=np.int64),
-                         file_of=np.concatenate(file_of), row_of=np.concatenate(row_of), sizes=np.concatenate(sizes),
-                         file_format=spec.file_format, delivered_bytes=spec.delivered_bytes,
-                         fingerprint=f"records-{digest}", synthetic=synthetic)
+                raise DatasetError(f"{redact(file.name)}: not a readable npz record file ({exc})") from None
+        arrays = {"rows": np.array([r for r, _ in shapes], dtype=np.int64),
+                  "record_bytes": np.array([b for _, b in shapes], dtype=np.int64)}
+    # Names, sizes and modification times: a file rewritten in place is another dataset. (The modification
+    # time as this digest has always taken it: `mtime` or `LastModified`.)
+    stamps = [str(i.get("mtime") or i.get("LastModified") or "") for i in infos]
+    digest = hashlib.sha256(json.dumps([(fs.unstrip_protocol(f.name), f.size, m)
+                                        for f, m in zip(files, stamps, strict=True)]).encode()).hexdigest()[:16]
+    return remote_listing.listing_of(root, files, f"records-{digest}", arrays=arrays)
+
+
+def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | None = None,
+                 synthetic: bool = False, relist: bool = False) -> RecordDataset:
+    """The records of the folder at `path` (a path or URL): `*.bin` files of `samples_per_file` records
+    each, or `*.npz` files with an `x` array of records (one per row). A remote folder is listed once and
+    its listing saved (storage/remote_listing.py; `relist` lists it again)."""
+    fs, root = open_url(path, storage_options)
+    key = ListingKey.of("records", path, "", storage_options, spec.file_format)
+    listing = remote_listing.remembered(fs, root, key, relist, lambda: _list_records(fs, root, path, spec))
+    sizes = np.asarray(listing.sizes, dtype=np.int64)
+    if spec.file_format == "raw":
+        rows = np.full(len(sizes), spec.samples_per_file, dtype=np.int64)
+        uneven = np.flatnonzero(sizes % spec.samples_per_file)
+        if len(uneven):
+            name = listing.files[uneven[0]].decode()
+            raise DatasetError(f"{redact(name)}: {int(sizes[uneven[0]])} bytes is not {spec.samples_per_file} records "
+                               "of one size (dataset.records.samples_per_file)")
+        record = sizes // spec.samples_per_file
+    else:
+        rows, record = np.asarray(listing.arrays["rows"]), np.asarray(listing.arrays["record_bytes"])
+    # Per sample, without a Python loop over the files (a million files open in well under a second).
+    file_of = np.repeat(np.arange(len(sizes), dtype=np.int64), rows)
+    row_of = np.arange(len(file_of), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    return RecordDataset(root=root, fs=fs, files=listing.files, file_bytes=sizes, file_of=file_of, row_of=row_of,
+                         sizes=np.repeat(record, rows), file_format=spec.file_format,
+                         delivered_bytes=spec.delivered_bytes, fingerprint=listing.fingerprint, synthetic=synthetic,
+                         listed_at=listing.listed_at)

@@ -23,9 +23,9 @@ import numpy as np
 
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
-from loadopt.storage import manifest
-from loadopt.storage.imagefolder import modified
+from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
 from loadopt.storage.source_format import BRACE, GLOB_CHARS, expand_braces, labels_and_classes, of_split
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class WebDataset:
     left_out: list[str] = field(default_factory=list)  # samples without an image member, empty shards
     synthetic: bool = False
     converted: str | None = None
+    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "webdataset"
 
@@ -80,7 +81,8 @@ class WebDataset:
             finally:
                 os.close(fd)
         else:
-            data = self.fs.cat_file(shard, start=start, end=start + length)
+            data = remote_listing.read_listed(self.fs, shard, display_name(self.fs, shard), self.listed_at, length,
+                                              start, start + length)
         if len(data) != length:
             raise DatasetError(f"{redact(self.path(index))}: cut short ({len(data)} of {length} bytes)")
         return data
@@ -243,8 +245,8 @@ def _shard_names(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: st
     return folder, of_split(tars, split, shown)
 
 
-def _shard_infos(fs: fsspec.AbstractFileSystem, folder: str, names: list[str], shown: str) -> list[tuple[int, str]]:
-    """(size, modification time) of each shard: from one listing of their folder where it names them."""
+def _shard_infos(fs: fsspec.AbstractFileSystem, folder: str, names: list[str], shown: str) -> list[ListedFile]:
+    """Each shard's size, modification time and ETag: from one listing of their folder where it names them."""
     listed = {info["name"].rstrip("/"): info for info in fs.ls(folder, detail=True)} if folder else {}
     found = []
     for name in names:
@@ -253,7 +255,8 @@ def _shard_infos(fs: fsspec.AbstractFileSystem, folder: str, names: list[str], s
             if not fs.exists(name):
                 raise DatasetError(f"{display_name(fs, name)}: shard not found (of {shown})")
             info = fs.info(name)
-        found.append((int(info.get("size") or fs.size(name) or 0), modified(info)))
+        found.append(ListedFile(name, int(info.get("size") or fs.size(name) or 0), remote_listing.modified(info),
+                                remote_listing.etag(info)))
     return found
 
 
@@ -284,13 +287,19 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
     return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=left_out)
 
 
-def open_webdataset(path_url: str, split: str = "train", storage_options: dict[str, Any] | None = None,
-                    label_key: str | None = None, on_error: str = "raise") -> WebDataset:
-    """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
-    the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
-    A sample without an image member, or an empty shard, is an error, or under `on_error: skip` left out
-    and named."""
-    fs, path = open_url(path_url, storage_options)
+def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
+                label_key: str | None) -> ListingKey:
+    """What names the saved listing of these shards (the label key is in their fingerprint)."""
+    return ListingKey.of("webdataset", path_url, split, storage_options, label_key or "cls")
+
+
+def _identity(fs: fsspec.AbstractFileSystem, folder: str, split: str, label_key: str | None) -> str:
+    return f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}"
+
+
+def _list_shards(fs: fsspec.AbstractFileSystem, path: str, path_url: str, split: str,
+                 label_key: str | None) -> SavedListing:
+    """The shards of `split` at `path`, with their sizes, modification times and fingerprint."""
     shown = redact(path_url)
     with storage_errors(path_url, "list the shards"):
         if not BRACE.search(path) and not any(c in path for c in GLOB_CHARS) and not fs.exists(path):
@@ -298,16 +307,31 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
         folder, names = _shard_names(fs, path, split, shown)
         if not names:
             raise DatasetError(f"{shown}: no .tar shards found")
-        infos = _shard_infos(fs, folder, names, shown)
+        files = _shard_infos(fs, folder, names, shown)
+    fingerprint = manifest.fingerprint(_identity(fs, folder, split, label_key), [n.rsplit("/", 1)[-1] for n in names],
+                                       [f.size for f in files], [f.mtime for f in files])
+    return remote_listing.listing_of(folder, files, fingerprint)
+
+
+def open_webdataset(path_url: str, split: str = "train", storage_options: dict[str, Any] | None = None,
+                    label_key: str | None = None, on_error: str = "raise", relist: bool = False) -> WebDataset:
+    """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
+    the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
+    Remote shards are listed once and their listing saved (storage/remote_listing.py; `relist` lists them
+    again). A sample without an image member, or an empty shard, is an error, or under `on_error: skip`
+    left out and named."""
+    fs, path = open_url(path_url, storage_options)
+    shown = redact(path_url)
+    listing = remote_listing.remembered(fs, path, listing_key(path_url, split, storage_options, label_key), relist,
+                                        lambda: _list_shards(fs, path, path_url, split, label_key))
+    folder, fingerprint = listing.root, listing.fingerprint
     root = fs.unstrip_protocol(folder) if not is_local_fs(fs) else folder
-    identity = f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}"
-    relative = [n.rsplit("/", 1)[-1] for n in names]
-    fingerprint = manifest.fingerprint(identity, relative, [s for s, _ in infos], [m for _, m in infos])
+    identity = _identity(fs, folder, split, label_key)
     where = manifest.manifest_path(identity, cache_dir())
     index = manifest.load_index(where, identity, fingerprint)
     if index is None:
         with storage_errors(path_url, "read the shards' headers"):
-            index = _index_shards(fs, names, [s for s, _ in infos], label_key, fingerprint)
+            index = _index_shards(fs, listing.names(), listing.sizes.tolist(), label_key, fingerprint)
         manifest.save_index(where, index, identity)
     if index.notes and on_error != "skip":
         raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave it out "
@@ -316,9 +340,8 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
         log.warning("%s: %d sample(s) without an image member or empty shard(s) left out, the first: %s", shown,
                     len(index.notes), index.notes[0])
     if not len(index.arrays["sizes"]):
-        raise DatasetError(f"{shown}: no samples with an image member in {len(names)} shard(s)")
+        raise DatasetError(f"{shown}: no samples with an image member in {len(listing.files)} shard(s)")
     arrays = index.arrays
-    return WebDataset(root=root, fs=fs, shards=np.array([n.encode() for n in names], dtype=np.bytes_),
-                      shard_of=arrays["shard_of"], offsets=arrays["offsets"], keys=arrays["keys"],
-                      labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
-                      fingerprint=fingerprint, left_out=index.notes)
+    return WebDataset(root=root, fs=fs, shards=listing.files, shard_of=arrays["shard_of"], offsets=arrays["offsets"],
+                      keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
+                      fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at)
