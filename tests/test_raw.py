@@ -11,7 +11,7 @@ from loadopt.errors import DatasetError
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
-from loadopt.storage import raw_format
+from loadopt.storage import raw_convert, raw_format
 from loadopt.storage.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
@@ -160,44 +160,54 @@ def test_plan_coalesces_adjacent_samples(tmp_path):
 def test_index_round_trip(tmp_path):
     cfg = config(tmp_path)
     dataset = open_dataset(cfg)
-    folder = raw_format.convert(dataset, "encoded", shard_mib=SMALL)
+    folder = raw_convert.convert(dataset, "encoded", shard_mib=SMALL)
     raw = raw_format.open_raw(folder, dataset, "encoded", None, SMALL, verify_labels=True)
     assert raw.meta["form"] == "encoded" and (raw.offset % raw_format.ALIGN == 0).all()
     for i in (0, 17, len(dataset) - 1):
         with open(raw.shards[raw.shard[i]], "rb") as f:
             f.seek(raw.offset[i])
             assert f.read(raw.length[i]) == with_restarts(dataset.read(i))  # the source's coefficients, restarts
-    assert raw_format.convert(dataset, "encoded", shard_mib=SMALL) == folder  # reused
+    assert raw_convert.convert(dataset, "encoded", shard_mib=SMALL) == folder  # reused
     assert not list(folder.parent.glob("*.tmp"))
 
 
 def test_truncated_shard_and_bad_index_are_named(tmp_path):
     cfg = config(tmp_path, image_size=40)
     dataset = open_dataset(cfg)
-    folder = raw_format.convert(dataset, "encoded", shard_mib=SMALL)
+    folder = raw_convert.convert(dataset, "encoded", shard_mib=SMALL)
     raw = raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
     shard = raw.shards[1]
     data = shard.read_bytes()
     last = int(np.nonzero(raw.shard == 1)[0][-1])
     try:
         shard.write_bytes(data[: len(data) - 5000])
-        with pytest.raises(DatasetError, match=f"^{shard}: sample {last} needs bytes .*truncated shard"):
+        with pytest.raises(DatasetError, match=f"^{shard}: {len(data) - 5000} bytes, the manifest says .*truncated"):
             raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
     finally:
         shard.write_bytes(data)
-    index = folder / "index.npz"
+    index = folder / raw_format.shard_index_name(1)
     saved = index.read_bytes()
     try:
-        rows, meta = raw.index.copy(), raw.meta
-        rows[5]["offset"] = 1 << 30
-        np.savez(index, index=rows, meta=np.array(__import__("json").dumps(meta)))
-        with pytest.raises(DatasetError, match=f"{raw.shards[rows[5]['shard']]}: sample 5 needs bytes 1073741824-"):
-            raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+        rows = np.load(index)
+        rows[2]["offset"] = 1 << 30
+        np.save(index, rows)
+        sample = int(rows[2]["sample_id"])
+        with pytest.raises(DatasetError, match=f"{raw.shards[1]}: sample {sample} needs bytes 1073741824-"):
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL).locate(np.array([sample]))
         index.write_bytes(saved[:100])
         with pytest.raises(DatasetError, match="corrupt raw index"):
-            raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL).locate(np.array([sample]))
+        index.unlink()
+        with pytest.raises(DatasetError, match="shard index not found"):
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL).locate(np.array([sample]))
     finally:
         index.write_bytes(saved)
+    shard.unlink()
+    try:
+        with pytest.raises(DatasetError, match=f"^{shard}: shard file not found \\(the manifest lists it"):
+            raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
+    finally:
+        shard.write_bytes(data)
 
 
 @pytest.mark.parametrize("form", ["encoded", "decoded"])  # staged batch reads; per-sample reads in C
@@ -256,7 +266,7 @@ def test_cli_convert_to_raw_and_bench(tmp_path):
     assert done.returncode == 0, done.stderr
     dataset = open_dataset(config_from_dict(raw, "p.yaml"))
     folder = raw_format.raw_path(dataset, "decoded", 52, SMALL)
-    assert str(folder) in done.stdout and (folder / "index.npz").exists()
+    assert str(folder) in done.stdout and (folder / raw_format.MANIFEST).exists()
     proc = loadopt("bench", path, "--quick", "--no-convert")
     assert proc.returncode == 0, proc.stderr
     assert "posix decoded centre 52px o_direct=True" in proc.stdout
@@ -284,10 +294,13 @@ def test_whole_frames_at_variable_lengths_equal_arrows(tmp_path, o_direct):
     posix.close()
 
 
-def test_an_interrupted_conversion_leaves_nothing_used(tmp_path, monkeypatch):
+def test_an_interrupted_conversion_resumes_from_its_finished_shards(tmp_path, monkeypatch):
+    """Stopped part way, nothing is used (no manifest, no conversion folder); run again, it keeps the shards it
+    finished and converts only the samples after them, into the same bytes as a conversion from scratch."""
     cfg = config(tmp_path, image_size=36)
     dataset = open_dataset(cfg)
-    real = raw_format._samples
+    real = raw_convert.samples
+    asked: list[int] = []
 
     def dies(*args):
         for n, blob in enumerate(real(*args)):
@@ -295,15 +308,47 @@ def test_an_interrupted_conversion_leaves_nothing_used(tmp_path, monkeypatch):
                 raise KeyboardInterrupt
             yield blob
 
-    monkeypatch.setattr(raw_format, "_samples", dies)
+    def counted(*args):
+        asked.append(args[-1])  # the first sample converted
+        yield from real(*args)
+
+    monkeypatch.setattr(raw_convert, "samples", dies)
     with pytest.raises(KeyboardInterrupt):
-        raw_format.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1)
+        raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1)
     final = raw_format.raw_path(dataset, "decoded", 41, SMALL)
-    assert not final.exists() and not list(final.parent.glob(f".{final.name}.*"))
-    monkeypatch.setattr(raw_format, "_samples", real)
-    assert raw_format.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1) == final
-    raw = raw_format.open_raw(final, dataset, "decoded", 41, SMALL, verify_labels=True)
+    work = raw_convert.work_folder(final)
+    finished = sorted(work.glob("shard-*.json"))
+    assert not final.exists() and finished and not (work / raw_format.MANIFEST).exists()
+    assert not list(work.glob(".*.tmp"))  # the shard being written was abandoned
+    monkeypatch.setattr(raw_convert, "samples", counted)
+    assert raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1) == final
+    resumed_at = asked[0]
+    assert 0 < resumed_at <= 20 and resumed_at == raw_format.RawIndex(
+        final, [], raw_format.read_manifest(final)).firsts[len(finished)]
+    assert not work.exists()
+    raw = raw_format.open_raw(final, dataset, "decoded", 41, SMALL, verify_labels=True, verify="all")
     assert raw.meta["shape"] == [41, 41, 3] and (raw.length == 41 * 41 * 3).all()
+    fresh = raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1, force=True)
+    assert [e["checksums"] for e in raw_format.read_manifest(fresh)["shard_table"]] == \
+        [e["checksums"] for e in raw.meta["shard_table"]]
+
+
+def test_a_rank_loads_the_index_of_the_shards_it_reads(tmp_path):
+    """The manifest names every shard; a reader loads a shard's index only when it locates a sample in it."""
+    cfg = config(tmp_path, image_size=36)
+    dataset = open_dataset(cfg)
+    folder = raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1)
+    raw = raw_format.open_raw(folder, dataset, "decoded", 41, SMALL, verify="none")
+    table = raw.meta["shard_table"]
+    assert len(table) > 3 and raw.loaded_bytes() == raw.firsts.nbytes
+    first, second = table[1], table[2]
+    wanted = np.arange(first["first"], first["first"] + first["samples"])
+    shard, offset, length = raw.locate(wanted)
+    assert (shard == 1).all() and (length == 41 * 41 * 3).all()
+    row_bytes = raw_format.INDEX_DTYPE.itemsize
+    assert raw.loaded_bytes() == first["samples"] * row_bytes + raw.firsts.nbytes
+    raw.locate(np.array([second["first"]]))
+    assert raw.loaded_bytes() == (first["samples"] + second["samples"]) * row_bytes + raw.firsts.nbytes
 
 
 @pytest.mark.gpu

@@ -124,9 +124,9 @@ class PageCacheCrops:
         if prefill_allowed and batches:
             # Before any sample is read: samples read at random first break the kernel's sequential
             # readahead at every one of them, and the prefill then leaves mostly small folios.
-            first = batches[0][:8]
-            if not all_cached(reader.fds, list(zip(raw.shard[first].tolist(), raw.offset[first].tolist(),
-                                                   strict=True)), span):
+            first_shards, first_offsets, _ = raw.locate(batches[0][:8])
+            if not all_cached(reader.fds, list(zip(first_shards.tolist(), first_offsets.tolist(), strict=True)),
+                              span):
                 prefill(raw.shards)
                 prefill_allowed = False
         for n, indices in enumerate(batches):
@@ -134,8 +134,9 @@ class PageCacheCrops:
             if slot is None:
                 return
             tops, lefts, flips = crops.plan_crops(indices, stored - size, self.augment, self.seed, epoch)
-            shards = raw.shard[indices].astype(np.int32)
-            offsets = crops.crop_offsets(raw.offset[indices], tops, lefts, stored)
+            located, stored_at, _ = raw.locate(indices)
+            shards = located.astype(np.int32)
+            offsets = crops.crop_offsets(stored_at, tops, lefts, stored)
             self._check_ends(shards, offsets, span, mapped)
             # One call a batch: `threads` threads in C, the GIL released (Python worker threads handing the GIL
             # back and forth at every chunk cost rate).

@@ -40,7 +40,7 @@ from loadopt.loaders.fillers import Located
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.loaders.shard_reader import PosixReader, ShardReader, aligned_empty
 from loadopt.machine import usable_cores
-from loadopt.storage import raw_format, tier_reads
+from loadopt.storage import raw_convert, raw_format, tier_reads
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 
 
@@ -137,20 +137,20 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
-        if not (path / "index.npz").exists():
+        if not (path / raw_format.MANIFEST).exists():
             if not convert_missing:
                 flags = CONVERT_FLAGS.get(self.stored_form, "")
                 raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to raw{flags}`")
-            raw_format.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib, progress=progress,
-                               on_error=self.on_error)
+            raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib,
+                                progress=progress, on_error=self.on_error)
         self._raw = raw_format.open_raw(path, self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         raw = self._raw
         self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion
         self.close_maps()
         if self._reader is not None:
             self._reader.close()
-        remote = tier_reads.publish(self.dataset, path, marker="index.npz")
+        remote = tier_reads.publish(self.dataset, path, marker=raw_format.MANIFEST)
         tier = tier_reads.conversion_tier(self.dataset)
         if tier is None:
             self._reader = self.reader_class(raw.shards, self.settings.o_direct)
@@ -163,9 +163,8 @@ class PosixLoader(RingLoader[PosixSettings]):
     def plan(self, indices: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int, int]], int]:
         """Where each sample of the batch lands in the staging buffer, and the read tasks
         (shard, file offset, staging offset, nbytes) covering them; also the bytes to read."""
-        raw = self.raw
-        shard, offset = raw.shard[indices], raw.offset[indices]
-        padded = align_up(raw.length[indices])
+        shard, offset, length = self.raw.locate(indices)
+        padded = align_up(length)
         order = np.lexsort((offset, shard))
         starts = np.zeros(len(indices), np.int64)
         starts[order] = np.concatenate([[0], np.cumsum(padded[order])[:-1]])
@@ -202,8 +201,8 @@ class PosixLoader(RingLoader[PosixSettings]):
     def _staged(self, staging, starts: np.ndarray, indices: np.ndarray, nbytes: int) -> Located:
         """The batch's bytes read into `staging` at `starts` (`plan`)."""
         raw = self.raw
-        return Located([staging], np.zeros(len(indices), np.int32), starts, raw.length[indices].astype(np.int64),
-                       nbytes, raw.frames[indices] if raw.frames is not None else None)
+        return Located([staging], np.zeros(len(indices), np.int32), starts, raw.locate(indices)[2], nbytes,
+                       raw.frames_of(indices) if raw.meta["form"] == "frames" else None)
 
     def through_page_cache(self) -> bool:
         """Whether batches may be cropped from the shards' mappings (the filler's `page_cache_path`): the
@@ -230,7 +229,7 @@ class PosixLoader(RingLoader[PosixSettings]):
         if cached == "per sample":
             self._page_cache_crops().produce(ring, batches, epoch, free, ready, stop)
             return
-        most = int(align_up(raw.length).max()) * self.pipeline.batch_size
+        most = int(align_up(raw.max_length)) * self.pipeline.batch_size
         depth = self.settings.read_ahead
         staging = [self._new_staging(most) for _ in range(depth + 1)]
         pending: dict[int, tuple] = {}
@@ -275,9 +274,8 @@ class PosixLoader(RingLoader[PosixSettings]):
         done; or, where `maps` are given and every sample is cached (`check` False: taken to be, the
         shards' sizes still checked), their offsets in their `shards`' mappings (nothing read)."""
         if maps is not None:
-            raw = self.raw
-            shards, offsets = raw.shard[indices].astype(np.int32), raw.offset[indices].astype(np.int64)
-            lengths = raw.length[indices].astype(np.int64)
+            located, offsets, lengths = self.raw.locate(indices)
+            shards = located.astype(np.int32)
             try:
                 if check:
                     cached = crops.native.uncached(maps, shards, offsets, lengths) == 0

@@ -17,7 +17,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.imaging.reencode import REENCODE_QUALITY
-from loadopt.storage import arrow_format, raw_format
+from loadopt.storage import arrow_format, raw_convert, raw_format
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
@@ -101,8 +101,8 @@ def conversion_path(to: str, dataset: ImageDataset | TokenDataset, stored: Form,
 
 
 def _finished_file(to: str, path: Path) -> Path:
-    """The file whose presence says the conversion finished (raw: the index, written last)."""
-    return path / "index.npz" if to == "raw" else path
+    """The file whose presence says the conversion finished (raw: the manifest, written last)."""
+    return path / raw_format.MANIFEST if to == "raw" else path
 
 
 def _mtime(path: Path) -> int | None:
@@ -141,8 +141,8 @@ def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
     existed, before = finished.exists(), _mtime(finished)
     start = time.perf_counter()
     if to == "raw":
-        raw_format.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
-                           force=force, verify=verify)
+        raw_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
+                            force=force, verify=verify)
         skipped = len(raw_format.open_raw(path, dataset, form.stored, form.size, shard_mib).meta["skipped"])
         nbytes = sum(f.stat().st_size for f in path.iterdir())
     else:

@@ -1,0 +1,313 @@
+"""Writing a raw conversion (storage/raw_format.py's layout) shard by shard, resumable.
+
+The shards are written into a work folder beside the conversion's (`.<name>.partial`), each one finished on
+its own: its .bin, index (and frames) under temporary names, the .bin read back against the checksums taken
+while it was written, renamed, and then its `shard-0000k.json` written by rename, the mark that it is done. A
+conversion that was stopped (Ctrl-C, a kill, a full disk) and run again keeps every finished shard and
+continues from the first sample after them: at most one shard is redone (a full disk instead removes them:
+the space goes back). The manifest is written once every
+shard is there and the whole folder checked; the work folder is then renamed into place, so a reader never
+sees a conversion without its manifest. One process converts at a time (a lock in the work folder); another
+waits for it and finds the conversion done.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import zlib
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from loadopt.errors import DatasetError
+from loadopt.files import is_no_space
+from loadopt.storage import arrow_format, decode_pool, integrity
+from loadopt.storage.arrow_format import Form
+from loadopt.storage.raw_format import (
+    INDEX_DTYPE,
+    MANIFEST,
+    RawMeta,
+    ShardEntry,
+    align_up,
+    conversion_key,
+    open_raw,
+    raw_path,
+    shard_bytes,
+    shard_entry_name,
+    shard_frames_name,
+    shard_index_name,
+    shard_name,
+)
+from loadopt.storage.shards import shard_table
+
+log = logging.getLogger(__name__)
+
+RUN = "run.json"  # the key and source digest the work folder's shards were written for
+
+
+def samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_error: str = "raise",
+            skipped: list | None = None, start: int = 0) -> Iterator[bytes]:
+    """Each sample's bytes in order from sample `start`; one that cannot be decoded goes by `on_error` (`skip`:
+    a blank one, `[index, reason]` appended to `skipped`)."""
+    n = len(dataset)
+    skipped = [] if skipped is None else skipped
+    ids = range(start, n)
+    if form == "tokens":
+        windows = dataset.windows()
+        for i in ids:
+            yield windows[i].tobytes()
+        return
+    if form == "records":
+        for i in ids:
+            yield dataset.read(i)
+        return
+    if form == "reencoded" and not size:
+        raise ValueError("the reencoded form is bounded by a max side: none was given")
+    # The Arrow forms' own functions: the same bytes in both forms (bit-equal pixels for the decoded ones).
+    work, chunk, blank = {
+        "frames": (arrow_format.decode_frame, 16, lambda: (bytes(3), (1, 1, 1, 1))),
+        "encoded": (arrow_format.encode_sample, 16, None),
+        "reencoded": (arrow_format.reencode_sample, 4, bytes),
+        "decoded": (arrow_format.decode_centre, 16, lambda: bytes((size or 0) ** 2 * 3)),
+    }[form]
+    arrow_format.set_pool_dataset(dataset, size)
+    pool = decode_pool.start(workers)
+    try:
+        if blank is None:  # encoded: the stored bytes, nothing decoded to fail
+            yield from (pool.imap(work, ids, chunksize=chunk) if pool else map(work, ids))
+            return
+        guarded = partial(integrity.guarded, work)
+        for i, result in zip(ids, pool.imap(guarded, ids, chunksize=chunk) if pool else map(guarded, ids),
+                             strict=True):
+            kept = integrity.keep_or_skip(dataset, [i], [result], on_error, skipped, blank)[0]
+            if form == "frames":
+                blob, frame = kept
+                dims.append(frame)
+                yield blob
+            else:
+                yield kept
+    finally:
+        decode_pool.stop(pool)
+
+
+def work_folder(final: Path) -> Path:
+    """Where the shards of `final` are written until every one is there (kept across runs: the resume)."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def _finished_shards(work: Path) -> list[ShardEntry]:
+    """The shards finished in `work`, in order, up to the first missing or damaged one (redone)."""
+    done: list[ShardEntry] = []
+    for k in range(1 << 31):
+        entry_path = work / shard_entry_name(k)
+        try:
+            entry: ShardEntry = json.loads(entry_path.read_text())
+            intact = (work / shard_name(k)).stat().st_size == entry["bytes"] and (work / shard_index_name(k)).exists()
+        except (OSError, ValueError, KeyError):
+            break
+        if not intact or entry.get("first") != (done[-1]["first"] + done[-1]["samples"] if done else 0):
+            break
+        done.append(entry)
+    return done
+
+
+class _ShardWriter:
+    """One shard being written: its .bin under a temporary name, its rows, checksums and skipped samples."""
+
+    def __init__(self, work: Path, k: int, first: int) -> None:
+        self.work, self.k, self.first = work, k, first
+        self.tmp = work / f".{shard_name(k)}.{os.getpid()}.tmp"
+        self.out = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish()/abandon()
+        self.sums = integrity.ChunkSums()
+        self.rows: list[tuple[int, int]] = []  # (offset, length)
+        self.frames: list = []
+        self.position = 0
+
+    def add(self, blob: bytes) -> None:
+        padded = int(align_up(len(blob)))
+        for piece in (blob, bytes(padded - len(blob))):
+            self.out.write(piece)
+            self.sums.update(piece)
+        self.rows.append((self.position, len(blob)))
+        self.position += padded
+
+    def finish(self, labels: np.ndarray, skipped: list, table_bounds: np.ndarray, form: Form) -> ShardEntry:
+        """Close, verify and rename the shard's files; its entry written last (the mark that it is done)."""
+        self.out.close()
+        checksums = self.sums.finish()
+        for c, data in integrity.iter_file_chunks(self.tmp, list(range(len(checksums)))):
+            if zlib.crc32(data) != checksums[c]:
+                raise DatasetError(f"{self.tmp}: chunk {c} reads back other bytes than were written (a failing "
+                                   "disk or a concurrent writer)")
+        n = len(self.rows)
+        index = np.zeros(n, INDEX_DTYPE)
+        index["sample_id"] = np.arange(self.first, self.first + n)
+        index["shard"] = self.k
+        if n:
+            index["offset"], index["length"] = np.array(self.rows, dtype=np.int64).T
+        index["label"] = labels[self.first : self.first + n]
+        _write_npy(self.work / shard_index_name(self.k), index)
+        if form == "frames":
+            _write_npy(self.work / shard_frames_name(self.k), np.array(self.frames, np.int32).reshape(n, 4))
+        os.replace(self.tmp, self.work / shard_name(self.k))
+        last = self.first + max(n, 1) - 1
+        sources = np.searchsorted(table_bounds, [self.first, last], side="right") - 1
+        entry = ShardEntry(shard=self.k, first=self.first, samples=n, bytes=self.position, checksums=checksums,
+                           skipped=[s for s in skipped if self.first <= int(s[0]) < self.first + n],
+                           source_shards=[int(sources[0]), int(sources[1])],
+                           max_length=max((length for _, length in self.rows), default=0))
+        _write_text(self.work / shard_entry_name(self.k), json.dumps(entry))
+        return entry
+
+    def abandon(self) -> None:
+        self.out.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as handle:
+        np.save(handle, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
+                  on_error: str, done: list[ShardEntry]) -> list[ShardEntry]:
+    """Write the shards after the `done` ones; the whole shard table returned."""
+    limit, n = shard_bytes(shard_mib), len(dataset)
+    labels = np.zeros(n, np.int64) if form == "tokens" else np.asarray(dataset.labels)
+    bounds = shard_table(dataset).bounds
+    entries = list(done)
+    skipped: list[list[int | str]] = [s for e in done for s in e["skipped"]]
+    start = entries[-1]["first"] + entries[-1]["samples"] if entries else 0
+    if start >= n and entries:
+        return entries
+    writer = _ShardWriter(work, len(entries), start)
+    try:
+        dims: list = []
+        for i, blob in enumerate(samples(dataset, form, size, workers, dims, on_error, skipped, start), start):
+            if writer.position and writer.position + int(align_up(len(blob))) > limit:  # a sample larger than a
+                entries.append(writer.finish(labels, skipped, bounds, form))  # shard gets one of its own
+                writer = _ShardWriter(work, len(entries), i)
+            writer.add(blob)
+            if form == "frames":
+                writer.frames.append(dims[-1])
+            if progress is not None and ((i + 1) % 256 == 0 or i + 1 == n):
+                progress(i + 1, n)
+        entries.append(writer.finish(labels, skipped, bounds, form))
+    except BaseException:
+        writer.abandon()
+        raise
+    return entries
+
+
+def _manifest(dataset, form: Form, size: int | None, shard_mib: float, digest: str,
+              entries: list[ShardEntry]) -> RawMeta:
+    return RawMeta(**conversion_key(dataset, form, size, shard_mib), source_content=digest,
+                   skipped=[s for e in entries for s in e["skipped"]],
+                   checksums={"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES},
+                   shard_table=entries)
+
+
+def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256.0,
+            progress: Callable[[int, int], None] | None = None, workers: int | None = None, *,
+            on_error: str = "raise", force: bool = False, verify: bool = False) -> Path:
+    """Convert `dataset` to raw shards (or reuse the finished conversion); returns the folder. A conversion
+    stopped part way resumes from its finished shards. `on_error`, `force` and `verify` as for
+    `arrow_format.convert`."""
+    final = raw_path(dataset, form, size, shard_mib)
+    integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    if (final / MANIFEST).exists() and not force and not verify:
+        return final
+    # The source's content, recorded with the conversion: read once more, so only where that is cheap
+    # (a local disk) or asked for (--verify).
+    # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
+    digest = integrity.source_digest(dataset) if form not in ("tokens", "records") and \
+        (verify or dataset.is_local()) else ""
+    if (final / MANIFEST).exists() and not force:
+        if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:
+            return final
+        log.warning("%s: the source's content differs from the converted one's: converting again", final)
+    needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
+    work = work_folder(final)
+    try:
+        lock = _lock(work)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
+                                           form == "frames") from None
+        raise DatasetError(f"{final.parent}: cannot write the raw conversion ({exc.strerror or exc}); "
+                           "set storage.converted to a writable folder") from None
+    if lock is None:  # another process finished it while this one waited
+        return final
+    try:
+        if (final / MANIFEST).exists() and not force and not verify:
+            return final
+        _start_or_resume(work, {"key": conversion_key(dataset, form, size, shard_mib), "source_content": digest},
+                         fresh=force)
+        entries = _write_shards(work, dataset, form, size, shard_mib, progress, workers or os.cpu_count() or 1,
+                                on_error, _finished_shards(work))
+        _write_text(work / MANIFEST, json.dumps(_manifest(dataset, form, size, shard_mib, digest, entries)))
+        open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none")
+        (work / RUN).unlink()
+        if final.exists():  # forced, or a damaged one: the old conversion goes only once the new one is complete
+            old = final.with_name(f".{final.name}.{os.getpid()}.old.tmp")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        (work / "lock").unlink()
+        os.replace(work, final)
+    except OSError as exc:
+        if is_no_space(exc):  # the finished shards would keep the disk full: the space goes back to the user
+            shutil.rmtree(work, ignore_errors=True)
+            raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
+                                           form == "frames") from None
+        raise
+    finally:
+        lock.close()
+    return final
+
+
+def _lock(work: Path):
+    """The work folder's lock, held (blocking while another process converts); None when that process finished
+    the conversion meanwhile (its work folder became the conversion)."""
+    while True:
+        work.mkdir(parents=True, exist_ok=True)
+        lock = open(work / "lock", "a")  # noqa: SIM115 - the caller closes it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.stat(work / "lock").st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock  # the folder's own lock: nobody renamed it away while this one waited
+        except FileNotFoundError:
+            pass
+        lock.close()
+        if (work.with_name(work.name[1 : -len(".partial")]) / MANIFEST).exists():
+            return None
+
+
+def _start_or_resume(work: Path, run: dict, fresh: bool = False) -> None:
+    """Keep the work folder's finished shards when they were written for this same conversion (and not
+    `fresh`); else start it afresh. Temporary files of a writer that died are removed (this process holds the
+    lock)."""
+    for leftover in work.glob(".*.tmp"):
+        leftover.unlink(missing_ok=True)
+    try:
+        same = not fresh and json.loads((work / RUN).read_text()) == run
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        for entry in work.iterdir():
+            if entry.name != "lock":
+                entry.unlink()
+        _write_text(work / RUN, json.dumps(run))
