@@ -113,14 +113,19 @@ http {{
 """
 
 
+def nginx_conf(root: Path, work: Path, port: int) -> str:
+    """nginx's config serving `root` on 127.0.0.1:`port` (autoindex, ranges), its pid, logs and temp files in `work`."""
+    # started as root, nginx's workers drop to `nobody`, who cannot read pytest's private temp folders
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    return _NGINX_CONF.format(user=user, work=work, port=port, root=root)
+
+
 @contextlib.contextmanager
 def nginx_server(root: Path, work: Path):
     port = free_port()
     work.mkdir(parents=True, exist_ok=True)
     conf = work / "nginx.conf"
-    # started as root, nginx's workers drop to `nobody`, who cannot read pytest's private temp folders
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    conf.write_text(_NGINX_CONF.format(user=user, work=work, port=port, root=root))
+    conf.write_text(nginx_conf(root, work, port))
     proc = subprocess.Popen([shutil.which("nginx"), "-c", str(conf), "-p", str(work)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
