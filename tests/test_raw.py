@@ -178,7 +178,6 @@ def test_truncated_shard_and_bad_index_are_named(tmp_path):
     raw = raw_format.open_raw(folder, dataset, "encoded", None, SMALL)
     shard = raw.shards[1]
     data = shard.read_bytes()
-    last = int(np.nonzero(raw.shard == 1)[0][-1])
     try:
         shard.write_bytes(data[: len(data) - 5000])
         with pytest.raises(DatasetError, match=f"^{shard}: {len(data) - 5000} bytes, the manifest says .*truncated"):
