@@ -10,9 +10,9 @@ length), the source's digest, the samples skipped and the shard table (first sam
 source shards of each): a folder without it is not a conversion, and a shard it names that is missing or short
 is one line, never a silently short dataset.
 
-A reader opens the manifest and loads a shard's index when it first reads a sample of that shard
-(`RawIndex.locate`): under the window shuffle a rank reads its own shards, so it holds their index rows and
-the shard table, not the dataset's index (`RawIndex.loaded_bytes`).
+A reader opens the manifest and maps a shard's index when it first reads a sample of that shard
+(`RawIndex.locate`), reading only the rows it locates: under the window shuffle a rank reads runs of its own
+shards, so its resident index is their rows and the shard table, not the dataset's index.
 
 Every sample starts at a multiple of 4096 and every shard is padded to one, so a reader can fetch any run of
 samples with O_DIRECT (aligned offset, length and buffer) or cuFile without a bounce.
@@ -158,8 +158,8 @@ def shard_entry_name(k: int) -> str:
 
 @dataclass
 class RawIndex:
-    """An opened conversion: its shard files, the manifest and each shard's index rows, loaded when a sample of
-    the shard is first located (`locate`); `index`, `shard`, `offset`, `length` and `frames` load every shard
+    """An opened conversion: its shard files, the manifest and each shard's index rows, mapped when a sample of
+    the shard is first located (`locate`); `index`, `shard`, `offset`, `length` and `frames` read every row
     (for checks and tools, not the loaders' per-batch path)."""
 
     root: Path
@@ -182,13 +182,23 @@ class RawIndex:
         return rows
 
     def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(shard, offset, length) of each sample, int64, loading the index of each shard met the first time."""
+        """(shard, offset, length) of each sample, int64. The rows read are checked (their sample ids, and that
+        each sample lies inside its shard at a 4 KiB boundary): a damaged index is one line naming the file."""
         indices = np.asarray(indices, dtype=np.int64)
         owner = np.searchsorted(self.firsts, indices, side="right") - 1
         rows = np.empty(len(indices), INDEX_DTYPE)
+        table = self.meta["shard_table"]
         for k in np.unique(owner).tolist():
             mine = owner == k
-            rows[mine] = self._shard_rows(k)[indices[mine] - self.firsts[k]]
+            got = rows[mine] = self._shard_rows(k)[indices[mine] - self.firsts[k]]
+            bad = np.nonzero((got["sample_id"] != indices[mine]) | (got["shard"] != k) |
+                             (got["offset"] % ALIGN != 0) | (got["offset"] + got["length"] > table[k]["bytes"]))[0]
+            if len(bad):
+                row = got[bad[0]]
+                raise DatasetError(f"{self.shards[k]}: sample {int(indices[mine][bad[0]])} needs bytes "
+                                   f"{int(row['offset'])}-{int(row['offset'] + row['length'])} (index row of sample "
+                                   f"{int(row['sample_id'])}), the shard has {table[k]['bytes']} bytes (truncated "
+                                   "shard or bad index)")
         return rows["shard"].astype(np.int64), np.ascontiguousarray(rows["offset"]), \
             np.ascontiguousarray(rows["length"])
 
@@ -206,10 +216,9 @@ class RawIndex:
             out[mine] = self._frames[k][indices[mine] - self.firsts[k]]
         return out
 
-    def loaded_bytes(self) -> int:
-        """The index this reader holds: the rows of the shards it located samples in, and the shard table."""
-        return sum(r.nbytes for r in self._rows.values()) + sum(f.nbytes for f in self._frames.values()) + \
-            self.firsts.nbytes
+    def opened_shards(self) -> list[int]:
+        """The shards whose index this reader has mapped (it reads the pages of the rows it locates only)."""
+        return sorted(self._rows)
 
     # -- the whole index (checks and tools) -------------------------------------------------------
 
@@ -218,7 +227,9 @@ class RawIndex:
         """Every sample's row (INDEX_DTYPE, row i = sample i): loads every shard's index."""
         if not len(self.shards):
             return np.zeros(0, INDEX_DTYPE)
-        return np.concatenate([self._shard_rows(k) for k in range(len(self.shards))])
+        everything = np.arange(self.meta["rows"])
+        self.locate(everything)  # every row checked
+        return np.concatenate([np.asarray(self._shard_rows(k)) for k in range(len(self.shards))])
 
     @property
     def shard(self) -> np.ndarray:
@@ -241,26 +252,20 @@ class RawIndex:
 
 
 def load_shard_index(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
-    """Shard k's index rows, checked against its manifest entry: one line naming the file otherwise."""
+    """Shard k's index rows, memory-mapped: a reader's resident index is the pages of the rows it reads (under the
+    window shuffle, its own shards' runs), not the shard's. Its size is checked against the manifest entry here,
+    each row read by `RawIndex.locate`."""
     path = root / shard_index_name(k)
     try:
-        rows = np.load(path, allow_pickle=False)
+        rows = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise DatasetError(f"{path}: shard index not found (the manifest lists shard {k}); the conversion is "
                            "damaged: rebuild it with `loadopt convert CONFIG --to raw --force ...`") from None
     except (OSError, ValueError, EOFError) as exc:
         raise DatasetError(f"{path}: corrupt raw index ({str(exc).splitlines()[0]})") from None
-    ends = rows["offset"] + rows["length"] if rows.dtype == INDEX_DTYPE else None
-    if ends is None or len(rows) != entry["samples"] or \
-            not np.array_equal(rows["sample_id"], np.arange(entry["first"], entry["first"] + entry["samples"])):
-        raise DatasetError(f"{path}: {len(rows)} index rows; the manifest says samples {entry['first']}-"
-                           f"{entry['first'] + entry['samples'] - 1} (a damaged or foreign index)")
-    bad = np.nonzero((ends > entry["bytes"]) | (rows["offset"] % ALIGN != 0) | (rows["shard"] != k))[0]
-    if len(bad):
-        row = rows[bad[0]]
-        raise DatasetError(f"{root / shard_name(k)}: sample {int(row['sample_id'])} needs bytes {int(row['offset'])}-"
-                           f"{int(row['offset'] + row['length'])}, the shard has {entry['bytes']} bytes "
-                           f"(truncated shard or bad index)")
+    if rows.dtype != INDEX_DTYPE or rows.shape != (entry["samples"],):
+        raise DatasetError(f"{path}: {len(rows)} index rows of {rows.dtype}; the manifest says samples "
+                           f"{entry['first']}-{entry['first'] + entry['samples'] - 1} (a damaged or foreign index)")
     return rows
 
 
