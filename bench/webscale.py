@@ -13,7 +13,18 @@ Parts (`--part`, all by default):
   under `global`) and the seconds to build it. `RESULT window_order_per_rank_10m_world8`: a window rank's
   bytes over (the global permutation's / 8), target <= 1.2.
 
-    python bench/webscale.py [--part shuffle,order] [--samples N] [--order-samples N] [--world 8]
+- `index`: a raw conversion of `--index-samples` records (default 1M of 512 bytes, 1,000 a file: 4 GiB of
+  shards at the raw form's 4 KiB per sample; 10M would take 40 GiB, more than this disk has free) read by
+  each of `--world` ranks under the window shuffle, each in its own process locating every sample of its
+  epoch as the posix backend does batch by batch. The index a rank needed (`RawIndex.index_bytes_read`: the
+  4 KiB pages of index rows it located, and the shard table) against the conversion's index / world, and the
+  kernel's view (the resident pages of its index mappings, /proc/self/smaps: read-ahead is off on them, the
+  kernel's fault-around still maps up to 64 KiB of cached neighbours; the index files are evicted from the
+  page cache before each rank, as on a node of its own).
+  `RESULT index_per_rank_<n>_world<w>`: the largest rank's bytes over (the index / world), target <= 1.2.
+
+    python bench/webscale.py [--part shuffle,order,index] [--samples N] [--order-samples N] [--index-samples N]
+                             [--world 8]
 """
 
 from __future__ import annotations
@@ -127,15 +138,104 @@ def order_part(samples: int, world: int) -> str:
               f"{max(r['held_bytes'] for r in mine) / 1e6:>14.1f} {max(r['peak_bytes'] for r in mine) / 1e6:>26.1f}")
     window_peak = max(r["peak_bytes"] for r in rows if r["shuffle"] == "window")
     print(f"the global permutation: {whole / 1e6:.1f} MB; its share per rank: {whole / world / 1e6:.1f} MB")
-    return result_line(f"window_order_per_rank_{samples // 1_000_000}m_world{world}", window_peak / (whole / world),
+    return result_line(f"window_order_per_rank_{_count(samples)}_world{world}", window_peak / (whole / world),
                        "<=", 1.2)
+
+
+def _records_config(folder: Path, samples: int):
+    from loadopt.config import load_config
+
+    files = max(1, samples // 1000)
+    overrides = ["dataset.kind=records", "dataset.records.record_bytes=512", "dataset.records.delivered_bytes=512",
+                 "dataset.records.record_bytes_stdev=0", "dataset.records.scale=1", "workload.accelerator=null",
+                 "dataset.records.samples_per_file=1000", f"dataset.records.num_files={files}",
+                 "dataset.records.file_format=raw", "pipeline.shuffle=window", "pipeline.batch_size=64",
+                 f"report.out={folder / 'results'}"]
+    return load_config(REPO / "configs" / "imagenet.yaml", overrides)
+
+
+def _mapped_index_bytes() -> int:
+    """Resident bytes of this process's mappings of shard index files (/proc/self/smaps)."""
+    total, counting = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: its range, perms, ..., path
+            counting = line.endswith(".idx.npy")
+        elif counting and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+def _rank_index(args: tuple[str, int, int, int]) -> dict:
+    folder, samples, rank, world = args
+    from loadopt.loaders.sampler import EpochOrder, ShardWindows
+    from loadopt.storage import raw_format
+    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.shards import shard_table
+
+    config = _records_config(Path(folder), samples)
+    dataset = open_dataset(config)
+    path = raw_format.raw_path(dataset, "records", None)
+    start = time.perf_counter()
+    raw = raw_format.open_raw(path, dataset, "records", None, verify="none")
+    opened = time.perf_counter() - start
+    windows = ShardWindows(shard_table(dataset, config.pipeline.shard_samples), config.pipeline.window_shards)
+    order = EpochOrder(len(dataset), config.pipeline.batch_size, config.seed, 0, rank, world, "window",
+                       windows=windows)
+    for batch in order.batches():
+        raw.locate(batch)
+    return {"rank": rank, "needed": raw.index_bytes_read(), "resident": _mapped_index_bytes(),
+            "whole": raw.index_bytes(), "open_s": opened, "shards": len(raw.opened_shards()),
+            "of_shards": len(raw.shards)}
+
+
+def _evict_index(folder: Path) -> None:
+    import os
+
+    for path in folder.glob("*.idx.npy"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def index_part(samples: int, world: int) -> str:
+    from loadopt.storage import raw_convert, raw_format
+    from loadopt.storage.imagefolder import open_dataset
+
+    folder = Path(tempfile.mkdtemp(prefix="webscale-index-"))
+    dataset = open_dataset(_records_config(folder, samples))
+    start = time.perf_counter()
+    raw_convert.convert(dataset, "records", None)
+    print(f"\nraw conversion of {len(dataset):,} records: {time.perf_counter() - start:.0f} s (reused if 0)")
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for rank in range(world):
+        _evict_index(raw_format.raw_path(dataset, "records", None))  # each rank starts from a cold index, as on its
+        with context.Pool(1) as pool:  # own node; a fresh process per rank: its mappings are its own
+            rows.append(pool.map(_rank_index, [(str(folder), samples, rank, world)])[0])
+    whole = rows[0]["whole"]
+    print(f"the index per rank, {len(dataset):,} samples, world size {world}, window shuffle; the conversion's "
+          f"index {whole / 1e6:.1f} MB, / {world} = {whole / world / 1e6:.2f} MB")
+    print(f"{'rank':>4} {'index needed MB':>16} {'resident MB':>12} {'shards mapped':>14} {'open s':>7}")
+    for row in rows:
+        print(f"{row['rank']:>4} {row['needed'] / 1e6:>16.2f} {row['resident'] / 1e6:>12.2f} "
+              f"{row['shards']:>7} of {row['of_shards']:<4} {row['open_s']:>7.3f}")
+    largest = max(r["needed"] for r in rows)
+    return result_line(f"index_per_rank_{_count(samples)}_world{world}", largest / (whole / world), "<=", 1.2)
+
+
+def _count(samples: int) -> str:
+    return f"{samples // 1_000_000}m" if samples >= 1_000_000 else f"{samples // 1000}k"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="shuffle,order")
+    parser.add_argument("--part", default="shuffle,order,index")
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--order-samples", type=int, default=10_000_000)
+    parser.add_argument("--index-samples", type=int, default=1_000_000)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -146,6 +246,8 @@ def main() -> None:
         figures["shuffle"] = shuffle_part(args.samples)
     if "order" in parts:
         results.append(order_part(args.order_samples, args.world))
+    if "index" in parts:
+        results.append(index_part(args.index_samples, args.world))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     for line in results:

@@ -343,8 +343,9 @@ def test_a_reader_maps_the_index_of_the_shards_it_reads_only(tmp_path):
     first, second = table[1], table[2]
     shard, offset, length = raw.locate(np.arange(first["first"], first["first"] + first["samples"]))
     assert (shard == 1).all() and (length == 41 * 41 * 3).all() and raw.opened_shards() == [1]
+    assert raw.index_bytes_read() == 4096 + raw.firsts.nbytes  # shard 1's rows and header: one page
     raw.locate(np.array([second["first"]]))
-    assert raw.opened_shards() == [1, 2]
+    assert raw.opened_shards() == [1, 2] and raw.index_bytes_read() == 2 * 4096 + raw.firsts.nbytes
 
 
 @pytest.mark.gpu

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,7 @@ def raw_path(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_S
     return local_dir(dataset, cache_dir()) / "raw" / f"{dataset.fingerprint}-{form}-{key}"
 
 
+_PAGE = 4096
 MANIFEST = "manifest.json"  # written last: the conversion is finished exactly when it is there
 
 
@@ -169,6 +171,7 @@ class RawIndex:
     max_length: int = field(init=False)  # the longest sample's bytes
     _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _frames: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _pages: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # per shard: its index pages read
 
     def __post_init__(self) -> None:
         table = self.meta["shard_table"]
@@ -190,7 +193,12 @@ class RawIndex:
         table = self.meta["shard_table"]
         for k in np.unique(owner).tolist():
             mine = owner == k
-            got = rows[mine] = self._shard_rows(k)[indices[mine] - self.firsts[k]]
+            mapped = self._shard_rows(k)
+            at = indices[mine] - self.firsts[k]
+            got = rows[mine] = mapped[at]
+            header = _header_bytes(mapped)
+            touched = self._pages.setdefault(k, np.zeros(-(-(header + mapped.nbytes) // _PAGE), bool))
+            touched[(header + at * INDEX_DTYPE.itemsize) // _PAGE] = True
             bad = np.nonzero((got["sample_id"] != indices[mine]) | (got["shard"] != k) |
                              (got["offset"] % ALIGN != 0) | (got["offset"] + got["length"] > table[k]["bytes"]))[0]
             if len(bad):
@@ -219,6 +227,15 @@ class RawIndex:
     def opened_shards(self) -> list[int]:
         """The shards whose index this reader has mapped (it reads the pages of the rows it locates only)."""
         return sorted(self._rows)
+
+    def index_bytes_read(self) -> int:
+        """The index this reader has needed: the 4 KiB pages of index files holding the rows it located, and the
+        shard table (what a rank of a web-scale dataset holds, against `index_bytes`)."""
+        return sum(int(p.sum()) for p in self._pages.values()) * _PAGE + self.firsts.nbytes
+
+    def index_bytes(self) -> int:
+        """The whole conversion's index files on disk."""
+        return sum((self.root / shard_index_name(k)).stat().st_size for k in range(len(self.shards)))
 
     # -- the whole index (checks and tools) -------------------------------------------------------
 
@@ -257,7 +274,7 @@ def load_shard_index(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
     each row read by `RawIndex.locate`."""
     path = root / shard_index_name(k)
     try:
-        rows = np.load(path, mmap_mode="r", allow_pickle=False)
+        rows = _map_rows(path)
     except FileNotFoundError:
         raise DatasetError(f"{path}: shard index not found (the manifest lists shard {k}); the conversion is "
                            "damaged: rebuild it with `loadopt convert CONFIG --to raw --force ...`") from None
@@ -267,6 +284,30 @@ def load_shard_index(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
         raise DatasetError(f"{path}: {len(rows)} index rows of {rows.dtype}; the manifest says samples "
                            f"{entry['first']}-{entry['first'] + entry['samples'] - 1} (a damaged or foreign index)")
     return rows
+
+
+def _header_bytes(rows: np.ndarray) -> int:
+    """Where the rows start in their file (the .npy header before them): the base mapping's length less theirs."""
+    base = rows.base
+    return len(base) - rows.nbytes if isinstance(base, mmap.mmap) else 0
+
+
+def _map_rows(path: Path) -> np.ndarray:
+    """The rows of a shard index file as a read-only memory map, read-ahead off: the rows a rank reads are runs of
+    its own shards, and read-ahead (128 KiB at a time) would pull the neighbouring ranks' rows in too."""
+    with open(path, "rb") as handle:
+        version = np.lib.format.read_magic(handle)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(handle)
+        start = handle.tell()
+        if fortran or len(shape) != 1:
+            raise ValueError(f"not a 1-d index array (shape {shape})")
+        if shape[0] == 0:
+            return np.zeros(0, dtype)
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype, count=shape[0], offset=start)
 
 
 def load_shard_frames(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
