@@ -12,6 +12,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def byte_size(value: Any) -> int:
+    """A size given as a byte count or text (`500MB` = 500 x 10^6, `20GiB` = 20 x 2^30, `1.5 TB`) -> bytes;
+    a ValueError saying what is expected otherwise (the config names the key)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    text = str(value).strip().lower() if isinstance(value, str) else ""
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = text[len(number):].strip()
+    try:
+        amount = float(number) if number and unit in _SIZE_UNITS else -1.0
+    except ValueError:
+        amount = -1.0
+    if not 1 <= amount * _SIZE_UNITS.get(unit, 0) < 2**63:  # also refuses nan and inf
+        raise ValueError("expected a positive size such as 500MB, 20GiB or a byte count")
+    return int(amount * _SIZE_UNITS[unit])
+
+
 class SyntheticSpec(_Strict):
     """Parameters of the generated ImageNet-shaped dataset (used when `dataset.path` is null)."""
 
@@ -189,6 +210,14 @@ class StorageConfig(_Strict):
     # path or URL on the dataset's storage; null: beside the source under `.loadopt/` (on the local
     # disk: the cache). See storage/tier_reads.py.
     converted: str | None = None
+    # A bounded local cache of a remote dataset's files (storage/shard_cache.py): its most bytes, as
+    # `20GiB`, `500MB` or a byte count; null: no cache, every read goes to the storage.
+    cache_limit: int | None = None
+
+    @field_validator("cache_limit", mode="before")
+    @classmethod
+    def _cache_limit_size(cls, value: Any) -> Any:
+        return None if value is None else byte_size(value)
 
 
 class ReportConfig(_Strict):

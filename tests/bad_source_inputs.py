@@ -127,3 +127,13 @@ def file_removed_since_the_listing(tmp_path, cache):
     return Setup(["convert", str(config), "--to", "arrow"], f"{url}/photos/train/c0/1.jpg: not found: the dataset "
                  "changed since it was listed (", config=config, backend="arrow", overrides={"form": "encoded"},
                  leftovers=temps(cache), close=served.close)
+
+
+def cache_limit_not_a_size(tmp_path, cache):
+    """`storage.cache_limit` that is not a size: refused when the config is read, before anything is fetched."""
+    _shard_set(tmp_path)
+    config = write_config(tmp_path, dataset={"path": str(tmp_path / "shards")}, storage={"cache_limit": "lots"})
+    return Setup(["bench", str(config)], f"{config}: storage.cache_limit: value error, expected a positive size such "
+                 "as 500MB, 20GiB or a byte count, got 'lots'", config=config, backend="torch",
+                 leftovers=lambda: temps(cache)() + [p for p in [tmp_path / "results", cache / "shard-cache"]
+                                                    if p.exists()])

@@ -25,6 +25,7 @@ from .bad_serving_inputs import (
     slo_on_a_training_config,
 )
 from .bad_source_inputs import (
+    cache_limit_not_a_size,
     dali_native_reader_on_tar_shards,
     empty_tar_shard,
     file_removed_since_the_listing,
@@ -308,6 +309,7 @@ CASES = {  # name: (setup, exit code)
     "dali reader native on tar shards, bench": (dali_native_reader_on_tar_shards, 2),
     "a folder of no dataset format, bench": (no_dataset_format_in_the_folder, 1),
     "a remote file removed since the dataset was listed, convert": (file_removed_since_the_listing, 1),
+    "storage.cache_limit not a size, bench": (cache_limit_not_a_size, 2),
     "arrivals file with a bad line, serving bench": (arrivals_file_with_a_bad_line, 2),
     "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),

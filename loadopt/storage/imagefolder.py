@@ -184,8 +184,10 @@ def _from_manifest(root: Path, split: str) -> ImageDataset | None:
 def open_dataset(config: Config, split: str = "train", progress: Callable[[int, int], None] | None = None,
                  relist: bool = False):
     """The dataset a config names (its `dataset.path`, the tier's `base`, or the synthetic one, generated if
-    missing), read through `storage.tier`. Its listing is the saved one where there is one (a remote
-    dataset's, a local ImageFolder's while its folders are unchanged); `relist` lists it again (`--relist`).
+    missing), read through `storage.tier`, and with `storage.cache_limit` a dataset not on the local disk through
+    a bounded local cache of its files over the tier (storage/shard_cache.py). Its listing is the saved one
+    where there is one (a remote dataset's, a local ImageFolder's while its folders are unchanged); `relist`
+    lists it again (`--relist`).
 
     Images give an `ImageDataset`, a `WebDataset` or a `ParquetDataset` (`dataset.format`);
     `dataset.kind: tokens` a `TokenDataset` (one split: the file);
@@ -207,6 +209,10 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
         dataset = _open_synthetic(config, split, progress)
     dataset.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)
     dataset.converted = conversion_home(config.storage.converted, tier.base, dataset.fs, dataset.root)
+    if config.storage.cache_limit is not None:  # over the tier, so that every byte fetched still crosses it
+        from loadopt.storage.shard_cache import cache_reads
+
+        dataset.fs = cache_reads(dataset.fs, path, tier, config.storage.cache_limit, dataset.fingerprint)
     return dataset
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote import is_local_fs, redact
-from loadopt.storage.tiers import storage_under
+from loadopt.storage.tiers import storage_under, tier_of
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def tier_fs(dataset: Dataset) -> fsspec.AbstractFileSystem | None:
     local disk (the loaders' direct fast paths)."""
     from loadopt.storage.emulated import EmulatedFileSystem
 
-    return dataset.fs if isinstance(dataset.fs, EmulatedFileSystem) else None
+    fs = tier_of(dataset.fs) if dataset.fs is not None else None  # conversions are read past a shard cache
+    return fs if isinstance(fs, EmulatedFileSystem) else None
 
 
 def conversion_tier(dataset: Dataset) -> fsspec.AbstractFileSystem | None:
@@ -123,6 +124,7 @@ def conversion_home(converted: str | None, tier_base: str | None, fs: fsspec.Abs
         return os.path.expanduser(converted)
     from loadopt.storage.emulated import EmulatedFileSystem
 
+    fs = tier_of(fs)
     base_fs = fs.base_fs if isinstance(fs, EmulatedFileSystem) else fs
     if tier_base is None and is_local_fs(base_fs) or root.split("://", 1)[0] in READ_ONLY_SCHEMES:
         return None  # the local cache
@@ -151,7 +153,8 @@ def remote_home(dataset: Dataset) -> tuple[fsspec.AbstractFileSystem, str] | Non
         return None
     from loadopt.storage.emulated import EmulatedFileSystem
 
-    base = dataset.fs.base_fs if isinstance(dataset.fs, EmulatedFileSystem) else dataset.fs
+    tier = tier_of(dataset.fs)
+    base = tier.base_fs if isinstance(tier, EmulatedFileSystem) else tier
     protocols = (base.protocol,) if isinstance(base.protocol, str) else tuple(base.protocol)
     if home.split("://", 1)[0] not in protocols:
         raise ConfigError(f"storage.converted {redact(home)!r}: must be on the dataset's storage "

@@ -159,6 +159,7 @@ def tier_filesystem(spec: TierSpec, base_fs: fsspec.AbstractFileSystem) -> fsspe
     the tier; it pickles by reference to that state, so spawned processes share it too."""
     from loadopt.storage.emulated import EmulatedFileSystem
 
+    base_fs = tier_of(base_fs)  # a new tier over a cached dataset reads the storage, not the old tier's cache
     if isinstance(base_fs, EmulatedFileSystem):  # never stack two tiers: the outer spec applies to the real fs
         base_fs = base_fs.base_fs
     if not spec.emulates() and is_local_fs(base_fs):
@@ -166,12 +167,23 @@ def tier_filesystem(spec: TierSpec, base_fs: fsspec.AbstractFileSystem) -> fsspe
     return EmulatedFileSystem(spec, base_fs)
 
 
+def tier_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """The filesystem under a dataset's local shard cache (storage/shard_cache.py): its tier; `fs` itself
+    when it reads through no cache."""
+    from loadopt.storage.shard_cache import ShardCacheFileSystem
+
+    return fs.tier if isinstance(fs, ShardCacheFileSystem) else fs
+
+
 def tier_counters(fs: fsspec.AbstractFileSystem) -> dict[str, float] | None:
     """The counters of the tier `fs` reads through (requests, bytes, retries, injected faults, failed
-    reads, ...), summed over every process that shares it; None when `fs` is not a tier wrapper."""
+    reads, ...), summed over every process that shares it; None when `fs` is not a tier wrapper. Under a
+    shard cache, the cache's counters too (`cache_hit_reads`, `cache_fetched_bytes`, ...: `CacheCounters`)."""
     from loadopt.storage.emulated import EmulatedFileSystem
 
-    return fs.counters() if isinstance(fs, EmulatedFileSystem) else None
+    if not isinstance(tier_of(fs), EmulatedFileSystem):
+        return None
+    return fs.counters()
 
 
 def counters_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -198,6 +210,7 @@ def tier_failure(exc: BaseException, fs: fsspec.AbstractFileSystem,
     reports it as the sample's read error, so the tier's shared `failed_reads` counter decides."""
     if isinstance(exc, StorageError):
         return exc
+    fs = tier_of(fs)
     if not delta or not delta.get("failed_reads"):
         return None
     spec = getattr(fs, "spec", None)
@@ -230,6 +243,7 @@ def storage_under(fs: fsspec.AbstractFileSystem, root: str = "") -> str:
     """The storage a tier's reads end on, as results name it: `local disk`, else the URL's scheme."""
     from loadopt.storage.emulated import EmulatedFileSystem
 
+    fs = tier_of(fs)
     base = fs.base_fs if isinstance(fs, EmulatedFileSystem) else fs
     if is_local_fs(base):
         return "local disk"
