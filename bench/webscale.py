@@ -23,8 +23,17 @@ Parts (`--part`, all by default):
   page cache before each rank, as on a node of its own).
   `RESULT index_per_rank_<n>_world<w>`: the largest rank's bytes over (the index / world), target <= 1.2.
 
-    python bench/webscale.py [--part shuffle,order,index] [--samples N] [--order-samples N] [--index-samples N]
-                             [--world 8]
+- `first_batch`: `--first-samples` records (default 10M of 512 bytes, 10,000 files, generated once into the
+  cache) opened and read by `make_loader(backend="torch")` under each shuffle, each in a fresh process: the
+  seconds to open the dataset (its listing saved: the second open) and to the first batch.
+  `RESULT first_batch_<n>`: the window shuffle's open + first batch, seconds, target <= 5.
+- `open_remote`: the index part's records served over HTTP (nginx) in a network namespace (tests/netns_tier.py:
+  a first-byte delay per request, a shaped link), opened from inside it in fresh processes: the first open
+  lists the folder and saves the listing, the second reads it (storage/remote_listing.py).
+  `RESULT open_remote_<n>_manifest`: the second open's seconds, target <= 2.
+
+    python bench/webscale.py [--part shuffle,order,index,first_batch,open_remote] [--samples N]
+                             [--order-samples N] [--index-samples N] [--first-samples N] [--world 8]
 """
 
 from __future__ import annotations
@@ -226,16 +235,109 @@ def index_part(samples: int, world: int) -> str:
     return result_line(f"index_per_rank_{_count(samples)}_world{world}", largest / (whole / world), "<=", 1.2)
 
 
+_FIRST_BATCH = """
+import json, sys, time
+start = time.perf_counter()
+from loadopt import make_loader
+from loadopt.config import load_config
+from loadopt.storage.imagefolder import open_dataset
+config = load_config(sys.argv[1], sys.argv[2:])
+opened_at = time.perf_counter()
+dataset = open_dataset(config)
+opened = time.perf_counter() - opened_at
+loader = make_loader(config, backend="torch", num_workers=2)
+inputs, labels = next(iter(loader))
+first = time.perf_counter() - start
+loader.close()
+print(json.dumps({"open_s": opened, "first_batch_s": first, "samples": len(dataset), "batch": len(labels)}))
+"""
+
+
+def _config_file(folder: Path, config) -> Path:
+    import yaml
+
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    return path
+
+
+def first_batch_part(samples: int) -> str:
+    import subprocess
+
+    from loadopt.storage.imagefolder import open_dataset
+
+    folder = Path(tempfile.mkdtemp(prefix="webscale-first-"))
+    config = _records_config(folder, samples)
+    start = time.perf_counter()
+    dataset = open_dataset(config)  # generated once into the cache; listed, the listing saved
+    print(f"\n{len(dataset):,} records ready in {time.perf_counter() - start:.0f} s (0: from the cache)")
+    path = _config_file(folder, config)
+    rows = {}
+    for shuffle in ("global", "window"):
+        done = subprocess.run([sys.executable, "-c", _FIRST_BATCH, str(path), f"pipeline.shuffle={shuffle}"],
+                              capture_output=True, text=True, check=True, cwd=REPO)
+        rows[shuffle] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"time to the first batch, {len(dataset):,} samples, torch, 2 workers, a fresh process each")
+    print(f"{'shuffle':<8} {'open s':>7} {'first batch s (from start)':>27}")
+    for shuffle, row in rows.items():
+        print(f"{shuffle:<8} {row['open_s']:>7.2f} {row['first_batch_s']:>27.2f}")
+    return result_line(f"first_batch_{_count(samples)}", rows["window"]["first_batch_s"], "<=", 5)
+
+
+_OPEN = """
+import json, sys, time
+start = time.perf_counter()
+from loadopt.config import load_config
+from loadopt.storage.imagefolder import open_dataset
+config = load_config(sys.argv[1], sys.argv[2:])
+dataset = open_dataset(config)
+print(json.dumps({"seconds": time.perf_counter() - start, "samples": len(dataset)}))
+"""
+
+
+def open_remote_part(samples: int) -> str:
+    import os
+
+    from loadopt.storage.imagefolder import open_dataset
+    from tests.netns_tier import namespaced_tier, netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        print(f"\nopen_remote: not measured: {why}")
+        return result_line(f"open_remote_{_count(samples)}_manifest", float("inf"), "<=", 2)
+    folder = Path(tempfile.mkdtemp(prefix="webscale-remote-"))
+    local = open_dataset(_records_config(folder, samples))  # the index part's records (generated if missing)
+    served = Path(local.root).parent
+    with namespaced_tier(served, folder / "tier", rate_mbit=1000, first_byte_ms=20, upload=False) as tier:
+        config = _records_config(folder, samples)
+        path = _config_file(folder, config)
+        url = f"dataset.path={tier.http_url}/{Path(local.root).name}"
+        env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO)}
+        runs = []
+        for _ in range(2):
+            done = tier.run([sys.executable, "-c", _OPEN, str(path), url], capture_output=True, text=True,
+                            env=env, cwd=REPO)
+            if done.returncode:
+                raise RuntimeError(done.stderr.strip().splitlines()[-1])
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"\nopening {runs[0]['samples']:,} records in {len(list(served.glob('*/*.bin'))) or '?'} files over HTTP "
+          f"(nginx in a namespace, {tier.first_byte_ms:g} ms first byte, {tier.rate_mbit:g} Mbit/s), fresh processes")
+    print(f"first open (lists, saves the listing): {runs[0]['seconds']:.2f} s; second (the saved listing): "
+          f"{runs[1]['seconds']:.2f} s")
+    return result_line(f"open_remote_{_count(samples)}_manifest", runs[1]["seconds"], "<=", 2)
+
+
 def _count(samples: int) -> str:
     return f"{samples // 1_000_000}m" if samples >= 1_000_000 else f"{samples // 1000}k"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="shuffle,order,index")
+    parser.add_argument("--part", default="shuffle,order,index,first_batch,open_remote")
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--order-samples", type=int, default=10_000_000)
     parser.add_argument("--index-samples", type=int, default=1_000_000)
+    parser.add_argument("--first-samples", type=int, default=10_000_000)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -248,6 +350,10 @@ def main() -> None:
         results.append(order_part(args.order_samples, args.world))
     if "index" in parts:
         results.append(index_part(args.index_samples, args.world))
+    if "first_batch" in parts:
+        results.append(first_batch_part(args.first_samples))
+    if "open_remote" in parts:
+        results.append(open_remote_part(args.index_samples))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     for line in results:

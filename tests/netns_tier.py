@@ -274,7 +274,7 @@ class _Processes:
 
 
 def _start(name: str, processes: _Processes, root: Path, work: Path, rate_mbit: float, first_byte_ms: float,
-           bucket: str, env: dict[str, str]) -> None:
+           bucket: str, env: dict[str, str], upload: bool = True) -> None:
     try:
         _ip("netns", "add", name)
         _in_namespace(name, "ip", "link", "set", "lo", "up")
@@ -294,9 +294,12 @@ def _start(name: str, processes: _Processes, root: Path, work: Path, rate_mbit: 
     processes.wait_for_ports((NGINX_PORT, MOTO_PORT), deadline)
     for label, proc in proxies.items():
         processes.wait_for_ready_line(proc, label, deadline)
-    upload = [sys.executable, "-c", _UPLOAD, str(root), bucket, f"http://127.0.0.1:{MOTO_PORT}"]
+    if not upload:
+        return
+    command = [sys.executable, "-c", _UPLOAD, str(root), bucket, f"http://127.0.0.1:{MOTO_PORT}"]
     try:  # straight to moto, not through the shaped proxy: the bucket's contents are set-up, not a measurement
-        _in_namespace(name, "env", *(f"{key}={value}" for key, value in env.items()), *upload, timeout=UPLOAD_TIMEOUT_S)
+        _in_namespace(name, "env", *(f"{key}={value}" for key, value in env.items()), *command,
+                      timeout=UPLOAD_TIMEOUT_S)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
         reason = _last_line(error) if isinstance(error, subprocess.CalledProcessError) else "timed out"
         raise RuntimeError(f"uploading {root} to s3://{bucket} in namespace {name} failed: {reason}") from None
@@ -304,9 +307,10 @@ def _start(name: str, processes: _Processes, root: Path, work: Path, rate_mbit: 
 
 @contextlib.contextmanager
 def namespaced_tier(root: Path, work: Path, rate_mbit: float, first_byte_ms: float,
-                    bucket: str = "data") -> Iterator[NamespacedTier]:
-    """nginx serving `root` and an S3 bucket holding its files, in a fresh namespace shaped to `rate_mbit` each
-    way, every request held `first_byte_ms` before it reaches a server; all of it gone after the with-block.
+                    bucket: str = "data", upload: bool = True) -> Iterator[NamespacedTier]:
+    """nginx serving `root` and an S3 bucket holding its files (`upload`; else no bucket is made), in a fresh
+    namespace shaped to `rate_mbit` each way, every request held `first_byte_ms` before it reaches a server; all
+    of it gone after the with-block.
     A step that fails to start raises RuntimeError naming it (with its log's last lines)."""
     remove_stale_namespaces()
     root, work = Path(root).resolve(), Path(work).resolve()
@@ -317,7 +321,7 @@ def namespaced_tier(root: Path, work: Path, rate_mbit: float, first_byte_ms: flo
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}"}
     try:
-        _start(name, processes, root, work, rate_mbit, first_byte_ms, bucket, env)
+        _start(name, processes, root, work, rate_mbit, first_byte_ms, bucket, env, upload)
         yield NamespacedTier(name=name, http_url=f"http://127.0.0.1:{HTTP_PORT}", s3_endpoint=env["AWS_ENDPOINT_URL"],
                              bucket=bucket, rate_mbit=rate_mbit, first_byte_ms=first_byte_ms, env=env,
                              pids=tuple(proc.pid for _, proc, _ in processes.started))
