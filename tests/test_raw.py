@@ -1,6 +1,7 @@
 """Raw shards and the posix backend: equal to arrow, O_DIRECT, resumption, errors (kvikio: test_kvikio.py)."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -388,3 +389,36 @@ def test_the_o_direct_staging_buffer_is_page_aligned_zeroed_and_writable():
         assert not buffer.any()
         buffer[:] = 7
         assert buffer[-1] == 7
+
+
+def _convert_in_child(cache: str, root: str, out: str) -> None:
+    os.environ["LOADOPT_CACHE"] = cache
+    from loadopt.config import load_config
+
+    dataset = open_dataset(load_config(root))
+    Path(out).write_text(str(raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=2)))
+
+
+def test_two_processes_converting_at_once_make_one_conversion(tmp_path):
+    """The second waits on the work folder's lock and finds the first's conversion (even though the decode pools'
+    forked workers hold the lock file open)."""
+    import multiprocessing
+
+    import yaml
+
+    cfg = config(tmp_path, image_size=36)
+    open_dataset(cfg)  # the synthetic set generated before the race
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    context = multiprocessing.get_context("spawn")  # not a Pool: its daemonic workers could not fork decoders
+    children = [context.Process(target=_convert_in_child, args=(os.environ["LOADOPT_CACHE"], str(path),
+                                                                 str(tmp_path / f"out{k}"))) for k in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(120)
+        assert child.exitcode == 0
+    folders = [(tmp_path / f"out{k}").read_text() for k in range(2)]
+    assert folders[0] == folders[1]
+    raw_format.open_raw(folders[0], open_dataset(cfg), "decoded", 41, SMALL, verify_labels=True, verify="all")
+    assert not raw_convert.work_folder(Path(folders[0])).exists()

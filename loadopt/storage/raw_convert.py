@@ -285,7 +285,9 @@ def _lock(work: Path):
     while True:
         work.mkdir(parents=True, exist_ok=True)
         lock = open(work / "lock", "a")  # noqa: SIM115 - the caller closes it
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        # A POSIX record lock, not flock: the decode pool's forked workers (which may outlive a conversion
+        # stopped by an error for a while) would share a flock and hold it; a record lock is this process's.
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         try:
             if os.stat(work / "lock").st_ino == os.fstat(lock.fileno()).st_ino:
                 return lock  # the folder's own lock: nobody renamed it away while this one waited
