@@ -324,3 +324,32 @@ def test_the_cache_folder_is_keyed_by_location_and_endpoint(own_cache):
     assert cache_key("s3://b/x", {"endpoint_url": "http://a:1"}) != cache_key("s3://b/x", {"endpoint_url": "http://b:1"})
     assert cache_key("s3://k:secret@b/x", None) == cache_key("s3://other:key@b/x", None)  # never the secret
     assert os.sep not in cache_key("s3://b/x", None)
+
+
+def test_a_loader_fetches_its_epochs_files_ahead_in_the_order_it_reads_them(served, own_cache, monkeypatch):
+    """The loader hands the cache the files of the rest of its epoch in first-need order (under the window
+    shuffle: the rank's shards as dealt): the cache fetches them ahead of the reads."""
+    url, _ = served
+    asked: list[list[str]] = []
+    real = ShardCacheFileSystem.prefetch
+
+    def recorded(self, paths, concurrency=4):
+        asked.append(list(paths))
+        return real(self, paths, concurrency)
+
+    monkeypatch.setattr(ShardCacheFileSystem, "prefetch", recorded)
+    config = _config(f"{url}/shards", "10MB")
+    config.pipeline.shuffle, config.pipeline.window_shards = "window", 1
+    loader = make_loader(config, backend="torch", num_workers=0)
+    try:
+        order = loader.order()
+        for _ in loader:
+            pass
+        dataset = loader.dataset
+        assert asked == [shard_files_in_order(dataset, order.rank_shards().shards)]
+        assert sorted(asked[0]) == sorted(_files(dataset))
+        dataset.fs.wait_ahead(30)
+        counted = tier_counters(dataset.fs)
+        assert counted["cache_fetched_files"] == len(asked[0])  # each once, ahead or when first read
+    finally:
+        loader.close()
