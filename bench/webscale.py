@@ -32,7 +32,18 @@ Parts (`--part`, all by default):
   lists the folder and saves the listing, the second reads it (storage/remote_listing.py).
   `RESULT open_remote_<n>_manifest`: the second open's seconds, target <= 2.
 
-    python bench/webscale.py [--part shuffle,order,index,first_batch,open_remote] [--samples N]
+- `remote`: `--remote-samples` synthetic photos (default 4,000, ~400 x 350 JPEGs) as WebDataset tars of 100,
+  served over HTTP from the namespace's nginx at `--rate-mbit` (160) with `--first-byte-ms` (20) a request;
+  inside the namespace, each in a fresh process with an empty cache: the tier probed (`loadopt.storage.probe`:
+  1 MiB reads, 4 in flight), loadopt's torch tuned (2 workers) through the bounded shard cache under the window
+  shuffle, and WebDataset's own loop (the `webdataset` backend's `library_batches`, 2 workers) on the same
+  tars, two epochs each: the time to the first batch and each epoch's delivered MB/s (JPEG bytes delivered
+  over the epoch's seconds). LitData and MosaicML Streaming are not run here: they read their own formats
+  from S3, not these tars (and Streaming does not import beside this torch). `RESULT epoch1_remote_of_tier`:
+  loadopt's epoch-1 MB/s over the probed MB/s, target >= 0.8; `RESULT remote_vs_best_peer`: loadopt's
+  epoch-1 MB/s over WebDataset's, target >= 1.2.
+
+    python bench/webscale.py [--part shuffle,order,index,first_batch,open_remote,remote] [--samples N]
                              [--order-samples N] [--index-samples N] [--first-samples N] [--world 8]
 """
 
@@ -327,17 +338,127 @@ def open_remote_part(samples: int) -> str:
     return result_line(f"open_remote_{_count(samples)}_manifest", runs[1]["seconds"], "<=", 2)
 
 
+_REMOTE = """
+import json, os, sys, time
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+from loadopt.config import load_config
+mode, path, url = sys.argv[1:4]
+config = load_config(path, [f"dataset.path={url}", *sys.argv[4:]])
+if mode == "probe":
+    from loadopt.storage.probe import probe, summary
+    result = probe(url + "/train", block_sizes=(1 << 20,), concurrencies=(4,), duration_s=4.0, sequential=False,
+                   cold=False)
+    print(json.dumps({"mb_per_s": summary(result)["best_mb_per_s"]}))
+    sys.exit()
+from loadopt import make_loader
+from loadopt.storage.tiers import tier_counters
+start = time.perf_counter()
+if mode == "loadopt":
+    loader = make_loader(config, backend="torch", variant="tuned", num_workers=2)
+    epochs = lambda epoch: ((y, None) for _, y in loader)
+else:
+    from _common import build_loader
+    loader = build_loader(config, "webdataset", num_workers=2)
+    loader.prepare()
+    epochs = lambda epoch: ((b["labels"], b["indices"]) for b in loader.library_batches(epoch))
+sizes = loader.dataset.sizes
+out = {"epochs": []}
+for epoch in range(2):
+    began, first, samples, nbytes = time.perf_counter(), None, 0, 0
+    for labels, indices in epochs(epoch):
+        if first is None:
+            first = time.perf_counter() - (start if epoch == 0 else began)
+        samples += len(labels)
+        nbytes += int(sizes[indices.numpy()].sum()) if indices is not None else 0
+    seconds = time.perf_counter() - began
+    if indices is None:  # loadopt's batches are the whole epoch's samples, each once
+        nbytes = int(sizes.sum())
+    out["epochs"].append({"first_batch_s": first, "seconds": seconds, "samples": samples,
+                          "mb_per_s": nbytes / seconds / 1e6})
+counters = tier_counters(loader.dataset.fs) or {}
+out["tier_bytes"] = counters.get("bytes", 0.0)
+loader.close()
+print(json.dumps(out))
+"""
+
+
+def _photo_shards(folder: Path, samples: int) -> Path:
+    """`samples` synthetic photos as WebDataset tars of 100 (`<folder>/photos/train-NNNNNN.tar`)."""
+    from loadopt.config import load_config
+    from loadopt.storage.imagefolder import open_dataset
+    from tests.source_files import write_shards
+
+    synthetic = open_dataset(load_config(REPO / "configs" / "peers.yaml", [
+        f"dataset.synthetic.num_samples={samples}", f"report.out={folder / 'results'}"]))
+    records = [(f"s{i:07d}", int(synthetic.labels[i]), synthetic.read(i)) for i in range(len(synthetic))]
+    write_shards(folder / "photos" / "train", records, per_shard=100)
+    return folder / "photos"
+
+
+def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[str]:
+    import os
+
+    from loadopt.config import load_config
+    from tests.netns_tier import namespaced_tier, netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        print(f"\nremote: not measured: {why}")
+        return []
+    folder = Path(tempfile.mkdtemp(prefix="webscale-photos-"))
+    root = _photo_shards(folder, samples)
+    config = load_config(REPO / "configs" / "peers.yaml", [
+        "pipeline.shuffle=window", "pipeline.window_shards=4", "storage.cache_limit=4GiB",
+        f"report.out={folder / 'results'}"])
+    path = _config_file(folder, config)
+    runs: dict[str, dict] = {}
+    with namespaced_tier(folder, folder / "tier", rate_mbit=rate_mbit, first_byte_ms=first_byte_ms,
+                         upload=False) as tier:
+        url = f"{tier.http_url}/{root.name}"
+        for mode in ("probe", "loadopt", "webdataset"):
+            env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO), "LOADOPT_CACHE": str(folder / f"cache-{mode}")}
+            done = tier.run([sys.executable, "-c", _REMOTE, mode, str(path), url], capture_output=True, text=True,
+                            env=env, cwd=REPO)
+            if done.returncode:
+                print(f"{mode}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else '?'}")
+                continue
+            runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    total = sum(p.stat().st_size for p in (root / "train").glob("*.tar"))
+    probed = runs.get("probe", {}).get("mb_per_s")
+    print(f"\nremote epochs: {samples:,} photos in tars of 100 ({total / 1e6:.0f} MB) over HTTP in a namespace, "
+          f"{rate_mbit:g} Mbit/s, {first_byte_ms:g} ms first byte; the tier probed at "
+          f"{probed or float('nan'):.1f} MB/s (1 MiB reads, 4 in flight)")
+    print(f"{'path':<42} {'first batch s':>13} {'epoch 1 MB/s':>13} {'epoch 2 MB/s':>13} {'tier MB read':>13}")
+    for mode, label in (("loadopt", "loadopt torch tuned, shard cache, window"),
+                        ("webdataset", "webdataset (own loop, its shuffle)")):
+        if mode in runs:
+            one, two = runs[mode]["epochs"]
+            print(f"{label:<42} {one['first_batch_s']:>13.2f} {one['mb_per_s']:>13.1f} {two['mb_per_s']:>13.1f} "
+                  f"{runs[mode]['tier_bytes'] / 1e6:>13.1f}")
+    results = []
+    if "loadopt" in runs and probed:
+        results.append(result_line("epoch1_remote_of_tier", runs["loadopt"]["epochs"][0]["mb_per_s"] / probed,
+                                   ">=", 0.8))
+    if "loadopt" in runs and "webdataset" in runs:
+        results.append(result_line("remote_vs_best_peer", runs["loadopt"]["epochs"][0]["mb_per_s"] /
+                                   runs["webdataset"]["epochs"][0]["mb_per_s"], ">=", 1.2))
+    return results
+
+
 def _count(samples: int) -> str:
     return f"{samples // 1_000_000}m" if samples >= 1_000_000 else f"{samples // 1000}k"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="shuffle,order,index,first_batch,open_remote")
+    parser.add_argument("--part", default="shuffle,order,index,first_batch,open_remote,remote")
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--order-samples", type=int, default=10_000_000)
     parser.add_argument("--index-samples", type=int, default=1_000_000)
     parser.add_argument("--first-samples", type=int, default=10_000_000)
+    parser.add_argument("--remote-samples", type=int, default=4000)
+    parser.add_argument("--rate-mbit", type=float, default=160.0)
+    parser.add_argument("--first-byte-ms", type=float, default=20.0)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -354,6 +475,8 @@ def main() -> None:
         results.append(first_batch_part(args.first_samples))
     if "open_remote" in parts:
         results.append(open_remote_part(args.index_samples))
+    if "remote" in parts:
+        results += remote_part(args.remote_samples, args.rate_mbit, args.first_byte_ms)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     for line in results:
