@@ -34,7 +34,8 @@ Parts (`--part`, all by default):
 
 - `remote`: `--remote-samples` synthetic photos (default 4,000, ~400 x 350 JPEGs) as WebDataset tars of 100,
   served over HTTP from the namespace's nginx at `--rate-mbit` (160) with `--first-byte-ms` (20) a request;
-  inside the namespace, each in a fresh process with an empty cache: the tier probed (`loadopt.storage.probe`:
+  inside the namespace, each in a fresh process: the shards listed and indexed once (saved, as after a job's
+  first open), then with the shard cache emptied before each: the tier probed (`loadopt.storage.probe`:
   1 MiB reads, 4 in flight), loadopt's torch tuned (2 workers) through the bounded shard cache under the window
   shuffle, and WebDataset's own loop (the `webdataset` backend's `library_batches`, 2 workers) on the same
   tars, two epochs each: the time to the first batch and each epoch's delivered MB/s (JPEG bytes delivered
@@ -344,6 +345,10 @@ sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 from loadopt.config import load_config
 mode, path, url = sys.argv[1:4]
 config = load_config(path, [f"dataset.path={url}", *sys.argv[4:]])
+if mode == "index":  # listed and indexed once, saved in the cache: the runs after start from the saved index
+    from loadopt.storage.imagefolder import open_dataset
+    print(json.dumps({"samples": len(open_dataset(config))}))
+    sys.exit()
 if mode == "probe":
     from loadopt.storage.probe import probe, summary
     result = probe(url + "/train", block_sizes=(1 << 20,), concurrencies=(4,), duration_s=4.0, sequential=False,
@@ -397,6 +402,7 @@ def _photo_shards(folder: Path, samples: int) -> Path:
 
 def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[str]:
     import os
+    import shutil
 
     from loadopt.config import load_config
     from tests.netns_tier import namespaced_tier, netns_unavailable
@@ -415,8 +421,10 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[st
     with namespaced_tier(folder, folder / "tier", rate_mbit=rate_mbit, first_byte_ms=first_byte_ms,
                          upload=False) as tier:
         url = f"{tier.http_url}/{root.name}"
-        for mode in ("probe", "loadopt", "webdataset"):
-            env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO), "LOADOPT_CACHE": str(folder / f"cache-{mode}")}
+        cache = folder / "cache"
+        for mode in ("index", "probe", "loadopt", "webdataset"):
+            shutil.rmtree(cache / "shard-cache", ignore_errors=True)  # every run's epoch 1 from the tier
+            env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO), "LOADOPT_CACHE": str(cache)}
             done = tier.run([sys.executable, "-c", _REMOTE, mode, str(path), url], capture_output=True, text=True,
                             env=env, cwd=REPO)
             if done.returncode:
