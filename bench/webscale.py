@@ -332,7 +332,7 @@ def open_remote_part(samples: int) -> str:
             if done.returncode:
                 raise RuntimeError(done.stderr.strip().splitlines()[-1])
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"\nopening {runs[0]['samples']:,} records in {len(list(served.glob('*/*.bin'))) or '?'} files over HTTP "
+    print(f"\nopening {runs[0]['samples']:,} records in {len(list(Path(local.root).glob('*.bin')))} files over HTTP "
           f"(nginx in a namespace, {tier.first_byte_ms:g} ms first byte, {tier.rate_mbit:g} Mbit/s), fresh processes")
     print(f"first open (lists, saves the listing): {runs[0]['seconds']:.2f} s; second (the saved listing): "
           f"{runs[1]['seconds']:.2f} s")
@@ -425,8 +425,11 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[st
         for mode in ("index", "probe", "loadopt", "webdataset"):
             shutil.rmtree(cache / "shard-cache", ignore_errors=True)  # every run's epoch 1 from the tier
             env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO), "LOADOPT_CACHE": str(cache)}
-            done = tier.run([sys.executable, "-c", _REMOTE, mode, str(path), url], capture_output=True, text=True,
-                            env=env, cwd=REPO)
+            # WebDataset's own loop streams its tars from the server, as its users run it (not through loadopt's
+            # shard cache, which the config's cache_limit would put under the backend's tar streams too)
+            extra = ["storage.cache_limit=null"] if mode == "webdataset" else []
+            done = tier.run([sys.executable, "-c", _REMOTE, mode, str(path), url, *extra], capture_output=True,
+                            text=True, env=env, cwd=REPO)
             if done.returncode:
                 print(f"{mode}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else '?'}")
                 continue
@@ -436,13 +439,14 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[st
     print(f"\nremote epochs: {samples:,} photos in tars of 100 ({total / 1e6:.0f} MB) over HTTP in a namespace, "
           f"{rate_mbit:g} Mbit/s, {first_byte_ms:g} ms first byte; the tier probed at "
           f"{probed or float('nan'):.1f} MB/s (1 MiB reads, 4 in flight)")
-    print(f"{'path':<42} {'first batch s':>13} {'epoch 1 MB/s':>13} {'epoch 2 MB/s':>13} {'tier MB read':>13}")
+    print(f"{'path':<48} {'first batch s':>13} {'epoch 1 MB/s':>13} {'epoch 2 MB/s':>13} {'samples':>13} "
+          f"{'tier MB read':>13}")
     for mode, label in (("loadopt", "loadopt torch tuned, shard cache, window"),
-                        ("webdataset", "webdataset (own loop, its shuffle)")):
+                        ("webdataset", "webdataset (own loop, its shuffle, no cache)")):
         if mode in runs:
             one, two = runs[mode]["epochs"]
-            print(f"{label:<42} {one['first_batch_s']:>13.2f} {one['mb_per_s']:>13.1f} {two['mb_per_s']:>13.1f} "
-                  f"{runs[mode]['tier_bytes'] / 1e6:>13.1f}")
+            print(f"{label:<48} {one['first_batch_s']:>13.2f} {one['mb_per_s']:>13.1f} {two['mb_per_s']:>13.1f} "
+                  f"{one['samples']:>6} {two['samples']:>6} {runs[mode]['tier_bytes'] / 1e6:>13.1f}")
     results = []
     if "loadopt" in runs and probed:
         results.append(result_line("epoch1_remote_of_tier", runs["loadopt"]["epochs"][0]["mb_per_s"] / probed,
