@@ -156,3 +156,16 @@ def test_shuffle_quality_scores_a_permutation_near_one_and_storage_order_near_ze
     windowed = shuffle_quality(window, labels, 64)
     # 4 blocks of 100 are at most 4 classes a window: better than storage order, far from random
     assert stored.class_mix < windowed.class_mix < 0.2 and windowed.neighbour_spread < 0.1
+
+
+def test_a_webdataset_keeps_its_shard_table_in_its_index(tmp_path, image_folder, own_cache):
+    """The table comes from the saved index (`shard_bounds`), not from reading every sample's shard number."""
+    from loadopt.storage.shards import shard_table
+    from loadopt.storage.webdataset_source import open_webdataset
+
+    write_shards(tmp_path / "shards", folder_samples(image_folder), per_shard=5)
+    dataset = open_webdataset(str(tmp_path / "shards"))
+    again = open_webdataset(str(tmp_path / "shards"))  # from the saved index
+    assert again.shard_bounds is not None
+    again.shard_of = None  # not read
+    assert np.array_equal(shard_table(again).bounds, np.concatenate([[0], np.cumsum(np.bincount(dataset.shard_of))]))

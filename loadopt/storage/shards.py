@@ -61,7 +61,11 @@ class ShardTable:
 
 def shard_table(dataset: object, shard_samples: int = DEFAULT_SHARD_SAMPLES) -> ShardTable:
     """The shards of `dataset`: its files where its samples come from files of several samples (WebDataset
-    tars: `shard_of`; Parquet and record files: `file_of`), else blocks of `shard_samples`."""
+    tars: `shard_of`; Parquet and record files: `file_of`), else blocks of `shard_samples`. A dataset that keeps
+    its shard table (`shard_bounds`: a WebDataset's index) gives it without its per-sample arrays being read."""
+    bounds = getattr(dataset, "shard_bounds", None)
+    if isinstance(bounds, np.ndarray) and len(bounds) > 1:
+        return ShardTable(np.asarray(bounds, dtype=np.int64))
     for name in ("shard_of", "file_of"):
         runs = getattr(dataset, name, None)
         if isinstance(runs, np.ndarray) and len(runs):

@@ -26,6 +26,7 @@ from loadopt.files import cache_dir
 from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
+from loadopt.storage.shards import ShardTable
 from loadopt.storage.source_format import BRACE, GLOB_CHARS, expand_braces, labels_and_classes, of_split
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class WebDataset:
     synthetic: bool = False
     converted: str | None = None
     listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
+    shard_bounds: np.ndarray | None = None  # where each shard's samples start (then their count): its shard table
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "webdataset"
 
@@ -285,7 +287,11 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
         labels += found.labels
         left_out += found.left_out
     numbers, classes = labels_and_classes(labels, None, display_name(fs, names[0]))
-    arrays = {"shard_of": np.array(shard_of, dtype=np.int64), "offsets": np.array(offsets, dtype=np.int64),
+    runs = np.array(shard_of, dtype=np.int64)
+    # Where each shard's samples start: the window order's shard table, without reading `shard_of` whole (a
+    # rank of a web-scale set maps the index and reads its own shards' rows only).
+    bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
+    arrays = {"shard_of": runs, "shard_bounds": bounds, "offsets": np.array(offsets, dtype=np.int64),
               "sizes": np.array(lengths, dtype=np.int64), "labels": np.array(numbers, dtype=np.int64),
               "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)}
     return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=left_out)
@@ -348,4 +354,5 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
     arrays = index.arrays
     return WebDataset(root=root, fs=fs, shards=listing.files, shard_of=arrays["shard_of"], offsets=arrays["offsets"],
                       keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
-                      fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at)
+                      fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at,
+                      shard_bounds=arrays.get("shard_bounds"))
