@@ -422,3 +422,41 @@ def test_two_processes_converting_at_once_make_one_conversion(tmp_path):
     assert folders[0] == folders[1]
     raw_format.open_raw(folders[0], open_dataset(cfg), "decoded", 41, SMALL, verify_labels=True, verify="all")
     assert not raw_convert.work_folder(Path(folders[0])).exists()
+
+
+def test_sigterm_mid_conversion_keeps_the_finished_shards_and_the_rerun_resumes(tmp_path):
+    """`loadopt convert` stopped by SIGTERM (a scheduler's time limit) exits without a traceback, leaving its
+    finished shards; run again, it keeps them (their files untouched) and finishes the conversion."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    raw = tiny_config_dict(tmp_path / "out", dataset={"synthetic": {"num_samples": 600, "num_classes": 4,
+                                                                    "mean_width": 96, "mean_height": 80}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = config_from_dict(raw, str(path))
+    dataset = open_dataset(cfg)  # generated before the conversion starts
+    command = [sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "raw", "--decoded", "--frame",
+               "centre", "--size", "56", "--shard-mib", "0.05"]
+    work = raw_convert.work_folder(raw_format.raw_path(dataset, "decoded", 56, 0.05))
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(work.glob("shard-*.json"))) < 3 and child.poll() is None:
+        time.sleep(0.02)
+    assert child.poll() is None, child.stdout.read() if child.stdout else ""
+    child.send_signal(signal.SIGTERM)
+    output, _ = child.communicate(timeout=60)
+    assert child.returncode != 0 and "Traceback" not in output, output
+    kept = {p.name: p.stat().st_mtime_ns for p in work.glob("shard-*.bin")}
+    assert len(kept) >= 3 and not (work / raw_format.MANIFEST).exists()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    final = raw_format.raw_path(dataset, "decoded", 56, 0.05)
+    for name, mtime in kept.items():
+        if (final / name.replace(".bin", ".json")).exists() and name != max(kept):  # the last may be redone
+            assert (final / name).stat().st_mtime_ns == mtime, name
+    raw_format.open_raw(final, dataset, "decoded", 56, 0.05, verify_labels=True, verify="all")

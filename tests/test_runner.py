@@ -154,3 +154,19 @@ def test_a_bench_refused_before_any_run_leaves_no_empty_results_folder(tmp_path,
     with pytest.raises(LoadoptError, match="no_such_backend"):
         run_bench(cfg, loaders=["no_such_backend"])
     assert (tmp_path / "out").is_dir()
+
+
+def test_a_failure_raised_while_handling_a_stop_is_the_stop():
+    """SIGTERM landing while a library starts (torch's DataLoader iterator): its cleanup's own error carries the
+    stop as its context; the bench stops (interrupted), the setting is not reported as failed."""
+    from loadopt.bench.runner import stop_behind
+    from loadopt.errors import Terminated
+
+    try:
+        try:
+            raise Terminated()
+        except KeyboardInterrupt:
+            raise RuntimeError("cannot join thread before it is started") from None
+    except RuntimeError as exc:
+        assert isinstance(stop_behind(exc), Terminated)
+    assert stop_behind(RuntimeError("a real failure")) is None

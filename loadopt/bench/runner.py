@@ -307,6 +307,19 @@ def setting_loader(config: Config, setting: Setting, dataset, device, rank: int 
     return loader
 
 
+def stop_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM that an error was raised while handling, if any: e.g. torch's DataLoader stopped
+    while starting its workers raises "cannot join thread before it is started" from its cleanup."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__context__
+    return None
+
+
 def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ranks: distributed.Ranks,
              accelerator, workload: WorkloadConfig, reporter: Reporter) -> str | None:
     """One repeat of one setting (on every rank); returns the cache note when the page cache was evicted
@@ -327,6 +340,9 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
     except distributed.PeerFailed:
         pass  # another rank failed this run: its report says why
     except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
+        stop = stop_behind(exc)
+        if stop is not None:  # the stop came while a library was starting, and its cleanup failed over it
+            raise stop from None
         log.debug("run %s failed", setting.label, exc_info=True)
         error = exc
     finally:

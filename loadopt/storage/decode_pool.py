@@ -12,7 +12,20 @@ log = logging.getLogger(__name__)
 
 def start(workers: int) -> Pool | None:
     """A pool of `workers` forked processes (they inherit the dataset set up for them), or None for one."""
-    return multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) if workers > 1 else None
+
+
+def _quiet_worker() -> None:
+    """A decode worker reports a sample's failure through its result (`integrity.guarded`); what it would print
+    itself is multiprocessing's noise when the conversion is stopped (Ctrl-C reaches the whole process group,
+    SIGTERM the parent, which then stops the pool): a traceback a worker (a KeyboardInterrupt, or a broken pipe
+    to the parent that stopped reading). The parent says what stopped the conversion, in one line."""
+    import os
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the worker's for its life
 
 
 def stop(pool: Pool | None, timeout_s: float = 30.0) -> None:
