@@ -169,3 +169,20 @@ def test_a_webdataset_keeps_its_shard_table_in_its_index(tmp_path, image_folder,
     assert again.shard_bounds is not None
     again.shard_of = None  # not read
     assert np.array_equal(shard_table(again).bounds, np.concatenate([[0], np.cumsum(np.bincount(dataset.shard_of))]))
+
+
+def test_parquet_and_record_datasets_keep_their_shard_tables(tmp_path, image_folder, own_cache):
+    from loadopt.config import config_from_dict
+    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.parquet_source import open_parquet
+    from loadopt.storage.shards import ShardTable, shard_table
+
+    from .source_files import write_parquet
+
+    write_parquet(tmp_path / "hub", folder_samples(image_folder), ["c0", "c1", "c2"], rows_per_group=2)
+    for dataset in (open_parquet(str(tmp_path / "hub")),
+                    open_dataset(config_from_dict({"dataset": {"kind": "records", "records": {
+                        "num_files": 5, "samples_per_file": 3, "record_bytes": 2048, "delivered_bytes": 2048,
+                        "file_format": "raw"}}}, "r.yaml"))):
+        assert dataset.shard_bounds is not None
+        assert np.array_equal(shard_table(dataset).bounds, ShardTable.from_runs(dataset.file_of).bounds)

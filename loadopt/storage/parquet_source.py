@@ -28,6 +28,7 @@ from loadopt.files import cache_dir
 from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
+from loadopt.storage.shards import ShardTable
 from loadopt.storage.source_format import GLOB_CHARS, labels_and_classes, of_split
 
 # Decoded row groups held per process, by their image bytes (the newest always kept). A random order meets
@@ -56,6 +57,7 @@ class ParquetDataset:
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     file_bytes: np.ndarray | None = None  # int64, each file's size as listed
     listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
+    shard_bounds: np.ndarray | None = None  # where each file's samples start (then their count): its shard table
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "parquet"
     row_groups: RowGroupCache = field(default_factory=lambda: RowGroupCache(), repr=False)
@@ -217,7 +219,10 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
                 row_of.append(np.arange(len(lengths), dtype=np.int64))
     numbers, classes = labels_and_classes(labels, names_found, display_name(fs, names[0]))
     empty = np.array([], dtype=np.int64)
-    arrays = {"file_of": np.concatenate(file_of or [empty]), "group_of": np.concatenate(group_of or [empty]),
+    runs = np.concatenate(file_of or [empty])
+    # the window order's shard table, kept so that a rank need not read `file_of` whole (storage/shards.py)
+    bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
+    arrays = {"file_of": runs, "shard_bounds": bounds, "group_of": np.concatenate(group_of or [empty]),
               "row_of": np.concatenate(row_of or [empty]), "sizes": np.concatenate(sizes or [empty]),
               "labels": np.array(numbers, dtype=np.int64)}
     return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=[])
@@ -278,4 +283,5 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
                           files=listing.files, file_of=arrays["file_of"], group_of=arrays["group_of"],
                           row_of=arrays["row_of"], labels=arrays["labels"], sizes=arrays["sizes"],
                           classes=index.classes, fingerprint=fingerprint, image_column=image_column,
-                          file_bytes=listing.sizes, listed_at=listing.listed_at)
+                          file_bytes=listing.sizes, listed_at=listing.listed_at,
+                          shard_bounds=arrays.get("shard_bounds"))

@@ -63,6 +63,7 @@ class RecordDataset:
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
+    shard_bounds: np.ndarray | None = None  # where each file's records start (then their count): its shard table
     kind: ClassVar[str] = "records"
     source_format: ClassVar[str] = "records"
 
@@ -265,7 +266,8 @@ def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | 
     # Per sample, without a Python loop over the files (a million files open in well under a second).
     file_of = np.repeat(np.arange(len(sizes), dtype=np.int64), rows)
     row_of = np.arange(len(file_of), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    starts = np.concatenate([[0], np.cumsum(np.broadcast_to(rows, len(sizes)))]).astype(np.int64)
     return RecordDataset(root=root, fs=fs, files=listing.files, file_bytes=sizes, file_of=file_of, row_of=row_of,
                          sizes=np.repeat(record, rows), file_format=spec.file_format,
                          delivered_bytes=spec.delivered_bytes, fingerprint=listing.fingerprint, synthetic=synthetic,
-                         listed_at=listing.listed_at)
+                         listed_at=listing.listed_at, shard_bounds=np.unique(starts))  # a file without records: none
