@@ -138,3 +138,58 @@ def test_a_backend_failing_on_one_rank_fails_alone(tmp_path, cache_dir):
     assert [r["rank"] for r in torch_run["ranks"]] == [0, 1]
     assert results["ranking"] == [torch_run["label"]]
     assert (out / "decision.json").exists()
+
+
+DDP_LOOP = """
+import json, sys
+import torch
+import torch.distributed as dist
+from loadopt import make_loader
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+out = {}
+for shuffle in ("global", "window"):
+    for drop_last in (False, True):
+        loader = make_loader(sys.argv[1], backend="torch", variant="tuned", num_workers=0, shuffle=shuffle,
+                             drop_last=drop_last, window_shards=2, shard_samples=5, batch_size=4)
+        seen, steps = [], 0
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for batch in loader.host_batches():
+                step = torch.tensor([1])
+                dist.all_reduce(step)  # a collective per batch, as DDP's gradient all-reduce: a rank short of
+                steps += 1             # batches would leave the others waiting here for ever
+                seen += batch.indices.tolist() if epoch == 0 else []
+        gathered = [None] * world
+        dist.all_gather_object(gathered, seen)
+        out[f"{shuffle} drop_last={drop_last}"] = {"steps": steps, "len": len(loader), "seen": gathered}
+        loader.close()
+if rank == 0:
+    print("RESULT " + json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_three_ranks_take_the_same_batches_so_no_collective_waits(tmp_path, cache_dir):
+    """49 samples over 3 ranks in batches of 4: shares of 17, 16 and 16 samples would give one rank 5 batches and
+    the others 4, and the fifth all-reduce would wait for ever (WebDataset #188). Every rank takes the same
+    batches (one sample padded, or the tail dropped), under both shuffles, for two epochs."""
+    config = tiny_config_dict(tmp_path / "out", dataset={"synthetic": {"num_samples": 49, "num_classes": 4,
+                                                                       "mean_width": 64, "mean_height": 48}})
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    script = tmp_path / "ddp_loop.py"
+    script.write_text(DDP_LOOP)
+    env = {**os.environ, "LOADOPT_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", str(script),
+                           str(path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("RESULT "))
+    for name, figures in json.loads(line[len("RESULT "):]).items():
+        seen = [i for rank in figures["seen"] for i in rank]
+        if name.endswith("False"):
+            assert figures["len"] == 5 and figures["steps"] == 10, name
+            assert set(seen) == set(range(49)) and len(seen) - 49 == 2, name  # 2 samples padded, once each
+        else:
+            assert figures["len"] == 4 and figures["steps"] == 8, name
+            assert len(seen) == len(set(seen)) == 48, name  # one sample of the tail not seen this epoch
