@@ -181,9 +181,14 @@ def s3_endpoint():
     try:
         yield endpoint
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environment(saved)
         server.stop()
+
+
+def restore_environment(saved: dict[str, str | None]) -> None:
+    """Put the environment variables `saved` back as they were (None: it was not set)."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

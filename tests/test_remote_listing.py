@@ -32,7 +32,7 @@ from loadopt.storage.remote_listing import ListingKey, SavedListing
 
 from .conftest import make_image_folder
 from .faults import write_config
-from .servers import RangeRequestHandler, free_port
+from .servers import RangeRequestHandler, free_port, restore_environment
 from .source_files import folder_samples, write_parquet, write_shards
 
 RECORDS = {"kind": "records", "records": {"samples_per_file": 2, "delivered_bytes": 500, "file_format": "npz"}}
@@ -149,11 +149,7 @@ def s3_store(tmp_path_factory) -> Iterator[Store]:
                     remove=lambda name: fs.rm(f"listed/{name}"),
                     write=lambda name, data: fs.pipe(f"listed/{name}", data))
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environment(saved)
         s3fs.S3FileSystem.clear_instance_cache()
         server.shutdown()
 
