@@ -84,3 +84,16 @@ class Terminated(KeyboardInterrupt):
     KeyboardInterrupt is, so that everything that stops cleanly on Ctrl-C stops cleanly on it too."""
 
     exit_code = 143  # 128 + SIGTERM, what a shell reports for a process the signal ended
+
+
+def stop_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM that an error was raised while handling, if any: e.g. torch's DataLoader stopped
+    while starting its workers raises "cannot join thread before it is started" from its cleanup."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__context__
+    return None

@@ -159,8 +159,7 @@ def test_a_bench_refused_before_any_run_leaves_no_empty_results_folder(tmp_path,
 def test_a_failure_raised_while_handling_a_stop_is_the_stop():
     """SIGTERM landing while a library starts (torch's DataLoader iterator): its cleanup's own error carries the
     stop as its context; the bench stops (interrupted), the setting is not reported as failed."""
-    from loadopt.bench.runner import stop_behind
-    from loadopt.errors import Terminated
+    from loadopt.errors import Terminated, stop_behind
 
     try:
         try:

@@ -29,7 +29,7 @@ from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer
-from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied
+from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied, stop_behind
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
@@ -305,19 +305,6 @@ def setting_loader(config: Config, setting: Setting, dataset, device, rank: int 
         loader.close()
         raise
     return loader
-
-
-def stop_behind(exc: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C or SIGTERM that an error was raised while handling, if any: e.g. torch's DataLoader stopped
-    while starting its workers raises "cannot join thread before it is started" from its cleanup."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__context__
-    return None
 
 
 def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ranks: distributed.Ranks,

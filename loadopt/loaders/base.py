@@ -311,7 +311,10 @@ class Loader(ABC, Generic[SettingsT]):
         """Batches as produced (host tensors, or device tensors for device backends), position kept."""
         order = self.order()
         batches: Sequence[np.ndarray] = order.batches(self._position)
-        self._fetch_ahead(batches)
+        if getattr(self.dataset, "fs", None) is not None:  # the bounded local cache of remote shards, if any,
+            from loadopt.storage.shard_cache import fetch_ahead  # fetches this epoch's files ahead
+
+            fetch_ahead(self.dataset, batches, self.pipeline.shard_samples)
         unreadable = self.unreadable
         if unreadable:
             known = np.fromiter(unreadable, np.int64)
@@ -327,20 +330,6 @@ class Loader(ABC, Generic[SettingsT]):
             yield batch
         if self._position >= len(order):
             self._epoch, self._position = self._epoch + 1, 0
-
-    def _fetch_ahead(self, batches: Sequence[np.ndarray]) -> None:
-        """Where the dataset's remote files are read through the bounded local cache (`storage.cache_limit`), have
-        it fetch them ahead in the order the rest of this epoch first needs them (under the window shuffle: this
-        rank's shards as dealt to it)."""
-        from loadopt.storage.shard_cache import ShardCacheFileSystem, shard_files_in_order
-
-        fs = getattr(self.dataset, "fs", None)
-        if not isinstance(fs, ShardCacheFileSystem) or not len(batches):
-            return
-        table = shard_table(self.dataset, self.pipeline.shard_samples)
-        owner = np.searchsorted(table.bounds, np.concatenate(list(batches)), side="right") - 1
-        _, first = np.unique(owner, return_index=True)
-        fs.prefetch(shard_files_in_order(self.dataset, owner[np.sort(first)]))
 
     def finish(self, batch: HostBatch, transfer: DeviceTransfer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Move a host batch to the device and finish it there (layout, normalisation)."""

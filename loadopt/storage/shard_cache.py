@@ -357,3 +357,15 @@ def shard_files_in_order(dataset: object, shard_ids: Sequence[int] | np.ndarray)
         if isinstance(files, np.ndarray) and isinstance(file_of, np.ndarray) and len(file_of):
             return list(dict.fromkeys(name.decode() for name in files[file_of[firsts]]))
     return []
+
+
+def fetch_ahead(dataset: object, batches: Sequence[np.ndarray], shard_samples: int) -> None:
+    """Where `dataset`'s files are read through a shard cache, have it fetch them ahead in the order the rest of
+    an epoch (`batches`) first needs them: under the window shuffle, the rank's shards as dealt to it."""
+    fs = getattr(dataset, "fs", None)
+    if not isinstance(fs, ShardCacheFileSystem) or not len(batches):
+        return
+    table = shard_table(dataset, shard_samples)
+    owner = np.searchsorted(table.bounds, np.concatenate(list(batches)), side="right") - 1
+    _, first = np.unique(owner, return_index=True)
+    fs.prefetch(shard_files_in_order(dataset, owner[np.sort(first)]))
