@@ -100,8 +100,11 @@ def test_a_second_epoch_asks_the_storage_nothing(served, own_cache, form):
     first = [dataset.read(i) for i in range(len(dataset))]
     after = tier_counters(dataset.fs)
     fetched = after["bytes"] - before["bytes"]
-    assert fetched == sum(f.stat().st_size for f in files)  # each file once, whole
-    assert after["cache_fetched_files"] == len(files) and after["cache_uncached_reads"] == 0
+    # each file once, whole: Parquet files by the first epoch; tars already by their indexing (which reads them
+    # whole, through the cache), so the first epoch reads the copies
+    assert fetched == (0 if form == "shards" else sum(f.stat().st_size for f in files))
+    assert after["cache_fetched_files"] == (0 if form == "shards" else len(files))
+    assert after["cache_uncached_reads"] == 0
     print(f"{form}: epoch 1 fetched {fetched:,} bytes in {after['requests'] - before['requests']:.0f} tier "
           f"requests ({_CountingHandler.requests - asked} at the server) for {len(files)} files")
     asked = _CountingHandler.requests
@@ -124,6 +127,7 @@ def test_s3_shards_are_fetched_once(served, s3_endpoint, own_cache):  # noqa: F8
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir("loadopt-cache")
     fs.put(f"{root / 'shards'}/", "loadopt-cache/shards/", recursive=True)
+    open_dataset(_config("s3://loadopt-cache/shards"))  # listed and indexed (saved) without the cache
     dataset = open_dataset(_config("s3://loadopt-cache/shards", "10MB"))
     sizes = sum(p.stat().st_size for p in (root / "shards").glob("*.tar"))
     for epoch in range(2):
@@ -338,6 +342,7 @@ def test_a_loader_fetches_its_epochs_files_ahead_in_the_order_it_reads_them(serv
         return real(self, paths, concurrency)
 
     monkeypatch.setattr(ShardCacheFileSystem, "prefetch", recorded)
+    open_dataset(_config(f"{url}/shards"))  # indexed and saved without the cache: the loader's fetches are its own
     config = _config(f"{url}/shards", "10MB")
     config.pipeline.shuffle, config.pipeline.window_shards = "window", 1
     loader = make_loader(config, backend="torch", num_workers=0)
@@ -353,3 +358,20 @@ def test_a_loader_fetches_its_epochs_files_ahead_in_the_order_it_reads_them(serv
         assert counted["cache_fetched_files"] == len(asked[0])  # each once, ahead or when first read
     finally:
         loader.close()
+
+
+def test_a_first_open_indexes_through_the_cache_so_the_first_epoch_fetches_nothing_more(served, own_cache):
+    """Indexing remote tars reads each one whole: with a cache_limit the copies are kept, and the first epoch
+    reads them instead of fetching every shard a second time."""
+    url, root = served
+    files = sorted((root / "shards").rglob("*.tar"))
+    asked = _CountingHandler.requests
+    dataset = open_dataset(_config(f"{url}/shards", "10MB"))  # lists, indexes (a fresh cache: nothing saved)
+    indexing = _CountingHandler.requests - asked
+    assert indexing > 0
+    asked = _CountingHandler.requests
+    first = [dataset.read(i) for i in range(len(dataset))]
+    assert _CountingHandler.requests == asked  # every shard already a copy
+    counted = tier_counters(dataset.fs)
+    assert counted["bytes"] == 0 and counted["cache_hit_reads"] == len(first)
+    assert sum(len(b) for b in first) < sum(f.stat().st_size for f in files)

@@ -240,12 +240,31 @@ def _open_images(config: Config, path: str, split: str, storage_options: dict[st
     if source_format == "webdataset":
         from loadopt.storage.webdataset_source import open_webdataset
 
-        return open_webdataset(path, split, storage_options, spec.label_key, spec.on_error, relist)
+        return open_webdataset(path, split, storage_options, spec.label_key, spec.on_error, relist,
+                               _index_through_cache(config, path))
     if source_format == "parquet":
         from loadopt.storage.parquet_source import open_parquet
 
         return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label, relist)
     return scan_image_folder(path, split, storage_options, relist)
+
+
+def _index_through_cache(config: Config, path: str):
+    """With `storage.cache_limit`, remote tar shards are indexed through the tier and the shard cache: indexing
+    reads each shard whole, so its copy is kept and the first epoch reads it instead of fetching it again."""
+    limit = config.storage.cache_limit
+    if limit is None:
+        return None
+    tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
+
+    def through(fs: fsspec.AbstractFileSystem, fingerprint: str) -> fsspec.AbstractFileSystem:
+        from loadopt.storage.shard_cache import cache_reads
+
+        if tier.base is None and is_local_fs(fs):  # read where it is (open_dataset says so once)
+            return fs
+        return cache_reads(tier_filesystem(tier, fs), path, tier, limit, fingerprint)
+
+    return through
 
 
 def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], None] | None) -> ImageDataset:

@@ -297,6 +297,10 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
     return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=left_out)
 
 
+# (the shards' filesystem, the dataset's fingerprint) -> the filesystem to index them through
+IndexThrough = Callable[[fsspec.AbstractFileSystem, str], fsspec.AbstractFileSystem]
+
+
 def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
                 label_key: str | None) -> ListingKey:
     """What names the saved listing of these shards (the label key is in their fingerprint)."""
@@ -324,12 +328,14 @@ def _list_shards(fs: fsspec.AbstractFileSystem, path: str, path_url: str, split:
 
 
 def open_webdataset(path_url: str, split: str = "train", storage_options: dict[str, Any] | None = None,
-                    label_key: str | None = None, on_error: str = "raise", relist: bool = False) -> WebDataset:
+                    label_key: str | None = None, on_error: str = "raise", relist: bool = False,
+                    index_through: IndexThrough | None = None) -> WebDataset:
     """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
     the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
     Remote shards are listed once and their listing saved (storage/remote_listing.py; `relist` lists them
     again). A sample without an image member, or an empty shard, is an error, or under `on_error: skip`
-    left out and named."""
+    left out and named. `index_through(fs, fingerprint)` gives the filesystem the shards are indexed through
+    (the bounded shard cache: indexing reads every shard whole, and its first epoch then reads the copies)."""
     fs, path = open_url(path_url, storage_options)
     shown = redact(path_url)
     listing = remote_listing.remembered(fs, path, listing_key(path_url, split, storage_options, label_key), relist,
@@ -341,7 +347,8 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
     index = manifest.load_index(where, identity, fingerprint)
     if index is None:
         with storage_errors(path_url, "read the shards' headers"):
-            index = _index_shards(fs, listing.names(), listing.sizes.tolist(), label_key, fingerprint)
+            reads = index_through(fs, fingerprint) if index_through is not None else fs
+            index = _index_shards(reads, listing.names(), listing.sizes.tolist(), label_key, fingerprint)
         manifest.save_index(where, index, identity)
     if index.notes and on_error != "skip":
         raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave it out "
