@@ -73,7 +73,7 @@ if mode == "probe":
 from loadopt import make_loader
 from loadopt.storage.tiers import tier_counters
 start = time.perf_counter()
-if mode == "loadopt":
+if mode in ("loadopt", "first_job"):
     loader = make_loader(config, backend="torch", variant="tuned", num_workers=2)
     epochs = lambda epoch: ((y, None) for _, y in loader)
 else:
@@ -94,7 +94,7 @@ for epoch in range(2):
     if indices is None:  # loadopt's batches are the whole epoch's samples, each once
         nbytes = int(sizes.sum())
     out["epochs"].append({"first_batch_s": first, "seconds": seconds, "samples": samples,
-                          "mb_per_s": nbytes / seconds / 1e6})
+                          "mb_per_s": nbytes / seconds / 1e6, "from_start_s": time.perf_counter() - start})
 counters = tier_counters(loader.dataset.fs) or {}
 out["tier_bytes"] = counters.get("bytes", 0.0)
 loader.close()
@@ -136,8 +136,10 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[st
     with namespaced_tier(folder, folder / "tier", rate_mbit=rate_mbit, first_byte_ms=first_byte_ms,
                          upload=False) as tier:
         url = f"{tier.http_url}/{root.name}"
-        cache = folder / "cache"
-        for mode in ("index", "probe", "loadopt", "webdataset"):
+        for mode in ("first_job", "index", "probe", "loadopt", "webdataset"):
+            # first_job: a cache of its own, nothing saved (it lists and indexes); the others share one where
+            # `index` saved the listing and the index, the shard cache emptied before each
+            cache = folder / ("cache-first" if mode == "first_job" else "cache")
             shutil.rmtree(cache / "shard-cache", ignore_errors=True)  # every run's epoch 1 from the tier
             env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO), "LOADOPT_CACHE": str(cache)}
             # WebDataset's own loop streams its tars from the server, as its users run it (not through loadopt's
@@ -162,6 +164,13 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float) -> list[st
             one, two = runs[mode]["epochs"]
             print(f"{label:<48} {one['first_batch_s']:>13.2f} {one['mb_per_s']:>13.1f} {two['mb_per_s']:>13.1f} "
                   f"{one['samples']:>6} {two['samples']:>6} {runs[mode]['tier_bytes'] / 1e6:>13.1f}")
+    if "first_job" in runs and "webdataset" in runs:
+        job, own = runs["first_job"], runs["webdataset"]["epochs"][0]
+        until = job["epochs"][0]["from_start_s"]
+        print(f"a first job (nothing saved: it lists and indexes the tars, through the shard cache): open, index and "
+              f"epoch 1 in {until:.1f} s from its start ({total / 1e6 / until:.1f} MB/s), "
+              f"{job['tier_bytes'] / 1e6:.0f} MB read by its epochs from the tier; WebDataset's own loop, which "
+              f"keeps no index: {own['from_start_s']:.1f} s")
     results = []
     if "loadopt" in runs and probed:
         results.append(result_line("epoch1_remote_of_tier", runs["loadopt"]["epochs"][0]["mb_per_s"] / probed,

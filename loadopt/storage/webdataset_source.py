@@ -15,6 +15,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 BLOCK = 512
 INDEX_BLOCK_BYTES = 8 << 20  # a remote shard's reads while it is indexed
+INDEX_STREAMS = 4  # remote shards indexed at once
 REGULAR_FILES = (b"0", b"\0", b"7")
 
 
@@ -270,16 +272,25 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
                   fingerprint: str) -> manifest.SampleIndex:
     """Read every shard's headers (and label members): the index the dataset is opened from."""
     shard_of, offsets, lengths, keys, labels, left_out = [], [], [], [], [], []
-    for number, (name, total) in enumerate(zip(names, sizes, strict=True)):
+
+    def one(name: str, total: int) -> _ShardSamples | str:
         shown = display_name(fs, name)
         if total == 0:  # an upload that failed part way, or a writer killed before its first sample
-            left_out.append(f"{shown} (an empty file: 0 bytes, no tar header)")
-            continue
+            return f"{shown} (an empty file: 0 bytes, no tar header)"
         read, close = _reader(fs, name)
         try:
-            found = index_shard(read, total, shown, label_key)
+            return index_shard(read, total, shown, label_key)
         finally:
             close()
+
+    # Remote shards are read start to end: a few at once keep the link full (one stream at a time paid a
+    # request's latency per block and left it idle between shards); local ones are read one after another.
+    with ThreadPoolExecutor(1 if is_local_fs(fs) else INDEX_STREAMS) as pool:
+        indexed = list(pool.map(one, names, sizes))
+    for number, found in enumerate(indexed):
+        if isinstance(found, str):
+            left_out.append(found)
+            continue
         shard_of += [number] * len(found.sizes)
         offsets += found.offsets
         lengths += found.sizes
