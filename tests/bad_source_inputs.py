@@ -137,3 +137,24 @@ def cache_limit_not_a_size(tmp_path, cache):
                  "as 500MB, 20GiB or a byte count, got 'lots'", config=config, backend="torch",
                  leftovers=lambda: temps(cache)() + [p for p in [tmp_path / "results", cache / "shard-cache"]
                                                     if p.exists()])
+
+
+def unknown_shuffle(tmp_path, cache):
+    """`pipeline.shuffle` of no known kind: refused when the config is read, naming the key and the kinds."""
+    _shard_set(tmp_path)
+    config = write_config(tmp_path, dataset={"path": str(tmp_path / "shards")}, pipeline={"shuffle": "windowed"})
+    return Setup(["bench", str(config)], f"{config}: pipeline.shuffle: ", config=config, backend="torch",
+                 leftovers=lambda: [p for p in [tmp_path / "results"] if p.exists()])
+
+
+def raw_shard_missing(tmp_path, cache):
+    """A raw conversion whose manifest names a shard that is gone: one line naming the shard and its samples,
+    never a silently short dataset."""
+    root, _ = images(tmp_path, corrupt=0)
+    config = write_config(tmp_path, dataset={"path": str(root)}, loaders={"posix": {"form": "encoded"}})
+    assert CliRunner().invoke(app, ["convert", str(config), "--to", "raw"]).exit_code == 0
+    (shard,) = (cache / "raw").glob("*-encoded-*/shard-00000.bin")
+    shard.unlink()
+    return Setup(["bench", str(config), "--no-convert"],
+                 f"{shard}: shard file not found (the manifest lists it, samples 0-", config=config,
+                 backend="posix", overrides={"form": "encoded"})

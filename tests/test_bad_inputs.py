@@ -32,9 +32,11 @@ from .bad_source_inputs import (
     no_dataset_format_in_the_folder,
     parquet_files_of_different_schemas,
     parquet_without_the_named_column,
+    raw_shard_missing,
     tar_sample_of_other_bytes,
     tar_sample_without_an_image,
     truncated_tar_shard,
+    unknown_shuffle,
 )
 from .faults import Setup, free_port, images, temps, write_config
 
@@ -310,6 +312,8 @@ CASES = {  # name: (setup, exit code)
     "a folder of no dataset format, bench": (no_dataset_format_in_the_folder, 1),
     "a remote file removed since the dataset was listed, convert": (file_removed_since_the_listing, 1),
     "storage.cache_limit not a size, bench": (cache_limit_not_a_size, 2),
+    "pipeline.shuffle of no known kind, bench": (unknown_shuffle, 2),
+    "a raw shard gone that the manifest lists, bench": (raw_shard_missing, 1),
     "arrivals file with a bad line, serving bench": (arrivals_file_with_a_bad_line, 2),
     "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
