@@ -60,6 +60,24 @@ def let_go(fd: int) -> None:
     os.close(fd)
 
 
+_GONE = -1  # `_claim`: the file is not there
+
+
+def _claim(path: Path) -> int | None:
+    """`path` opened and locked exclusively (nobody reads or writes it); None when somebody holds it, `_GONE`
+    when it is not there."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return _GONE
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        let_go(fd)
+        return None
+    return fd
+
+
 def _mark_used(fd: int) -> None:
     # Stated to the nanosecond: a plain touch takes the kernel's coarse clock, which ties uses a few ms apart.
     now = time.time_ns()
@@ -177,15 +195,13 @@ class CacheFolder:
             parts = name[: -len(SUFFIX)].rsplit(".", 2) if name.endswith(SUFFIX) else []
             if len(parts) != 3 or not parts[2].isdigit():
                 continue  # not one of ours
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+            fd = _claim(path)
+            if fd == _GONE:
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if fd is None:
                 live[path] = (parts[0], int(parts[2]))
-            else:  # nobody holds it: its fetch died
+                continue
+            try:  # nobody holds it: its fetch died
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 self.count(dead_temps=1)
@@ -220,14 +236,8 @@ class CacheFolder:
                 if freed >= need:
                     break
                 path = self.folder / FILES / name
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # being read right now
-                    let_go(fd)
+                fd = _claim(path)
+                if fd is None or fd == _GONE:  # being read right now, or gone
                     continue
                 chosen.append((fd, path, size))
                 freed += size
