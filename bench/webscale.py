@@ -200,19 +200,9 @@ def _rank_index(args: tuple[str, int, int, int]) -> dict:
             "of_shards": len(raw.shards)}
 
 
-def _evict_index(folder: Path) -> None:
-    import os
-
-    for path in folder.glob("*.idx.npy"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def index_part(samples: int, world: int) -> str:
     from loadopt.storage import raw_convert, raw_format
+    from loadopt.storage.pagecache import evict
     from loadopt.storage.imagefolder import open_dataset
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-index-"))
@@ -223,8 +213,9 @@ def index_part(samples: int, world: int) -> str:
     context = multiprocessing.get_context("spawn")
     rows = []
     for rank in range(world):
-        _evict_index(raw_format.raw_path(dataset, "records", None))  # each rank starts from a cold index, as on its
-        with context.Pool(1) as pool:  # own node; a fresh process per rank: its mappings are its own
+        # each rank starts from a cold index, as on its own node
+        evict([str(p) for p in raw_format.raw_path(dataset, "records", None).glob("*.idx.npy")])
+        with context.Pool(1) as pool:  # a fresh process per rank: its mappings are its own
             rows.append(pool.map(_rank_index, [(str(folder), samples, rank, world)])[0])
     whole = rows[0]["whole"]
     print(f"the index per rank, {len(dataset):,} samples, world size {world}, window shuffle; the conversion's "
