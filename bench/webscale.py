@@ -202,8 +202,8 @@ def _rank_index(args: tuple[str, int, int, int]) -> dict:
 
 def index_part(samples: int, world: int) -> str:
     from loadopt.storage import raw_convert, raw_format
-    from loadopt.storage.pagecache import evict
     from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.pagecache import evict
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-index-"))
     dataset = open_dataset(records_config(folder, samples))
