@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from loadopt.config import config_from_dict
-from loadopt.storage import raw_convert, raw_format
+from loadopt.storage import raw_convert, raw_format, shard_work
 from loadopt.storage.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
@@ -36,7 +36,7 @@ def test_an_interrupted_conversion_resumes_from_its_finished_shards(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1)
     final = raw_format.raw_path(dataset, "decoded", 41, SMALL)
-    work = raw_convert.work_folder(final)
+    work = shard_work.work_folder(final)
     finished = sorted(work.glob("shard-*.json"))
     assert not final.exists() and finished and not (work / raw_format.MANIFEST).exists()
     assert not list(work.glob(".*.tmp"))  # the shard being written was abandoned
@@ -83,7 +83,7 @@ def test_two_processes_converting_at_once_make_one_conversion(tmp_path, own_cach
     folders = [(tmp_path / f"out{k}").read_text() for k in range(2)]
     assert folders[0] == folders[1]
     raw_format.open_raw(folders[0], open_dataset(cfg), "decoded", 41, SMALL, verify_labels=True, verify="all")
-    assert not raw_convert.work_folder(Path(folders[0])).exists()
+    assert not shard_work.work_folder(Path(folders[0])).exists()
 
 
 def test_sigterm_mid_conversion_keeps_the_finished_shards_and_the_rerun_resumes(tmp_path, own_cache):
@@ -104,7 +104,7 @@ def test_sigterm_mid_conversion_keeps_the_finished_shards_and_the_rerun_resumes(
     dataset = open_dataset(cfg)  # generated before the conversion starts
     command = [sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "raw", "--decoded", "--frame",
                "centre", "--size", "56", "--shard-mib", "0.05"]
-    work = raw_convert.work_folder(raw_format.raw_path(dataset, "decoded", 56, 0.05))
+    work = shard_work.work_folder(raw_format.raw_path(dataset, "decoded", 56, 0.05))
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and len(list(work.glob("shard-*.json"))) < 3 and child.poll() is None:

@@ -1,23 +1,14 @@
-"""Writing a raw conversion (storage/raw_format.py's layout) shard by shard, resumable.
-
-The shards are written into a work folder beside the conversion's (`.<name>.partial`), each one finished on
-its own: its .bin, index (and frames) under temporary names, the .bin read back against the checksums taken
-while it was written, renamed, and then its `shard-0000k.json` written by rename, the mark that it is done. A
-conversion that was stopped (Ctrl-C, a kill, a full disk) and run again keeps every finished shard and
-continues from the first sample after them: at most one shard is redone (a full disk instead removes them:
-the space goes back). The manifest is written once every
-shard is there and the whole folder checked; the work folder is then renamed into place, so a reader never
-sees a conversion without its manifest. One process converts at a time (a lock in the work folder); another
-waits for it and finds the conversion done.
+"""Writing a raw conversion (storage/raw_format.py's layout) shard by shard, resumable (storage/shard_work.py:
+the work folder, the resume, the manifest written last, one process at a time): each shard's .bin, index (and
+frames) are written under temporary names, the .bin read back against the checksums taken while it was written,
+then renamed, its entry last.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import shutil
 import zlib
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -26,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from loadopt.errors import DatasetError
-from loadopt.files import is_no_space
-from loadopt.storage import arrow_format, decode_pool, integrity
+from loadopt.storage import arrow_format, decode_pool, integrity, shard_work
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.raw_format import (
     INDEX_DTYPE,
@@ -39,7 +29,6 @@ from loadopt.storage.raw_format import (
     open_raw,
     raw_path,
     shard_bytes,
-    shard_entry_name,
     shard_frames_name,
     shard_index_name,
     shard_name,
@@ -47,9 +36,6 @@ from loadopt.storage.raw_format import (
 from loadopt.storage.shards import shard_table
 
 log = logging.getLogger(__name__)
-
-RUN = "run.json"  # the key and source digest the work folder's shards were written for
-
 
 def samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_error: str = "raise",
             skipped: list | None = None, start: int = 0) -> Iterator[bytes]:
@@ -96,25 +82,8 @@ def samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_
         decode_pool.stop(pool)
 
 
-def work_folder(final: Path) -> Path:
-    """Where the shards of `final` are written until every one is there (kept across runs: the resume)."""
-    return final.with_name(f".{final.name}.partial")
-
-
-def _finished_shards(work: Path) -> list[ShardEntry]:
-    """The shards finished in `work`, in order, up to the first missing or damaged one (redone)."""
-    done: list[ShardEntry] = []
-    for k in range(1 << 31):
-        entry_path = work / shard_entry_name(k)
-        try:
-            entry: ShardEntry = json.loads(entry_path.read_text())
-            intact = (work / shard_name(k)).stat().st_size == entry["bytes"] and (work / shard_index_name(k)).exists()
-        except (OSError, ValueError, KeyError):
-            break
-        if not intact or entry.get("first") != (done[-1]["first"] + done[-1]["samples"] if done else 0):
-            break
-        done.append(entry)
-    return done
+def _intact(work: Path, k: int, entry: dict) -> bool:
+    return (work / shard_name(k)).stat().st_size == entry["bytes"] and (work / shard_index_name(k)).exists()
 
 
 class _ShardWriter:
@@ -152,35 +121,20 @@ class _ShardWriter:
         if n:
             index["offset"], index["length"] = np.array(self.rows, dtype=np.int64).T
         index["label"] = labels[self.first : self.first + n]
-        _write_npy(self.work / shard_index_name(self.k), index)
+        shard_work.write_npy(self.work / shard_index_name(self.k), index)
         if form == "frames":
-            _write_npy(self.work / shard_frames_name(self.k), np.array(self.frames, np.int32).reshape(n, 4))
+            shard_work.write_npy(self.work / shard_frames_name(self.k), np.array(self.frames, np.int32).reshape(n, 4))
         os.replace(self.tmp, self.work / shard_name(self.k))
-        last = self.first + max(n, 1) - 1
-        sources = np.searchsorted(table_bounds, [self.first, last], side="right") - 1
         entry = ShardEntry(shard=self.k, first=self.first, samples=n, bytes=self.position, checksums=checksums,
                            skipped=[s for s in skipped if self.first <= int(s[0]) < self.first + n],
-                           source_shards=[int(sources[0]), int(sources[1])],
+                           source_shards=shard_work.source_span(table_bounds, self.first, n),
                            max_length=max((length for _, length in self.rows), default=0))
-        _write_text(self.work / shard_entry_name(self.k), json.dumps(entry))
+        shard_work.write_text(self.work / shard_work.entry_name(self.k), json.dumps(entry))
         return entry
 
     def abandon(self) -> None:
         self.out.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def _write_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        np.save(handle, array, allow_pickle=False)
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
@@ -241,75 +195,12 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
             return final
         log.warning("%s: the source's content differs from the converted one's: converting again", final)
     needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
-    work = work_folder(final)
-    try:
-        lock = _lock(work)
-    except OSError as exc:
-        if is_no_space(exc):
-            raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
-                                           form == "frames") from None
-        raise DatasetError(f"{final.parent}: cannot write the raw conversion ({exc.strerror or exc}); "
-                           "set storage.converted to a writable folder") from None
-    if lock is None:  # another process finished it while this one waited
-        return final
-    try:
-        if (final / MANIFEST).exists() and not force and not verify:
-            return final
-        _start_or_resume(work, {"key": conversion_key(dataset, form, size, shard_mib), "source_content": digest},
-                         fresh=force)
-        entries = _write_shards(work, dataset, form, size, shard_mib, progress, workers or os.cpu_count() or 1,
-                                on_error, _finished_shards(work))
-        _write_text(work / MANIFEST, json.dumps(_manifest(dataset, form, size, shard_mib, digest, entries)))
-        open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none")
-        (work / RUN).unlink()
-        if final.exists():  # forced, or a damaged one: the old conversion goes only once the new one is complete
-            old = final.with_name(f".{final.name}.{os.getpid()}.old.tmp")
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        (work / "lock").unlink()
-        os.replace(work, final)
-    except OSError as exc:
-        if is_no_space(exc):  # the finished shards would keep the disk full: the space goes back to the user
-            shutil.rmtree(work, ignore_errors=True)
-            raise integrity.no_space_error(final.parent, needed, f"the raw conversion ({form})",
-                                           form == "frames") from None
-        raise
-    finally:
-        lock.close()
-    return final
-
-
-def _lock(work: Path):
-    """The work folder's lock, held (blocking while another process converts); None when that process finished
-    the conversion meanwhile (its work folder became the conversion)."""
-    while True:
-        work.mkdir(parents=True, exist_ok=True)
-        lock = open(work / "lock", "a")  # noqa: SIM115 - the caller closes it
-        # A POSIX record lock, not flock: the decode pool's forked workers (which may outlive a conversion
-        # stopped by an error for a while) would share a flock and hold it; a record lock is this process's.
-        fcntl.lockf(lock, fcntl.LOCK_EX)
-        try:
-            if os.stat(work / "lock").st_ino == os.fstat(lock.fileno()).st_ino:
-                return lock  # the folder's own lock: nobody renamed it away while this one waited
-        except FileNotFoundError:
-            pass
-        lock.close()
-        if (work.with_name(work.name[1 : -len(".partial")]) / MANIFEST).exists():
-            return None
-
-
-def _start_or_resume(work: Path, run: dict, fresh: bool = False) -> None:
-    """Keep the work folder's finished shards when they were written for this same conversion (and not
-    `fresh`); else start it afresh. Temporary files of a writer that died are removed (this process holds the
-    lock)."""
-    for leftover in work.glob(".*.tmp"):
-        leftover.unlink(missing_ok=True)
-    try:
-        same = not fresh and json.loads((work / RUN).read_text()) == run
-    except (OSError, ValueError):
-        same = False
-    if not same:
-        for entry in work.iterdir():
-            if entry.name != "lock":
-                entry.unlink()
-        _write_text(work / RUN, json.dumps(run))
+    key = conversion_key(dataset, form, size, shard_mib)
+    return shard_work.build(
+        final, {"key": key, "source_content": digest}, f"the raw conversion ({form})", needed, form == "frames",
+        force or verify,
+        write=lambda work, done: _write_shards(work, dataset, form, size, shard_mib, progress,
+                                               workers or os.cpu_count() or 1, on_error, done),
+        manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries),
+        check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"),
+        intact=partial(_intact, shard_work.work_folder(final)))

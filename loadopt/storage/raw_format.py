@@ -44,7 +44,7 @@ from typing_extensions import NotRequired, TypedDict
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
 from loadopt.imaging.reencode import REENCODE_QUALITY, restarts_key
-from loadopt.storage import integrity
+from loadopt.storage import integrity, shard_work
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.tier_reads import local_dir
 
@@ -139,23 +139,19 @@ def raw_path(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_S
 
 
 _PAGE = 4096
-MANIFEST = "manifest.json"  # written last: the conversion is finished exactly when it is there
+MANIFEST = shard_work.MANIFEST
 
 
 def shard_name(k: int) -> str:
-    return f"shard-{k:05d}.bin"
+    return f"{shard_work.shard_stem(k)}.bin"
 
 
 def shard_index_name(k: int) -> str:
-    return f"shard-{k:05d}.idx.npy"
+    return f"{shard_work.shard_stem(k)}.idx.npy"
 
 
 def shard_frames_name(k: int) -> str:
-    return f"shard-{k:05d}.frames.npy"
-
-
-def shard_entry_name(k: int) -> str:
-    return f"shard-{k:05d}.json"
+    return f"{shard_work.shard_stem(k)}.frames.npy"
 
 
 @dataclass
@@ -324,16 +320,7 @@ def load_shard_frames(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
 
 def read_manifest(root: Path) -> RawMeta:
     """The conversion's manifest; one line naming the folder when it is missing or unreadable."""
-    path = root / MANIFEST
-    if not path.exists():
-        raise DatasetError(f"{root}: raw shards not found (no {MANIFEST})")
-    try:
-        meta = json.loads(path.read_text())
-        if not isinstance(meta, dict) or not isinstance(meta.get("shard_table"), list):
-            raise ValueError("no shard table")
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: corrupt raw manifest ({str(exc).splitlines()[0]})") from None
-    return meta  # type: ignore[return-value]  # checked against the key by open_raw
+    return shard_work.read_manifest(root, "raw shards")  # type: ignore[return-value]  # checked by open_raw
 
 
 def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,

@@ -1,0 +1,174 @@
+"""Writing a conversion as shards, resumable: what the raw (storage/raw_convert.py) and Arrow
+(storage/arrow_convert.py) forms share.
+
+The shards are written into a work folder beside the conversion's (`.<name>.partial`), each one finished on its
+own: its files under temporary names, read back against the checksums taken while it was written, renamed, and
+then its entry `shard-0000k.json` written by rename, the mark that it is done. A conversion that was stopped
+(Ctrl-C, a kill, a full disk) and run again keeps every finished shard and continues after them: at most one
+shard is redone (a full disk instead removes them: the space goes back). The manifest is written once every
+shard is there and the whole folder checked; the work folder is then renamed into place, so a reader never sees
+a conversion without its manifest. One process converts at a time (a lock in the work folder); another waits for
+it and finds the conversion done.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from loadopt.errors import DatasetError
+from loadopt.files import is_no_space
+from loadopt.storage import integrity
+
+MANIFEST = "manifest.json"  # written last: the conversion is finished exactly when it is there
+RUN = "run.json"  # the key and source digest the work folder's shards were written for
+LOCK = "lock"
+
+
+def shard_stem(k: int) -> str:
+    return f"shard-{k:05d}"
+
+
+def entry_name(k: int) -> str:
+    """Shard k's entry: the mark that it is finished, and its row of the manifest's shard table."""
+    return f"{shard_stem(k)}.json"
+
+
+def work_folder(final: Path) -> Path:
+    """Where the shards of `final` are written until every one is there (kept across runs: the resume)."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as handle:
+        np.save(handle, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def source_span(bounds: np.ndarray, first: int, samples: int) -> list[int]:
+    """The first and last source shard (storage/shards.py's table `bounds`) of samples first..first+samples-1."""
+    last = first + max(samples, 1) - 1
+    span = np.searchsorted(bounds, [first, last], side="right") - 1
+    return [int(span[0]), int(span[1])]
+
+
+def read_manifest(root: Path, what: str) -> dict[str, Any]:
+    """The conversion's manifest; one line naming the folder when it is missing or unreadable."""
+    path = root / MANIFEST
+    if not path.exists():
+        raise DatasetError(f"{root}: {what} not found (no {MANIFEST})")
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("shard_table"), list):
+            raise ValueError("no shard table")
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path}: corrupt manifest ({str(exc).splitlines()[0]})") from None
+    return meta
+
+
+def finished_entries(work: Path, intact: Callable[[int, dict], bool]) -> list[dict]:
+    """The entries of the shards finished in `work`, in order, up to the first missing or damaged one (redone);
+    `intact(k, entry)` checks that shard's files."""
+    done: list[dict] = []
+    for k in range(1 << 31):
+        try:
+            entry = json.loads((work / entry_name(k)).read_text())
+            whole = intact(k, entry)
+        except (OSError, ValueError, KeyError, TypeError):
+            break
+        if not whole or entry.get("first") != (done[-1]["first"] + done[-1]["samples"] if done else 0):
+            break
+        done.append(entry)
+    return done
+
+
+def build(final: Path, run: dict, what: str, needed: int, bound: bool, rebuild: bool,
+          write: Callable[[Path, list[dict]], list[dict]], manifest: Callable[[list[dict]], dict],
+          check: Callable[[Path], object], intact: Callable[[int, dict], bool]) -> Path:
+    """Write the conversion `final` shard by shard in its work folder, resuming the shards finished there for the
+    same `run` (its key and source digest): `write(work, done)` writes the shards after `done` and returns every
+    entry; `manifest(entries)` is written last, then `check(work)` opens the whole folder before it is renamed into
+    place. `rebuild` replaces a finished conversion (forced, or its source changed); `what`, `needed` and `bound`
+    word the message when the disk is full."""
+    work = work_folder(final)
+    try:
+        lock = hold_lock(work)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise integrity.no_space_error(final.parent, needed, what, bound) from None
+        raise DatasetError(f"{final.parent}: cannot write {what} ({exc.strerror or exc}); "
+                           "set storage.converted to a writable folder") from None
+    if lock is None:  # another process finished it while this one waited
+        return final
+    try:
+        if (final / MANIFEST).exists() and not rebuild:
+            return final
+        start_or_resume(work, run, fresh=rebuild)
+        entries = write(work, finished_entries(work, intact))
+        write_text(work / MANIFEST, json.dumps(manifest(entries)))
+        check(work)
+        (work / RUN).unlink()
+        if final.exists():  # forced, or a damaged one: the old conversion goes only once the new one is complete
+            old = final.with_name(f".{final.name}.{os.getpid()}.old.tmp")
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        (work / LOCK).unlink()
+        os.replace(work, final)
+    except OSError as exc:
+        if is_no_space(exc):  # the finished shards would keep the disk full: the space goes back to the user
+            shutil.rmtree(work, ignore_errors=True)
+            raise integrity.no_space_error(final.parent, needed, what, bound) from None
+        raise
+    finally:
+        lock.close()
+    return final
+
+
+def hold_lock(work: Path) -> IO[str] | None:
+    """The work folder's lock, held (blocking while another process converts); None when that process finished
+    the conversion meanwhile (its work folder became the conversion)."""
+    while True:
+        work.mkdir(parents=True, exist_ok=True)
+        lock = open(work / LOCK, "a")  # noqa: SIM115 - the caller closes it
+        # A POSIX record lock, not flock: the decode pool's forked workers (which may outlive a conversion
+        # stopped by an error for a while) would share a flock and hold it; a record lock is this process's.
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        try:
+            if os.stat(work / LOCK).st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock  # the folder's own lock: nobody renamed it away while this one waited
+        except FileNotFoundError:
+            pass
+        lock.close()
+        if (work.with_name(work.name[1 : -len(".partial")]) / MANIFEST).exists():
+            return None
+
+
+def start_or_resume(work: Path, run: dict, fresh: bool = False) -> None:
+    """Keep the work folder's finished shards when they were written for this same conversion (and not
+    `fresh`); else start it afresh. Temporary files of a writer that died are removed (this process holds the
+    lock)."""
+    for leftover in work.glob(".*.tmp"):
+        leftover.unlink(missing_ok=True)
+    try:
+        same = not fresh and json.loads((work / RUN).read_text()) == run
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        for entry in work.iterdir():
+            if entry.name != LOCK:
+                entry.unlink()
+        write_text(work / RUN, json.dumps(run))
