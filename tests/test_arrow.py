@@ -1,6 +1,7 @@
 """The arrow backend and the Arrow conversion: equal tensors, resumption, errors."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,10 @@ from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
 from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.storage.arrow_format import arrow_path, convert, open_arrow
+from loadopt.storage.arrow_convert import convert
+from loadopt.storage.arrow_format import arrow_path, open_arrow
 from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.shard_work import MANIFEST
 
 from .conftest import tiny_config_dict
 
@@ -109,16 +112,23 @@ def test_tokens_arrow_equals_torch_memmap(tmp_path):
 def test_truncated_and_mismatched_files_are_named(tmp_path):
     cfg = config(tmp_path)
     dataset = open_dataset(cfg)
-    path = convert(dataset, "encoded")
+    folder = convert(dataset, "encoded")
+    path = folder / "shard-00000.arrow"
     data = path.read_bytes()
     try:
         path.write_bytes(data[: len(data) // 2])
-        with pytest.raises(DatasetError, match=f"{path}: corrupt or truncated Arrow file"):
-            open_arrow(path, dataset, "encoded", None)
+        with pytest.raises(DatasetError, match=f"{path}: corrupt or truncated Arrow shard .*samples 0-"):
+            open_arrow(folder, dataset, "encoded", None)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("x", pa.int8())])) as w:
             w.write_batch(pa.record_batch([pa.array([1], pa.int8())], names=["x"]))
         with pytest.raises(DatasetError, match=f"{path}: schema does not match the config"):
-            open_arrow(path, dataset, "encoded", None)
+            open_arrow(folder, dataset, "encoded", None)
+        path.unlink()
+        with pytest.raises(DatasetError, match=f"{path}: Arrow shard not found \\(the manifest lists it: samples 0-"):
+            open_arrow(folder, dataset, "encoded", None)
+        (folder / MANIFEST).unlink()
+        with pytest.raises(DatasetError, match=f"{folder}: Arrow conversion not found \\(no {MANIFEST}\\)"):
+            open_arrow(folder, dataset, "encoded", None)
     finally:
         path.write_bytes(data)
 
@@ -143,16 +153,16 @@ def test_interrupted_conversion_is_never_used(tmp_path, cache_dir):
                               "--decoded", "--frame", "centre"], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
-    while time.time() < deadline and not list(target.parent.glob(f".{target.name}.*.tmp")):
+    while time.time() < deadline and not list(target.parent.glob(f".{target.name}.partial/.*.tmp")):
         time.sleep(0.02)
     os.killpg(child.pid, signal.SIGKILL)
     child.wait()
-    assert not target.exists()  # nothing a later run would use
+    assert not (target / MANIFEST).exists()  # nothing a later run would use
     done = subprocess.run([sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "arrow", "--decoded",
                            "--frame", "centre"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert target.exists() and len(open_arrow(target, dataset, "decoded", 55, verify_labels=True)) == 3
+    assert (target / MANIFEST).exists() and len(open_arrow(target, dataset, "decoded", 55, verify_labels=True)) == 3
 
 
 def test_cli_bench_no_convert_and_truncated_file(tmp_path):
@@ -163,16 +173,16 @@ def test_cli_bench_no_convert_and_truncated_file(tmp_path):
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(raw))
     line = one_line_error(loadopt("bench", path, "--no-convert"))
-    assert "no Arrow conversion" in line and ".arrow" in line
+    assert "no Arrow conversion" in line and "/arrow/" in line
     proc = loadopt("bench", path, "--quick")
     assert proc.returncode == 0, proc.stderr
     assert "arrow decoded centre 50px" in proc.stdout
     cfg = config_from_dict(raw, "a.yaml")
-    target = arrow_path(open_dataset(cfg), "decoded", 50)
+    target = arrow_path(open_dataset(cfg), "decoded", 50) / "shard-00000.arrow"
     target.write_bytes(target.read_bytes()[:1000])
     line = one_line_error(loadopt("bench", path, "--quick"))
-    assert f"{target}: corrupt or truncated Arrow file" in line
-    target.unlink()
+    assert f"{target}: corrupt or truncated Arrow shard" in line
+    shutil.rmtree(target.parent)
 
 
 def test_an_error_in_the_producer_thread_reaches_the_consumer(tmp_path, monkeypatch):

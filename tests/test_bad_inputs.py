@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from loadopt import make_loader
 from loadopt.cli import app
 from loadopt.errors import LoadoptError
-from loadopt.storage import arrow_format
+from loadopt.storage import arrow_convert
 
 from .bad_serving_inputs import (
     arrivals_file_with_a_bad_line,
@@ -154,24 +154,25 @@ def no_space_converting(tmp_path, cache, monkeypatch):
     """The disk fills while the Arrow file is written (emulated: the writer's batches raise ENOSPC)."""
     root, _ = images(tmp_path, corrupt=0)
     config = write_config(tmp_path, dataset={"path": str(root)})
-    real = arrow_format._record_batches
+    real = arrow_convert.record_batches
 
     def fills_up(*args, **kwargs):
         yield from real(*args, **kwargs)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(arrow_format, "_record_batches", fills_up)
+    monkeypatch.setattr(arrow_convert, "record_batches", fills_up)
     folder = cache / "arrow"
     return Setup(["convert", str(config), "--to", "arrow"], f"{folder}: no space left on device: the Arrow "
                  "conversion (encoded) needs about ", config=config, backend="arrow",
-                 overrides={"form": "encoded"}, leftovers=lambda: temps(cache)() + list(folder.glob("*.arrow")))
+                 overrides={"form": "encoded"}, leftovers=lambda: temps(cache)() + list(folder.glob("*/shard-*")) +
+                 list(folder.glob(".*.partial")))
 
 
 def damaged_arrow_file(tmp_path, cache):
     root, _ = images(tmp_path, corrupt=0)
     config = write_config(tmp_path, dataset={"path": str(root)})
     assert CliRunner().invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
-    (path,) = (cache / "arrow").glob("*-encoded-*.arrow")
+    (path,) = (cache / "arrow").glob("*-encoded-*/shard-00000.arrow")
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
     data[middle:middle + 64] = bytes(64)  # inside the JPEG bytes: the record batch's body

@@ -84,7 +84,7 @@ def test_a_file_replaced_by_bytes_of_the_same_size(tmp_path, own_cache):
     victim.touch()  # a new time: another dataset, another conversion
     fresh = runner.invoke(app, ["convert", str(config), "--to", "arrow"])
     assert fresh.exit_code == 0 and "converted in" in said(fresh)
-    assert len(list((own_cache / "arrow").glob("*.arrow"))) == 2
+    assert len(list((own_cache / "arrow").glob("*/manifest.json"))) == 2
 
 
 def test_force_rebuilds_a_damaged_conversion(tmp_path, own_cache):
@@ -199,7 +199,7 @@ def test_damage_met_while_reading_blames_the_converted_file_not_the_source(tmp_p
     root, _ = images(tmp_path, corrupt=0)
     config = write_config(tmp_path, dataset={"path": str(root)})
     assert CliRunner().invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
-    (path,) = (own_cache / "arrow").glob("*-encoded-*.arrow")
+    (path,) = (own_cache / "arrow").glob("*-encoded-*/shard-00000.arrow")
     data = bytearray(path.read_bytes())
     start = data.find(b"\xff\xd8\xff")  # the first sample's JPEG header
     data[start:start + 4] = bytes(4)

@@ -85,7 +85,7 @@ def test_arrow_reads_records_and_keeps_the_conversion(tmp_path, file_format):
     check_records(dataset, batches)
     from loadopt.storage.arrow_format import arrow_path
 
-    path = arrow_path(dataset, "records", None)
+    path = arrow_path(dataset, "records", None) / "manifest.json"
     written = path.stat().st_mtime_ns
     again = host_batches(ArrowLoader(dataset, config.pipeline, ArrowSettings(), seed=3))
     assert path.stat().st_mtime_ns == written  # converted once, then reused

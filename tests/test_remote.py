@@ -186,7 +186,7 @@ def test_a_converting_backend_on_a_read_only_http_dataset_converts_into_the_loca
         assert "via tier" not in runs[backend]["label"]
         assert runs[backend]["metrics"]["tier_bytes"]["median"] == 0  # not one byte of it over HTTP
     assert runs["torch"]["metrics"]["tier_bytes"]["median"] > 0
-    assert list((own_cache / "arrow").glob("*.arrow")) and list((own_cache / "raw").glob("*/manifest.json"))
+    assert list((own_cache / "arrow").glob("*/manifest.json")) and list((own_cache / "raw").glob("*/manifest.json"))
     assert "bytes from local disk (direct reads of the conversion in the local cache" in said(result)
 
 

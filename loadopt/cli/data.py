@@ -56,7 +56,7 @@ def convert(
     size: int = typer.Option(None, "--size", help="Decoded centre square (default: pipeline.image_size / 0.875)."),
     frame: str = typer.Option("auto", "--frame", help="Decoded: whole (longer side <= pipeline.max_side), centre, "
                               "or auto (whole for augment: train)."),
-    shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size of the raw format, MiB."),
+    shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size, MiB (raw, Arrow)."),
     verify: bool = typer.Option(False, "--verify", help="Check every chunk of an existing conversion against its "
                                                         "checksums and the source's content against the digest it "
                                                         "recorded (reads the whole source); reconverts on a change."),

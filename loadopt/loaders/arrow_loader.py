@@ -1,4 +1,4 @@
-"""The `arrow` backend: samples stored once in a memory-mapped Arrow IPC file.
+"""The `arrow` backend: samples stored once in memory-mapped Arrow IPC files (the conversion's shards).
 
 Reading a sample costs a page-cache hit and a copy: no file opens, no per-sample Python objects.
 A producer thread assembles each batch straight into a slot of a preallocated ring (pinned where
@@ -15,8 +15,8 @@ locates each sample's bytes in the mapped file (`ArrowColumn`); the stored form'
   from storage, as the `torch` and `posix` backends read it: the workload is the record's size).
 Errors in the producer reach the consumer as exceptions (a bad sample by the `on_error` policy).
 
-On a tier that is not plain local disk (emulated, or remote storage) the file is not memory-mapped:
-its image in anonymous memory (`tier_reads.ShadowFile`) gets each batch's samples fetched through the
+On a tier that is not plain local disk (emulated, or remote storage) the shards are not memory-mapped:
+their image in anonymous memory (`tier_reads.ShadowShards`) gets each batch's samples fetched through the
 tier (`io_threads` range requests in flight, the next batch's while this one is assembled), so the
 tier's limits and counters see every byte, and the views and fills above run unchanged.
 """
@@ -41,8 +41,9 @@ from loadopt.loaders.fillers import EncodedJpegs, FillContext, Filled, Located, 
 from loadopt.loaders.heap import TRIM_EVERY
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.loaders.serving import RequestPath, Unservable
-from loadopt.storage import tier_reads
-from loadopt.storage.arrow_format import ROWS_PER_BATCH, ArrowConversion, arrow_path, convert, open_arrow
+from loadopt.storage import shard_work, tier_reads
+from loadopt.storage.arrow_convert import convert
+from loadopt.storage.arrow_format import ArrowConversion, arrow_path, open_arrow, shard_files
 from loadopt.storage.pagecache import release_pages
 
 
@@ -51,6 +52,7 @@ class ArrowSettings(RingSettings):
     threads: int = Field(2, ge=1)  # threads sharing each batch: decode (encoded) or crop copies (decoded)
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
     io_threads: int = Field(8, ge=1)  # range requests in flight on a tier that is not the local disk
+    shard_mib: float = Field(shard_work.DEFAULT_SHARD_MIB, gt=0)  # shard file size of the conversion
 
 
 class ArrowColumn:
@@ -60,14 +62,20 @@ class ArrowColumn:
     batch of 32 windows touches ~28 record batches of the default corpus); a variable-length one (whole
     frames, JPEGs, records) an array per record batch, with each sample's start and length in it."""
 
-    def __init__(self, batches: list[pa.RecordBatch]) -> None:
+    def __init__(self, batches: list[pa.RecordBatch], batch_file: np.ndarray) -> None:
         self.batches = batches
         self.first_rows = np.cumsum([0] + [b.num_rows for b in batches])[:-1].astype(np.int64)
         self.columns = [b.column(b.num_columns - 1) for b in batches]
         kind = self.columns[0].type
         self.width: int | None = kind.byte_width if pa.types.is_fixed_size_binary(kind) else None
-        if self.width is not None:
-            self.sources, self.bases = _spanning_view(self.columns, self.width)
+        if self.width is not None:  # one array per shard file: each is a mapping of its own
+            self.sources: list[np.ndarray] = []
+            self.bases, self.source_of = np.zeros(len(batches), np.int64), batch_file
+            for k in np.unique(batch_file).tolist():
+                mine = np.flatnonzero(batch_file == k)
+                span, self.bases[mine] = _spanning_view([self.columns[b] for b in mine], self.width)
+                self.source_of[mine] = len(self.sources)
+                self.sources += span
         else:  # binary (int32 offsets: JPEGs) or large binary (int64: frames, records)
             self.sources = [np.frombuffer(c.buffers()[2], np.uint8) for c in self.columns]
         names = batches[0].schema.names
@@ -93,7 +101,7 @@ class ArrowColumn:
         if self.width is not None:
             starts = self.bases[which] + (indices - self.first_rows[which]) * self.width
             lengths = np.full(len(indices), self.width, np.int64)
-            return Located(self.sources, np.zeros(len(indices), np.int32), starts, lengths,
+            return Located(self.sources, self.source_of[which].astype(np.int32), starts, lengths,
                            int(lengths.sum()), frames, mapped=True)
         starts_of, lengths_of = self.rows
         lengths = lengths_of[indices]
@@ -101,7 +109,8 @@ class ArrowColumn:
 
 
 def _spanning_view(columns: list, width: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """([one uint8 array over every column's fixed-size values], each column's first value's offset in it)."""
+    """([one uint8 array over every column's fixed-size values], each column's first value's offset in it): the
+    columns of one shard file."""
     addresses = [c.buffers()[1].address + c.offset * width for c in columns]
     first = min(addresses)
     end = max(a + len(c) * width for a, c in zip(addresses, columns, strict=True))
@@ -119,7 +128,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         super().__init__(*args, **kwargs)
         self._column: ArrowColumn | None = None  # the opened file's samples (`prepare`)
         self._conversion: ArrowConversion | None = None  # the opened file's record batches and checksums
-        self._shadow: tier_reads.ShadowFile | None = None  # on a tier: the file's image, fetched through it
+        self._shadow: tier_reads.ShadowShards | None = None  # on a tier: the shards' image, fetched through it
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:
@@ -154,26 +163,33 @@ class ArrowLoader(RingLoader[ArrowSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         self.stop_workers()  # they inherited the views this replaces
-        path = arrow_path(self.dataset, self.stored_form, self.size)
-        if not path.exists():
+        shard_mib = self.settings.shard_mib
+        path = arrow_path(self.dataset, self.stored_form, self.size, shard_mib)
+        if not (path / shard_work.MANIFEST).exists():
             if not convert_missing:
                 raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
                                    f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
-            convert(self.dataset, self.stored_form, self.size, progress=progress, on_error=self.on_error)
-        conversion = open_arrow(path, self.dataset, self.stored_form, self.size)
+            convert(self.dataset, self.stored_form, self.size, shard_mib, progress=progress, on_error=self.on_error)
+        conversion = open_arrow(path, self.dataset, self.stored_form, self.size, shard_mib)
         self.unreadable, self._conversion = conversion.skipped, conversion  # samples the conversion skipped
         batches: list[pa.RecordBatch] = conversion
-        remote = tier_reads.publish(self.dataset, path)
+        remote = tier_reads.publish(self.dataset, path, marker=shard_work.MANIFEST)
         tier = tier_reads.conversion_tier(self.dataset)
-        if tier is not None:  # every byte through the tier: no memory map of the file
-            self._shadow = tier_reads.ShadowFile(tier, remote or str(path), path, self.settings.io_threads)
+        if tier is not None:  # every byte through the tier: no memory map of the files
+            where = remote or str(path)
+            self._shadow = tier_reads.ShadowShards(tier, [f"{where}/{f.name}" for f in conversion.files],
+                                                   conversion.files, self.settings.io_threads)
             batches = self._shadow.record_batches()
-        self._column = ArrowColumn(batches)
+        self._column = ArrowColumn(batches, conversion.batch_file.copy())
 
     def storage_files(self) -> list[str]:
         if tier_reads.remote_home(self.dataset) is not None:
             return []  # read from the dataset's storage: no local page cache to evict
-        return [str(arrow_path(self.dataset, self.stored_form, self.size))]
+        path = arrow_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
+        try:
+            return [str(f) for f in shard_files(path, shard_work.read_manifest(path, "Arrow conversion"))]
+        except DatasetError:  # not converted yet: nothing of it in the page cache
+            return []
 
     @property
     def column(self) -> ArrowColumn:
@@ -185,7 +201,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         """Raise when the record batch of a sample that failed to decode is damaged in the Arrow file:
         that is not the source's fault, so not a failure of the sample."""
         if self._conversion is not None:
-            self._conversion.check("all", [index // ROWS_PER_BATCH])
+            self._conversion.check("all", [self._conversion.batch_of(index)])
 
     def is_open(self) -> bool:
         return self._column is not None

@@ -67,10 +67,11 @@ class DaliSettings(BaseModel):
 
 
 class _TierRanges(NamedTuple):
-    """Where each sample's bytes are in the Arrow file read through a storage tier (range requests)."""
+    """Where each sample's bytes are in the Arrow shards read through a storage tier (range requests)."""
 
     fs: fsspec.AbstractFileSystem
-    path: str
+    paths: list[str]
+    file_of: np.ndarray
     offsets: np.ndarray
     lengths: np.ndarray
 
@@ -94,6 +95,7 @@ class DaliLoader(Loader[DaliSettings]):
                               "external for remote, tar-shard or Parquet datasets, or source: arrow")
         self.graph = DaliGraph(s, self.pipeline, self.decoder, self.device, self.seed)
         self._views: list[tuple[np.ndarray, np.ndarray]] | None = None  # Arrow: (offsets, data) per record batch
+        self._first_rows = np.zeros(0, np.int64)  # Arrow: each record batch's first sample
         self._tier_ranges: _TierRanges | None = None  # Arrow on a tier
         self._pipe: Any = None
         self._native_done = 0  # native: batches DALI has delivered in its current epoch
@@ -167,44 +169,52 @@ class DaliLoader(Loader[DaliSettings]):
     def prepare(self, progress: Callable[[int, int], None] | None = None, convert_missing: bool = True) -> None:
         if self.settings.source != "arrow" or self._views is not None:
             return
-        from loadopt.storage.arrow_format import arrow_path, convert, open_arrow
+        from loadopt.storage import shard_work, tier_reads
+        from loadopt.storage.arrow_convert import convert
+        from loadopt.storage.arrow_format import arrow_path, open_arrow
 
         path = arrow_path(self.dataset, "encoded", None)
-        if not path.exists():
+        if not (path / shard_work.MANIFEST).exists():
             if not convert_missing:
                 raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
                                    "run `loadopt convert CONFIG --to arrow`")
             convert(self.dataset, "encoded", None, progress=progress)
         views = []
-        for batch in open_arrow(path, self.dataset, "encoded", None):
+        conversion = open_arrow(path, self.dataset, "encoded", None)
+        for batch in conversion:
             column = batch.column(batch.num_columns - 1)
             offsets = np.frombuffer(column.buffers()[1], np.int32, batch.num_rows + 1, column.offset * 4)
             views.append((offsets, np.frombuffer(column.buffers()[2], np.uint8)))
-        self._views = views
-        from loadopt.storage import tier_reads
-
-        remote = tier_reads.publish(self.dataset, path)
+        self._views, self._first_rows = views, conversion.first_rows
+        remote = tier_reads.publish(self.dataset, path, marker=shard_work.MANIFEST)
         tier = tier_reads.conversion_tier(self.dataset)
         if tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
-            offsets, lengths = tier_reads.arrow_layout(path)
-            self._tier_ranges = _TierRanges(tier, remote or str(path), offsets, lengths)
+            where = remote or str(path)
+            file_of, offsets, lengths = tier_reads.arrow_layout(conversion.files)
+            self._tier_ranges = _TierRanges(tier, [f"{where}/{f.name}" for f in conversion.files], file_of, offsets,
+                                            lengths)
 
     def storage_files(self) -> list[str]:
         if self.settings.source == "arrow":
-            from loadopt.storage.arrow_format import arrow_path
+            from loadopt.storage import shard_work
+            from loadopt.storage.arrow_format import arrow_path, shard_files
 
-            return [str(arrow_path(self.dataset, "encoded", None))]
+            path = arrow_path(self.dataset, "encoded", None)
+            try:
+                return [str(f) for f in shard_files(path, shard_work.read_manifest(path, "Arrow conversion"))]
+            except DatasetError:  # not converted yet: nothing of it in the page cache
+                return []
         return super().storage_files()
 
     def _encoded(self, index: int) -> np.ndarray:
         if self._tier_ranges is not None:
-            fs, path, offsets, lengths = self._tier_ranges
+            fs, paths, file_of, offsets, lengths = self._tier_ranges
             start = int(offsets[index])
-            return np.frombuffer(fs.cat_file(path, start=start, end=start + int(lengths[index])), np.uint8)
+            return np.frombuffer(fs.cat_file(paths[file_of[index]], start=start, end=start + int(lengths[index])),
+                                 np.uint8)
         if self._views is not None:
-            from loadopt.storage.arrow_format import ROWS_PER_BATCH
-
-            record, local = divmod(index, ROWS_PER_BATCH)
+            record = int(np.searchsorted(self._first_rows, index, side="right")) - 1
+            local = index - int(self._first_rows[record])
             offsets, data = self._views[record]
             return data[offsets[local] : offsets[local + 1]]  # a view of the mapped file: no copy
         return np.frombuffer(self.dataset.read(index), np.uint8)

@@ -17,7 +17,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.imaging.reencode import REENCODE_QUALITY
-from loadopt.storage import arrow_format, raw_convert, raw_format
+from loadopt.storage import arrow_convert, arrow_format, raw_convert, raw_format, shard_work
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
@@ -94,15 +94,10 @@ def check_options(to: str, frame: str, decoded_size: int | None, shard_mib: floa
 
 def conversion_path(to: str, dataset: ImageDataset | TokenDataset, stored: Form, size: int | None,
                     shard_mib: float = raw_format.DEFAULT_SHARD_MIB) -> Path:
-    """Where the conversion lives: the Arrow file, or the folder of raw shards."""
+    """Where the conversion lives: the folder of its shards."""
     if to == "raw":
         return raw_format.raw_path(dataset, stored, size, shard_mib)
-    return arrow_format.arrow_path(dataset, stored, size)
-
-
-def _finished_file(to: str, path: Path) -> Path:
-    """The file whose presence says the conversion finished (raw: the manifest, written last)."""
-    return path / raw_format.MANIFEST if to == "raw" else path
+    return arrow_format.arrow_path(dataset, stored, size, shard_mib)
 
 
 def _mtime(path: Path) -> int | None:
@@ -137,19 +132,18 @@ def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
     if len(dataset) == 0:
         raise DatasetError(f"{dataset.root}: the dataset has no samples")
     path = conversion_path(to, dataset, form.stored, form.size, shard_mib)
-    finished = _finished_file(to, path)
+    finished = path / shard_work.MANIFEST  # written last: the conversion is finished
     existed, before = finished.exists(), _mtime(finished)
     start = time.perf_counter()
     if to == "raw":
         raw_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
                             force=force, verify=verify)
         skipped = len(raw_format.open_raw(path, dataset, form.stored, form.size, shard_mib).meta["skipped"])
-        nbytes = sum(f.stat().st_size for f in path.iterdir())
     else:
-        arrow_format.convert(dataset, form.stored, form.size, progress=progress, on_error=on_error, force=force,
-                             verify=verify)
-        skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size).skipped)
-        nbytes = path.stat().st_size
+        arrow_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
+                              force=force, verify=verify)
+        skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size, shard_mib).skipped)
+    nbytes = sum(f.stat().st_size for f in path.iterdir())
     seconds = time.perf_counter() - start
     return Conversion(path, len(dataset), form.stored, nbytes, skipped, existed and _mtime(finished) == before,
                       seconds)

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3  # 3: a manifest and an index per shard (2: chunk checksums, skipped samples, source digest)
 ALIGN = 4096
-DEFAULT_SHARD_MIB = 256.0
+DEFAULT_SHARD_MIB = shard_work.DEFAULT_SHARD_MIB
 INDEX_DTYPE = np.dtype([("sample_id", "<i8"), ("shard", "<i4"), ("offset", "<i8"), ("length", "<i8"),
                         ("label", "<i8")])
 

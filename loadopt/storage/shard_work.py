@@ -17,9 +17,9 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
@@ -27,9 +27,11 @@ from loadopt.errors import DatasetError
 from loadopt.files import is_no_space
 from loadopt.storage import integrity
 
+DEFAULT_SHARD_MIB = 256.0  # storage.shard_mib: a shard file's size, about
 MANIFEST = "manifest.json"  # written last: the conversion is finished exactly when it is there
 RUN = "run.json"  # the key and source digest the work folder's shards were written for
 LOCK = "lock"
+Entry = TypeVar("Entry", bound=Mapping[str, Any])  # a shard's entry (each form has its own)
 
 
 def shard_stem(k: int) -> str:
@@ -80,10 +82,10 @@ def read_manifest(root: Path, what: str) -> dict[str, Any]:
     return meta
 
 
-def finished_entries(work: Path, intact: Callable[[int, dict], bool]) -> list[dict]:
+def finished_entries(work: Path, intact: Callable[[int, Any], bool]) -> list[Any]:
     """The entries of the shards finished in `work`, in order, up to the first missing or damaged one (redone);
     `intact(k, entry)` checks that shard's files."""
-    done: list[dict] = []
+    done: list[Any] = []
     for k in range(1 << 31):
         try:
             entry = json.loads((work / entry_name(k)).read_text())
@@ -97,8 +99,8 @@ def finished_entries(work: Path, intact: Callable[[int, dict], bool]) -> list[di
 
 
 def build(final: Path, run: dict, what: str, needed: int, bound: bool, rebuild: bool,
-          write: Callable[[Path, list[dict]], list[dict]], manifest: Callable[[list[dict]], dict],
-          check: Callable[[Path], object], intact: Callable[[int, dict], bool]) -> Path:
+          write: Callable[[Path, list[Entry]], list[Entry]], manifest: Callable[[list[Entry]], Mapping[str, Any]],
+          check: Callable[[Path], object], intact: Callable[[int, Any], bool]) -> Path:
     """Write the conversion `final` shard by shard in its work folder, resuming the shards finished there for the
     same `run` (its key and source digest): `write(work, done)` writes the shards after `done` and returns every
     entry; `manifest(entries)` is written last, then `check(work)` opens the whole folder before it is renamed into

@@ -248,85 +248,105 @@ def coalesce(offsets: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
 # Arrow files through a tier
 
 
-def arrow_layout(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """(offset, length) of each sample's bytes (the last column) in the local Arrow file `path`,
-    from its memory map (only metadata pages and variable-width offsets are touched)."""
+def arrow_layout(files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard file, offset, length) of each sample's bytes (the last column) in the local Arrow shard files, in
+    sample order, from their memory maps (only metadata pages and variable-width offsets are touched)."""
     import pyarrow as pa
 
-    mapped = pa.memory_map(str(path), "r")
-    reader = pa.ipc.open_file(mapped)
-    mapped.seek(0)
-    base = mapped.read_buffer(1).address
-    offsets, lengths = [], []
-    for i in range(reader.num_record_batches):
-        batch = reader.get_batch(i)
-        column = batch.column(batch.num_columns - 1)
-        rows, kind = batch.num_rows, column.type
-        if pa.types.is_fixed_size_binary(kind):  # rows back to back
-            width = kind.byte_width
-            first = column.buffers()[1].address + column.offset * width - base
-            offsets.append(first + np.arange(rows, dtype=np.int64) * width)
-            lengths.append(np.full(rows, width, np.int64))
-        else:  # (large) binary: offsets into the data buffer
-            dtype = np.int64 if pa.types.is_large_binary(kind) else np.int32
-            item = np.dtype(dtype).itemsize
-            bounds = np.frombuffer(column.buffers()[1], dtype, rows + 1, column.offset * item).astype(np.int64)
-            offsets.append(column.buffers()[2].address - base + bounds[:-1])
-            lengths.append(np.diff(bounds))
-    return np.concatenate(offsets), np.concatenate(lengths)
+    owners, offsets, lengths = [], [], []
+    for k, path in enumerate(files):
+        mapped = pa.memory_map(str(path), "r")
+        reader = pa.ipc.open_file(mapped)
+        mapped.seek(0)
+        base = mapped.read_buffer(1).address
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            column = batch.column(batch.num_columns - 1)
+            rows, kind = batch.num_rows, column.type
+            owners.append(np.full(rows, k, np.int64))
+            if pa.types.is_fixed_size_binary(kind):  # rows back to back
+                width = kind.byte_width
+                first = column.buffers()[1].address + column.offset * width - base
+                offsets.append(first + np.arange(rows, dtype=np.int64) * width)
+                lengths.append(np.full(rows, width, np.int64))
+            else:  # (large) binary: offsets into the data buffer
+                dtype = np.int64 if pa.types.is_large_binary(kind) else np.int32
+                item = np.dtype(dtype).itemsize
+                bounds = np.frombuffer(column.buffers()[1], dtype, rows + 1, column.offset * item).astype(np.int64)
+                offsets.append(column.buffers()[2].address - base + bounds[:-1])
+                lengths.append(np.diff(bounds))
+    return np.concatenate(owners), np.concatenate(offsets), np.concatenate(lengths)
 
 
-class ShadowFile:
-    """An image of an Arrow file in anonymous memory whose samples' bytes are fetched through the tier
-    when a batch needs them (`fetch`) and let go after (`drop`); everything else in the file (footer,
-    record batch headers, labels, offsets: a few bytes a sample) is fetched through the tier once.
-    The loaders build their usual zero-copy views over `record_batches()`, so every form reads through
-    the tier with the code that reads the memory map."""
+class ShadowShards:
+    """An image of each shard file of an Arrow conversion in anonymous memory whose samples' bytes are fetched
+    through the tier when a batch needs them (`fetch`) and let go after (`drop`); everything else in the files
+    (footers, record batch headers, labels, offsets: a few bytes a sample) is fetched through the tier once.
+    The loaders build their usual zero-copy views over `record_batches()`, so every form reads through the tier
+    with the code that reads the memory maps."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, local: str | Path, threads: int = 8) -> None:
-        self.fs, self.path, self.threads = fs, path, threads
-        self.offsets, self.lengths = arrow_layout(local)
-        size = os.path.getsize(local)
-        self.buffer = mmap.mmap(-1, max(size, 1))
-        self.view = np.frombuffer(self.buffer, np.uint8)[:size]
-        order = np.argsort(self.offsets)
-        starts = np.r_[0, self.offsets[order] + self.lengths[order]]
-        ends = np.r_[self.offsets[order], size]
-        gaps = [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True) if b > a]
+    def __init__(self, fs: fsspec.AbstractFileSystem, paths: list[str], local: list[Path], threads: int = 8) -> None:
+        self.fs, self.paths, self.threads = fs, paths, threads
+        self.file_of, self.offsets, self.lengths = arrow_layout(local)
+        self.buffers, self.views = [], []
+        gaps: list[tuple[int, int, int]] = []
+        for k, path in enumerate(local):
+            size = os.path.getsize(path)
+            self.buffers.append(mmap.mmap(-1, max(size, 1)))
+            self.views.append(np.frombuffer(self.buffers[-1], np.uint8)[:size])
+            mine = self.file_of == k
+            order = np.argsort(self.offsets[mine])
+            starts = np.r_[0, self.offsets[mine][order] + self.lengths[mine][order]]
+            ends = np.r_[self.offsets[mine][order], size]
+            gaps += [(k, int(a), int(b - a)) for a, b in zip(starts, ends, strict=True) if b > a]
         self._read(gaps)
-        self.fetched = sum(n for _, n in gaps)
+        self.fetched = sum(n for _, _, n in gaps)
 
     def record_batches(self) -> list:
         import pyarrow as pa
 
-        reader = pa.ipc.open_file(pa.py_buffer(self.buffer))
-        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        batches = []
+        for buffer in self.buffers:
+            reader = pa.ipc.open_file(pa.py_buffer(buffer))
+            batches += [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        return batches
 
-    def _read(self, runs: list[tuple[int, int]]) -> None:
-        reader = TierReader(self.fs, [self.path])
-        if len(runs) <= 1 or self.threads <= 1:
-            for offset, nbytes in runs:
-                reader.read(0, offset, self.view[offset : offset + nbytes])
-            return
-        with ThreadPoolExecutor(min(self.threads, len(runs)), thread_name_prefix="loadopt-tier") as pool:
-            list(pool.map(lambda run: reader.read(0, run[0], self.view[run[0] : run[0] + run[1]]), runs))
+    def _read(self, runs: list[tuple[int, int, int]], pool: ThreadPoolExecutor | None = None) -> None:
+        reader = TierReader(self.fs, self.paths)
+
+        def read(run: tuple[int, int, int]) -> None:
+            k, offset, nbytes = run
+            reader.read(k, offset, self.views[k][offset : offset + nbytes])
+
+        if pool is not None:
+            list(pool.map(read, runs))
+        elif len(runs) <= 1 or self.threads <= 1:
+            for run in runs:
+                read(run)
+        else:
+            with ThreadPoolExecutor(min(self.threads, len(runs)), thread_name_prefix="loadopt-tier") as own:
+                list(own.map(read, runs))
 
     def fetch(self, indices: np.ndarray, pool: ThreadPoolExecutor | None = None) -> int:
         """Read the bytes of these samples through the tier into their place; returns the bytes read."""
-        runs = coalesce(self.offsets[indices], self.lengths[indices])
-        reader = TierReader(self.fs, [self.path])
+        indices = np.asarray(indices)
+        runs = []
+        for k in np.unique(self.file_of[indices]).tolist():
+            mine = indices[self.file_of[indices] == k]
+            runs += [(k, offset, nbytes) for offset, nbytes in coalesce(self.offsets[mine], self.lengths[mine])]
         if pool is None:
-            for offset, nbytes in runs:
-                reader.read(0, offset, self.view[offset : offset + nbytes])
+            for run in runs:
+                self._read([run])
         else:
-            list(pool.map(lambda run: reader.read(0, run[0], self.view[run[0] : run[0] + run[1]]), runs))
-        return sum(n for _, n in runs)
+            self._read(runs, pool)
+        return sum(n for _, _, n in runs)
 
     def drop(self, indices: np.ndarray) -> None:
         """Give back the memory of the pages wholly inside these samples (they read as zeros until the
         next fetch; pages shared with other bytes of the file are kept)."""
         page = mmap.PAGESIZE
-        for offset, nbytes in zip(self.offsets[indices].tolist(), self.lengths[indices].tolist(), strict=True):
+        for k, offset, nbytes in zip(self.file_of[indices].tolist(), self.offsets[indices].tolist(),
+                                     self.lengths[indices].tolist(), strict=True):
             first, last = -(-offset // page) * page, (offset + nbytes) // page * page
             if last > first:
-                self.buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+                self.buffers[k].madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -1,0 +1,222 @@
+"""Writing the Arrow form (storage/arrow_format.py's layout) shard by shard, resumable (storage/shard_work.py: the
+work folder, the resume, the manifest written last, one process at a time): each shard is an Arrow IPC file of
+whole record batches, closed once it passes `shard_mib`, read back against its batches' checksums, renamed, its
+entry last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from loadopt.imaging.frames import FRAME_FIELDS
+from loadopt.storage import decode_pool, integrity, shard_work
+from loadopt.storage.arrow_format import (
+    DEFAULT_SHARD_MIB,
+    Form,
+    arrow_path,
+    arrow_schema,
+    batch_metadata,
+    conversion_key,
+    decode_centre,
+    decode_frame,
+    encode_sample,
+    needed_bytes,
+    open_arrow,
+    read_shard,
+    reencode_sample,
+    rows_per_batch,
+    set_pool_dataset,
+    shard_bytes,
+    shard_name,
+    square_bytes,
+)
+from loadopt.storage.shards import shard_table
+
+log = logging.getLogger(__name__)
+
+
+def record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, progress, workers: int,
+                   on_error: str = "raise", skipped: list | None = None, first: int = 0):
+    """The record batches of the conversion from sample `first`; samples that cannot be decoded go by `on_error`
+    (`skip`: a zero row, its `[index, reason]` appended to `skipped`)."""
+    n = len(dataset)
+    skipped = [] if skipped is None else skipped
+    pool = None
+    square = square_bytes(size) if form == "decoded" else 0  # bytes of a decoded row
+    if form == "reencoded" and not size:
+        raise ValueError("the reencoded form is bounded by a max side: none was given")
+    if form in ("decoded", "frames", "reencoded", "encoded"):
+        set_pool_dataset(dataset, size)
+        pool = decode_pool.start(workers)
+    step = rows_per_batch(dataset, form)
+    try:
+        for start in range(first, n, step):
+            ids = np.arange(start, min(n, start + step), dtype=np.int64)
+            if form == "records":
+                column = pa.array([dataset.read(int(i)) for i in ids], type=pa.large_binary())
+                yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
+            elif form == "tokens":
+                windows = np.ascontiguousarray(dataset.windows()[ids])
+                column = pa.FixedSizeBinaryArray.from_buffers(
+                    pa.binary(windows.shape[1] * windows.itemsize), len(ids), [None, pa.py_buffer(windows)])
+                yield pa.record_batch([pa.array(ids), column], schema=schema)
+            else:
+                if form == "frames":
+                    frame = partial(integrity.guarded, decode_frame)  # a bad sample goes by on_error
+                    results = pool.map(frame, ids.tolist(), chunksize=16) if pool else [frame(int(i)) for i in ids]
+                    decoded = integrity.keep_or_skip(dataset, ids, results, on_error, skipped,
+                                                     lambda: (bytes(3), (1, 1, 1, 1)))
+                    dims = np.array([d for _, d in decoded], np.int32).reshape(-1, len(FRAME_FIELDS))
+                    columns = [pa.array(ids), pa.array(dataset.labels[ids]), *(pa.array(dims[:, j]) for j in
+                               range(len(FRAME_FIELDS))), pa.array([b for b, _ in decoded], type=pa.large_binary())]
+                    yield pa.record_batch(columns, schema=schema)
+                    if progress is not None:
+                        progress(int(ids[-1]) + 1, n)
+                    continue
+                if form == "decoded":
+                    decode = partial(integrity.guarded, decode_centre)
+                    results = pool.map(decode, ids.tolist(), chunksize=16) if pool else [decode(int(i)) for i in ids]
+                    blobs = integrity.keep_or_skip(dataset, ids, results, on_error, skipped, lambda: bytes(square))
+                    column = pa.array(blobs, type=pa.binary(square))
+                elif form == "reencoded":  # a bad sample goes by on_error: an empty row, reported unreadable
+                    encode = partial(integrity.guarded, reencode_sample)
+                    results = pool.map(encode, ids.tolist(), chunksize=4) if pool else [encode(int(i)) for i in ids]
+                    column = pa.array(integrity.keep_or_skip(dataset, ids, results, on_error, skipped, bytes),
+                                      type=pa.binary())
+                else:
+                    blobs = pool.map(encode_sample, ids.tolist(), chunksize=16) if pool else [
+                        encode_sample(int(i)) for i in ids]
+                    column = pa.array(blobs, type=pa.binary())
+                yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
+            if progress is not None:
+                progress(int(ids[-1]) + 1, n)
+    finally:
+        decode_pool.stop(pool)
+
+
+class _ShardWriter:
+    """One Arrow shard being written under a temporary name: its record batches, rows and skipped samples."""
+
+    def __init__(self, work: Path, k: int, first: int, schema: pa.Schema) -> None:
+        self.work, self.k, self.first, self.schema = work, k, first, schema
+        self.tmp = work / f".{shard_name(k)}.{os.getpid()}.tmp"
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_file(self.sink, schema)
+        self.samples = self.batches = 0
+        self.skipped: list = []
+
+    def add(self, batch: pa.RecordBatch, skipped: list) -> None:
+        first = self.first + self.samples
+        mine = [s for s in skipped if first <= int(s[0]) < first + batch.num_rows]
+        self.writer.write_batch(batch, custom_metadata=batch_metadata(batch, mine))
+        self.samples += batch.num_rows
+        self.batches += 1
+        self.skipped += mine
+
+    def size(self) -> int:
+        return self.sink.tell()
+
+    def finish(self, bounds: np.ndarray) -> dict:
+        """Close, read back (every chunk against its checksums), rename; the entry written last."""
+        self.writer.close()
+        self.sink.close()
+        back = read_shard(self.tmp, self.schema)
+        if len(back) != self.batches or sum(b.num_rows for b, _ in back) != self.samples:
+            raise OSError(f"{self.tmp}: reads back {len(back)} record batches, {self.batches} were written")
+        for b, (batch, extra) in enumerate(back):
+            sums = json.loads(extra["loadopt.checksums"])["regions"]
+            if json.loads(batch_metadata(batch, [])["loadopt.checksums"])["regions"] != sums:
+                raise OSError(f"{self.tmp}: record batch {b} reads back other bytes than were written (a failing "
+                              "disk or a concurrent writer)")
+        nbytes = self.tmp.stat().st_size
+        os.replace(self.tmp, self.work / shard_name(self.k))
+        entry = {"shard": self.k, "first": self.first, "samples": self.samples, "bytes": nbytes,
+                 "batches": self.batches, "skipped": self.skipped,
+                 "source_shards": shard_work.source_span(bounds, self.first, self.samples)}
+        shard_work.write_text(self.work / shard_work.entry_name(self.k), json.dumps(entry))
+        return entry
+
+    def abandon(self) -> None:
+        try:
+            self.writer.close()
+            self.sink.close()
+        except (OSError, pa.ArrowException):
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
+                  on_error: str, done: list[dict]) -> list[dict]:
+    """Write the shards after the `done` ones; every entry returned."""
+    limit = shard_bytes(shard_mib)
+    schema = arrow_schema(dataset, form, size)
+    bounds = shard_table(dataset).bounds
+    entries = list(done)
+    skipped: list = [s for e in done for s in e["skipped"]]
+    first = entries[-1]["first"] + entries[-1]["samples"] if entries else 0
+    writer: _ShardWriter | None = None
+    try:
+        for batch in record_batches(dataset, schema, form, size, progress, workers, on_error, skipped, first):
+            if writer is None:
+                writer = _ShardWriter(work, len(entries), first, schema)
+            writer.add(batch, skipped)
+            first += batch.num_rows
+            if writer.size() >= limit:
+                entries.append(writer.finish(bounds))
+                writer = None
+        if writer is not None:
+            entries.append(writer.finish(bounds))
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+    return entries
+
+
+def _intact(work: Path, k: int, entry: dict) -> bool:
+    return (work / shard_name(k)).stat().st_size == entry["bytes"]
+
+
+def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,
+            progress: Callable[[int, int], None] | None = None, workers: int | None = None, *,
+            on_error: str = "raise", force: bool = False, verify: bool = False) -> Path:
+    """Convert `dataset` to its Arrow form (or reuse the finished conversion); returns the folder. A conversion
+    stopped part way resumes from its finished shards.
+
+    `on_error` is the dataset's policy for samples that cannot be decoded; `force` rebuilds a finished
+    conversion; `verify` checks every chunk of a finished one (damage raises, naming the shard) and the
+    source's content against the digest it recorded, reconverting when the source changed."""
+    final = arrow_path(dataset, form, size, shard_mib)
+    integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    done = final / shard_work.MANIFEST
+    if done.exists() and not force and not verify:
+        return final
+    # The source's content, recorded with the conversion: read once more, so only where that is cheap
+    # (a local disk) or asked for (--verify).
+    # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
+    digest = integrity.source_digest(dataset) if form not in ("tokens", "records") and \
+        (verify or dataset.is_local()) else ""
+    if done.exists() and not force:
+        if open_arrow(final, dataset, form, size, shard_mib, verify="all").source_content == digest:
+            return final
+        log.warning("%s: the source's content differs from the converted one's: converting again", final)
+    key = conversion_key(dataset, form, size, shard_mib)
+    work = shard_work.work_folder(final)
+    return shard_work.build(
+        final, {"key": key, "source_content": digest}, f"the Arrow conversion ({form})",
+        needed_bytes(dataset, form, size), form == "frames", force or verify,
+        write=lambda folder, finished: _write_shards(folder, dataset, form, size, shard_mib, progress,
+                                                     workers or os.cpu_count() or 1, on_error, finished),
+        manifest=lambda entries: {**key, "source_content": digest,
+                                  "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
+        check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"),
+        intact=partial(_intact, work))
