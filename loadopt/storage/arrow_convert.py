@@ -44,10 +44,11 @@ log = logging.getLogger(__name__)
 
 
 def record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, progress, workers: int,
-                   on_error: str = "raise", skipped: list | None = None, first: int = 0):
-    """The record batches of the conversion from sample `first`; samples that cannot be decoded go by `on_error`
-    (`skip`: a zero row, its `[index, reason]` appended to `skipped`)."""
+                   on_error: str = "raise", skipped: list | None = None, first: int = 0, stop: int | None = None):
+    """The record batches of the conversion from sample `first` to `stop` (the end); samples that cannot be decoded
+    go by `on_error` (`skip`: a zero row, its `[index, reason]` appended to `skipped`)."""
     n = len(dataset)
+    end = n if stop is None else stop
     skipped = [] if skipped is None else skipped
     pool = None
     square = square_bytes(size) if form == "decoded" else 0  # bytes of a decoded row
@@ -58,8 +59,8 @@ def record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pro
         pool = decode_pool.start(workers)
     step = rows_per_batch(dataset, form)
     try:
-        for start in range(first, n, step):
-            ids = np.arange(start, min(n, start + step), dtype=np.int64)
+        for start in range(first, end, step):
+            ids = np.arange(start, min(end, start + step), dtype=np.int64)
             if form == "records":
                 column = pa.array([dataset.read(int(i)) for i in ids], type=pa.large_binary())
                 yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
@@ -153,22 +154,21 @@ class _ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
-                  on_error: str, done: list[dict]) -> list[dict]:
-    """Write the shards after the `done` ones; every entry returned."""
+def _write_range(work: Path, k: int, start: int, stop: int, dataset, form: Form, size: int | None,
+                 shard_mib: float, progress, workers: int, on_error: str) -> list[dict]:
+    """Convert samples start..stop-1 into shards k, k+1, ...; their entries returned."""
     limit = shard_bytes(shard_mib)
     schema = arrow_schema(dataset, form, size)
     bounds = shard_table(dataset).bounds
-    entries = list(done)
-    skipped: list = [s for e in done for s in e["skipped"]]
-    first = entries[-1]["first"] + entries[-1]["samples"] if entries else 0
+    entries: list[dict] = []
+    skipped: list = []
     writer: _ShardWriter | None = None
     try:
-        for batch in record_batches(dataset, schema, form, size, progress, workers, on_error, skipped, first):
+        for batch in record_batches(dataset, schema, form, size, progress, workers, on_error, skipped, start, stop):
             if writer is None:
-                writer = _ShardWriter(work, len(entries), first, schema)
+                writer = _ShardWriter(work, k + len(entries), start, schema)
             writer.add(batch, skipped)
-            first += batch.num_rows
+            start += batch.num_rows
             if writer.size() >= limit:
                 entries.append(writer.finish(bounds))
                 writer = None
@@ -180,6 +180,44 @@ def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: 
             writer.abandon()
         raise
     return entries
+
+
+def _reuse(work: Path, k: int, segment: shard_work.Segment, dataset, form: Form, size: int | None) -> dict:
+    """Shard k: an earlier conversion's shard of source shards that did not change: linked (not copied) where its
+    samples keep their numbers and labels, else its record batches written again with the new ones (the samples'
+    bytes as they are: nothing decoded)."""
+    assert segment.reused is not None and segment.root is not None
+    old = segment.root / shard_name(int(segment.reused["shard"]))
+    schema = arrow_schema(dataset, form, size)
+    labels = None if form == "tokens" else np.asarray(dataset.labels)[segment.start : segment.stop]
+    batches = read_shard(old, schema)
+    same = segment.start == segment.reused["first"] and (
+        labels is None or np.array_equal(np.concatenate([b.column(1).to_numpy() for b, _ in batches]), labels))
+    skipped = shard_work.reused_skips(segment)
+    if same:
+        shard_work.link(old, work / shard_name(k))
+    else:
+        writer = _ShardWriter(work, k, segment.start, schema)
+        try:
+            at = segment.start
+            for batch, _ in batches:
+                ids = np.arange(at, at + batch.num_rows, dtype=np.int64)
+                columns = [pa.array(ids)] + ([] if labels is None else
+                                             [pa.array(labels[at - segment.start : at - segment.start + len(ids)])])
+                writer.add(pa.record_batch(columns + batch.columns[len(columns):], schema=schema), skipped)
+                at += batch.num_rows
+            writer.writer.close()
+            writer.sink.close()
+            os.replace(writer.tmp, work / shard_name(k))
+        except BaseException:
+            writer.abandon()
+            raise
+    entry = {**segment.reused, "shard": k, "first": segment.start, "skipped": skipped,
+             "bytes": (work / shard_name(k)).stat().st_size,
+             "source_shards": shard_work.source_span(shard_table(dataset).bounds, segment.start,
+                                                     segment.stop - segment.start)}
+    shard_work.write_text(work / shard_work.entry_name(k), json.dumps(entry))
+    return entry
 
 
 def _intact(work: Path, k: int, entry: dict) -> bool:
@@ -210,13 +248,18 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
             return final
         log.warning("%s: the source's content differs from the converted one's: converting again", final)
     key = conversion_key(dataset, form, size, shard_mib)
-    work = shard_work.work_folder(final)
+    work, line = shard_work.work_folder(final), shard_work.lineage(key, dataset)
+    table = shard_work.source_table(dataset)
+    earlier = shard_work.predecessor(final, line) if table and not force else None
+    segments = shard_work.plan(len(dataset), table, earlier)
+    write = partial(_write_range, dataset=dataset, form=form, size=size, shard_mib=shard_mib, progress=progress,
+                    workers=workers or os.cpu_count() or 1, on_error=on_error)
+    reuse = partial(_reuse, dataset=dataset, form=form, size=size)
     return shard_work.build(
-        final, {"key": key, "source_content": digest}, f"the Arrow conversion ({form})",
-        needed_bytes(dataset, form, size), form == "frames", force or verify,
-        write=lambda folder, finished: _write_shards(folder, dataset, form, size, shard_mib, progress,
-                                                     workers or os.cpu_count() or 1, on_error, finished),
-        manifest=lambda entries: {**key, "source_content": digest,
+        final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
+        f"the Arrow conversion ({form})", needed_bytes(dataset, form, size), form == "frames", force or verify,
+        write=lambda folder, finished: shard_work.write_plan(folder, segments, finished, write, reuse),
+        manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
                                   "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
         check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"),
         intact=partial(_intact, work))

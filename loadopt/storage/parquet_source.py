@@ -58,6 +58,7 @@ class ParquetDataset:
     file_bytes: np.ndarray | None = None  # int64, each file's size as listed
     listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
     shard_bounds: np.ndarray | None = None  # where each file's samples start (then their count): its shard table
+    file_keys: list[str] | None = None  # each file's size, modification time and ETag, as listed
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "parquet"
     row_groups: RowGroupCache = field(default_factory=lambda: RowGroupCache(), repr=False)
@@ -284,4 +285,4 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
                           row_of=arrays["row_of"], labels=arrays["labels"], sizes=arrays["sizes"],
                           classes=index.classes, fingerprint=fingerprint, image_column=image_column,
                           file_bytes=listing.sizes, listed_at=listing.listed_at,
-                          shard_bounds=arrays.get("shard_bounds"))
+                          shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys())

@@ -38,12 +38,12 @@ from loadopt.storage.shards import shard_table
 log = logging.getLogger(__name__)
 
 def samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_error: str = "raise",
-            skipped: list | None = None, start: int = 0) -> Iterator[bytes]:
-    """Each sample's bytes in order from sample `start`; one that cannot be decoded goes by `on_error` (`skip`:
-    a blank one, `[index, reason]` appended to `skipped`)."""
+            skipped: list | None = None, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+    """Each sample's bytes in order from sample `start` to `stop` (the end); one that cannot be decoded goes by
+    `on_error` (`skip`: a blank one, `[index, reason]` appended to `skipped`)."""
     n = len(dataset)
     skipped = [] if skipped is None else skipped
-    ids = range(start, n)
+    ids = range(start, n if stop is None else stop)
     if form == "tokens":
         windows = dataset.windows()
         for i in ids:
@@ -137,24 +137,25 @@ class _ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: float, progress, workers: int,
-                  on_error: str, done: list[ShardEntry]) -> list[ShardEntry]:
-    """Write the shards after the `done` ones; the whole shard table returned."""
+def _labels(dataset, form: Form) -> np.ndarray:
+    return np.zeros(len(dataset), np.int64) if form == "tokens" else np.asarray(dataset.labels)
+
+
+def _write_range(work: Path, k: int, start: int, stop: int, dataset, form: Form, size: int | None, shard_mib: float,
+                 progress, workers: int, on_error: str) -> list[ShardEntry]:
+    """Convert samples start..stop-1 into shards k, k+1, ...; their entries returned."""
     limit, n = shard_bytes(shard_mib), len(dataset)
-    labels = np.zeros(n, np.int64) if form == "tokens" else np.asarray(dataset.labels)
+    labels = _labels(dataset, form)
     bounds = shard_table(dataset).bounds
-    entries = list(done)
-    skipped: list[list[int | str]] = [s for e in done for s in e["skipped"]]
-    start = entries[-1]["first"] + entries[-1]["samples"] if entries else 0
-    if start >= n and entries:
-        return entries
-    writer = _ShardWriter(work, len(entries), start)
+    entries: list[ShardEntry] = []
+    skipped: list[list[int | str]] = []
+    writer = _ShardWriter(work, k, start)
     try:
         dims: list = []
-        for i, blob in enumerate(samples(dataset, form, size, workers, dims, on_error, skipped, start), start):
+        for i, blob in enumerate(samples(dataset, form, size, workers, dims, on_error, skipped, start, stop), start):
             if writer.position and writer.position + int(align_up(len(blob))) > limit:  # a sample larger than a
                 entries.append(writer.finish(labels, skipped, bounds, form))  # shard gets one of its own
-                writer = _ShardWriter(work, len(entries), i)
+                writer = _ShardWriter(work, k + len(entries), i)
             writer.add(blob)
             if form == "frames":
                 writer.frames.append(dims[-1])
@@ -167,12 +168,33 @@ def _write_shards(work: Path, dataset, form: Form, size: int | None, shard_mib: 
     return entries
 
 
-def _manifest(dataset, form: Form, size: int | None, shard_mib: float, digest: str,
-              entries: list[ShardEntry]) -> RawMeta:
-    return RawMeta(**conversion_key(dataset, form, size, shard_mib), source_content=digest,
-                   skipped=[s for e in entries for s in e["skipped"]],
+def _reuse(work: Path, k: int, segment: shard_work.Segment, dataset, form: Form) -> ShardEntry:
+    """Shard k: an earlier conversion's shard of source shards that did not change, linked (not copied), its index
+    rewritten with the samples' new numbers and labels."""
+    assert segment.reused is not None and segment.root is not None
+    old, j = segment.root, int(segment.reused["shard"])
+    shard_work.link(old / shard_name(j), work / shard_name(k))
+    if form == "frames":
+        shard_work.link(old / shard_frames_name(j), work / shard_frames_name(k))
+    index = np.load(old / shard_index_name(j), allow_pickle=False)
+    index["sample_id"] = np.arange(segment.start, segment.stop)
+    index["shard"] = k
+    index["label"] = _labels(dataset, form)[segment.start : segment.stop]
+    shard_work.write_npy(work / shard_index_name(k), index)
+    entry = ShardEntry(**{**segment.reused, "shard": k, "first": segment.start,  # type: ignore[typeddict-item]
+                          "skipped": shard_work.reused_skips(segment),
+                          "source_shards": shard_work.source_span(shard_table(dataset).bounds, segment.start,
+                                                                  segment.stop - segment.start)})
+    shard_work.write_text(work / shard_work.entry_name(k), json.dumps(entry))
+    return entry
+
+
+def _manifest(dataset, form: Form, size: int | None, shard_mib: float, digest: str, entries: list[ShardEntry],
+              source_table: list[list] | None) -> RawMeta:
+    key = conversion_key(dataset, form, size, shard_mib)
+    return RawMeta(**key, source_content=digest, skipped=[s for e in entries for s in e["skipped"]],
                    checksums={"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES},
-                   shard_table=entries)
+                   shard_table=entries, lineage=shard_work.lineage(key, dataset), source_table=source_table)
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256.0,
@@ -196,11 +218,16 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
         log.warning("%s: the source's content differs from the converted one's: converting again", final)
     needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
     key = conversion_key(dataset, form, size, shard_mib)
+    table = shard_work.source_table(dataset)
+    earlier = shard_work.predecessor(final, shard_work.lineage(key, dataset)) if table and not force else None
+    segments = shard_work.plan(len(dataset), table, earlier)
+    write = partial(_write_range, dataset=dataset, form=form, size=size, shard_mib=shard_mib, progress=progress,
+                    workers=workers or os.cpu_count() or 1, on_error=on_error)
+    reuse = partial(_reuse, dataset=dataset, form=form)
     return shard_work.build(
-        final, {"key": key, "source_content": digest}, f"the raw conversion ({form})", needed, form == "frames",
-        force or verify,
-        write=lambda work, done: _write_shards(work, dataset, form, size, shard_mib, progress,
-                                               workers or os.cpu_count() or 1, on_error, done),
-        manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries),
+        final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
+        f"the raw conversion ({form})", needed, form == "frames", force or verify,
+        write=lambda work, done: shard_work.write_plan(work, segments, done, write, reuse),
+        manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table),
         check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"),
         intact=partial(_intact, shard_work.work_folder(final)))

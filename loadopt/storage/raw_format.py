@@ -100,6 +100,8 @@ class RawMeta(RawKey):
     skipped: list[list[int | str]]  # [sample index, reason] of each sample that could not be read
     checksums: ShardChecksums
     shard_table: list[ShardEntry]
+    lineage: NotRequired[str]  # the same for the conversions of one source before and after a shard of it changed
+    source_table: NotRequired[list[list] | None]  # [key, first sample, samples] per source shard (shard_work.py)
 
 
 @overload

@@ -130,6 +130,12 @@ class SavedListing:
     def names(self) -> list[str]:
         return [name.decode() for name in self.files]
 
+    def file_keys(self) -> list[str]:
+        """Each file's size, modification time and ETag: what says it changed (a conversion's shards of it are
+        redone, storage/shard_work.py)."""
+        return [f"{size}:{mtime.decode()}:{etag.decode()}"
+                for size, mtime, etag in zip(self.sizes.tolist(), self.mtimes, self.etags, strict=True)]
+
 
 def listing_of(root: str, files: list[ListedFile], fingerprint: str, classes: list[str] | None = None,
                arrays: dict[str, np.ndarray] | None = None) -> SavedListing:

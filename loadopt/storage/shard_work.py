@@ -14,24 +14,26 @@ it and finds the conversion done.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import numpy as np
 
 from loadopt.errors import DatasetError
 from loadopt.files import is_no_space
 from loadopt.storage import integrity
+from loadopt.storage.shards import shard_table, source_shard_keys
 
 DEFAULT_SHARD_MIB = 256.0  # storage.shard_mib: a shard file's size, about
 MANIFEST = "manifest.json"  # written last: the conversion is finished exactly when it is there
 RUN = "run.json"  # the key and source digest the work folder's shards were written for
 LOCK = "lock"
-Entry = TypeVar("Entry", bound=Mapping[str, Any])  # a shard's entry (each form has its own)
 
 
 def shard_stem(k: int) -> str:
@@ -99,7 +101,7 @@ def finished_entries(work: Path, intact: Callable[[int, Any], bool]) -> list[Any
 
 
 def build(final: Path, run: dict, what: str, needed: int, bound: bool, rebuild: bool,
-          write: Callable[[Path, list[Entry]], list[Entry]], manifest: Callable[[list[Entry]], Mapping[str, Any]],
+          write: Callable[[Path, list[Any]], list[Any]], manifest: Callable[[list[Any]], Mapping[str, Any]],
           check: Callable[[Path], object], intact: Callable[[int, Any], bool]) -> Path:
     """Write the conversion `final` shard by shard in its work folder, resuming the shards finished there for the
     same `run` (its key and source digest): `write(work, done)` writes the shards after `done` and returns every
@@ -174,3 +176,120 @@ def start_or_resume(work: Path, run: dict, fresh: bool = False) -> None:
             if entry.name != LOCK:
                 entry.unlink()
         write_text(work / RUN, json.dumps(run))
+
+
+# ---------------------------------------------------------------------------------------------
+# A changed source: only the shards of the source shards that changed are converted again
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Samples start..stop-1 of the conversion being written: converted from the source, or (`reused`) the
+    shard `reused` of the earlier conversion in `root` whose samples these are, unchanged in the source."""
+
+    start: int
+    stop: int
+    reused: Mapping[str, Any] | None = None
+    root: Path | None = None
+
+
+def source_table(dataset: Any) -> list[list] | None:
+    """[key, first sample, samples] of each source shard (storage/shards.py), kept in the manifest so that the next
+    conversion of a changed source knows which shards it can keep; None where the source has no keyed shards."""
+    keys = source_shard_keys(dataset)
+    if keys is None:
+        return None
+    bounds = shard_table(dataset).bounds.tolist()
+    return [[key, bounds[s], bounds[s + 1] - bounds[s]] for s, key in enumerate(keys)]
+
+
+def lineage(key: Mapping[str, Any], dataset: Any) -> str:
+    """What a conversion is of, but for the source's content: the same for the conversions of one dataset (its root)
+    in one form and settings, before and after a source shard changed."""
+    settings = {k: v for k, v in key.items() if k not in ("source", "rows")}
+    text = json.dumps({"root": str(dataset.root), "kind": type(dataset).__name__, **settings}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def predecessor(final: Path, line: str) -> tuple[Path, dict] | None:
+    """The newest finished conversion beside `final` of the same lineage that kept its source table."""
+    found: list[tuple[float, Path, dict]] = []
+    for folder in final.parent.iterdir() if final.parent.is_dir() else []:
+        if folder == final or folder.name.startswith(".") or not (folder / MANIFEST).is_file():
+            continue
+        try:
+            meta = json.loads((folder / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("lineage") == line and meta.get("source_table"):
+            found.append(((folder / MANIFEST).stat().st_mtime, folder, meta))
+    return max(found, key=lambda f: f[0])[1:] if found else None
+
+
+def plan(samples: int, table: list[list] | None, earlier: tuple[Path, dict] | None) -> list[Segment]:
+    """The segments of a conversion of `samples` samples whose source shards are `table`: each shard of the `earlier`
+    conversion whose source shards are all unchanged (same key, same samples) and still consecutive is reused at
+    its samples' new place; the samples between them are converted."""
+    if not table or earlier is None:
+        return [Segment(0, samples)]
+    root, meta = earlier
+    now = {key: (first, count) for key, first, count in table}
+    before = meta["source_table"]
+    reused: list[Segment] = []
+    for entry in meta["shard_table"]:
+        a, b = entry["source_shards"]
+        pieces = before[a : b + 1]
+        places = [now.get(key) for key, _, _ in pieces]
+        if any(p is None or p[1] != count for p, (_, _, count) in zip(places, pieces, strict=True)):
+            continue
+        if any(p[0] + p[1] != q[0] for p, q in zip(places, places[1:], strict=False)):  # type: ignore[index]
+            continue
+        start = places[0][0] + entry["first"] - pieces[0][1]  # type: ignore[index]
+        reused.append(Segment(start, start + entry["samples"], entry, root))
+    segments, at = [], 0
+    for segment in sorted(reused, key=lambda s: s.start):
+        if segment.start < at:
+            continue
+        if segment.start > at:
+            segments.append(Segment(at, segment.start))
+        segments.append(segment)
+        at = segment.stop
+    if at < samples:
+        segments.append(Segment(at, samples))
+    return segments
+
+
+def write_plan(work: Path, segments: list[Segment], done: list[Any],
+               write: Callable[[Path, int, int, int], list[Any]],
+               reuse: Callable[[Path, int, Segment], Any]) -> list[Any]:
+    """Every shard of the conversion after the `done` ones: `write(work, k, start, stop)` converts samples
+    start..stop-1 into shards k, k+1, ...; `reuse(work, k, segment)` makes shard k of an earlier one's."""
+    entries = list(done)
+    at = entries[-1]["first"] + entries[-1]["samples"] if entries else 0
+    for segment in segments:
+        if segment.stop <= at:
+            continue
+        if segment.reused is not None:
+            entries.append(reuse(work, len(entries), segment))
+        else:
+            entries += write(work, len(entries), max(segment.start, at), segment.stop)
+        at = segment.stop
+    return entries
+
+
+def link(source: Path, target: Path) -> None:
+    """`target` as a hard link to `source` (no copy), or a copy where they are on different filesystems."""
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+
+
+def reused_skips(segment: Segment) -> list:
+    """The reused shard's skipped samples, at their new indices."""
+    assert segment.reused is not None
+    shift = segment.start - segment.reused["first"]
+    return [[int(i) + shift, why] for i, why in segment.reused["skipped"]]

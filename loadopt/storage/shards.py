@@ -71,3 +71,17 @@ def shard_table(dataset: object, shard_samples: int = DEFAULT_SHARD_SAMPLES) -> 
         if isinstance(runs, np.ndarray) and len(runs):
             return ShardTable.from_runs(runs)
     return ShardTable.blocks(len(dataset), shard_samples)  # type: ignore[arg-type]
+
+
+def source_shard_keys(dataset: object) -> list[str] | None:
+    """A key per shard of `shard_table(dataset)` that changes when the file it comes from changes: the file's
+    name, size, modification time and ETag as listed (WebDataset tars, Parquet files). None for a dataset that
+    keeps no such listing of its files (an ImageFolder's samples are files of their own; tokens; synthetic)."""
+    keys = getattr(dataset, "file_keys", None)
+    names = getattr(dataset, "shards", None) if hasattr(dataset, "shard_of") else getattr(dataset, "files", None)
+    owner = getattr(dataset, "shard_of", None)
+    owner = owner if owner is not None else getattr(dataset, "file_of", None)
+    if not keys or names is None or owner is None or not len(owner):
+        return None
+    files = np.asarray(owner)[shard_table(dataset).bounds[:-1]]
+    return [f"{names[f].decode()}:{keys[f]}" for f in files.tolist()]

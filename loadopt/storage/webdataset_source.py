@@ -58,6 +58,7 @@ class WebDataset:
     converted: str | None = None
     listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
     shard_bounds: np.ndarray | None = None  # where each shard's samples start (then their count): its shard table
+    file_keys: list[str] | None = None  # each shard's size, modification time and ETag, as listed
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "webdataset"
 
@@ -373,4 +374,4 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
     return WebDataset(root=root, fs=fs, shards=listing.files, shard_of=arrays["shard_of"], offsets=arrays["offsets"],
                       keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
                       fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at,
-                      shard_bounds=arrays.get("shard_bounds"))
+                      shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys())
