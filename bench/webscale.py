@@ -33,16 +33,26 @@ Parts (`--part`, all by default):
   `RESULT open_remote_<n>_manifest`: the second open's seconds, target <= 2.
 
 - `remote`: `--remote-samples` synthetic photos (default 4,000, ~400 x 350 JPEGs) as WebDataset tars of 100,
-  served over HTTP from the namespace's nginx at `--rate-mbit` (160) with `--first-byte-ms` (20) a request;
-  inside the namespace, each in a fresh process: the shards listed and indexed once (saved, as after a job's
-  first open), then with the shard cache emptied before each: the tier probed (`loadopt.storage.probe`:
-  1 MiB reads, 4 in flight), loadopt's torch tuned (2 workers) through the bounded shard cache under the window
-  shuffle, and WebDataset's own loop (the `webdataset` backend's `library_batches`, 2 workers) on the same
-  tars, two epochs each: the time to the first batch and each epoch's delivered MB/s (JPEG bytes delivered
-  over the epoch's seconds). LitData and MosaicML Streaming are not run here: they read their own formats
-  from S3, not these tars (and Streaming does not import beside this torch). `RESULT epoch1_remote_of_tier`:
-  loadopt's epoch-1 MB/s over the probed MB/s, target >= 0.8; `RESULT remote_vs_best_peer`: loadopt's
-  epoch-1 MB/s over WebDataset's, target >= 1.2.
+  served over HTTP from the namespace's nginx and from its S3 server (moto, the tars and the peers' conversions
+  uploaded to its bucket) at `--rate-mbit` (160) with `--first-byte-ms` (20) a request (bench/webscale_remote.py,
+  bench/_webscale_s3_peers.py). Inside the namespace, each in a fresh process: the shards listed and indexed once
+  per URL (saved, as after a job's first open), the tier probed over HTTP (`loadopt.storage.probe`: 1 MiB reads,
+  4 in flight), then rounds of timed runs in rotating order, 2 workers each, two epochs each, every epoch 1 from
+  the tier (loadopt's shard cache emptied, the peers' caches fresh): loadopt's torch tuned through the bounded
+  shard cache under the window shuffle, over HTTP and over S3 (s3:// through s3fs at AWS_ENDPOINT_URL);
+  WebDataset's own loop over HTTP on the same tars (the `webdataset` backend's `library_batches`); LitData and
+  MosaicML Streaming each on its own conversion of the same photos (the `litdata` / `streaming` backends'
+  `prepare()`, LitData chunks and MDS shards uploaded to the bucket), read by the library's own S3 client and
+  loop (`litdata.StreamingDataset("s3://...")` in its StreamingDataLoader; `streaming.StreamingDataset(remote=
+  "s3://...", local=<fresh>)` in its StreamingDataLoader, its endpoint from S3_ENDPOINT_URL), `__getitem__`
+  decoding and cropping as the local peer backends do; and a first job (nothing saved). Figures: the time to the
+  first batch, each epoch's delivered MB/s (JPEG bytes delivered over the epoch's seconds), the MB the tier sent
+  (tc's count of the shaped link), each peer's local cache after. A peer that cannot run here is a line saying why
+  (Streaming does not import beside a torchvision built for another torch). LitData fetches chunks with obstore,
+  whose client options omit `allow_http`: the run adds it, as the tier's S3 endpoint is plain HTTP.
+  `RESULT epoch1_remote_of_tier`: loadopt's epoch-1 MB/s over HTTP over the probed MB/s, target >= 0.8;
+  `RESULT remote_vs_best_peer`: round by round, loadopt's faster epoch-1 MB/s (HTTP or S3) over the best of
+  WebDataset's, LitData's and Streaming's, target >= 1.2.
 
     python bench/webscale.py [--part shuffle,order,index,first_batch,open_remote,remote] [--samples N]
                              [--order-samples N] [--index-samples N] [--first-samples N] [--world 8]

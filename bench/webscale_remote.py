@@ -10,6 +10,7 @@ from pathlib import Path
 
 from _common import REPO, ratio_result, result_line, spread
 from _webscale_common import config_file, count_label, records_config
+from _webscale_s3_peers import LABELS, S3_PEERS, prepare_s3_peers, run_s3_peer, upload_tars, why_failed, wire_bytes
 
 _OPEN = """
 import json, sys, time
@@ -75,7 +76,7 @@ if mode == "probe":
 from loadopt import make_loader
 from loadopt.storage.tiers import tier_counters
 start = time.perf_counter()
-if mode in ("loadopt", "first_job"):
+if mode in ("loadopt", "loadopt_s3", "first_job"):
     loader = make_loader(config, backend="torch", variant="tuned", num_workers=2)
     epochs = lambda epoch: ((y, None) for _, y in loader)
 else:
@@ -117,9 +118,39 @@ def _photo_shards(folder: Path, samples: int) -> Path:
     return folder / "photos"
 
 
+# the timed runs, rotated each round; `first_job` times a job with nothing saved, loadopt_s3 reads the same tars
+# from the bucket, the peers their own conversions
+TIMED = ("loadopt", "loadopt_s3", "webdataset", *S3_PEERS, "first_job")
+SHOWN = {"loadopt": "loadopt torch tuned over HTTP, shard cache, window",
+         "loadopt_s3": "loadopt torch tuned over S3, shard cache, window",
+         "webdataset": "webdataset (own loop over HTTP, its shuffle, no cache)", **LABELS}
+PEERS = ("webdataset", *S3_PEERS)
+
+
+def _run(tier, mode: str, urls: dict[str, str], folder: Path, path: Path, number: int, env: dict[str, str]):
+    """One run of `mode` in a fresh process inside the namespace."""
+    import shutil
+
+    if mode in S3_PEERS:  # a fresh local folder each: every run's epoch 1 from the tier
+        local = folder / f"peer-local-{number}"
+        try:
+            return run_s3_peer(tier, mode, urls[mode], folder, path, local, env)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+    # first_job: a cache of its own, nothing saved (it lists and indexes); the others share one where `index`
+    # saved the listing and the index, the shard cache emptied before each
+    cache = folder / (f"cache-first-{number}" if mode == "first_job" else "cache")
+    shutil.rmtree(cache / "shard-cache", ignore_errors=True)  # every run's epoch 1 from the tier
+    # WebDataset's own loop streams its tars from the server, as its users run it (not through loadopt's shard
+    # cache, which the config's cache_limit would put under the backend's tar streams too)
+    extra = ["storage.cache_limit=null"] if mode == "webdataset" else []
+    script_mode = "index" if mode.startswith("index") else mode
+    return tier.run([sys.executable, "-c", _REMOTE, script_mode, str(path), urls[mode], *extra],
+                    capture_output=True, text=True, env={**env, "LOADOPT_CACHE": str(cache)}, cwd=REPO)
+
+
 def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: int) -> list[str]:
     import os
-    import shutil
 
     from loadopt.config import load_config
     from tests.netns_tier import namespaced_tier, netns_unavailable
@@ -135,34 +166,38 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
         f"report.out={folder / 'results'}"])
     path = config_file(folder, config)
     runs: dict[str, list[dict]] = {}
-    timed = ("loadopt", "webdataset", "first_job")
     with namespaced_tier(folder, folder / "tier", rate_mbit=rate_mbit, first_byte_ms=first_byte_ms,
                          upload=False) as tier:
-        url = f"{tier.http_url}/{root.name}"
-        # `index` and `probe` once; then rounds of the three timed runs, their order rotating each round
-        plan = ["index", "probe"] + [timed[(k + r) % 3] for r in range(rounds) for k in range(3)]
-        for number, mode in enumerate(plan):
-            # first_job: a cache of its own, nothing saved (it lists and indexes); the others share one where
-            # `index` saved the listing and the index, the shard cache emptied before each
-            cache = folder / (f"cache-first-{number}" if mode == "first_job" else "cache")
-            shutil.rmtree(cache / "shard-cache", ignore_errors=True)  # every run's epoch 1 from the tier
-            env = {**os.environ, **tier.env, "PYTHONPATH": str(REPO), "LOADOPT_CACHE": str(cache)}
-            # WebDataset's own loop streams its tars from the server, as its users run it (not through loadopt's
-            # shard cache, which the config's cache_limit would put under the backend's tar streams too)
-            extra = ["storage.cache_limit=null"] if mode == "webdataset" else []
-            done = tier.run([sys.executable, "-c", _REMOTE, mode, str(path), url, *extra], capture_output=True,
-                            text=True, env=env, cwd=REPO)
+        # the caller's PYTHONPATH after the repository's
+        env = {**os.environ, **tier.env, "PYTHONPATH": os.pathsep.join(filter(None, [
+            str(REPO), os.environ.get("PYTHONPATH")]))}
+        http = f"{tier.http_url}/{root.name}"
+        urls = {"index": http, "probe": http, "loadopt": http, "webdataset": http, "first_job": http}
+        s3 = upload_tars(tier, root, env)  # set-up: the bucket filled straight, not through the shaped link
+        if s3 is not None:
+            urls["index_s3"] = urls["loadopt_s3"] = s3
+        urls.update(prepare_s3_peers(tier, folder, path, root, env))
+        timed = [mode for mode in TIMED if mode in urls]
+        # `index` (each URL's) and `probe` once; then rounds of the timed runs, their order rotating each round
+        plan = [(mode, -1) for mode in ("index", "index_s3", "probe") if mode in urls]
+        plan += [(timed[(k + r) % len(timed)], r) for r in range(rounds) for k in range(len(timed))]
+        for number, (mode, round_) in enumerate(plan):
+            before = wire_bytes(tier)
+            done = _run(tier, mode, urls, folder, path, number, env)
+            after = wire_bytes(tier)
             if done.returncode:
-                print(f"{mode}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else '?'}")
+                print(f"{mode}: failed: {why_failed(done)}")
                 continue
-            runs.setdefault(mode, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            result.update(round=round_, wire_bytes=None if before is None or after is None else after - before)
+            runs.setdefault(mode, []).append(result)
     total = sum(p.stat().st_size for p in (root / "train").glob("*.tar"))
     probed = runs["probe"][0]["mb_per_s"] if "probe" in runs else None
-    print(f"\nremote epochs: {samples:,} photos in tars of 100 ({total / 1e6:.0f} MB) over HTTP in a namespace, "
-          f"{rate_mbit:g} Mbit/s, {first_byte_ms:g} ms first byte; the tier probed at "
-          f"{probed or float('nan'):.1f} MB/s (1 MiB reads, 4 in flight); {rounds} interleaved rounds")
-    for mode, label in (("loadopt", "loadopt torch tuned, shard cache, window"),
-                        ("webdataset", "webdataset (own loop, its shuffle, no cache)")):
+    print(f"\nremote epochs: {samples:,} photos in tars of 100 ({total / 1e6:.0f} MB) over HTTP (nginx) and S3 (moto, "
+          f"a connection per request) in a namespace, {rate_mbit:g} Mbit/s, {first_byte_ms:g} ms first byte; the "
+          f"tier probed over HTTP at {probed or float('nan'):.1f} MB/s (1 MiB reads, 4 in flight); {rounds} "
+          "interleaved rounds, 2 workers each")
+    for mode, label in SHOWN.items():
         for figure, name, spec in (("first_batch_s", "first batch s", ".2f"), ("mb_per_s", "MB/s", ".1f")):
             for epoch in (0, 1):
                 if figure == "first_batch_s" and epoch:
@@ -171,8 +206,12 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
                 if values:
                     print(f"{label}: epoch {epoch + 1} {name}: {spread(values, spec)}")
         if mode in runs:
-            print(f"{label}: samples per epoch {runs[mode][0]['epochs'][0]['samples']}, tier MB read over both "
-                  f"epochs {runs[mode][0]['tier_bytes'] / 1e6:.1f}")
+            run = runs[mode][0]
+            wire = f"{run['wire_bytes'] / 1e6:.1f}" if run["wire_bytes"] is not None else "?"
+            read = f", loadopt's tier counters {run['tier_bytes'] / 1e6:.1f}" if "tier_bytes" in run else ""
+            cache = f"; its local cache after {run['cache_bytes'] / 1e6:.1f} MB" if "cache_bytes" in run else ""
+            print(f"{label}: samples per epoch {run['epochs'][0]['samples']}, MB from the tier over both epochs "
+                  f"(tc, answers' bytes) {wire}{read}{cache}")
     if "first_job" in runs and "webdataset" in runs:
         jobs = [r["epochs"][0]["from_start_s"] for r in runs["first_job"]]
         own = [r["epochs"][0]["from_start_s"] for r in runs["webdataset"]]
@@ -181,10 +220,18 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
               f"epoch 1 from its start: {spread(own, '.1f')}")
     results = []
     mine = [run["epochs"][0]["mb_per_s"] for run in runs.get("loadopt", [])]
-    peers = [run["epochs"][0]["mb_per_s"] for run in runs.get("webdataset", [])]
     if mine and probed:
         results.append(ratio_result("epoch1_remote_of_tier", [m / probed for m in mine], ">=", 0.8))
-    if mine and len(peers) == len(mine):  # round by round: each pair ran minutes apart at most
-        results.append(ratio_result("remote_vs_best_peer", [m / p for m, p in zip(mine, peers, strict=True)],
-                                    ">=", 1.2))
+    ratios = []
+    for round_ in range(rounds):  # round by round: each run of a round minutes apart at most
+        epoch1 = {mode: run["epochs"][0]["mb_per_s"] for mode in ("loadopt", "loadopt_s3", *PEERS)
+                  for run in runs.get(mode, []) if run["round"] == round_}
+        ours = max(("loadopt", "loadopt_s3"), key=lambda m: epoch1.get(m, 0.0))
+        best = max(PEERS, key=lambda m: epoch1.get(m, 0.0))
+        if epoch1.get(ours) and epoch1.get(best):
+            print(f"round {round_ + 1}: loadopt's fastest {ours} {epoch1[ours]:.1f} MB/s, the best peer {best} "
+                  f"{epoch1[best]:.1f} MB/s (of {', '.join(p for p in PEERS if p in epoch1)})")
+            ratios.append(epoch1[ours] / epoch1[best])
+    if ratios:
+        results.append(ratio_result("remote_vs_best_peer", ratios, ">=", 1.2))
     return results
