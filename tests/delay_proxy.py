@@ -6,8 +6,10 @@ A request is the first client bytes of a connection, and the first client bytes 
 sent anything since the client last did (the request/response turn changed): those are held D ms
 before they go on, so each request on a keep-alive connection pays the delay once, while a request
 body that follows its headers before any answer is not delayed again. Bytes are copied both ways
-through large buffers, with no per-chunk cost beyond the copy. Prints `ready PORT` on stdout once
-listening (the parent waits for it) and exits 0 on SIGTERM or SIGINT.
+through large buffers, with no per-chunk cost beyond the copy. `--conn-rate-mbit R` paces each connection's
+answers to R Mbit/s, as an object store limits each connection (S3 scales by connections, not by one
+stream): a client that reads several objects at once gets several times R, up to the link's shaping.
+Prints `ready PORT` on stdout once listening (the parent waits for it) and exits 0 on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -41,9 +43,18 @@ async def _client_to_server(reader: asyncio.StreamReader, writer: asyncio.Stream
         writer.write_eof()  # the client's half-close reaches the server; its answer still flows back
 
 
-async def _server_to_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, turn: _Turn) -> None:
-    while data := await reader.read(COPY_BYTES):
+async def _server_to_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, turn: _Turn,
+                            rate_bytes_s: float = 0.0) -> None:
+    loop = asyncio.get_running_loop()
+    chunk = COPY_BYTES if not rate_bytes_s else max(16 << 10, min(COPY_BYTES, int(rate_bytes_s / 100)))
+    due = 0.0  # when the bytes sent so far have taken their time at the connection's rate
+    while data := await reader.read(chunk):
         turn.client_starts_request = True  # set before the client can see the answer and send its next request
+        if rate_bytes_s:
+            now = loop.time()
+            due = max(due, now) + len(data) / rate_bytes_s
+            if due - now > 0.002:
+                await asyncio.sleep(due - now)  # the emulated per-connection rate itself, not a wait for work
         writer.write(data)
         await writer.drain()
     if writer.can_write_eof():
@@ -57,7 +68,7 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 
 
 async def _serve_connection(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter,
-                            target: tuple[str, int], delay_s: float) -> None:
+                            target: tuple[str, int], delay_s: float, rate_bytes_s: float = 0.0) -> None:
     try:
         server_reader, server_writer = await asyncio.open_connection(*target, limit=COPY_BYTES)
     except OSError:
@@ -65,7 +76,7 @@ async def _serve_connection(client_reader: asyncio.StreamReader, client_writer: 
         return
     turn = _Turn()
     pumps = [asyncio.create_task(_client_to_server(client_reader, server_writer, turn, delay_s)),
-             asyncio.create_task(_server_to_client(server_reader, client_writer, turn))]
+             asyncio.create_task(_server_to_client(server_reader, client_writer, turn, rate_bytes_s))]
     try:
         # a reset on either side ends the connection as a whole: the other pump has nobody to talk to
         await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
@@ -82,7 +93,8 @@ def _address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-async def serve(listen: tuple[str, int], target: tuple[str, int], first_byte_ms: float) -> None:
+async def serve(listen: tuple[str, int], target: tuple[str, int], first_byte_ms: float,
+                conn_rate_mbit: float = 0.0) -> None:
     """Proxy connections on `listen` to `target` until SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,7 +107,7 @@ async def serve(listen: tuple[str, int], target: tuple[str, int], first_byte_ms:
         assert task is not None
         connections.add(task)
         try:
-            await _serve_connection(reader, writer, target, first_byte_ms / 1000)
+            await _serve_connection(reader, writer, target, first_byte_ms / 1000, conn_rate_mbit * 1e6 / 8)
         finally:
             connections.discard(task)
 
@@ -115,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any free one)")
     parser.add_argument("--to", required=True, help="HOST:PORT of the server behind the proxy")
     parser.add_argument("--first-byte-ms", type=float, default=0.0, help="delay added to every request")
+    parser.add_argument("--conn-rate-mbit", type=float, default=0.0, help="each connection's answers paced to this")
     args = parser.parse_args(argv)
-    asyncio.run(serve(_address(args.listen), _address(args.to), args.first_byte_ms))
+    asyncio.run(serve(_address(args.listen), _address(args.to), args.first_byte_ms, args.conn_rate_mbit))
     return 0
 
 

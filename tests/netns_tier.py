@@ -81,6 +81,7 @@ class NamespacedTier:
     bucket: str
     rate_mbit: float
     first_byte_ms: float
+    conn_rate_mbit: float  # each connection's own limit (0: none), under the link's rate_mbit
     env: dict[str, str]
     pids: tuple[int, ...]  # the servers and proxies started for it, all gone after the with-block
 
@@ -274,7 +275,7 @@ class _Processes:
 
 
 def _start(name: str, processes: _Processes, root: Path, work: Path, rate_mbit: float, first_byte_ms: float,
-           bucket: str, env: dict[str, str], upload: bool = True) -> None:
+           bucket: str, env: dict[str, str], upload: bool = True, conn_rate_mbit: float = 0.0) -> None:
     try:
         _ip("netns", "add", name)
         _in_namespace(name, "ip", "link", "set", "lo", "up")
@@ -289,7 +290,8 @@ def _start(name: str, processes: _Processes, root: Path, work: Path, rate_mbit: 
     proxies = {}
     for label, listen, target in (("http-proxy", HTTP_PORT, NGINX_PORT), ("s3-proxy", S3_PORT, MOTO_PORT)):
         proxies[label] = processes.start(label, [sys.executable, str(PROXY), "--listen", f"127.0.0.1:{listen}",
-                                                 "--to", f"127.0.0.1:{target}", "--first-byte-ms", str(first_byte_ms)],
+                                                 "--to", f"127.0.0.1:{target}", "--first-byte-ms", str(first_byte_ms),
+                                                 "--conn-rate-mbit", str(conn_rate_mbit)],
                                          stdout=subprocess.PIPE)
     processes.wait_for_ports((NGINX_PORT, MOTO_PORT), deadline)
     for label, proc in proxies.items():
@@ -307,10 +309,10 @@ def _start(name: str, processes: _Processes, root: Path, work: Path, rate_mbit: 
 
 @contextlib.contextmanager
 def namespaced_tier(root: Path, work: Path, rate_mbit: float, first_byte_ms: float,
-                    bucket: str = "data", upload: bool = True) -> Iterator[NamespacedTier]:
+                    bucket: str = "data", upload: bool = True, conn_rate_mbit: float = 0.0) -> Iterator[NamespacedTier]:
     """nginx serving `root` and an S3 bucket holding its files (`upload`; else no bucket is made), in a fresh
-    namespace shaped to `rate_mbit` each way, every request held `first_byte_ms` before it reaches a server; all
-    of it gone after the with-block.
+    namespace shaped to `rate_mbit` each way, every request held `first_byte_ms` before it reaches a server, and
+    each connection's answers paced to `conn_rate_mbit` (0: not); all of it gone after the with-block.
     A step that fails to start raises RuntimeError naming it (with its log's last lines)."""
     remove_stale_namespaces()
     root, work = Path(root).resolve(), Path(work).resolve()
@@ -321,9 +323,10 @@ def namespaced_tier(root: Path, work: Path, rate_mbit: float, first_byte_ms: flo
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}"}
     try:
-        _start(name, processes, root, work, rate_mbit, first_byte_ms, bucket, env, upload)
+        _start(name, processes, root, work, rate_mbit, first_byte_ms, bucket, env, upload, conn_rate_mbit)
         yield NamespacedTier(name=name, http_url=f"http://127.0.0.1:{HTTP_PORT}", s3_endpoint=env["AWS_ENDPOINT_URL"],
-                             bucket=bucket, rate_mbit=rate_mbit, first_byte_ms=first_byte_ms, env=env,
+                             bucket=bucket, rate_mbit=rate_mbit, first_byte_ms=first_byte_ms,
+                             conn_rate_mbit=conn_rate_mbit, env=env,
                              pids=tuple(proc.pid for _, proc, _ in processes.started))
     finally:
         processes.stop()

@@ -44,6 +44,21 @@ for _ in range(int(sys.argv[3])):
     print(time.perf_counter() - start, response.status, len(body))
 """
 
+# The same GET on `n` connections at once: the seconds until the last answer is whole.
+_PARALLEL_GETS = """
+import http.client, sys, time
+from concurrent.futures import ThreadPoolExecutor
+port, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def get(_):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", path)
+    return len(connection.getresponse().read())
+start = time.perf_counter()
+with ThreadPoolExecutor(n) as pool:
+    sizes = list(pool.map(get, range(n)))
+print(time.perf_counter() - start, *sizes)
+"""
+
 # Ten range requests in turn on one connection: seconds each, and whether every one reused the first socket.
 _HTTP_RANGES = """
 import http.client, json, sys, time
@@ -114,6 +129,13 @@ def tier_400(served_root, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tier_per_connection(served_root, tmp_path_factory):
+    with namespaced_tier(served_root, tmp_path_factory.mktemp("netns-conn"), rate_mbit=400, first_byte_ms=0,
+                         conn_rate_mbit=40) as tier:
+        yield tier
+
+
+@pytest.fixture(scope="module")
 def tier_delayed(served_root, tmp_path_factory):
     with namespaced_tier(served_root, tmp_path_factory.mktemp("netns-delay"), rate_mbit=400,
                          first_byte_ms=DELAY_MS) as tier:
@@ -156,6 +178,18 @@ def test_the_link_holds_its_rate_and_a_faster_link_is_faster(tier_40, tier_400):
     at_400 = min(_get_seconds(tier_400, "/blob.bin", 3))
     print(f"4 MiB at 400 Mbit/s: {at_400:.3f} s (expected {expected / 10:.3f} s)")
     assert at_400 < at_40 / 3  # shaped: 10x the rate is far faster, where a slow machine would make both slow
+
+
+def test_each_connection_holds_its_own_rate_and_connections_add_up(tier_per_connection):
+    expected = BLOB_BYTES * 8 / 40e6  # one connection at 40 Mbit/s, under a 400 Mbit/s link
+    (one,) = _get_seconds(tier_per_connection, "/blob.bin", 1)
+    assert 0.75 * expected <= one <= 1.25 * expected, (one, expected)
+    done = tier_per_connection.run([sys.executable, "-c", _PARALLEL_GETS, str(HTTP_PORT), "/blob.bin", "4"],
+                                   capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, *sizes = done.stdout.split()
+    assert [int(n) for n in sizes] == [BLOB_BYTES] * 4
+    assert float(seconds) < 2 * expected  # four connections at once: ~4x one's rate, not one rate shared
 
 
 def _latencies_ms(result: dict) -> list[float]:
