@@ -52,7 +52,9 @@ Parts (`--part`, all by default):
   whose client options omit `allow_http`: the run adds it, as the tier's S3 endpoint is plain HTTP.
   `RESULT epoch1_remote_of_tier`: loadopt's epoch-1 MB/s over HTTP over the probed MB/s, target >= 0.8;
   `RESULT remote_vs_best_peer`: round by round, loadopt's faster epoch-1 MB/s (HTTP or S3) over the best of
-  WebDataset's, LitData's and Streaming's, target >= 1.2.
+  WebDataset's, LitData's and Streaming's, target >= 1.2. `--conn-rate-mbit R` paces each connection to R as
+  well (the delaying proxy), as an object store limits each connection while the link holds many: the same two
+  figures come out as `..._per_connection`.
 
     python bench/webscale.py [--part shuffle,order,index,first_batch,open_remote,remote] [--samples N]
                              [--order-samples N] [--index-samples N] [--first-samples N] [--world 8]
@@ -291,6 +293,8 @@ def main() -> None:
     parser.add_argument("--remote-samples", type=int, default=4000)
     parser.add_argument("--rate-mbit", type=float, default=160.0)
     parser.add_argument("--first-byte-ms", type=float, default=20.0)
+    parser.add_argument("--conn-rate-mbit", type=float, default=0.0,
+                        help="remote: each connection paced to this too (0: the link's rate only)")
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the timed parts (median and spread)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -309,7 +313,8 @@ def main() -> None:
     if "open_remote" in parts:
         results.append(open_remote_part(args.index_samples, args.rounds))
     if "remote" in parts:
-        results += remote_part(args.remote_samples, args.rate_mbit, args.first_byte_ms, args.rounds)
+        results += remote_part(args.remote_samples, args.rate_mbit, args.first_byte_ms, args.rounds,
+                               args.conn_rate_mbit)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     for line in results:

@@ -69,7 +69,8 @@ def test_a_changed_source_shard_reconverts_only_its_own_shards(tmp_path, own_cac
 
     monkeypatch.setattr(module, name, counted)
     second = conversions.convert(to, after, FORM, SHARD_MIB[to])
-    assert second.path != first.path and not second.reused
+    assert second.path != first.path and not second.reused and second.shards == len(table)
+    assert second.kept == len(table) - 2  # the two shards of tar 2 converted again, no other
     # only samples near tar 2 (16-23 now): a shard of the earlier conversion that held any of them, no other
     start, stop = 2 * PER_TAR, 3 * PER_TAR - (change == "count")
     assert converted and all(start - 3 <= a and b <= stop + 3 for a, b in converted), converted

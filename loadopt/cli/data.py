@@ -84,7 +84,9 @@ def convert(
                                        verify=verify,
                                        progress=lambda n, total: reporter.conversion_progress(label, n, total))
     how = ("reused: converted earlier" + (", every chunk verified, source unchanged" if verify else "")) \
-        if done.reused else f"converted in {done.seconds:.1f} s"
+        if done.reused else f"converted in {done.seconds:.1f} s" + (
+            f"; {done.kept} of its {done.shards} shards kept from the conversion before the source changed"
+            if done.kept else "")
     console.print(f"{done.path}: {done.samples:,} samples, {done.stored}, {done.nbytes / 1e6:,.1f} MB ({how})",
                   highlight=False)
     if done.skipped:

@@ -213,6 +213,7 @@ def _reuse(work: Path, k: int, segment: shard_work.Segment, dataset, form: Form,
             writer.abandon()
             raise
     entry = {**segment.reused, "shard": k, "first": segment.start, "skipped": skipped,
+             "kept_from": segment.root.name,
              "bytes": (work / shard_name(k)).stat().st_size,
              "source_shards": shard_work.source_span(shard_table(dataset).bounds, segment.start,
                                                      segment.stop - segment.start)}

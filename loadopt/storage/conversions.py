@@ -110,7 +110,8 @@ def _mtime(path: Path) -> int | None:
 @dataclass(frozen=True)
 class Conversion:
     """What `convert` did: the conversion's path, its stored form, size on disk, the samples it skipped
-    as unreadable (on_error: skip), and whether the finished one was reused (else: the seconds it took)."""
+    as unreadable (on_error: skip), whether the finished one was reused (else: the seconds it took), its shards
+    and how many of them were kept from an earlier conversion of a source that changed since."""
 
     path: Path
     samples: int
@@ -119,6 +120,8 @@ class Conversion:
     skipped: int
     reused: bool
     seconds: float
+    shards: int = 0
+    kept: int = 0  # shards taken from an earlier conversion of the source (their source shards unchanged)
 
 
 def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
@@ -145,5 +148,6 @@ def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
         skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size, shard_mib).skipped)
     nbytes = sum(f.stat().st_size for f in path.iterdir())
     seconds = time.perf_counter() - start
+    table = shard_work.read_manifest(path, f"the {to} conversion")["shard_table"]
     return Conversion(path, len(dataset), form.stored, nbytes, skipped, existed and _mtime(finished) == before,
-                      seconds)
+                      seconds, len(table), sum(1 for e in table if e.get("kept_from")))

@@ -182,7 +182,7 @@ def _reuse(work: Path, k: int, segment: shard_work.Segment, dataset, form: Form)
     index["label"] = _labels(dataset, form)[segment.start : segment.stop]
     shard_work.write_npy(work / shard_index_name(k), index)
     entry = ShardEntry(**{**segment.reused, "shard": k, "first": segment.start,  # type: ignore[typeddict-item]
-                          "skipped": shard_work.reused_skips(segment),
+                          "skipped": shard_work.reused_skips(segment), "kept_from": old.name,
                           "source_shards": shard_work.source_span(shard_table(dataset).bounds, segment.start,
                                                                   segment.stop - segment.start)})
     shard_work.write_text(work / shard_work.entry_name(k), json.dumps(entry))

@@ -91,6 +91,7 @@ class ShardEntry(TypedDict):
     skipped: list[list[int | str]]  # [sample index, reason] of its samples that could not be read
     source_shards: list[int]  # the first and last source shard (storage/shards.py) its samples came from
     max_length: int  # its longest sample
+    kept_from: NotRequired[str]  # the earlier conversion it was taken from (its source shards unchanged)
 
 
 class RawMeta(RawKey):
