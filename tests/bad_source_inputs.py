@@ -147,6 +147,18 @@ def unknown_shuffle(tmp_path, cache):
                  leftovers=lambda: [p for p in [tmp_path / "results"] if p.exists()])
 
 
+def arrow_shard_missing(tmp_path, cache):
+    """An Arrow conversion whose manifest names a shard that is gone: one line naming the shard and its samples."""
+    root, _ = images(tmp_path, corrupt=0)
+    config = write_config(tmp_path, dataset={"path": str(root)}, loaders={"arrow": {"form": "encoded"}})
+    assert CliRunner().invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
+    (shard,) = (cache / "arrow").glob("*-encoded-*/shard-00000.arrow")
+    shard.unlink()
+    return Setup(["bench", str(config), "--no-convert"],
+                 f"{shard}: Arrow shard not found (the manifest lists it: samples 0-", config=config,
+                 backend="arrow", overrides={"form": "encoded"})
+
+
 def raw_shard_missing(tmp_path, cache):
     """A raw conversion whose manifest names a shard that is gone: one line naming the shard and its samples,
     never a silently short dataset."""

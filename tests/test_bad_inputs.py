@@ -25,6 +25,7 @@ from .bad_serving_inputs import (
     slo_on_a_training_config,
 )
 from .bad_source_inputs import (
+    arrow_shard_missing,
     cache_limit_not_a_size,
     dali_native_reader_on_tar_shards,
     empty_tar_shard,
@@ -315,6 +316,7 @@ CASES = {  # name: (setup, exit code)
     "storage.cache_limit not a size, bench": (cache_limit_not_a_size, 2),
     "pipeline.shuffle of no known kind, bench": (unknown_shuffle, 2),
     "a raw shard gone that the manifest lists, bench": (raw_shard_missing, 1),
+    "an Arrow shard gone that the manifest lists, bench": (arrow_shard_missing, 1),
     "arrivals file with a bad line, serving bench": (arrivals_file_with_a_bad_line, 2),
     "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
