@@ -337,7 +337,7 @@ def test_a_loader_fetches_its_epochs_files_ahead_in_the_order_it_reads_them(serv
     asked: list[list[str]] = []
     real = ShardCacheFileSystem.prefetch
 
-    def recorded(self, paths, concurrency=4):
+    def recorded(self, paths, concurrency=None):
         asked.append(list(paths))
         return real(self, paths, concurrency)
 
@@ -345,8 +345,10 @@ def test_a_loader_fetches_its_epochs_files_ahead_in_the_order_it_reads_them(serv
     open_dataset(_config(f"{url}/shards"))  # indexed and saved without the cache: the loader's fetches are its own
     config = _config(f"{url}/shards", "10MB")
     config.pipeline.shuffle, config.pipeline.window_shards = "window", 1
+    config.storage.cache_fetches = 3
     loader = make_loader(config, backend="torch", num_workers=0)
     try:
+        assert loader.dataset.fs.fetches == 3 == pickle.loads(pickle.dumps(loader.dataset.fs)).fetches
         order = loader.order()
         for _ in loader:
             pass

@@ -212,7 +212,8 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     if config.storage.cache_limit is not None:  # over the tier, so that every byte fetched still crosses it
         from loadopt.storage.shard_cache import cache_reads
 
-        dataset.fs = cache_reads(dataset.fs, path, tier, config.storage.cache_limit, dataset.fingerprint)
+        dataset.fs = cache_reads(dataset.fs, path, tier, config.storage.cache_limit, dataset.fingerprint,
+                                 config.storage.cache_fetches)
     return dataset
 
 

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = "shard-cache"
 CHUNK_BYTES = 8 << 20  # a fetch reads its file in requests of this size through the tier
+DEFAULT_FETCHES = 8  # files fetched ahead at once (storage.cache_fetches)
 _ATTEMPTS = 4  # fetches of one read before it is read through (each lost its copy to eviction at once)
 
 
@@ -77,9 +78,10 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
     root_marker = ""
 
     def __init__(self, tier: fsspec.AbstractFileSystem, folder: str | os.PathLike[str], limit: int,
-                 generation: str = "", state_dir: str | None = None, **kwargs: Any) -> None:
+                 generation: str = "", state_dir: str | None = None, fetches: int = DEFAULT_FETCHES,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.tier, self.limit, self.generation = tier, int(limit), generation
+        self.tier, self.limit, self.generation, self.fetches = tier, int(limit), generation, max(1, int(fetches))
         if state_dir is None:
             state_dir = str(state_root() / f"cache-{uuid.uuid4().hex}")
             weakref.finalize(self, remove_state, state_dir, os.getpid())
@@ -92,7 +94,8 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
         self._ahead: tuple[int, threading.Thread, threading.Event] | None = None
 
     def __reduce__(self):  # by reference to the folder and the counters: other processes join them
-        return type(self), (self.tier, str(self.store.folder), self.limit, self.generation, self.state_dir)
+        return type(self), (self.tier, str(self.store.folder), self.limit, self.generation, self.state_dir,
+                            self.fetches)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -252,13 +255,14 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
                            **kwargs)
 
     # --- fetching ahead ---------------------------------------------------------------------------
-    def prefetch(self, paths: list[str], concurrency: int = 4) -> None:
-        """Fetch these files ahead in the background, in order, at most `concurrency` at a time; stop where
-        the room for the next would take evicting one earlier in the list (it is read sooner). Returns at
-        once; a new call replaces the previous one's list, `close()` stops it."""
+    def prefetch(self, paths: list[str], concurrency: int | None = None) -> None:
+        """Fetch these files ahead in the background, in order, at most `concurrency` (default: storage.cache_fetches)
+        at a time; stop where the room for the next would take evicting one earlier in the list (it is read sooner).
+        Returns at once; a new call replaces the previous one's list, `close()` stops it."""
         self.close()
         stop = threading.Event()
-        thread = threading.Thread(target=self._prefetch, args=(list(dict.fromkeys(paths)), max(1, concurrency), stop),
+        at_once = self.fetches if concurrency is None else max(1, concurrency)
+        thread = threading.Thread(target=self._prefetch, args=(list(dict.fromkeys(paths)), at_once, stop),
                                   name="loadopt-cache-ahead", daemon=True)
         self._ahead = (os.getpid(), thread, stop)
         thread.start()
@@ -325,9 +329,10 @@ class _CachedFile(AbstractBufferedFile):
 
 
 def cache_reads(fs: fsspec.AbstractFileSystem, location: str | None, spec: TierSpec, limit: int,
-                generation: str) -> fsspec.AbstractFileSystem:
+                generation: str, fetches: int = DEFAULT_FETCHES) -> fsspec.AbstractFileSystem:
     """`fs` (a dataset's tier filesystem) read through a shard cache of at most `limit` bytes, kept for the
-    dataset at `location`; `fs` itself, said once in the log, where the dataset is on the local disk."""
+    dataset at `location`, fetching ahead `fetches` files at once; `fs` itself, said once in the log, where the
+    dataset is on the local disk."""
     base = tier_of(fs)
     base = getattr(base, "base_fs", base)
     if location is None or spec.base is None and is_local_fs(base):
@@ -336,7 +341,7 @@ def cache_reads(fs: fsspec.AbstractFileSystem, location: str | None, spec: TierS
         return fs
     folder = cache_dir() / FOLDER / cache_key(location, spec.storage_options)
     try:
-        cached = ShardCacheFileSystem(fs, folder, limit, generation)
+        cached = ShardCacheFileSystem(fs, folder, limit, generation, fetches=fetches)
         about = folder / "about.json"
         if not about.exists():  # for whoever looks in the folder: whose copies these are
             text = json.dumps({"location": redact(location), "endpoint": endpoint(location, spec.storage_options)})
