@@ -377,3 +377,31 @@ def test_a_first_open_indexes_through_the_cache_so_the_first_epoch_fetches_nothi
     counted = tier_counters(dataset.fs)
     assert counted["bytes"] == 0 and counted["cache_hit_reads"] == len(first)
     assert sum(len(b) for b in first) < sum(f.stat().st_size for f in files)
+
+
+def test_fetching_ahead_takes_the_first_file_alone_then_several_at_once(served, own_cache, monkeypatch):
+    """On a link the fetches share, the first file (the first batch waits for it) is fetched alone; the rest
+    `storage.cache_fetches` at once."""
+    url, _ = served
+    open_dataset(_config(f"{url}/shards"))  # indexed and saved without the cache: its copies are the fetches'
+    dataset = open_dataset(_config(f"{url}/shards", "10MB", cache_fetches=4))
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real = ShardCacheFileSystem._download
+
+    def recorded(self, path, reservation, ahead=False, stop=None):
+        with lock:
+            events.append(("start", path))
+        try:
+            return real(self, path, reservation, ahead, stop)
+        finally:
+            with lock:
+                events.append(("end", path))
+
+    monkeypatch.setattr(ShardCacheFileSystem, "_download", recorded)
+    files = _files(dataset)
+    assert len(files) > 2 and dataset.fs.fetches == 4
+    dataset.fs.prefetch(files)
+    assert dataset.fs.wait_ahead(30)
+    assert events[:2] == [("start", files[0]), ("end", files[0])]  # nothing else began while it was fetched
+    assert sorted(p for kind, p in events if kind == "start") == sorted(files)

@@ -284,6 +284,21 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
 
     def _prefetch(self, paths: list[str], concurrency: int, stop: threading.Event) -> None:
         slots = threading.BoundedSemaphore(concurrency)
+        # The first file alone, then `concurrency` at once: it is read first, and on a link that the others would
+        # share it arrives soonest (the first batch waits for it); where each connection is limited, no loss.
+        held = [slots.acquire() for _ in range(concurrency - 1)]
+        widened = threading.Event()
+
+        def widen() -> None:
+            if not widened.is_set():
+                widened.set()
+                for _ in held:
+                    slots.release()
+
+        def finished(_) -> None:
+            slots.release()
+            widen()
+
         earlier: set[str] = set()
         with ThreadPoolExecutor(concurrency, thread_name_prefix="loadopt-cache-ahead") as pool:
             for path in paths:
@@ -303,10 +318,11 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
                         self.store.abandon(outcome)
                     slots.release()
                     return
-                if isinstance(outcome, Refused):
+                if isinstance(outcome, Refused):  # nothing fetched for it here: the next file takes the slot
                     slots.release()
+                    widen()
                     continue
-                pool.submit(self._ahead_one, path, outcome, stop).add_done_callback(lambda _: slots.release())
+                pool.submit(self._ahead_one, path, outcome, stop).add_done_callback(finished)
 
     def _ahead_one(self, path: str, reservation: Reservation, stop: threading.Event) -> None:
         try:
