@@ -13,7 +13,7 @@ Parts (`--part`, all by default):
   under `global`) and the seconds to build it. `RESULT window_order_per_rank_10m_world8`: a window rank's
   bytes over (the global permutation's / 8), target <= 1.2.
 
-- `index`: a raw conversion of `--index-samples` records (default 1M of 512 bytes, 1,000 a file: 4 GiB of
+- `index`: a raw (and an Arrow) conversion of `--index-samples` records (default 1M of 512 bytes, 1,000 a file: 4 GiB of
   shards at the raw form's 4 KiB per sample; 10M would take 40 GiB, more than this disk has free) read by
   each of `--world` ranks under the window shuffle, each in its own process locating every sample of its
   epoch as the posix backend does batch by batch. The index a rank needed (`RawIndex.index_bytes_read`: the
@@ -22,6 +22,10 @@ Parts (`--part`, all by default):
   kernel's fault-around still maps up to 64 KiB of cached neighbours; the index files are evicted from the
   page cache before each rank, as on a node of its own).
   `RESULT index_per_rank_<n>_world<w>`: the largest rank's bytes over (the index / world), target <= 1.2.
+  The same for the Arrow form of the records (`--index-forms raw,arrow`): its index is each record batch's
+  offsets (8 bytes a sample), views of the mapped shards; a rank needs the 4 KiB pages of the offsets it located
+  (`ArrowColumn.index_bytes_read`) and the record batch table; resident: its `.arrow` mappings' pages (offsets,
+  footers and the kernel's fault-around). `RESULT index_per_rank_arrow_<n>_world<w>`, target <= 1.2.
 
 - `first_batch`: `--first-samples` records (default 10M of 512 bytes, 10,000 files, generated once into the
   cache) opened and read by `make_loader(backend="torch")` under each shuffle, each in a fresh process: the
@@ -177,67 +181,86 @@ def order_part(samples: int, world: int) -> str:
                        "<=", 1.2)
 
 
-def _mapped_index_bytes() -> int:
-    """Resident bytes of this process's mappings of shard index files (/proc/self/smaps)."""
+def _mapped_bytes(suffix: str) -> int:
+    """Resident bytes of this process's mappings of files ending in `suffix` (/proc/self/smaps)."""
     total, counting = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: its range, perms, ..., path
-            counting = line.endswith(".idx.npy")
+            counting = line.endswith(suffix)
         elif counting and line.startswith("Rss:"):
             total += int(head[1]) * 1024
     return total
 
 
-def _rank_index(args: tuple[str, int, int, int]) -> dict:
-    folder, samples, rank, world = args
+def _rank_index(args: tuple[str, str, int, int, int]) -> dict:
+    folder, form, samples, rank, world = args
     from loadopt.loaders.sampler import EpochOrder, ShardWindows
-    from loadopt.storage import raw_format
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.shards import shard_table
 
     config = records_config(Path(folder), samples)
     dataset = open_dataset(config)
-    path = raw_format.raw_path(dataset, "records", None)
     start = time.perf_counter()
-    raw = raw_format.open_raw(path, dataset, "records", None, verify="none")
+    if form == "raw":
+        from loadopt.storage import raw_format
+
+        index = raw_format.open_raw(raw_format.raw_path(dataset, "records", None), dataset, "records", None,
+                                    verify="none")
+        locate, whole, suffix = index.locate, index.index_bytes, ".idx.npy"
+        files = len(index.shards)
+    else:  # the Arrow form: each record batch's offsets, views of the mapped shards (loaders/arrow_column.py)
+        from loadopt.loaders.arrow_column import ArrowColumn
+        from loadopt.storage import arrow_format
+
+        conversion = arrow_format.open_arrow(arrow_format.arrow_path(dataset, "records", None), dataset, "records",
+                                             None, verify="none")
+        index = ArrowColumn(list(conversion), conversion.batch_file.copy())
+        locate, whole, suffix, files = index.locate, index.index_bytes, ".arrow", len(conversion.files)
     opened = time.perf_counter() - start
     windows = ShardWindows(shard_table(dataset, config.pipeline.shard_samples), config.pipeline.window_shards)
     order = EpochOrder(len(dataset), config.pipeline.batch_size, config.seed, 0, rank, world, "window",
                        windows=windows)
     for batch in order.batches():
-        raw.locate(batch)
-    return {"rank": rank, "needed": raw.index_bytes_read(), "resident": _mapped_index_bytes(),
-            "whole": raw.index_bytes(), "open_s": opened, "shards": len(raw.opened_shards()),
-            "of_shards": len(raw.shards)}
+        locate(batch)
+    shards = len(index.opened_shards()) if form == "raw" else files
+    return {"rank": rank, "needed": index.index_bytes_read(), "resident": _mapped_bytes(suffix), "whole": whole(),
+            "open_s": opened, "shards": shards, "of_shards": files}
 
 
-def index_part(samples: int, world: int) -> str:
-    from loadopt.storage import raw_convert, raw_format
+def index_part(samples: int, world: int, form: str = "raw") -> str:
+    """A rank's index under the window shuffle: of the raw form (its shards' index files) or of the Arrow form
+    (the offsets in its shards' record batches)."""
+    from loadopt.storage import arrow_convert, raw_convert
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.pagecache import evict
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-index-"))
     dataset = open_dataset(records_config(folder, samples))
     start = time.perf_counter()
-    raw_convert.convert(dataset, "records", None)
-    print(f"\nraw conversion of {len(dataset):,} records: {time.perf_counter() - start:.0f} s (reused if 0)")
+    if form == "raw":
+        path = raw_convert.convert(dataset, "records", None)
+        files = sorted(str(p) for p in path.glob("*.idx.npy"))
+    else:
+        path = arrow_convert.convert(dataset, "records", None)
+        files = sorted(str(p) for p in path.glob("*.arrow"))
+    print(f"\n{form} conversion of {len(dataset):,} records: {time.perf_counter() - start:.0f} s (reused if 0)")
     context = multiprocessing.get_context("spawn")
     rows = []
     for rank in range(world):
-        # each rank starts from a cold index, as on its own node
-        evict([str(p) for p in raw_format.raw_path(dataset, "records", None).glob("*.idx.npy")])
+        evict(files)  # each rank starts from a cold index, as on its own node
         with context.Pool(1) as pool:  # a fresh process per rank: its mappings are its own
-            rows.append(pool.map(_rank_index, [(str(folder), samples, rank, world)])[0])
+            rows.append(pool.map(_rank_index, [(str(folder), form, samples, rank, world)])[0])
     whole = rows[0]["whole"]
-    print(f"the index per rank, {len(dataset):,} samples, world size {world}, window shuffle; the conversion's "
-          f"index {whole / 1e6:.1f} MB, / {world} = {whole / world / 1e6:.2f} MB")
+    print(f"the {form} form's index per rank, {len(dataset):,} samples, world size {world}, window shuffle; the "
+          f"conversion's index {whole / 1e6:.1f} MB, / {world} = {whole / world / 1e6:.2f} MB")
     print(f"{'rank':>4} {'index needed MB':>16} {'resident MB':>12} {'shards mapped':>14} {'open s':>7}")
     for row in rows:
         print(f"{row['rank']:>4} {row['needed'] / 1e6:>16.2f} {row['resident'] / 1e6:>12.2f} "
               f"{row['shards']:>7} of {row['of_shards']:<4} {row['open_s']:>7.3f}")
     largest = max(r["needed"] for r in rows)
-    return result_line(f"index_per_rank_{count_label(samples)}_world{world}", largest / (whole / world), "<=", 1.2)
+    name = "index_per_rank" if form == "raw" else f"index_per_rank_{form}"
+    return result_line(f"{name}_{count_label(samples)}_world{world}", largest / (whole / world), "<=", 1.2)
 
 
 _FIRST_BATCH = """
@@ -289,6 +312,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--order-samples", type=int, default=10_000_000)
     parser.add_argument("--index-samples", type=int, default=1_000_000)
+    parser.add_argument("--index-forms", default="raw,arrow", help="index: the conversions measured (raw, arrow)")
     parser.add_argument("--first-samples", type=int, default=10_000_000)
     parser.add_argument("--remote-samples", type=int, default=4000)
     parser.add_argument("--rate-mbit", type=float, default=160.0)
@@ -307,7 +331,7 @@ def main() -> None:
     if "order" in parts:
         results.append(order_part(args.order_samples, args.world))
     if "index" in parts:
-        results.append(index_part(args.index_samples, args.world))
+        results += [index_part(args.index_samples, args.world, form) for form in args.index_forms.split(",")]
     if "first_batch" in parts:
         results.append(first_batch_part(args.first_samples, args.rounds))
     if "open_remote" in parts:

@@ -213,8 +213,9 @@ class StorageConfig(_Strict):
     # A bounded local cache of a remote dataset's files (storage/shard_cache.py): its most bytes, as
     # `20GiB`, `500MB` or a byte count; null: no cache, every read goes to the storage.
     cache_limit: int | None = None
-    # Files of that cache fetched at once, ahead of the reads: an object store limits each connection, so more
-    # at once is more of its bandwidth (and on a link that one fetch fills, no loss).
+    # Range requests of that cache in flight (a file's 1-8 MiB ranges, the files in the order they are read):
+    # an object store limits each connection, so more at once is more of its bandwidth, and the first file
+    # comes in at the link's rate (on a link that one request fills, no loss).
     cache_fetches: int = Field(8, ge=1)
 
     @field_validator("cache_limit", mode="before")

@@ -25,6 +25,7 @@ import pytest
 from loadopt import make_loader
 from loadopt.config import config_from_dict
 from loadopt.config_models import byte_size
+from loadopt.storage import cache_fetch
 from loadopt.storage.imagefolder import open_dataset
 from loadopt.storage.shard_cache import CacheCounters, ShardCacheFileSystem, shard_files_in_order
 from loadopt.storage.shards import shard_table
@@ -379,29 +380,40 @@ def test_a_first_open_indexes_through_the_cache_so_the_first_epoch_fetches_nothi
     assert sum(len(b) for b in first) < sum(f.stat().st_size for f in files)
 
 
-def test_fetching_ahead_takes_the_first_file_alone_then_several_at_once(served, own_cache, monkeypatch):
-    """On a link the fetches share, the first file (the first batch waits for it) is fetched alone; the rest
-    `storage.cache_fetches` at once."""
-    url, _ = served
+def test_fetching_ahead_requests_each_files_ranges_together_in_the_files_order(served, own_cache, monkeypatch):
+    """A file is fetched as range requests several at once (an object store limits each connection): the first
+    file's ranges go out together, before any of the next file's, and every copy holds the file's bytes."""
+    url, root = served
     open_dataset(_config(f"{url}/shards"))  # indexed and saved without the cache: its copies are the fetches'
     dataset = open_dataset(_config(f"{url}/shards", "10MB", cache_fetches=4))
-    events: list[tuple[str, str]] = []
-    lock = threading.Lock()
-    real = ShardCacheFileSystem._download
-
-    def recorded(self, path, reservation, ahead=False, stop=None):
-        with lock:
-            events.append(("start", path))
-        try:
-            return real(self, path, reservation, ahead, stop)
-        finally:
-            with lock:
-                events.append(("end", path))
-
-    monkeypatch.setattr(ShardCacheFileSystem, "_download", recorded)
+    monkeypatch.setattr(cache_fetch, "RANGE_MIN_BYTES", 4096)  # the test's small tars: several ranges each
     files = _files(dataset)
-    assert len(files) > 2 and dataset.fs.fetches == 4
+    first_ranges = cache_fetch.file_ranges(dataset.fs.size(files[0]), 4)
+    assert len(files) > 2 and len(first_ranges) >= 2
+    together = threading.Barrier(2, timeout=20)  # the first two requests wait for each other: at once, or fail
+    asked: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+    tier = dataset.fs.tier
+    real = type(tier).cat_file
+
+    def recorded(self, path, start=None, end=None, **kwargs):
+        with lock:
+            asked.append((path, start, end))
+            first_two = len(asked) <= 2
+        if first_two:
+            together.wait()
+        return real(self, path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(type(tier), "cat_file", recorded)
     dataset.fs.prefetch(files)
     assert dataset.fs.wait_ahead(30)
-    assert events[:2] == [("start", files[0]), ("end", files[0])]  # nothing else began while it was fetched
-    assert sorted(p for kind, p in events if kind == "start") == sorted(files)
+    assert [path for path, _, _ in asked[:2]] == [files[0], files[0]]
+    for path in files:
+        assert sorted((a, b) for p, a, b in asked if p == path) == \
+            cache_fetch.file_ranges(dataset.fs.size(path), 4)
+    monkeypatch.setattr(type(tier), "cat_file", real)
+    local = {f"{url}/shards/{p.relative_to(root / 'shards').as_posix()}": p.read_bytes()
+             for p in (root / "shards").rglob("*.tar")}
+    for path in files:
+        assert dataset.fs.cat_file(path) == local[path]
+    assert tier_counters(dataset.fs)["cache_ahead_files"] == len(files)

@@ -28,7 +28,6 @@ import queue
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
-from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -36,8 +35,8 @@ import pyarrow as pa
 from pydantic import Field
 
 from loadopt.errors import DatasetError
-from loadopt.imaging.frames import FRAME_FIELDS
-from loadopt.loaders.fillers import EncodedJpegs, FillContext, Filled, Located, WholeFrames
+from loadopt.loaders.arrow_column import ArrowColumn
+from loadopt.loaders.fillers import EncodedJpegs, FillContext, Filled, WholeFrames
 from loadopt.loaders.heap import TRIM_EVERY
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.loaders.serving import RequestPath, Unservable
@@ -53,70 +52,6 @@ class ArrowSettings(RingSettings):
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"  # encoded form
     io_threads: int = Field(8, ge=1)  # range requests in flight on a tier that is not the local disk
     shard_mib: float = Field(shard_work.DEFAULT_SHARD_MIB, gt=0)  # shard file size of the conversion
-
-
-class ArrowColumn:
-    """Where each sample's stored bytes are in the record batches of an opened Arrow file (its last column):
-    the byte source of the arrow backend's fillers. A fixed-size column (centre squares, token windows) is
-    one zero-copy array over the whole mapped file, so a batch is one gather, not one per record batch (a
-    batch of 32 windows touches ~28 record batches of the default corpus); a variable-length one (whole
-    frames, JPEGs, records) an array per record batch, with each sample's start and length in it."""
-
-    def __init__(self, batches: list[pa.RecordBatch], batch_file: np.ndarray) -> None:
-        self.batches = batches
-        self.first_rows = np.cumsum([0] + [b.num_rows for b in batches])[:-1].astype(np.int64)
-        self.columns = [b.column(b.num_columns - 1) for b in batches]
-        kind = self.columns[0].type
-        self.width: int | None = kind.byte_width if pa.types.is_fixed_size_binary(kind) else None
-        if self.width is not None:  # one array per shard file: each is a mapping of its own
-            self.sources: list[np.ndarray] = []
-            self.bases, self.source_of = np.zeros(len(batches), np.int64), batch_file
-            for k in np.unique(batch_file).tolist():
-                mine = np.flatnonzero(batch_file == k)
-                span, self.bases[mine] = _spanning_view([self.columns[b] for b in mine], self.width)
-                self.source_of[mine] = len(self.sources)
-                self.sources += span
-        else:  # binary (int32 offsets: JPEGs) or large binary (int64: frames, records)
-            self.sources = [np.frombuffer(c.buffers()[2], np.uint8) for c in self.columns]
-        names = batches[0].schema.names
-        self.frames = np.concatenate([np.stack([b.column(name).to_numpy() for name in FRAME_FIELDS], axis=1)
-                                      for b in batches]) if all(n in names for n in FRAME_FIELDS) else None
-
-    @cached_property
-    def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """A variable-length column's (start in its record batch's data, length) of every sample, indexed
-        by sample: looked up a batch at a time, not sample by sample in Python."""
-        bounds = []
-        for c in self.columns:
-            item = 8 if pa.types.is_large_binary(c.type) else 4
-            bounds.append(np.frombuffer(c.buffers()[1], np.int64 if item == 8 else np.int32, len(c) + 1,
-                                        c.offset * item))
-        return (np.concatenate([b[:-1] for b in bounds]).astype(np.int64),
-                np.concatenate([np.diff(b) for b in bounds]).astype(np.int64))
-
-    def locate(self, indices: np.ndarray) -> Located[np.ndarray]:
-        """The samples' stored bytes: views of the mapped (or fetched) file, read when touched."""
-        which = np.searchsorted(self.first_rows, indices, side="right") - 1
-        frames = self.frames[indices] if self.frames is not None else None
-        if self.width is not None:
-            starts = self.bases[which] + (indices - self.first_rows[which]) * self.width
-            lengths = np.full(len(indices), self.width, np.int64)
-            return Located(self.sources, self.source_of[which].astype(np.int32), starts, lengths,
-                           int(lengths.sum()), frames, mapped=True)
-        starts_of, lengths_of = self.rows
-        lengths = lengths_of[indices]
-        return Located(self.sources, which, starts_of[indices], lengths, int(lengths.sum()), frames, mapped=True)
-
-
-def _spanning_view(columns: list, width: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """([one uint8 array over every column's fixed-size values], each column's first value's offset in it): the
-    columns of one shard file."""
-    addresses = [c.buffers()[1].address + c.offset * width for c in columns]
-    first = min(addresses)
-    end = max(a + len(c) * width for a, c in zip(addresses, columns, strict=True))
-    # The record batches sit in one memory map (or file image); the buffer keeps them (and so the map) alive.
-    span = np.frombuffer(pa.foreign_buffer(first, end - first, base=columns), np.uint8)
-    return [span], np.array(addresses, np.int64) - first
 
 
 class ArrowLoader(RingLoader[ArrowSettings]):

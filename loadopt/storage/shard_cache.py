@@ -14,7 +14,8 @@ The counters (storage/cache_counters.py: reads served from a copy or not, files 
 ahead, evicted) are shared by every process reading through the same instance, as the tier's are, and
 reported with them: `tiers.tier_counters` merges them in under `cache_` names, so a run's `tier_counters` in
 `results.json` holds them beside the tier's `bytes` (what crossed to the storage). A fetch costs a size
-request (a HEAD over HTTP) and one range request per `CHUNK_BYTES` through the tier; a read from a copy, none.
+request (a HEAD over HTTP) and range requests of 1-8 MiB through the tier, `storage.cache_fetches` in flight
+(storage/cache_fetch.py); a read from a copy, none.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fsspec.spec import AbstractBufferedFile
 from loadopt.errors import DatasetError
 from loadopt.files import atomic_write_text, cache_dir
 from loadopt.storage.cache_counters import CacheCounters, SharedCounts
+from loadopt.storage.cache_fetch import RangedFetch
 from loadopt.storage.cache_folder import CacheFolder, Refused, Reservation, let_go
 from loadopt.storage.remote import display_name, is_local_fs, redact
 from loadopt.storage.remote_listing import endpoint
@@ -48,8 +50,7 @@ from loadopt.storage.tiers import TierSpec, tier_of
 log = logging.getLogger(__name__)
 
 FOLDER = "shard-cache"
-CHUNK_BYTES = 8 << 20  # a fetch reads its file in requests of this size through the tier
-DEFAULT_FETCHES = 8  # files fetched ahead at once (storage.cache_fetches)
+DEFAULT_FETCHES = 8  # range requests in flight, fetching ahead or a file a read needs (storage.cache_fetches)
 _ATTEMPTS = 4  # fetches of one read before it is read through (each lost its copy to eviction at once)
 
 
@@ -200,36 +201,30 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
             self.store.wait(outcome.temp)
         return outcome.why in ("busy", "cached")
 
-    def _download(self, path: str, reservation: Reservation, ahead: bool = False,
-                  stop: threading.Event | None = None) -> bool:
-        """The file fetched whole through the tier into its reservation, then published; False (nothing kept)
-        when stopped, when the storage gave other than its size (it changed: the read through says so) or
-        when the copy cannot be written here (a full disk: said once, and the reads go through)."""
-        done = 0
-        try:
-            while done < reservation.size and not (stop is not None and stop.is_set()):
-                chunk = self.tier.cat_file(path, start=done, end=min(done + CHUNK_BYTES, reservation.size))
-                if not chunk:
-                    break
-                try:
-                    _write_all(reservation.fd, chunk)
-                except OSError as exc:
-                    self.store.abandon(reservation)
-                    return self._cannot_write(exc)
-                done += len(chunk)
-        except BaseException:
-            self.store.abandon(reservation)
-            raise
-        if done != reservation.size:
-            self.store.abandon(reservation)
+    def _download(self, path: str, reservation: Reservation) -> bool:
+        """The file fetched whole through the tier into its reservation (its ranges `fetches` at once), then
+        published; False (nothing kept) when the storage gave other than its size (it changed: the read through
+        says so) or when the copy cannot be written here (a full disk: said once, and the reads go through)."""
+        fetch = self._ranged(path, reservation, None, ahead=False)
+        if len(fetch.ranges) <= 1 or self.fetches <= 1:
+            for start, end in fetch.ranges:
+                fetch.fetch(start, end)
+        else:
+            with ThreadPoolExecutor(min(self.fetches, len(fetch.ranges)), thread_name_prefix="loadopt-cache") as pool:
+                list(pool.map(lambda r: fetch.fetch(*r), fetch.ranges))
+        return self._kept(path, fetch)
+
+    def _ranged(self, path: str, reservation: Reservation, stop: threading.Event | None, ahead: bool) -> RangedFetch:
+        def published(size: int) -> None:
+            self.shared.add(fetched_files=1, fetched_bytes=size, ahead_files=int(ahead), ahead_bytes=size * ahead)
+
+        return RangedFetch(self.tier, self.store, path, reservation, self.fetches, stop, published)
+
+    def _kept(self, path: str, fetch: RangedFetch) -> bool:
+        kept, unwritable = fetch.outcome()
+        if fetch.changed:
             self._sizes.pop(path, None)
-            return False
-        try:
-            self.store.publish(reservation)  # gives the reservation up itself when it fails
-        except OSError as exc:
-            return self._cannot_write(exc)
-        self.shared.add(fetched_files=1, fetched_bytes=done, ahead_files=int(ahead), ahead_bytes=done if ahead else 0)
-        return True
+        return self._cannot_write(unwritable) if unwritable is not None else kept
 
     def _cannot_write(self, exc: OSError) -> bool:
         if not self._said_unwritable:
@@ -283,28 +278,14 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
         return not ahead[1].is_alive()
 
     def _prefetch(self, paths: list[str], concurrency: int, stop: threading.Event) -> None:
+        # Range requests, `concurrency` in flight, taken in the files' order: the first file's ranges go out
+        # together, so it arrives at the link's rate however little each connection gets, and the first batch,
+        # which waits for it, comes soonest; each file after it likewise.
         slots = threading.BoundedSemaphore(concurrency)
-        # The first file alone, then `concurrency` at once: it is read first, and on a link that the others would
-        # share it arrives soonest (the first batch waits for it); where each connection is limited, no loss.
-        held = [slots.acquire() for _ in range(concurrency - 1)]
-        widened = threading.Event()
-
-        def widen() -> None:
-            if not widened.is_set():
-                widened.set()
-                for _ in held:
-                    slots.release()
-
-        def finished(_) -> None:
-            slots.release()
-            widen()
-
         earlier: set[str] = set()
+        fetching: list[RangedFetch] = []
         with ThreadPoolExecutor(concurrency, thread_name_prefix="loadopt-cache-ahead") as pool:
             for path in paths:
-                while not slots.acquire(timeout=0.05):
-                    if stop.is_set():
-                        return
                 entry = self.entry(path)
                 try:
                     size = None if self.store.has(entry) else self._remote_size(path)
@@ -313,28 +294,27 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
                     log.debug("fetching ahead %s: %s", redact(path), exc)
                     outcome = Refused("busy")
                 earlier.add(entry)
-                if stop.is_set() or isinstance(outcome, Refused) and outcome.why == "no_room":
+                if isinstance(outcome, Refused) and outcome.why != "no_room":
+                    continue  # cached, or being fetched by another reader
+                if stop.is_set() or isinstance(outcome, Refused):  # no room without evicting an earlier one
                     if isinstance(outcome, Reservation):
                         self.store.abandon(outcome)
-                    slots.release()
-                    return
-                if isinstance(outcome, Refused):  # nothing fetched for it here: the next file takes the slot
-                    slots.release()
-                    widen()
-                    continue
-                pool.submit(self._ahead_one, path, outcome, stop).add_done_callback(finished)
-
-    def _ahead_one(self, path: str, reservation: Reservation, stop: threading.Event) -> None:
-        try:
-            self._download(path, reservation, ahead=True, stop=stop)
-        except Exception as exc:  # noqa: BLE001 - the read that needs it meets the error itself
-            log.debug("fetching ahead %s: %s", redact(path), exc)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+                    break
+                fetch = self._ranged(path, outcome, stop, ahead=True)
+                fetching.append(fetch)
+                for k, (start, end) in enumerate(fetch.ranges):
+                    while not slots.acquire(timeout=0.05):
+                        if stop.is_set():
+                            break
+                    if stop.is_set():
+                        fetch.skip(len(fetch.ranges) - k)  # never requested: the copy is given up
+                        break
+                    pool.submit(fetch.fetch, start, end).add_done_callback(lambda _: slots.release())
+        for fetch in fetching:
+            try:
+                self._kept(fetch.path, fetch)
+            except Exception as exc:  # noqa: BLE001 - the read that needs it meets the error itself
+                log.debug("fetching ahead %s: %s", redact(fetch.path), exc)
 
 
 class _CachedFile(AbstractBufferedFile):

@@ -1,0 +1,117 @@
+"""Where each sample's stored bytes are in an opened Arrow conversion (`ArrowColumn`): the byte source of the
+arrow backend's fillers.
+
+A rank reads only its share of the index: each record batch's offsets (and frame dims) stay views of the mapped
+shard, gathered batch by batch, so a rank touches the pages of the rows it locates and nothing is concatenated
+over the whole dataset (at a billion samples that would be 16-32 GB a rank). `index_bytes_read` counts those
+pages, as `raw_format.RawIndex` does for the raw form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from loadopt.imaging.frames import FRAME_FIELDS
+from loadopt.loaders.fillers import Located
+
+_PAGE = 4096
+
+
+class ArrowColumn:
+    """The samples' stored bytes (the last column) of an opened Arrow conversion's record batches. A fixed-size
+    column (centre squares, token windows) is one zero-copy array over each shard file, so a batch is one gather,
+    not one per record batch (a batch of 32 windows touches ~28 record batches of the default corpus); a
+    variable-length one (whole frames, JPEGs, records) an array per record batch, each sample's start and length
+    read from the batch's offsets when it is located."""
+
+    def __init__(self, batches: list[pa.RecordBatch], batch_file: np.ndarray) -> None:
+        self.batches = batches
+        self.first_rows = np.cumsum([0] + [b.num_rows for b in batches])[:-1].astype(np.int64)
+        self.columns = [b.column(b.num_columns - 1) for b in batches]
+        kind = self.columns[0].type
+        self.width: int | None = kind.byte_width if pa.types.is_fixed_size_binary(kind) else None
+        self.bounds: list[np.ndarray] = []  # variable length: each record batch's offsets (rows + 1), mapped
+        if self.width is not None:  # one array per shard file: each is a mapping of its own
+            self.sources: list[np.ndarray] = []
+            self.bases, self.source_of = np.zeros(len(batches), np.int64), batch_file
+            for k in np.unique(batch_file).tolist():
+                mine = np.flatnonzero(batch_file == k)
+                span, self.bases[mine] = _spanning_view([self.columns[b] for b in mine], self.width)
+                self.source_of[mine] = len(self.sources)
+                self.sources += span
+        else:  # binary (int32 offsets: JPEGs) or large binary (int64: frames, records)
+            self.sources = [np.frombuffer(c.buffers()[2], np.uint8) for c in self.columns]
+            for c in self.columns:
+                item = 8 if pa.types.is_large_binary(c.type) else 4
+                self.bounds.append(np.frombuffer(c.buffers()[1], np.int64 if item == 8 else np.int32, len(c) + 1,
+                                                 c.offset * item))
+        names = batches[0].schema.names if batches else []
+        # whole frames: each record batch's (height, width, source height, source width) columns, mapped
+        self.dims: list[list[np.ndarray]] | None = [[b.column(name).to_numpy() for name in FRAME_FIELDS]
+                                                    for b in batches] \
+            if batches and all(n in names for n in FRAME_FIELDS) else None
+        self._pages: set[int] = set()  # the index pages (offsets, frame dims) located so far, by address
+
+    def locate(self, indices: np.ndarray) -> Located[np.ndarray]:
+        """The samples' stored bytes: views of the mapped (or fetched) file, read when touched."""
+        indices = np.asarray(indices, np.int64)
+        which = np.searchsorted(self.first_rows, indices, side="right") - 1
+        rows = indices - self.first_rows[which]
+        frames = self._frames(which, rows) if self.dims is not None else None
+        if self.width is not None:
+            starts = self.bases[which] + rows * self.width
+            lengths = np.full(len(indices), self.width, np.int64)
+            return Located(self.sources, self.source_of[which].astype(np.int32), starts, lengths,
+                           int(lengths.sum()), frames, mapped=True)
+        starts, ends = np.empty(len(indices), np.int64), np.empty(len(indices), np.int64)
+        for b, mine in _by_batch(which):
+            bounds, at = self.bounds[b], rows[mine]
+            starts[mine], ends[mine] = bounds[at], bounds[at + 1]
+            self._touch(bounds, at, 1)
+        lengths = ends - starts
+        return Located(self.sources, which, starts, lengths, int(lengths.sum()), frames, mapped=True)
+
+    def _frames(self, which: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        assert self.dims is not None, "whole frames only"
+        out = np.empty((len(which), len(FRAME_FIELDS)), np.int32)
+        for b, mine in _by_batch(which):
+            for f, column in enumerate(self.dims[b]):
+                out[mine, f] = column[rows[mine]]
+                self._touch(column, rows[mine], 0)
+        return out
+
+    def _touch(self, array: np.ndarray, rows: np.ndarray, extra: int) -> None:
+        """Count the pages of `array` (a mapped index column) holding `rows` (and `extra` rows after each)."""
+        address, item = array.__array_interface__["data"][0], array.itemsize
+        pages = np.unique(np.r_[address + rows * item, address + (rows + extra) * item] // _PAGE)
+        self._pages.update(pages.tolist())
+
+    def index_bytes_read(self) -> int:
+        """The index this reader has needed: the 4 KiB pages of offsets (and frame dims) holding the rows it
+        located, and its record batch table (what a rank of a web-scale dataset holds, against `index_bytes`)."""
+        return len(self._pages) * _PAGE + self.first_rows.nbytes
+
+    def index_bytes(self) -> int:
+        """The whole conversion's index: every record batch's offsets and frame dims."""
+        dims = sum(c.nbytes for batch in self.dims for c in batch) if self.dims is not None else 0
+        return sum(b.nbytes for b in self.bounds) + dims
+
+
+def _by_batch(which: np.ndarray):
+    """(record batch, the positions in it) of each record batch among `which`, in one sort."""
+    order = np.argsort(which, kind="stable")
+    cuts = np.flatnonzero(np.diff(which[order])) + 1
+    for group in np.split(order, cuts):
+        if len(group):
+            yield int(which[group[0]]), group
+
+
+def _spanning_view(columns: list, width: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """([one uint8 array over every column's fixed-size values], each column's first value's offset in it): the
+    columns of one shard file."""
+    addresses = [c.buffers()[1].address + c.offset * width for c in columns]
+    first = min(addresses)
+    end = max(a + len(c) * width for a, c in zip(addresses, columns, strict=True))
+    # The record batches sit in one memory map (or file image); the buffer keeps them (and so the map) alive.
+    span = np.frombuffer(pa.foreign_buffer(first, end - first, base=columns), np.uint8)
+    return [span], np.array(addresses, np.int64) - first
