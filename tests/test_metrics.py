@@ -142,6 +142,38 @@ def test_process_tree_monitor_counts_children_that_exit_inside_the_window():
     assert 0 < usage.peak_pss_bytes <= usage.peak_rss_bytes
 
 
+def test_a_monitor_without_pss_at_its_edges_reads_pss_only_on_its_thread(monkeypatch):
+    """`loadopt measure` starts and stops a monitor at every pass's edges, on the training loop's own clock:
+    there it must not walk the page tables (PSS), which takes ~0.1 s in a process that has mapped a few GB."""
+    import threading
+    import time
+
+    from loadopt.bench import monitor as monitor_module
+
+    read_memory = monitor_module._memory
+    pss_threads: list[str] = []
+
+    def counted(proc, with_pss):
+        if with_pss:
+            pss_threads.append(threading.current_thread().name)
+        return read_memory(proc, with_pss)
+
+    monkeypatch.setattr(monitor_module, "_memory", counted)
+    short = monitor_module.ProcessTreeMonitor(interval_s=0.5, pss_at_edges=False).start()
+    short.stop()
+    assert pss_threads == [] and short.usage.peak_pss_bytes == 0  # shorter than one interval: none taken
+    assert short.usage.peak_rss_bytes > 0
+    long = monitor_module.ProcessTreeMonitor(interval_s=0.05, pss_at_edges=False).start()
+    time.sleep(0.3)  # the monitor's own thread samples meanwhile: the wait is the window, not a stand-in
+    long.stop()
+    assert pss_threads and set(pss_threads) == {"loadopt-monitor"}
+    assert 0 < long.usage.peak_pss_bytes <= long.usage.peak_rss_bytes
+    pss_threads.clear()
+    with monitor_module.ProcessTreeMonitor(interval_s=0.5):  # the bench's: PSS at both edges as well
+        pass
+    assert pss_threads == [threading.current_thread().name] * 2
+
+
 def test_emulated_device_buffers_are_freed_without_the_cycle_collector():
     """A bench builds one emulated device per run: its buffers (~100 MB at ImageNet sizes) must go
     when the run ends, not at some later cyclic garbage collection."""

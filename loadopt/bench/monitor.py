@@ -98,9 +98,14 @@ def _cpu(proc: psutil.Process) -> float:
 class ProcessTreeMonitor:
     """`start()` and `stop()` (or `with`) around the measured window; then `usage` holds the result."""
 
-    def __init__(self, interval_s: float = 0.1, pss_every: int = 10) -> None:
+    def __init__(self, interval_s: float = 0.1, pss_every: int = 10, pss_at_edges: bool = True) -> None:
         self.interval_s = interval_s
         self.pss_every = pss_every  # PSS on every n-th sample (and the first and last): ~1% of a core
+        # PSS walks the page tables: ~0.1 s for a process that has mapped a few GB (seen late in a test run).
+        # Without `pss_at_edges` it is read only by the thread, never by `start` and `stop`, which run on the
+        # measured job's own clock (a training loop's pass edges); a window shorter than `interval_s` then
+        # has no PSS.
+        self.pss_at_edges = pss_at_edges
         self._samples = 0
         self.usage: TreeUsage | None = None
         self._root = psutil.Process(os.getpid())
@@ -108,6 +113,7 @@ class ProcessTreeMonitor:
         self._root_io = 0
         self._peak_rss = 0
         self._peak_pss = 0
+        self._pss_samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loadopt-monitor", daemon=True)
 
@@ -117,7 +123,7 @@ class ProcessTreeMonitor:
 
     def _sample(self, with_pss: bool | None = None) -> None:
         if with_pss is None:
-            with_pss = self._samples % self.pss_every == 0
+            with_pss = self._pss_samples == 0 or self._samples % self.pss_every == 0
         self._samples += 1
         rss, pss = _memory(self._root, with_pss)
         try:
@@ -140,6 +146,7 @@ class ProcessTreeMonitor:
         self._peak_rss = max(self._peak_rss, rss)
         if pss is not None:
             self._peak_pss = max(self._peak_pss, pss)
+            self._pss_samples += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -160,7 +167,7 @@ class ProcessTreeMonitor:
         self._root_io = _io(self._root)
         self._root_cpu = sum(os.times()[:2])
         self._start_reaped = self._reaped_cpu()
-        self._sample()
+        self._sample(with_pss=self.pss_at_edges)
         # Children alive at the start count only their CPU from now on.
         self._live_at_start = {pid: seen.first_cpu for pid, (_, seen) in self._children.items()}
         self._thread.start()
@@ -169,7 +176,7 @@ class ProcessTreeMonitor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample(with_pss=True)
+        self._sample(with_pss=self.pss_at_edges)
         storage = _io(self._root) - self._root_io
         cpu = sum(os.times()[:2]) - self._root_cpu
         # Reaped children: exact from os.times (includes the CPU they used before the window began,

@@ -190,7 +190,7 @@ class Measurement:
         # CPU time is exact whatever the interval (process and reaped-children times); the thread
         # only samples memory and live workers, so twice a second (PSS every 10 s) is plenty and
         # costs the job well under 0.1% of a core.
-        self._monitor = ProcessTreeMonitor(interval_s=0.5, pss_every=20).start()
+        self._monitor = ProcessTreeMonitor(interval_s=0.5, pss_every=20, pss_at_edges=False).start()
 
     def _stop_monitor(self) -> None:
         if self._monitor is None:
