@@ -112,3 +112,19 @@ def epoch_inputs(loader) -> list[torch.Tensor]:
         return [x.clone() for x, _ in loader]
     finally:
         loader.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The shard cache's tests' server: 4 tar shards of 3 photos each and 2 Parquet files of the same 12, over
+    HTTP, counting its requests (tests/cache_serving.py); yields (url, root)."""
+    from .cache_serving import counting_server
+    from .source_files import folder_samples, write_parquet, write_shards
+
+    root = tmp_path_factory.mktemp("shard-cache")
+    make_image_folder(root / "photos", classes=3, per_class=4)
+    samples = folder_samples(root / "photos")
+    write_shards(root / "shards", samples, per_shard=3)
+    write_parquet(root / "hub", samples, ["c0", "c1", "c2"], rows_per_group=2)
+    with counting_server(root) as url:
+        yield url, root

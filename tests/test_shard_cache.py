@@ -5,7 +5,6 @@ sharing the cache end with intact copies; a killed fetch's temporary file is cle
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -14,9 +13,6 @@ import pickle
 import random
 import subprocess
 import sys
-import threading
-from functools import partial
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import fsspec
@@ -25,79 +21,29 @@ import pytest
 from loadopt import make_loader
 from loadopt.config import config_from_dict
 from loadopt.config_models import byte_size
-from loadopt.storage import cache_fetch
 from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.shard_cache import CacheCounters, ShardCacheFileSystem, shard_files_in_order
+from loadopt.storage.shard_cache import ShardCacheFileSystem, shard_files_in_order
 from loadopt.storage.shards import shard_table
 from loadopt.storage.tiers import TierSpec, tier_counters, tier_filesystem
 
-from .conftest import make_image_folder
-from .servers import RangeRequestHandler, s3_endpoint  # noqa: F401 - s3_endpoint is a fixture
-from .source_files import folder_samples, write_parquet, write_shards
+from .cache_serving import (
+    CountingHandler,
+    cache_config,
+    cache_counters_of,
+    folder_bytes,
+)
+from .servers import s3_endpoint  # noqa: F401 - s3_endpoint is a fixture
 
 pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
-
-
-class _CountingHandler(RangeRequestHandler):
-    """The test server's range handler, counting the requests it answers (GET and HEAD)."""
-
-    requests = 0
-    lock = threading.Lock()
-
-    def send_head(self):
-        with _CountingHandler.lock:
-            _CountingHandler.requests += 1
-        return super().send_head()
-
-
-@contextlib.contextmanager
-def _counting_server(root: Path):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_CountingHandler, directory=str(root)))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """4 tar shards of 3 photos each and 2 Parquet files of the same 12, over HTTP; yields (url, root)."""
-    root = tmp_path_factory.mktemp("shard-cache")
-    make_image_folder(root / "photos", classes=3, per_class=4)
-    samples = folder_samples(root / "photos")
-    write_shards(root / "shards", samples, per_shard=3)
-    write_parquet(root / "hub", samples, ["c0", "c1", "c2"], rows_per_group=2)
-    with _counting_server(root) as url:
-        yield url, root
-
-
-def _config(path: str, limit=None, **storage):
-    return config_from_dict({"dataset": {"path": path}, "storage": {"cache_limit": limit, **storage},
-                             "pipeline": {"batch_size": 4, "image_size": 24, "augment": "eval"}}, "cache.yaml")
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def _files(dataset) -> list[str]:
-    return shard_files_in_order(dataset, list(range(shard_table(dataset).num_shards)))
-
-
-def _counters(fs) -> CacheCounters:
-    return fs.cache_counters()
 
 
 @pytest.mark.parametrize("form", ["shards", "hub"])
 def test_a_second_epoch_asks_the_storage_nothing(served, own_cache, form):
     url, root = served
-    dataset = open_dataset(_config(f"{url}/{form}", "10MB"))
+    dataset = open_dataset(cache_config(f"{url}/{form}", "10MB"))
     assert isinstance(dataset.fs, ShardCacheFileSystem)
     files = sorted((root / form).rglob("*.tar" if form == "shards" else "*.parquet"))
-    before, asked = tier_counters(dataset.fs), _CountingHandler.requests
+    before, asked = tier_counters(dataset.fs), CountingHandler.requests
     first = [dataset.read(i) for i in range(len(dataset))]
     after = tier_counters(dataset.fs)
     fetched = after["bytes"] - before["bytes"]
@@ -107,17 +53,17 @@ def test_a_second_epoch_asks_the_storage_nothing(served, own_cache, form):
     assert after["cache_fetched_files"] == (0 if form == "shards" else len(files))
     assert after["cache_uncached_reads"] == 0
     print(f"{form}: epoch 1 fetched {fetched:,} bytes in {after['requests'] - before['requests']:.0f} tier "
-          f"requests ({_CountingHandler.requests - asked} at the server) for {len(files)} files")
-    asked = _CountingHandler.requests
-    reopened = open_dataset(_config(f"{url}/{form}", "10MB"))  # as the next job would (its listing is saved)
-    assert _CountingHandler.requests == asked
+          f"requests ({CountingHandler.requests - asked} at the server) for {len(files)} files")
+    asked = CountingHandler.requests
+    reopened = open_dataset(cache_config(f"{url}/{form}", "10MB"))  # as the next job would (its listing is saved)
+    assert CountingHandler.requests == asked
     second = [reopened.read(i) for i in range(len(reopened))]
     again = tier_counters(reopened.fs)
-    assert second == first and _CountingHandler.requests == asked  # not one request
+    assert second == first and CountingHandler.requests == asked  # not one request
     assert again["bytes"] == again["requests"] == again["cache_fetched_files"] == 0 and again["cache_hit_reads"] > 0
     print(f"{form}: epoch 2 fetched {again['bytes']:.0f} bytes, 0 requests at the server; "
           f"{again['cache_hit_reads']:.0f} reads from the copies")
-    local = open_dataset(_config(str(root / form)))
+    local = open_dataset(cache_config(str(root / form)))
     assert first == [local.read(i) for i in range(len(local))]
 
 
@@ -128,8 +74,8 @@ def test_s3_shards_are_fetched_once(served, s3_endpoint, own_cache):  # noqa: F8
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir("loadopt-cache")
     fs.put(f"{root / 'shards'}/", "loadopt-cache/shards/", recursive=True)
-    open_dataset(_config("s3://loadopt-cache/shards"))  # listed and indexed (saved) without the cache
-    dataset = open_dataset(_config("s3://loadopt-cache/shards", "10MB"))
+    open_dataset(cache_config("s3://loadopt-cache/shards"))  # listed and indexed (saved) without the cache
+    dataset = open_dataset(cache_config("s3://loadopt-cache/shards", "10MB"))
     sizes = sum(p.stat().st_size for p in (root / "shards").glob("*.tar"))
     for epoch in range(2):
         before = tier_counters(dataset.fs)
@@ -163,16 +109,16 @@ def test_the_least_recently_used_copy_is_evicted_and_the_folder_stays_within_the
     fs.cat_file(names[2], 0, 512)
     assert fs.copy_path(names[0]).exists() and fs.copy_path(names[2]).exists()
     assert not fs.copy_path(names[1]).exists()
-    counts = _counters(fs)
+    counts = cache_counters_of(fs)
     assert counts.evicted_files == 1 and counts.evicted_bytes == sizes[1] and counts.fetched_files == 3
-    assert _folder_bytes(fs.store.folder) <= limit
+    assert folder_bytes(fs.store.folder) <= limit
 
 
 def test_a_loader_through_a_two_shard_cache_keeps_within_it(served, own_cache):
     url, root = served
     sizes = _sizes(root)
     limit = sorted(sizes)[-1] + sorted(sizes)[-2] + 1024
-    config = _config(f"{url}/shards", limit)
+    config = cache_config(f"{url}/shards", limit)
     loader = make_loader(config, backend="torch", num_workers=2, shuffle="global")
     folder, most, batches = None, 0, 0
     try:
@@ -180,7 +126,7 @@ def test_a_loader_through_a_two_shard_cache_keeps_within_it(served, own_cache):
             loader.set_epoch(epoch)
             for _ in loader:
                 folder = folder or loader.dataset.fs.store.folder
-                most = max(most, _folder_bytes(folder))
+                most = max(most, folder_bytes(folder))
                 assert most <= limit, f"{most:,} bytes in the cache folder, limit {limit:,}"
                 batches += 1
         counts = loader.dataset.fs.cache_counters()
@@ -201,13 +147,13 @@ def test_fetching_ahead_never_evicts_a_file_earlier_in_its_list(served, own_cach
         in_flight = max(in_flight, len(list((fs.store.folder / "tmp").iterdir())))
     assert fs.wait_ahead(20) and 1 <= in_flight <= 2  # at most `concurrency` fetches at once
     assert [fs.copy_path(n).exists() for n in names] == [True, True, False, False]
-    counts = _counters(fs)
+    counts = cache_counters_of(fs)
     assert counts.ahead_files == 2 and counts.ahead_bytes == sizes[0] + sizes[1] and counts.evicted_files == 0
     fs.cat_file(names[3], 0, 10)  # read on demand: evicts shard 0, the least recently used
     fs.prefetch([names[1], names[2], names[0]])
     assert fs.wait_ahead(20)  # shard 2 may evict shard 3 (not in the list), then shard 0 would take shard 1
     assert [fs.copy_path(n).exists() for n in names] == [False, True, True, False]
-    assert _folder_bytes(fs.store.folder) <= limit
+    assert folder_bytes(fs.store.folder) <= limit
     fs.close()
 
 
@@ -268,7 +214,7 @@ def test_a_killed_fetch_is_cleaned_up_and_fetched_again(served, own_cache):
     assert fs.cat_file(names[0], 0, 100) == (root / "shards" / "train-000000.tar").read_bytes()[:100]
     assert not left.exists() and not list((fs.store.folder / "tmp").iterdir())
     assert fs.copy_path(names[0]).read_bytes() == (root / "shards" / "train-000000.tar").read_bytes()
-    assert _counters(fs).dead_temps == 1
+    assert cache_counters_of(fs).dead_temps == 1
 
 
 def test_a_file_larger_than_the_limit_is_read_through_and_said_once(served, own_cache, caplog):
@@ -279,14 +225,14 @@ def test_a_file_larger_than_the_limit_is_read_through_and_said_once(served, own_
         fs.cat_file(names[1], 0, 10)
     assert not list((fs.store.folder / "files").iterdir())
     assert len([r for r in caplog.records if "more than storage.cache_limit" in r.getMessage()]) == 1
-    assert _counters(fs).uncached_reads == 2
+    assert cache_counters_of(fs).uncached_reads == 2
 
 
 def test_make_loader_through_the_cache_delivers_the_same_labels(served, own_cache):
     url, _ = served
 
     def labels(limit) -> list[list[int]]:
-        loader = make_loader(_config(f"{url}/shards", limit), backend="torch", num_workers=2)
+        loader = make_loader(cache_config(f"{url}/shards", limit), backend="torch", num_workers=2)
         try:
             return [y.tolist() for _, y in loader]
         finally:
@@ -298,7 +244,7 @@ def test_make_loader_through_the_cache_delivers_the_same_labels(served, own_cach
 def test_a_local_dataset_is_not_cached_and_says_why(served, caplog):
     _, root = served
     with caplog.at_level(logging.INFO, logger="loadopt.storage.shard_cache"):
-        dataset = open_dataset(_config(str(root / "shards"), "1GB"))
+        dataset = open_dataset(cache_config(str(root / "shards"), "1GB"))
     assert not isinstance(dataset.fs, ShardCacheFileSystem)
     assert [r.getMessage() for r in caplog.records if "storage.cache_limit" in r.getMessage()] == [
         f"storage.cache_limit: the dataset is on the local disk ({root / 'shards'}): it is read where it is, "
@@ -307,10 +253,10 @@ def test_a_local_dataset_is_not_cached_and_says_why(served, caplog):
 
 def test_shard_files_in_order(served):
     _, root = served
-    shards = open_dataset(_config(str(root / "shards")))
+    shards = open_dataset(cache_config(str(root / "shards")))
     assert shard_files_in_order(shards, [2, 0, 3]) == [str(root / "shards" / f"train-{k:06d}.tar")
                                                         for k in (2, 0, 3)]
-    hub = open_dataset(_config(str(root / "hub")))
+    hub = open_dataset(cache_config(str(root / "hub")))
     table = shard_table(hub)
     names = shard_files_in_order(hub, list(reversed(range(table.num_shards))))
     assert names == [str(p) for p in sorted((root / "hub" / "data").glob("*.parquet"), reverse=True)]
@@ -331,89 +277,3 @@ def test_the_cache_folder_is_keyed_by_location_and_endpoint(own_cache):
     assert os.sep not in cache_key("s3://b/x", None)
 
 
-def test_a_loader_fetches_its_epochs_files_ahead_in_the_order_it_reads_them(served, own_cache, monkeypatch):
-    """The loader hands the cache the files of the rest of its epoch in first-need order (under the window
-    shuffle: the rank's shards as dealt): the cache fetches them ahead of the reads."""
-    url, _ = served
-    asked: list[list[str]] = []
-    real = ShardCacheFileSystem.prefetch
-
-    def recorded(self, paths, concurrency=None):
-        asked.append(list(paths))
-        return real(self, paths, concurrency)
-
-    monkeypatch.setattr(ShardCacheFileSystem, "prefetch", recorded)
-    open_dataset(_config(f"{url}/shards"))  # indexed and saved without the cache: the loader's fetches are its own
-    config = _config(f"{url}/shards", "10MB")
-    config.pipeline.shuffle, config.pipeline.window_shards = "window", 1
-    config.storage.cache_fetches = 3
-    loader = make_loader(config, backend="torch", num_workers=0)
-    try:
-        assert loader.dataset.fs.fetches == 3 == pickle.loads(pickle.dumps(loader.dataset.fs)).fetches
-        order = loader.order()
-        for _ in loader:
-            pass
-        dataset = loader.dataset
-        assert asked == [shard_files_in_order(dataset, order.rank_shards().shards)]
-        assert sorted(asked[0]) == sorted(_files(dataset))
-        dataset.fs.wait_ahead(30)
-        counted = tier_counters(dataset.fs)
-        assert counted["cache_fetched_files"] == len(asked[0])  # each once, ahead or when first read
-    finally:
-        loader.close()
-
-
-def test_a_first_open_indexes_through_the_cache_so_the_first_epoch_fetches_nothing_more(served, own_cache):
-    """Indexing remote tars reads each one whole: with a cache_limit the copies are kept, and the first epoch
-    reads them instead of fetching every shard a second time."""
-    url, root = served
-    files = sorted((root / "shards").rglob("*.tar"))
-    asked = _CountingHandler.requests
-    dataset = open_dataset(_config(f"{url}/shards", "10MB"))  # lists, indexes (a fresh cache: nothing saved)
-    indexing = _CountingHandler.requests - asked
-    assert indexing > 0
-    asked = _CountingHandler.requests
-    first = [dataset.read(i) for i in range(len(dataset))]
-    assert _CountingHandler.requests == asked  # every shard already a copy
-    counted = tier_counters(dataset.fs)
-    assert counted["bytes"] == 0 and counted["cache_hit_reads"] == len(first)
-    assert sum(len(b) for b in first) < sum(f.stat().st_size for f in files)
-
-
-def test_fetching_ahead_requests_each_files_ranges_together_in_the_files_order(served, own_cache, monkeypatch):
-    """A file is fetched as range requests several at once (an object store limits each connection): the first
-    file's ranges go out together, before any of the next file's, and every copy holds the file's bytes."""
-    url, root = served
-    open_dataset(_config(f"{url}/shards"))  # indexed and saved without the cache: its copies are the fetches'
-    dataset = open_dataset(_config(f"{url}/shards", "10MB", cache_fetches=4))
-    monkeypatch.setattr(cache_fetch, "RANGE_MIN_BYTES", 4096)  # the test's small tars: several ranges each
-    files = _files(dataset)
-    first_ranges = cache_fetch.file_ranges(dataset.fs.size(files[0]), 4)
-    assert len(files) > 2 and len(first_ranges) >= 2
-    together = threading.Barrier(2, timeout=20)  # the first two requests wait for each other: at once, or fail
-    asked: list[tuple[str, int, int]] = []
-    lock = threading.Lock()
-    tier = dataset.fs.tier
-    real = type(tier).cat_file
-
-    def recorded(self, path, start=None, end=None, **kwargs):
-        with lock:
-            asked.append((path, start, end))
-            first_two = len(asked) <= 2
-        if first_two:
-            together.wait()
-        return real(self, path, start=start, end=end, **kwargs)
-
-    monkeypatch.setattr(type(tier), "cat_file", recorded)
-    dataset.fs.prefetch(files)
-    assert dataset.fs.wait_ahead(30)
-    assert [path for path, _, _ in asked[:2]] == [files[0], files[0]]
-    for path in files:
-        assert sorted((a, b) for p, a, b in asked if p == path) == \
-            cache_fetch.file_ranges(dataset.fs.size(path), 4)
-    monkeypatch.setattr(type(tier), "cat_file", real)
-    local = {f"{url}/shards/{p.relative_to(root / 'shards').as_posix()}": p.read_bytes()
-             for p in (root / "shards").rglob("*.tar")}
-    for path in files:
-        assert dataset.fs.cat_file(path) == local[path]
-    assert tier_counters(dataset.fs)["cache_ahead_files"] == len(files)
