@@ -21,10 +21,12 @@ def test_an_interrupted_conversion_resumes_from_its_finished_shards(tmp_path, mo
     dataset = open_dataset(cfg)
     real = raw_convert.samples
     asked: list[int] = []
+    made = [0]  # samples made, over every shard
 
     def dies(*args):
-        for n, blob in enumerate(real(*args)):
-            if n == 20:
+        for blob in real(*args):
+            made[0] += 1
+            if made[0] == 21:
                 raise KeyboardInterrupt
             yield blob
 
@@ -43,8 +45,10 @@ def test_an_interrupted_conversion_resumes_from_its_finished_shards(tmp_path, mo
     monkeypatch.setattr(raw_convert, "samples", counted)
     assert raw_convert.convert(dataset, "decoded", 41, shard_mib=SMALL, workers=1) == final
     resumed_at = asked[0]
-    assert 0 < resumed_at <= 20 and resumed_at == raw_format.RawIndex(
-        final, [], raw_format.read_manifest(final)).firsts[len(finished)]
+    firsts = raw_format.RawIndex(final, [], raw_format.read_manifest(final)).firsts
+    assert 0 < resumed_at <= 20 and resumed_at == firsts[len(finished)]
+    table = raw_format.read_manifest(final)["shard_table"]
+    assert asked == [e["first"] for e in table[len(finished):]]  # each shard not finished converted once, alone
     assert not work.exists()
     raw = raw_format.open_raw(final, dataset, "decoded", 41, SMALL, verify_labels=True, verify="all")
     assert raw.meta["shape"] == [41, 41, 3] and (raw.length == 41 * 41 * 3).all()

@@ -61,17 +61,24 @@ def convert(
                                                         "checksums and the source's content against the digest it "
                                                         "recorded (reads the whole source); reconverts on a change."),
     force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
+    engine: str = typer.Option("local", "--engine", help="Who writes the shards: local (this machine's cores) or "
+                               "ray (a Ray task per shard; pip install 'loadopt[ray]')."),
+    address: str = typer.Option(None, "--address", help="Ray: the cluster to join (default: start Ray here)."),
+    num_cpus: int = typer.Option(None, "--num-cpus", help="Ray started here: its CPUs (default: all)."),
     set_: list[str] = SetOption,
     relist: bool = RelistOption,
 ) -> None:
-    """Convert the config's dataset to a backend's format (cached; reused when already done)."""
+    """Convert the config's dataset to a backend's format (cached; reused when already done), on this machine or
+    across a Ray cluster (docs/conversion.md)."""
     from loadopt.config import load_config
     from loadopt.storage import conversions
+    from loadopt.storage.convert_engines import ConvertEngine
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.tokens import TokenDataset
 
     with user_errors():
         conversions.check_options(to, frame, size, shard_mib)
+        writer = ConvertEngine(engine, address, num_cpus)  # type: ignore[arg-type]  # checked there: one line
         cfg = load_config(config, set_ or [])
         with progress_bar() as progress:
             reporter = RichReporter(progress)
@@ -81,7 +88,7 @@ def convert(
                                               records=dataset.kind == "records")
             label = f"{conversions.FORMATS[to]} {form.describe()}"  # as the backend names it
             done = conversions.convert(to, dataset, form, shard_mib, on_error=cfg.dataset.on_error, force=force,
-                                       verify=verify,
+                                       verify=verify, engine=writer,
                                        progress=lambda n, total: reporter.conversion_progress(label, n, total))
     how = ("reused: converted earlier" + (", every chunk verified, source unchanged" if verify else "")) \
         if done.reused else f"converted in {done.seconds:.1f} s" + (

@@ -1,7 +1,7 @@
 """Writing the Arrow form (storage/arrow_format.py's layout) shard by shard, resumable (storage/shard_work.py: the
-work folder, the resume, the manifest written last, one process at a time): each shard is an Arrow IPC file of
-whole record batches, closed once it passes `shard_mib`, read back against its batches' checksums, renamed, its
-entry last.
+work folder, the planned shards, the resume, the manifest written last, one conversion at a time): each shard is
+an Arrow IPC file of whole record batches (from the shard's first sample, `rows_per_batch` each), read back
+against its batches' checksums, renamed, its entry last.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from loadopt.storage.arrow_format import (
     shard_bytes,
     shard_name,
     square_bytes,
+    stored_sizes,
 )
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine, write_shards
 from loadopt.storage.shards import shard_table
 
 log = logging.getLogger(__name__)
@@ -154,39 +156,29 @@ class _ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _write_range(work: Path, k: int, start: int, stop: int, dataset, form: Form, size: int | None,
-                 shard_mib: float, progress, workers: int, on_error: str) -> list[dict]:
-    """Convert samples start..stop-1 into shards k, k+1, ...; their entries returned."""
-    limit = shard_bytes(shard_mib)
+def _write_shard(work: Path, job: shard_work.ShardJob, workers: int, written: Callable[[int], None] | None,
+                 dataset, form: Form, size: int | None, on_error: str) -> dict:
+    """Convert the samples of shard `job` into it (`workers` decode processes); its entry returned."""
     schema = arrow_schema(dataset, form, size)
-    bounds = shard_table(dataset).bounds
-    entries: list[dict] = []
     skipped: list = []
-    writer: _ShardWriter | None = None
+    progress = None if written is None else (lambda done, _total: written(done - job.start))
+    writer = _ShardWriter(work, job.k, job.start, schema)
     try:
-        for batch in record_batches(dataset, schema, form, size, progress, workers, on_error, skipped, start, stop):
-            if writer is None:
-                writer = _ShardWriter(work, k + len(entries), start, schema)
+        for batch in record_batches(dataset, schema, form, size, progress, workers, on_error, skipped, job.start,
+                                    job.stop):
             writer.add(batch, skipped)
-            start += batch.num_rows
-            if writer.size() >= limit:
-                entries.append(writer.finish(bounds))
-                writer = None
-        if writer is not None:
-            entries.append(writer.finish(bounds))
-            writer = None
+        return writer.finish(shard_table(dataset).bounds)
     except BaseException:
-        if writer is not None:
-            writer.abandon()
+        writer.abandon()
         raise
-    return entries
 
 
-def _reuse(work: Path, k: int, segment: shard_work.Segment, dataset, form: Form, size: int | None) -> dict:
+def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form, size: int | None) -> dict:
     """Shard k: an earlier conversion's shard of source shards that did not change: linked (not copied) where its
     samples keep their numbers and labels, else its record batches written again with the new ones (the samples'
     bytes as they are: nothing decoded)."""
-    assert segment.reused is not None and segment.root is not None
+    k, segment = job.k, job.reused
+    assert segment is not None and segment.reused is not None and segment.root is not None
     old = segment.root / shard_name(int(segment.reused["shard"]))
     schema = arrow_schema(dataset, form, size)
     labels = None if form == "tokens" else np.asarray(dataset.labels)[segment.start : segment.stop]
@@ -227,13 +219,15 @@ def _intact(work: Path, k: int, entry: dict) -> bool:
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,
             progress: Callable[[int, int], None] | None = None, workers: int | None = None, *,
-            on_error: str = "raise", force: bool = False, verify: bool = False) -> Path:
+            on_error: str = "raise", force: bool = False, verify: bool = False,
+            engine: ConvertEngine = LOCAL) -> Path:
     """Convert `dataset` to its Arrow form (or reuse the finished conversion); returns the folder. A conversion
     stopped part way resumes from its finished shards.
 
     `on_error` is the dataset's policy for samples that cannot be decoded; `force` rebuilds a finished
     conversion; `verify` checks every chunk of a finished one (damage raises, naming the shard) and the
-    source's content against the digest it recorded, reconverting when the source changed."""
+    source's content against the digest it recorded, reconverting when the source changed. `engine` writes the
+    planned shards (storage/convert_engines.py): this process, or a Ray cluster."""
     final = arrow_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
     done = final / shard_work.MANIFEST
@@ -249,18 +243,18 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
             return final
         log.warning("%s: the source's content differs from the converted one's: converting again", final)
     key = conversion_key(dataset, form, size, shard_mib)
-    work, line = shard_work.work_folder(final), shard_work.lineage(key, dataset)
+    line = shard_work.lineage(key, dataset)
     table = shard_work.source_table(dataset)
     earlier = shard_work.predecessor(final, line) if table and not force else None
-    segments = shard_work.plan(len(dataset), table, earlier)
-    write = partial(_write_range, dataset=dataset, form=form, size=size, shard_mib=shard_mib, progress=progress,
-                    workers=workers or os.cpu_count() or 1, on_error=on_error)
+    jobs = shard_work.plan_shards(shard_work.plan(len(dataset), table, earlier), stored_sizes(dataset, form, size),
+                                  shard_table(dataset).bounds, shard_bytes(shard_mib))
+    write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
     reuse = partial(_reuse, dataset=dataset, form=form, size=size)
     return shard_work.build(
         final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
         f"the Arrow conversion ({form})", needed_bytes(dataset, form, size), form == "frames", force or verify,
-        write=lambda folder, finished: shard_work.write_plan(folder, segments, finished, write, reuse),
+        write=lambda folder: write_shards(folder, jobs, partial(_intact, folder), write, reuse, engine,
+                                          workers or os.cpu_count() or 1, progress),
         manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
                                   "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
-        check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"),
-        intact=partial(_intact, work))
+        check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"))

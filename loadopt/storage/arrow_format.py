@@ -168,13 +168,21 @@ def reencode_sample(index: int) -> bytes:
     return bounded_jpeg(_pool_sample(index), _POOL_SIZE)
 
 
+def stored_sizes(dataset, form: Form, size: int | None) -> np.ndarray:
+    """Each sample's stored bytes in `form`, about: exact for tokens, records and centre squares; the source file's
+    size for the encoded forms; the most a frame can hold for whole frames. The shards are planned by these
+    (storage/shard_work.py `plan_shards`) before anything is decoded."""
+    n = len(dataset)
+    if form == "tokens":
+        return np.full(n, (dataset.seq_len + 1) * dataset.tokens.itemsize, np.int64)
+    if form in ("decoded", "frames"):
+        return np.full(n, (size or 0) ** 2 * 3, np.int64)
+    return np.asarray(dataset.sizes, np.int64)
+
+
 def needed_bytes(dataset, form: Form, size: int | None) -> int:
     """About the bytes of the Arrow form of `dataset` (for the message when the disk is full)."""
-    if form == "tokens":
-        return len(dataset) * (dataset.seq_len + 1) * dataset.tokens.itemsize
-    if form in ("decoded", "frames"):
-        return len(dataset) * (size or 0) ** 2 * 3
-    return int(dataset.sizes.sum())
+    return int(stored_sizes(dataset, form, size).sum())
 
 
 def _regions(batch: pa.RecordBatch) -> list[tuple[str, memoryview]]:

@@ -19,6 +19,7 @@ from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.imaging.reencode import REENCODE_QUALITY
 from loadopt.storage import arrow_convert, arrow_format, raw_convert, raw_format, shard_work
 from loadopt.storage.arrow_format import Form
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine
 from loadopt.storage.imagefolder import ImageDataset
 from loadopt.storage.tokens import TokenDataset
 
@@ -126,10 +127,12 @@ class Conversion:
 
 def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
             shard_mib: float = raw_format.DEFAULT_SHARD_MIB, progress: Callable[[int, int], None] | None = None,
-            on_error: str = "raise", force: bool = False, verify: bool = False) -> Conversion:
+            on_error: str = "raise", force: bool = False, verify: bool = False,
+            engine: ConvertEngine = LOCAL) -> Conversion:
     """Convert `dataset` to format `to` in `form`, or reuse the finished conversion. `force` rebuilds it;
     `verify` checks every chunk against its checksums and the source against the digest it recorded,
-    reconverting when the source changed (the format modules' `convert`)."""
+    reconverting when the source changed (the format modules' `convert`); `engine` writes the shards (this
+    process, or a Ray cluster: storage/convert_engines.py)."""
     if to not in FORMATS:
         raise ConfigError(f"{to}: unknown format (known: {', '.join(FORMATS)})")
     if len(dataset) == 0:
@@ -140,11 +143,11 @@ def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
     start = time.perf_counter()
     if to == "raw":
         raw_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
-                            force=force, verify=verify)
+                            force=force, verify=verify, engine=engine)
         skipped = len(raw_format.open_raw(path, dataset, form.stored, form.size, shard_mib).meta["skipped"])
     else:
         arrow_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
-                              force=force, verify=verify)
+                              force=force, verify=verify, engine=engine)
         skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size, shard_mib).skipped)
     nbytes = sum(f.stat().st_size for f in path.iterdir())
     seconds = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Writing a raw conversion (storage/raw_format.py's layout) shard by shard, resumable (storage/shard_work.py:
-the work folder, the resume, the manifest written last, one process at a time): each shard's .bin, index (and
-frames) are written under temporary names, the .bin read back against the checksums taken while it was written,
-then renamed, its entry last.
+the work folder, the planned shards, the resume, the manifest written last, one conversion at a time): each
+shard's .bin, index (and frames) are written under temporary names, the .bin read back against the checksums
+taken while it was written, then renamed, its entry last.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from loadopt.errors import DatasetError
 from loadopt.storage import arrow_format, decode_pool, integrity, shard_work
 from loadopt.storage.arrow_format import Form
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine, write_shards
 from loadopt.storage.raw_format import (
     INDEX_DTYPE,
     MANIFEST,
@@ -141,37 +142,30 @@ def _labels(dataset, form: Form) -> np.ndarray:
     return np.zeros(len(dataset), np.int64) if form == "tokens" else np.asarray(dataset.labels)
 
 
-def _write_range(work: Path, k: int, start: int, stop: int, dataset, form: Form, size: int | None, shard_mib: float,
-                 progress, workers: int, on_error: str) -> list[ShardEntry]:
-    """Convert samples start..stop-1 into shards k, k+1, ...; their entries returned."""
-    limit, n = shard_bytes(shard_mib), len(dataset)
-    labels = _labels(dataset, form)
-    bounds = shard_table(dataset).bounds
-    entries: list[ShardEntry] = []
+def _write_shard(work: Path, job: shard_work.ShardJob, workers: int, written: Callable[[int], None] | None,
+                 dataset, form: Form, size: int | None, on_error: str) -> ShardEntry:
+    """Convert the samples of shard `job` into it (`workers` decode processes); its entry returned."""
     skipped: list[list[int | str]] = []
-    writer = _ShardWriter(work, k, start)
+    writer = _ShardWriter(work, job.k, job.start)
     try:
         dims: list = []
-        for i, blob in enumerate(samples(dataset, form, size, workers, dims, on_error, skipped, start, stop), start):
-            if writer.position and writer.position + int(align_up(len(blob))) > limit:  # a sample larger than a
-                entries.append(writer.finish(labels, skipped, bounds, form))  # shard gets one of its own
-                writer = _ShardWriter(work, k + len(entries), i)
+        for i, blob in enumerate(samples(dataset, form, size, workers, dims, on_error, skipped, job.start, job.stop)):
             writer.add(blob)
             if form == "frames":
                 writer.frames.append(dims[-1])
-            if progress is not None and ((i + 1) % 256 == 0 or i + 1 == n):
-                progress(i + 1, n)
-        entries.append(writer.finish(labels, skipped, bounds, form))
+            if written is not None and ((i + 1) % 256 == 0 or job.start + i + 1 == job.stop):
+                written(i + 1)
+        return writer.finish(_labels(dataset, form), skipped, shard_table(dataset).bounds, form)
     except BaseException:
         writer.abandon()
         raise
-    return entries
 
 
-def _reuse(work: Path, k: int, segment: shard_work.Segment, dataset, form: Form) -> ShardEntry:
+def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form) -> ShardEntry:
     """Shard k: an earlier conversion's shard of source shards that did not change, linked (not copied), its index
     rewritten with the samples' new numbers and labels."""
-    assert segment.reused is not None and segment.root is not None
+    k, segment = job.k, job.reused
+    assert segment is not None and segment.reused is not None and segment.root is not None
     old, j = segment.root, int(segment.reused["shard"])
     shard_work.link(old / shard_name(j), work / shard_name(k))
     if form == "frames":
@@ -199,10 +193,11 @@ def _manifest(dataset, form: Form, size: int | None, shard_mib: float, digest: s
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256.0,
             progress: Callable[[int, int], None] | None = None, workers: int | None = None, *,
-            on_error: str = "raise", force: bool = False, verify: bool = False) -> Path:
+            on_error: str = "raise", force: bool = False, verify: bool = False,
+            engine: ConvertEngine = LOCAL) -> Path:
     """Convert `dataset` to raw shards (or reuse the finished conversion); returns the folder. A conversion
-    stopped part way resumes from its finished shards. `on_error`, `force` and `verify` as for
-    `arrow_format.convert`."""
+    stopped part way resumes from its finished shards. `on_error`, `force`, `verify` and `engine` as for
+    `arrow_convert.convert`."""
     final = raw_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
     if (final / MANIFEST).exists() and not force and not verify:
@@ -220,14 +215,15 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
     key = conversion_key(dataset, form, size, shard_mib)
     table = shard_work.source_table(dataset)
     earlier = shard_work.predecessor(final, shard_work.lineage(key, dataset)) if table and not force else None
-    segments = shard_work.plan(len(dataset), table, earlier)
-    write = partial(_write_range, dataset=dataset, form=form, size=size, shard_mib=shard_mib, progress=progress,
-                    workers=workers or os.cpu_count() or 1, on_error=on_error)
+    stored = align_up(arrow_format.stored_sizes(dataset, form, size)).astype(np.int64)
+    jobs = shard_work.plan_shards(shard_work.plan(len(dataset), table, earlier), stored, shard_table(dataset).bounds,
+                                  shard_bytes(shard_mib))
+    write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
     reuse = partial(_reuse, dataset=dataset, form=form)
     return shard_work.build(
         final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
         f"the raw conversion ({form})", needed, form == "frames", force or verify,
-        write=lambda work, done: shard_work.write_plan(work, segments, done, write, reuse),
+        write=lambda work: write_shards(work, jobs, partial(_intact, work), write, reuse, engine,
+                                        workers or os.cpu_count() or 1, progress),
         manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table),
-        check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"),
-        intact=partial(_intact, shard_work.work_folder(final)))
+        check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"))

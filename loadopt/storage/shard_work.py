@@ -1,15 +1,17 @@
 """Writing a conversion as shards, resumable: what the raw (storage/raw_convert.py) and Arrow
 (storage/arrow_convert.py) forms share.
 
-The shards are written into a work folder beside the conversion's (`.<name>.partial`), each one finished on its
+The shards are planned before any is written (`plan_shards`: whole source shards grouped up to `shard_mib` by
+the samples' estimated stored sizes), so each can be written on its own, by this process or by a task on
+another machine (storage/convert_engines.py), and the same plan gives the same shards whichever wrote them.
+They are written into a work folder beside the conversion's (`.<name>.partial`), each one finished on its
 own: its files under temporary names, read back against the checksums taken while it was written, renamed, and
 then its entry `shard-0000k.json` written by rename, the mark that it is done. A conversion that was stopped
-(Ctrl-C, a kill, a full disk) and run again keeps every finished shard and continues after them: at most one
-shard is redone (a full disk instead removes them: the space goes back). The manifest is written once every
+(Ctrl-C, a kill, a full disk, a lost machine) and run again keeps every finished shard of the same plan and
+writes the others (a full disk instead removes them: the space goes back). The manifest is written once every
 shard is there and the whole folder checked; the work folder is then renamed into place, so a reader never sees
-a conversion without its manifest. One process converts at a time (a lock in the work folder); another waits for
-it and finds the conversion done.
-"""
+a conversion without its manifest. One conversion runs at a time (a lock in the work folder); another waits for
+it and finds the conversion done."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from loadopt.storage.shards import shard_table, source_shard_keys
 
 DEFAULT_SHARD_MIB = 256.0  # storage.shard_mib: a shard file's size, about
 MANIFEST = "manifest.json"  # written last: the conversion is finished exactly when it is there
-RUN = "run.json"  # the key and source digest the work folder's shards were written for
+RUN = "run.json"  # the key, source digest and plan the work folder's shards were written for
+PLAN_VERSION = 2  # 2: shards planned up front, whole source shards (1: cut while writing); in RUN, not the key
 LOCK = "lock"
 
 
@@ -84,30 +87,29 @@ def read_manifest(root: Path, what: str) -> dict[str, Any]:
     return meta
 
 
-def finished_entries(work: Path, intact: Callable[[int, Any], bool]) -> list[Any]:
-    """The entries of the shards finished in `work`, in order, up to the first missing or damaged one (redone);
-    `intact(k, entry)` checks that shard's files."""
-    done: list[Any] = []
-    for k in range(1 << 31):
+def finished_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], bool]) -> dict[int, Any]:
+    """The entries of the planned shards already finished in `work` (whatever order they were written in): each
+    one's entry holds the samples `jobs` plans for it and `intact(k, entry)` finds its files whole."""
+    done: dict[int, Any] = {}
+    for job in jobs:
         try:
-            entry = json.loads((work / entry_name(k)).read_text())
-            whole = intact(k, entry)
+            entry = json.loads((work / entry_name(job.k)).read_text())
+            if entry.get("first") == job.start and entry.get("samples") == job.stop - job.start and \
+                    intact(job.k, entry):
+                done[job.k] = entry
         except (OSError, ValueError, KeyError, TypeError):
-            break
-        if not whole or entry.get("first") != (done[-1]["first"] + done[-1]["samples"] if done else 0):
-            break
-        done.append(entry)
+            continue
     return done
 
 
 def build(final: Path, run: dict, what: str, needed: int, bound: bool, rebuild: bool,
-          write: Callable[[Path, list[Any]], list[Any]], manifest: Callable[[list[Any]], Mapping[str, Any]],
-          check: Callable[[Path], object], intact: Callable[[int, Any], bool]) -> Path:
+          write: Callable[[Path], list[Any]], manifest: Callable[[list[Any]], Mapping[str, Any]],
+          check: Callable[[Path], object]) -> Path:
     """Write the conversion `final` shard by shard in its work folder, resuming the shards finished there for the
-    same `run` (its key and source digest): `write(work, done)` writes the shards after `done` and returns every
-    entry; `manifest(entries)` is written last, then `check(work)` opens the whole folder before it is renamed into
-    place. `rebuild` replaces a finished conversion (forced, or its source changed); `what`, `needed` and `bound`
-    word the message when the disk is full."""
+    same `run` (its key, source digest and plan): `write(work)` writes the shards not finished there and returns
+    every entry; `manifest(entries)` is written last, then `check(work)` opens the whole folder before it is
+    renamed into place. `rebuild` replaces a finished conversion (forced, or its source changed); `what`,
+    `needed` and `bound` word the message when the disk is full."""
     work = work_folder(final)
     try:
         lock = hold_lock(work)
@@ -121,8 +123,10 @@ def build(final: Path, run: dict, what: str, needed: int, bound: bool, rebuild: 
     try:
         if (final / MANIFEST).exists() and not rebuild:
             return final
-        start_or_resume(work, run, fresh=rebuild)
-        entries = write(work, finished_entries(work, intact))
+        start_or_resume(work, {**run, "plan": PLAN_VERSION}, fresh=rebuild)
+        entries = write(work)
+        for leftover in work.glob(".*.tmp"):  # of a task killed mid-shard (its retry wrote the shard again)
+            leftover.unlink(missing_ok=True)
         write_text(work / MANIFEST, json.dumps(manifest(entries)))
         check(work)
         (work / RUN).unlink()
@@ -259,22 +263,42 @@ def plan(samples: int, table: list[list] | None, earlier: tuple[Path, dict] | No
     return segments
 
 
-def write_plan(work: Path, segments: list[Segment], done: list[Any],
-               write: Callable[[Path, int, int, int], list[Any]],
-               reuse: Callable[[Path, int, Segment], Any]) -> list[Any]:
-    """Every shard of the conversion after the `done` ones: `write(work, k, start, stop)` converts samples
-    start..stop-1 into shards k, k+1, ...; `reuse(work, k, segment)` makes shard k of an earlier one's."""
-    entries = list(done)
-    at = entries[-1]["first"] + entries[-1]["samples"] if entries else 0
+@dataclass(frozen=True)
+class ShardJob:
+    """Shard k of a conversion: samples start..stop-1, converted from the source or (`reused`) linked from an
+    earlier conversion's shard of unchanged source shards."""
+
+    k: int
+    start: int
+    stop: int
+    reused: Segment | None = None
+
+
+def plan_shards(segments: list[Segment], stored: np.ndarray, source_bounds: np.ndarray, limit: int) -> list[ShardJob]:
+    """The shards of a conversion: each reused segment one shard; the samples to convert cut into shards of whole
+    source shards (`source_bounds`, storage/shards.py) holding at most `limit` bytes by `stored`, each sample's
+    estimated stored size (a source shard larger than that is cut between samples; a sample larger than `limit`
+    is a shard of its own). Decided before anything is written, so any process can write any shard."""
+    sums = np.concatenate([[0], np.cumsum(stored, dtype=np.int64)])
+    jobs: list[ShardJob] = []
     for segment in segments:
-        if segment.stop <= at:
-            continue
         if segment.reused is not None:
-            entries.append(reuse(work, len(entries), segment))
-        else:
-            entries += write(work, len(entries), max(segment.start, at), segment.stop)
-        at = segment.stop
-    return entries
+            jobs.append(ShardJob(len(jobs), segment.start, segment.stop, segment))
+            continue
+        inside = source_bounds[(source_bounds > segment.start) & (source_bounds < segment.stop)]
+        cuts = np.concatenate([inside, [segment.stop]]).astype(np.int64)
+        at = segment.start
+        while at < segment.stop:
+            fits = int(np.searchsorted(sums[cuts], sums[at] + limit, side="right"))  # whole source shards that fit
+            if fits:
+                stop = int(cuts[fits - 1])
+            else:  # the next source shard alone is too large: as many of its samples as fit, at least one
+                stop = max(at + 1, int(np.searchsorted(sums, sums[at] + limit, side="right")) - 1)
+                stop = min(stop, int(cuts[0]))
+            jobs.append(ShardJob(len(jobs), at, stop))
+            at = stop
+            cuts = cuts[cuts > at]
+    return jobs
 
 
 def link(source: Path, target: Path) -> None:

@@ -1,0 +1,68 @@
+"""Who writes a conversion's planned shards (storage/shard_work.py's `ShardJob`s): this process, one shard after
+another, each shard's samples decoded by a pool of this machine's cores (`local`, the default), or a Ray cluster,
+one task per shard on one core each (`ray`, storage/ray_engine.py). Both call the same shard-writing function of
+the form (raw_convert.py, arrow_convert.py), so the shards, their entries and their checksums are the same
+whichever engine wrote them; shards finished by an earlier, stopped run are kept either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from loadopt.errors import ConfigError
+from loadopt.storage import shard_work
+from loadopt.storage.shard_work import ShardJob
+
+ENGINES = ("local", "ray")
+# (work folder, job, decode processes, samples written so far in the shard -> None) -> the shard's entry
+WriteShard = Callable[[Path, ShardJob, int, Callable[[int], None] | None], Any]
+ReuseShard = Callable[[Path, ShardJob], Any]
+
+
+@dataclass(frozen=True)
+class ConvertEngine:
+    """Where a conversion's shards are written: `local`, or `ray` on the cluster at `address` (None: a Ray
+    started on this machine with `num_cpus`, None for all of them)."""
+
+    name: Literal["local", "ray"] = "local"
+    address: str | None = None
+    num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINES:
+            raise ConfigError(f"--engine {self.name}: unknown (known: {', '.join(ENGINES)})")
+        if self.name == "local" and (self.address is not None or self.num_cpus is not None):
+            raise ConfigError("--address and --num-cpus are for --engine ray")
+        if self.address is not None and self.num_cpus is not None:
+            raise ConfigError("--num-cpus is for a Ray started here: the cluster at --address has its own")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"--num-cpus {self.num_cpus}: at least 1")
+
+
+LOCAL = ConvertEngine()
+
+
+def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], bool], write: WriteShard,
+                 reuse: ReuseShard, engine: ConvertEngine, workers: int,
+                 progress: Callable[[int, int], None] | None = None) -> list[Any]:
+    """Every planned shard's entry, in order: those finished in `work` by an earlier run kept, reused ones
+    linked here, the others written by `engine` (`workers` decode processes a shard, locally)."""
+    done = shard_work.finished_shards(work, jobs, intact)
+    for job in jobs:  # an earlier conversion's shard: a link and a rewritten index, no decoding
+        if job.reused is not None and job.k not in done:
+            done[job.k] = reuse(work, job)
+    todo = [job for job in jobs if job.k not in done]
+    total = jobs[-1].stop if jobs else 0
+    finished = total - sum(job.stop - job.start for job in todo)
+    if engine.name == "ray":
+        from loadopt.storage import ray_engine
+
+        done.update(ray_engine.write_shards(work, todo, write, engine, finished, total, progress))
+    else:
+        for job in todo:
+            report = None if progress is None else (lambda n, base=finished: progress(base + n, total))
+            done[job.k] = write(work, job, workers, report)
+            finished += job.stop - job.start
+    return [done[job.k] for job in jobs]

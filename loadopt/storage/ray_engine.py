@@ -1,0 +1,100 @@
+"""A conversion's planned shards written on a Ray cluster (`loadopt convert --engine ray`, the `ray` extra).
+
+Plain Ray tasks, one per output shard, not Ray Data: the plan (storage/shard_work.py `plan_shards`) already cut
+the conversion into shards of whole source shards, and each shard must come out as loadopt writes it locally
+(its record batches or aligned samples, its checksums taken while writing, read back, renamed, its entry last),
+which Ray Data's block repartitioning and its own writers would not keep. A task is then also the unit Ray
+retries: a worker or node lost mid-shard leaves only a temporary file, and the retry writes the shard again.
+The driver (this process) keeps the lock, links reused shards, and writes the manifest once every task is done
+and the folder checked (shard_work.build). The conversion's folder must be a path every node sees; a task that
+cannot see it says so, naming its node."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loadopt.errors import ConfigError, DatasetError, LoadoptError
+from loadopt.storage import shard_work
+from loadopt.storage.convert_engines import ConvertEngine, WriteShard
+from loadopt.storage.shard_work import ShardJob
+
+RETRIES = 3  # a task whose worker or node died is run again this many times (Ray's own retry)
+
+
+def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: ConvertEngine, finished: int,
+                 total: int, progress: Callable[[int, int], None] | None) -> dict[int, Any]:
+    """Each of `jobs` written by a Ray task of one CPU; their entries by shard. A task's error is raised here as
+    it was raised there (a damaged sample names itself); the tasks still running are cancelled."""
+    ray = _ray()
+    started = _connect(ray, engine)
+    pending: dict[Any, ShardJob] = {}
+    try:
+        task = ray.remote(num_cpus=1, max_retries=RETRIES)(_write_task)
+        writer = ray.put(write)  # the dataset and settings, shipped once
+        pending = {task.remote(writer, str(work), job): job for job in jobs}
+        done: dict[int, Any] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                job = pending.pop(ref)
+                done[job.k] = _result(ray, ref, job)
+                finished += job.stop - job.start
+                if progress is not None:
+                    progress(finished, total)
+        return done
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        if started:
+            ray.shutdown()
+
+
+def _write_task(write: WriteShard, work: str, job: ShardJob) -> Any:
+    """On a Ray worker: shard `job`, in the conversion's work folder (which every node must see)."""
+    folder = Path(work)
+    if not (folder / shard_work.RUN).is_file():
+        raise DatasetError(f"{work}: the conversion's folder is not there on Ray node {socket.gethostname()}: "
+                           "--engine ray writes to a path every node sees (storage.converted or $LOADOPT_CACHE on "
+                           "shared storage)")
+    return write(folder, job, 1, None)
+
+
+def _result(ray: Any, ref: Any, job: ShardJob) -> Any:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:  # raised by the task: loadopt's own errors are one line as they were
+        cause = exc.cause
+        if isinstance(cause, LoadoptError | OSError | KeyboardInterrupt):
+            raise cause from None
+        raise DatasetError(f"shard {job.k} (samples {job.start}-{job.stop - 1}) failed on Ray: "
+                           f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
+    except ray.exceptions.RayError as exc:  # its worker or node lost more often than Ray retries
+        raise DatasetError(f"shard {job.k} (samples {job.start}-{job.stop - 1}): Ray lost its task {RETRIES + 1} "
+                           f"times ({type(exc).__name__}); run the conversion again to finish the rest") from None
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--engine ray needs Ray: pip install 'loadopt[ray]'") from None
+    return ray
+
+
+def _connect(ray: Any, engine: ConvertEngine) -> bool:
+    """Join the cluster at `engine.address`, or start Ray on this machine; True when this call started or joined
+    it (and so shuts it down), False when the caller's process was already connected."""
+    if ray.is_initialized():
+        return False
+    where = f"--address {engine.address}" if engine.address else "a Ray on this machine"
+    try:
+        ray.init(address=engine.address, num_cpus=None if engine.address else engine.num_cpus,
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+                 configure_logging=True)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"{where}: cannot start or join Ray ({str(exc).splitlines()[0]})") from None
+    return True
