@@ -39,7 +39,7 @@ from loadopt.storage.arrow_format import (
     square_bytes,
     stored_sizes,
 )
-from loadopt.storage.convert_engines import LOCAL, ConvertEngine, write_shards
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine, running, source_digest, write_shards
 from loadopt.storage.shards import shard_table
 
 log = logging.getLogger(__name__)
@@ -233,28 +233,29 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
     done = final / shard_work.MANIFEST
     if done.exists() and not force and not verify:
         return final
-    # The source's content, recorded with the conversion: read once more, so only where that is cheap
-    # (a local disk) or asked for (--verify).
-    # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
-    digest = integrity.source_digest(dataset) if form not in ("tokens", "records") and \
-        (verify or dataset.is_local()) else ""
-    if done.exists() and not force:
-        if open_arrow(final, dataset, form, size, shard_mib, verify="all").source_content == digest:
-            return final
-        log.warning("%s: the source's content differs from the converted one's: converting again", final)
-    key = conversion_key(dataset, form, size, shard_mib)
-    line = shard_work.lineage(key, dataset)
-    table = shard_work.source_table(dataset)
-    earlier = shard_work.predecessor(final, line) if table and not force else None
-    jobs = shard_work.plan_shards(shard_work.plan(len(dataset), table, earlier), stored_sizes(dataset, form, size),
-                                  shard_table(dataset).bounds, shard_bytes(shard_mib))
-    write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
-    reuse = partial(_reuse, dataset=dataset, form=form, size=size)
-    return shard_work.build(
-        final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
-        f"the Arrow conversion ({form})", needed_bytes(dataset, form, size), form == "frames", force or verify,
-        write=lambda folder: write_shards(folder, jobs, partial(_intact, folder), write, reuse, engine,
-                                          workers or os.cpu_count() or 1, progress),
-        manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
-                                  "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
-        check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"))
+    with running(engine):  # Ray joined or started for the digest and the shards, stopped after
+        # The source's content, recorded with the conversion: read once more, so only where that is cheap
+        # (a local disk) or asked for (--verify).
+        # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
+        digest = source_digest(dataset, engine) if form not in ("tokens", "records") and \
+            (verify or dataset.is_local()) else ""
+        if done.exists() and not force:
+            if open_arrow(final, dataset, form, size, shard_mib, verify="all").source_content == digest:
+                return final
+            log.warning("%s: the source's content differs from the converted one's: converting again", final)
+        key = conversion_key(dataset, form, size, shard_mib)
+        line = shard_work.lineage(key, dataset)
+        table = shard_work.source_table(dataset)
+        earlier = shard_work.predecessor(final, line) if table and not force else None
+        jobs = shard_work.plan_shards(shard_work.plan(len(dataset), table, earlier), stored_sizes(dataset, form, size),
+                                      shard_table(dataset).bounds, shard_bytes(shard_mib))
+        write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
+        reuse = partial(_reuse, dataset=dataset, form=form, size=size)
+        return shard_work.build(
+            final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
+            f"the Arrow conversion ({form})", needed_bytes(dataset, form, size), form == "frames", force or verify,
+            write=lambda folder: write_shards(folder, jobs, partial(_intact, folder), write, reuse, engine,
+                                              workers or os.cpu_count() or 1, progress),
+            manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
+                                      "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
+            check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"))

@@ -6,13 +6,14 @@ whichever engine wrote them; shards finished by an earlier, stopped run are kept
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from loadopt.errors import ConfigError
-from loadopt.storage import shard_work
+from loadopt.storage import integrity, shard_work
 from loadopt.storage.shard_work import ShardJob
 
 ENGINES = ("local", "ray")
@@ -42,6 +43,27 @@ class ConvertEngine:
 
 
 LOCAL = ConvertEngine()
+
+
+@contextlib.contextmanager
+def running(engine: ConvertEngine) -> Iterator[None]:
+    """The engine ready for one conversion: Ray joined or started here (and stopped after, when started here)."""
+    if engine.name != "ray":
+        yield
+        return
+    from loadopt.storage import ray_engine
+
+    with ray_engine.connected(engine):
+        yield
+
+
+def source_digest(dataset: Any, engine: ConvertEngine) -> str:
+    """integrity.source_digest of `dataset`, read by this process or by the engine's tasks: the same digest."""
+    if engine.name != "ray":
+        return integrity.source_digest(dataset)
+    from loadopt.storage import ray_engine
+
+    return ray_engine.source_digest(dataset)
 
 
 def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], bool], write: WriteShard,

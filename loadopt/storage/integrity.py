@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from loadopt.errors import DatasetError, shown_name
 
 CHUNK_BYTES = 4 << 20
@@ -87,13 +89,24 @@ def damaged(where: str) -> DatasetError:
 def source_digest(dataset, threads: int = 8) -> str:
     """A digest of every sample's stored bytes (CRC-32 each, in sample order): what `--verify` compares
     with the digest a conversion recorded, to find a file replaced by other bytes of the same size."""
+    return digest_of(sample_crcs(dataset, 0, len(dataset), threads))
+
+
+def sample_crcs(dataset, start: int, stop: int, threads: int = 8) -> np.ndarray:
+    """The CRC-32 of samples start..stop-1's stored bytes: `source_digest`'s part for those samples, so that
+    machines can each read a part (storage/ray_engine.py) into the same digest."""
     def one(index: int) -> int:
         return zlib.crc32(dataset.read(index))
 
-    digest = hashlib.sha256()
     with ThreadPoolExecutor(threads) as pool:  # zlib and file reads release the GIL
-        for index, crc in enumerate(pool.map(one, range(len(dataset)))):
-            digest.update(f"{index}:{crc:08x}\n".encode())
+        return np.fromiter(pool.map(one, range(start, stop)), np.uint32, stop - start)
+
+
+def digest_of(crcs: np.ndarray) -> str:
+    """`source_digest` of every sample's CRC-32, in sample order."""
+    digest = hashlib.sha256()
+    for index, crc in enumerate(crcs.tolist()):
+        digest.update(f"{index}:{crc:08x}\n".encode())
     return digest.hexdigest()[:32]
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from loadopt.errors import DatasetError
 from loadopt.storage import arrow_format, decode_pool, integrity, shard_work
 from loadopt.storage.arrow_format import Form
-from loadopt.storage.convert_engines import LOCAL, ConvertEngine, write_shards
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine, running, source_digest, write_shards
 from loadopt.storage.raw_format import (
     INDEX_DTYPE,
     MANIFEST,
@@ -202,28 +202,29 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
     if (final / MANIFEST).exists() and not force and not verify:
         return final
-    # The source's content, recorded with the conversion: read once more, so only where that is cheap
-    # (a local disk) or asked for (--verify).
-    # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
-    digest = integrity.source_digest(dataset) if form not in ("tokens", "records") and \
-        (verify or dataset.is_local()) else ""
-    if (final / MANIFEST).exists() and not force:
-        if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:
-            return final
-        log.warning("%s: the source's content differs from the converted one's: converting again", final)
-    needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
-    key = conversion_key(dataset, form, size, shard_mib)
-    table = shard_work.source_table(dataset)
-    earlier = shard_work.predecessor(final, shard_work.lineage(key, dataset)) if table and not force else None
-    stored = align_up(arrow_format.stored_sizes(dataset, form, size)).astype(np.int64)
-    jobs = shard_work.plan_shards(shard_work.plan(len(dataset), table, earlier), stored, shard_table(dataset).bounds,
-                                  shard_bytes(shard_mib))
-    write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
-    reuse = partial(_reuse, dataset=dataset, form=form)
-    return shard_work.build(
-        final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
-        f"the raw conversion ({form})", needed, form == "frames", force or verify,
-        write=lambda work: write_shards(work, jobs, partial(_intact, work), write, reuse, engine,
-                                        workers or os.cpu_count() or 1, progress),
-        manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table),
-        check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"))
+    with running(engine):  # Ray joined or started for the digest and the shards, stopped after
+        # The source's content, recorded with the conversion: read once more, so only where that is cheap
+        # (a local disk) or asked for (--verify).
+        # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
+        digest = source_digest(dataset, engine) if form not in ("tokens", "records") and \
+            (verify or dataset.is_local()) else ""
+        if (final / MANIFEST).exists() and not force:
+            if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:
+                return final
+            log.warning("%s: the source's content differs from the converted one's: converting again", final)
+        needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
+        key = conversion_key(dataset, form, size, shard_mib)
+        table = shard_work.source_table(dataset)
+        earlier = shard_work.predecessor(final, shard_work.lineage(key, dataset)) if table and not force else None
+        stored = align_up(arrow_format.stored_sizes(dataset, form, size)).astype(np.int64)
+        segments = shard_work.plan(len(dataset), table, earlier)
+        jobs = shard_work.plan_shards(segments, stored, shard_table(dataset).bounds, shard_bytes(shard_mib))
+        write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
+        reuse = partial(_reuse, dataset=dataset, form=form)
+        return shard_work.build(
+            final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
+            f"the raw conversion ({form})", needed, form == "frames", force or verify,
+            write=lambda work: write_shards(work, jobs, partial(_intact, work), write, reuse, engine,
+                                            workers or os.cpu_count() or 1, progress),
+            manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table),
+            check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"))

@@ -1,27 +1,34 @@
 """A conversion's planned shards written on a Ray cluster (`loadopt convert --engine ray`, the `ray` extra).
 
-Plain Ray tasks, one per output shard, not Ray Data: the plan (storage/shard_work.py `plan_shards`) already cut
-the conversion into shards of whole source shards, and each shard must come out as loadopt writes it locally
-(its record batches or aligned samples, its checksums taken while writing, read back, renamed, its entry last),
-which Ray Data's block repartitioning and its own writers would not keep. A task is then also the unit Ray
-retries: a worker or node lost mid-shard leaves only a temporary file, and the retry writes the shard again.
-The driver (this process) keeps the lock, links reused shards, and writes the manifest once every task is done
-and the folder checked (shard_work.build). The conversion's folder must be a path every node sees; a task that
-cannot see it says so, naming its node."""
+Plain Ray tasks, one per output shard, not Ray Data: the plan (storage/shard_work.py `plan_shards`) already cut the
+conversion into shards of whole source shards, and each shard must come out as loadopt writes it locally (its
+record batches or aligned samples, its checksums taken while writing, read back, renamed, its entry last), which
+Ray Data's block repartitioning and its own writers would not keep. A task is then also the unit Ray retries: a
+worker or node lost mid-shard leaves only a temporary file, and the retry writes the shard again.
+
+The driver (this
+process) keeps the lock, links reused shards, and writes the manifest once every task is done and the folder
+checked (shard_work.build). The source's digest that a conversion records (integrity.py) is read by tasks too, a
+part each: read by the driver alone it was a third of a 2-CPU conversion's time. The conversion's folder must be a
+path every node sees; a task that cannot see it says so, naming its node."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
-from loadopt.storage import shard_work
+from loadopt.storage import integrity, shard_work
 from loadopt.storage.convert_engines import ConvertEngine, WriteShard
 from loadopt.storage.shard_work import ShardJob
 
+REACH_TIMEOUT_S = 10.0  # --address: a cluster's head that does not accept a connection in this long is not there
 RETRIES = 3  # a task whose worker or node died is run again this many times (Ray's own retry)
 
 
@@ -30,7 +37,6 @@ def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: Co
     """Each of `jobs` written by a Ray task of one CPU; their entries by shard. A task's error is raised here as
     it was raised there (a damaged sample names itself); the tasks still running are cancelled."""
     ray = _ray()
-    started = _connect(ray, engine)
     pending: dict[Any, ShardJob] = {}
     try:
         task = ray.remote(num_cpus=1, max_retries=RETRIES)(_write_task)
@@ -49,6 +55,32 @@ def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: Co
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
+
+
+def source_digest(dataset: Any) -> str:
+    """integrity.source_digest of `dataset`, its samples' CRC-32s read by Ray tasks (a part each, a few per
+    CPU of the cluster) instead of by this process alone: the same digest."""
+    ray = _ray()
+    parts = max(1, min(len(dataset), 4 * int(ray.cluster_resources().get("CPU", 1))))
+    bounds = np.linspace(0, len(dataset), parts + 1).astype(np.int64).tolist()
+    task = ray.remote(num_cpus=1, max_retries=RETRIES)(integrity.sample_crcs)
+    shipped = ray.put(dataset)
+    refs = [task.remote(shipped, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    try:
+        return integrity.digest_of(np.concatenate([_result(ray, ref, None) for ref in refs]))
+    finally:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+
+
+@contextlib.contextmanager
+def connected(engine: ConvertEngine) -> Iterator[None]:
+    """Ray joined (or started here) for one conversion, and shut down after it when this started it."""
+    ray = _ray()
+    started = _connect(ray, engine)
+    try:
+        yield
+    finally:
         if started:
             ray.shutdown()
 
@@ -63,17 +95,18 @@ def _write_task(write: WriteShard, work: str, job: ShardJob) -> Any:
     return write(folder, job, 1, None)
 
 
-def _result(ray: Any, ref: Any, job: ShardJob) -> Any:
+def _result(ray: Any, ref: Any, job: ShardJob | None) -> Any:
+    what = f"shard {job.k} (samples {job.start}-{job.stop - 1})" if job else "reading the source's checksums"
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:  # raised by the task: loadopt's own errors are one line as they were
         cause = exc.cause
         if isinstance(cause, LoadoptError | OSError | KeyboardInterrupt):
             raise cause from None
-        raise DatasetError(f"shard {job.k} (samples {job.start}-{job.stop - 1}) failed on Ray: "
+        raise DatasetError(f"{what} failed on Ray: "
                            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
     except ray.exceptions.RayError as exc:  # its worker or node lost more often than Ray retries
-        raise DatasetError(f"shard {job.k} (samples {job.start}-{job.stop - 1}): Ray lost its task {RETRIES + 1} "
+        raise DatasetError(f"{what}: Ray lost its task {RETRIES + 1} "
                            f"times ({type(exc).__name__}); run the conversion again to finish the rest") from None
 
 
@@ -91,6 +124,12 @@ def _connect(ray: Any, engine: ConvertEngine) -> bool:
     if ray.is_initialized():
         return False
     where = f"--address {engine.address}" if engine.address else "a Ray on this machine"
+    if engine.address and "://" not in engine.address and ":" in engine.address:
+        host, port = engine.address.rsplit(":", 1)
+        try:  # Ray itself retries an address where nothing answers for many minutes
+            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{where}: no Ray cluster answers there ({exc})") from None
     try:
         # "local": a Ray of its own here, never a cluster that `ray start` left running on this machine
         ray.init(address=engine.address or "local", num_cpus=None if engine.address else engine.num_cpus,
