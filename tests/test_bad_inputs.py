@@ -1,9 +1,7 @@
 """Bad input and faults, one table: each case ends as one line naming the culprit, the exit code the
 CLI promises, no traceback, and nothing partial left behind; the library (`make_loader`) raises a
 `loadopt.errors` exception with the same line. Datasets are a dozen tiny JPEGs: the module stays fast.
-
-Rows run in process through typer's runner; SIGTERM runs a real `loadopt bench` process.
-"""
+Rows run in process through typer's runner; SIGTERM runs a real `loadopt bench` process."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_convert
 
+from .bad_convert_inputs import CONVERT_CASES
 from .bad_serving_inputs import (
     arrivals_file_with_a_bad_line,
     damaged_jpeg_request,
@@ -321,6 +320,7 @@ CASES = {  # name: (setup, exit code)
     "a damaged JPEG request, serving bench (single stream)": (damaged_jpeg_request, 1),
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
     "every request damaged under on_error: skip, serving bench": (every_request_damaged, 1),
+    **CONVERT_CASES,
 }
 
 

@@ -27,14 +27,12 @@ DECODED = ConvertedForm("decoded", "centre", "decoded", 40)
 ENCODED = ConvertedForm("encoded", "centre", "encoded", None)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_here():
-    """A Ray of 2 CPUs started by this process: the conversions use it (and leave it running) instead of starting
-    their own; shut down at the end, whatever the tests did."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
+    """Each conversion on Ray starts its own (2 CPUs, this machine's) and stops it, as the command does; none is
+    left running whatever the test did."""
+    yield
+    if ray.is_initialized():
         ray.shutdown()
 
 

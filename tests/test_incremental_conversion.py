@@ -59,16 +59,17 @@ def test_a_changed_source_shard_reconverts_only_its_own_shards(tmp_path, own_cac
     after = open_dataset(config)
     assert after.fingerprint != before.fingerprint and len(after) == len(before) - (change == "count")
 
-    converted: list[tuple[int, int]] = []
     module, name = (raw_convert, "samples") if to == "raw" else (arrow_convert, "record_batches")
-    real = getattr(module, name)
+    real, ranges = getattr(module, name), tmp_path / "converted.txt"
 
-    def counted(*args):
-        converted.append((args[-2], args[-1]))  # (start, stop) of each range converted from the source
+    def counted(*args):  # (start, stop) of each range converted from the source, by whichever process writes it
+        with open(ranges, "a") as out:
+            out.write(f"{args[-2]} {args[-1]}\n")
         yield from real(*args)
 
     monkeypatch.setattr(module, name, counted)
     second = conversions.convert(to, after, FORM, SHARD_MIB[to])
+    converted = [tuple(map(int, line.split())) for line in ranges.read_text().splitlines()]
     assert second.path != first.path and not second.reused and second.shards == len(table)
     assert second.kept == len(table) - 2  # the two shards of tar 2 converted again, no other
     # only samples near tar 2 (16-23 now): a shard of the earlier conversion that held any of them, no other

@@ -237,7 +237,8 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         # The source's content, recorded with the conversion: read once more, so only where that is cheap
         # (a local disk) or asked for (--verify).
         # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
-        digest = source_digest(dataset, engine) if form not in ("tokens", "records") and \
+        cores = workers or os.cpu_count() or 1
+        digest = source_digest(dataset, engine, cores) if form not in ("tokens", "records") and \
             (verify or dataset.is_local()) else ""
         if done.exists() and not force:
             if open_arrow(final, dataset, form, size, shard_mib, verify="all").source_content == digest:
@@ -254,8 +255,8 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         return shard_work.build(
             final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
             f"the Arrow conversion ({form})", needed_bytes(dataset, form, size), form == "frames", force or verify,
-            write=lambda folder: write_shards(folder, jobs, partial(_intact, folder), write, reuse, engine,
-                                              workers or os.cpu_count() or 1, progress),
+            write=lambda folder: write_shards(folder, jobs, partial(_intact, folder), write, reuse, engine, cores,
+                                              progress),
             manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
                                       "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
             check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"))

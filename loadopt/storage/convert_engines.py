@@ -1,19 +1,23 @@
-"""Who writes a conversion's planned shards (storage/shard_work.py's `ShardJob`s): this process, one shard after
-another, each shard's samples decoded by a pool of this machine's cores (`local`, the default), or a Ray cluster,
-one task per shard on one core each (`ray`, storage/ray_engine.py). Both call the same shard-writing function of
+"""Who writes a conversion's planned shards (storage/shard_work.py's `ShardJob`s): this machine's cores, a forked
+process per core writing whole shards (`local`, the default; a single shard is written with its samples decoded
+by the pool instead), or a Ray cluster, one task per shard on one core each (`ray`, storage/ray_engine.py). The
+source's digest is read the same way, in parts. Both call the same shard-writing function of
 the form (raw_convert.py, arrow_convert.py), so the shards, their entries and their checksums are the same
 whichever engine wrote them; shards finished by an earlier, stopped run are kept either way."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from loadopt.errors import ConfigError
-from loadopt.storage import integrity, shard_work
+from loadopt.storage import decode_pool, integrity, shard_work
 from loadopt.storage.shard_work import ShardJob
 
 ENGINES = ("local", "ray")
@@ -57,13 +61,24 @@ def running(engine: ConvertEngine) -> Iterator[None]:
         yield
 
 
-def source_digest(dataset: Any, engine: ConvertEngine) -> str:
-    """integrity.source_digest of `dataset`, read by this process or by the engine's tasks: the same digest."""
-    if engine.name != "ray":
-        return integrity.source_digest(dataset)
-    from loadopt.storage import ray_engine
+def source_digest(dataset: Any, engine: ConvertEngine, workers: int = 1) -> str:
+    """integrity.source_digest of `dataset`, read in parts by `workers` forked processes or by the engine's Ray
+    tasks: the same digest."""
+    if engine.name == "ray":
+        from loadopt.storage import ray_engine
 
-    return ray_engine.source_digest(dataset)
+        return ray_engine.source_digest(dataset)
+    if workers <= 1 or len(dataset) < 4 * workers or not _fork_safe():
+        return integrity.source_digest(dataset)
+    bounds = np.linspace(0, len(dataset), 4 * workers + 1).astype(np.int64).tolist()
+    _FORKED["dataset"] = dataset
+    pool = decode_pool.start(workers)
+    try:
+        assert pool is not None
+        return integrity.digest_of(np.concatenate(pool.map(_crcs_forked, list(zip(bounds, bounds[1:], strict=False)))))
+    finally:
+        decode_pool.stop(pool)
+        _FORKED.clear()
 
 
 def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], bool], write: WriteShard,
@@ -82,9 +97,40 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
         from loadopt.storage import ray_engine
 
         done.update(ray_engine.write_shards(work, todo, write, engine, finished, total, progress))
-    else:
+    elif len(todo) > 1 and workers > 1 and _fork_safe():  # a process a shard: only its own writing is serial
+        _FORKED.update(write=write, work=work)
+        pool = decode_pool.start(min(workers, len(todo)))
+        try:
+            assert pool is not None
+            for entry in pool.imap_unordered(_write_forked, todo):
+                done[entry["shard"]] = entry
+                finished += entry["samples"]
+                if progress is not None:
+                    progress(finished, total)
+        finally:
+            decode_pool.stop(pool)
+            _FORKED.clear()
+    else:  # one shard (or one core): its samples decoded by `workers` processes
         for job in todo:
             report = None if progress is None else (lambda n, base=finished: progress(base + n, total))
             done[job.k] = write(work, job, workers, report)
             finished += job.stop - job.start
     return [done[job.k] for job in jobs]
+
+
+def _fork_safe() -> bool:
+    """Whether this process may fork writers: not while it is connected to Ray (a fork copies Ray's gRPC threads'
+    locks in whatever state they were: the children can hang, the parent crash on its shutdown)."""
+    ray = sys.modules.get("ray")
+    return ray is None or not ray.is_initialized()
+
+
+_FORKED: dict[str, Any] = {}  # what the forked writers inherit (never pickled: the dataset is large)
+
+
+def _write_forked(job: ShardJob) -> Any:
+    return _FORKED["write"](_FORKED["work"], job, 1, None)
+
+
+def _crcs_forked(part: tuple[int, int]) -> np.ndarray:
+    return integrity.sample_crcs(_FORKED["dataset"], part[0], part[1], threads=4)

@@ -206,7 +206,8 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
         # The source's content, recorded with the conversion: read once more, so only where that is cheap
         # (a local disk) or asked for (--verify).
         # (records: their fingerprint has each file's name, size and mtime; a sample is not a stored blob)
-        digest = source_digest(dataset, engine) if form not in ("tokens", "records") and \
+        cores = workers or os.cpu_count() or 1
+        digest = source_digest(dataset, engine, cores) if form not in ("tokens", "records") and \
             (verify or dataset.is_local()) else ""
         if (final / MANIFEST).exists() and not force:
             if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:

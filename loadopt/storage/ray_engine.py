@@ -53,8 +53,7 @@ def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: Co
                     progress(finished, total)
         return done
     finally:
-        for ref in pending:
-            ray.cancel(ref, force=True)
+        _cancel(ray, list(pending))
 
 
 def source_digest(dataset: Any) -> str:
@@ -68,9 +67,20 @@ def source_digest(dataset: Any) -> str:
     refs = [task.remote(shipped, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
     try:
         return integrity.digest_of(np.concatenate([_result(ray, ref, None) for ref in refs]))
-    finally:
-        for ref in refs:
-            ray.cancel(ref, force=True)
+    except BaseException:
+        _cancel(ray, refs)
+        raise
+
+
+def _cancel(ray: Any, refs: list) -> None:
+    """Cancel the tasks of `refs` still running (a conversion stopped by an error or Ctrl-C). Only those: Ray
+    2.60's driver aborts when a task it is told to cancel has just completed ("Tried to complete task that was
+    not pending")."""
+    if not refs:
+        return
+    _, running = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref in running:
+        ray.cancel(ref, force=True)
 
 
 @contextlib.contextmanager
