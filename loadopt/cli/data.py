@@ -69,7 +69,7 @@ def convert(
     relist: bool = RelistOption,
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done), on this machine or
-    across a Ray cluster (docs/conversion.md)."""
+    across a Ray cluster (docs/scale.md)."""
     from loadopt.config import load_config
     from loadopt.storage import conversions
     from loadopt.storage.convert_engines import ConvertEngine
