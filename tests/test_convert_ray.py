@@ -7,6 +7,7 @@ output. The two-node cluster with a node killed: tests/test_convert_ray_cluster.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from loadopt.storage.convert_engines import ConvertEngine
 from loadopt.storage.imagefolder import open_dataset
 
 from .conftest import make_image_folder, tiny_config_dict
+from .source_files import folder_samples, write_shards
+from .test_sources import _config as source_config
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 
@@ -46,6 +49,12 @@ def folder_dataset(tmp_path: Path, on_error: str = "skip", corrupt: int = 1):
 def file_digests(folder: Path) -> dict[str, str]:
     """Every file of a conversion (the manifest too) by name: its sha256."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def data_digests(conversion: Path) -> dict[str, str]:
+    """`file_digests` of the shards and their indexes only: the entries of an incremental conversion also name
+    where each kept shard came from."""
+    return {name: digest for name, digest in file_digests(conversion).items() if not name.endswith(".json")}
 
 
 @pytest.mark.parametrize(("to", "form"), [("raw", DECODED), ("arrow", DECODED), ("arrow", ENCODED)])
@@ -100,3 +109,23 @@ def test_a_stopped_conversion_finished_on_ray_writes_only_the_missing_shards(ray
     written = file_digests(final)
     arrow_convert.convert(dataset, "decoded", 40, 0.02, workers=1, force=True)  # from scratch, locally
     assert file_digests(final) == written
+
+
+def test_a_changed_tar_shard_reconverted_on_ray_keeps_the_other_shards(ray_here, own_cache, tmp_path):
+    """Converted locally, then one tar rewritten: the conversion on Ray keeps every shard of the unchanged tars
+    (linked from the earlier conversion), writes the changed tar's, and holds what a conversion from scratch
+    holds, byte for byte."""
+    make_image_folder(tmp_path / "folder", classes=3, per_class=16)
+    samples = folder_samples(tmp_path / "folder")
+    write_shards(tmp_path / "shards" / "train", samples, per_shard=8)
+    config = source_config(tmp_path, str(tmp_path / "shards"))
+    first = conversions.convert("raw", open_dataset(config), DECODED, 0.03)
+    changed = [(samples[16][0], samples[16][1], samples[0][2])] + samples[17:24]  # tar 2: one image replaced
+    write_shards(tmp_path / "new", changed, per_shard=8)
+    os.replace(tmp_path / "new" / "train-000000.tar", tmp_path / "shards" / "train" / "train-000002.tar")
+    after = open_dataset(config)
+    on_ray = conversions.convert("raw", after, DECODED, 0.03, engine=RAY)
+    assert on_ray.path != first.path and on_ray.shards == first.shards and on_ray.kept == first.shards - 2
+    written = data_digests(on_ray.path)
+    scratch = conversions.convert("raw", after, DECODED, 0.03, force=True)  # locally, from nothing
+    assert data_digests(scratch.path) == written
