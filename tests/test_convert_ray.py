@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,17 @@ def test_a_changed_tar_shard_reconverted_on_ray_keeps_the_other_shards(ray_here,
     written = data_digests(on_ray.path)
     scratch = conversions.convert("raw", after, DECODED, 0.03, force=True)  # locally, from nothing
     assert data_digests(scratch.path) == written
+
+
+def test_a_task_on_a_node_that_cannot_see_the_conversions_folder_names_the_node(tmp_path):
+    """What a Ray task does on a node where the work folder is not (no shared filesystem): one line naming the
+    folder and the node, nothing written."""
+    from loadopt.storage.ray_engine import write_shard_task
+
+    def never(*args):
+        raise AssertionError("a shard written where the conversion's folder is not")
+
+    with pytest.raises(DatasetError, match=f"{tmp_path / 'elsewhere'}: the conversion's folder is not there on Ray "
+                                           f"node {socket.gethostname()}") as raised:
+        write_shard_task(never, str(tmp_path / "elsewhere"), shard_work.ShardJob(0, 0, 4))
+    assert "\n" not in str(raised.value) and not (tmp_path / "elsewhere").exists()

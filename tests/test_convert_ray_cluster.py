@@ -66,7 +66,7 @@ def _kill_a_task_while(running: subprocess.Popen, under: Callable[[psutil.Proces
     while running.poll() is None:
         for proc in psutil.process_iter(["cmdline"]):
             line = proc.info["cmdline"] or []
-            if line and line[0].startswith("ray::_write_task") and under(proc):
+            if line and line[0].startswith("ray::write_shard_task") and under(proc):
                 proc.send_signal(signal.SIGKILL)
                 return proc.pid
         time.sleep(0.005)

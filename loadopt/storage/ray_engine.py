@@ -39,7 +39,7 @@ def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: Co
     ray = _ray()
     pending: dict[Any, ShardJob] = {}
     try:
-        task = ray.remote(num_cpus=1, max_retries=RETRIES)(_write_task)
+        task = ray.remote(num_cpus=1, max_retries=RETRIES)(write_shard_task)
         writer = ray.put(write)  # the dataset and settings, shipped once
         pending = {task.remote(writer, str(work), job): job for job in jobs}
         done: dict[int, Any] = {}
@@ -95,7 +95,7 @@ def connected(engine: ConvertEngine) -> Iterator[None]:
             ray.shutdown()
 
 
-def _write_task(write: WriteShard, work: str, job: ShardJob) -> Any:
+def write_shard_task(write: WriteShard, work: str, job: ShardJob) -> Any:
     """On a Ray worker: shard `job`, in the conversion's work folder (which every node must see)."""
     folder = Path(work)
     if not (folder / shard_work.RUN).is_file():
