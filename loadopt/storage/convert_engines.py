@@ -75,10 +75,14 @@ def source_digest(dataset: Any, engine: ConvertEngine, workers: int = 1) -> str:
     pool = decode_pool.start(workers)
     try:
         assert pool is not None
-        return integrity.digest_of(np.concatenate(pool.map(_crcs_forked, list(zip(bounds, bounds[1:], strict=False)))))
-    finally:
+        crcs = pool.map(_crcs_forked, list(zip(bounds, bounds[1:], strict=False)))
+    except BaseException:
         decode_pool.stop(pool)
+        raise
+    finally:
         _FORKED.clear()
+    decode_pool.finish(pool)
+    return integrity.digest_of(np.concatenate(crcs))
 
 
 def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], bool], write: WriteShard,
@@ -107,9 +111,12 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
                 finished += entry["samples"]
                 if progress is not None:
                     progress(finished, total)
-        finally:
+        except BaseException:
             decode_pool.stop(pool)
+            raise
+        finally:
             _FORKED.clear()
+        decode_pool.finish(pool)
     else:  # one shard (or one core): its samples decoded by `workers` processes
         for job in todo:
             report = None if progress is None else (lambda n, base=finished: progress(base + n, total))

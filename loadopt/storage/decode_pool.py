@@ -40,3 +40,16 @@ def stop(pool: Pool | None, timeout_s: float = 30.0) -> None:
     if stopper.is_alive():
         log.warning("a conversion's decode workers did not stop within %.0f s; they end with this process",
                     timeout_s)
+
+
+def finish(pool: Pool | None, timeout_s: float = 30.0) -> None:
+    """Close `pool` after its work is done: its workers exit on their own (no signal, none of terminate's locks);
+    `stop` if they have not within `timeout_s`."""
+    if pool is None:
+        return
+    pool.close()
+    joiner = threading.Thread(target=pool.join, name="loadopt-pool-join", daemon=True)
+    joiner.start()
+    joiner.join(timeout_s)
+    if joiner.is_alive():
+        stop(pool, timeout_s)
