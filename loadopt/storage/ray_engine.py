@@ -86,6 +86,7 @@ def _cancel(ray: Any, refs: list) -> None:
 @contextlib.contextmanager
 def connected(engine: ConvertEngine) -> Iterator[None]:
     """Ray joined (or started here) for one conversion, and shut down after it when this started it."""
+    _reachable(engine)  # before Ray is imported: an address where nothing answers costs nothing more
     ray = _ray()
     started = _connect(ray, engine)
     try:
@@ -128,18 +129,23 @@ def _ray() -> Any:
     return ray
 
 
+def _reachable(engine: ConvertEngine) -> None:
+    """One line when nothing accepts a connection at `engine.address` (host:port): Ray itself retries such an
+    address for many minutes."""
+    if engine.address and "://" not in engine.address and ":" in engine.address:
+        host, port = engine.address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--address {engine.address}: no Ray cluster answers there ({exc})") from None
+
+
 def _connect(ray: Any, engine: ConvertEngine) -> bool:
     """Join the cluster at `engine.address`, or start Ray on this machine; True when this call started or joined
     it (and so shuts it down), False when the caller's process was already connected."""
     if ray.is_initialized():
         return False
     where = f"--address {engine.address}" if engine.address else "a Ray on this machine"
-    if engine.address and "://" not in engine.address and ":" in engine.address:
-        host, port = engine.address.rsplit(":", 1)
-        try:  # Ray itself retries an address where nothing answers for many minutes
-            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{where}: no Ray cluster answers there ({exc})") from None
     try:
         # "local": a Ray of its own here, never a cluster that `ray start` left running on this machine
         ray.init(address=engine.address or "local", num_cpus=None if engine.address else engine.num_cpus,
