@@ -71,17 +71,8 @@ def source_digest(dataset: Any, engine: ConvertEngine, workers: int = 1) -> str:
     if workers <= 1 or len(dataset) < 4 * workers or not _fork_safe():
         return integrity.source_digest(dataset)
     bounds = np.linspace(0, len(dataset), 4 * workers + 1).astype(np.int64).tolist()
-    _FORKED["dataset"] = dataset
-    pool = decode_pool.start(workers)
-    try:
-        assert pool is not None
+    with _forked(workers, dataset=dataset) as pool:
         crcs = pool.map(_crcs_forked, list(zip(bounds, bounds[1:], strict=False)))
-    except BaseException:
-        decode_pool.stop(pool)
-        raise
-    finally:
-        _FORKED.clear()
-    decode_pool.finish(pool)
     return integrity.digest_of(np.concatenate(crcs))
 
 
@@ -102,21 +93,12 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
 
         done.update(ray_engine.write_shards(work, todo, write, engine, finished, total, progress))
     elif len(todo) > 1 and workers > 1 and _fork_safe():  # a process a shard: only its own writing is serial
-        _FORKED.update(write=write, work=work)
-        pool = decode_pool.start(min(workers, len(todo)))
-        try:
-            assert pool is not None
+        with _forked(min(workers, len(todo)), write=write, work=work) as pool:
             for entry in pool.imap_unordered(_write_forked, todo):
                 done[entry["shard"]] = entry
                 finished += entry["samples"]
                 if progress is not None:
                     progress(finished, total)
-        except BaseException:
-            decode_pool.stop(pool)
-            raise
-        finally:
-            _FORKED.clear()
-        decode_pool.finish(pool)
     else:  # one shard (or one core): its samples decoded by `workers` processes
         for job in todo:
             report = None if progress is None else (lambda n, base=finished: progress(base + n, total))
@@ -133,6 +115,23 @@ def _fork_safe() -> bool:
 
 
 _FORKED: dict[str, Any] = {}  # what the forked writers inherit (never pickled: the dataset is large)
+
+
+@contextlib.contextmanager
+def _forked(workers: int, **inherited: Any) -> Iterator[Any]:
+    """A pool of `workers` (> 1) forked processes that inherit `inherited`: closed once its work is done (its
+    workers exit on their own), terminated on an error or Ctrl-C."""
+    _FORKED.update(inherited)
+    pool = decode_pool.start(workers)
+    assert pool is not None, "forked pools are for more than one worker"
+    try:
+        yield pool
+    except BaseException:
+        decode_pool.stop(pool)
+        raise
+    finally:
+        _FORKED.clear()
+    decode_pool.finish(pool)
 
 
 def _write_forked(job: ShardJob) -> Any:
