@@ -20,6 +20,7 @@ from loadopt.storage.conversions import ConvertedForm
 from loadopt.storage.convert_engines import ConvertEngine
 from loadopt.storage.imagefolder import open_dataset
 
+from .cache_serving import cache_config
 from .conftest import make_image_folder, tiny_config_dict
 from .source_files import folder_samples, write_shards
 from .test_sources import _config as source_config
@@ -144,3 +145,17 @@ def test_a_task_on_a_node_that_cannot_see_the_conversions_folder_names_the_node(
                                            f"node {socket.gethostname()}") as raised:
         write_shard_task(never, str(tmp_path / "elsewhere"), shard_work.ShardJob(0, 0, 4))
     assert "\n" not in str(raised.value) and not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("limit", [None, "10MB"], ids=["direct", "shard-cache"])
+@pytest.mark.parametrize("form", ["shards", "hub"], ids=["tar", "parquet"])
+def test_ray_tasks_read_a_remote_source_through_its_tier(ray_here, own_cache, served, form, limit):
+    """Tar shards and Parquet files over HTTP, read by the Ray tasks through the dataset's filesystem (directly, or
+    through the bounded shard cache): the same files as the local engine's conversion of the same URL."""
+    url, _ = served
+    dataset = open_dataset(cache_config(f"{url}/{form}", limit))
+    local = conversions.convert("raw", dataset, DECODED, 0.02)
+    expected = file_digests(local.path)
+    on_ray = conversions.convert("raw", dataset, DECODED, 0.02, force=True, engine=RAY)
+    assert on_ray.path == local.path and on_ray.shards == local.shards > 1 and on_ray.samples == 12
+    assert file_digests(on_ray.path) == expected

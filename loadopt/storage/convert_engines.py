@@ -8,7 +8,6 @@ whichever engine wrote them; shards finished by an earlier, stopped run are kept
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +67,7 @@ def source_digest(dataset: Any, engine: ConvertEngine, workers: int = 1) -> str:
         from loadopt.storage import ray_engine
 
         return ray_engine.source_digest(dataset)
-    if workers <= 1 or len(dataset) < 4 * workers or not _fork_safe():
+    if workers <= 1 or len(dataset) < 4 * workers or not decode_pool.fork_safe():
         return integrity.source_digest(dataset)
     bounds = np.linspace(0, len(dataset), 4 * workers + 1).astype(np.int64).tolist()
     with _forked(workers, dataset=dataset) as pool:
@@ -92,7 +91,7 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
         from loadopt.storage import ray_engine
 
         done.update(ray_engine.write_shards(work, todo, write, engine, finished, total, progress))
-    elif len(todo) > 1 and workers > 1 and _fork_safe():  # a process a shard: only its own writing is serial
+    elif len(todo) > 1 and workers > 1 and decode_pool.fork_safe():  # a process a shard: only its own writing is serial
         with _forked(min(workers, len(todo)), write=write, work=work) as pool:
             for entry in pool.imap_unordered(_write_forked, todo):
                 done[entry["shard"]] = entry
@@ -105,13 +104,6 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
             done[job.k] = write(work, job, workers, report)
             finished += job.stop - job.start
     return [done[job.k] for job in jobs]
-
-
-def _fork_safe() -> bool:
-    """Whether this process may fork writers: not while it is connected to Ray (a fork copies Ray's gRPC threads'
-    locks in whatever state they were: the children can hang, the parent crash on its shutdown)."""
-    ray = sys.modules.get("ray")
-    return ray is None or not ray.is_initialized()
 
 
 _FORKED: dict[str, Any] = {}  # what the forked writers inherit (never pickled: the dataset is large)

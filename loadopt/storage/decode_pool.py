@@ -4,15 +4,34 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import sys
 import threading
 from multiprocessing.pool import Pool
 
 log = logging.getLogger(__name__)
 
 
+_RAY_USED: list[bool] = []  # Ray started or joined by this process: its native threads outlive ray.shutdown()
+
+
 def start(workers: int) -> Pool | None:
-    """A pool of `workers` forked processes (they inherit the dataset set up for them), or None for one."""
-    return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) if workers > 1 else None
+    """A pool of `workers` forked processes (they inherit the dataset set up for them), or None for one, or where
+    forking is not safe (`fork_safe`: the work is then done in this process)."""
+    return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) \
+        if workers > 1 and fork_safe() else None
+
+
+def ray_used() -> None:
+    """Mark this process as one that started or joined Ray: it forks no pool from then on."""
+    _RAY_USED.append(True)
+
+
+def fork_safe() -> bool:
+    """Whether this process may fork workers: not while connected to Ray, nor after (a fork copies the locks of
+    Ray's native threads, which ray.shutdown() leaves running, in whatever state they are: forked workers died or
+    hung, and multiprocessing's pool then waited on them forever)."""
+    ray = sys.modules.get("ray")
+    return ray is None or not (_RAY_USED or ray.is_initialized())
 
 
 def _quiet_worker() -> None:

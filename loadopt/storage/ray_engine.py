@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
-from loadopt.storage import integrity, shard_work
+from loadopt.storage import decode_pool, integrity, shard_work
 from loadopt.storage.convert_engines import ConvertEngine, WriteShard
 from loadopt.storage.shard_work import ShardJob
 
@@ -153,4 +153,5 @@ def _connect(ray: Any, engine: ConvertEngine) -> bool:
                  configure_logging=True)
     except Exception as exc:  # noqa: BLE001 - whatever stops Ray from starting or joining (an address, a token)
         raise ConfigError(f"{where}: cannot start or join Ray ({str(exc).splitlines()[0]})") from None
+    decode_pool.ray_used()
     return True
