@@ -1,7 +1,8 @@
 """The bad inputs of `loadopt convert --engine ray` (rows of tests/test_bad_inputs.py's table): an engine of no
 known kind, Ray's options without Ray, an address where no cluster answers (one line within seconds: Ray itself
-retries such an address for many minutes), and a damaged JPEG converted by Ray tasks (named as locally, nothing
-partial left)."""
+retries such an address for many minutes), a damaged JPEG converted by Ray tasks (named as locally, nothing
+partial left), and a raw conversion's local reference whose shards are on another remote home (storage.converted
+changed since: moto's S3 server on loopback)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,44 @@ def damaged_jpeg_on_ray(tmp_path, cache):
                  after=lambda: not list((cache / "raw").rglob("manifest.json")) or pytest.fail("a partial conversion"))
 
 
+def raw_reference_of_another_home(tmp_path, cache, monkeypatch):
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[test]')")
+    s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[remote]')")
+    from moto.server import ThreadedMotoServer
+
+    from loadopt.config import load_config
+    from loadopt.storage import conversions
+    from loadopt.storage.imagefolder import open_dataset
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                        "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    root, _ = images(tmp_path, corrupt=0)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir("homes")
+    fs.put(f"{root}/", "homes/images/", recursive=True)
+    tier = {"name": "moto", "base": "s3://homes/images",
+            "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing-secret"}}
+    first = write_config(tmp_path, storage={"tier": tier, "converted": "s3://homes/first"})
+    config = load_config(str(first))
+    form = conversions.converted_form(config.pipeline, "decoded", None, "auto", False, where="--size")
+    conversions.convert("raw", open_dataset(config), form, 256.0)
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(first.read_text().replace("s3://homes/first", "s3://homes/second"))
+    return Setup(["convert", str(moved), "--to", "raw", "--decoded"], "whose shards are not at s3://homes/second/raw/",
+                 config=moved, backend="posix", overrides={"form": "decoded"}, leftovers=temps(cache),
+                 close=server.stop)
+
+
 CONVERT_CASES = {  # name: (setup, exit code)
     "--engine of no known kind, convert": (unknown_engine, 2),
     "--num-cpus without --engine ray, convert": (ray_options_without_ray, 2),
     "--address where no Ray cluster answers, convert": (ray_address_where_nothing_answers, 2),
     "a damaged JPEG converted by Ray tasks, convert": (damaged_jpeg_on_ray, 1),
+    "a raw reference whose shards are on another remote home, convert": (raw_reference_of_another_home, 1),
 }

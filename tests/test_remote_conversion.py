@@ -28,12 +28,13 @@ def s3_images(s3_endpoint, tmp_path_factory):  # noqa: F811 - the fixture import
     local = tmp_path_factory.mktemp("s3-conversion-source")
     make_image_folder(local, classes=2, per_class=8)
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
+    if not fs.exists(BUCKET):  # made by the other module using this fixture
+        fs.mkdir(BUCKET)
     fs.put(f"{local}/", f"{BUCKET}/images/", recursive=True)
     return f"s3://{BUCKET}/images", local, s3_endpoint
 
 
-def _config(tmp_path, base: str, endpoint: str | None = None, **storage):
+def s3_config(tmp_path, base: str, endpoint: str | None = None, **storage):
     tier = {"name": "moto" if endpoint else "nfs", "base": base}
     if endpoint:
         tier["storage_options"] = {"endpoint_url": endpoint, "key": "testing", "secret": "testing-secret"}
@@ -42,7 +43,7 @@ def _config(tmp_path, base: str, endpoint: str | None = None, **storage):
     return config_from_dict(raw, "s3.yaml")
 
 
-def _s3():
+def s3_fs():
     import s3fs
 
     return s3fs.S3FileSystem(skip_instance_cache=True)
@@ -52,11 +53,11 @@ def _s3():
 def test_a_conversion_of_an_s3_dataset_is_written_to_s3_and_read_back_through_the_tier(tmp_path, s3_images,
                                                                                       backend, settings):
     url, local, endpoint = s3_images
-    config = _config(tmp_path, url, endpoint)
+    config = s3_config(tmp_path, url, endpoint)
     dataset = open_dataset(config)
     assert dataset.converted == f"{url}/train/.loadopt"
     loader = prepared_loader(config, dataset, backend, settings)
-    names = {path.rsplit("/", 1)[-1] for path in _s3().find(f"{BUCKET}/images/train/.loadopt")}
+    names = {path.rsplit("/", 1)[-1] for path in s3_fs().find(f"{BUCKET}/images/train/.loadopt")}
     if backend == "posix":  # the index (written last) and its shards, beside any other form's
         assert "manifest.json" in names, names
         assert any(n.startswith("shard-") for n in names), names
@@ -71,7 +72,7 @@ def test_a_conversion_of_an_s3_dataset_is_written_to_s3_and_read_back_through_th
     assert after["requests"] > before["requests"]
     # The same images converted on the local disk (an NFS-like base: conversions beside them) give the
     # same batches: the conversion on S3 is the same conversion.
-    reference_config = _config(tmp_path, str(local))
+    reference_config = s3_config(tmp_path, str(local))
     reference = epoch_inputs(prepared_loader(reference_config, open_dataset(reference_config), backend, settings))
     assert all(torch.equal(a, b) for a, b in zip(batches, reference, strict=True))
 
@@ -79,8 +80,8 @@ def test_a_conversion_of_an_s3_dataset_is_written_to_s3_and_read_back_through_th
 def test_storage_converted_puts_an_s3_datasets_conversion_elsewhere_on_s3(tmp_path, s3_images):
     url, _, endpoint = s3_images
     elsewhere = f"s3://{BUCKET}/conversions-{tmp_path.name}"
-    config = _config(tmp_path, url, endpoint, converted=elsewhere)
+    config = s3_config(tmp_path, url, endpoint, converted=elsewhere)
     dataset = open_dataset(config)
     batches = epoch_inputs(prepared_loader(config, dataset, "arrow", {"form": "encoded"}))
     assert len(batches) == 4
-    assert any(path.endswith(".arrow") for path in _s3().find(elsewhere.removeprefix("s3://")))
+    assert any(path.endswith(".arrow") for path in s3_fs().find(elsewhere.removeprefix("s3://")))

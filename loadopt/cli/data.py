@@ -94,7 +94,8 @@ def convert(
         if done.reused else f"converted in {done.seconds:.1f} s" + (
             f"; {done.kept} of its {done.shards} shards kept from the conversion before the source changed"
             if done.kept else "")
-    console.print(f"{done.path}: {done.samples:,} samples, {done.stored}, {done.nbytes / 1e6:,.1f} MB ({how})",
+    where = f"{done.path} (its reference; the shards at {done.data_at})" if done.data_at else f"{done.path}"
+    console.print(f"{where}: {done.samples:,} samples, {done.stored}, {done.nbytes / 1e6:,.1f} MB ({how})",
                   highlight=False)
     if done.skipped:
         console.print(f"[yellow]{done.skipped} unreadable file(s) skipped (dataset.on_error: skip); every run "

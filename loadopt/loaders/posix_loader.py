@@ -40,7 +40,7 @@ from loadopt.loaders.fillers import Located
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.loaders.shard_reader import PosixReader, ShardReader, aligned_empty
 from loadopt.machine import usable_cores
-from loadopt.storage import raw_convert, raw_format, tier_reads
+from loadopt.storage import raw_convert, raw_format, remote_shards, tier_reads
 from loadopt.storage.raw_format import ALIGN, RawIndex, align_up
 
 
@@ -137,6 +137,7 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
+        remote_shards.fetch_reference(self.dataset, path, raw_convert.reference_names)  # converted elsewhere
         if not (path / raw_format.MANIFEST).exists():
             if not convert_missing:
                 flags = CONVERT_FLAGS.get(self.stored_form, "")
@@ -144,7 +145,7 @@ class PosixLoader(RingLoader[PosixSettings]):
                                    f"`loadopt convert CONFIG --to raw{flags}`")
             raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib,
                                 progress=progress, on_error=self.on_error)
-        self._raw = raw_format.open_raw(path, self.dataset, self.stored_form, self.size, self.settings.shard_mib)
+        self._raw = raw_convert.open_conversion(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         raw = self._raw
         self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion
         self.close_maps()

@@ -123,6 +123,7 @@ class Conversion:
     seconds: float
     shards: int = 0
     kept: int = 0  # shards taken from an earlier conversion of the source (their source shards unchanged)
+    data_at: str | None = None  # where the shards' data is when `path` holds the reference only (a remote home)
 
 
 def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
@@ -144,13 +145,17 @@ def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
     if to == "raw":
         raw_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
                             force=force, verify=verify, engine=engine)
-        skipped = len(raw_format.open_raw(path, dataset, form.stored, form.size, shard_mib).meta["skipped"])
+        skipped = len(raw_convert.open_conversion(dataset, form.stored, form.size, shard_mib).meta["skipped"])
     else:
         arrow_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
                               force=force, verify=verify, engine=engine)
         skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size, shard_mib).skipped)
-    nbytes = sum(f.stat().st_size for f in path.iterdir())
     seconds = time.perf_counter() - start
     table = shard_work.read_manifest(path, f"the {to} conversion")["shard_table"]
+    here = {f.name: f.stat().st_size for f in path.iterdir()}
+    elsewhere = [e["bytes"] for k, e in enumerate(table) if to == "raw" and raw_format.shard_name(k) not in here]
+    nbytes = sum(here.values()) + sum(elsewhere)  # a reference here, its shards' data on a remote home
+    data = raw_convert.data_home(dataset, path) if to == "raw" else None
     return Conversion(path, len(dataset), form.stored, nbytes, skipped, existed and _mtime(finished) == before,
-                      seconds, len(table), sum(1 for e in table if e.get("kept_from")))
+                      seconds, len(table), sum(1 for e in table if e.get("kept_from")),
+                      data.where() if data is not None else None)

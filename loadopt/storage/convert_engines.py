@@ -77,9 +77,13 @@ def source_digest(dataset: Any, engine: ConvertEngine, workers: int = 1) -> str:
 
 def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], bool], write: WriteShard,
                  reuse: ReuseShard, engine: ConvertEngine, workers: int,
-                 progress: Callable[[int, int], None] | None = None) -> list[Any]:
+                 progress: Callable[[int, int], None] | None = None,
+                 receive: Callable[[Path, Any], Any] | None = None) -> list[Any]:
     """Every planned shard's entry, in order: those finished in `work` by an earlier run kept, reused ones
-    linked here, the others written by `engine` (`workers` decode processes a shard, locally)."""
+    linked here, the others written by `engine` (`workers` decode processes a shard, locally). `receive(work,
+    what write returned)`: the shard's entry where the writers write elsewhere than `work` (a remote home:
+    storage/remote_shards.py), so `work` need not be seen by them; None: they write in `work`."""
+    keep = receive if receive is not None else (lambda _, entry: entry)
     done = shard_work.finished_shards(work, jobs, intact)
     for job in jobs:  # an earlier conversion's shard: a link and a rewritten index, no decoding
         if job.reused is not None and job.k not in done:
@@ -90,10 +94,13 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
     if engine.name == "ray":
         from loadopt.storage import ray_engine
 
-        done.update(ray_engine.write_shards(work, todo, write, engine, finished, total, progress))
+        written = ray_engine.write_shards(work, todo, write, engine, finished, total, progress,
+                                          shared_work=receive is None)
+        done.update({k: keep(work, result) for k, result in written.items()})
     elif len(todo) > 1 and workers > 1 and decode_pool.fork_safe():  # a process a shard: only its own writing is serial
         with _forked(min(workers, len(todo)), write=write, work=work) as pool:
-            for entry in pool.imap_unordered(_write_forked, todo):
+            for result in pool.imap_unordered(_write_forked, todo):
+                entry = keep(work, result)
                 done[entry["shard"]] = entry
                 finished += entry["samples"]
                 if progress is not None:
@@ -101,7 +108,7 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
     else:  # one shard (or one core): its samples decoded by `workers` processes
         for job in todo:
             report = None if progress is None else (lambda n, base=finished: progress(base + n, total))
-            done[job.k] = write(work, job, workers, report)
+            done[job.k] = keep(work, write(work, job, workers, report))
             finished += job.stop - job.start
     return [done[job.k] for job in jobs]
 

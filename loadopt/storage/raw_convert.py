@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from loadopt.errors import DatasetError
-from loadopt.storage import arrow_format, decode_pool, integrity, shard_work
+from loadopt.storage import arrow_format, decode_pool, integrity, remote_shards, shard_work, tier_reads
 from loadopt.storage.arrow_format import Form
-from loadopt.storage.convert_engines import LOCAL, ConvertEngine, running, source_digest, write_shards
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine, WriteShard, running, source_digest, write_shards
 from loadopt.storage.raw_format import (
     INDEX_DTYPE,
     MANIFEST,
+    RawIndex,
     RawMeta,
     ShardEntry,
     align_up,
@@ -83,8 +84,37 @@ def samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_
         decode_pool.stop(pool)
 
 
-def _intact(work: Path, k: int, entry: dict) -> bool:
-    return (work / shard_name(k)).stat().st_size == entry["bytes"] and (work / shard_index_name(k)).exists()
+def _intact(work: Path, remote_sizes: dict[str, int] | None, k: int, entry: dict) -> bool:
+    size = remote_sizes.get(shard_name(k)) if remote_sizes is not None else (work / shard_name(k)).stat().st_size
+    return size == entry["bytes"] and (work / shard_index_name(k)).exists()
+
+
+def reference_names(meta: dict) -> list[str]:
+    """A raw conversion's files besides its shard data and manifest: each shard's index (and frame dims)."""
+    shards = range(len(meta["shard_table"]))
+    return [shard_index_name(k) for k in shards] + \
+        ([shard_frames_name(k) for k in shards] if meta.get("form") == "frames" else [])
+
+
+def data_home(dataset, final: Path) -> remote_shards.RemoteShards | None:
+    """Where the shard data of the finished conversion `final` is when `final` holds its reference only."""
+    try:
+        shards = len(shard_work.read_manifest(final, "raw shards")["shard_table"])
+    except DatasetError:
+        return None
+    return remote_shards.data_elsewhere(dataset, final, [shard_name(k) for k in range(shards)])
+
+
+def open_conversion(dataset, form: Form, size: int | None, shard_mib: float, **checks) -> RawIndex:
+    """The finished raw conversion of `dataset` opened (`open_raw`, `checks` its options), its reference fetched
+    from the conversions' remote home first when this machine has none."""
+    final = raw_path(dataset, form, size, shard_mib)
+    remote_shards.fetch_reference(dataset, final, reference_names)
+    data = data_home(dataset, final)
+    if data is not None and not data.fs.exists(data.path(MANIFEST)):  # storage.converted changed since
+        raise DatasetError(f"{final}: the reference of a raw conversion whose shards are not at {data.where()}; "
+                           "convert it there with `loadopt convert CONFIG --to raw --force ...`")
+    return open_raw(final, dataset, form, size, shard_mib, data=data, **checks)
 
 
 class _ShardWriter:
@@ -161,13 +191,21 @@ def _write_shard(work: Path, job: shard_work.ShardJob, workers: int, written: Ca
         raise
 
 
-def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form) -> ShardEntry:
-    """Shard k: an earlier conversion's shard of source shards that did not change, linked (not copied), its index
-    rewritten with the samples' new numbers and labels."""
+def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form,
+           remote: remote_shards.RemoteShards | None) -> ShardEntry:
+    """Shard k: an earlier conversion's shard of source shards that did not change, linked (not copied; on a remote
+    home, copied there), its index rewritten with the samples' new numbers and labels."""
     k, segment = job.k, job.reused
     assert segment is not None and segment.reused is not None and segment.root is not None
     old, j = segment.root, int(segment.reused["shard"])
-    shard_work.link(old / shard_name(j), work / shard_name(k))
+    if remote is None:
+        shard_work.link(old / shard_name(j), work / shard_name(k))
+    elif (old / shard_name(j)).exists():  # an earlier conversion kept whole on this disk
+        remote.upload(old / shard_name(j), shard_name(k))
+    else:
+        earlier = remote_shards.destination(dataset, old)
+        assert earlier is not None, "a conversion for a remote home follows one for the same home"
+        remote.copy(earlier, shard_name(j), shard_name(k))
     if form == "frames":
         shard_work.link(old / shard_frames_name(j), work / shard_frames_name(k))
     index = np.load(old / shard_index_name(j), allow_pickle=False)
@@ -200,6 +238,7 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
     `arrow_convert.convert`."""
     final = raw_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    remote_shards.fetch_reference(dataset, final, reference_names)  # made on another machine for the same home
     if (final / MANIFEST).exists() and not force and not verify:
         return final
     with running(engine):  # Ray joined or started for the digest and the shards, stopped after
@@ -210,7 +249,8 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
         digest = source_digest(dataset, engine, cores) if form not in ("tokens", "records") and \
             (verify or dataset.is_local()) else ""
         if (final / MANIFEST).exists() and not force:
-            if open_raw(final, dataset, form, size, shard_mib, verify="all").meta.get("source_content") == digest:
+            if open_raw(final, dataset, form, size, shard_mib, verify="all",
+                        data=data_home(dataset, final)).meta.get("source_content") == digest:
                 return final
             log.warning("%s: the source's content differs from the converted one's: converting again", final)
         needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
@@ -220,12 +260,21 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
         stored = align_up(arrow_format.stored_sizes(dataset, form, size)).astype(np.int64)
         segments = shard_work.plan(len(dataset), table, earlier)
         jobs = shard_work.plan_shards(segments, stored, shard_table(dataset).bounds, shard_bytes(shard_mib))
-        write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
-        reuse = partial(_reuse, dataset=dataset, form=form)
-        return shard_work.build(
+        write: WriteShard = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
+        remote = remote_shards.writable_destination(dataset, final)
+        if remote is not None:  # each shard's data uploaded by its writer; its reference kept here
+            write = partial(remote_shards.write_and_upload, write, remote, shard_name)
+            remote.unfinish()
+        reuse = partial(_reuse, dataset=dataset, form=form, remote=remote)
+        built = shard_work.build(
             final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
             f"the raw conversion ({form})", needed, form == "frames", force or verify,
-            write=lambda work: write_shards(work, jobs, partial(_intact, work), write, reuse, engine,
-                                            workers or os.cpu_count() or 1, progress),
+            write=lambda work: write_shards(
+                work, jobs, partial(_intact, work, remote.sizes() if remote else None), write, reuse, engine,
+                workers or os.cpu_count() or 1, progress, receive=remote_shards.receive if remote else None),
             manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table),
-            check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none"))
+            check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none",
+                                        data=remote))
+        if remote is not None:
+            tier_reads.publish(dataset, built, marker=MANIFEST)  # the reference beside the data, its manifest last
+        return built

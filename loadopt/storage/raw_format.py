@@ -36,7 +36,7 @@ import mmap
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 from typing_extensions import NotRequired, TypedDict
@@ -47,6 +47,9 @@ from loadopt.imaging.reencode import REENCODE_QUALITY, restarts_key
 from loadopt.storage import integrity, shard_work
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.tier_reads import local_dir
+
+if TYPE_CHECKING:
+    from loadopt.storage.remote_shards import RemoteShards
 
 log = logging.getLogger(__name__)
 
@@ -327,10 +330,12 @@ def read_manifest(root: Path) -> RawMeta:
 
 
 def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
-             verify_labels: bool = False, verify: integrity.Verify = "sample") -> RawIndex:
+             verify_labels: bool = False, verify: integrity.Verify = "sample",
+             data: RemoteShards | None = None) -> RawIndex:
     """Open a raw conversion and check it matches `dataset`, the settings and its shard files (each one there
     at the size the manifest says), and that the chunks `verify` asks for (a random few by default) match their
-    checksums. `verify_labels` (after a conversion) loads every shard's index and checks the labels too."""
+    checksums. `verify_labels` (after a conversion) loads every shard's index and checks the labels too. `data`:
+    where the shard files are when `path` holds the conversion's reference only (storage/remote_shards.py)."""
     root = Path(path)
     meta = read_manifest(root)
     expected = conversion_key(dataset, form, size, shard_mib)
@@ -342,14 +347,16 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
     if covered != len(dataset) or any(e["shard"] != k for k, e in enumerate(table)):
         raise DatasetError(f"{root / MANIFEST}: its shards hold {covered} samples; the dataset has {len(dataset)}")
     shards = [root / shard_name(k) for k in range(len(table))]
+    remote_sizes = data.sizes() if data is not None else {}
     for shard, entry in zip(shards, table, strict=True):
+        where = data.where(shard.name) if data is not None else str(shard)
         try:
-            have = shard.stat().st_size
-        except FileNotFoundError:
-            raise DatasetError(f"{shard}: shard file not found (the manifest lists it, samples {entry['first']}-"
+            have = remote_sizes[shard.name] if data is not None else shard.stat().st_size
+        except (FileNotFoundError, KeyError):
+            raise DatasetError(f"{where}: shard file not found (the manifest lists it, samples {entry['first']}-"
                                f"{entry['first'] + entry['samples'] - 1})") from None
         if have < entry["bytes"]:
-            raise DatasetError(f"{shard}: {have} bytes, the manifest says {entry['bytes']} (truncated shard)")
+            raise DatasetError(f"{where}: {have} bytes, the manifest says {entry['bytes']} (truncated shard)")
     raw = RawIndex(root, shards, meta)
     if verify_labels:
         index = raw.index
@@ -360,13 +367,14 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
             assert frames is not None
             if not np.array_equal(index["length"], frames[:, 0].astype(np.int64) * frames[:, 1] * 3):
                 raise DatasetError(f"{root / MANIFEST}: whole-frame dims do not match the samples' lengths")
-    check_shards(root, shards, meta, verify, raw)
+    check_shards(root, shards, meta, verify, raw, data)
     return raw
 
 
-def check_shards(root: Path, shards: list[Path], meta: RawMeta, verify: integrity.Verify, raw: RawIndex) -> None:
-    """Check the shard chunks `verify` asks for against the manifest's checksums; damage raises
-    `DatasetError` naming the shard, the chunk and the samples in it."""
+def check_shards(root: Path, shards: list[Path], meta: RawMeta, verify: integrity.Verify, raw: RawIndex,
+                 data: RemoteShards | None = None) -> None:
+    """Check the shard chunks `verify` asks for (read from `data` when the shards are there) against the
+    manifest's checksums; damage raises `DatasetError` naming the shard, the chunk and the samples in it."""
     if verify == "none":
         return
     sums = [entry.get("checksums") for entry in meta["shard_table"]]
@@ -375,10 +383,12 @@ def check_shards(root: Path, shards: list[Path], meta: RawMeta, verify: integrit
                            "rebuild it with `loadopt convert CONFIG --to raw --force ...`")
     chunks = [(k, c) for k, shard_sums in enumerate(sums) for c in range(len(shard_sums))]
     for k, c in (chunks[i] for i in integrity.chunks_to_check(len(chunks), verify)):
-        for _, data in integrity.iter_file_chunks(shards[k], [c]):
-            if zlib.crc32(data) != sums[k][c]:
-                at, end = c * integrity.CHUNK_BYTES, c * integrity.CHUNK_BYTES + len(data)
+        read = data.chunks(shards[k].name, [c]) if data is not None else integrity.iter_file_chunks(shards[k], [c])
+        for _, chunk in read:
+            if zlib.crc32(chunk) != sums[k][c]:
+                at, end = c * integrity.CHUNK_BYTES, c * integrity.CHUNK_BYTES + len(chunk)
                 rows = raw._shard_rows(k)
                 inside = rows["sample_id"][(rows["offset"] < end) & (rows["offset"] + rows["length"] > at)]
                 samples = f", samples {inside.min()}-{inside.max()}" if len(inside) else ""
-                raise integrity.damaged(f"{shards[k]}: chunk {c} (bytes {at}-{end}{samples})")
+                where = data.where(shards[k].name) if data is not None else shards[k]
+                raise integrity.damaged(f"{where}: chunk {c} (bytes {at}-{end}{samples})")

@@ -10,7 +10,9 @@ The driver (this
 process) keeps the lock, links reused shards, and writes the manifest once every task is done and the folder
 checked (shard_work.build). The source's digest that a conversion records (integrity.py) is read by tasks too, a
 part each: read by the driver alone it was a third of a 2-CPU conversion's time. The conversion's folder must be a
-path every node sees; a task that cannot see it says so, naming its node."""
+path every node sees (a task that cannot see it says so, naming its node), except for a raw conversion whose home is
+remote storage (`storage.converted: s3://...`): each task then uploads its shard's data there and returns the
+shard's index to the driver (storage/remote_shards.py)."""
 
 from __future__ import annotations
 
@@ -33,15 +35,16 @@ RETRIES = 3  # a task whose worker or node died is run again this many times (Ra
 
 
 def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: ConvertEngine, finished: int,
-                 total: int, progress: Callable[[int, int], None] | None) -> dict[int, Any]:
-    """Each of `jobs` written by a Ray task of one CPU; their entries by shard. A task's error is raised here as
-    it was raised there (a damaged sample names itself); the tasks still running are cancelled."""
+                 total: int, progress: Callable[[int, int], None] | None, shared_work: bool = True) -> dict[int, Any]:
+    """Each of `jobs` written by a Ray task of one CPU; what each returned, by shard. A task's error is raised here
+    as it was raised there (a damaged sample names itself); the tasks still running are cancelled. `shared_work`:
+    the tasks write in `work`, which every node must see (else they write elsewhere: a remote home)."""
     ray = _ray()
     pending: dict[Any, ShardJob] = {}
     try:
         task = ray.remote(num_cpus=1, max_retries=RETRIES)(write_shard_task)
         writer = ray.put(write)  # the dataset and settings, shipped once
-        pending = {task.remote(writer, str(work), job): job for job in jobs}
+        pending = {task.remote(writer, str(work) if shared_work else None, job): job for job in jobs}
         done: dict[int, Any] = {}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -96,8 +99,11 @@ def connected(engine: ConvertEngine) -> Iterator[None]:
             ray.shutdown()
 
 
-def write_shard_task(write: WriteShard, work: str, job: ShardJob) -> Any:
-    """On a Ray worker: shard `job`, in the conversion's work folder (which every node must see)."""
+def write_shard_task(write: WriteShard, work: str | None, job: ShardJob) -> Any:
+    """On a Ray worker: shard `job`, in the conversion's work folder (which every node must see), or (`work` None)
+    where `write` puts it (storage/remote_shards.py: the conversions' remote home)."""
+    if work is None:
+        return write(None, job, 1, None)  # type: ignore[arg-type]  # a remote writer keeps no work folder here
     folder = Path(work)
     if not (folder / shard_work.RUN).is_file():
         raise DatasetError(f"{work}: the conversion's folder is not there on Ray node {socket.gethostname()}: "

@@ -191,18 +191,26 @@ def publish(dataset: Dataset, local: Path, marker: str | None = None) -> str | N
         else:
             base.put_file(str(local), target)
     except Exception as exc:  # noqa: BLE001 - each filesystem fails a refused write its own way (aiohttp, botocore)
-        reason = redact(str(exc)).splitlines()[0] if str(exc) else "read-only"
-        where = redact(base.unstrip_protocol(target))
-        if dataset.converted == beside_source(str(dataset.root)):  # the default home: the local cache will do
-            log.warning("%s: cannot write the converted dataset beside the source (%s: %s); the conversions stay "
-                        "in the local cache and are read from the local disk (set storage.converted to a writable "
-                        "location on the dataset's storage to read them from there)", where, type(exc).__name__,
-                        reason)
-            dataset.converted = None
-            return None
-        raise DatasetError(f"{where}: cannot write the converted dataset there ({type(exc).__name__}: {reason}); "
-                           "set storage.converted to a writable location on the dataset's storage") from None
+        refused(dataset, base, target, exc)
+        return None
     return target
+
+
+def refused(dataset: Dataset, base: fsspec.AbstractFileSystem, target: str, exc: Exception) -> None:
+    """A write to the conversions' remote home refused: where that home is the default beside the source, the
+    conversions of `dataset` stay in the local cache from then on (`dataset.converted` None, a warning); a
+    `storage.converted` that cannot be written is an error."""
+    reason = redact(str(exc)).splitlines()[0] if str(exc) else "read-only"
+    where = redact(base.unstrip_protocol(target))
+    if dataset.converted == beside_source(str(dataset.root)):  # the default home: the local cache will do
+        log.warning("%s: cannot write the converted dataset beside the source (%s: %s); the conversions stay "
+                    "in the local cache and are read from the local disk (set storage.converted to a writable "
+                    "location on the dataset's storage to read them from there)", where, type(exc).__name__,
+                    reason)
+        dataset.converted = None
+        return
+    raise DatasetError(f"{where}: cannot write the converted dataset there ({type(exc).__name__}: {reason}); "
+                       "set storage.converted to a writable location on the dataset's storage") from None
 
 
 # ---------------------------------------------------------------------------------------------
