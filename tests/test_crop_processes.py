@@ -75,15 +75,39 @@ def test_a_dead_worker_is_named_in_one_line_and_the_next_epoch_replaces_it(tmp_p
     cfg, dataset = whole_frames(tmp_path)
     arrow = loader("arrow", dataset, cfg, "processes")
     expected = batches(arrow)
-    victim = arrow.croppers._processes[0].pid
-    os.kill(victim, signal.SIGKILL)
+    croppers = arrow.croppers
+    victim = croppers._processes[0]
+    send = croppers.send
+
+    def killed_then_sent(*args, **kwargs):
+        """Killed once the epoch has kept its workers (a worker dead before would be replaced): mid-epoch."""
+        croppers.send = send
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        return send(*args, **kwargs)
+
+    croppers.send = killed_then_sent
     with pytest.raises(LoadoptError) as caught:
         batches(arrow)
     message = str(caught.value)
-    assert "crop worker process" in message and str(victim) in message and "\n" not in message
+    assert "crop worker process" in message and str(victim.pid) in message and "\n" not in message
     arrow.set_epoch(0)
     assert_same(batches(arrow), expected)  # the same epoch again, by new workers
-    assert arrow.croppers.alive() and victim not in [p.pid for p in arrow.croppers._processes]
+    assert arrow.croppers.alive() and victim.pid not in [p.pid for p in arrow.croppers._processes]
+    arrow.close()
+
+
+def test_a_worker_dead_between_epochs_is_said_and_replaced(tmp_path, caplog):
+    cfg, dataset = whole_frames(tmp_path)
+    arrow = loader("arrow", dataset, cfg, "processes")
+    expected = batches(arrow)
+    victim = arrow.croppers._processes[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=10)
+    arrow.set_epoch(0)
+    assert_same(batches(arrow), expected)
+    assert f"crop worker process {victim.pid} (exit code -9) died between epochs" in caplog.text
+    assert arrow.croppers.alive() and victim.pid not in [p.pid for p in arrow.croppers._processes]
     arrow.close()
 
 

@@ -169,6 +169,10 @@ class CropProcesses:
     def alive(self) -> bool:
         return bool(self._processes) and all(p.is_alive() for p in self._processes)
 
+    def dead(self) -> list[str]:
+        """Each worker that has exited, as "PID (exit code N)"."""
+        return [f"{p.pid} (exit code {p.exitcode})" for p in self._processes if not p.is_alive()]
+
 
 MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages into this process at once (reading in any not cached)
 

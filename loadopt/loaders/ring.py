@@ -215,6 +215,9 @@ class RingLoader(Loader[RingSettingsT]):
         thread starts: they inherit the ring and `frame_sources`."""
         if not self.crops_in_processes() or (self._croppers is not None and self._croppers.alive()):
             return
+        if self._croppers is not None:  # one died between epochs (none was cropping): said, then replaced
+            log.warning("%s: crop worker process %s died between epochs (out of memory, or killed); replaced",
+                        self.name, ", ".join(self._croppers.dead()))
         self.stop_workers()
         sources = self.frame_sources()
         if sources is not None and not self._croppers_refused:
