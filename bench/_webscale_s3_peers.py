@@ -22,6 +22,8 @@ from pathlib import Path
 from _common import REPO
 
 S3_PEERS = ("litdata", "streaming")
+LABELS = {"litdata": "litdata (own S3 client and loop, its chunks, its cache; obstore given allow_http)",
+          "streaming": "streaming (own S3 client and loop, its MDS shards, its cache)"}
 # A peer's own Python where it cannot import beside this one (`--peer-python streaming=PATH`: MosaicML Streaming
 # imports torchvision, whose build must match the torch beside it, and caps numpy): its conversion and its loop
 # run there, importing this checkout's loadopt (their working folder is the repository).
@@ -30,8 +32,7 @@ PEER_PYTHON: dict[str, str] = {}
 
 def python_for(peer: str) -> str:
     return PEER_PYTHON.get(peer, sys.executable)
-LABELS = {"litdata": "litdata (own S3 client and loop, its chunks, its cache; obstore given allow_http)",
-          "streaming": "streaming (own S3 client and loop, its MDS shards, its cache)"}
+
 
 # In a fresh process on the host: the peer backend's conversion of the local tars (its `prepare()`), its folder,
 # and the JPEG bytes of each dataset index (what a delivered sample counts).
