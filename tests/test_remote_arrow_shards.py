@@ -170,13 +170,24 @@ def test_ray_tasks_upload_their_shards_without_the_drivers_folder(own_cache, tmp
     assert not list((elsewhere / "raw").glob(".upload-*"))  # each task's temporary folder removed
 
 
-def test_a_reference_whose_shards_are_on_another_home_is_one_line(own_cache, tmp_path, s3_images):  # noqa: F811
-    config, dataset, _ = _remote(tmp_path, s3_images, "first")
+def test_storage_converted_moved_converts_at_the_new_home_and_leaves_the_old(own_cache, tmp_path, s3_images,  # noqa: F811
+                                                                            caplog):
+    config, dataset, first = _remote(tmp_path, s3_images, "first")
     form = _form(config)
     conversions.convert("arrow", dataset, form, SHARD_MIB)
-    _, moved, _ = _remote(tmp_path, s3_images, "second")  # storage.converted changed: the same local reference
-    with pytest.raises(DatasetError, match=r"whose shards are not at s3://.*arrow-second.*--force") as raised:
-        conversions.convert("arrow", moved, form, SHARD_MIB)
+    kept = _digests_on_s3(first)
+    moved_config, moved, second = _remote(tmp_path, s3_images, "second")  # the same local reference, a new home
+    # opened without converting (bench --no-convert): one line naming the new home and the remedy
+    with pytest.raises(DatasetError, match=r"whose shards are not at s3://.*arrow-second.*changed since.*"
+                                           r"loadopt convert CONFIG --to arrow") as raised:
+        arrow_convert.open_conversion(moved, form.stored, form.size, SHARD_MIB)
     assert "\n" not in str(raised.value)
-    again = conversions.convert("arrow", moved, form, SHARD_MIB, force=True)  # the remedy the line names
-    assert again.data_at is not None and "arrow-second" in again.data_at
+    with caplog.at_level("WARNING"):
+        again = conversions.convert("arrow", moved, form, SHARD_MIB)
+    assert "storage.converted changed since): converting there" in caplog.text
+    assert not again.reused and again.data_at is not None and "arrow-second" in again.data_at
+    assert _digests_on_s3(second) == kept  # the same shards at the new home
+    assert _digests_on_s3(first) == kept  # and the old home's left as it was
+    expected = epoch_inputs(prepared_loader(config, open_dataset(config), "arrow", ARROW))
+    batches = epoch_inputs(prepared_loader(moved_config, open_dataset(moved_config), "arrow", ARROW))
+    assert len(batches) == len(expected) and all(torch.equal(a, b) for a, b in zip(batches, expected, strict=True))

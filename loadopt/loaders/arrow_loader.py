@@ -104,11 +104,11 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         shard_mib = self.settings.shard_mib
         path = arrow_path(self.dataset, self.stored_form, self.size, shard_mib)
         remote_shards.fetch_reference(self.dataset, path, reference_names)  # made elsewhere for its remote home
-        if not (path / shard_work.MANIFEST).exists():
-            if not convert_missing:
-                raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
-                                   f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
+        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
             convert(self.dataset, self.stored_form, self.size, shard_mib, progress=progress, on_error=self.on_error)
+        elif not (path / shard_work.MANIFEST).exists():
+            raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
+                               f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
         tier = tier_reads.conversion_tier(self.dataset)
         conversion = open_conversion(self.dataset, self.stored_form, self.size, shard_mib, tier,
                                      self.settings.io_threads)

@@ -176,11 +176,11 @@ class DaliLoader(Loader[DaliSettings]):
 
         path = arrow_path(self.dataset, "encoded", None)
         remote_shards.fetch_reference(self.dataset, path, reference_names)  # made elsewhere for its remote home
-        if not (path / shard_work.MANIFEST).exists():
-            if not convert_missing:
-                raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
-                                   "run `loadopt convert CONFIG --to arrow`")
+        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
             convert(self.dataset, "encoded", None, progress=progress)
+        elif not (path / shard_work.MANIFEST).exists():
+            raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
+                               "run `loadopt convert CONFIG --to arrow`")
         views = []
         tier = tier_reads.conversion_tier(self.dataset)
         conversion = open_conversion(self.dataset, "encoded", None, tier=tier)

@@ -287,6 +287,8 @@ def _images(folder: Path, remote: remote_shards.RemoteShards, tier: fsspec.Abstr
                                    threads)
 
 
+
+
 def open_conversion(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
                     tier: fsspec.AbstractFileSystem | None = None, threads: int = 8, **checks) -> ArrowConversion:
     """The finished Arrow conversion of `dataset` opened (`open_arrow`, `checks` its options), its reference
@@ -297,9 +299,10 @@ def open_conversion(dataset, form: Form, size: int | None, shard_mib: float = DE
     data = data_home(dataset, final)
     if data is None:
         return open_arrow(final, dataset, form, size, shard_mib, **checks)
-    if not data.fs.exists(data.path(shard_work.MANIFEST)):  # storage.converted changed since
-        raise DatasetError(f"{final}: the reference of an Arrow conversion whose shards are not at {data.where()}; "
-                           "convert it there with `loadopt convert CONFIG --to arrow --force ...`")
+    if remote_shards.moved_away(data):
+        raise DatasetError(f"{final}: the reference of an Arrow conversion whose shards are not at {data.where()} "
+                           "(storage.converted changed since); convert it there with `loadopt convert CONFIG --to "
+                           "arrow ...`")
     return open_arrow(final, dataset, form, size, shard_mib, images=_images(final, data, tier, threads), **checks)
 
 
@@ -318,6 +321,7 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
     remote_shards.fetch_reference(dataset, final, reference_names)  # made on another machine for the same home
     done = final / shard_work.MANIFEST
+    force = force or (done.exists() and remote_shards.converted_elsewhere_since(final, data_home(dataset, final)))
     if done.exists() and not force and not verify:
         return final
     with running(engine):  # Ray joined or started for the digest and the shards, stopped after

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -34,6 +35,7 @@ from loadopt.storage.tier_reads import refused, remote_home, remote_path
 
 # Storage held in one process's memory: a forked writer or a Ray task would write its own copy. A conversion there is
 # made whole in the local cache and uploaded by its first reader.
+log = logging.getLogger(__name__)
 PROCESS_LOCAL = ("memory",)
 
 
@@ -111,6 +113,22 @@ def destination(dataset: Any, final: Path) -> RemoteShards | None:
     if home is None or target is None or home[0].protocol in PROCESS_LOCAL:
         return None
     return RemoteShards(home[0], target)
+
+
+def moved_away(data: RemoteShards | None) -> bool:
+    """Whether the remote home of a conversion's data (a reference's `data_home`) holds no finished conversion:
+    `storage.converted` was changed since the reference here was made."""
+    return data is not None and not data.fs.exists(data.path(shard_work.MANIFEST))
+
+
+def converted_elsewhere_since(final: Path, data: RemoteShards | None) -> bool:
+    """`moved_away`, said in a warning: the finished conversion `final` is made again at its new home (the data
+    at the old one is left as it is)."""
+    if data is None or not moved_away(data):
+        return False
+    log.warning("%s: its shards are not at %s (storage.converted changed since): converting there", final,
+                data.where())
+    return True
 
 
 def writable_destination(dataset: Any, final: Path) -> RemoteShards | None:
