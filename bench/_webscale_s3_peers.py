@@ -24,6 +24,15 @@ from _common import REPO
 S3_PEERS = ("litdata", "streaming")
 LABELS = {"litdata": "litdata (own S3 client and loop, its chunks, its cache; obstore given allow_http)",
           "streaming": "streaming (own S3 client and loop, its MDS shards, its cache)"}
+# A peer's own Python where it cannot import beside this one (`--peer-python streaming=PATH`: MosaicML Streaming
+# imports torchvision, whose build must match the torch beside it, and caps numpy): its conversion and its loop
+# run there, importing this checkout's loadopt (their working folder is the repository).
+PEER_PYTHON: dict[str, str] = {}
+
+
+def python_for(peer: str) -> str:
+    return PEER_PYTHON.get(peer, sys.executable)
+
 
 # In a fresh process on the host: the peer backend's conversion of the local tars (its `prepare()`), its folder,
 # and the JPEG bytes of each dataset index (what a delivered sample counts).
@@ -124,7 +133,7 @@ def prepare_s3_peers(tier, folder: Path, config_path: Path, root: Path, env: dic
     for peer in S3_PEERS:
         sizes = folder / f"sizes-{peer}.npy"
         convert_env = {**env, "LOADOPT_CACHE": str(folder / f"convert-{peer}")}
-        done = subprocess.run([sys.executable, "-c", _CONVERT, peer, str(config_path), str(root),
+        done = subprocess.run([python_for(peer), "-c", _CONVERT, peer, str(config_path), str(root),
                                str(REPO / "bench"), str(sizes)], capture_output=True, text=True, env=convert_env,
                               cwd=REPO)
         if done.returncode:
@@ -159,7 +168,7 @@ def run_s3_peer(tier, peer: str, url: str, folder: Path, config_path: Path, loca
                 env: dict[str, str]) -> subprocess.CompletedProcess:
     """One run of `peer`'s own S3 loop in a fresh process inside the namespace, its cache in `local` (fresh)."""
     env = {**env, "S3_ENDPOINT_URL": tier.s3_endpoint}  # Streaming's boto3 client takes its endpoint from here
-    return tier.run([sys.executable, "-c", _PEER, peer, str(config_path), url, str(local),
+    return tier.run([python_for(peer), "-c", _PEER, peer, str(config_path), url, str(local),
                      str(folder / f"sizes-{peer}.npy")], capture_output=True, text=True, env=env, cwd=REPO)
 
 

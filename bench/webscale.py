@@ -5,7 +5,8 @@ Parts (`--part`, all by default):
 - `shuffle`: one epoch's order from each shuffle on the same class-sorted synthetic ImageFolder (`--samples`,
   default 20,000 tiny JPEGs of 100 classes): loadopt's `global` and `window` (its defaults, and a window
   the size of the peers' buffers), and the peers' own loops (WebDataset's shard shuffle and 1,000-sample
-  buffer, LitData's chunk shuffle: the indices their batches carry, read through their workers). The figures
+  buffer, LitData's chunk shuffle, Streaming's default `py1e`: the indices their batches carry, read through
+  their workers, each in a fresh process under the peer's Python, `--peer-python`). The figures
   (loaders/shuffle_quality.py): `neighbour_spread` (1: random, 0: storage order) and `class_mix` (distinct
   classes per batch over a random batch's expectation). Figures of the orders only: no timing.
 - `order`: at `--order-samples` (default 10M) over world size 8, each rank's order under `global` and
@@ -52,7 +53,9 @@ Parts (`--part`, all by default):
   decoding and cropping as the local peer backends do; and a first job (nothing saved). Figures: the time to the
   first batch, each epoch's delivered MB/s (JPEG bytes delivered over the epoch's seconds), the MB the tier sent
   (tc's count of the shaped link), each peer's local cache after. A peer that cannot run here is a line saying why
-  (Streaming does not import beside a torchvision built for another torch). LitData fetches chunks with obstore,
+  (Streaming imports torchvision, whose build must match the torch beside it, and caps numpy below 2.2: give
+  it a venv of its own where it imports with `--peer-python streaming=PATH/bin/python`; its conversion and loops
+  run there, importing this checkout's loadopt). LitData fetches chunks with obstore,
   whose client options omit `allow_http`: the run adds it, as the tier's S3 endpoint is plain HTTP.
   `RESULT epoch1_remote_of_tier`: loadopt's epoch-1 MB/s over HTTP over the probed MB/s, target >= 0.8;
   `RESULT remote_vs_best_peer`: round by round, loadopt's faster epoch-1 MB/s (HTTP or S3) over the best of
@@ -75,11 +78,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, build_loader, ratio_result, result_line, spread
+from _common import REPO, ratio_result, result_line, spread
 from _webscale_common import config_file, count_label, records_config
+from _webscale_s3_peers import PEER_PYTHON, python_for, why_failed
 from webscale_remote import open_remote_part, remote_part
 
-PEERS = ("webdataset", "litdata")
+PEERS = ("webdataset", "litdata", "streaming")
 
 
 def _config(folder: Path, samples: int):
@@ -96,14 +100,30 @@ def _config(folder: Path, samples: int):
     return load_config(REPO / "configs" / "peers.yaml", [*overrides, f"dataset.path={root}"])
 
 
-def _peer_order(config, backend: str) -> list[int]:
-    """The indices one epoch of the peer's own loop delivers (its library's order), epoch 0."""
-    loader = build_loader(config, backend, num_workers=2)
-    try:
-        loader.prepare()
-        return [int(i) for batch in loader.library_batches(0) for i in batch["indices"].tolist()]
-    finally:
-        loader.close()
+# In a fresh process under the peer's own Python (`python_for`): the indices one epoch (0) of the peer's own loop
+# delivers, its library's order, as JSON.
+_PEER_ORDER = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from _common import build_loader
+from loadopt.config import load_config
+loader = build_loader(load_config(sys.argv[1]), sys.argv[3], num_workers=2)
+try:
+    loader.prepare()
+    print(json.dumps([int(i) for batch in loader.library_batches(0) for i in batch["indices"].tolist()]))
+finally:
+    loader.close()
+"""
+
+
+def _peer_order(config_path: Path, backend: str) -> list[int]:
+    import subprocess
+
+    done = subprocess.run([python_for(backend), "-c", _PEER_ORDER, str(config_path), str(REPO / "bench"), backend],
+                          capture_output=True, text=True, cwd=REPO)
+    if done.returncode:
+        raise RuntimeError(why_failed(done))
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def shuffle_part(samples: int) -> list[dict]:
@@ -123,11 +143,12 @@ def shuffle_part(samples: int) -> list[dict]:
             windows = ShardWindows(shard_table(dataset, shard_samples), window_shards)
             name = f"loadopt window {window_shards} x {shard_samples}"
             orders[name] = EpochOrder(n, batch, config.seed, shuffle="window", windows=windows).indices()
+        config_path = config_file(Path(folder), config)
         for peer in PEERS:
             try:
-                orders[f"{peer} (own loop)"] = np.array(_peer_order(config, peer))
-            except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is a row saying why
-                print(f"{peer}: not measured ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+                orders[f"{peer} (own loop)"] = np.array(_peer_order(config_path, peer))
+            except RuntimeError as exc:  # a peer that cannot run here is a line saying why
+                print(f"{peer}: not measured ({str(exc)[:200]})")
         rows = []
         for name, order in orders.items():
             quality = shuffle_quality(order, labels, batch)
@@ -322,7 +343,15 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the timed parts (median and spread)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--peer-python", action="append", default=[], metavar="PEER=PYTHON",
+                        help="run a peer's conversion and loops under its own interpreter (a venv where it imports: "
+                             "MosaicML Streaming needs a torchvision built for the torch beside it)")
     args = parser.parse_args()
+    for item in args.peer_python:
+        peer, _, python = item.partition("=")
+        if not python or not Path(python).is_file():
+            parser.error(f"--peer-python {item}: expected PEER=PATH of a Python interpreter")
+        PEER_PYTHON[peer] = python
     parts = set(args.part.split(","))
     figures: dict = {}
     results = []

@@ -27,6 +27,7 @@ import os
 import resource
 import signal
 from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
@@ -149,8 +150,7 @@ class CropProcesses:
     def _died(self, rank: int) -> NoReturn:
         process = self._processes[rank]
         process.join(timeout=1.0)
-        raise LoadoptError(f"crop worker process {process.pid} died (exit code {process.exitcode}): "
-                           "out of memory, or killed") from None
+        raise LoadoptError(f"crop worker process {exit_of(process)} died: out of memory, or killed") from None
 
     def close(self) -> None:
         """Tell the workers to exit and reap them (killed if they do not within a few seconds)."""
@@ -171,7 +171,12 @@ class CropProcesses:
 
     def dead(self) -> list[str]:
         """Each worker that has exited, as "PID (exit code N)"."""
-        return [f"{p.pid} (exit code {p.exitcode})" for p in self._processes if not p.is_alive()]
+        return [exit_of(p) for p in self._processes if not p.is_alive()]
+
+
+def exit_of(process: BaseProcess) -> str:
+    """A worker process and how it ended, as "PID (exit code N)"."""
+    return f"{process.pid} (exit code {process.exitcode})"
 
 
 MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages into this process at once (reading in any not cached)

@@ -281,6 +281,7 @@ class TorchLoader(Loader[TorchSettings]):
             pin_memory=s.pin_memory and self.device.type == "cuda",
             prefetch_factor=s.prefetch_factor if workers else None,
             persistent_workers=s.persistent_workers and workers > 0,
+            worker_init_fn=torch_workers.quiet_when_the_consumer_left,
         )
 
     def _ring_slots(self) -> int:

@@ -76,3 +76,20 @@ def name_deaths_on_sigchld() -> None:
 
     handler.names_deaths = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGCHLD, handler)
+
+
+def quiet_when_the_consumer_left(worker_id: int) -> None:
+    """A DataLoader worker's `worker_init_fn`. A worker hands each batch's shared memory to the consumer by
+    passing a file descriptor from a background thread (multiprocessing's resource_sharer); when the consumer
+    is stopped mid-handover (Ctrl-C, SIGTERM) that thread meets a broken pipe and prints its traceback under
+    the consumer's own one-line account of the stop. Only that peer-gone error is dropped; any other goes to
+    the hook it would have reached."""
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not issubclass(kind, (BrokenPipeError, ConnectionResetError)):
+            previous(kind, exc, tb)
+
+    sys.excepthook = hook
