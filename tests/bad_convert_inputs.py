@@ -47,7 +47,10 @@ def damaged_jpeg_on_ray(tmp_path, cache):
                  after=lambda: not list((cache / "raw").rglob("manifest.json")) or pytest.fail("a partial conversion"))
 
 
-def raw_reference_of_another_home(tmp_path, cache, monkeypatch):
+def _reference_of_another_home(tmp_path, cache, monkeypatch, to: str, backend: str):
+    """A conversion made for one remote home, then storage.converted changed to another: the local
+    reference names shards that are not there. `bench --no-convert` says so in one line (a bench that may convert,
+    and `loadopt convert`, make it again there: tests/test_remote_arrow_shards.py)."""
     pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[test]')")
     s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[remote]')")
     from moto.server import ThreadedMotoServer
@@ -66,19 +69,28 @@ def raw_reference_of_another_home(tmp_path, cache, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
     root, _ = images(tmp_path, corrupt=0)
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir("homes")
-    fs.put(f"{root}/", "homes/images/", recursive=True)
-    tier = {"name": "moto", "base": "s3://homes/images",
+    bucket = f"homes-{to}"  # moto keeps its buckets per process, across servers
+    fs.mkdir(bucket)
+    fs.put(f"{root}/", f"{bucket}/images/", recursive=True)
+    tier = {"name": "moto", "base": f"s3://{bucket}/images",
             "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing-secret"}}
-    first = write_config(tmp_path, storage={"tier": tier, "converted": "s3://homes/first"})
+    first = write_config(tmp_path, storage={"tier": tier, "converted": f"s3://{bucket}/first"},
+                         loaders={backend: {"form": "decoded"}})
     config = load_config(str(first))
     form = conversions.converted_form(config.pipeline, "decoded", None, "auto", False, where="--size")
-    conversions.convert("raw", open_dataset(config), form, 256.0)
+    conversions.convert(to, open_dataset(config), form, 256.0)
     moved = tmp_path / "moved.yaml"
-    moved.write_text(first.read_text().replace("s3://homes/first", "s3://homes/second"))
-    return Setup(["convert", str(moved), "--to", "raw", "--decoded"], "whose shards are not at s3://homes/second/raw/",
-                 config=moved, backend="posix", overrides={"form": "decoded"}, leftovers=temps(cache),
-                 close=server.stop)
+    moved.write_text(first.read_text().replace(f"s3://{bucket}/first", f"s3://{bucket}/second"))
+    return Setup(["bench", str(moved), "--no-convert"], f"whose shards are not at s3://{bucket}/second/{to}/",
+                 config=moved, leftovers=temps(cache), close=server.stop)
+
+
+def raw_reference_of_another_home(tmp_path, cache, monkeypatch):
+    return _reference_of_another_home(tmp_path, cache, monkeypatch, "raw", "posix")
+
+
+def arrow_reference_of_another_home(tmp_path, cache, monkeypatch):
+    return _reference_of_another_home(tmp_path, cache, monkeypatch, "arrow", "arrow")
 
 
 CONVERT_CASES = {  # name: (setup, exit code)
@@ -86,5 +98,7 @@ CONVERT_CASES = {  # name: (setup, exit code)
     "--num-cpus without --engine ray, convert": (ray_options_without_ray, 2),
     "--address where no Ray cluster answers, convert": (ray_address_where_nothing_answers, 2),
     "a damaged JPEG converted by Ray tasks, convert": (damaged_jpeg_on_ray, 1),
-    "a raw reference whose shards are on another remote home, convert": (raw_reference_of_another_home, 1),
+    "a raw reference whose shards are on another remote home, bench --no-convert": (raw_reference_of_another_home, 1),
+    "an Arrow reference whose shards are on another remote home, bench --no-convert": (arrow_reference_of_another_home,
+                                                                                     1),
 }

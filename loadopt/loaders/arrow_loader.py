@@ -18,7 +18,9 @@ Errors in the producer reach the consumer as exceptions (a bad sample by the `on
 On a tier that is not plain local disk (emulated, or remote storage) the shards are not memory-mapped:
 their image in anonymous memory (`tier_reads.ShadowShards`) gets each batch's samples fetched through the
 tier (`io_threads` range requests in flight, the next batch's while this one is assembled), so the
-tier's limits and counters see every byte, and the views and fills above run unchanged.
+tier's limits and counters see every byte, and the views and fills above run unchanged. Where the conversion
+was written to its remote home (storage/remote_shards.py), this machine holds only the shards' outlines
+(storage/arrow_outline.py): the images are made from them, and only the samples' bytes are fetched.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from loadopt.loaders.fillers import EncodedJpegs, FillContext, Filled, WholeFram
 from loadopt.loaders.heap import TRIM_EVERY
 from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
 from loadopt.loaders.serving import RequestPath, Unservable
-from loadopt.storage import shard_work, tier_reads
-from loadopt.storage.arrow_convert import convert
-from loadopt.storage.arrow_format import ArrowConversion, arrow_path, open_arrow, shard_files
+from loadopt.storage import remote_shards, shard_work, tier_reads
+from loadopt.storage.arrow_convert import convert, open_conversion, reference_names
+from loadopt.storage.arrow_format import ArrowConversion, arrow_path, shard_files
+from loadopt.storage.arrow_outline import Outline
 from loadopt.storage.pagecache import release_pages
 
 
@@ -100,20 +103,24 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         self.stop_workers()  # they inherited the views this replaces
         shard_mib = self.settings.shard_mib
         path = arrow_path(self.dataset, self.stored_form, self.size, shard_mib)
-        if not (path / shard_work.MANIFEST).exists():
-            if not convert_missing:
-                raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
-                                   f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
+        remote_shards.fetch_reference(self.dataset, path, reference_names)  # made elsewhere for its remote home
+        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
             convert(self.dataset, self.stored_form, self.size, shard_mib, progress=progress, on_error=self.on_error)
-        conversion = open_arrow(path, self.dataset, self.stored_form, self.size, shard_mib)
+        elif not (path / shard_work.MANIFEST).exists():
+            raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
+                               f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
+        tier = tier_reads.conversion_tier(self.dataset)
+        conversion = open_conversion(self.dataset, self.stored_form, self.size, shard_mib, tier,
+                                     self.settings.io_threads)
         self.unreadable, self._conversion = conversion.skipped, conversion  # samples the conversion skipped
         batches: list[pa.RecordBatch] = conversion
-        remote = tier_reads.publish(self.dataset, path, marker=shard_work.MANIFEST)
-        tier = tier_reads.conversion_tier(self.dataset)
-        if tier is not None:  # every byte through the tier: no memory map of the files
+        remote = None if conversion.images else tier_reads.publish(self.dataset, path, marker=shard_work.MANIFEST)
+        if isinstance(conversion.images, tier_reads.ShadowShards):  # the data on the remote home, outlines here
+            self._shadow = conversion.images
+        elif tier is not None:  # every byte through the tier: no memory map of the files
             where = remote or str(path)
             self._shadow = tier_reads.ShadowShards(tier, [f"{where}/{f.name}" for f in conversion.files],
-                                                   conversion.files, self.settings.io_threads)
+                                                   [Outline.of(f) for f in conversion.files], self.settings.io_threads)
             batches = self._shadow.record_batches()
         self._column = ArrowColumn(batches, conversion.batch_file.copy())
 

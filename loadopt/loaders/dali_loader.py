@@ -169,28 +169,34 @@ class DaliLoader(Loader[DaliSettings]):
     def prepare(self, progress: Callable[[int, int], None] | None = None, convert_missing: bool = True) -> None:
         if self.settings.source != "arrow" or self._views is not None:
             return
-        from loadopt.storage import shard_work, tier_reads
-        from loadopt.storage.arrow_convert import convert
-        from loadopt.storage.arrow_format import arrow_path, open_arrow
+        from loadopt.storage import remote_shards, shard_work, tier_reads
+        from loadopt.storage.arrow_convert import convert, open_conversion, reference_names
+        from loadopt.storage.arrow_format import arrow_path
+        from loadopt.storage.arrow_outline import arrow_layout
 
         path = arrow_path(self.dataset, "encoded", None)
-        if not (path / shard_work.MANIFEST).exists():
-            if not convert_missing:
-                raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
-                                   "run `loadopt convert CONFIG --to arrow`")
+        remote_shards.fetch_reference(self.dataset, path, reference_names)  # made elsewhere for its remote home
+        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
             convert(self.dataset, "encoded", None, progress=progress)
+        elif not (path / shard_work.MANIFEST).exists():
+            raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
+                               "run `loadopt convert CONFIG --to arrow`")
         views = []
-        conversion = open_arrow(path, self.dataset, "encoded", None)
+        tier = tier_reads.conversion_tier(self.dataset)
+        conversion = open_conversion(self.dataset, "encoded", None, tier=tier)
         for batch in conversion:
             column = batch.column(batch.num_columns - 1)
             offsets = np.frombuffer(column.buffers()[1], np.int32, batch.num_rows + 1, column.offset * 4)
             views.append((offsets, np.frombuffer(column.buffers()[2], np.uint8)))
         self._views, self._first_rows = views, conversion.first_rows
+        if isinstance(conversion.images, tier_reads.ShadowShards):  # the data on the remote home, outlines here
+            images = conversion.images
+            self._tier_ranges = _TierRanges(images.fs, images.paths, images.file_of, images.offsets, images.lengths)
+            return
         remote = tier_reads.publish(self.dataset, path, marker=shard_work.MANIFEST)
-        tier = tier_reads.conversion_tier(self.dataset)
         if tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
             where = remote or str(path)
-            file_of, offsets, lengths = tier_reads.arrow_layout(conversion.files)
+            file_of, offsets, lengths = arrow_layout(conversion.files)
             self._tier_ranges = _TierRanges(tier, [f"{where}/{f.name}" for f in conversion.files], file_of, offsets,
                                             lengths)
 

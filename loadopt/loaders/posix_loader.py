@@ -138,13 +138,13 @@ class PosixLoader(RingLoader[PosixSettings]):
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         remote_shards.fetch_reference(self.dataset, path, raw_convert.reference_names)  # converted elsewhere
-        if not (path / raw_format.MANIFEST).exists():
-            if not convert_missing:
-                flags = CONVERT_FLAGS.get(self.stored_form, "")
-                raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
-                                   f"`loadopt convert CONFIG --to raw{flags}`")
+        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
             raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib,
                                 progress=progress, on_error=self.on_error)
+        elif not (path / raw_format.MANIFEST).exists():
+            flags = CONVERT_FLAGS.get(self.stored_form, "")
+            raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
+                               f"`loadopt convert CONFIG --to raw{flags}`")
         self._raw = raw_convert.open_conversion(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         raw = self._raw
         self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion

@@ -1,7 +1,9 @@
 """Writing the Arrow form (storage/arrow_format.py's layout) shard by shard, resumable (storage/shard_work.py: the
 work folder, the planned shards, the resume, the manifest written last, one conversion at a time): each shard is
 an Arrow IPC file of whole record batches (from the shard's first sample, `rows_per_batch` each), read back
-against its batches' checksums, renamed, its entry last.
+against its batches' checksums, renamed, its entry last. Where the conversions' home is remote storage, each
+shard's writer uploads it there and the conversion's folder keeps its outline (storage/remote_shards.py,
+storage/arrow_outline.py).
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 
+from loadopt.errors import DatasetError
 from loadopt.imaging.frames import FRAME_FIELDS
-from loadopt.storage import decode_pool, integrity, shard_work
+from loadopt.storage import decode_pool, integrity, remote_shards, shard_work, tier_reads
 from loadopt.storage.arrow_format import (
     DEFAULT_SHARD_MIB,
+    ArrowConversion,
     Form,
     arrow_path,
     arrow_schema,
@@ -39,7 +44,8 @@ from loadopt.storage.arrow_format import (
     square_bytes,
     stored_sizes,
 )
-from loadopt.storage.convert_engines import LOCAL, ConvertEngine, running, source_digest, write_shards
+from loadopt.storage.arrow_outline import Outline, outline_name
+from loadopt.storage.convert_engines import LOCAL, ConvertEngine, WriteShard, running, source_digest, write_shards
 from loadopt.storage.shards import shard_table
 
 log = logging.getLogger(__name__)
@@ -173,48 +179,131 @@ def _write_shard(work: Path, job: shard_work.ShardJob, workers: int, written: Ca
         raise
 
 
-def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form, size: int | None) -> dict:
-    """Shard k: an earlier conversion's shard of source shards that did not change: linked (not copied) where its
-    samples keep their numbers and labels, else its record batches written again with the new ones (the samples'
-    bytes as they are: nothing decoded)."""
+def _outlined(write: WriteShard, work: Path, job: shard_work.ShardJob, workers: int,
+              written: Callable[[int], None] | None) -> dict:
+    """`write`, then the shard's outline beside it (what the conversion's folder keeps of a remote shard)."""
+    entry = write(work, job, workers, written)
+    Outline.of(work / shard_name(job.k), with_bytes=True).save(work / outline_name(job.k))
+    return entry
+
+
+def _rewrite(batches: list, target: Path, k: int, segment: shard_work.Segment, schema: pa.Schema,
+             labels: np.ndarray | None, skipped: list) -> None:
+    """An earlier shard's record batches written again as shard `k` in `target`, its samples' new numbers and
+    labels in them (their bytes as they are: nothing decoded)."""
+    writer = _ShardWriter(target, k, segment.start, schema)
+    try:
+        at = segment.start
+        for batch, _ in batches:
+            ids = np.arange(at, at + batch.num_rows, dtype=np.int64)
+            columns = [pa.array(ids)] + ([] if labels is None else
+                                         [pa.array(labels[at - segment.start : at - segment.start + len(ids)])])
+            writer.add(pa.record_batch(columns + batch.columns[len(columns):], schema=schema), skipped)
+            at += batch.num_rows
+        writer.writer.close()
+        writer.sink.close()
+        os.replace(writer.tmp, target / shard_name(k))
+    except BaseException:
+        writer.abandon()
+        raise
+
+
+def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form, size: int | None,
+           remote: remote_shards.RemoteShards | None) -> dict:
+    """Shard k: an earlier conversion's shard of source shards that did not change: linked (not copied; on a remote
+    home, copied there) where its samples keep their numbers and labels, else its record batches written again
+    with the new ones (the earlier shard fetched first where its data is remote)."""
     k, segment = job.k, job.reused
     assert segment is not None and segment.reused is not None and segment.root is not None
-    old = segment.root / shard_name(int(segment.reused["shard"]))
+    old, j = segment.root, int(segment.reused["shard"])
     schema = arrow_schema(dataset, form, size)
     labels = None if form == "tokens" else np.asarray(dataset.labels)[segment.start : segment.stop]
-    batches = read_shard(old, schema)
+    whole = (old / shard_name(j)).exists()  # else its data is on the remote home, its outline here
+    image = None if whole else Outline.load(old / outline_name(j)).image()
+    batches = read_shard(old / shard_name(j), schema, image=image)
     same = segment.start == segment.reused["first"] and (
         labels is None or np.array_equal(np.concatenate([b.column(1).to_numpy() for b, _ in batches]), labels))
     skipped = shard_work.reused_skips(segment)
-    if same:
-        shard_work.link(old, work / shard_name(k))
+    nbytes = int(segment.reused["bytes"])
+    if remote is None:
+        if same:
+            shard_work.link(old / shard_name(j), work / shard_name(k))
+        else:
+            _rewrite(batches, work, k, segment, schema, labels, skipped)
+        nbytes = (work / shard_name(k)).stat().st_size
+    elif same and whole:  # an earlier conversion kept whole on this disk
+        remote.upload(old / shard_name(j), shard_name(k))
+        Outline.of(old / shard_name(j), with_bytes=True).save(work / outline_name(k))
+    elif same:
+        earlier = remote_shards.destination(dataset, old)
+        assert earlier is not None, "a conversion for a remote home follows one for the same home"
+        remote.copy(earlier, shard_name(j), shard_name(k))
+        shard_work.link(old / outline_name(j), work / outline_name(k))
     else:
-        writer = _ShardWriter(work, k, segment.start, schema)
-        try:
-            at = segment.start
-            for batch, _ in batches:
-                ids = np.arange(at, at + batch.num_rows, dtype=np.int64)
-                columns = [pa.array(ids)] + ([] if labels is None else
-                                             [pa.array(labels[at - segment.start : at - segment.start + len(ids)])])
-                writer.add(pa.record_batch(columns + batch.columns[len(columns):], schema=schema), skipped)
-                at += batch.num_rows
-            writer.writer.close()
-            writer.sink.close()
-            os.replace(writer.tmp, work / shard_name(k))
-        except BaseException:
-            writer.abandon()
-            raise
-    entry = {**segment.reused, "shard": k, "first": segment.start, "skipped": skipped,
-             "kept_from": segment.root.name,
-             "bytes": (work / shard_name(k)).stat().st_size,
-             "source_shards": shard_work.source_span(shard_table(dataset).bounds, segment.start,
-                                                     segment.stop - segment.start)}
+        with remote_shards.scratch(f"reuse-{k}") as folder:
+            if not whole:
+                earlier = remote_shards.destination(dataset, old)
+                assert earlier is not None, "a conversion for a remote home follows one for the same home"
+                earlier.download(shard_name(j), folder / f"earlier-{shard_name(j)}")
+                batches = read_shard(folder / f"earlier-{shard_name(j)}", schema)
+            _rewrite(batches, folder, k, segment, schema, labels, skipped)
+            remote.upload(folder / shard_name(k), shard_name(k))
+            Outline.of(folder / shard_name(k), with_bytes=True).save(work / outline_name(k))
+            nbytes = (folder / shard_name(k)).stat().st_size
+    entry = {**segment.reused, "shard": k, "first": segment.start, "skipped": skipped, "kept_from": old.name,
+             "bytes": nbytes, "source_shards": shard_work.source_span(shard_table(dataset).bounds, segment.start,
+                                                                       segment.stop - segment.start)}
     shard_work.write_text(work / shard_work.entry_name(k), json.dumps(entry))
     return entry
 
 
-def _intact(work: Path, k: int, entry: dict) -> bool:
-    return (work / shard_name(k)).stat().st_size == entry["bytes"]
+def _intact(work: Path, remote_sizes: dict[str, int] | None, k: int, entry: dict) -> bool:
+    if remote_sizes is None:
+        return (work / shard_name(k)).stat().st_size == entry["bytes"]
+    return remote_sizes.get(shard_name(k)) == entry["bytes"] and (work / outline_name(k)).exists()
+
+
+def reference_names(meta: dict) -> list[str]:
+    """An Arrow conversion's files besides its shard data and manifest: each shard's outline."""
+    return [outline_name(k) for k in range(len(meta["shard_table"]))]
+
+
+def data_home(dataset, final: Path) -> remote_shards.RemoteShards | None:
+    """Where the shard data of the finished conversion `final` is when `final` holds its reference only."""
+    try:
+        shards = len(shard_work.read_manifest(final, "Arrow conversion")["shard_table"])
+    except DatasetError:
+        return None
+    return remote_shards.data_elsewhere(dataset, final, [shard_name(k) for k in range(shards)])
+
+
+def _images(folder: Path, remote: remote_shards.RemoteShards, tier: fsspec.AbstractFileSystem | None = None,
+            threads: int = 8) -> tier_reads.ShadowShards:
+    """The shards of the conversion in `folder` whose data is in `remote`, as images from their outlines, their
+    samples read through `tier` (the remote filesystem itself by default)."""
+    shards = len(shard_work.read_manifest(folder, "Arrow conversion")["shard_table"])
+    outlines = [Outline.load(folder / outline_name(k)) for k in range(shards)]
+    return tier_reads.ShadowShards(tier or remote.fs, [remote.path(shard_name(k)) for k in range(shards)], outlines,
+                                   threads)
+
+
+
+
+def open_conversion(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
+                    tier: fsspec.AbstractFileSystem | None = None, threads: int = 8, **checks) -> ArrowConversion:
+    """The finished Arrow conversion of `dataset` opened (`open_arrow`, `checks` its options), its reference
+    fetched from the conversions' remote home first when this machine has none; where its data is there, the
+    shards are opened from their outlines and their samples read through `tier` (`threads` at a time)."""
+    final = arrow_path(dataset, form, size, shard_mib)
+    remote_shards.fetch_reference(dataset, final, reference_names)
+    data = data_home(dataset, final)
+    if data is None:
+        return open_arrow(final, dataset, form, size, shard_mib, **checks)
+    if remote_shards.moved_away(data):
+        raise DatasetError(f"{final}: the reference of an Arrow conversion whose shards are not at {data.where()} "
+                           "(storage.converted changed since); convert it there with `loadopt convert CONFIG --to "
+                           "arrow ...`")
+    return open_arrow(final, dataset, form, size, shard_mib, images=_images(final, data, tier, threads), **checks)
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEFAULT_SHARD_MIB,
@@ -230,7 +319,9 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
     planned shards (storage/convert_engines.py): this process, or a Ray cluster."""
     final = arrow_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
+    remote_shards.fetch_reference(dataset, final, reference_names)  # made on another machine for the same home
     done = final / shard_work.MANIFEST
+    force = force or (done.exists() and remote_shards.converted_elsewhere_since(final, data_home(dataset, final)))
     if done.exists() and not force and not verify:
         return final
     with running(engine):  # Ray joined or started for the digest and the shards, stopped after
@@ -241,7 +332,7 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         digest = source_digest(dataset, engine, cores) if form not in ("tokens", "records") and \
             (verify or dataset.is_local()) else ""
         if done.exists() and not force:
-            if open_arrow(final, dataset, form, size, shard_mib, verify="all").source_content == digest:
+            if open_conversion(dataset, form, size, shard_mib, verify="all").source_content == digest:
                 return final
             log.warning("%s: the source's content differs from the converted one's: converting again", final)
         key = conversion_key(dataset, form, size, shard_mib)
@@ -250,13 +341,26 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         earlier = shard_work.predecessor(final, line) if table and not force else None
         jobs = shard_work.plan_shards(shard_work.plan(len(dataset), table, earlier), stored_sizes(dataset, form, size),
                                       shard_table(dataset).bounds, shard_bytes(shard_mib))
-        write = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
-        reuse = partial(_reuse, dataset=dataset, form=form, size=size)
-        return shard_work.build(
+        write: WriteShard = partial(_write_shard, dataset=dataset, form=form, size=size, on_error=on_error)
+        remote = remote_shards.writable_destination(dataset, final)
+        if remote is not None:  # each shard's data uploaded by its writer; its outline kept here
+            write = partial(remote_shards.write_and_upload, partial(_outlined, write), remote, shard_name)
+            remote.unfinish()
+        reuse = partial(_reuse, dataset=dataset, form=form, size=size, remote=remote)
+
+        def check(folder: Path) -> ArrowConversion:
+            images = None if remote is None else _images(folder, remote)
+            return open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none", images=images)
+
+        built = shard_work.build(
             final, {"key": key, "source_content": digest, "earlier": earlier[0].name if earlier else None},
             f"the Arrow conversion ({form})", needed_bytes(dataset, form, size), form == "frames", force or verify,
-            write=lambda folder: write_shards(folder, jobs, partial(_intact, folder), write, reuse, engine, cores,
-                                              progress),
+            write=lambda folder: write_shards(
+                folder, jobs, partial(_intact, folder, remote.sizes() if remote else None), write, reuse, engine,
+                cores, progress, receive=remote_shards.receive if remote else None),
             manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
                                       "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
-            check=lambda folder: open_arrow(folder, dataset, form, size, shard_mib, verify_labels=True, verify="none"))
+            check=check)
+        if remote is not None:
+            tier_reads.publish(dataset, built, marker=shard_work.MANIFEST)  # the reference beside its data
+        return built

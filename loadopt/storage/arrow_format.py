@@ -35,8 +35,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -210,17 +211,46 @@ def batch_metadata(batch: pa.RecordBatch, skipped: list) -> dict[str, str]:
             "loadopt.skipped": json.dumps(skipped)}
 
 
+class ShardImages(Protocol):
+    """A conversion's shard files as images in memory, everything but the samples' bytes in place, and where those
+    are (storage/tier_reads.py `ShadowShards`, built from the shards' outlines: storage/arrow_outline.py)."""
+
+    buffers: list[mmap.mmap]
+
+    def read(self, k: int, offset: int, nbytes: int) -> bytes:
+        """`nbytes` at `offset` of shard file `k`, from where it is."""
+        ...
+
+    def where(self, k: int) -> str:
+        """Shard file `k`'s URL, credentials removed."""
+        ...
+
+
 class ArrowConversion(list):
     """The record batches of an opened Arrow conversion, all its shards' in order, with what their metadata says:
     each batch's chunk checksums and first sample, the shard file it is in (`files`, `batch_file`), the samples
     the conversion skipped (index -> reason) and the source's content digest."""
 
     def __init__(self, path: Path, files: list[Path], batches: list, batch_file: np.ndarray,
-                 checksums: list[dict | None], skipped: dict[int, str], source_content: str) -> None:
+                 checksums: list[dict | None], skipped: dict[int, str], source_content: str,
+                 images: ShardImages | None = None) -> None:
         super().__init__(batches)
         self.path, self.files, self.batch_file, self.checksums = path, files, batch_file, checksums
-        self.skipped, self.source_content = skipped, source_content
+        self.skipped, self.source_content, self.images = skipped, source_content, images
         self.first_rows = np.cumsum([0] + [b.num_rows for b in batches])[:-1].astype(np.int64)
+
+    def where(self, k: int) -> str:
+        """Shard file `k`, as messages name it (its remote URL where its data is remote)."""
+        return self.images.where(k) if self.images is not None else str(self.files[k])
+
+    def _chunk(self, b: int, name: str, view: memoryview, at: int) -> bytes | memoryview:
+        """Bytes [at, at + a chunk) of a record batch's column region; the samples' from where they are."""
+        end = min(at + integrity.CHUNK_BYTES, len(view))
+        if self.images is None or name != self[b].schema.names[-1]:
+            return view[at:end]
+        k = int(self.batch_file[b])
+        start = np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(self.images.buffers[k], np.uint8).ctypes.data
+        return self.images.read(k, start + at, end - at)
 
     def batch_of(self, index: int) -> int:
         """The record batch holding sample `index`."""
@@ -236,8 +266,8 @@ class ArrowConversion(list):
         for b in records:
             sums = self.checksums[b]
             if sums is None:
-                raise DatasetError(f"{self.files[self.batch_file[b]]}: record batch {b} has no checksums (a damaged "
-                                   "or foreign file): rebuild it with `loadopt convert CONFIG --force ...`")
+                raise DatasetError(f"{self.where(int(self.batch_file[b]))}: record batch {b} has no checksums (a "
+                                   "damaged or foreign file): rebuild it with `loadopt convert CONFIG --force ...`")
             # A sample draws from the samples' column (where the bytes are); "all" checks every column.
             samples = self[b].schema.names[-1]
             for name, view in _regions(self[b]):
@@ -246,18 +276,20 @@ class ArrowConversion(list):
         for position in integrity.chunks_to_check(len(chunks), verify if records else "none"):
             b, name, view, k, crc = chunks[position]
             at = k * integrity.CHUNK_BYTES
-            if zlib.crc32(view[at:at + integrity.CHUNK_BYTES]) != crc:
+            if zlib.crc32(self._chunk(b, name, view, at)) != crc:
                 first = int(self.first_rows[b])
-                raise integrity.damaged(f"{self.files[self.batch_file[b]]}: record batch {b} (samples {first}-"
+                raise integrity.damaged(f"{self.where(int(self.batch_file[b]))}: record batch {b} (samples {first}-"
                                         f"{first + self[b].num_rows - 1}), chunk {k} of column {name} (bytes "
                                         f"{at}-{min(at + integrity.CHUNK_BYTES, len(view))})")
 
 
-def read_shard(file: Path, expected: pa.Schema, samples: str = "") -> list[tuple[pa.RecordBatch, dict]]:
-    """The record batches of one shard file, memory-mapped, and each one's custom metadata; its schema checked
-    against `expected`. A missing, truncated or foreign file is one line naming it (and `samples`: which)."""
+def read_shard(file: Path | str, expected: pa.Schema, samples: str = "",
+               image: Any = None) -> list[tuple[pa.RecordBatch, dict]]:
+    """The record batches of one shard file, memory-mapped (or read from its `image` in memory, `file` then only
+    its name), and each one's custom metadata; its schema checked against `expected`. A missing, truncated or
+    foreign file is one line naming it (and `samples`: which)."""
     try:
-        reader = pa.ipc.open_file(pa.memory_map(str(file), "r"))
+        reader = pa.ipc.open_file(pa.memory_map(str(file), "r") if image is None else pa.py_buffer(image))
         pairs = [reader.get_batch_with_custom_metadata(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
         raise DatasetError(f"{file}: Arrow shard not found{samples}") from None
@@ -276,9 +308,11 @@ def read_shard(file: Path, expected: pa.Schema, samples: str = "") -> list[tuple
 
 
 def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
-               verify_labels: bool = False, verify: integrity.Verify = "sample") -> ArrowConversion:
-    """Open an Arrow conversion (its manifest, then every shard memory-mapped) and check it matches `dataset` and
-    the settings, and the chunks that `verify` asks for (a random few by default) match their checksums."""
+               verify_labels: bool = False, verify: integrity.Verify = "sample",
+               images: ShardImages | None = None) -> ArrowConversion:
+    """Open an Arrow conversion (its manifest, then every shard memory-mapped, or from `images` where the shards'
+    data is elsewhere) and check it matches `dataset` and the settings, and the chunks that `verify` asks for (a
+    random few by default) match their checksums."""
     root = Path(path)
     meta = shard_work.read_manifest(root, "Arrow conversion")
     for key, value in conversion_key(dataset, form, size, shard_mib).items():
@@ -293,10 +327,11 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
     batches, owners, checksums, skipped = [], [], [], {}
     for k, (file, entry) in enumerate(zip(files, table, strict=True)):
         which = f" (the manifest lists it: samples {entry['first']}-{entry['first'] + entry['samples'] - 1})"
-        pairs = read_shard(file, expected, which)
+        name = file if images is None else images.where(k)  # the shard read from its image is named by its URL
+        pairs = read_shard(name, expected, which, None if images is None else images.buffers[k])
         rows = [b.num_rows for b, _ in pairs]
         if sum(rows) != entry["samples"] or any(r != step for r in rows[:-1]) or (rows and rows[-1] > step):
-            raise DatasetError(f"{file}: {sum(rows)} rows in record batches of {sorted(set(rows))}; the manifest "
+            raise DatasetError(f"{name}: {sum(rows)} rows in record batches of {sorted(set(rows))}; the manifest "
                                f"says {entry['samples']} in batches of {step}{which}")
         for b, (batch, extra) in enumerate(pairs):
             try:
@@ -305,7 +340,7 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
             except (KeyError, ValueError, TypeError):
                 checksums.append(None)
                 if verify != "none":
-                    raise DatasetError(f"{file}: record batch {b} has no readable checksums (a damaged or foreign "
+                    raise DatasetError(f"{name}: record batch {b} has no readable checksums (a damaged or foreign "
                                        "file): rebuild it with `loadopt convert CONFIG --force ...`") from None
             batches.append(batch)
             owners.append(k)
@@ -314,7 +349,7 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
         if not np.array_equal(labels, dataset.labels):
             raise DatasetError(f"{root}: labels differ from the source dataset's")
     conversion = ArrowConversion(root, files, batches, np.array(owners, np.int64), checksums, skipped,
-                                 meta.get("source_content", ""))
+                                 meta.get("source_content", ""), images)
     conversion.check(verify)
     return conversion
 

@@ -149,13 +149,14 @@ def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
     else:
         arrow_convert.convert(dataset, form.stored, form.size, shard_mib, progress=progress, on_error=on_error,
                               force=force, verify=verify, engine=engine)
-        skipped = len(arrow_format.open_arrow(path, dataset, form.stored, form.size, shard_mib).skipped)
+        skipped = len(arrow_convert.open_conversion(dataset, form.stored, form.size, shard_mib).skipped)
     seconds = time.perf_counter() - start
     table = shard_work.read_manifest(path, f"the {to} conversion")["shard_table"]
     here = {f.name: f.stat().st_size for f in path.iterdir()}
-    elsewhere = [e["bytes"] for k, e in enumerate(table) if to == "raw" and raw_format.shard_name(k) not in here]
+    data_name = raw_format.shard_name if to == "raw" else arrow_format.shard_name
+    elsewhere = [e["bytes"] for k, e in enumerate(table) if data_name(k) not in here]
     nbytes = sum(here.values()) + sum(elsewhere)  # a reference here, its shards' data on a remote home
-    data = raw_convert.data_home(dataset, path) if to == "raw" else None
+    data = (raw_convert if to == "raw" else arrow_convert).data_home(dataset, path)
     return Conversion(path, len(dataset), form.stored, nbytes, skipped, existed and _mtime(finished) == before,
                       seconds, len(table), sum(1 for e in table if e.get("kept_from")),
                       data.where() if data is not None else None)

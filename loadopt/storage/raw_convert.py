@@ -105,15 +105,18 @@ def data_home(dataset, final: Path) -> remote_shards.RemoteShards | None:
     return remote_shards.data_elsewhere(dataset, final, [shard_name(k) for k in range(shards)])
 
 
+
+
 def open_conversion(dataset, form: Form, size: int | None, shard_mib: float, **checks) -> RawIndex:
     """The finished raw conversion of `dataset` opened (`open_raw`, `checks` its options), its reference fetched
     from the conversions' remote home first when this machine has none."""
     final = raw_path(dataset, form, size, shard_mib)
     remote_shards.fetch_reference(dataset, final, reference_names)
     data = data_home(dataset, final)
-    if data is not None and not data.fs.exists(data.path(MANIFEST)):  # storage.converted changed since
-        raise DatasetError(f"{final}: the reference of a raw conversion whose shards are not at {data.where()}; "
-                           "convert it there with `loadopt convert CONFIG --to raw --force ...`")
+    if data is not None and remote_shards.moved_away(data):
+        raise DatasetError(f"{final}: the reference of a raw conversion whose shards are not at {data.where()} "
+                           "(storage.converted changed since); convert it there with `loadopt convert CONFIG --to "
+                           "raw ...`")
     return open_raw(final, dataset, form, size, shard_mib, data=data, **checks)
 
 
@@ -239,7 +242,9 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
     final = raw_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
     remote_shards.fetch_reference(dataset, final, reference_names)  # made on another machine for the same home
-    if (final / MANIFEST).exists() and not force and not verify:
+    done = (final / MANIFEST).exists()
+    force = force or (done and remote_shards.converted_elsewhere_since(final, data_home(dataset, final)))
+    if done and not force and not verify:
         return final
     with running(engine):  # Ray joined or started for the digest and the shards, stopped after
         # The source's content, recorded with the conversion: read once more, so only where that is cheap

@@ -1,23 +1,22 @@
-"""A raw conversion whose home is remote storage (`storage.converted` on S3, GCS, ...: storage/tier_reads.py): its
+"""A conversion whose home is remote storage (`storage.converted` on S3, GCS, ...: storage/tier_reads.py): its
 shard data written straight there, by whichever process or Ray task wrote the shard, and only its reference kept
-on the local disk (the manifest, each shard's entry and index rows: ~40 bytes a sample).
+on the local disk (the manifest, each shard's entry, and its index rows (raw, ~40 bytes a sample) or its outline
+(Arrow: every byte of the shard file but the samples', storage/arrow_outline.py)).
 
-A shard is written on the writer's own disk (a temporary folder in its cache), its .bin read back against the
-checksums taken while writing it (raw_convert.py), uploaded under a temporary name, renamed, and its size on the
+A shard is written on the writer's own disk (a temporary folder in its cache), read back against the checksums
+taken while writing it (raw_convert.py, arrow_convert.py), uploaded under a temporary name, renamed, and its size on the
 remote checked; the writer returns the shard's small files (`ShardUpload`) and the conversion's process files them
 in its work folder, the entry last (storage/shard_work.py: the resume, the manifest once every shard is there).
 The finished reference is then uploaded beside the data, the manifest last (`tier_reads.publish`), so another
-machine opens the conversion from the remote manifest and index files alone (`fetch_reference`) and reads every
-byte of data through the tier. A Ray task therefore needs no folder shared with the driver.
-
-The Arrow form is not written this way: its index (each record batch's offsets) is inside the data file, and the
-readers take the files' layout from a local copy (tier_reads.ShadowShards). Its conversions for a remote home are
-made in the local cache and uploaded whole by the first reader, as before."""
+machine opens the conversion from the remote manifest and index files (or outlines) alone (`fetch_reference`)
+and reads every byte of data through the tier. A Ray task therefore needs no folder shared with the driver.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -35,13 +34,14 @@ from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import refused, remote_home, remote_path
 
 # Storage held in one process's memory: a forked writer or a Ray task would write its own copy. A conversion there is
-# made whole in the local cache and uploaded by its first reader, as the Arrow form's.
+# made whole in the local cache and uploaded by its first reader.
+log = logging.getLogger(__name__)
 PROCESS_LOCAL = ("memory",)
 
 
 @dataclass
 class RemoteShards:
-    """The remote folder of a raw conversion (`folder`, in `fs`'s own naming) that holds its shard data."""
+    """The remote folder of a conversion (`folder`, in `fs`'s own naming) that holds its shard data."""
 
     base: fsspec.AbstractFileSystem
     folder: str
@@ -92,6 +92,10 @@ class RemoteShards:
             at = c * integrity.CHUNK_BYTES
             yield c, self.fs.cat_file(self.path(name), start=at, end=at + integrity.CHUNK_BYTES)
 
+    def download(self, name: str, local: Path) -> None:
+        """The file `name` of the folder to `local`."""
+        self.fs.get_file(self.path(name), str(local))
+
     def copy(self, source: RemoteShards, name: str, target: str) -> None:
         """The file `name` of another conversion's folder as `target` here (a copy on the storage itself)."""
         self.fs.copy(source.path(name), self.path(target))
@@ -103,12 +107,28 @@ class RemoteShards:
 
 
 def destination(dataset: Any, final: Path) -> RemoteShards | None:
-    """Where the shard data of the raw conversion `final` goes when the dataset's conversions live on remote
+    """Where the shard data of the conversion `final` goes when the dataset's conversions live on remote
     storage; None when they live on the local disk."""
     home, target = remote_home(dataset), remote_path(dataset, final)
     if home is None or target is None or home[0].protocol in PROCESS_LOCAL:
         return None
     return RemoteShards(home[0], target)
+
+
+def moved_away(data: RemoteShards | None) -> bool:
+    """Whether the remote home of a conversion's data (a reference's `data_home`) holds no finished conversion:
+    `storage.converted` was changed since the reference here was made."""
+    return data is not None and not data.fs.exists(data.path(shard_work.MANIFEST))
+
+
+def converted_elsewhere_since(final: Path, data: RemoteShards | None) -> bool:
+    """`moved_away`, said in a warning: the finished conversion `final` is made again at its new home (the data
+    at the old one is left as it is)."""
+    if data is None or not moved_away(data):
+        return False
+    log.warning("%s: its shards are not at %s (storage.converted changed since): converting there", final,
+                data.where())
+    return True
 
 
 def writable_destination(dataset: Any, final: Path) -> RemoteShards | None:
@@ -151,20 +171,28 @@ def write_and_upload(write: Callable[..., Any], remote: RemoteShards, data_name:
     """On the shard's writer (this process, a forked one, a Ray task): shard `job` written by `write` into a
     temporary folder of this machine's cache, its data file uploaded to `remote`, its small files returned. `work`
     (the conversion's own folder) is not used: it may be on another machine."""
-    scratch = cache_dir() / "raw"
-    scratch.mkdir(parents=True, exist_ok=True)
-    integrity.remove_dead_temps(scratch)  # what a writer killed on this machine left
-    folder = integrity.temp_path(scratch / f"upload-{job.k}")
-    folder.mkdir()
-    try:
+    with scratch(f"upload-{job.k}") as folder:
         entry = write(folder, job, workers, written)
         name = data_name(job.k)
         remote.upload(folder / name, name)
         files = {p.name: p.read_bytes() for p in folder.iterdir()
                  if p.name not in (name, shard_work.entry_name(job.k)) and not p.name.startswith(".")}
         return ShardUpload(dict(entry), files)
+
+
+@contextlib.contextmanager
+def scratch(name: str) -> Iterator[Path]:
+    """A temporary folder `name` in this machine's cache for a shard on its way to or from the remote folder,
+    removed after (and by the next writer here when this process is killed)."""
+    folder = cache_dir() / "raw"
+    folder.mkdir(parents=True, exist_ok=True)
+    integrity.remove_dead_temps(folder)  # what a writer killed on this machine left
+    mine = integrity.temp_path(folder / name)
+    mine.mkdir()
+    try:
+        yield mine
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(mine, ignore_errors=True)
 
 
 def receive(work: Path, upload: ShardUpload) -> dict[str, Any]:

@@ -10,10 +10,11 @@ samples) and raw shards one request per coalesced run, into the loader's staging
 Where: a dataset on the local disk converts into the cache (`$LOADOPT_CACHE`); an emulated tier over
 it reads those files through its limits. A dataset on other storage (a tier's `base`: `s3://`,
 `http(s)://`, an NFS path) keeps its conversions on that storage: `storage.converted`, by default
-`<dataset root>/.loadopt/`. A conversion for a remote location is made in the local cache, then
-uploaded (the file that marks it finished goes last: a half-uploaded one is never used); the local
-copy stays as the reference that validates it (and the Arrow file's layout is read from it), every
-read of the data goes to the remote copy through the tier. Where the source's storage cannot be written
+`<dataset root>/.loadopt/`. A conversion for a remote location is written there shard by shard by its
+writers, only its reference kept in the local cache (storage/remote_shards.py: the manifest, the raw
+form's index rows, the Arrow shards' outlines); one made in the local cache before is uploaded by its
+first reader (`publish`: the file that marks it finished goes last, a half-uploaded one is never used).
+Every read of the data goes to the remote copy through the tier. Where the source's storage cannot be written
 (`http(s)://`, never written to; a bucket that refuses the upload) and `storage.converted` is not set,
 the conversions stay in the local cache and are read from the local disk directly, as on plain local
 disk: their runs' `bytes_source` says so. A `storage.converted` that cannot be written is a one-line
@@ -32,6 +33,7 @@ import fsspec
 import numpy as np
 
 from loadopt.errors import ConfigError, DatasetError
+from loadopt.storage.arrow_outline import Outline
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote import is_local_fs, redact
 from loadopt.storage.tiers import storage_under, tier_of
@@ -256,36 +258,6 @@ def coalesce(offsets: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
 # Arrow files through a tier
 
 
-def arrow_layout(files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(shard file, offset, length) of each sample's bytes (the last column) in the local Arrow shard files, in
-    sample order, from their memory maps (only metadata pages and variable-width offsets are touched)."""
-    import pyarrow as pa
-
-    owners, offsets, lengths = [], [], []
-    for k, path in enumerate(files):
-        mapped = pa.memory_map(str(path), "r")
-        reader = pa.ipc.open_file(mapped)
-        mapped.seek(0)
-        base = mapped.read_buffer(1).address
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
-            column = batch.column(batch.num_columns - 1)
-            rows, kind = batch.num_rows, column.type
-            owners.append(np.full(rows, k, np.int64))
-            if pa.types.is_fixed_size_binary(kind):  # rows back to back
-                width = kind.byte_width
-                first = column.buffers()[1].address + column.offset * width - base
-                offsets.append(first + np.arange(rows, dtype=np.int64) * width)
-                lengths.append(np.full(rows, width, np.int64))
-            else:  # (large) binary: offsets into the data buffer
-                dtype = np.int64 if pa.types.is_large_binary(kind) else np.int32
-                item = np.dtype(dtype).itemsize
-                bounds = np.frombuffer(column.buffers()[1], dtype, rows + 1, column.offset * item).astype(np.int64)
-                offsets.append(column.buffers()[2].address - base + bounds[:-1])
-                lengths.append(np.diff(bounds))
-    return np.concatenate(owners), np.concatenate(offsets), np.concatenate(lengths)
-
-
 class ShadowShards:
     """An image of each shard file of an Arrow conversion in anonymous memory whose samples' bytes are fetched
     through the tier when a batch needs them (`fetch`) and let go after (`drop`); everything else in the files
@@ -293,20 +265,16 @@ class ShadowShards:
     The loaders build their usual zero-copy views over `record_batches()`, so every form reads through the tier
     with the code that reads the memory maps."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, paths: list[str], local: list[Path], threads: int = 8) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, paths: list[str], outlines: list[Outline],
+                 threads: int = 8) -> None:
         self.fs, self.paths, self.threads = fs, paths, threads
-        self.file_of, self.offsets, self.lengths = arrow_layout(local)
-        self.buffers, self.views = [], []
-        gaps: list[tuple[int, int, int]] = []
-        for k, path in enumerate(local):
-            size = os.path.getsize(path)
-            self.buffers.append(mmap.mmap(-1, max(size, 1)))
-            self.views.append(np.frombuffer(self.buffers[-1], np.uint8)[:size])
-            mine = self.file_of == k
-            order = np.argsort(self.offsets[mine])
-            starts = np.r_[0, self.offsets[mine][order] + self.lengths[mine][order]]
-            ends = np.r_[self.offsets[mine][order], size]
-            gaps += [(k, int(a), int(b - a)) for a, b in zip(starts, ends, strict=True) if b > a]
+        self.file_of = np.concatenate([np.full(len(o.offsets), k, np.int64) for k, o in enumerate(outlines)])
+        self.offsets = np.concatenate([o.offsets for o in outlines])
+        self.lengths = np.concatenate([o.lengths for o in outlines])
+        self.buffers = [outline.image() for outline in outlines]
+        self.views = [np.frombuffer(b, np.uint8)[:o.size] for b, o in zip(self.buffers, outlines, strict=True)]
+        # The bytes besides the samples': from the outlines where they hold them, else fetched through the tier.
+        gaps = [(k, int(at), int(n)) for k, o in enumerate(outlines) if o.data is None for at, n in o.runs.tolist()]
         self._read(gaps)
         self.fetched = sum(n for _, _, n in gaps)
 
@@ -348,6 +316,15 @@ class ShadowShards:
         else:
             self._read(runs, pool)
         return sum(n for _, _, n in runs)
+
+    def read(self, k: int, offset: int, nbytes: int) -> bytes:
+        """`nbytes` at `offset` of shard file `k`, through the tier (not kept in the image)."""
+        out = np.empty(nbytes, np.uint8)
+        TierReader(self.fs, self.paths).read(k, offset, out)
+        return out.tobytes()
+
+    def where(self, k: int) -> str:
+        return redact(self.fs.unstrip_protocol(self.paths[k]))
 
     def drop(self, indices: np.ndarray) -> None:
         """Give back the memory of the pages wholly inside these samples (they read as zeros until the
