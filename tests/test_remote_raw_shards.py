@@ -149,13 +149,18 @@ def test_ray_tasks_upload_their_shards_without_the_drivers_folder(own_cache, tmp
     assert not list((elsewhere / "raw").glob(".upload-*"))  # each task's temporary folder removed
 
 
-def test_a_reference_whose_shards_are_on_another_home_is_one_line(own_cache, tmp_path, s3_images):  # noqa: F811
+def test_storage_converted_moved_converts_at_the_new_home_and_leaves_the_old(own_cache, tmp_path, s3_images,  # noqa: F811
+                                                                            caplog):
     config, dataset, _ = _remote(tmp_path, s3_images, "first")
     form = _form(config)
-    conversions.convert("raw", dataset, form, SHARD_MIB)
+    first = conversions.convert("raw", dataset, form, SHARD_MIB)
     _, moved, _ = _remote(tmp_path, s3_images, "second")  # storage.converted changed: the same local reference
-    with pytest.raises(DatasetError, match=r"whose shards are not at s3://.*raw-second.*--force") as raised:
-        conversions.convert("raw", moved, form, SHARD_MIB)
+    with pytest.raises(DatasetError, match=r"whose shards are not at s3://.*raw-second.*changed since.*"
+                                           r"loadopt convert CONFIG --to raw") as raised:  # opened, not converted
+        raw_convert.open_conversion(moved, form.stored, form.size, SHARD_MIB)
     assert "\n" not in str(raised.value)
-    again = conversions.convert("raw", moved, form, SHARD_MIB, force=True)  # the remedy the line names
-    assert again.data_at is not None and "raw-second" in again.data_at
+    with caplog.at_level("WARNING"):
+        again = conversions.convert("raw", moved, form, SHARD_MIB)
+    assert "storage.converted changed since): converting there" in caplog.text
+    assert not again.reused and again.data_at is not None and "raw-second" in again.data_at
+    assert first.data_at is not None and s3_fs().exists(first.data_at.removeprefix("s3://"))  # the old home left

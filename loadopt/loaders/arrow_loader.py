@@ -117,7 +117,8 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         remote = None if conversion.images else tier_reads.publish(self.dataset, path, marker=shard_work.MANIFEST)
         if isinstance(conversion.images, tier_reads.ShadowShards):  # the data on the remote home, outlines here
             self._shadow = conversion.images
-        elif tier is not None:  # every byte through the tier: no memory map of the files
+        elif (tier := tier_reads.conversion_tier(self.dataset)) is not None:  # asked again: an upload refused
+            # just now keeps the conversion in the local cache, read directly. Else every byte through the tier
             where = remote or str(path)
             self._shadow = tier_reads.ShadowShards(tier, [f"{where}/{f.name}" for f in conversion.files],
                                                    [Outline.of(f) for f in conversion.files], self.settings.io_threads)
