@@ -50,7 +50,7 @@ def damaged_jpeg_on_ray(tmp_path, cache):
 def _reference_of_another_home(tmp_path, cache, monkeypatch, to: str, backend: str):
     """A conversion made for one remote home, then storage.converted changed to another: the local
     reference names shards that are not there. `bench --no-convert` says so in one line (a bench that may convert,
-    and `loadopt convert`, make it again there: tests/test_remote_arrow_shards.py)."""
+    and `loadopt convert`, make it again there: tests/test_remote_shards.py)."""
     pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[test]')")
     s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[remote]')")
     from moto.server import ThreadedMotoServer

@@ -98,11 +98,7 @@ def reference_names(meta: dict) -> list[str]:
 
 def data_home(dataset, final: Path) -> remote_shards.RemoteShards | None:
     """Where the shard data of the finished conversion `final` is when `final` holds its reference only."""
-    try:
-        shards = len(shard_work.read_manifest(final, "raw shards")["shard_table"])
-    except DatasetError:
-        return None
-    return remote_shards.data_elsewhere(dataset, final, [shard_name(k) for k in range(shards)])
+    return remote_shards.data_home(dataset, final, "raw shards", shard_name)
 
 
 

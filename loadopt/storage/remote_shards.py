@@ -148,11 +148,16 @@ def writable_destination(dataset: Any, final: Path) -> RemoteShards | None:
     return remote
 
 
-def data_elsewhere(dataset: Any, final: Path, data_names: list[str]) -> RemoteShards | None:
-    """The remote folder holding the conversion's data when its local folder `final` is a reference only (its
-    `data_names` not there); None when the data is in `final` itself."""
+def data_home(dataset: Any, final: Path, what: str, shard_name: Callable[[int], str]) -> RemoteShards | None:
+    """The remote folder holding the shard data of the finished conversion `final` (a manifest of `what`, its
+    shards named by `shard_name`) when `final` holds its reference only; None when the data is in `final` itself
+    or there is no finished conversion."""
+    try:
+        shards = len(shard_work.read_manifest(final, what)["shard_table"])
+    except DatasetError:
+        return None
     remote = destination(dataset, final)
-    if remote is None or all((final / name).exists() for name in data_names):
+    if remote is None or all((final / shard_name(k)).exists() for k in range(shards)):
         return None
     return remote
 
