@@ -24,9 +24,11 @@ Parts (`--part`, all by default):
   page cache before each rank, as on a node of its own).
   `RESULT index_per_rank_<n>_world<w>`: the largest rank's bytes over (the index / world), target <= 1.2.
   The same for the Arrow form of the records (`--index-forms raw,arrow`): its index is each record batch's
-  offsets (8 bytes a sample), views of the mapped shards; a rank needs the 4 KiB pages of the offsets it located
-  (`ArrowColumn.index_bytes_read`) and the record batch table; resident: its `.arrow` mappings' pages (offsets,
-  footers and the kernel's fault-around). `RESULT index_per_rank_arrow_<n>_world<w>`, target <= 1.2.
+  offsets (8 bytes a sample); a rank reads the offsets of each run it locates (a source shard's rows within a
+  record batch) from the shard file with pread into arrays of its own, and holds those, the record batch table
+  and the table of runs (`ArrowColumn.index_bytes_read`); resident: its `.arrow` mappings' pages (the samples'
+  own pages, as the form maps index and data in one file, and footers). `RESULT
+  index_per_rank_arrow_<n>_world<w>`, target <= 1.2.
 
 - `first_batch`: `--first-samples` records (default 10M of 512 bytes, 10,000 files, generated once into the
   cache) opened and read by `make_loader(backend="torch")` under each shuffle, each in a fresh process: the
@@ -236,7 +238,9 @@ def _rank_index(args: tuple[str, str, int, int, int]) -> dict:
 
         conversion = arrow_format.open_arrow(arrow_format.arrow_path(dataset, "records", None), dataset, "records",
                                              None, verify="none")
-        index = ArrowColumn(list(conversion), conversion.batch_file.copy())
+        runs = shard_table(dataset, config.pipeline.shard_samples).bounds
+        index = ArrowColumn(list(conversion), conversion.batch_file.copy(), runs, conversion.files,
+                            conversion.offsets_at)  # as the arrow backend opens it
         locate, whole, suffix, files = index.locate, index.index_bytes, ".arrow", len(conversion.files)
     opened = time.perf_counter() - start
     windows = ShardWindows(shard_table(dataset, config.pipeline.shard_samples), config.pipeline.window_shards)

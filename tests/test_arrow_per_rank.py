@@ -1,6 +1,7 @@
 """The Arrow form's index per rank: a rank locating its share of an epoch under the window shuffle reads the
-offsets of its own record batches (views of the mapped shards, nothing concatenated over the dataset), and the
-bytes it locates are its samples'."""
+offsets of its own runs (a source shard's rows within a record batch: from the shard file with pread, or copied
+from the file's image), nothing concatenated over the dataset, so it holds its share of the index and the
+tables; the bytes it locates are its samples'; `forget` lets go of them."""
 
 import numpy as np
 
@@ -27,9 +28,13 @@ def test_a_rank_reads_its_share_of_the_arrow_index_and_locates_its_own_bytes(tmp
                                          None, 0.5)
     assert len(conversion.files) > 2
     windows = ShardWindows(shard_table(dataset, config.pipeline.shard_samples), config.pipeline.window_shards)
+    runs = shard_table(dataset, config.pipeline.shard_samples).bounds
+    assert (conversion.offsets_at >= 0).all()  # each batch's offsets found in its mapped file
     needed = []
     for rank in range(WORLD):
-        column = ArrowColumn(list(conversion), conversion.batch_file.copy())
+        # rank 0 copies its offsets from the batches' own buffers (a file's image), the others pread them
+        files = (conversion.files, conversion.offsets_at) if rank else (None, None)
+        column = ArrowColumn(list(conversion), conversion.batch_file.copy(), runs, *files)
         order = EpochOrder(len(dataset), config.pipeline.batch_size, config.seed, 0, rank, WORLD, "window",
                            windows=windows)
         for batch in order.batches():
@@ -39,7 +44,10 @@ def test_a_rank_reads_its_share_of_the_arrow_index_and_locates_its_own_bytes(tmp
         needed.append(column.index_bytes_read())
     whole = column.index_bytes()
     assert whole >= len(dataset) * 8  # an int64 offset a sample
-    # each rank's pages of offsets: its 4 files' and the page at each end, far under the whole index
-    assert max(needed) < 0.5 * whole, (needed, whole)
-    assert sum(needed) >= whole  # together the ranks read every sample's offsets
-    assert np.all(np.array(needed) > 0)
+    # each rank holds its 4 files' offsets (runs straddle record batches of 1,024: one more offset a piece)
+    tables = column.first_rows.nbytes + column.piece_first.nbytes
+    assert max(needed) <= 1.05 * whole / WORLD + tables, (needed, whole)
+    assert sum(needed) - WORLD * tables >= len(dataset) * 8  # together the ranks read every sample's offsets
+    assert np.all(np.array(needed) > tables)
+    column.forget()
+    assert column.index_bytes_read() == tables

@@ -1,12 +1,19 @@
 """Where each sample's stored bytes are in an opened Arrow conversion (`ArrowColumn`): the byte source of the
 arrow backend's fillers.
 
-A rank reads only its share of the index: each record batch's offsets (and frame dims) stay views of the mapped
-shard, gathered batch by batch, so a rank touches the pages of the rows it locates and nothing is concatenated
-over the whole dataset (at a billion samples that would be 16-32 GB a rank). `index_bytes_read` counts those
-pages, as `raw_format.RawIndex` does for the raw form."""
+A rank holds only its share of the index. The samples' offsets are read piece by piece when first located, a piece
+being the rows of one source shard within one record batch (the runs a rank is dealt under the window shuffle):
+read from the shard file with `pread` into arrays of its own where the shard is a local file (a mapped page of
+offsets is shared by two ranks' runs, and holding whole pages made a rank's index 2x its share), copied from the
+file's image where it is one. Nothing is concatenated over the whole dataset (at a billion samples that would be
+8-16 GB a rank). Frame dims stay views of the mapped file, counted by the page. `index_bytes_read` counts what
+a rank holds, as `raw_format.RawIndex` does for the raw form; `forget` lets go of the pieces (each epoch)."""
 
 from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,8 +31,12 @@ class ArrowColumn:
     variable-length one (whole frames, JPEGs, records) an array per record batch, each sample's start and length
     read from the batch's offsets when it is located."""
 
-    def __init__(self, batches: list[pa.RecordBatch], batch_file: np.ndarray) -> None:
-        self.batches = batches
+    def __init__(self, batches: list[pa.RecordBatch], batch_file: np.ndarray, runs: np.ndarray | None = None,
+                 files: list[Path] | None = None, offsets_at: np.ndarray | None = None) -> None:
+        """`runs`: the first sample of each source shard (the shard table's bounds; None: a piece per record
+        batch); `files` and `offsets_at`: each batch's shard file and where its offsets start in it (-1, or none
+        given: copied from the batch's own buffer)."""
+        self.batches, self._batch_file = batches, batch_file.copy()
         self.first_rows = np.cumsum([0] + [b.num_rows for b in batches])[:-1].astype(np.int64)
         self.columns = [b.column(b.num_columns - 1) for b in batches]
         kind = self.columns[0].type
@@ -50,7 +61,13 @@ class ArrowColumn:
         self.dims: list[list[np.ndarray]] | None = [[b.column(name).to_numpy() for name in FRAME_FIELDS]
                                                     for b in batches] \
             if batches and all(n in names for n in FRAME_FIELDS) else None
-        self._pages: set[int] = set()  # the index pages (offsets, frame dims) located so far, by address
+        self._pages: set[int] = set()  # the frame dims' pages located so far, by address
+        self._samples = int(self.first_rows[-1] + batches[-1].num_rows) if batches else 0
+        cuts = self.first_rows if runs is None else np.union1d(self.first_rows, np.asarray(runs, np.int64))
+        self.piece_first = np.asarray(cuts[cuts < self._samples], np.int64)  # each piece's first sample
+        self._files, self._offsets_at = files, offsets_at
+        self._pieces: dict[int, np.ndarray] = {}  # piece -> its rows' offsets and the next one, held
+        self._reading = threading.Lock()
 
     def locate(self, indices: np.ndarray) -> Located[np.ndarray]:
         """The samples' stored bytes: views of the mapped (or fetched) file, read when touched."""
@@ -64,12 +81,40 @@ class ArrowColumn:
             return Located(self.sources, self.source_of[which].astype(np.int32), starts, lengths,
                            int(lengths.sum()), frames, mapped=True)
         starts, ends = np.empty(len(indices), np.int64), np.empty(len(indices), np.int64)
-        for b, mine in _by_batch(which):
-            bounds, at = self.bounds[b], rows[mine]
-            starts[mine], ends[mine] = bounds[at], bounds[at + 1]
-            self._touch(bounds, at, 1)
+        piece = np.searchsorted(self.piece_first, indices, side="right") - 1
+        for p, mine in _by_batch(piece):
+            offsets = self._pieces.get(p)
+            if offsets is None:
+                offsets = self._read_piece(p)
+            at = indices[mine] - self.piece_first[p]
+            starts[mine], ends[mine] = offsets[at], offsets[at + 1]
         lengths = ends - starts
         return Located(self.sources, which, starts, lengths, int(lengths.sum()), frames, mapped=True)
+
+    def _read_piece(self, p: int) -> np.ndarray:
+        """Piece `p`'s offsets (its rows and the one after), read from the shard file or copied, and kept."""
+        first = int(self.piece_first[p])
+        b = int(np.searchsorted(self.first_rows, first, side="right")) - 1
+        bounds, lo = self.bounds[b], first - int(self.first_rows[b])
+        end = int(self.piece_first[p + 1]) if p + 1 < len(self.piece_first) else self._samples
+        count = end - first + 1
+        at = -1 if self._offsets_at is None else int(self._offsets_at[b])
+        if at < 0 or self._files is None:
+            offsets = bounds[lo:lo + count].copy()
+        else:  # from the file, not through its mapping: no page of a neighbour's rows held here
+            fd = os.open(self._files[int(self._batch_file[b])], os.O_RDONLY)
+            try:
+                data = os.pread(fd, count * bounds.itemsize, at + lo * bounds.itemsize)
+            finally:
+                os.close(fd)
+            offsets = np.frombuffer(data, bounds.dtype).copy()
+        with self._reading:
+            return self._pieces.setdefault(p, offsets)
+
+    def forget(self) -> None:
+        """Let go of the offsets read so far (a new epoch deals other runs to this rank)."""
+        with self._reading:
+            self._pieces = {}
 
     def _frames(self, which: np.ndarray, rows: np.ndarray) -> np.ndarray:
         assert self.dims is not None, "whole frames only"
@@ -87,9 +132,11 @@ class ArrowColumn:
         self._pages.update(pages.tolist())
 
     def index_bytes_read(self) -> int:
-        """The index this reader has needed: the 4 KiB pages of offsets (and frame dims) holding the rows it
-        located, and its record batch table (what a rank of a web-scale dataset holds, against `index_bytes`)."""
-        return len(self._pages) * _PAGE + self.first_rows.nbytes
+        """The index this reader holds: the offsets of the pieces it located (since `forget`), the 4 KiB pages of
+        frame dims holding its rows, and its tables of record batches and pieces (what a rank of a web-scale
+        dataset holds, against `index_bytes`)."""
+        held = sum(offsets.nbytes for offsets in list(self._pieces.values()))
+        return held + len(self._pages) * _PAGE + self.first_rows.nbytes + self.piece_first.nbytes
 
     def index_bytes(self) -> int:
         """The whole conversion's index: every record batch's offsets and frame dims."""

@@ -47,6 +47,7 @@ from loadopt.storage.arrow_convert import convert, open_conversion, reference_na
 from loadopt.storage.arrow_format import ArrowConversion, arrow_path, shard_files
 from loadopt.storage.arrow_outline import Outline
 from loadopt.storage.pagecache import release_pages
+from loadopt.storage.shards import shard_table
 
 
 class ArrowSettings(RingSettings):
@@ -123,7 +124,10 @@ class ArrowLoader(RingLoader[ArrowSettings]):
             self._shadow = tier_reads.ShadowShards(tier, [f"{where}/{f.name}" for f in conversion.files],
                                                    [Outline.of(f) for f in conversion.files], self.settings.io_threads)
             batches = self._shadow.record_batches()
-        self._column = ArrowColumn(batches, conversion.batch_file.copy())
+        runs = shard_table(self.dataset, self.pipeline.shard_samples).bounds  # what the window shuffle deals
+        mapped = self._shadow is None  # the batches are the shard files' mappings: offsets read with pread
+        self._column = ArrowColumn(batches, conversion.batch_file.copy(), runs, conversion.files if mapped else None,
+                                   conversion.offsets_at if mapped else None)
 
     def storage_files(self) -> list[str]:
         if tier_reads.remote_home(self.dataset) is not None:
@@ -156,6 +160,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         return self.filler.fill(self._ring[slot], indices, self.column.locate(indices), epoch, pool)
 
     def fill_ring(self, batches, epoch: int, free: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
+        self.column.forget()  # the last epoch's runs: this one deals others
         if self._shadow is not None:
             self._producer_via_tier(batches, epoch, free, ready, stop)
             return

@@ -228,14 +228,16 @@ class ShardImages(Protocol):
 
 class ArrowConversion(list):
     """The record batches of an opened Arrow conversion, all its shards' in order, with what their metadata says:
-    each batch's chunk checksums and first sample, the shard file it is in (`files`, `batch_file`), the samples
-    the conversion skipped (index -> reason) and the source's content digest."""
+    each batch's chunk checksums and first sample, the shard file it is in (`files`, `batch_file`) and where its
+    samples' offsets are in that file (`offsets_at`, -1 where not read from a file: `offsets_position`), the
+    samples the conversion skipped (index -> reason) and the source's content digest."""
 
     def __init__(self, path: Path, files: list[Path], batches: list, batch_file: np.ndarray,
                  checksums: list[dict | None], skipped: dict[int, str], source_content: str,
-                 images: ShardImages | None = None) -> None:
+                 images: ShardImages | None = None, offsets_at: np.ndarray | None = None) -> None:
         super().__init__(batches)
         self.path, self.files, self.batch_file, self.checksums = path, files, batch_file, checksums
+        self.offsets_at = offsets_at if offsets_at is not None else np.full(len(batches), -1, np.int64)
         self.skipped, self.source_content, self.images = skipped, source_content, images
         self.first_rows = np.cumsum([0] + [b.num_rows for b in batches])[:-1].astype(np.int64)
 
@@ -288,8 +290,20 @@ def read_shard(file: Path | str, expected: pa.Schema, samples: str = "",
     """The record batches of one shard file, memory-mapped (or read from its `image` in memory, `file` then only
     its name), and each one's custom metadata; its schema checked against `expected`. A missing, truncated or
     foreign file is one line naming it (and `samples`: which)."""
+    return read_shard_at(file, expected, samples, image)[0]
+
+
+def read_shard_at(file: Path | str, expected: pa.Schema, samples: str = "",
+                  image: Any = None) -> tuple[list[tuple[pa.RecordBatch, dict]], int | None]:
+    """`read_shard`, and the address of the file's first byte in its memory map (None for an image): a buffer's
+    address less it is the buffer's position in the file."""
+    base = None
     try:
-        reader = pa.ipc.open_file(pa.memory_map(str(file), "r") if image is None else pa.py_buffer(image))
+        if image is None:
+            source = pa.memory_map(str(file), "r")
+            base = source.read_buffer(1).address if source.size() else None  # zero-copy: nothing read
+            source.seek(0)
+        reader = pa.ipc.open_file(source if image is None else pa.py_buffer(image))
         pairs = [reader.get_batch_with_custom_metadata(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
         raise DatasetError(f"{file}: Arrow shard not found{samples}") from None
@@ -304,7 +318,17 @@ def read_shard(file: Path | str, expected: pa.Schema, samples: str = "",
         if meta.get(key.decode()) != value.decode():
             raise DatasetError(f"{file}: {key.decode()} is {meta.get(key.decode())!r}, the config needs "
                                f"{value.decode()!r}")
-    return [(batch, {k.decode(): v.decode() for k, v in (custom or {}).items()}) for batch, custom in pairs]
+    return [(batch, {k.decode(): v.decode() for k, v in (custom or {}).items()}) for batch, custom in pairs], base
+
+
+def offsets_position(batch: pa.RecordBatch, base: int | None) -> int:
+    """Where the samples' offsets (a binary last column's) of `batch` start in its mapped shard file (`base`: the
+    file's address, `read_shard_at`); -1 for a fixed-size column or a batch read from an image."""
+    column = batch.column(batch.num_columns - 1)
+    if base is None or not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        return -1
+    item = 8 if pa.types.is_large_binary(column.type) else 4
+    return column.buffers()[1].address + column.offset * item - base
 
 
 def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
@@ -324,11 +348,11 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
         raise DatasetError(f"{root / shard_work.MANIFEST}: its shards hold {covered} samples; the dataset has "
                            f"{len(dataset)}")
     expected, files = arrow_schema(dataset, form, size), shard_files(root, meta)
-    batches, owners, checksums, skipped = [], [], [], {}
+    batches, owners, checksums, skipped, offsets_at = [], [], [], {}, []
     for k, (file, entry) in enumerate(zip(files, table, strict=True)):
         which = f" (the manifest lists it: samples {entry['first']}-{entry['first'] + entry['samples'] - 1})"
         name = file if images is None else images.where(k)  # the shard read from its image is named by its URL
-        pairs = read_shard(name, expected, which, None if images is None else images.buffers[k])
+        pairs, base = read_shard_at(name, expected, which, None if images is None else images.buffers[k])
         rows = [b.num_rows for b, _ in pairs]
         if sum(rows) != entry["samples"] or any(r != step for r in rows[:-1]) or (rows and rows[-1] > step):
             raise DatasetError(f"{name}: {sum(rows)} rows in record batches of {sorted(set(rows))}; the manifest "
@@ -344,12 +368,13 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
                                        "file): rebuild it with `loadopt convert CONFIG --force ...`") from None
             batches.append(batch)
             owners.append(k)
+            offsets_at.append(offsets_position(batch, base))
     if verify_labels and form != "tokens":
         labels = np.concatenate([b.column(1).to_numpy() for b in batches])
         if not np.array_equal(labels, dataset.labels):
             raise DatasetError(f"{root}: labels differ from the source dataset's")
     conversion = ArrowConversion(root, files, batches, np.array(owners, np.int64), checksums, skipped,
-                                 meta.get("source_content", ""), images)
+                                 meta.get("source_content", ""), images, np.array(offsets_at, np.int64))
     conversion.check(verify)
     return conversion
 
