@@ -55,7 +55,10 @@ _CROP_FRAMES = 64  # stored frames the crop + resize ceiling cycles through (dec
 
 @functools.lru_cache(maxsize=1)
 def memcpy_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache (median of `repeats`).
+    """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache, at most 1 GiB (median of `repeats`); a
+    `$LOADOPT_CEILING_SECONDS` under 1 s scales the buffer down with it (at least 64 MiB): allocating and
+    first touching 2 GiB took 3-6 s a measurement on a 2-core VM whose L3 reads 480 MB, and a bench measures it
+    twice.
 
     Cached per process: a machine property, and tests run many benches in one process."""
     try:
@@ -64,6 +67,7 @@ def memcpy_bandwidth(repeats: int = 5) -> float:
     except (OSError, ValueError, KeyError):
         l3 = 32 << 20
     size = min(8 * l3, 1 << 30)
+    size = max(min(size, 64 << 20), int(size * min(1.0, ceiling_seconds())))
     source, target = np.ones(size, np.uint8), np.empty(size, np.uint8)
     np.copyto(target, source)  # the first copy faults the pages in; it is not timed
     times = []
@@ -124,7 +128,8 @@ def _evict_head(path: str, length: int) -> int:
 
 def ceiling_seconds() -> float:
     """Each decode and crop ceiling's timed window: 1 s, or `$LOADOPT_CEILING_SECONDS` (shorter: a quicker
-    bench and noisier ceilings; the test suite, which runs a hundred tiny benches, uses 0.2 s)."""
+    bench and noisier ceilings, the memory copy's buffer scaled down too; the test suite, which runs a hundred
+    tiny benches, uses 0.2 s)."""
     text = os.environ.get(CEILING_SECONDS_ENV, "").strip()
     if not text:
         return _CEILING_SECONDS
