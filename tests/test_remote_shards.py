@@ -1,9 +1,10 @@
 """A raw or Arrow conversion whose home is S3 (moto's server on loopback; storage/remote_shards.py): each shard's
 data is uploaded by whichever process or Ray task wrote it, only the reference (manifest, entries, and the raw
 index rows or the Arrow outlines: storage/arrow_outline.py) stays on the local disk, another machine opens it from
-the remote manifest and reference alone, a stopped conversion resumes from the shards already uploaded, a damaged
-remote shard is named by the check, and a moved `storage.converted` converts at the new home. The data is byte for
-byte that of the same conversion made on the local disk, and the batches read through the tier are the same."""
+the remote manifest and reference alone, a stopped conversion resumes from the shards already uploaded (a killed
+writer's temporary upload removed there), a damaged remote shard is named by the check, and a moved
+`storage.converted` converts at the new home. The data is byte for byte that of the same conversion made on the
+local disk, and the batches read through the tier are the same."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def test_another_machine_reads_it_from_the_remote_manifest_and_reference(
 
 def test_a_stopped_conversion_resumes_from_the_shards_already_on_s3(own_cache, tmp_path, s3_images,  # noqa: F811
                                                                    monkeypatch, form_):
-    config, dataset, _ = _remote(tmp_path, s3_images, "resume", form_)
+    config, dataset, folder = _remote(tmp_path, s3_images, "resume", form_)
     uploaded: list[str] = []
     upload = remote_shards.RemoteShards.upload
 
@@ -175,10 +176,16 @@ def test_a_stopped_conversion_resumes_from_the_shards_already_on_s3(own_cache, t
         form_.module.convert(dataset, stored.stored, stored.size, SHARD_MIB, progress=stop_after_two, workers=1)
     first = list(uploaded)
     uploaded.clear()
+    fs = s3_fs()
+    shard = next(p for p in fs.find(folder) if p.endswith("/" + first[0]))
+    # what a writer killed between its upload and the rename leaves (another host's: its pid means nothing here)
+    leftover = shard.rsplit("/", 1)[0] + f"/.{form_.shard_name(7)}.another-node.4242.0badcafe.tmp"
+    fs.pipe_file(leftover, b"half a shard")
     form_.module.convert(dataset, stored.stored, stored.size, SHARD_MIB, workers=1)
     done = conversions.convert(form_.to, dataset, stored, SHARD_MIB)
     assert len(first) >= 2 and not set(first) & set(uploaded), (first, uploaded)  # the uploaded ones kept
     assert len(first) + len(uploaded) == done.shards
+    assert not fs.exists(leftover)  # removed once every shard was there, before the manifest
 
 
 def test_a_damaged_shard_on_s3_is_named_by_the_check(own_cache, tmp_path, s3_images, form_):  # noqa: F811

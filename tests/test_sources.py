@@ -311,7 +311,9 @@ def test_webdataset_peer_reads_the_datasets_own_shards(tmp_path, image_folder, o
 def test_shards_from_webdatasets_own_writer_and_both_formats_over_s3(tmp_path, image_folder, own_cache,
                                                                         s3_endpoint):  # noqa: F811 - a fixture
     """Shards written by webdataset's ShardWriter read as written; both formats read from S3 (moto) by ranges,
-    and torch delivers the same labels in the same order from there as from the local copy."""
+    and torch delivers the same labels in the same order from there as from the local copy; their raw and Arrow
+    conversions are written to S3 beside them (the shards' data there, only the reference here) and deliver
+    the same labels as the local copy's."""
     wds = pytest.importorskip("webdataset")
     import s3fs
 
@@ -334,3 +336,11 @@ def test_shards_from_webdatasets_own_writer_and_both_formats_over_s3(tmp_path, i
         dataset = open_dataset(remote)
         assert not dataset.is_local() and dataset.read(7) == samples[7][2]
         assert _epoch_labels(remote, "torch", num_workers=0) == _epoch_labels(local, "torch", num_workers=0)
+        for backend, data in (("arrow", ".arrow"), ("posix", ".bin")):  # converted into the bucket, read back
+            settings = {"form": "decoded", "shard_mib": 0.05}
+            expected = _epoch_labels(local, backend, **settings)
+            here = set(own_cache.rglob(f"*{data}"))  # the local copy's conversion
+            assert _epoch_labels(remote, backend, **settings) == expected, (name, backend)
+            uploaded = [p for p in fs.find(f"loadopt-sources/{name}/.loadopt") if p.endswith(data)]
+            assert len(uploaded) > 1, (name, backend)  # several shards, on S3
+            assert set(own_cache.rglob(f"*{data}")) == here  # and none of them here

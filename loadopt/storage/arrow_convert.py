@@ -358,5 +358,5 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
                                       "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
             check=check)
         if remote is not None:
-            tier_reads.publish(dataset, built, marker=shard_work.MANIFEST)  # the reference beside its data
+            remote_shards.publish(dataset, built, remote)  # the reference beside the data, its manifest last
         return built

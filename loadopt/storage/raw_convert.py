@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from loadopt.errors import DatasetError
-from loadopt.storage import arrow_format, decode_pool, integrity, remote_shards, shard_work, tier_reads
+from loadopt.storage import arrow_format, decode_pool, integrity, remote_shards, shard_work
 from loadopt.storage.arrow_format import Form
 from loadopt.storage.convert_engines import LOCAL, ConvertEngine, WriteShard, running, source_digest, write_shards
 from loadopt.storage.raw_format import (
@@ -277,5 +277,5 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
             check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none",
                                         data=remote))
         if remote is not None:
-            tier_reads.publish(dataset, built, marker=MANIFEST)  # the reference beside the data, its manifest last
+            remote_shards.publish(dataset, built, remote)  # the reference beside the data, its manifest last
         return built

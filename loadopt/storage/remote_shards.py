@@ -29,7 +29,7 @@ import fsspec
 
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
-from loadopt.storage import integrity, shard_work
+from loadopt.storage import integrity, shard_work, tier_reads
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import refused, remote_home, remote_path
 
@@ -99,6 +99,16 @@ class RemoteShards:
     def copy(self, source: RemoteShards, name: str, target: str) -> None:
         """The file `name` of another conversion's folder as `target` here (a copy on the storage itself)."""
         self.fs.copy(source.path(name), self.path(target))
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the temporary files (`integrity.temp_path` names) that writers killed between their upload and
+        its rename left in the folder; called once every shard is there and verified, under the conversion's lock,
+        when no writer of it runs. Returns their names."""
+        names = [name for name in self.sizes() if name.startswith(".") and name.endswith(".tmp")]
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(name))
+        return names
 
     def unfinish(self) -> None:
         """Remove the folder's manifest: a conversion rewritten in place is unfinished until its new one is there."""
@@ -208,6 +218,15 @@ def receive(work: Path, upload: ShardUpload) -> dict[str, Any]:
         os.replace(tmp, work / name)
     shard_work.write_text(work / shard_work.entry_name(upload.entry["shard"]), json.dumps(upload.entry))
     return upload.entry
+
+
+def publish(dataset: Any, built: Path, remote: RemoteShards) -> None:
+    """A finished conversion's reference (`built`) uploaded beside its data in `remote`, its manifest last, after
+    the leftovers of killed writers are removed there."""
+    left = remote.remove_leftovers()
+    if left:
+        log.info("%s: removed %d temporary file(s) of writers killed mid-upload", remote.where(), len(left))
+    tier_reads.publish(dataset, built, marker=shard_work.MANIFEST)
 
 
 def fetch_reference(dataset: Any, final: Path, small_names: Callable[[dict[str, Any]], list[str]]) -> bool:
