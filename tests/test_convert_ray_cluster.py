@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -160,6 +161,11 @@ def _stop_cluster(port: int) -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(list(doomed), timeout=30)
+    # the address a later `ray.init()` on this machine would join (as `ray stop` does, only if it is this one's)
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    with contextlib.suppress(OSError):
+        if current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 def _of_cluster(args: list[str], port: int) -> bool:

@@ -341,6 +341,6 @@ def test_shards_from_webdatasets_own_writer_and_both_formats_over_s3(tmp_path, i
             expected = _epoch_labels(local, backend, **settings)
             here = set(own_cache.rglob(f"*{data}"))  # the local copy's conversion
             assert _epoch_labels(remote, backend, **settings) == expected, (name, backend)
-            uploaded = [p for p in fs.find(f"loadopt-sources/{name}/.loadopt") if p.endswith(data)]
+            uploaded = [p for p in fs.find(f"loadopt-sources/{name}") if p.endswith(data) and "/.loadopt/" in p]
             assert len(uploaded) > 1, (name, backend)  # several shards, on S3
             assert set(own_cache.rglob(f"*{data}")) == here  # and none of them here
