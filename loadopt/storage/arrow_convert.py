@@ -283,8 +283,6 @@ def _images(folder: Path, remote: remote_shards.RemoteShards, tier: fsspec.Abstr
                                    threads)
 
 
-
-
 def open_conversion(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
                     tier: fsspec.AbstractFileSystem | None = None, threads: int = 8, **checks) -> ArrowConversion:
     """The finished Arrow conversion of `dataset` opened (`open_arrow`, `checks` its options), its reference

@@ -285,6 +285,15 @@ class ArrowConversion(list):
                                         f"{at}-{min(at + integrity.CHUNK_BYTES, len(view))})")
 
 
+def mapped_shard(file: Path | str) -> tuple[pa.MemoryMappedFile, int | None]:
+    """The shard file memory-mapped, at its start, and the address of its first byte (None for an empty file): a
+    buffer's address less it is the buffer's position in the file."""
+    source = pa.memory_map(str(file), "r")
+    base = source.read_buffer(1).address if source.size() else None  # zero-copy: nothing read
+    source.seek(0)
+    return source, base
+
+
 def read_shard(file: Path | str, expected: pa.Schema, samples: str = "",
                image: Any = None) -> list[tuple[pa.RecordBatch, dict]]:
     """The record batches of one shard file, memory-mapped (or read from its `image` in memory, `file` then only
@@ -295,14 +304,12 @@ def read_shard(file: Path | str, expected: pa.Schema, samples: str = "",
 
 def read_shard_at(file: Path | str, expected: pa.Schema, samples: str = "",
                   image: Any = None) -> tuple[list[tuple[pa.RecordBatch, dict]], int | None]:
-    """`read_shard`, and the address of the file's first byte in its memory map (None for an image): a buffer's
-    address less it is the buffer's position in the file."""
+    """`read_shard`, and the address of the file's first byte in its memory map (`mapped_shard`; None for an
+    image)."""
     base = None
     try:
         if image is None:
-            source = pa.memory_map(str(file), "r")
-            base = source.read_buffer(1).address if source.size() else None  # zero-copy: nothing read
-            source.seek(0)
+            source, base = mapped_shard(file)
         reader = pa.ipc.open_file(source if image is None else pa.py_buffer(image))
         pairs = [reader.get_batch_with_custom_metadata(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
@@ -323,7 +330,7 @@ def read_shard_at(file: Path | str, expected: pa.Schema, samples: str = "",
 
 def offsets_position(batch: pa.RecordBatch, base: int | None) -> int:
     """Where the samples' offsets (a binary last column's) of `batch` start in its mapped shard file (`base`: the
-    file's address, `read_shard_at`); -1 for a fixed-size column or a batch read from an image."""
+    file's address, `mapped_shard`); -1 for a fixed-size column or a batch read from an image."""
     column = batch.column(batch.num_columns - 1)
     if base is None or not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
         return -1

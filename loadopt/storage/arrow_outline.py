@@ -29,12 +29,12 @@ def arrow_layout(files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     sample order, from their memory maps (only metadata pages and variable-width offsets are touched)."""
     import pyarrow as pa
 
+    from loadopt.storage.arrow_format import mapped_shard  # here: arrow_format imports tier_reads, which imports this
+
     owners, offsets, lengths = [], [], []
     for k, path in enumerate(files):
-        mapped = pa.memory_map(str(path), "r")
+        mapped, base = mapped_shard(path)
         reader = pa.ipc.open_file(mapped)
-        mapped.seek(0)
-        base = mapped.read_buffer(1).address
         for i in range(reader.num_record_batches):
             batch = reader.get_batch(i)
             column = batch.column(batch.num_columns - 1)

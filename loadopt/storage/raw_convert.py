@@ -101,8 +101,6 @@ def data_home(dataset, final: Path) -> remote_shards.RemoteShards | None:
     return remote_shards.data_home(dataset, final, "raw shards", shard_name)
 
 
-
-
 def open_conversion(dataset, form: Form, size: int | None, shard_mib: float, **checks) -> RawIndex:
     """The finished raw conversion of `dataset` opened (`open_raw`, `checks` its options), its reference fetched
     from the conversions' remote home first when this machine has none."""

@@ -4,12 +4,13 @@ on the local disk (the manifest, each shard's entry, and its index rows (raw, ~4
 (Arrow: every byte of the shard file but the samples', storage/arrow_outline.py)).
 
 A shard is written on the writer's own disk (a temporary folder in its cache), read back against the checksums
-taken while writing it (raw_convert.py, arrow_convert.py), uploaded under a temporary name, renamed, and its size on the
-remote checked; the writer returns the shard's small files (`ShardUpload`) and the conversion's process files them
-in its work folder, the entry last (storage/shard_work.py: the resume, the manifest once every shard is there).
-The finished reference is then uploaded beside the data, the manifest last (`tier_reads.publish`), so another
-machine opens the conversion from the remote manifest and index files (or outlines) alone (`fetch_reference`)
-and reads every byte of data through the tier. A Ray task therefore needs no folder shared with the driver.
+taken while writing it (raw_convert.py, arrow_convert.py), uploaded under a temporary name, renamed, and its size
+on the remote checked; the writer returns the shard's small files (`ShardUpload`) and the conversion's process
+files them in its work folder, the entry last (storage/shard_work.py: the resume, the manifest once every shard is
+there). The finished reference is then uploaded beside the data, the manifest last (`publish`, after removing
+what killed writers left there), so another machine opens the conversion from the remote manifest and index
+files (or outlines) alone (`fetch_reference`) and reads every byte of data through the tier. A Ray task therefore
+needs no folder shared with the driver.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from loadopt.storage import integrity, shard_work, tier_reads
 from loadopt.storage.remote import redact
 from loadopt.storage.tier_reads import refused, remote_home, remote_path
 
+log = logging.getLogger(__name__)
+
 # Storage held in one process's memory: a forked writer or a Ray task would write its own copy. A conversion there is
 # made whole in the local cache and uploaded by its first reader.
-log = logging.getLogger(__name__)
 PROCESS_LOCAL = ("memory",)
 
 
