@@ -56,9 +56,8 @@ _CROP_FRAMES = 64  # stored frames the crop + resize ceiling cycles through (dec
 @functools.lru_cache(maxsize=1)
 def memcpy_bandwidth(repeats: int = 5) -> float:
     """Bytes/s of one numpy.copyto of a buffer 8x the L3 cache, at most 1 GiB (median of `repeats`); a
-    `$LOADOPT_CEILING_SECONDS` under 1 s scales the buffer down with it (at least 64 MiB): allocating and
-    first touching 2 GiB took 3-6 s a measurement on a 2-core VM whose L3 reads 480 MB, and a bench measures it
-    twice.
+    `$LOADOPT_CEILING_SECONDS` under 1 s scales the buffer down with it (at least 64 MiB), because allocating and
+    first touching two such buffers, twice a bench, outlasted a small bench's runs (docs/performance/code-notes.md).
 
     Cached per process: a machine property, and tests run many benches in one process."""
     try:
