@@ -37,26 +37,39 @@ RETRIES = 3  # a task whose worker or node died is run again this many times (Ra
 def write_shards(work: Path, jobs: list[ShardJob], write: WriteShard, engine: ConvertEngine, finished: int,
                  total: int, progress: Callable[[int, int], None] | None, shared_work: bool = True) -> dict[int, Any]:
     """Each of `jobs` written by a Ray task of one CPU; what each returned, by shard. A task's error is raised here
-    as it was raised there (a damaged sample names itself); the tasks still running are cancelled. `shared_work`:
-    the tasks write in `work`, which every node must see (else they write elsewhere: a remote home)."""
+    as it was raised there (a damaged sample names itself). At most `in_flight` tasks are submitted at a time, so
+    that an error or Ctrl-C leaves only those under way: `connected` ends them as it leaves Ray, and where the
+    caller had connected Ray itself they finish their shards, which a resumed conversion keeps (none is cancelled:
+    see `in_flight`). `shared_work`: the tasks write in `work`, which every node must see (else they write
+    elsewhere: a remote home)."""
     ray = _ray()
+    task = ray.remote(num_cpus=1, max_retries=RETRIES)(write_shard_task)
+    writer = ray.put(write)  # the dataset and settings, shipped once
+    waiting = list(reversed(jobs))  # popped from the end: submitted in the plan's order
     pending: dict[Any, ShardJob] = {}
-    try:
-        task = ray.remote(num_cpus=1, max_retries=RETRIES)(write_shard_task)
-        writer = ray.put(write)  # the dataset and settings, shipped once
-        pending = {task.remote(writer, str(work) if shared_work else None, job): job for job in jobs}
-        done: dict[int, Any] = {}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                job = pending.pop(ref)
-                done[job.k] = _result(ray, ref, job)
-                finished += job.stop - job.start
-                if progress is not None:
-                    progress(finished, total)
-        return done
-    finally:
-        _cancel(ray, list(pending))
+    done: dict[int, Any] = {}
+    while waiting or pending:
+        room = in_flight(ray) - len(pending)
+        while waiting and room > 0:
+            job = waiting.pop()
+            pending[task.remote(writer, str(work) if shared_work else None, job)] = job
+            room -= 1
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            job = pending.pop(ref)
+            done[job.k] = _result(ray, ref, job)
+            finished += job.stop - job.start
+            if progress is not None:
+                progress(finished, total)
+    return done
+
+
+def in_flight(ray: Any) -> int:
+    """How many tasks are submitted at a time: twice the cluster's CPUs, so that no CPU waits for the driver's
+    next submission. Bounded because Ray 2.60's driver can abort the whole process ("Tried to complete task that
+    was not pending") when it cancels a task that is just completing, with force or without: an error therefore
+    cancels nothing, and what is under way is only this many shards."""
+    return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
 
 
 def source_digest(dataset: Any) -> str:
@@ -68,22 +81,7 @@ def source_digest(dataset: Any) -> str:
     task = ray.remote(num_cpus=1, max_retries=RETRIES)(integrity.sample_crcs)
     shipped = ray.put(dataset)
     refs = [task.remote(shipped, a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
-    try:
-        return integrity.digest_of(np.concatenate([_result(ray, ref, None) for ref in refs]))
-    except BaseException:
-        _cancel(ray, refs)
-        raise
-
-
-def _cancel(ray: Any, refs: list) -> None:
-    """Cancel the tasks of `refs` still running (a conversion stopped by an error or Ctrl-C). Only those: Ray
-    2.60's driver aborts when a task it is told to cancel has just completed ("Tried to complete task that was
-    not pending")."""
-    if not refs:
-        return
-    _, running = ray.wait(refs, num_returns=len(refs), timeout=0)
-    for ref in running:
-        ray.cancel(ref, force=True)
+    return integrity.digest_of(np.concatenate([_result(ray, ref, None) for ref in refs]))
 
 
 @contextlib.contextmanager
