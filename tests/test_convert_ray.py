@@ -180,3 +180,42 @@ def test_ray_tasks_read_a_remote_source_through_its_tier(ray_here, own_cache, se
     on_ray = conversions.convert("raw", dataset, DECODED, 0.02, force=True, engine=RAY)
     assert on_ray.path == local.path and on_ray.shards == local.shards > 1 and on_ray.samples == 12
     assert file_digests(on_ray.path) == expected
+
+
+def test_sigterm_mid_conversion_on_ray_stops_cleanly_and_the_rerun_resumes(tmp_path, own_cache):
+    """`loadopt convert --engine ray` stopped by SIGTERM: Ray's own handler (exit code 15, a stack dump, an abort
+    3 s later) is not the one that answers. One line, exit 143, the Ray it started gone, and the rerun finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import yaml
+
+    raw = tiny_config_dict(tmp_path / "out", dataset={"synthetic": {"num_samples": 600, "num_classes": 4,
+                                                                    "mean_width": 96, "mean_height": 80}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dataset = open_dataset(config_from_dict(raw, str(path)))  # generated before the conversion starts
+    command = [sys.executable, "-m", "loadopt.cli", "convert", str(path), "--to", "raw", "--decoded", "--frame",
+               "centre", "--size", "56", "--shard-mib", "0.05", "--engine", "ray", "--num-cpus", "2"]
+    final = raw_format.raw_path(dataset, "decoded", 56, 0.05)
+    work = shard_work.work_folder(final)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started, deadline = set(), time.time() + 120
+    while time.time() < deadline and len(list(work.glob("shard-*.json"))) < 3 and child.poll() is None:
+        started |= {p.pid for p in psutil.Process(child.pid).children(recursive=True)}
+        time.sleep(0.02)
+    assert child.poll() is None, child.stdout.read() if child.stdout else ""
+    child.send_signal(signal.SIGTERM)
+    output, _ = child.communicate(timeout=60)
+    assert child.returncode == 143, output
+    assert "Traceback" not in output and "SIGTERM received" not in output, output
+    assert output.strip().splitlines()[-1].startswith("interrupted (SIGTERM) before the conversion finished")
+    assert started and not final.exists()
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in started if psutil.pid_exists(pid)], timeout=20)
+    assert not alive, [p.cmdline()[:2] for p in alive]  # the Ray this conversion started went with it
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    raw_format.open_raw(final, dataset, "decoded", 56, 0.05, verify_labels=True, verify="all")

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import typer
 
-from loadopt.cli.console import RelistOption, RichReporter, SetOption, console, progress_bar, user_errors
+from loadopt.cli.console import (
+    RelistOption,
+    RichReporter,
+    SetOption,
+    console,
+    err_console,
+    progress_bar,
+    user_errors,
+)
+from loadopt.cli.process import terminate_as_interrupt
+from loadopt.errors import Terminated
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -76,20 +86,27 @@ def convert(
     from loadopt.storage.imagefolder import open_dataset
     from loadopt.storage.tokens import TokenDataset
 
-    with user_errors():
+    with user_errors(), terminate_as_interrupt() as terminated:
         conversions.check_options(to, frame, size, shard_mib)
         writer = ConvertEngine(engine, address, num_cpus)  # type: ignore[arg-type]  # checked there: one line
         cfg = load_config(config, set_ or [])
         with progress_bar() as progress:
-            reporter = RichReporter(progress)
-            dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
-            form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
-                                              frame, isinstance(dataset, TokenDataset), where="--size",
-                                              records=dataset.kind == "records")
-            label = f"{conversions.FORMATS[to]} {form.describe()}"  # as the backend names it
-            done = conversions.convert(to, dataset, form, shard_mib, on_error=cfg.dataset.on_error, force=force,
-                                       verify=verify, engine=writer,
-                                       progress=lambda n, total: reporter.conversion_progress(label, n, total))
+            reporter = RichReporter(progress, terminated)
+            try:
+                dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
+                form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
+                                                  frame, isinstance(dataset, TokenDataset), where="--size",
+                                                  records=dataset.kind == "records")
+                label = f"{conversions.FORMATS[to]} {form.describe()}"  # as the backend names it
+                done = conversions.convert(to, dataset, form, shard_mib, on_error=cfg.dataset.on_error,
+                                           force=force, verify=verify, engine=writer,
+                                           progress=lambda n, total: reporter.conversion_progress(label, n, total))
+            except KeyboardInterrupt as exc:  # shards are renamed into place whole, the conversion last
+                signal_name = "SIGTERM" if isinstance(exc, Terminated) or terminated else "SIGINT"
+                err_console.print(f"interrupted ({signal_name}) before the conversion finished; a conversion there "
+                                  "before is as it was. The same command resumes from the shards already written "
+                                  "(with --force, it starts again)", highlight=False, markup=False, soft_wrap=True)
+                raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130) from None
     how = ("reused: converted earlier" + (", every chunk verified, source unchanged" if verify else "")) \
         if done.reused else f"converted in {done.seconds:.1f} s" + (
             f"; {done.kept} of its {done.shards} shards kept from the conversion before the source changed"

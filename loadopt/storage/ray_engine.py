@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,8 @@ def _connect(ray: Any, engine: ConvertEngine) -> bool:
     if ray.is_initialized():
         return False
     where = f"--address {engine.address}" if engine.address else "a Ray on this machine"
+    main_thread = threading.current_thread() is threading.main_thread()
+    on_sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     try:
         # "local": a Ray of its own here, never a cluster that `ray start` left running on this machine
         ray.init(address=engine.address or "local", num_cpus=None if engine.address else engine.num_cpus,
@@ -157,5 +161,10 @@ def _connect(ray: Any, engine: ConvertEngine) -> bool:
                  configure_logging=True)
     except Exception as exc:  # noqa: BLE001 - whatever stops Ray from starting or joining (an address, a token)
         raise ConfigError(f"{where}: cannot start or join Ray ({str(exc).splitlines()[0]})") from None
+    finally:
+        # Ray's init takes SIGTERM: its handler exits with code 15 and, under it, abseil's prints a stack dump and
+        # aborts the process 3 s later. The caller's handler (the CLI's: a clean stop, exit 143) is put back.
+        if on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
     decode_pool.ray_used()
     return True
