@@ -197,3 +197,40 @@ def test_an_interrupted_generation_resumes_where_it_stopped(tmp_path: Path, refe
     assert ensure_synthetic(Spec(), tmp_path, progress=lambda *a: calls.append(a), workers=2) == root
     assert calls[0][0] > 8 and calls[-1] == (24, 24)  # the finished images were not made again
     assert _files(root) == reference and not partial.exists()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_make_dataset_stopped_mid_generation_leaves_no_worker_and_resumes(tmp_path: Path, own_cache: Path,
+                                                                         stop: str) -> None:
+    """SIGTERM: one line, exit 143. SIGKILL (the OOM killer, a scheduler's last word) gives the command no say:
+    its generating workers must still end with it, not wait forever on their queue. Either way the same command
+    then finishes the set."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    import yaml
+
+    path = tmp_path / "gen.yaml"
+    path.write_text(yaml.safe_dump({"name": "gen", "dataset": {"synthetic": {
+        "num_samples": 20_000, "num_classes": 10, "mean_width": 96, "mean_height": 80}}}))
+    command = [sys.executable, "-m", "loadopt.cli", "make-dataset", str(path)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers, deadline = set(), time.time() + 120
+    while time.time() < deadline and child.poll() is None and not (
+            workers and any(p.stat().st_size for p in own_cache.glob(f"datasets/*/{synthetic.DONE_LOG}"))):
+        workers |= {p.pid for p in psutil.Process(child.pid).children(recursive=True)}
+        time.sleep(0.02)
+    assert child.poll() is None and workers, child.stdout.read() if child.stdout else ""
+    child.send_signal(getattr(signal, stop))
+    output, _ = child.communicate(timeout=60)
+    if stop == "SIGTERM":
+        assert child.returncode == 143 and "Traceback" not in output, output
+        assert output.strip().splitlines()[-1].startswith("interrupted (SIGTERM) before the dataset was ready")
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)], timeout=20)
+    assert not alive, [p.pid for p in alive]
+    assert not list(own_cache.glob("datasets/synthetic-*[0-9a-f]/manifest.json"))  # only a resumable folder
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(list(own_cache.glob("datasets/synthetic-*[0-9a-f]/manifest.json"))) == 1, done.stdout

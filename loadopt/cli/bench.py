@@ -16,6 +16,7 @@ from loadopt.cli.console import (
     console,
     err_console,
     progress_bar,
+    stopped,
     user_errors,
 )
 from loadopt.cli.process import setup_logging, terminate_as_interrupt
@@ -87,10 +88,7 @@ def bench(
                                     budget_s=budget_s, attribute_stages=attribute_stages, return_errors=True,
                                     relist=relist)
             except KeyboardInterrupt as exc:  # before any run finished: the output folder is as it was
-                signal_name = "SIGTERM" if isinstance(exc, Terminated) or terminated else "SIGINT"
-                err_console.print(f"interrupted ({signal_name}) before any run finished: no results were written",
-                                  highlight=False, markup=False)
-                raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130) from None
+                stopped("before any run finished: no results were written", exc, terminated)
     results = outcome.results
     if results is None:  # a rank other than 0 under torchrun: rank 0 writes and prints
         return

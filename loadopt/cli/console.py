@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
@@ -44,6 +44,15 @@ def user_errors() -> Iterator[None]:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+
+def stopped(what: str, stop: KeyboardInterrupt, terminated: list[bool]) -> NoReturn:
+    """Ctrl-C, or SIGTERM under `cli.process.terminate_as_interrupt`: one line, "interrupted (SIGINT) " and
+    `what` (what it stopped before and what is kept), and the exit code a shell gives that signal."""
+    signal_name = "SIGTERM" if isinstance(stop, Terminated) or terminated else "SIGINT"
+    err_console.print(f"interrupted ({signal_name}) {what}", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130) from None
 
 
 class RichReporter(Reporter):

@@ -14,12 +14,11 @@ from loadopt.cli.console import (
     RichReporter,
     SetOption,
     console,
-    err_console,
     progress_bar,
+    stopped,
     user_errors,
 )
 from loadopt.cli.process import terminate_as_interrupt
-from loadopt.errors import Terminated
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -34,11 +33,15 @@ def make_dataset(
     from loadopt.config import load_config
     from loadopt.storage.imagefolder import open_dataset
 
-    with user_errors():
+    with user_errors(), terminate_as_interrupt() as terminated:
         cfg = load_config(config, set_ or [])
         with progress_bar() as progress:
-            reporter = RichReporter(progress)
-            dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
+            reporter = RichReporter(progress, terminated)
+            try:
+                dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
+            except KeyboardInterrupt as exc:  # a generated set is written in a folder of its own, renamed whole
+                stopped("before the dataset was ready; the same command goes on from where it stopped (a synthetic "
+                        "set from the images already written)", exc, terminated)
     what = {"images": f"images in {len(dataset.classes)} classes", "tokens": f"windows of {cfg.pipeline.seq_len + 1} "
             "tokens", "records": f"records in {len(getattr(dataset, 'files', []))} files"}[dataset.kind]
     console.print(f"{dataset.root}: {len(dataset):,} {what}, mean {dataset.sizes.mean() / 1e3:,.1f} KB, "
@@ -102,11 +105,9 @@ def convert(
                                            force=force, verify=verify, engine=writer,
                                            progress=lambda n, total: reporter.conversion_progress(label, n, total))
             except KeyboardInterrupt as exc:  # shards are renamed into place whole, the conversion last
-                signal_name = "SIGTERM" if isinstance(exc, Terminated) or terminated else "SIGINT"
-                err_console.print(f"interrupted ({signal_name}) before the conversion finished; a conversion there "
-                                  "before is as it was. The same command resumes from the shards already written "
-                                  "(with --force, it starts again)", highlight=False, markup=False, soft_wrap=True)
-                raise typer.Exit(Terminated.exit_code if signal_name == "SIGTERM" else 130) from None
+                stopped("before the conversion finished; a conversion there before is as it was, and the same "
+                        "command resumes from the shards already written (with --force, it starts again)", exc,
+                        terminated)
     how = ("reused: converted earlier" + (", every chunk verified, source unchanged" if verify else "")) \
         if done.reused else f"converted in {done.seconds:.1f} s" + (
             f"; {done.kept} of its {done.shards} shards kept from the conversion before the source changed"
@@ -117,3 +118,4 @@ def convert(
     if done.skipped:
         console.print(f"[yellow]{done.skipped} unreadable file(s) skipped (dataset.on_error: skip); every run "
                       "reports them[/]", highlight=False)
+

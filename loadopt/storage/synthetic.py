@@ -16,6 +16,8 @@ files, key and fingerprint stay what they were and val shares no image with trai
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import hashlib
 import io
@@ -25,6 +27,7 @@ import multiprocessing
 import os
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -41,6 +44,7 @@ MANIFEST = "manifest.json"
 DONE_LOG = ".done"  # in a resumable tmp folder: (index, size) int64 pairs of the images written
 LOCK = ".lock"
 STALE_SECONDS = 24 * 3600  # leftover tmp folders older than this are removed
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 _PARAMS = ("num_samples", "num_classes", "mean_width", "mean_height", "jpeg_quality", "seed")
 SPLITS = ("train", "val")
 DEFAULT_VAL_FRACTION = 0.1  # config.SyntheticSpec.val_fraction's default (specs without the field get it)
@@ -266,7 +270,8 @@ def _generate(params: dict[str, int], layout: Layout, indices: range, tmp: Path,
             context = multiprocessing.get_context("fork" if "fork" in methods else None)
             # concurrent.futures, not multiprocessing.Pool: Pool's terminate after a worker's error (a full
             # disk) was seen to hang for good joining its handler threads.
-            with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
+            with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context, initializer=_end_with_parent,
+                                     initargs=(os.getpid(),)) as pool:
                 futures = [pool.submit(_write_chunk, job) for job in jobs]
                 try:
                     for future in as_completed(futures):
@@ -275,6 +280,16 @@ def _generate(params: dict[str, int], layout: Layout, indices: range, tmp: Path,
                     pool.shutdown(wait=True, cancel_futures=True)  # the chunks under way end; none starts
                     raise
     return sizes
+
+
+def _end_with_parent(parent: int) -> None:
+    """In a generating worker: the kernel ends it when the process that forked it dies (Linux's PR_SET_PDEATHSIG).
+    A parent ended outright (SIGKILL, the OOM killer) otherwise leaves its workers waiting forever on a queue
+    whose write end they hold themselves."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: such a parent's workers may linger
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request above
+        os._exit(0)
 
 
 def _write_chunk(job: tuple[dict[str, int], Layout, str, Sequence[int]]) -> list[tuple[int, int]]:
