@@ -46,7 +46,9 @@ Parts (`--part`, all by default):
   per URL (saved, as after a job's first open), the tier probed over HTTP (`loadopt.storage.probe`: 1 MiB reads,
   4 in flight), then rounds of timed runs in rotating order, 2 workers each, two epochs each, every epoch 1 from
   the tier (loadopt's shard cache emptied, the peers' caches fresh): loadopt's torch tuned through the bounded
-  shard cache under the window shuffle, over HTTP and over S3 (s3:// through s3fs at AWS_ENDPOINT_URL);
+  shard cache under the window shuffle, over HTTP and over S3 (s3:// through s3fs at AWS_ENDPOINT_URL), and over
+  HTTP on the same tars after `loadopt recompress` (set-up: each JPEG as JPEG XL, read back as the same JPEG;
+  its MB/s count the JPEGs given back, as the others' count theirs);
   WebDataset's own loop over HTTP on the same tars (the `webdataset` backend's `library_batches`); LitData and
   MosaicML Streaming each on its own conversion of the same photos (the `litdata` / `streaming` backends'
   `prepare()`, LitData chunks and MDS shards uploaded to the bucket), read by the library's own S3 client and
@@ -60,8 +62,8 @@ Parts (`--part`, all by default):
   run there, importing this checkout's loadopt). LitData fetches chunks with obstore,
   whose client options omit `allow_http`: the run adds it, as the tier's S3 endpoint is plain HTTP.
   `RESULT epoch1_remote_of_tier`: loadopt's epoch-1 MB/s over HTTP over the probed MB/s, target >= 0.8;
-  `RESULT remote_vs_best_peer`: round by round, loadopt's faster epoch-1 MB/s (HTTP or S3) over the best of
-  WebDataset's, LitData's and Streaming's, target >= 1.2. `--conn-rate-mbit R` paces each connection to R as
+  `RESULT remote_vs_best_peer`: round by round, loadopt's fastest epoch-1 MB/s (HTTP, S3, recompressed) over the
+  best of WebDataset's, LitData's and Streaming's, target >= 1.2. `--conn-rate-mbit R` paces each connection to R as
   well (the delaying proxy), as an object store limits each connection while the link holds many: the same two
   figures come out as `..._per_connection`.
 

@@ -76,7 +76,7 @@ if mode == "probe":
 from loadopt import make_loader
 from loadopt.storage.tiers import tier_counters
 start = time.perf_counter()
-if mode in ("loadopt", "loadopt_s3", "first_job"):
+if mode in ("loadopt", "loadopt_s3", "loadopt_jxl", "first_job"):
     loader = make_loader(config, backend="torch", variant="tuned", num_workers=2)
     epochs = lambda epoch: ((y, None) for _, y in loader)
 else:
@@ -118,11 +118,25 @@ def _photo_shards(folder: Path, samples: int) -> Path:
     return folder / "photos"
 
 
+def _jpegs(folder: Path):
+    """Every image member's bytes in the tars of `folder`."""
+    import tarfile
+
+    for shard in sorted(folder.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.name.endswith((".jpg", ".jpeg")):
+                    yield tar.extractfile(member).read()
+
+
 # the timed runs, rotated each round; `first_job` times a job with nothing saved, loadopt_s3 reads the same tars
-# from the bucket, the peers their own conversions
-TIMED = ("loadopt", "loadopt_s3", "webdataset", *S3_PEERS, "first_job")
+# from the bucket, loadopt_jxl the same tars after `loadopt recompress` (the same JPEGs given back), the peers
+# their own conversions
+OURS = ("loadopt", "loadopt_s3", "loadopt_jxl")
+TIMED = (*OURS, "webdataset", *S3_PEERS, "first_job")
 SHOWN = {"loadopt": "loadopt torch tuned over HTTP, shard cache, window",
          "loadopt_s3": "loadopt torch tuned over S3, shard cache, window",
+         "loadopt_jxl": "loadopt torch tuned over HTTP on the recompressed tars (JPEG XL), shard cache, window",
          "webdataset": "webdataset (own loop over HTTP, its shuffle, no cache)", **LABELS}
 PEERS = ("webdataset", *S3_PEERS)
 
@@ -162,6 +176,10 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
         return []
     folder = Path(tempfile.mkdtemp(prefix="webscale-photos-"))
     root = _photo_shards(folder, samples)
+    from loadopt.storage.recompress import recompress_shards
+
+    # set-up, not timed: the same tars with their JPEGs as JPEG XL, served beside them (`loadopt recompress`)
+    packed = recompress_shards(root / "train", folder / "photos-jxl" / "train")
     config = load_config(REPO / "configs" / "peers.yaml", [
         "pipeline.shuffle=window", "pipeline.window_shards=4", "storage.cache_limit=4GiB",
         f"report.out={folder / 'results'}"])
@@ -173,14 +191,15 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
         env = {**os.environ, **tier.env, "PYTHONPATH": os.pathsep.join(filter(None, [
             str(REPO), os.environ.get("PYTHONPATH")]))}
         http = f"{tier.http_url}/{root.name}"
-        urls = {"index": http, "probe": http, "loadopt": http, "webdataset": http, "first_job": http}
+        urls = {"index": http, "probe": http, "loadopt": http, "webdataset": http, "first_job": http,
+                "index_jxl": f"{tier.http_url}/photos-jxl", "loadopt_jxl": f"{tier.http_url}/photos-jxl"}
         s3 = upload_tars(tier, root, env)  # set-up: the bucket filled straight, not through the shaped link
         if s3 is not None:
             urls["index_s3"] = urls["loadopt_s3"] = s3
         urls.update(prepare_s3_peers(tier, folder, path, root, env))
         timed = [mode for mode in TIMED if mode in urls]
         # `index` (each URL's) and `probe` once; then rounds of the timed runs, their order rotating each round
-        plan = [(mode, -1) for mode in ("index", "index_s3", "probe") if mode in urls]
+        plan = [(mode, -1) for mode in ("index", "index_s3", "index_jxl", "probe") if mode in urls]
         plan += [(timed[(k + r) % len(timed)], r) for r in range(rounds) for k in range(len(timed))]
         for number, (mode, round_) in enumerate(plan):
             before = wire_bytes(tier)
@@ -193,6 +212,13 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
             result.update(round=round_, wire_bytes=None if before is None or after is None else after - before)
             runs.setdefault(mode, []).append(result)
     total = sum(p.stat().st_size for p in (root / "train").glob("*.tar"))
+    jpeg_bytes = sum(len(data) for data in _jpegs(root / "train"))
+    for run in runs.get("loadopt_jxl", []):  # the JPEGs it gave back, as the others deliver: the same samples
+        for epoch in run["epochs"]:
+            epoch["tier_mb_per_s"], epoch["mb_per_s"] = epoch["mb_per_s"], jpeg_bytes / epoch["seconds"] / 1e6
+    print(f"\nrecompressed (loadopt recompress, set-up): {packed.bytes_before / 1e6:.1f} MB of tars -> "
+          f"{packed.bytes_after / 1e6:.1f} MB ({packed.recompressed} JPEGs as JPEG XL, {packed.kept} kept); its "
+          "MB/s below count the JPEGs given back, as the others' do")
     probed = runs["probe"][0]["mb_per_s"] if "probe" in runs else None
     print(f"\nremote epochs: {samples:,} photos in tars of 100 ({total / 1e6:.0f} MB) over HTTP (nginx) and S3 (moto, "
           f"a connection per request) in a namespace, {rate_mbit:g} Mbit/s"
@@ -228,9 +254,9 @@ def remote_part(samples: int, rate_mbit: float, first_byte_ms: float, rounds: in
         results.append(ratio_result(f"epoch1_remote_of_tier{suffix}", [m / probed for m in mine], ">=", 0.8))
     ratios = []
     for round_ in range(rounds):  # round by round: each run of a round minutes apart at most
-        epoch1 = {mode: run["epochs"][0]["mb_per_s"] for mode in ("loadopt", "loadopt_s3", *PEERS)
+        epoch1 = {mode: run["epochs"][0]["mb_per_s"] for mode in (*OURS, *PEERS)
                   for run in runs.get(mode, []) if run["round"] == round_}
-        ours = max(("loadopt", "loadopt_s3"), key=lambda m: epoch1.get(m, 0.0))
+        ours = max(OURS, key=lambda m: epoch1.get(m, 0.0))
         best = max(PEERS, key=lambda m: epoch1.get(m, 0.0))
         if epoch1.get(ours) and epoch1.get(best):
             print(f"round {round_ + 1}: loadopt's fastest {ours} {epoch1[ours]:.1f} MB/s, the best peer {best} "

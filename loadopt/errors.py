@@ -73,7 +73,7 @@ def describe_sample_error(exc: BaseException) -> str:
         return "not a readable image (no known image format: damaged or not an image)"
     if text.startswith("tj"):  # simplejpeg (libjpeg-turbo): "tjDecompress2(): <what is wrong>"
         return f"damaged JPEG (libjpeg-turbo: {text.split('(): ', 1)[-1]})"
-    if "truncated" in text.lower() or name == "EOFError":
+    if "truncated" in text.lower() or name == "EOFError" or "NEED_MORE_INPUT" in text:  # the last: libjxl's
         return f"truncated image ({re.sub(r'<[^>]* at 0x[0-9a-fA-F]+>', 'the file', text) or name})"
     text = re.sub(r"<[^>]* at 0x[0-9a-fA-F]+>", "the file", text)
     return f"cannot decode ({name}: {text})" if text else f"cannot decode ({name})"

@@ -2,7 +2,9 @@
 (libjpeg-turbo's region decoding, `loadopt/_jpeg.c`), optionally at a reduced DCT scale.
 
 Whatever the file's name says, the bytes decide: a JPEG goes to simplejpeg when asked for, anything
-else (a PNG named .JPEG, a GIF, a TIFF) to PIL; grayscale, CMYK and palette images come out RGB.
+else (a PNG named .JPEG, a GIF, a TIFF) to PIL; grayscale, CMYK and palette images come out RGB. A JPEG XL
+image made from pixels goes to libjxl (a recompressed JPEG never gets here: the sources' `read` gives back its
+JPEG, imaging/jxl.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image
 
+from loadopt.imaging import jxl
 from loadopt.imaging.geometry import Box, whole_pixels
 
 try:  # the faster libjpeg-turbo binding, GIL released while decoding
@@ -35,7 +38,9 @@ def is_jpeg(data: Encoded) -> bool:
 
 
 def decode_pil(data: Encoded) -> Image.Image:
-    """Any image PIL reads, as an RGB PIL image."""
+    """Any image PIL reads (or libjxl), as an RGB PIL image."""
+    if jxl.is_jxl(data):
+        return Image.fromarray(jxl.decode_pixels(data))
     image = Image.open(io.BytesIO(data))
     image.load()  # decode errors surface here, not later
     return image.convert("RGB") if image.mode != "RGB" else image

@@ -93,6 +93,9 @@ class DaliLoader(Loader[DaliSettings]):
         if s.reader == "native" and (s.source != "images" or not self.dataset.is_local() or not one_file_each):
             raise ConfigError("loaders.dali.reader native reads local ImageFolder files only; use reader: "
                               "external for remote, tar-shard or Parquet datasets, or source: arrow")
+        if s.reader == "native" and any(name.lower().endswith(".jxl") for name in self.dataset.local_files()):
+            raise ConfigError("loaders.dali.reader native: DALI decodes no JPEG XL (.jxl files in the dataset); use "
+                              "reader: external, which hands DALI the JPEG each one was made from")
         self.graph = DaliGraph(s, self.pipeline, self.decoder, self.device, self.seed)
         self._views: list[tuple[np.ndarray, np.ndarray]] | None = None  # Arrow: (offsets, data) per record batch
         self._first_rows = np.zeros(0, np.int64)  # Arrow: each record batch's first sample

@@ -20,6 +20,7 @@ import numpy as np
 from loadopt.config_models import Config
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.files import cache_dir, is_no_space
+from loadopt.imaging import jxl
 from loadopt.storage import manifest, remote_listing
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # they import this module's helpers
     from loadopt.storage.parquet_source import ParquetDataset
     from loadopt.storage.webdataset_source import WebDataset
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".jxl")
 
 
 @dataclass
@@ -62,13 +63,14 @@ class ImageDataset:
         return is_local_fs(self.fs)
 
     def read(self, index: int) -> bytes:
-        """The stored bytes of sample `index` (plain `open` on local disks: no fsspec overhead)."""
+        """The stored bytes of sample `index` (a recompressed JPEG's JPEG: imaging/jxl.py); plain `open` on local
+        disks: no fsspec overhead."""
         if self.is_local():
             with open(self.paths[index], "rb") as handle:
-                return handle.read()
+                return jxl.decodable(handle.read())
         name = self.path(index)
-        return remote_listing.read_listed(self.fs, name, display_name(self.fs, name), self.listed_at,
-                                          int(self.sizes[index]))
+        return jxl.decodable(remote_listing.read_listed(self.fs, name, display_name(self.fs, name), self.listed_at,
+                                                        int(self.sizes[index])))
 
     # DataLoader-era code reads these off `loader.dataset` (torchvision's ImageFolder has the same names).
     @property

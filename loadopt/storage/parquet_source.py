@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
+from loadopt.imaging import jxl
 from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
@@ -77,12 +78,13 @@ class ParquetDataset:
         return [f.decode() for f in self.files] if self.is_local() else []
 
     def read(self, index: int) -> bytes:
-        """The image's stored bytes, from its row group (read once while among the last few used)."""
+        """The image's stored bytes (a recompressed JPEG's JPEG: imaging/jxl.py), from its row group (read once
+        while among the last few used)."""
         images = self.row_groups.images(self, int(self.file_of[index]), int(self.group_of[index]))
         value = images[int(self.row_of[index])].as_py()
         if value is None:
             raise DatasetError(f"{redact(self.path(index))}: no image bytes (null)")
-        return value
+        return jxl.decodable(value)
 
     def read_group(self, file: int, group: int, handle: pq.ParquetFile | None) -> tuple[pa.Array, pq.ParquetFile]:
         """The image bytes of one row group, and the file opened to read it (`handle`, or opened now)."""

@@ -24,6 +24,7 @@ import numpy as np
 
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
+from loadopt.imaging import jxl
 from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
@@ -32,7 +33,7 @@ from loadopt.storage.source_format import BRACE, GLOB_CHARS, expand_braces, labe
 
 log = logging.getLogger(__name__)
 
-IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "jxl")
 BLOCK = 512
 INDEX_BLOCK_BYTES = 8 << 20  # a remote shard's reads while it is indexed
 INDEX_STREAMS = 4  # remote shards indexed at once
@@ -77,7 +78,8 @@ class WebDataset:
         return [s.decode() for s in self.shards] if self.is_local() else []
 
     def read(self, index: int) -> bytes:
-        """The image member's bytes: one `pread` on a local disk, else one byte-range request."""
+        """The image member's bytes (a recompressed JPEG's JPEG: imaging/jxl.py): one `pread` on a local disk,
+        else one byte-range request."""
         shard = self.shards[self.shard_of[index]].decode()
         start, length = int(self.offsets[index]), int(self.sizes[index])
         if self.is_local():
@@ -91,7 +93,7 @@ class WebDataset:
                                               start, start + length)
         if len(data) != length:
             raise DatasetError(f"{redact(self.path(index))}: cut short ({len(data)} of {length} bytes)")
-        return data
+        return jxl.decodable(data)
 
 
 def _number(field_bytes: bytes) -> int:
