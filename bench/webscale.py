@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import signal
 import statistics
 import sys
 import tempfile
@@ -353,6 +354,8 @@ def main() -> None:
                         help="run a peer's conversion and loops under its own interpreter (a venv where it imports: "
                              "MosaicML Streaming needs a torchvision built for the torch beside it)")
     args = parser.parse_args()
+    # SIGTERM unwinds as Ctrl-C does: the namespace, its servers and the temporary folders are removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     for item in args.peer_python:
         peer, _, python = item.partition("=")
         if not python or not Path(python).is_file():
@@ -382,4 +385,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: everything it made is removed by then
+        print("webscale: stopped before the end (SIGINT or SIGTERM); nothing measured is kept", file=sys.stderr)
+        sys.exit(130)
