@@ -214,7 +214,7 @@ def test_make_dataset_stopped_mid_generation_leaves_no_worker_and_resumes(tmp_pa
 
     path = tmp_path / "gen.yaml"
     path.write_text(yaml.safe_dump({"name": "gen", "dataset": {"synthetic": {
-        "num_samples": 20_000, "num_classes": 10, "mean_width": 96, "mean_height": 80}}}))
+        "num_samples": 4_000, "num_classes": 10, "mean_width": 96, "mean_height": 80}}}))
     command = [sys.executable, "-m", "loadopt.cli", "make-dataset", str(path)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers, deadline = set(), time.time() + 120
