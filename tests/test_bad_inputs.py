@@ -17,6 +17,7 @@ from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_convert
 
 from .bad_convert_inputs import CONVERT_CASES
+from .bad_recompress_inputs import RECOMPRESS_CASES
 from .bad_serving_inputs import (
     arrivals_file_with_a_bad_line,
     damaged_jpeg_request,
@@ -321,6 +322,7 @@ CASES = {  # name: (setup, exit code)
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
     "every request damaged under on_error: skip, serving bench": (every_request_damaged, 1),
     **CONVERT_CASES,
+    **RECOMPRESS_CASES,
 }
 
 

@@ -20,7 +20,6 @@ from loadopt.imaging.decode import decode_array, decode_pil
 from loadopt.storage.recompress import recompress_shards
 from loadopt.storage.webdataset_source import open_webdataset
 
-from .faults import images
 from .source_files import write_shards
 
 pytest.importorskip("imagecodecs", reason="the jxl extra (imagecodecs) is not installed")
@@ -115,29 +114,30 @@ def test_recompress_goes_on_where_it_stopped_and_force_writes_again(shards, tmp_
     assert not [p for p in target.iterdir() if ".tmp-" in p.name]
 
 
-@pytest.mark.parametrize("case", ["no folder", "no tars", "into itself", "damaged tar", "no imagecodecs"])
-def test_recompress_bad_inputs_are_one_line(case, shards, tmp_path, monkeypatch):
-    source, _ = shards
-    target = tmp_path / "packed"
-    if case == "no folder":
-        source, culprit = tmp_path / "nowhere", f"{tmp_path / 'nowhere'}: not a folder of tar shards"
-    elif case == "no tars":
-        root, _ = images(tmp_path, corrupt=0)
-        source, culprit = root, f"{root}: no .tar shards in it"
-    elif case == "into itself":
-        target, culprit = source, "must not be the source folder"
-    elif case == "damaged tar":
-        (source / "train-000001.tar").write_bytes(b"\x01" * 2048)
-        culprit = f"{source / 'train-000001.tar'}: not a readable tar shard"
-    else:
-        monkeypatch.setitem(sys.modules, "imagecodecs", None)
-        culprit = "pip install 'loadopt[jxl]'"
-    result = CliRunner().invoke(app, ["recompress", str(source), str(target), "--workers", "1"])
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.exit_code in (1, 2) and len(errors) == 1 and culprit in errors[0], result.output
-    assert "Traceback" not in result.output
-    if target.exists() and target != source:
-        assert not [p for p in target.iterdir() if ".tmp-" in p.name]
+# The command's bad inputs are rows of tests/test_bad_inputs.py's table (tests/bad_recompress_inputs.py).
+
+
+def test_jpeg_xl_images_in_an_image_folder_and_parquet_read_back_as_their_jpegs(tmp_path):
+    """Every source gives back the JPEG a recompressed image was made from: an ImageFolder's .jxl files and
+    Parquet's image bytes, as tar shards' .jxl members (above)."""
+    from loadopt.storage.imagefolder import scan_image_folder
+    from loadopt.storage.parquet_source import open_parquet
+
+    from .source_files import write_parquet
+
+    photos = [_photo(seed) for seed in range(4)]
+    packed = [jxl.recompress_jpeg(photo) for photo in photos]
+    assert all(p is not None for p in packed)
+    for n, data in enumerate(packed):
+        folder = tmp_path / "folder" / "train" / f"c{n % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{n}.jxl").write_bytes(data)  # type: ignore[arg-type]
+    dataset = scan_image_folder(str(tmp_path / "folder"))
+    assert sorted(dataset.read(i) for i in range(len(dataset))) == sorted(photos)
+    write_parquet(tmp_path / "pq", [(f"s{n}", n % 2, data) for n, data in enumerate(packed)],  # type: ignore[misc]
+                  ["c0", "c1"], files=1)
+    table = open_parquet(str(tmp_path / "pq"))
+    assert [table.read(i) for i in range(len(table))] == photos
 
 
 def test_reading_a_jpeg_xl_without_imagecodecs_is_one_line(monkeypatch):
