@@ -63,9 +63,13 @@ def test_a_decoded_conversion_records_skipped_files_and_every_run_reports_them(t
 
 
 def test_a_file_replaced_by_bytes_of_the_same_size(tmp_path, own_cache):
-    """A new modification time makes a new dataset; the old time kept, `convert --verify` finds the new
-    content and converts again."""
+    """The old time kept, `convert --verify` finds the new content and converts again. A touched file is missed
+    while the folders' listing is reused (their mtimes unchanged: the documented miss); `--relist` and `--verify`
+    stat every file again and make it a new dataset, a new conversion."""
     root, _ = images(tmp_path, corrupt=0)
+    folders = [root / "train", *(root / "train").iterdir()]
+    for folder in folders:  # changed long ago: the listing is saved whatever the machine's speed
+        os.utime(folder, (folder.stat().st_atime - 3600, folder.stat().st_mtime - 3600))
     config = write_config(tmp_path, dataset={"path": str(root)})
     runner = CliRunner()
     assert runner.invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
@@ -81,10 +85,17 @@ def test_a_file_replaced_by_bytes_of_the_same_size(tmp_path, own_cache):
     assert verified.exit_code == 0 and "converted in" in said(verified), verified.output
     again = runner.invoke(app, ["convert", str(config), "--to", "arrow", "--verify"])
     assert "reused: converted earlier, every chunk verified, source unchanged" in said(again)
-    victim.touch()  # a new time: another dataset, another conversion
-    fresh = runner.invoke(app, ["convert", str(config), "--to", "arrow"])
-    assert fresh.exit_code == 0 and "converted in" in said(fresh)
+    victim.touch()  # a new time, the folders' times unchanged: the saved listing holds
+    missed = runner.invoke(app, ["convert", str(config), "--to", "arrow"])
+    assert missed.exit_code == 0 and "reused: converted earlier" in said(missed), missed.output
+    relisted = runner.invoke(app, ["convert", str(config), "--to", "arrow", "--relist"])
+    assert relisted.exit_code == 0 and "converted in" in said(relisted), relisted.output  # another dataset
     assert len(list((own_cache / "arrow").glob("*/manifest.json"))) == 2
+    victim.touch()
+    os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 10**9))
+    verified = runner.invoke(app, ["convert", str(config), "--to", "arrow", "--verify"])
+    assert verified.exit_code == 0 and "converted in" in said(verified), verified.output  # --verify relists too
+    assert len(list((own_cache / "arrow").glob("*/manifest.json"))) == 3
 
 
 def test_force_rebuilds_a_damaged_conversion(tmp_path, own_cache):

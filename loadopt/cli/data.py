@@ -71,8 +71,10 @@ def convert(
                               "or auto (whole for augment: train)."),
     shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size, MiB (raw, Arrow)."),
     verify: bool = typer.Option(False, "--verify", help="Check every chunk of an existing conversion against its "
-                                                        "checksums and the source's content against the digest it "
-                                                        "recorded (reads the whole source); reconverts on a change."),
+                                                        "checksums (and every index and side file), lists the dataset "
+                                                        "again and compares the source's content with the digest it "
+                                                        "recorded (reads the whole source); reconverts what changed or "
+                                                        "is damaged."),
     force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
     engine: str = typer.Option("local", "--engine", help="Who writes the shards: local (this machine's cores) or "
                                "ray (a Ray task per shard; pip install 'loadopt[ray]')."),
@@ -96,7 +98,9 @@ def convert(
         with progress_bar() as progress:
             reporter = RichReporter(progress, terminated)
             try:
-                dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist)
+                # --verify lists the dataset again too: a file rewritten in place or touched changes no
+                # folder's mtime, so only its own stat tells (storage/manifest.py).
+                dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist or verify)
                 form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
                                                   frame, isinstance(dataset, TokenDataset), where="--size",
                                                   records=dataset.kind == "records")

@@ -12,12 +12,21 @@ What a folder's modification time sees: a file added, removed or renamed in it (
 writing a temporary and renaming it, as most tools do), a class folder added, removed or renamed. A
 symlinked class folder is followed (as torchvision's ImageFolder does) and watched through its target
 (`os.stat` follows the link); the link itself replaced or removed changes the split folder's mtime.
-What it misses: a file rewritten in place (opened for writing, same name: its own mtime and size change,
-its folder's do not) or its mtime touched. Such a change keeps the old fingerprint, so a conversion of
-the old bytes would be reused; `loadopt convert --verify` compares the content and reconverts, and
-`relist=True` (`scan_image_folder`) or deleting the manifest lists the folder again. A listing taken
-while a folder was being written (its mtime within `RACY_SECONDS` of the listing: the kernel's
-timestamps are coarse) is not saved, so a file added in the same clock tick is never missed.
+What it misses, by design (the price of not stat-ing every file): a file rewritten in place (opened for
+writing, same name: its own mtime and size change, its folder's do not: `rsync --inplace`, `cp` over an
+existing file, an editor saving in place) or its mtime touched. While the listing is reused such a change keeps
+the old fingerprint, so a conversion of the old bytes is reused. `--relist` (`relist=True`: `make_loader`,
+`scan_image_folder`) lists the folders again, a `stat` per file, so a changed mtime or size is a new dataset;
+`loadopt convert --verify` lists again too and compares every sample's bytes with the digest the conversion
+recorded (a file rewritten with its old size and mtime kept), reconverting on a difference.
+
+The staleness rule: a saved listing is reused exactly while every watched folder's mtime (ns) is the one
+stat-ed before that folder was read, so a change made during or after the listing is seen. Timestamps are
+coarse (a kernel tick; seconds on some filesystems): a change in the same tick as the folder's recorded mtime
+would leave it equal, so a listing is saved only when every watched folder's mtime is at least `RACY_SECONDS`
+older than the listing's start; a newer one (or one in the future) is listed again on the next open. This
+assumes the filesystem's clock agrees with this machine's within `RACY_SECONDS`: on a network filesystem whose
+server's clock is behind, list with `--relist` after writing.
 """
 
 from __future__ import annotations
