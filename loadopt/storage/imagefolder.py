@@ -248,7 +248,8 @@ def _open_images(config: Config, path: str, split: str, storage_options: dict[st
     if source_format == "parquet":
         from loadopt.storage.parquet_source import open_parquet
 
-        return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label, relist)
+        return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label, relist,
+                            spec.on_error)
     return scan_image_folder(path, split, storage_options, relist)
 
 

@@ -2,8 +2,10 @@
 (`data/train-00000-of-00042.parquet`, the split from the file names), or a folder, list or glob of files.
 
 The image column is a `{bytes, path}` struct, as Hugging Face `datasets` writes an `Image()` feature, or
-plain binary; the label column an integer or a class-name string, the class names taken from the
-`huggingface` schema metadata where present (`dataset.columns`). Row groups are the unit read: remote
+plain binary; the label column integers (kept as written) or class-name strings, the class names taken from
+the `huggingface` schema metadata where present (a ClassLabel feature), `dataset.columns` naming them. A row
+whose label is not a class (a null, text among integers) or whose image is null or empty is a sample error:
+named, and left out under `dataset.on_error: skip`. Row groups are the unit read: remote
 files through `pyarrow.parquet.ParquetFile` over an fsspec file (byte ranges, never the whole file), the
 last few decoded row groups kept so a batch's samples do not reread theirs. The index (file, row group,
 row and stored bytes per sample) is kept in the cache with the files' fingerprint.
@@ -12,6 +14,7 @@ row and stored bytes per sample) is kept in the cache with the files' fingerprin
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,7 +33,9 @@ from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
 from loadopt.storage.shards import ShardTable
-from loadopt.storage.source_format import GLOB_CHARS, labels_and_classes, of_split
+from loadopt.storage.source_format import GLOB_CHARS, LABEL_RULE, class_numbers, of_split
+
+log = logging.getLogger(__name__)
 
 # Decoded row groups held per process, by their image bytes (the newest always kept). A random order meets
 # a new row group at almost every sample once the split outgrows this: each then costs a whole row group's
@@ -82,8 +87,8 @@ class ParquetDataset:
         while among the last few used)."""
         images = self.row_groups.images(self, int(self.file_of[index]), int(self.group_of[index]))
         value = images[int(self.row_of[index])].as_py()
-        if value is None:
-            raise DatasetError(f"{redact(self.path(index))}: no image bytes (null)")
+        if not value:  # indexing leaves such rows out; a file rewritten since must not pass one to a decoder
+            raise DatasetError(f"{redact(self.path(index))}: no image bytes ({'null' if value is None else 'empty'})")
         return jxl.decodable(value)
 
     def read_group(self, file: int, group: int, handle: pq.ParquetFile | None) -> tuple[pa.Array, pq.ParquetFile]:
@@ -156,7 +161,7 @@ def image_bytes(table: pa.Table, column: str, where: str) -> pa.Array:
     if pa.types.is_struct(values.type):
         if values.type.get_field_index("bytes") < 0:
             raise DatasetError(f"{redact(where)}: column {column!r} is a struct without a `bytes` field")
-        values = values.field("bytes")
+        values = pc.struct_field(values, "bytes")  # a null struct's cell null too (`.field` gives its child's bytes)
     if not (pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)):
         raise DatasetError(f"{redact(where)}: column {column!r} holds {values.type}, not image bytes")
     return values
@@ -193,14 +198,18 @@ def parquet_files(fs: fsspec.AbstractFileSystem, path: str | list[str], split: s
 
 def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple[str, str],
                  fingerprint: str) -> manifest.SampleIndex:
-    """Read each file's label column and image sizes, row group by row group."""
+    """Read each file's label column and image sizes, row group by row group; rows without image bytes or a
+    class are named in the notes and left out of the arrays."""
     image, label = columns
-    file_of, group_of, row_of, sizes, labels = [], [], [], [], []
+    file_of, group_of, row_of, sizes, labels, missing, file_rows = [], [], [], [], [], [], []
     names_found: list[str] | None = None
     first_schema: pa.Schema | None = None
     for number, name in enumerate(names):
         with fs.open(name, "rb") as handle:
-            parquet = pq.ParquetFile(handle)
+            try:
+                parquet = pq.ParquetFile(handle)
+            except pa.ArrowInvalid as exc:  # a damaged footer: the file, not its folder, is the culprit
+                raise DatasetError(f"{display_name(fs, name)}: not a readable Parquet file ({exc})") from None
             schema = parquet.schema_arrow
             for column in columns:
                 if column not in schema.names:
@@ -211,34 +220,48 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
             elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
                 raise DatasetError(f"{display_name(fs, name)}: its schema differs from "
                                    f"{display_name(fs, names[0])}'s")
+            rows_before = 0
             for group in range(parquet.num_row_groups):
                 table = parquet.read_row_group(group, columns=[image, label])
                 images = image_bytes(table, image, name)
                 lengths = pc.binary_length(images).fill_null(0).to_numpy(zero_copy_only=False)
                 sizes.append(lengths.astype(np.int64))
+                missing.append(images.is_null().to_numpy(zero_copy_only=False))
                 labels += table.column(label).to_pylist()
                 file_of.append(np.full(len(lengths), number, dtype=np.int64))
                 group_of.append(np.full(len(lengths), group, dtype=np.int64))
                 row_of.append(np.arange(len(lengths), dtype=np.int64))
-    numbers, classes = labels_and_classes(labels, names_found, display_name(fs, names[0]))
+                file_rows.append(np.arange(rows_before, rows_before + len(lengths), dtype=np.int64))
+                rows_before += len(lengths)
     empty = np.array([], dtype=np.int64)
-    runs = np.concatenate(file_of or [empty])
+    every_file = np.concatenate(file_of or [empty])
+    every_size = np.concatenate(sizes or [empty])
+    null_image = np.concatenate(missing or [np.array([], dtype=bool)])
+    row_in_file = np.concatenate(file_rows or [empty])
+    classes = class_numbers(labels, names_found)
+    notes = []
+    for i in np.flatnonzero((every_size == 0) | (classes.numbers < 0)).tolist():
+        why = (f"no image bytes ({'null' if null_image[i] else 'empty'})" if every_size[i] == 0 else
+               classes.wrong[i])
+        notes.append(f"{display_name(fs, names[every_file[i]])} (row {row_in_file[i]}): {why}")
+    kept = (every_size > 0) & (classes.numbers >= 0)
+    runs = every_file[kept]
     # the window order's shard table, kept so that a rank need not read `file_of` whole (storage/shards.py)
     bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
-    arrays = {"file_of": runs, "shard_bounds": bounds, "group_of": np.concatenate(group_of or [empty]),
-              "row_of": np.concatenate(row_of or [empty]), "sizes": np.concatenate(sizes or [empty]),
-              "labels": np.array(numbers, dtype=np.int64)}
-    return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=[])
+    arrays = {"file_of": runs, "shard_bounds": bounds, "group_of": np.concatenate(group_of or [empty])[kept],
+              "row_of": np.concatenate(row_of or [empty])[kept], "sizes": every_size[kept],
+              "labels": classes.numbers[kept]}
+    return manifest.SampleIndex(arrays=arrays, classes=classes.classes, fingerprint=fingerprint, notes=notes)
 
 
 def listing_key(path_url: str | list[str], split: str, storage_options: dict[str, Any] | None, image_column: str,
                 label_column: str) -> ListingKey:
     """What names the saved listing of these files (the columns are in their fingerprint)."""
-    return ListingKey.of("parquet", path_url, split, storage_options, f"{image_column}:{label_column}")
+    return ListingKey.of("parquet", path_url, split, storage_options, f"{image_column}:{label_column}:{LABEL_RULE}")
 
 
 def _identity(fs: fsspec.AbstractFileSystem, folder: str, split: str, columns: tuple[str, str]) -> str:
-    return f"parquet:{fs.unstrip_protocol(folder)}:{split}:{columns[0]}:{columns[1]}"
+    return f"parquet:{fs.unstrip_protocol(folder)}:{split}:{columns[0]}:{columns[1]}:{LABEL_RULE}"
 
 
 def _list_files(fs: fsspec.AbstractFileSystem, path: str, paths: str | list[str], first: str, split: str,
@@ -260,10 +283,12 @@ def _list_files(fs: fsspec.AbstractFileSystem, path: str, paths: str | list[str]
 
 
 def open_parquet(path_url: str | list[str], split: str = "train", storage_options: dict[str, Any] | None = None,
-                 image_column: str = "image", label_column: str = "label", relist: bool = False) -> ParquetDataset:
+                 image_column: str = "image", label_column: str = "label", relist: bool = False,
+                 on_error: str = "raise") -> ParquetDataset:
     """The `split` of the Parquet files at `path_url`: from the cached index while the files' names, sizes
     and modification times are unchanged, else indexed. Remote files are listed once and their listing
-    saved (storage/remote_listing.py; `relist` lists them again)."""
+    saved (storage/remote_listing.py; `relist` lists them again). A row without image bytes or a class is an
+    error, or under `on_error: skip` left out and named."""
     first = path_url[0] if isinstance(path_url, list) else path_url
     fs, path = open_url(first, storage_options)
     paths: str | list[str] = [open_url(p, storage_options)[1] for p in path_url] if isinstance(path_url, list) else path
@@ -279,12 +304,19 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
         with storage_errors(first, "read the Parquet files"):
             index = _index_files(fs, listing.names(), columns, fingerprint)
         manifest.save_index(where, index, identity)
+    if index.notes and on_error != "skip":
+        raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave it out "
+                           f"({len(index.notes)} such in all)")
+    if index.notes:
+        log.warning("%s: %d row(s) without image bytes or a class left out; the first: %s", shown,
+                    len(index.notes), index.notes[0])
     if not len(index.arrays["sizes"]):
-        raise DatasetError(f"{shown}: no rows in {len(listing.files)} Parquet file(s)")
+        raise DatasetError(f"{shown}: no rows with image bytes and a class in {len(listing.files)} Parquet file(s)")
     arrays = index.arrays
     return ParquetDataset(root=fs.unstrip_protocol(folder) if not is_local_fs(fs) else folder, fs=fs,
                           files=listing.files, file_of=arrays["file_of"], group_of=arrays["group_of"],
                           row_of=arrays["row_of"], labels=arrays["labels"], sizes=arrays["sizes"],
                           classes=index.classes, fingerprint=fingerprint, image_column=image_column,
                           file_bytes=listing.sizes, listed_at=listing.listed_at,
-                          shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys())
+                          shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys(),
+                          left_out=index.notes)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 
 from loadopt.errors import DatasetError
 from loadopt.storage.remote import redact
@@ -14,6 +16,7 @@ from loadopt.storage.remote import redact
 FORMATS = ("imagefolder", "webdataset", "parquet")
 BRACE = re.compile(r"\{([^{}]*)\}")
 GLOB_CHARS = ("*", "?", "[")
+INTEGER_TEXT = re.compile(r"\s*[+-]?\d+\s*")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -97,19 +100,78 @@ def detect_format(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: s
                        "expected class folders (ImageFolder), .tar shards (WebDataset) or .parquet files)")
 
 
-def labels_and_classes(values: list[int | str], names: list[str] | None, where: str) -> tuple[list[int], list[str]]:
-    """Each sample's label index and the class names: integers as they are (named by `names` where given,
-    else by their numbers), class-name strings by their index in `names` (else in their sorted set)."""
-    if all(isinstance(v, int) for v in values):
-        numbers = [int(v) for v in values]
-        top = max(numbers, default=-1) + 1
-        if names is not None and len(names) >= top:
-            return numbers, list(names)
-        return numbers, [str(n) for n in range(top)]
-    classes = list(names) if names is not None else sorted({str(v) for v in values})
+# Part of the identity of tar and Parquet indexes and listings: indexes built under the earlier rule (a
+# text label among integers renumbered every class as sorted text) are not reused.
+LABEL_RULE = "labels2"
+
+
+@dataclass
+class ClassNumbers:
+    """Each sample's class number (-1 where its label is not one), the class names, and what is wrong with
+    each bad label (by the sample's position)."""
+
+    numbers: np.ndarray  # int64
+    classes: list[str]
+    wrong: dict[int, str]
+
+
+def label_integer(value: object) -> int | None:
+    """The integer a label spells: an integer, an integral float, or the text of one; else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return int(value) if float(value).is_integer() else None
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str) and INTEGER_TEXT.fullmatch(value):
+        return int(value)
+    return None
+
+
+def shown_label(value: object) -> str:
+    """A label's value for a message: text quoted, a missing value as null."""
+    return "null" if value is None else repr(value)
+
+
+def class_numbers(values: list[object], names: list[str] | None) -> ClassNumbers:
+    """Each sample's class number and the class names.
+
+    With `names` (a Hugging Face ClassLabel's): an integer indexes them, a string is looked up among them.
+    Without: where any label is an integer, labels are class numbers kept as written (the classes numbered
+    0 to the largest); where none is, labels are class names (the classes their sorted set, as ImageFolder's
+    folders). Any other label (text among integers, null, a fractional or negative number) is in `wrong`."""
+    integers = [label_integer(v) for v in values]
+    numbers = np.full(len(values), -1, dtype=np.int64)
+    wrong: dict[int, str] = {}
+    if names is not None:
+        index = {name: i for i, name in enumerate(names)}
+        listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        for i, (value, number) in enumerate(zip(values, integers, strict=True)):
+            if isinstance(value, str) and value in index:
+                numbers[i] = index[value]
+            elif number is not None and 0 <= number < len(names):
+                numbers[i] = number
+            else:
+                wrong[i] = (f"label {shown_label(value)} is neither a class number 0-{len(names) - 1} nor a name "
+                            f"of the dataset's {len(names)} classes ({listed})")
+        return ClassNumbers(numbers, list(names), wrong)
+    counted = sum(number is not None for number in integers)
+    if counted:
+        for i, number in enumerate(integers):
+            if number is None or number < 0:
+                wrong[i] = (f"label {shown_label(values[i])} is not a class number (an integer from 0; "
+                            f"{counted} of the {len(values)} labels are)")
+            else:
+                numbers[i] = number
+        top = int(numbers.max(initial=-1)) + 1
+        return ClassNumbers(numbers, [str(n) for n in range(top)], wrong)
+    classes = sorted({v for v in values if isinstance(v, str) and v})
     index = {name: i for i, name in enumerate(classes)}
-    unknown = sorted({str(v) for v in values if str(v) not in index})
-    if unknown:
-        raise DatasetError(f"{where}: labels {', '.join(unknown[:5])} are not among the class names "
-                           f"({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''})")
-    return [index[str(v)] for v in values], classes
+    for i, value in enumerate(values):
+        if isinstance(value, str) and value in index:
+            numbers[i] = index[value]
+        else:
+            wrong[i] = f"label {shown_label(value)} is neither a class number nor a class name"
+    return ClassNumbers(numbers, classes, wrong)

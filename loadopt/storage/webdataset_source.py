@@ -3,8 +3,9 @@ WebDataset's brace notation (`shards/train-{000000..000127}.tar`), local or any 
 
 A sample is the run of members sharing a key (WebDataset's rule: the member's name up to the first dot
 of its base name); its image is the member with an image extension, its label the integer in its `cls`
-member, or a field of its `json` member (`dataset.label_key`). The index (shard, offset and length of
-each sample's image) is built by reading the tar headers, seeking over member data (only the small label
+member, or a field of its `json` member (`dataset.label_key`), kept as written (a label that is not a class
+is a sample error: storage/source_format.py `class_numbers`). The index (shard, offset and length of each
+sample's image) is built by reading the tar headers, seeking over member data (only the small label
 members are read), and kept in the cache with the shards' fingerprint (names, sizes, modification
 times): a second open reads no shard. A sample is then one byte-range read.
 """
@@ -29,7 +30,7 @@ from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
 from loadopt.storage.shards import ShardTable
-from loadopt.storage.source_format import BRACE, GLOB_CHARS, expand_braces, labels_and_classes, of_split
+from loadopt.storage.source_format import BRACE, GLOB_CHARS, LABEL_RULE, class_numbers, expand_braces, of_split
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class WebDataset:
     sizes: np.ndarray  # int64, the image member's bytes
     classes: list[str]
     fingerprint: str
-    left_out: list[str] = field(default_factory=list)  # samples without an image member, empty shards
+    left_out: list[str] = field(default_factory=list)  # samples without an image member or a class, empty shards
     synthetic: bool = False
     converted: str | None = None
     listed_at: float | None = None  # when its saved remote listing was taken (storage/remote_listing.py)
@@ -166,17 +167,14 @@ def _sample_key(name: str) -> tuple[str, str]:
 
 
 def _label(members: dict[str, tuple[int, int]], read: Callable[[int, int], bytes], label_key: str | None,
-           where: str) -> int | str:
-    """The sample's label: its `cls` member's integer, or the `label_key` field of its `json` member."""
+           where: str) -> object:
+    """The sample's label as written: its `cls` member's text, or the `label_key` field of its `json` member
+    (`class_numbers` makes it a class number)."""
     if label_key is None:
         if "cls" not in members:
             raise DatasetError(f"{where}: no `cls` member (members: {', '.join(members)}); set dataset.label_key "
                                "to the field of its `json` member that holds the label")
-        text = read(*members["cls"]).strip()
-        try:
-            return int(text)
-        except ValueError:
-            return text.decode("utf-8", "replace")
+        return read(*members["cls"]).strip().decode("utf-8", "replace")
     if "json" not in members:
         raise DatasetError(f"{where}: no `json` member for dataset.label_key {label_key!r} (members: "
                            f"{', '.join(members)})")
@@ -184,7 +182,7 @@ def _label(members: dict[str, tuple[int, int]], read: Callable[[int, int], bytes
         value = json.loads(read(*members["json"]))[label_key]
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(f"{where}: its `json` member has no field {label_key!r} ({type(exc).__name__})") from None
-    return value if isinstance(value, int) else str(value)
+    return value
 
 
 @dataclass
@@ -192,7 +190,8 @@ class _ShardSamples:
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
-    labels: list[int | str] = field(default_factory=list)
+    labels: list[object] = field(default_factory=list)  # as written (`_label`)
+    label_members: list[str] = field(default_factory=list)  # the member each label was read from, for messages
     left_out: list[str] = field(default_factory=list)
 
 
@@ -212,6 +211,7 @@ def index_shard(read: Callable[[int, int], bytes], total: int, shown: str, label
             continue
         found.labels.append(_label(members, lambda start, size: read(start, size), label_key,
                                    f"{shown} (sample {key})"))
+        found.label_members.append(f"{key}.{'cls' if label_key is None else 'json'}")
         found.offsets.append(members[image][0])
         found.sizes.append(members[image][1])
         found.keys.append(key)
@@ -274,7 +274,7 @@ def _shard_infos(fs: fsspec.AbstractFileSystem, folder: str, names: list[str], s
 def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[int], label_key: str | None,
                   fingerprint: str) -> manifest.SampleIndex:
     """Read every shard's headers (and label members): the index the dataset is opened from."""
-    shard_of, offsets, lengths, keys, labels, left_out = [], [], [], [], [], []
+    shard_of, offsets, lengths, keys, labels, label_members, left_out = [], [], [], [], [], [], []
 
     def one(name: str, total: int) -> _ShardSamples | str:
         shown = display_name(fs, name)
@@ -299,16 +299,22 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
         lengths += found.sizes
         keys += found.keys
         labels += found.labels
+        label_members += found.label_members
         left_out += found.left_out
-    numbers, classes = labels_and_classes(labels, None, display_name(fs, names[0]))
-    runs = np.array(shard_of, dtype=np.int64)
+    classes = class_numbers(labels, None)
+    field_named = "" if label_key is None else f" field {label_key!r}"
+    for i, why in classes.wrong.items():
+        left_out.append(f"{display_name(fs, names[shard_of[i]])} (sample {keys[i]}, member {label_members[i]}"
+                        f"{field_named}): {why}")
+    kept = classes.numbers >= 0
+    runs = np.array(shard_of, dtype=np.int64)[kept]
     # Where each shard's samples start: the window order's shard table, without reading `shard_of` whole (a
     # rank of a web-scale set maps the index and reads its own shards' rows only).
     bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
-    arrays = {"shard_of": runs, "shard_bounds": bounds, "offsets": np.array(offsets, dtype=np.int64),
-              "sizes": np.array(lengths, dtype=np.int64), "labels": np.array(numbers, dtype=np.int64),
-              "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)}
-    return manifest.SampleIndex(arrays=arrays, classes=classes, fingerprint=fingerprint, notes=left_out)
+    arrays = {"shard_of": runs, "shard_bounds": bounds, "offsets": np.array(offsets, dtype=np.int64)[kept],
+              "sizes": np.array(lengths, dtype=np.int64)[kept], "labels": classes.numbers[kept],
+              "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)[kept]}
+    return manifest.SampleIndex(arrays=arrays, classes=classes.classes, fingerprint=fingerprint, notes=left_out)
 
 
 # (the shards' filesystem, the dataset's fingerprint) -> the filesystem to index them through
@@ -318,11 +324,11 @@ IndexThrough = Callable[[fsspec.AbstractFileSystem, str], fsspec.AbstractFileSys
 def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
                 label_key: str | None) -> ListingKey:
     """What names the saved listing of these shards (the label key is in their fingerprint)."""
-    return ListingKey.of("webdataset", path_url, split, storage_options, label_key or "cls")
+    return ListingKey.of("webdataset", path_url, split, storage_options, f"{label_key or 'cls'}:{LABEL_RULE}")
 
 
 def _identity(fs: fsspec.AbstractFileSystem, folder: str, split: str, label_key: str | None) -> str:
-    return f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}"
+    return f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}:{LABEL_RULE}"
 
 
 def _list_shards(fs: fsspec.AbstractFileSystem, path: str, path_url: str, split: str,
@@ -347,9 +353,10 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
     """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
     the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
     Remote shards are listed once and their listing saved (storage/remote_listing.py; `relist` lists them
-    again). A sample without an image member, or an empty shard, is an error, or under `on_error: skip`
-    left out and named. `index_through(fs, fingerprint)` gives the filesystem the shards are indexed through
-    (the bounded shard cache: indexing reads every shard whole, and its first epoch then reads the copies)."""
+    again). A sample without an image member or whose label is not a class, or an empty shard, is an error,
+    or under `on_error: skip` left out and named. `index_through(fs, fingerprint)` gives the filesystem the
+    shards are indexed through (the bounded shard cache: indexing reads every shard whole, and its first
+    epoch then reads the copies)."""
     fs, path = open_url(path_url, storage_options)
     shown = redact(path_url)
     listing = remote_listing.remembered(fs, path, listing_key(path_url, split, storage_options, label_key), relist,
@@ -368,10 +375,11 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
         raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave it out "
                            f"({len(index.notes)} such in all)")
     if index.notes:
-        log.warning("%s: %d sample(s) without an image member or empty shard(s) left out, the first: %s", shown,
-                    len(index.notes), index.notes[0])
+        log.warning("%s: %d sample(s) without an image member or a class, or empty shard(s), left out; the first: "
+                    "%s", shown, len(index.notes), index.notes[0])
     if not len(index.arrays["sizes"]):
-        raise DatasetError(f"{shown}: no samples with an image member in {len(listing.files)} shard(s)")
+        raise DatasetError(f"{shown}: no samples with an image member and a class in {len(listing.files)} "
+                           "shard(s)")
     arrays = index.arrays
     return WebDataset(root=root, fs=fs, shards=listing.files, shard_of=arrays["shard_of"], offsets=arrays["offsets"],
                       keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
