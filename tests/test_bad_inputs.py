@@ -16,7 +16,9 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_convert
 
+from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
+from .bad_label_inputs import LABEL_CASES
 from .bad_recompress_inputs import RECOMPRESS_CASES
 from .bad_serving_inputs import (
     arrivals_file_with_a_bad_line,
@@ -323,6 +325,8 @@ CASES = {  # name: (setup, exit code)
     "every request damaged under on_error: skip, serving bench": (every_request_damaged, 1),
     **CONVERT_CASES,
     **RECOMPRESS_CASES,
+    **LABEL_CASES,
+    **CLI_CASES,
 }
 
 

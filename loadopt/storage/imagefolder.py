@@ -25,6 +25,7 @@ from loadopt.storage import manifest, remote_listing
 from loadopt.storage.records import RecordDataset
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListingKey, SavedListing
+from loadopt.storage.source_format import what_is_there
 from loadopt.storage.tier_reads import conversion_home
 from loadopt.storage.tiers import dataset_root, resolve_tier, tier_filesystem
 
@@ -113,7 +114,8 @@ def scan_image_folder(root_url: str, split: str = "train",
     listing_here = manifest.local_listing(root.rstrip("/") or "/", fs.unstrip_protocol(os.path.realpath(root)),
                                           IMAGE_EXTENSIONS, cache_dir(), relist)
     if not len(listing_here.paths):
-        raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it)")
+        raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it; "
+                           f"{what_is_there(fs, root, fs.unstrip_protocol(root))})")
     return ImageDataset(root=root, fs=fs, paths=listing_here.paths, labels=listing_here.labels,
                         sizes=listing_here.sizes, classes=listing_here.classes, fingerprint=listing_here.fingerprint)
 
@@ -148,8 +150,9 @@ def _list_remote(fs: fsspec.AbstractFileSystem, root: str, split: str, url: str)
                 entries.append((parts[0], name, {**info, "name": name}))
         entries.sort(key=lambda entry: entry[:2])
         files = remote_listing.described(fs, [info for _, _, info in entries])
-    if not files:
-        raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under it)")
+        if not files:
+            raise DatasetError(f"{fs.unstrip_protocol(root)}: no images found (expected <class>/<image>.jpg under "
+                               f"it; {what_is_there(fs, root, fs.unstrip_protocol(root))})")
     classes = sorted({c for c, _, _ in entries})
     class_index = {c: i for i, c in enumerate(classes)}
     # Modification times too: a file replaced by other bytes of the same size makes a new dataset (its

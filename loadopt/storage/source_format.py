@@ -17,6 +17,7 @@ FORMATS = ("imagefolder", "webdataset", "parquet")
 BRACE = re.compile(r"\{([^{}]*)\}")
 GLOB_CHARS = ("*", "?", "[")
 INTEGER_TEXT = re.compile(r"\s*[+-]?\d+\s*")
+COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -57,9 +58,44 @@ def of_split(names: list[str], split: str, where: str) -> list[str]:
     raise DatasetError(f"{where}: no {split!r} files (splits named there: {', '.join(splits) or 'none'})")
 
 
-def _kinds(fs: fsspec.AbstractFileSystem, folder: str) -> tuple[list[str], list[str], list[str]]:
-    """The .tar files, .parquet files and sub-folders directly in `folder` (their base names)."""
-    tars, parquets, folders = [], [], []
+def compressed_tars(names: list[str]) -> DatasetError:
+    """The one line for compressed tar shards (`names` as shown): why they are not read and what to do."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return DatasetError(f"{names[0]}{more}: compressed tar shards are not read (a sample is read at its offset in "
+                        "the tar, which a compressed stream cannot give); decompress them into .tar shards "
+                        "(`gunzip` turns x.tar.gz or x.tgz into x.tar) and point dataset.path at those")
+
+
+def raise_if_compressed(names: list[str]) -> None:
+    """`compressed_tars` where any of `names` is a compressed tar."""
+    compressed = sorted(n for n in names if n.lower().endswith(COMPRESSED_TARS))
+    if compressed:
+        raise compressed_tars(compressed)
+
+
+def what_is_there(fs: fsspec.AbstractFileSystem, folder: str, shown: str) -> str:
+    """What a folder holding none of the expected files holds (two levels down), for a message: its files
+    counted by extension and the first few named; compressed tar shards are their own error."""
+    found = fs.find(folder, maxdepth=2, detail=True)
+    files = sorted(name for name, info in found.items() if info.get("type") != "directory")
+    inside = [f"{shown.rstrip('/')}/{name[len(folder.rstrip('/')) + 1:]}" for name in files]
+    raise_if_compressed(inside)
+    if not files:
+        return "found no files"
+    extensions: dict[str, int] = {}
+    for name in files:
+        base = name.rsplit("/", 1)[-1]
+        extension = "." + base.rsplit(".", 1)[-1].lower() if "." in base else "no extension"
+        extensions[extension] = extensions.get(extension, 0) + 1
+    counted = ", ".join(f"{count} {extension}" for extension, count in sorted(extensions.items(),
+                                                                                key=lambda item: -item[1]))
+    named = ", ".join(name[len(folder.rstrip("/")) + 1:] for name in files[:3])
+    return f"found {len(files)} file(s): {counted} ({named}{', ...' if len(files) > 3 else ''})"
+
+
+def _kinds(fs: fsspec.AbstractFileSystem, folder: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The .tar files, .parquet files, sub-folders and compressed tars directly in `folder` (base names)."""
+    tars, parquets, folders, compressed = [], [], [], []
     for info in fs.ls(folder, detail=True):
         name = info["name"].rstrip("/").rsplit("/", 1)[-1]
         if info.get("type") == "directory":
@@ -68,30 +104,36 @@ def _kinds(fs: fsspec.AbstractFileSystem, folder: str) -> tuple[list[str], list[
             tars.append(name)
         elif name.endswith(".parquet"):
             parquets.append(name)
-    return tars, parquets, folders
+        elif name.lower().endswith(COMPRESSED_TARS):
+            compressed.append(name)
+    return tars, parquets, folders, compressed
 
 
 def detect_format(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: str) -> str:
     """imagefolder, webdataset or parquet, by what `path` holds; a path that is none of them is a
     DatasetError naming what is there. A missing path is left to the ImageFolder's own message."""
+    if path.lower().endswith(COMPRESSED_TARS) and not any(c in path for c in GLOB_CHARS) and not BRACE.search(path):
+        raise compressed_tars([shown])
     if BRACE.search(path) or path.endswith(".tar") or any(c in path for c in GLOB_CHARS) and ".tar" in path:
         return "webdataset"
     if path.endswith(".parquet") or any(c in path for c in GLOB_CHARS):
         return "parquet"
     if not fs.exists(path) or not fs.isdir(path):
         return "imagefolder"
-    tars, parquets, folders = _kinds(fs, path)
+    tars, parquets, folders, compressed = _kinds(fs, path)
     if tars:
         return "webdataset"
     if parquets:
         return "parquet"
     for inner in ("data", split):
         if inner in folders:
-            inner_tars, inner_parquets, _ = _kinds(fs, path.rstrip("/") + "/" + inner)
+            inner_tars, inner_parquets, _, inner_compressed = _kinds(fs, path.rstrip("/") + "/" + inner)
             if inner_parquets:
                 return "parquet"
             if inner_tars:
                 return "webdataset"
+            raise_if_compressed([f"{shown.rstrip('/')}/{inner}/{name}" for name in inner_compressed])
+    raise_if_compressed([f"{shown.rstrip('/')}/{name}" for name in compressed])
     if folders:
         return "imagefolder"
     files = [info["name"].rstrip("/").rsplit("/", 1)[-1] for info in fs.ls(path, detail=True)]

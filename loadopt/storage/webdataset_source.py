@@ -30,7 +30,15 @@ from loadopt.storage import manifest, remote_listing
 from loadopt.storage.remote import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote_listing import ListedFile, ListingKey, SavedListing
 from loadopt.storage.shards import ShardTable
-from loadopt.storage.source_format import BRACE, GLOB_CHARS, LABEL_RULE, class_numbers, expand_braces, of_split
+from loadopt.storage.source_format import (
+    BRACE,
+    GLOB_CHARS,
+    LABEL_RULE,
+    class_numbers,
+    expand_braces,
+    of_split,
+    raise_if_compressed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +347,10 @@ def _list_shards(fs: fsspec.AbstractFileSystem, path: str, path_url: str, split:
         if not BRACE.search(path) and not any(c in path for c in GLOB_CHARS) and not fs.exists(path):
             raise DatasetError(f"{shown}: {why_missing(fs, path, path_url, 'shards not found')}")
         folder, names = _shard_names(fs, path, split, shown)
+        raise_if_compressed([display_name(fs, name) for name in names])
         if not names:
+            listed = [] if BRACE.search(path) or any(c in path for c in GLOB_CHARS) else fs.ls(folder, detail=False)
+            raise_if_compressed([display_name(fs, name) for name in listed])
             raise DatasetError(f"{shown}: no .tar shards found")
         files = _shard_infos(fs, folder, names, shown)
     fingerprint = manifest.fingerprint(_identity(fs, folder, split, label_key), [n.rsplit("/", 1)[-1] for n in names],
