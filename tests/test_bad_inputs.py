@@ -16,7 +16,6 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_convert
 
-from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
 from .bad_label_inputs import LABEL_CASES
 from .bad_recompress_inputs import RECOMPRESS_CASES
@@ -326,7 +325,6 @@ CASES = {  # name: (setup, exit code)
     **CONVERT_CASES,
     **RECOMPRESS_CASES,
     **LABEL_CASES,
-    **CLI_CASES,
 }
 
 
