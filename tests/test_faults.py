@@ -272,3 +272,104 @@ def test_sigterm_mid_serving_bench_keeps_the_finished_paths(tmp_path, own_cache)
     document = json.loads((tmp_path / "results" / "serve.json").read_text())
     assert [p["label"] for p in document["paths"]] == ["torch plain"], document["paths"]
     assert document["interrupted_by"] == "SIGTERM"
+
+
+def _delivered_labels(config) -> list[int]:
+    """Every label `make_loader` hands out in one epoch, in the dataset's order."""
+    loader = make_loader(config, backend="torch", num_workers=0, shuffle=False, drop_last=False, batch_size=4)
+    try:
+        return [int(label) for _, labels in loader for label in labels]
+    finally:
+        loader.close()
+
+
+def test_a_text_tar_label_is_skipped_and_the_others_keep_their_integers(tmp_path, own_cache):
+    """One `.cls` of `cat` among 20 integer labels (0-19, so a text sort would renumber them): under
+    `on_error: skip` it is left out and named, and every other sample keeps the very label written."""
+    from loadopt.storage.imagefolder import open_dataset
+
+    from .bad_label_inputs import numbered_samples
+    from .source_files import write_shards
+
+    samples = numbered_samples(tmp_path)
+    key, _, data = samples[7]
+    labelled: list = [*samples[:7], (key, "cat", data), *samples[8:]]
+    shards = write_shards(tmp_path / "shards", labelled, per_shard=6)
+    config = write_config(tmp_path, dataset={"path": str(tmp_path / "shards"), "on_error": "skip"})
+    from loadopt.config import load_config
+
+    dataset = open_dataset(load_config(config))
+    written = [label for i, (_, label, _) in enumerate(samples) if i != 7]
+    assert dataset.labels.tolist() == written and [k.decode() for k in dataset.keys] == [
+        k for i, (k, _, _) in enumerate(samples) if i != 7]
+    assert dataset.classes == [str(n) for n in range(20)]
+    assert len(dataset.left_out) == 1 and dataset.left_out[0].startswith(f"{shards[1]} (sample {key}, member "
+                                                                         f"{key}.cls): label 'cat' ")
+    assert _delivered_labels(config) == written
+
+
+def test_a_null_parquet_label_or_image_is_skipped_and_the_others_keep_their_integers(tmp_path, own_cache):
+    """A null label, a null image and an empty image among 20 rows: under `on_error: skip` each is left out
+    and named by file and row, the 17 others keep their integers; under `raise` the first is the one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loadopt.config import load_config
+    from loadopt.errors import DatasetError
+    from loadopt.storage.imagefolder import open_dataset
+
+    from .bad_label_inputs import numbered_samples
+
+    samples = numbered_samples(tmp_path)
+    images_column = [None if i == 4 else b"" if i == 11 else data for i, (_, _, data) in enumerate(samples)]
+    labels_column = [None if i == 16 else label for i, (_, label, _) in enumerate(samples)]
+    path = tmp_path / "pq" / "train.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.table({"image": pa.array(images_column, pa.binary()), "label": pa.array(labels_column,
+                                                                                               pa.int64())}),
+                   path, row_group_size=6)
+    raising = write_config(tmp_path, dataset={"path": str(tmp_path / "pq")})
+    with pytest.raises(DatasetError, match=rf"^{path} \(row 4\): no image bytes \(null\); set dataset.on_error: "
+                                           r"skip to leave it out \(3 such in all\)$"):
+        open_dataset(load_config(raising))
+    config = write_config(tmp_path, dataset={"path": str(tmp_path / "pq"), "on_error": "skip"})
+    dataset = open_dataset(load_config(config))
+    written = [label for i, (_, label, _) in enumerate(samples) if i not in (4, 11, 16)]
+    assert dataset.labels.tolist() == written and dataset.classes == [str(n) for n in range(20)]
+    assert dataset.left_out == [f"{path} (row 4): no image bytes (null)", f"{path} (row 11): no image bytes (empty)",
+                                f"{path} (row 16): label null is not a class number (an integer from 0; 19 of the "
+                                "20 labels are)"]
+    assert [dataset.read(i) for i in range(len(dataset))] == [
+        data for i, (_, _, data) in enumerate(samples) if i not in (4, 11, 16)]
+    assert _delivered_labels(config) == written
+
+
+def test_a_hugging_face_class_label_keeps_its_names(tmp_path, own_cache):
+    """Parquet written as `datasets` writes a ClassLabel: its names are the classes, the integers index them
+    (also past 10, where a text sort would reorder), a name in the column is its index, and a number past
+    the names is a named sample error."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loadopt.storage.parquet_source import open_parquet
+
+    from .bad_label_inputs import numbered_samples
+    from .source_files import write_parquet
+
+    samples = numbered_samples(tmp_path, 12)
+    names = [f"breed {n}" for n in range(12)]
+    write_parquet(tmp_path / "hub", samples, names, files=2)
+    dataset = open_parquet(str(tmp_path / "hub"))
+    assert dataset.classes == names and dataset.labels.tolist() == list(range(12)) and not dataset.left_out
+    features = {"image": {"_type": "Image"}, "label": {"names": ["cat", "dog"], "_type": "ClassLabel"}}
+    table = pa.table({"image": pa.array([d for _, _, d in samples[:4]], pa.binary()),
+                      "label": pa.array(["dog", "1", "cat", "7"])})
+    path = tmp_path / "named" / "train.parquet"
+    path.parent.mkdir()
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}), path)
+    named = open_parquet(str(path), on_error="skip")
+    assert named.classes == ["cat", "dog"] and named.labels.tolist() == [1, 1, 0]
+    assert named.left_out == [f"{path} (row 3): label '7' is neither a class number 0-1 nor a name of the "
+                              "dataset's 2 classes (cat, dog)"]
