@@ -1,31 +1,72 @@
 """Results files: `results.json` (schema-versioned) and the raw per-batch timings as Parquet.
 
-Files are written to a temporary name in the same folder and renamed (`loadopt.files.atomic_write`), so a
-reader never sees half a file and an interrupted bench never destroys the previous results.
+Both files are written to temporary names in the same folder and only then renamed, together: a reader never
+sees half a file, and a write that fails (a full disk) leaves the previous pair as it was, never a new
+`results.json` beside the old timings. An earlier bench's report and decision are removed once this bench's
+results replace its own (`discard_stale_files`): they would describe other runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 from loadopt.errors import OutputError
-from loadopt.files import atomic_write, atomic_write_text
+from loadopt.files import honour_umask, is_no_space
 from loadopt.schema import ResultsFile, results_text
 
-__all__ = ["write_results"]
+__all__ = ["STALE_FILES", "discard_stale_files", "write_results"]
+
+# What a bench leaves beside its results that describes them: the report (`loadopt.report`'s default name)
+# and the decision (bench/decision.py).
+STALE_FILES = ("report.html", "decision.json")
 
 
 def write_results(folder: Path, results: ResultsFile, timing_rows: dict[str, list]) -> tuple[Path, Path]:
-    """Write `results.json` and `timings.parquet` into `folder`; returns their paths."""
+    """Write `results.json` and `timings.parquet` into `folder` (both or neither); returns their paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     json_path, parquet_path = folder / "results.json", folder / "timings.parquet"
+    staged: list[str] = []
     try:
         table = pa.table(timing_rows)
-        atomic_write(parquet_path, lambda tmp: pq.write_table(table, tmp))
-        atomic_write_text(json_path, results_text(results))  # validated against loadopt.schema
+        text = results_text(results)  # validated against loadopt.schema
+        parquet_tmp, json_tmp = _staged(parquet_path, staged), _staged(json_path, staged)
+        pq.write_table(table, parquet_tmp)
+        Path(json_tmp).write_text(text)
+        os.replace(parquet_tmp, parquet_path)
+        os.replace(json_tmp, json_path)
     except OSError as exc:
+        if is_no_space(exc):
+            raise OutputError(f"{folder}: no space left on device to write the results; the previous results, "
+                              "if any, are unchanged") from None
         raise OutputError(f"{folder}: cannot write results ({exc.strerror or exc})") from None
+    finally:
+        for tmp in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a temporary not renamed (a failure, or an interrupt): gone
     return json_path, parquet_path
 
+
+def _staged(path: Path, staged: list[str]) -> str:
+    """A temporary file beside `path` with the mode a plain `open` gives, noted in `staged`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    staged.append(tmp)
+    honour_umask(tmp)
+    return tmp
+
+
+def discard_stale_files(folder: Path) -> list[str]:
+    """Remove the report and decision an earlier bench left in `folder`; returns the names it could not remove
+    (with why), for a warning."""
+    left = []
+    for name in STALE_FILES:
+        try:
+            (folder / name).unlink(missing_ok=True)
+        except OSError as exc:
+            left.append(f"{name} ({exc.strerror or exc})")
+    return left

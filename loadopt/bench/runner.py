@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,11 @@ from loadopt.bench.harness import RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
 from loadopt.bench.rank_report import RankReport
-from loadopt.bench.results import write_results
+from loadopt.bench.results import discard_stale_files, write_results
 from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, WorkloadConfig
-from loadopt.device import DeviceTransfer
+from loadopt.device import DeviceTransfer, Elapsed
 from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied, stop_behind
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
@@ -58,6 +59,9 @@ class BenchRequest:
     budget_s: float
     attribute_stages: bool  # run each backend's best setting's stages apart
     relist: bool = False  # list the dataset again (`--relist`) instead of reading its saved listing
+    # A stop that came but whose exception was lost (raised inside a finaliser or a thread, which Python ignores):
+    # the exception to raise at the next setting's boundary, else None (the CLI's signal handlers know).
+    stop_requested: Callable[[], BaseException | None] = lambda: None
 
 
 @dataclass
@@ -116,7 +120,7 @@ def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: 
 def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | None = None, quick: bool = False,
               reporter: Reporter | None = None, convert: bool = True, attribute: bool = True, tune: bool = False,
               budget_s: float = 600.0, attribute_stages: bool = False, return_errors: bool = False,
-              relist: bool = False) -> BenchOutcome:
+              relist: bool = False, stop_requested: Callable[[], BaseException | None] | None = None) -> BenchOutcome:
     """Measure every configured loader setting; write results.json and timings.parquet into `out`.
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
@@ -131,7 +135,12 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     as it was. One that measured part writes what it measured, each setting not run with the reason; a
     user error then is raised after the writing, or returned in `BenchOutcome.error` with
     `return_errors` (the CLI, which prints the runs and writes the report before the error). `relist` lists
-    the dataset again and saves the new listing (storage/remote_listing.py)."""
+    the dataset again and saves the new listing (storage/remote_listing.py). `stop_requested` says whether a stop
+came whose exception got lost (it is honoured at the next setting's boundary).
+
+From the first measured setting on, results.json and timings.parquet are rewritten after every setting (marked
+`in_progress: true` until the bench ends), so a crash of the process keeps what was measured; the report and
+decision an earlier bench left in `out` are removed then, as they describe other runs."""
     if attribute:
         ceiling_measures.ceiling_seconds()  # a bad $LOADOPT_CEILING_SECONDS: its one line before any work
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
@@ -139,7 +148,7 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     with distributed.ranks_here(config.workload.device, timeout_s) as ranks:
         request = BenchRequest(config, loaders or list(config.loaders), out, quick,
                                (reporter if ranks.lead else None) or Reporter(), convert, attribute, tune, budget_s,
-                               attribute_stages, relist)
+                               attribute_stages, relist, stop_requested or (lambda: None))
         outcome = _bench(request, ranks)
     if outcome.error is not None and not return_errors:
         raise outcome.error
@@ -201,7 +210,8 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
         plan = ranks.alone(lambda: _plan(config, request.names, dataset, ranks.device, request.reporter,
                                          request.convert))
     machine_load = MachineLoad().start() if ranks.lead else None  # results.json `machine.load`: a busy machine?
-    done = _run_plan(request, ranks, plan, dataset, workload)
+    progress = _Progress(request, folder, plan, dataset, workload, ranks.device) if ranks.lead else None
+    done = _run_plan(request, ranks, plan, dataset, workload, progress)
     load = machine_load.stop() if machine_load is not None else None
     if not ranks.lead or machine_load is None:  # a rank other than 0: rank 0 writes and prints
         if done.user_error is not None:
@@ -229,7 +239,7 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
 
 
 def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Setting], dataset: Dataset,
-              workload: WorkloadConfig) -> _Pass:
+              workload: WorkloadConfig, progress: _Progress | None = None) -> _Pass:
     """The ceilings, then every repeat of every runnable setting (interleaved), until the end or a stop."""
     config, done = request.config, _Pass()
     accelerator = ranks.step_sync(make_accelerator(workload.model, workload.step_time_ms, len(dataset.classes),
@@ -244,16 +254,64 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
             for setting in plan:
                 if setting.status != RunStatus.OK:
                     continue
+                _honour_stop(request)
                 done.cache_note = _run_one(setting, repeat, config, dataset, ranks, accelerator, workload,
                                            request.reporter) or done.cache_note
+                if progress is not None:
+                    progress.write(done.cache_note)
+                _honour_stop(request)  # a stop that landed in the loader's close (or a finaliser) and was lost
         if done.ceilings is not None and ranks.lead:  # measured again after the runs: the higher one is kept
             done.ceilings = ceiling_measures.keep_best(done.ceilings, config, dataset)
+        _honour_stop(request)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
         done.interrupted = True
         done.stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
     except LoadoptError as exc:
         done.user_error = exc
     return done
+
+
+def _honour_stop(request: BenchRequest) -> None:
+    """Raise the stop (KeyboardInterrupt, or `Terminated` for SIGTERM) that came but whose own raise was lost."""
+    stop = request.stop_requested()
+    if stop is not None:
+        raise stop
+
+
+class _Progress:
+    """results.json and timings.parquet rewritten after every setting (each file temp then rename), marked
+    `in_progress`, from the first measured setting on: a crash of the process keeps what was measured."""
+
+    def __init__(self, request: BenchRequest, folder: Path, plan: list[Setting], dataset: Dataset,
+                 workload: WorkloadConfig, device) -> None:
+        self.request, self.folder, self.plan, self.dataset, self.workload = request, folder, plan, dataset, workload
+        self.device = device
+        self.started = False  # whether the folder holds this bench's files yet
+
+    def write(self, cache_note: str) -> None:
+        if not any(s.repeats for s in self.plan):  # nothing measured: the folder stays as it was
+            return
+        request = self.request
+        results = results_document(request.config, self.plan, self.dataset, self.device,
+                                   self.workload, request.quick, False, cache_note, IN_PROGRESS_NOT_RUN)
+        results.in_progress = True  # type: ignore[attr-defined]  # an extra key: results.json allows them
+        try:
+            write_results(self.folder, results, timing_rows(self.plan))
+        except LoadoptError as exc:  # the final write says it in its line; the bench goes on
+            log.warning("could not save the runs so far: %s", exc)
+            return
+        if not self.started:
+            self.started = True
+            _discard_stale(self.folder)
+
+
+def _discard_stale(folder: Path) -> None:
+    left = discard_stale_files(folder)
+    if left:
+        log.warning("could not remove the earlier bench's %s in %s", ", ".join(left), folder)
+
+
+IN_PROGRESS_NOT_RUN = "not run yet: the bench was still running when this file was written"
 
 
 def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: list[Setting], dataset: Dataset,
@@ -279,6 +337,7 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
     else:
         results.decision = made  # None: nothing of the config's recipe was measured
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
+    _discard_stale(folder)  # the earlier bench's report and decision describe other runs
     # A bench that decided nothing leaves no decision of an earlier bench beside its results.
     decision.record_beside(made, folder)
     return BenchOutcome(results, json_path, parquet_path, interrupted, error=done.user_error)
@@ -310,31 +369,22 @@ def setting_loader(config: Config, setting: Setting, dataset, device, rank: int 
 def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ranks: distributed.Ranks,
              accelerator, workload: WorkloadConfig, reporter: Reporter) -> str | None:
     """One repeat of one setting (on every rank); returns the cache note when the page cache was evicted
-    first. A failure on any rank is the setting's error on every rank; a user error stops the bench."""
+    first. A failure on any rank is the setting's error on every rank; a user error stops the bench. A
+    backend whose native library can crash the process on bad bytes runs in a child process where it can
+    (`runs_apart`), so that its crash is this setting's error and not the end of the bench."""
     reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats}{ranks.run_suffix()})",
                          workload.warmup_batches + workload.measure_batches)
-    loader, result, note, error = None, None, None, None
     counters = tier_counters(dataset.fs)
-    try:
-        loader = setting_loader(config, setting, dataset, ranks.device, ranks.rank, ranks.world_size)
-        # Cold: evict what this loader reads (the JPEGs, or the Arrow file / raw shards it converted to).
-        note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
-        ranks.start()
-        result = run_repeat(ranks.wrap_loader(loader), accelerator, DeviceTransfer(ranks.device, emulate=True),
-                            workload.warmup_batches, workload.measure_batches, on_batch=reporter.batch_done)
-    except KeyboardInterrupt:
-        raise
-    except distributed.PeerFailed:
-        pass  # another rank failed this run: its report says why
-    except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
-        stop = stop_behind(exc)
-        if stop is not None:  # the stop came while a library was starting, and its cleanup failed over it
-            raise stop from None
-        log.debug("run %s failed", setting.label, exc_info=True)
-        error = exc
-    finally:
-        if loader is not None:
-            loader.close()
+    if _runs_apart(setting, ranks):
+        measured = _measured_apart(setting, config, dataset, ranks, accelerator, workload, reporter)
+    else:
+        measured = _measured_here(setting, config, dataset, ranks, accelerator, workload, reporter.batch_done)
+    result, note, error = measured.result, measured.note, measured.error
+    if result is not None and error is None and not any(p.samples for p in result.probes if p.measured):
+        # every sample skipped (dataset.on_error: skip) or none delivered: no figure of a loader, an error
+        error = NothingDelivered(f"delivered no samples ({len(result.skipped)} unreadable file(s) skipped "
+                                 "under dataset.on_error: skip)" if result.skipped else "delivered no samples")
+        result = None
     delta = counters_delta(counters, tier_counters(dataset.fs))  # shared by the loader's processes
     report = RankReport(metrics=result.metrics if result else None, skipped=result.skipped if result else [],
                         tier=delta)
@@ -343,6 +393,8 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
         # The user's to fix: the bench stops; a worker that died (the OOM killer, say) fails this setting only.
         if isinstance(error, LoadoptError) and not isinstance(error, WorkerDied) and failure is None:
             report.fatal = distributed.described(error)
+        elif isinstance(error, (RunCrashed, NothingDelivered)):  # already a sentence: no exception name
+            report.error = str(error)
         else:
             report.error = str(failure or f"{type(error).__name__}: {error}").splitlines()[0]
     reports = ranks.settle(setting.label, report)
@@ -368,6 +420,119 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
     setting.repeats.append(RepeatResult(job, result.probes, [s for r in reports for s in r.skipped]))
     reporter.run_finished(setting.label, job, None)
     return note
+
+
+class RunCrashed(Exception):
+    """The child process a setting ran in died (a native library's crash, a signal): that setting's error."""
+
+
+class NothingDelivered(Exception):
+    """A run that delivered no sample (all skipped): an error, never a measured setting."""
+
+
+@dataclass
+class _Measured:
+    """What one repeat of one setting gave: its figures, or the exception that stopped it."""
+
+    result: RepeatResult | None = None
+    note: str | None = None  # the cache note, where the page cache was evicted first
+    error: Exception | None = None
+
+
+def _runs_apart(setting: Setting, ranks: distributed.Ranks) -> bool:
+    """Whether this setting's run goes into a child process: its backend says its native code can crash on
+    bad bytes, and a fork can carry the run (one rank, on the CPU: CUDA does not survive a fork)."""
+    import multiprocessing
+
+    cls = backend_class(setting.backend)
+    return (getattr(cls, "runs_apart", False) and ranks.world_size == 1 and ranks.device.type == "cpu"
+            and "fork" in multiprocessing.get_all_start_methods())
+
+
+def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks, accelerator,
+                   workload: WorkloadConfig, on_batch) -> _Measured:
+    """Open the setting's loader, evict what it reads where the cache is cold, and measure one repeat."""
+    loader, measured = None, _Measured()
+    try:
+        loader = setting_loader(config, setting, dataset, ranks.device, ranks.rank, ranks.world_size)
+        # Cold: evict what this loader reads (the JPEGs, or the Arrow file / raw shards it converted to).
+        measured.note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
+        ranks.start()
+        measured.result = run_repeat(ranks.wrap_loader(loader), accelerator,
+                                     DeviceTransfer(ranks.device, emulate=True), workload.warmup_batches,
+                                     workload.measure_batches, on_batch=on_batch)
+    except KeyboardInterrupt:
+        raise
+    except distributed.PeerFailed:
+        pass  # another rank failed this run: its report says why
+    except Exception as exc:  # noqa: BLE001 - one failing backend (or a failing tier) must not take the others down
+        stop = stop_behind(exc)
+        if stop is not None:  # the stop came while a library was starting, and its cleanup failed over it
+            raise stop from None
+        log.debug("run %s failed", setting.label, exc_info=True)
+        measured.error = exc
+    finally:
+        if loader is not None:
+            loader.close()
+    return measured
+
+
+def _measured_apart(setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks, accelerator,
+                    workload: WorkloadConfig, reporter: Reporter) -> _Measured:
+    """`_measured_here` in a forked child process: a crash there (DALI's decoder on a damaged JPEG, seen
+    as a segfault) is this setting's error with its signal; a stop (Ctrl-C, SIGTERM) here ends the child."""
+    import multiprocessing
+    import signal
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child_measures, daemon=True, name=f"loadopt-run-{setting.backend}",
+                            args=(send, setting, config, dataset, ranks, accelerator, workload))
+    child.start()
+    send.close()
+    measured: _Measured | None = None
+    try:
+        while measured is None:
+            try:
+                kind, payload = receive.recv()
+            except EOFError:  # the child is gone without its answer
+                break
+            if kind == "batch":
+                reporter.batch_done(payload)
+            else:
+                measured = payload
+    finally:
+        if measured is None and child.is_alive():  # a stop here, or a child that hung up: it ends with us
+            child.kill()
+        child.join()
+        receive.close()
+    if measured is not None:
+        return measured
+    code = child.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+    return _Measured(error=RunCrashed(
+        f"the {setting.backend} run crashed ({how}) in the child process it ran in; the bench went on without it "
+        "(a sample its native decoder could not take? run this backend alone with `make_loader` for its message)"))
+
+
+def _child_measures(send, setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks,
+                    accelerator, workload: WorkloadConfig) -> None:
+    """The forked child of `_measured_apart`: measure, send the batches done and then what was measured."""
+    import pickle
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends this child
+    measured = _measured_here(setting, config, dataset, ranks, accelerator, workload,
+                              lambda done: send.send(("batch", done)))
+    if measured.result is not None:  # the probes' durations as numbers (no device events cross the pipe)
+        for probe in measured.result.probes:
+            probe.h2d, probe.compute = Elapsed(probe.h2d.seconds()), Elapsed(probe.compute.seconds())
+    try:
+        pickle.dumps(measured.error)
+    except Exception:  # noqa: BLE001 - an exception that cannot cross the pipe crosses as its line
+        measured.error = RuntimeError(f"{type(measured.error).__name__}: {measured.error}")
+    send.send(("done", measured))
+    send.close()
 
 
 def _attribute(results: ResultsFile, ceilings: Ceilings) -> None:

@@ -19,7 +19,7 @@ from loadopt.cli.console import (
     stopped,
     user_errors,
 )
-from loadopt.cli.process import setup_logging, terminate_as_interrupt
+from loadopt.cli.process import setup_logging, stop_that_came, terminate_as_interrupt
 from loadopt.cli.results import auto_report
 from loadopt.cli.tables import (
     bytes_source_lines,
@@ -62,7 +62,8 @@ def bench(
     from loadopt.config import load_config
 
     setup_logging(verbose)
-    with user_errors(), terminate_as_interrupt() as terminated:
+    interrupted: list[bool] = []  # Ctrl-C came (its KeyboardInterrupt may have been lost in a finaliser)
+    with user_errors(), terminate_as_interrupt(interrupted) as terminated:
         from loadopt.bench.tuner import parse_budget
 
         cfg = load_config(config, set_ or [])
@@ -86,7 +87,7 @@ def bench(
                 outcome = run_bench(cfg, loaders=names, out=out, quick=quick,
                                     reporter=RichReporter(progress, terminated), convert=not no_convert, tune=tune,
                                     budget_s=budget_s, attribute_stages=attribute_stages, return_errors=True,
-                                    relist=relist)
+                                    relist=relist, stop_requested=lambda: stop_that_came(terminated, interrupted))
             except KeyboardInterrupt as exc:  # before any run finished: the output folder is as it was
                 stopped("before any run finished: no results were written", exc, terminated)
     results = outcome.results

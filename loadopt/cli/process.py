@@ -76,6 +76,15 @@ def terminate_as_interrupt(interrupted: list[bool] | None = None) -> Iterator[li
         sys.unraisablehook = previous_hook
 
 
+def stop_that_came(terminated: list[bool], interrupted: list[bool]) -> BaseException | None:
+    """The stop `terminate_as_interrupt` saw (its lists), as the exception to raise again where its own raise may
+    have been lost (a finaliser, a thread, a library's `except`): `Terminated` for SIGTERM, KeyboardInterrupt
+    for Ctrl-C; None when neither came."""
+    if terminated:
+        return Terminated()
+    return KeyboardInterrupt() if interrupted else None
+
+
 def redacted_excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
     """A bug keeps its traceback, without the credentials a URL in it may hold."""
     import traceback

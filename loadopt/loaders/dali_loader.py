@@ -79,6 +79,9 @@ class _TierRanges(NamedTuple):
 class DaliLoader(Loader[DaliSettings]):
     name = "dali"
     Settings = DaliSettings
+    # DALI's CPU decoder has died of a segfault on a JPEG with its scan data zeroed ("[jpeg_parser] Invalid
+    # marker"), taking the process with it: `loadopt bench` runs each of its settings in a child process.
+    runs_apart = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
