@@ -70,6 +70,17 @@ def damaged_parquet_footer(tmp_path: Path, cache: Path) -> Setup:
                  backend="torch")
 
 
+def class_folders_without_images(tmp_path: Path, cache: Path) -> Setup:
+    """Class folders holding files of no image extension: the line says what the folder holds instead."""
+    for name in ("c0/scan.tif", "c0/notes.txt", "c1/scan.tif"):
+        (tmp_path / "photos" / "train" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "photos" / "train" / name).write_bytes(b"not a photo")
+    config = write_config(tmp_path, dataset={"path": str(tmp_path / "photos")})
+    return Setup(["bench", str(config)], f"{tmp_path / 'photos' / 'train'}: no images found (expected "
+                 "<class>/<image>.jpg under it; found 3 file(s): 2 .tif, 1 .txt (c0/notes.txt, c0/scan.tif, "
+                 "c1/scan.tif))", config=config, backend="torch")
+
+
 def make_photos(tmp_path: Path) -> Path:
     make_image_folder(tmp_path / "photos", classes=2, per_class=5)
     return tmp_path / "photos"
@@ -80,4 +91,5 @@ LABEL_CASES = {
     "a null label in a Parquet file, bench": (null_parquet_label, 1),
     "gzip-compressed tar shards, bench": (gzipped_tar_shards, 1),
     "a Parquet file's footer damaged, bench": (damaged_parquet_footer, 1),
+    "class folders of files that are not images, bench": (class_folders_without_images, 1),
 }
