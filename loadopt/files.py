@@ -7,7 +7,6 @@ can all use it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import tempfile
@@ -112,8 +111,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def prepare_output(out: str | os.PathLike[str]) -> Path:
     """Create the output folder and check it can be written, before any work is done (`discard_output`
-    removes it again if the job fails before writing anything)."""
+    removes it again, with the parents it had to create, if the job fails before writing anything)."""
     folder = Path(out).expanduser()
+    missing = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".loadopt-write-check.", dir=folder)
@@ -121,7 +121,12 @@ def prepare_output(out: str | os.PathLike[str]) -> Path:
         os.unlink(probe)
     except OSError as exc:
         raise OutputError(f"{folder}: cannot write the output folder ({exc.strerror or exc})") from None
+    _CREATED_PARENTS[folder.absolute()] = [p.absolute() for p in missing[1:]]
     return folder
+
+
+# Per output folder made by `prepare_output`, the parents it made for it (`results/` of `results/probe`).
+_CREATED_PARENTS: dict[Path, list[Path]] = {}
 
 
 def discard_output(folder: Path, existed: bool) -> None:
@@ -129,5 +134,8 @@ def discard_output(folder: Path, existed: bool) -> None:
     file: a refused run leaves no empty results folder behind. A folder the user had is never touched."""
     if existed:
         return
-    with contextlib.suppress(OSError):
-        folder.rmdir()  # only succeeds while empty
+    for made in [folder.absolute(), *_CREATED_PARENTS.pop(folder.absolute(), [])]:
+        try:
+            made.rmdir()  # only succeeds while empty
+        except OSError:
+            return

@@ -16,6 +16,7 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_convert
 
+from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
 from .bad_label_inputs import LABEL_CASES
 from .bad_recompress_inputs import RECOMPRESS_CASES
@@ -327,6 +328,7 @@ CASES = {  # name: (setup, exit code)
     **LABEL_CASES,
 }
 
+    **CLI_CASES,
 
 @pytest.fixture
 def s3_env(monkeypatch):

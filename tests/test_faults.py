@@ -274,6 +274,46 @@ def test_sigterm_mid_serving_bench_keeps_the_finished_paths(tmp_path, own_cache)
     assert document["interrupted_by"] == "SIGTERM"
 
 
+def test_markdown_report_shows_html_in_a_config_name_as_text(tmp_path):
+    """A config named `<img src=x onerror=alert(1)>`: the markdown report (pasted where HTML renders) carries it
+    as escaped text, and a label's backtick cannot close its code span."""
+    from loadopt.report import render_report
+
+    from .test_schema import raw
+
+    document = raw("results")
+    document["config"] = {**(document.get("config") or {}), "name": "<img src=x onerror=alert(1)> & co"}
+    document["runs"][0]["label"] = "torch `plain` <b>"
+    (tmp_path / "results.json").write_text(json.dumps(document))
+    text = render_report([tmp_path], "markdown")
+    assert "<img" not in text and "<b>" not in text.replace("`torch 'plain' <b>`", ""), text
+    assert "&lt;img src=x onerror=alert(1)&gt; &amp; co" in text, text
+    assert "`torch 'plain' <b>`" in text, text  # literal inside its code span
+
+
+def test_make_preprocessor_names_a_damaged_request_on_one_line(tmp_path, own_cache):
+    """Serving code handing a damaged or empty request gets a DatasetError naming the request, not PIL's."""
+    from loadopt import make_preprocessor
+    from loadopt.errors import DatasetError
+
+    root, bad = images(tmp_path, corrupt=1)
+    config = write_config(tmp_path, dataset={"path": str(root)}, workload={"scenario": "server"})
+    good = next((root / "train").rglob("[0-9]*.jpg")).read_bytes()
+    preprocessor = make_preprocessor(config)
+    try:
+        assert preprocessor([good, good]).shape[0] == 2
+        expected = {(good, bad[0].read_bytes()): "request 2 of 2 (120 bytes): truncated image",
+                    b"": "request 1 of 1 (0 bytes): empty: no image bytes",
+                    (b"hello",): "request 1 of 1 (5 bytes): not a readable image"}
+        for requests, line in expected.items():
+            with pytest.raises(DatasetError) as caught:
+                preprocessor(list(requests) if isinstance(requests, tuple) else requests)
+            assert str(caught.value).startswith(line) and "\n" not in str(caught.value), str(caught.value)
+            assert "BytesIO" not in str(caught.value)
+    finally:
+        preprocessor.close()
+
+
 def _delivered_labels(config) -> list[int]:
     """Every label `make_loader` hands out in one epoch, in the dataset's order."""
     loader = make_loader(config, backend="torch", num_workers=0, shuffle=False, drop_last=False, batch_size=4)

@@ -13,13 +13,50 @@ keeps its traceback.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import typer
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from loadopt.cli import bench, data, results, storage
+from loadopt.cli.console import err_console
 from loadopt.cli.process import redacted_excepthook
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+try:  # typer 0.2x carries its own click, whose errors derive from TyperException
+    from typer import TyperException as ParameterProblem
+except ImportError:  # older typer runs on click itself
+    from click import ClickException as ParameterProblem  # type: ignore[assignment]
+
+
+class OneLineUsageErrors(TyperGroup):
+    """A bad option or argument (`--slo-ms -1`, a missing CONFIG) as one `error:` line naming the option and the
+    command's help, like every other user error, instead of click's framed usage block."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+        except typer.Abort:
+            sys.exit(1)
+        except ParameterProblem as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `loadopt tiers` alone: the help, as asked
+                getattr(exc, "show")()  # noqa: B009 - click's method, absent from typer's base class
+                sys.exit(getattr(exc, "exit_code", 2))
+            context = getattr(exc, "ctx", None)
+            command = context.command_path if context is not None else "loadopt"
+            message = " ".join(getattr(exc, "format_message")().split())  # noqa: B009 - as `show`
+            err_console.print(f"[bold red]error:[/] {escape(command)}: {escape(message)} (see '{escape(command)} "
+                              "--help')", highlight=False, soft_wrap=True)
+            sys.exit(getattr(exc, "exit_code", 2))
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Measure and pick the fastest input path for a deep-learning job.")
 
 # One typer app per module, merged into this one (add_typer without a name adds the commands themselves).

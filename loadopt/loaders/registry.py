@@ -130,7 +130,9 @@ def _buildable(name: str, cls: type[Loader[Any]]) -> type[Loader[Any]]:
     hint = "; it defines `_produce`, the previous contract's name: rename it `produce`" if renamed else ""
     reason = (f"{cls.__module__}.{cls.__qualname__} does not implement {', '.join(f'`{m}`' for m in missing)}, "
               f"which every backend must (docs/plugins.md{hint})")
-    return type(f"Broken_{name}", (_BrokenLoader,), {"_reason": reason})
+    # Its own Settings kept: a config setting its knobs is then told why the backend cannot run, not that
+    # the knobs are unknown.
+    return type(f"Broken_{name}", (_BrokenLoader,), {"_reason": reason, "Settings": cls.Settings})
 
 
 class _BrokenLoader(Loader[NoSettings]):

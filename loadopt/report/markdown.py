@@ -10,7 +10,15 @@ from loadopt.report.data import Results, Run, common_labels, stored_size
 
 
 def _cell(text: str) -> str:
+    """Text from the results (a config's name, a label, a reason) as literal Markdown: a renderer that accepts
+    inline HTML (GitHub's, mkdocs') must show `<b>` as typed, and a `|` must not end a table cell."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("`", "&#96;")
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: str) -> str:
+    """A code span of `text`, which stays literal there but for a backtick, which would close it."""
+    return "`" + text.replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
 
 
 def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -43,23 +51,23 @@ def _ranking(res: Results) -> list[str]:
     best = ranked[0].value(key) if ranked else None
     for rank, run in enumerate(ranked, start=1):
         rate = run.value(key)
-        row = [str(rank), f"`{_cell(run.label)}`", _num(rate, ",.0f"),
+        row = [str(rank), _code(run.label), _num(rate, ",.0f"),
                f"{rate / best:.2f}x" if rate is not None and best else "-",
                _num(run.value("stall_fraction"), ".1%"), _num(run.value("wait_p99_ms"), ",.1f")]
         lines.append("| " + " | ".join(row + ([_ceiling(run)] if ceilings else [])) + " |")
     if not ranked:
         lines = ["No loader setting was measured."]
     for run in res.unmeasured:
-        lines.append(f"\nNot measured: `{_cell(run.label)}` ({_cell(run.why_unmeasured())})")
+        lines.append(f"\nNot measured: {_code(run.label)} ({_cell(run.why_unmeasured())})")
     return lines
 
 
 def _verdicts(res: Results) -> list[str]:
-    lines = ["", f"**Decision:** {res.decision()}"]
+    lines = ["", f"**Decision:** {_cell(res.decision())}"]
     verdicts = res.verdicts()
     if verdicts:
         lines += ["", "**Bottlenecks:**"]
-        lines += [f"- {f'`{_cell(label)}`: ' if label else ''}{text}" for label, text in verdicts]
+        lines += [f"- {f'{_code(label)}: ' if label else ''}{_cell(text)}" for label, text in verdicts]
     return lines
 
 
@@ -95,9 +103,10 @@ def single(res: Results) -> str:
 def compare(files: list[Results]) -> str:
     """Side by side: each common loader setting's samples/s per file and its ratio to the first file."""
     base = files[0]
-    names = " against ".join(f"{f.tag}" for f in files)
+    names = " against ".join(_cell(f.tag) for f in files)
     lines = [f"### loadopt comparison: {names}", ""]
-    lines += [f"- **{f.tag}**: `{_cell(f.short_name)}`: {_cell(f.title)}; {_cell(f.machine_line())}" for f in files]
+    lines += [f"- **{_cell(f.tag)}**: {_code(f.short_name)}: {_cell(f.title)}; {_cell(f.machine_line())}"
+              for f in files]
     labels = common_labels(files)
     lines.append("")
     if labels:
@@ -106,15 +115,15 @@ def compare(files: list[Results]) -> str:
         for label in labels:
             rates = [next(r for r in f.ranked if r.label == label).value("samples_per_s") for f in files]
             ratios = [f"{rate / rates[0]:.2f}x" if rate is not None and rates[0] else "-" for rate in rates[1:]]
-            lines.append("| " + " | ".join([f"`{_cell(label)}`"] + [_num(r, ",.0f") for r in rates] + ratios) + " |")
+            lines.append("| " + " | ".join([_code(label)] + [_num(r, ",.0f") for r in rates] + ratios) + " |")
     else:
         lines.append("No loader setting was measured in every file.")
     for f in files:
         only = [r.label for r in f.ranked if r.label not in labels]
         if only:
-            lines.append(f"\nOnly in {f.tag}: " + ", ".join(f"`{_cell(label)}`" for label in only))
+            lines.append(f"\nOnly in {f.tag}: " + ", ".join(_code(label) for label in only))
     for f in files:
-        lines += ["", f"**Decision ({f.tag}):** {f.decision()}"]
+        lines += ["", f"**Decision ({_cell(f.tag)}):** {_cell(f.decision())}"]
     return "\n".join(lines) + "\n"
 
 

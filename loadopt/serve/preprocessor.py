@@ -13,7 +13,7 @@ import torch
 from loadopt.config import backend_settings
 from loadopt.config_models import Config
 from loadopt.device import DeviceTransfer, finish_inputs, resolve_device
-from loadopt.errors import ConfigError
+from loadopt.errors import ConfigError, DatasetError, describe_sample_error
 from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import Payload, RequestPath, Unservable
 from loadopt.schema_serve import ServeResults
@@ -35,13 +35,39 @@ class Preprocessor:
         self._transfer = DeviceTransfer(device, emulate=False)
 
     def __call__(self, requests: Payload | Sequence[Payload]) -> torch.Tensor:
+        """The batch; a request that cannot be decoded is a `DatasetError` naming it (its place in the batch and
+        its size) and what is wrong, on one line."""
         batch = list(requests) if isinstance(requests, (list, tuple)) else [requests]
-        images = self.path.batch(batch) if self.path.per_batch else torch.stack([self.path.one(p) for p in batch])
+        try:
+            images = self.path.batch(batch) if self.path.per_batch else torch.stack([self.path.one(p) for p in batch])
+        except Exception as exc:  # noqa: BLE001 - which request: each tried alone, the first failing one named
+            raise self._culprit(batch, exc) from None
         moved = images if images.device == self.device else self._transfer.to_device(images)[0]
         return finish_inputs(moved, "NHWC", False, self.path.pipeline)
 
     def close(self) -> None:
         self.path.close()
+
+    def _culprit(self, batch: list[Payload], failure: Exception) -> DatasetError:
+        for index, payload in enumerate(batch):
+            try:
+                self.path.one(payload)
+            except Exception as exc:  # noqa: BLE001 - this request is the one named
+                return DatasetError(f"{_request_name(index, batch, payload)}: {_request_problem(payload, exc)}")
+        return DatasetError(f"a batch of {len(batch)} requests: {describe_sample_error(failure)}")
+
+
+def _request_name(index: int, batch: list[Payload], payload: Payload) -> str:
+    """Which request: its place in the call and its size (a request has no file name)."""
+    size = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else None
+    what = f"{size:,} bytes" if size is not None else type(payload).__name__
+    return f"request {index + 1} of {len(batch)} ({what})"
+
+
+def _request_problem(payload: Payload, exc: Exception) -> str:
+    if isinstance(payload, (bytes, bytearray, memoryview)) and len(payload) == 0:
+        return "empty: no image bytes"
+    return describe_sample_error(exc)
 
 
 def make_preprocessor(config: Config, path: str = "auto", device: str | torch.device | None = None) -> Preprocessor:
