@@ -77,7 +77,7 @@ def convert(
                                                         "is damaged."),
     force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
     engine: str = typer.Option("local", "--engine", help="Who writes the shards: local (this machine's cores) or "
-                               "ray (a Ray task per shard; pip install 'loadopt[ray]')."),
+                               "ray (a Ray task per shard; pip install 'loadopt\\[ray]')."),
     address: str = typer.Option(None, "--address", help="Ray: the cluster to join (default: start Ray here)."),
     num_cpus: int = typer.Option(None, "--num-cpus", help="Ray started here: its CPUs (default: all)."),
     set_: list[str] = SetOption,
@@ -132,7 +132,7 @@ def recompress(
     workers: int = typer.Option(None, "--workers", help="Shards recompressed at once (default: the cores)."),
     force: bool = typer.Option(False, "--force", help="Write every shard again, even one already written."),
 ) -> None:
-    """Rewrite tar shards with each JPEG losslessly recompressed as JPEG XL (pip install 'loadopt[jxl]'): about a
+    """Rewrite tar shards with each JPEG losslessly recompressed as JPEG XL (pip install 'loadopt\\[jxl]'): about a
     fifth fewer bytes to store and move; loadopt reads each back as the very JPEG (docs/workloads.md)."""
     from pathlib import Path
 
