@@ -46,7 +46,24 @@ class OutputError(LoadoptError):
 
 
 class StorageError(LoadoptError):
-    """A storage tier that keeps failing: reads still erroring or timing out after every retry."""
+    """A storage tier that keeps failing: reads still erroring or timing out after every retry, or refused for
+    good (storage/remote.py `read_with_retries`). Never a damaged sample: `describe_sample_error` raises it, so
+    it ends the read under `dataset.on_error: skip` too. Its one argument is its line, so it pickles across
+    worker processes; torch's DataLoader re-raises a worker's exception with its traceback as the message,
+    which is cut back to that line here."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(_worker_line(message, type(self).__name__))
+
+
+def _worker_line(message: str, name: str) -> str:
+    """`message`, or where it is torch's "Caught <name> in DataLoader worker process N. Original Traceback
+    ..." the line the worker raised (its traceback's last line, less the exception's type)."""
+    if not message.startswith(f"Caught {name} ") or "Original Traceback" not in message:
+        return message
+    last = next((line for line in reversed(message.splitlines()) if line.strip()), message)
+    _, sep, rest = last.strip().partition(f"{name}: ")
+    return rest if sep else last.strip()
 
 
 class WorkerDied(LoadoptError):
@@ -62,9 +79,12 @@ def shown_name(name: str) -> str:
 
 def describe_sample_error(exc: BaseException) -> str:
     """What was wrong with a sample, in words: PIL's "cannot identify image file <_io.BytesIO object at
-    0x...>" says which in-memory buffer, not what is wrong; the file is named by the caller."""
+    0x...>" says which in-memory buffer, not what is wrong; the file is named by the caller. A `StorageError`
+    is no sample's fault and is raised again, to end the read whatever `dataset.on_error` says."""
     import re
 
+    if isinstance(exc, StorageError):  # the storage failed, not the sample: no on_error skips it
+        raise exc
     if isinstance(exc, DatasetChanged):  # the file is named by the caller
         return exc.reason
     text = str(exc).splitlines()[0] if str(exc) else ""

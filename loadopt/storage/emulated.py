@@ -34,7 +34,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from loadopt.storage.remote import read_with_retries
+from loadopt.storage.remote import display_name, read_with_retries
 from loadopt.storage.tier_state import COUNTERS, SharedTierState, remove_state, sleep_until_monotonic, state_root
 
 if TYPE_CHECKING:  # tiers.py imports this module where it makes a tier
@@ -124,7 +124,8 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
         # Each attempt arrives at the tier as it starts: the tier's own work before its booking (the latency
         # draw, the booking's lock and its wait for the GIL) then runs inside the request's modeled time, not
         # after it (on a busy machine that work kept readers from asking in time: 0.75 of a 2 ms x8 cap).
-        return read_with_retries(lambda: self._request(path, start, end, time.monotonic()), self.spec.retry, path,
+        return read_with_retries(lambda: self._request(path, start, end, time.monotonic()), self.spec.retry,
+                                 lambda: display_name(self.base_fs, path),
                                  on_retry=lambda exc: self.state.add(retries=1),
                                  on_failure=lambda exc: self.state.add(failed_reads=1))
 
@@ -171,10 +172,14 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
     def _read(self, path: str, start: int | None, end: int | None) -> bytes:
         """The real read, under the slot (a read that hangs, even in its open, holds its slot): on the
         local disk with system calls (fsspec's local file object added a large share of a capped request's
-        CPU), elsewhere the base's `cat_file`."""
+        CPU), elsewhere the base's `cat_file` (the range cut from a whole file where the server ignored it)."""
         base = self.base_fs
         if type(base) is not LocalFileSystem:  # a subclass may read its own way
-            return base.cat_file(path, start=start, end=end)
+            data = base.cat_file(path, start=start, end=end)
+            if start is not None and end is not None and 0 <= start <= end <= len(data) and len(data) > end - start:
+                # an HTTP server without Range support answers 200 with the whole file, as fsspec passes it on
+                return data[start:end]
+            return data
         fd = os.open(base._strip_protocol(path), os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size

@@ -6,9 +6,10 @@ storage options (`key`, `secret`, `token`, ...); `redact` removes them from anyt
 or written to results. Every command that opens a location goes through `open_url` and reports what
 failed there through `storage_errors`/`storage_failure`: the credentials redacted, and the reason a user can
 act on (no credentials, access denied, host refused or unknown, not found) before the driver's own words.
-Reads of a tier are retried on transient errors (any `OSError` that is not
-"not found"/"permission denied"-like, and timeouts) with capped exponential backoff; a read that
-keeps failing raises `StorageError`, one line naming the file and the last error.
+Reads of a tier are retried on transient errors (any `OSError` that is not "not found"/"permission
+denied"-like, refused and dropped connections, timeouts, HTTP 5xx/408/429 answers) with capped exponential
+backoff, waiting what a `Retry-After` asks up to a bound (`RetryPolicy`); a read that keeps failing raises
+`StorageError`, one line naming the file, what the storage did, how often and over how long.
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[f
 
 class RetryPolicy(BaseModel):
     """How a tier's reads are retried: up to `max_attempts` tries in all, waiting
-    `base_delay_s * multiplier**k` (at most `max_delay_s`, with +-`jitter` of it at random) before retry k+1."""
+    `base_delay_s * multiplier**k` (at most `max_delay_s`, with +-`jitter` of it at random) before retry k+1, or
+    what the server's `Retry-After` asks where that is longer, up to `max_retry_after_s`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -245,6 +247,7 @@ class RetryPolicy(BaseModel):
     multiplier: float = Field(2.0, ge=1)
     max_delay_s: float = Field(2.0, ge=0)
     jitter: float = Field(0.1, ge=0, le=1)
+    max_retry_after_s: float = Field(5.0, ge=0)
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number `retry` (0 for the first retry)."""
@@ -255,12 +258,58 @@ class RetryPolicy(BaseModel):
 
 # Errors that retrying cannot fix: the file is not there, or we may not read it.
 PERMANENT_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+# HTTP statuses that say "not now" rather than "no": timeouts, throttling, the server's own failures (5xx).
+TRANSIENT_STATUSES = frozenset({408, 425, 429})
+
+
+def http_status(exc: BaseException) -> tuple[int, str] | None:
+    """(status, reason) of an HTTP answer behind `exc` (aiohttp's ClientResponseError, as fsspec's HTTP
+    filesystem raises it; botocore's ClientError), else None."""
+    for cause in _causes(exc):
+        status = getattr(cause, "status", None)
+        if isinstance(status, int) and status >= 400:
+            return status, str(getattr(cause, "message", "") or "")
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if isinstance(code, int) and code >= 400:
+                return code, str((response.get("Error") or {}).get("Code") or "")
+    return None
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """The seconds the server's `Retry-After` header asks for (a number, or an HTTP date), else None."""
+    from email.utils import parsedate_to_datetime
+
+    for cause in _causes(exc):
+        headers = getattr(cause, "headers", None)
+        response = getattr(cause, "response", None)
+        if headers is None and isinstance(response, dict):
+            headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders")
+        if not headers:
+            continue
+        value = headers.get("Retry-After") or headers.get("retry-after")
+        if not value:
+            continue
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:
-    """A read error worth retrying: timeouts and I/O errors other than not-found/permission ones."""
+    """A read error worth retrying: timeouts, refused or dropped connections, HTTP 5xx/408/429 answers, and I/O
+    errors other than not-found/permission ones."""
     if isinstance(exc, PERMANENT_ERRORS):
         return False
+    status = http_status(exc)
+    if status is not None:
+        return status[0] >= 500 or status[0] in TRANSIENT_STATUSES
     if isinstance(exc, (TimeoutError, OSError)):
         return True
     # aiohttp/botocore raise their own types for dropped connections and throttling.
@@ -269,26 +318,64 @@ def is_transient(exc: BaseException) -> bool:
                                          "Throttl", "SlowDown"))
 
 
-def read_with_retries(attempt: Callable[[], T], policy: RetryPolicy, what: str,
+def what_the_server_did(url: str, exc: BaseException) -> tuple[str, str]:
+    """(what the storage did, in words: "the server answered 503 Service Unavailable", "the host H refused the
+    connection", "the read failed"; the end of the line: a hint, the error's own words, or "") for a read of
+    `url` that failed with `exc`."""
+    status = http_status(exc)
+    if status is not None:
+        return f"the server answered {status[0]}{' ' + status[1] if status[1] else ''}", ""
+    why = why_unreachable(url, exc) if "://" in url else None  # a local file has no host
+    if why is not None:
+        what, _, hint = why.partition(" (")
+        return what, f" ({hint}" if hint else ""
+    if any(isinstance(c, ConnectionResetError) or "Disconnected" in type(c).__name__ for c in _causes(exc)):
+        return "the server closed the connection", ""
+    return "the read failed", f" ({type(exc).__name__}: {first_words(exc)})"
+
+
+def _seconds(elapsed: float) -> str:
+    return f"{elapsed:.1f} s" if elapsed < 10 else f"{elapsed:.0f} s"
+
+
+def read_with_retries(attempt: Callable[[], T], policy: RetryPolicy, named: str | Callable[[], str],
                       on_retry: Callable[[BaseException], None] | None = None,
                       on_failure: Callable[[BaseException], None] | None = None) -> T:
-    """`attempt()`, retried on transient errors per `policy`; `what` names the file in the error.
+    """`attempt()`, retried on transient errors per `policy`; `named` names the file (its URL) in the error (or
+    gives that name: only asked for when there is an error).
 
     `on_retry(exc)` is called before each retry, `on_failure(exc)` once when the read gives up (both
-    are where a tier counts its retries and failures). Permanent errors propagate at once."""
+    are where a tier counts its retries and failures). Not found and permission errors propagate at once; a
+    read that keeps failing, or that the storage refuses for good (a 403), raises `StorageError`, one line
+    naming the file and what the storage did, and how often over how long: never the driver's own exception,
+    which may not pickle back from a worker process (aiohttp's does not)."""
+    began = time.monotonic()
     for number in range(policy.max_attempts):
         try:
             return attempt()
         except Exception as exc:  # noqa: BLE001 - classified just below
-            if not is_transient(exc):
+            if isinstance(exc, (LoadoptError, *PERMANENT_ERRORS)):
                 raise
+            what = named() if callable(named) else named
+            if not is_transient(exc):
+                status = http_status(exc)
+                failure = storage_failure(what, exc, "read it") if status is None else \
+                    f"{redact(what)}: {what_the_server_did(what, exc)[0]}"
+                if failure is None:
+                    raise
+                raise StorageError(str(failure)) from None
             if number + 1 >= policy.max_attempts:
                 if on_failure is not None:
                     on_failure(exc)
-                reason = redact(f"{type(exc).__name__}: {exc}".splitlines()[0])
-                raise StorageError(f"{redact(what)}: read failed {policy.max_attempts} times in a row, "
-                                   f"giving up ({reason})") from None
+                did, hint = what_the_server_did(what, exc)
+                times = "once" if policy.max_attempts == 1 else f"{policy.max_attempts} times"
+                raise StorageError(f"{redact(what)}: {did} {times} over {_seconds(time.monotonic() - began)}, "
+                                   f"giving up{hint}") from None
             if on_retry is not None:
                 on_retry(exc)
-            time.sleep(policy.delay(number))
+            asked = retry_after_s(exc)
+            wait = policy.delay(number)
+            if asked is not None:
+                wait = max(wait, min(asked, policy.max_retry_after_s))
+            time.sleep(wait)
     raise AssertionError("unreachable")  # max_attempts >= 1

@@ -18,11 +18,15 @@ fingerprint depends on (a label key, the columns) and what selects the endpoint 
 storage options, else `AWS_ENDPOINT_URL`), never a secret: the same bucket name on another endpoint is
 another dataset, a rotated key is the same one.
 
-`relist` (`--relist`) lists again and replaces the saved listing. A file that vanished or changed since is
-met when read (not found, fewer bytes, another size): `DatasetChanged`, one line naming the file, when the
-listing was taken and `--relist`. Not saved: local folders (listed as before; a local ImageFolder by its
-own manifest), `memory://` (in-process: nothing outlives it) and locations whose paths carry credentials
-(`https://user:password@host/...`: the listing would write them into the cache), all listed on every open.
+`relist` (`--relist`) lists again and replaces the saved listing. What the store says of each file is the
+dataset's identity: its ETag where it gives one, else its size and modification time (over HTTP a HEAD's
+Last-Modified), all in the fingerprint (`with_etags`); so a file rewritten on the store and listed again has its
+tar or Parquet index taken again, its copy in the shard cache not read, and its conversions redone. A file
+that vanished or changed since is met when read (not found, fewer bytes, another size): `DatasetChanged`, one
+line naming the file, when the listing was taken and `--relist`. Not saved: local folders (listed as before; a
+local ImageFolder by its own manifest), `memory://` (in-process: nothing outlives it) and locations whose paths
+carry credentials (`https://user:password@host/...`: the listing would write them into the cache), all listed
+on every open.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from loadopt.files import cache_dir
 from loadopt.storage import manifest
 from loadopt.storage.remote import is_local_fs, redact
 
-LISTING_VERSION = 1
+LISTING_VERSION = 2  # 2: ETags in the fingerprint, an HTTP HEAD's Last-Modified as the modification time
 FOLDER = "listings"
 # Storage options that choose which server answers (at any depth: s3fs nests them in client_kwargs).
 ENDPOINT_OPTIONS = ("endpoint_url", "endpoint", "account_name", "account_url", "host", "port")
@@ -139,11 +143,23 @@ class SavedListing:
 
 def listing_of(root: str, files: list[ListedFile], fingerprint: str, classes: list[str] | None = None,
                arrays: dict[str, np.ndarray] | None = None) -> SavedListing:
-    """A listing taken now, of `files` in the order the source reads them."""
+    """A listing taken now, of `files` in the order the source reads them. Where the store gives ETags, they are
+    part of its fingerprint (`with_etags`)."""
+    fingerprint = with_etags(fingerprint, files)
     return SavedListing(root=root, files=_text([f.name for f in files]),
                         sizes=np.array([f.size for f in files], dtype=np.int64), mtimes=_text([f.mtime for f in files]),
                         etags=_text([f.etag for f in files]), fingerprint=fingerprint, classes=list(classes or []),
                         arrays=dict(arrays or {}), listed_at=time.time())
+
+
+def with_etags(fingerprint: str, files: list[ListedFile]) -> str:
+    """`fingerprint` (a source's digest of its files' names, sizes and modification times) with the files' ETags
+    folded in where the store gives any: an object rewritten with the same size (and, over HTTP, a Last-Modified
+    of the same second) is another object, whose index, cached copy and conversions are not reused."""
+    if not any(f.etag for f in files):
+        return fingerprint
+    digest = hashlib.sha256(json.dumps([f.etag for f in files]).encode()).hexdigest()[:16]
+    return f"{fingerprint}-etag{digest}"
 
 
 def _text(values: list[str]) -> np.ndarray:
@@ -151,9 +167,9 @@ def _text(values: list[str]) -> np.ndarray:
 
 
 def modified(info: dict[str, Any]) -> str:
-    """A file's modification time as its filesystem lists it (local disks and object stores; "" where
-    the listing has none, as plain HTTP directory listings)."""
-    for key in ("mtime", "LastModified", "last_modified", "updated"):
+    """A file's modification time as its filesystem lists it (local disks and object stores, an HTTP HEAD's
+    Last-Modified; "" where the listing has none, as plain HTTP directory listings)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "Last-Modified"):
         if info.get(key) is not None:
             return str(info[key])
     return ""
@@ -166,8 +182,8 @@ def etag(info: dict[str, Any]) -> str:
 
 def described(fs: fsspec.AbstractFileSystem, infos: list[dict[str, Any]]) -> list[ListedFile]:
     """Each listed file (`infos`: entries of `fs.find`/`fs.ls` with details) with its size: HTTP directory
-    listings carry none, so those are asked for (a HEAD each, 16 in flight, which also gives the ETag).
-    The modification time stays the listing's own (what the fingerprints have always digested)."""
+    listings carry none, so those are asked for (a HEAD each, 16 in flight, which also gives the ETag and
+    Last-Modified: the modification time where the listing has none)."""
     missing = [info["name"] for info in infos if info.get("size") is None]
     headed: dict[str, dict[str, Any]] = {}
     if missing:
@@ -177,7 +193,8 @@ def described(fs: fsspec.AbstractFileSystem, infos: list[dict[str, Any]]) -> lis
     for info in infos:
         more = headed.get(info["name"], {})
         size = info.get("size") if info.get("size") is not None else more.get("size")
-        found.append(ListedFile(info["name"], int(size or 0), modified(info), etag(info) or etag(more)))
+        found.append(ListedFile(info["name"], int(size or 0), modified(info) or modified(more),
+                                etag(info) or etag(more)))
     return found
 
 
