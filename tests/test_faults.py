@@ -507,3 +507,176 @@ def test_a_shard_rewritten_on_the_server_delivers_its_new_labels_after_relist(tm
         assert [again.fs.cat_file(name.decode()) for name in again.shards] != old_bytes
     finally:
         server.die()
+
+
+# -- a backend that crashes, a stop lost in a finaliser, a run that delivered nothing, a full disk at the report --
+
+
+def _bench_folder_with_the_zeroed_jpeg(tmp_path, on_error: str):
+    """Photos plus the committed JPEG whose data from its SOS marker on is zeroed: DALI's parser says "Invalid
+    marker" (and its CPU decoder has died of a segfault on it); torch's PIL refuses it too."""
+    from pathlib import Path
+
+    root, _ = images(tmp_path, corrupt=0)
+    fixture = Path(__file__).parent / "fixtures" / "dali_invalid_marker.jpg"
+    shutil.copy(fixture, root / "train" / "c0" / "zeroed.jpg")
+    return write_config(tmp_path, dataset={"path": str(root), "on_error": on_error},
+                        loaders={"torch": {"variant": "plain", "num_workers": 0}, "dali": {"num_threads": 1}})
+
+
+def test_a_dali_crash_is_one_failed_setting_and_the_torch_rows_are_kept(tmp_path, own_cache, monkeypatch):
+    """DALI's run goes into a child process: its crash (a segfault, forced here in DALI's decoding) is dali's
+    failed setting with its signal; torch's rows and the decision among what was measured are written."""
+    from loadopt.loaders.dali_loader import DaliLoader
+
+    if not DaliLoader.available()[0]:
+        pytest.skip(DaliLoader.available()[1])
+    config = _bench_folder_with_the_zeroed_jpeg(tmp_path, "skip")
+    real = DaliLoader.produce
+
+    def crashes(self, batches):
+        os.kill(os.getpid(), signal.SIGSEGV)  # in the child the bench forked for this run
+        yield from real(self, batches)
+
+    monkeypatch.setattr(DaliLoader, "produce", crashes)
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick", "--loaders", "torch,dali"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results" / "results.json").read_text())
+    runs = {r["backend"]: r for r in results["runs"]}
+    assert runs["torch"]["status"] == "ok" and runs["torch"]["repeats"][0]["samples_per_s"] > 0
+    assert runs["dali"]["status"] == "error" and "crashed (signal SIGSEGV)" in runs["dali"]["reason"], runs["dali"]
+    assert results["ranking"] == [runs["torch"]["label"]] and "in_progress" not in results
+    assert json.loads((tmp_path / "results" / "decision.json").read_text())["backend"] == "torch"
+
+
+def test_the_zeroed_jpeg_under_dali_is_skipped_and_counted_and_torch_kept(tmp_path, own_cache):
+    """The real fixture, no forcing: DALI (in its child) skips it under on_error: skip, counted; never dies."""
+    from loadopt.loaders.dali_loader import DaliLoader
+
+    if not DaliLoader.available()[0]:
+        pytest.skip(DaliLoader.available()[1])
+    config = _bench_folder_with_the_zeroed_jpeg(tmp_path, "skip")
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick", "--loaders", "torch,dali"])
+    assert result.exit_code == 0, result.output
+    runs = {r["backend"]: r for r in json.loads((tmp_path / "results" / "results.json").read_text())["runs"]}
+    assert runs["torch"]["status"] == "ok"
+    dali = runs["dali"]
+    if dali["status"] == "error":  # this DALI build crashed on it: the child's crash is dali's failed setting
+        assert "crashed (signal" in dali["reason"], dali
+        return
+    assert dali["status"] == "ok" and [s["path"].endswith("zeroed.jpg") for s in dali["skipped_files"]] == [True]
+    assert dali["skipped_files"][0]["times"] >= 1
+
+
+def test_a_killed_bench_keeps_the_settings_it_finished(tmp_path, own_cache):
+    """The process killed outright (SIGKILL, as a native crash ends it) while the second setting runs: results.json
+    and timings.parquet hold the first setting's run, marked in progress; the earlier bench's report is gone."""
+    config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": [0, 1]}})
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "report.html").write_text("<p>an earlier bench's numbers</p>")
+    script = ("import os, signal, sys\n"
+              "from loadopt.bench import runner\n"
+              "from loadopt.cli import app\n"
+              "real, opened = runner.setting_loader, []\n"
+              "def dies_at_the_second(*args, **kwargs):\n"
+              "    opened.append(1)\n"
+              "    if len(opened) == 2:\n"
+              "        os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    return real(*args, **kwargs)\n"
+              "runner.setting_loader = dies_at_the_second\n"
+              "sys.argv = ['loadopt', 'bench', sys.argv[1], '--quick']\n"
+              "app()\n")
+    done = subprocess.run([sys.executable, "-c", script, str(config)], capture_output=True, text=True,
+                          env={**os.environ, "LOADOPT_CACHE": str(own_cache)}, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["in_progress"] is True and results["interrupted"] is False
+    assert [r["status"] for r in results["runs"]] == ["ok", "not run"], results["runs"]
+    assert results["runs"][1]["reason"].startswith("not run yet: the bench was still running")
+    import pyarrow.parquet as pq
+
+    assert set(pq.read_table(out / "timings.parquet").column("run").to_pylist()) == {0}
+    assert not (out / "report.html").exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_ctrl_c_lost_in_a_loaders_close_stops_at_the_next_setting(tmp_path, own_cache, monkeypatch):
+    """SIGINT arriving as a setting finishes, its KeyboardInterrupt eaten where Python ignores it (here: the
+    loader's close, as a finaliser would): the next setting does not run, exit 130, `interrupted: true`."""
+    import contextlib
+
+    from loadopt.bench import runner
+
+    config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": [0, 1]}})
+    real, opened = runner.setting_loader, []
+
+    def stopped_in_close(*args, **kwargs):
+        loader = real(*args, **kwargs)
+        opened.append(loader)
+        close = loader.close
+
+        def close_eating_the_stop() -> None:
+            close()
+            if len(opened) == 1:  # delivered here, in the main thread, and swallowed as in a __del__
+                with contextlib.suppress(KeyboardInterrupt):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        loader.close = close_eating_the_stop
+        return loader
+
+    monkeypatch.setattr(runner, "setting_loader", stopped_in_close)
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
+    assert result.exit_code == 130, result.output
+    assert len(opened) == 1  # the second setting never opened its loader
+    results = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert results["interrupted"] is True and results["interrupted_by"] == "SIGINT"
+    assert [r["status"] for r in results["runs"]] == ["ok", "not run"]
+    assert "in_progress" not in results
+    assert json.loads((tmp_path / "results" / "decision.json").read_text())["partial"] is True
+
+
+def test_a_run_that_delivered_nothing_is_an_error_and_no_decision(tmp_path, own_cache):
+    """Every file unreadable under on_error: skip: 0 samples delivered is the setting's error with its reason,
+    nothing is ranked, no decision is made, exit 1."""
+    root = tmp_path / "photos"
+    for name in ("c0", "c1"):
+        (root / "train" / name).mkdir(parents=True)
+        (root / "train" / name / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 4)
+    config = write_config(tmp_path, dataset={"path": str(root), "on_error": "skip"},
+                          loaders={"torch": {"variant": "plain", "num_workers": 0}})
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
+    assert result.exit_code == 1, result.output
+    assert "error: no loader setting could be measured (torch plain num_workers=0: " in said(result)
+    assert "samples" in said(result) or "no batches" in said(result)
+    assert not (tmp_path / "results" / "decision.json").exists()
+    assert not (tmp_path / "results" / "results.json").exists()
+
+
+def test_no_space_for_the_report_leaves_no_stale_report_and_fails(tmp_path, own_cache, monkeypatch):
+    """The disk fills at the report (ENOSPC emulated): no earlier bench's report.html is left beside the new
+    results, one error line, exit 1."""
+    import errno
+
+    from loadopt import files
+
+    config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": 0}})
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "report.html").write_text("<p>an earlier bench's numbers</p>")
+    real = files.atomic_write_text
+
+    def fills_up(path, text):
+        if path.name == "report.html":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(files, "atomic_write_text", fills_up)
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {out / 'report.html'}: the report could not be "
+                                                     "written (")
+    assert "Traceback" not in result.output
+    assert not (out / "report.html").exists()
+    results = json.loads((out / "results.json").read_text())
+    assert results["runs"][0]["status"] == "ok" and "in_progress" not in results

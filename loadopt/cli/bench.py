@@ -4,6 +4,7 @@ place)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -20,7 +21,6 @@ from loadopt.cli.console import (
     user_errors,
 )
 from loadopt.cli.process import setup_logging, stop_that_came, terminate_as_interrupt
-from loadopt.cli.results import auto_report
 from loadopt.cli.tables import (
     bytes_source_lines,
     not_run_lines,
@@ -94,11 +94,29 @@ def bench(
     if results is None:  # a rank other than 0 under torchrun: rank 0 writes and prints
         return
     _print_results(results)
+    report_failed = None
     if outcome.json_path is not None:
         console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
-        auto_report(outcome.json_path)
+        report_failed = _report(outcome.json_path)
     _close(outcome, results, bool(terminated), out or cfg.report.out)
     console.print(f"[bold]{results.summary}[/]", highlight=False)
+    if report_failed is not None:  # the folder holds this bench's files and no report: the bench did not finish
+        err_console.print(f"error: {report_failed}", highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _report(json_path: Path) -> str | None:
+    """The report beside the results just written (the earlier bench's was removed with them); the line of
+    what went wrong when it could not be written (a full disk), else None."""
+    from loadopt.report import write_report
+
+    try:
+        console.print(f"report: {write_report([json_path])}", highlight=False)
+    except Exception as exc:  # noqa: BLE001 - the results are on disk: the report's failure is said, not raised
+        why = (str(exc).splitlines() or [type(exc).__name__])[0]
+        return (f"{json_path.parent / 'report.html'}: the report could not be written ({why}); the results beside "
+                f"it are this bench's (no earlier report is left), `loadopt report {json_path}` writes it again")
+    return None
 
 
 def _close(outcome: BenchOutcome, results: ResultsFile, terminated: bool, out: str) -> None:
