@@ -20,6 +20,7 @@ from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
 from .bad_label_inputs import LABEL_CASES
 from .bad_recompress_inputs import RECOMPRESS_CASES
+from .bad_remote_inputs import REMOTE_CASES
 from .bad_serving_inputs import (
     arrivals_file_with_a_bad_line,
     damaged_jpeg_request,
@@ -325,6 +326,7 @@ CASES = {  # name: (setup, exit code)
     "every request damaged under on_error: skip, serving bench": (every_request_damaged, 1),
     **CONVERT_CASES,
     **RECOMPRESS_CASES,
+    **REMOTE_CASES,
     **LABEL_CASES,
 }
 
