@@ -16,6 +16,7 @@ from loadopt.cli import app
 from loadopt.errors import LoadoptError
 from loadopt.storage import arrow_convert
 
+from .bad_bench_inputs import BENCH_CASES
 from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
 from .bad_label_inputs import LABEL_CASES
@@ -328,6 +329,7 @@ CASES = {  # name: (setup, exit code)
     **RECOMPRESS_CASES,
     **REMOTE_CASES,
     **LABEL_CASES,
+    **BENCH_CASES,
 }
 
     **CLI_CASES,

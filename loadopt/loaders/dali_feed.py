@@ -38,8 +38,14 @@ def image_size(data) -> tuple[int, int]:
             pass  # e.g. an unusual subsampling: PIL reads more headers
     from PIL import Image
 
-    with Image.open(io.BytesIO(bytes(data))) as image:
-        return image.size
+    if len(data) == 0:
+        raise ValueError("empty file (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as image:
+            return image.size
+    except Image.UnidentifiedImageError:  # its message names a BytesIO's address, not the file
+        raise ValueError(f"not an image PIL can identify ({len(data):,} bytes, starting {bytes(data[:4])!r})") \
+            from None
 
 
 # What the external source hands DALI per batch: encoded bytes, slice anchors, slice shapes, crop starts, ends.
@@ -74,6 +80,9 @@ def plan_batch(indices: np.ndarray, epoch: int, encoded: Callable[[int], np.ndar
         try:
             blob = encoded(index)
             nbytes += len(blob)
+            if len(blob) == 0:  # said as it is (PIL's error would name a BytesIO's address)
+                failures.append((index, "empty file (0 bytes)"))
+                continue
             width, height = image_size(blob)
         except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
             failures.append((index, f"cannot read or decode ({type(exc).__name__}: {exc})"))
