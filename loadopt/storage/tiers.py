@@ -215,9 +215,13 @@ def tier_failure(exc: BaseException, fs: fsspec.AbstractFileSystem,
         return None
     spec = getattr(fs, "spec", None)
     name, attempts = (spec.name, spec.retry.max_attempts) if spec is not None else ("?", "several")
-    example = redact(str(exc).split(": ", 1)[0])  # the loaders' read errors start with the file's path
+    first = redact((str(exc).splitlines() or [""])[0])
+    culprit = first.split(": ", 1)[0]
+    # The loaders' read errors start with the file's path; another error (one the failed reads led to) is said as
+    # what ended the run, never passed off as a file.
+    example = f"e.g. {culprit}" if "/" in culprit else f"the run ended on {type(exc).__name__}: {first}"
     return StorageError(f"storage tier {name!r} keeps failing: {int(delta['failed_reads'])} read(s) gave up after "
-                        f"{attempts} attempts each ({int(delta.get('retries', 0))} retries in all), e.g. {example}")
+                        f"{attempts} attempts each ({int(delta.get('retries', 0))} retries in all), {example}")
 
 
 # From this share of a tier's request time run past the tier's figures by the storage under it, the figures
