@@ -647,7 +647,7 @@ def test_a_run_that_delivered_nothing_is_an_error_and_no_decision(tmp_path, own_
     result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
     assert result.exit_code == 1, result.output
     assert "error: no loader setting could be measured (torch plain num_workers=0: " in said(result)
-    assert "samples" in said(result) or "no batches" in said(result)
+    assert "delivered no samples (2 unreadable file(s) skipped under dataset.on_error: skip" in said(result)
     assert not (tmp_path / "results" / "decision.json").exists()
     assert not (tmp_path / "results" / "results.json").exists()
 
@@ -680,3 +680,32 @@ def test_no_space_for_the_report_leaves_no_stale_report_and_fails(tmp_path, own_
     assert not (out / "report.html").exists()
     results = json.loads((out / "results.json").read_text())
     assert results["runs"][0]["status"] == "ok" and "in_progress" not in results
+
+
+def test_a_decode_pool_stopped_as_soon_as_it_started_stops_its_workers(caplog):
+    """A worker not yet scheduled when the pool is terminated (a short conversion on a busy machine) took its
+    SIGTERM into the CLI's inherited handler before Python's after-fork step, which dropped it: the worker then
+    waited for good and `stop` for its whole timeout, saying so. SIGTERM is blocked while forking now."""
+    import logging
+
+    from loadopt.cli.process import terminate_as_interrupt
+    from loadopt.storage import decode_pool
+
+    caplog.set_level(logging.WARNING, logger=decode_pool.__name__)
+    with terminate_as_interrupt():  # the handler every forked worker of the CLI inherits
+        for _ in range(20):
+            pool = decode_pool.start(2)
+            assert pool is not None
+            decode_pool.stop(pool)
+    assert "did not stop" not in caplog.text
+
+
+def test_a_raw_decoded_conversion_after_an_arrow_one_stops_its_decode_workers(tmp_path, own_cache):
+    root, _ = images(tmp_path, corrupt=0)
+    config = write_config(tmp_path, dataset={"path": str(root)})
+    runner = CliRunner()
+    arrow = runner.invoke(app, ["convert", str(config), "--to", "arrow", "--decoded"])
+    assert arrow.exit_code == 0 and "did not stop" not in arrow.output, arrow.output
+    raw = runner.invoke(app, ["convert", str(config), "--to", "raw", "--decoded"])
+    assert raw.exit_code == 0 and "converted in" in said(raw), raw.output
+    assert "did not stop" not in raw.output, raw.output

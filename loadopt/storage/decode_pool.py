@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import sys
 import threading
 from multiprocessing.pool import Pool
@@ -16,9 +17,22 @@ _RAY_USED: list[bool] = []  # Ray started or joined by this process: its native 
 
 def start(workers: int) -> Pool | None:
     """A pool of `workers` forked processes (they inherit the dataset set up for them), or None for one, or where
-    forking is not safe (`fork_safe`: the work is then done in this process)."""
-    return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) \
-        if workers > 1 and fork_safe() else None
+    forking is not safe (`fork_safe`: the work is then done in this process).
+
+    SIGTERM is blocked while the workers are forked (they inherit the mask; `_quiet_worker` unblocks it): a worker
+    not yet scheduled when `stop` terminates the pool (a short conversion on a busy machine) would take the
+    SIGTERM on its first return from fork, into the Python handler it inherited (the CLI's), before Python's
+    after-fork step clears pending signals: lost, and the worker then waited on the task queue's lock for good,
+    `stop` on it for its whole timeout. Blocked, the signal stays pending until the worker can die of it."""
+    if workers <= 1 or not fork_safe():
+        return None
+    main = threading.current_thread() is threading.main_thread()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if main else None
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker)
+    finally:
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def ray_used() -> None:
@@ -40,10 +54,10 @@ def _quiet_worker() -> None:
     SIGTERM the parent, which then stops the pool): a traceback a worker (a KeyboardInterrupt, or a broken pipe
     to the parent that stopped reading). The parent says what stopped the conversion, in one line."""
     import os
-    import signal
-    import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler is the parent's: a worker just ends
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one sent while it forked ends it now
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the worker's for its life
 
 
