@@ -329,10 +329,10 @@ CASES = {  # name: (setup, exit code)
     **RECOMPRESS_CASES,
     **REMOTE_CASES,
     **LABEL_CASES,
+    **CLI_CASES,
     **BENCH_CASES,
 }
 
-    **CLI_CASES,
 
 @pytest.fixture
 def s3_env(monkeypatch):
