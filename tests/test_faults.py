@@ -709,3 +709,71 @@ def test_a_raw_decoded_conversion_after_an_arrow_one_stops_its_decode_workers(tm
     raw = runner.invoke(app, ["convert", str(config), "--to", "raw", "--decoded"])
     assert raw.exit_code == 0 and "converted in" in said(raw), raw.output
     assert "did not stop" not in raw.output, raw.output
+
+
+def test_label_values_as_class_numbers():
+    """What each label value is: integers, integral floats and their text are class numbers; among them text,
+    null, a negative or fractional number are named errors; labels that are all text are sorted names."""
+    from loadopt.storage.source_format import class_numbers
+
+    mixed = class_numbers([3, "7", 2.0, " 12 ", "cat", None, -1, 2.5, True], None)
+    assert mixed.numbers.tolist() == [3, 7, 2, 12, -1, -1, -1, -1, -1]
+    assert mixed.classes == [str(n) for n in range(13)]
+    assert {i: why.split(" is ")[0] for i, why in mixed.wrong.items()} == {
+        4: "label 'cat'", 5: "label null", 6: "label -1", 7: "label 2.5", 8: "label True"}
+    names = class_numbers(["dog", "cat", None, "dog"], None)
+    assert names.classes == ["cat", "dog"] and names.numbers.tolist() == [1, 0, -1, 1] and list(names.wrong) == [2]
+
+
+def test_compressed_tar_shards_are_named_however_they_are_given(tmp_path, own_cache):
+    """A brace pattern or a glob of .tar.gz shards, a `<split>/` folder of them, `dataset.format: webdataset`
+    on their folder: each the one line naming them and saying to gunzip them."""
+    import gzip
+
+    from loadopt.config import load_config
+    from loadopt.errors import DatasetError
+    from loadopt.storage.imagefolder import open_dataset
+
+    from .bad_label_inputs import numbered_samples
+    from .source_files import write_shards
+
+    shards = write_shards(tmp_path / "shards" / "train", numbered_samples(tmp_path, 6), per_shard=3)
+    for shard in shards:
+        shard.with_name(shard.name + ".gz").write_bytes(gzip.compress(shard.read_bytes()))
+        shard.unlink()
+    first = f"{shards[0]}.gz"
+    for path, dataset in [(str(tmp_path / "shards" / "train" / "train-{000000..000001}.tar.gz"), {}),
+                          (str(tmp_path / "shards" / "train" / "*.tar.gz"), {}),
+                          (str(tmp_path / "shards"), {}),
+                          (str(tmp_path / "shards" / "train"), {"format": "webdataset"}),
+                          (first, {})]:
+        config = load_config(write_config(tmp_path, dataset={"path": path, **dataset}))
+        with pytest.raises(DatasetError) as caught:
+            open_dataset(config)
+        assert str(caught.value).startswith(first) and "compressed tar shards are not read" in str(caught.value)
+        assert "gunzip" in str(caught.value), (path, str(caught.value))
+
+
+def test_a_null_image_struct_in_hugging_face_parquet_is_skipped(tmp_path, own_cache):
+    """A null `{bytes, path}` cell (a missing `Image()`): a named sample error that `on_error: skip` leaves out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loadopt.errors import DatasetError
+    from loadopt.storage.parquet_source import open_parquet
+
+    from .bad_label_inputs import numbered_samples
+
+    samples = numbered_samples(tmp_path, 8)
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    image = pa.array([None if i == 2 else {"bytes": d, "path": f"{k}.jpg"} for i, (k, _, d) in enumerate(samples)],
+                     type=struct)
+    path = tmp_path / "hub" / "train.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.table({"image": image, "label": pa.array([label for _, label, _ in samples])}), path)
+    with pytest.raises(DatasetError, match=rf"^{path} \(row 2\): no image bytes \(null\); set dataset.on_error"):
+        open_parquet(str(path))
+    dataset = open_parquet(str(path), on_error="skip")
+    assert dataset.labels.tolist() == [0, 1, 3, 4, 5, 6, 7] and dataset.left_out == [
+        f"{path} (row 2): no image bytes (null)"]
+    assert dataset.read(2) == samples[3][2]
