@@ -34,9 +34,10 @@ def every_sample_skipped(tmp_path, cache):
     config = write_config(tmp_path, dataset={"path": str(root), "on_error": "skip"},
                           loaders={"torch": {"variant": "plain", "num_workers": 0}})
     out = tmp_path / "results"
-    return Setup(["bench", str(config), "--quick"], "no loader setting could be measured (torch plain num_workers=0: ",
-                 config=config, leftovers=lambda: [p for p in (out / "decision.json", out / "results.json")
-                                                   if p.exists()])
+    culprit = ("no loader setting could be measured (torch plain num_workers=0: delivered no samples (2 unreadable "
+               "file(s) skipped under dataset.on_error: skip")
+    return Setup(["bench", str(config), "--quick"], culprit, config=config,
+                 leftovers=lambda: [p for p in (out / "decision.json", out / "results.json") if p.exists()])
 
 
 def no_space_for_the_report(tmp_path, cache, monkeypatch):

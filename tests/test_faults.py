@@ -632,7 +632,18 @@ def test_ctrl_c_lost_in_a_loaders_close_stops_at_the_next_setting(tmp_path, own_
     assert results["interrupted"] is True and results["interrupted_by"] == "SIGINT"
     assert [r["status"] for r in results["runs"]] == ["ok", "not run"]
     assert "in_progress" not in results
-    assert json.loads((tmp_path / "results" / "decision.json").read_text())["partial"] is True
+    partial = json.loads((tmp_path / "results" / "decision.json").read_text())
+    assert partial["partial"] is True
+    # backend="auto" never takes it: it is not in the cache, and not used even where it got in by hand
+    from loadopt.bench.decision import decision_path, find_entry
+
+    cached = decision_path(results["dataset"]["fingerprint"])
+    assert not cached.exists()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps({"schema_version": partial["schema_version"], "entries": [partial]}))
+    found, match, _ = find_entry(partial["pipeline"], results["dataset"]["fingerprint"],
+                                 partial["machine"]["storage_tier"])
+    assert found is None and match != "exact", match
 
 
 def test_a_run_that_delivered_nothing_is_an_error_and_no_decision(tmp_path, own_cache):

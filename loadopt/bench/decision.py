@@ -109,7 +109,9 @@ def make_decision(results: ResultsFile, tier: str) -> Decision | None:
     """The decision of a finished bench: the fastest setting whose recipe is the config's, its margin
     over the runner-up backend (also of that recipe); the faster settings of other recipes are listed."""
     excluded = recipe_exclusions(results)
-    ranked = [run for run in results.measured() if run.label not in excluded]
+    # a run that delivered nothing (no rate) is no answer, whatever its status says
+    ranked = [run for run in results.measured() if run.label not in excluded
+              and run.status == RunStatus.OK and median(run.metrics or {}, "samples_per_s")]
     if not ranked:
         return None
     best = ranked[0]
@@ -242,7 +244,8 @@ def find_entry(pipeline: ConfigDump, dataset_fingerprint: str, tier: str) -> tup
     path = decision_path(dataset_fingerprint)
     entries = _entries(path)
     here = machine_key(machine_info(), tier)
-    mine = [e for e in entries if _same_machine(e, here)]
+    # a partial decision (a stopped bench's) is never recorded here; one that got in by hand is not used either
+    mine = [e for e in entries if _same_machine(e, here) and not e.partial]
     for entry in mine:
         if entry.pipeline == pipeline:
             return entry, "exact", f"the decision of the bench of {entry.created or '?'} on this machine ({path})"

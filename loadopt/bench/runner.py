@@ -382,8 +382,9 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
     result, note, error = measured.result, measured.note, measured.error
     if result is not None and error is None and not any(p.samples for p in result.probes if p.measured):
         # every sample skipped (dataset.on_error: skip) or none delivered: no figure of a loader, an error
-        error = NothingDelivered(f"delivered no samples ({len(result.skipped)} unreadable file(s) skipped "
-                                 "under dataset.on_error: skip)" if result.skipped else "delivered no samples")
+        unreadable = len({path for path, _ in result.skipped})
+        error = NothingDelivered(f"delivered no samples ({unreadable} unreadable file(s) skipped under "
+                                 "dataset.on_error: skip)" if unreadable else "delivered no samples")
         result = None
     delta = counters_delta(counters, tier_counters(dataset.fs))  # shared by the loader's processes
     report = RankReport(metrics=result.metrics if result else None, skipped=result.skipped if result else [],
@@ -471,6 +472,10 @@ def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: di
             raise stop from None
         log.debug("run %s failed", setting.label, exc_info=True)
         measured.error = exc
+        skipped = len({path for path, _ in loader.counters.skipped}) if loader is not None else 0
+        if loader is not None and skipped and not loader.counters.samples:  # a loader left with nothing: why first
+            measured.error = NothingDelivered(f"delivered no samples ({skipped} unreadable file(s) skipped under "
+                                              f"dataset.on_error: skip; then {type(exc).__name__}: {exc})")
     finally:
         if loader is not None:
             loader.close()
