@@ -47,12 +47,14 @@ class Setting:
 
 
 def results_document(config: Config, plan: list[Setting], dataset: Dataset, device, workload: WorkloadConfig,
-                     quick: bool, interrupted: bool, cache_note: str, not_run: str = "") -> ResultsFile:
+                     quick: bool, interrupted: bool, cache_note: str, not_run: str = "",
+                     described: bool = True) -> ResultsFile:
     """results.json of a bench: every planned setting's run (its metrics over the repeats, or why it has
     none: `not_run` for a setting the bench stopped before, interrupted or at an error), fastest first in
-    `ranking`, and the summary line."""
+    `ranking`, and the summary line. `described` false (the file a running bench rewrites after each setting)
+    leaves each run's recipe and bytes' source out rather than building every setting's loader again."""
     machine = machine_info()
-    runs = [_run(setting, config, dataset, not_run) for setting in plan]
+    runs = [_run(setting, config, dataset, not_run, described) for setting in plan]
     measured = sorted((r for r in runs if r.metrics is not None),
                       key=lambda r: -(median(r.metrics or {}, "samples_per_s") or 0.0))
     want = recipe.wanted(config.pipeline, kind=dataset.kind)
@@ -84,14 +86,14 @@ def results_document(config: Config, plan: list[Setting], dataset: Dataset, devi
     )
 
 
-def _run(setting: Setting, config: Config, dataset: Dataset, not_run: str) -> Run:
+def _run(setting: Setting, config: Config, dataset: Dataset, not_run: str, described: bool = True) -> Run:
     """One planned setting's run: its metrics over the repeats, or why it has none (`not_run`: the bench
-    stopped before it)."""
-    built = built_loader(setting, config, dataset)
+    stopped before it); `described`: with its recipe and bytes' source (its loader built to say them)."""
+    built = built_loader(setting, config, dataset) if described else None
     run = Run(backend=setting.backend, label=setting.label,
               settings=knobs_of(setting.settings) if setting.settings else None,
               status=setting.status, reason=setting.reason,
-              bytes_source=built.bytes_source() if built else bytes_source(dataset),
+              bytes_source=(built.bytes_source() if built else bytes_source(dataset)) if described else None,
               recipe=built.recipe() if built else None)
     if built is not None:
         built.close()

@@ -293,7 +293,8 @@ class _Progress:
             return
         request = self.request
         results = results_document(request.config, self.plan, self.dataset, self.device,
-                                   self.workload, request.quick, False, cache_note, IN_PROGRESS_NOT_RUN)
+                                   self.workload, request.quick, False, cache_note, IN_PROGRESS_NOT_RUN,
+                                   described=False)
         results.in_progress = True  # type: ignore[attr-defined]  # an extra key: results.json allows them
         try:
             write_results(self.folder, results, timing_rows(self.plan))
