@@ -521,6 +521,24 @@ def _measured_apart(setting: Setting, config: Config, dataset: Dataset, ranks: d
         "(a sample its native decoder could not take? run this backend alone with `make_loader` for its message)"))
 
 
+def _count_the_waiting_parent(result: RepeatResult) -> None:
+    """Add the bench's own process (waiting for this child) to the run's peak memory, as an in-process run's tree
+    holds it: the child's tree alone would count the pages it shares with its parent only in part (PSS)."""
+    import os
+
+    import psutil
+
+    try:
+        parent = psutil.Process(os.getppid()).memory_full_info()
+    except (psutil.Error, OSError):
+        return
+    pss = getattr(parent, "pss", None)
+    for key, value in (("peak_rss_mb", parent.rss), ("peak_pss_mb", pss)):
+        figure = result.metrics.get(key)
+        if isinstance(figure, (int, float)) and value is not None:
+            result.metrics[key] = figure + value / 2**20
+
+
 def _child_measures(send, setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks,
                     accelerator, workload: WorkloadConfig) -> None:
     """The forked child of `_measured_apart`: measure, send the batches done and then what was measured."""
@@ -533,6 +551,7 @@ def _child_measures(send, setting: Setting, config: Config, dataset: Dataset, ra
     if measured.result is not None:  # the probes' durations as numbers (no device events cross the pipe)
         for probe in measured.result.probes:
             probe.h2d, probe.compute = Elapsed(probe.h2d.seconds()), Elapsed(probe.compute.seconds())
+        _count_the_waiting_parent(measured.result)
     try:
         pickle.dumps(measured.error)
     except Exception:  # noqa: BLE001 - an exception that cannot cross the pipe crosses as its line
