@@ -19,6 +19,7 @@ from loadopt.storage import arrow_convert
 from .bad_bench_inputs import BENCH_CASES
 from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
+from .bad_integrity_inputs import INTEGRITY_CASES
 from .bad_label_inputs import LABEL_CASES
 from .bad_recompress_inputs import RECOMPRESS_CASES
 from .bad_remote_inputs import REMOTE_CASES
@@ -174,27 +175,29 @@ def no_space_converting(tmp_path, cache, monkeypatch):
 
 
 def damaged_arrow_file(tmp_path, cache):
+    """Found by the check at open (a one-chunk shard: always sampled); `convert --verify` would convert it again."""
     root, _ = images(tmp_path, corrupt=0)
-    config = write_config(tmp_path, dataset={"path": str(root)})
+    config = write_config(tmp_path, dataset={"path": str(root)}, loaders={"arrow": {"form": "encoded"}})
     assert CliRunner().invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
     (path,) = (cache / "arrow").glob("*-encoded-*/shard-00000.arrow")
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
     data[middle:middle + 64] = bytes(64)  # inside the JPEG bytes: the record batch's body
     path.write_bytes(bytes(data))
-    return Setup(["convert", str(config), "--to", "arrow", "--verify"], f"{path}: record batch 0 (samples 0-9), "
+    return Setup(["bench", str(config), "--no-convert"], f"{path}: record batch 0 (samples 0-9), "
                  "chunk 0 of column jpeg (bytes 0-", config=config, backend="arrow", overrides={"form": "encoded"})
 
 
 def damaged_raw_shard(tmp_path, cache):
+    """Found by the check at open (a one-chunk shard: always sampled); `convert --verify` would convert it again."""
     root, _ = images(tmp_path, corrupt=0)
-    config = write_config(tmp_path, dataset={"path": str(root)})
+    config = write_config(tmp_path, dataset={"path": str(root)}, loaders={"posix": {"form": "encoded"}})
     assert CliRunner().invoke(app, ["convert", str(config), "--to", "raw"]).exit_code == 0
     (shard,) = (cache / "raw").glob("*-encoded-*/shard-00000.bin")
     with open(shard, "r+b") as handle:
         handle.seek(5000)
         handle.write(bytes(100))
-    return Setup(["convert", str(config), "--to", "raw", "--verify"], f"{shard}: chunk 0 (bytes 0-", config=config,
+    return Setup(["bench", str(config), "--no-convert"], f"{shard}: chunk 0 (bytes 0-", config=config,
                  backend="posix", overrides={"form": "encoded"})
 
 
@@ -298,8 +301,8 @@ CASES = {  # name: (setup, exit code)
     **{f"refused connection, {command}": (refused_connection(command), 1) for command in URL_COMMANDS},
     "refused connection, a records dataset, make-dataset": (refused_connection_records, 1),
     "ENOSPC while converting": (no_space_converting, 1),
-    "damaged Arrow file": (damaged_arrow_file, 1),
-    "damaged raw shard": (damaged_raw_shard, 1),
+    "damaged Arrow file, bench": (damaged_arrow_file, 1),
+    "damaged raw shard, bench": (damaged_raw_shard, 1),
     "streaming on a non-local tier": (peer_on_a_tier("streaming"), 2),
     "litdata on a non-local tier": (peer_on_a_tier("litdata"), 2),
     "results file of an unknown schema version, report": (results_of_an_unknown_version, 1),
@@ -326,6 +329,7 @@ CASES = {  # name: (setup, exit code)
     "--slo-ms on a training config, bench": (slo_on_a_training_config, 2),
     "every request damaged under on_error: skip, serving bench": (every_request_damaged, 1),
     **CONVERT_CASES,
+    **INTEGRITY_CASES,
     **RECOMPRESS_CASES,
     **REMOTE_CASES,
     **LABEL_CASES,

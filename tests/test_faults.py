@@ -788,3 +788,77 @@ def test_a_null_image_struct_in_hugging_face_parquet_is_skipped(tmp_path, own_ca
     assert dataset.labels.tolist() == [0, 1, 3, 4, 5, 6, 7] and dataset.left_out == [
         f"{path} (row 2): no image bytes (null)"]
     assert dataset.read(2) == samples[3][2]
+
+
+@pytest.mark.parametrize("damage", ["index cut short", "index row of its neighbour", "a flipped byte in the shard"])
+def test_verify_converts_a_damaged_raw_conversion_again(tmp_path, own_cache, damage, caplog):
+    """`--verify` reads every chunk and every index file against the manifest's checksums: damage is named, the
+    conversion made again, and verified the next time. A plain convert checks what the open samples (here the one
+    chunk and its index: all of it) and names the damage with the command that rebuilds it."""
+    import numpy as np
+
+    from .bad_integrity_inputs import REBUILD_RAW
+
+    root, _ = images(tmp_path, corrupt=0)
+    config = write_config(tmp_path, dataset={"path": str(root)})
+    runner = CliRunner()
+    assert runner.invoke(app, ["convert", str(config), "--to", "raw"]).exit_code == 0
+    (folder,) = (own_cache / "raw").glob("*-encoded-*")
+    index, shard = folder / "shard-00000.idx.npy", folder / "shard-00000.bin"
+    if damage == "index cut short":
+        index.write_bytes(index.read_bytes()[:-40])
+        victim = index
+    elif damage == "index row of its neighbour":
+        rows = np.load(index)
+        rows[3] = rows[4]
+        np.save(index, rows)
+        victim = index
+    else:
+        with open(shard, "r+b") as handle:
+            handle.seek(5000)
+            byte = handle.read(1)
+            handle.seek(5000)
+            handle.write(bytes([byte[0] ^ 0x10]))
+        victim = shard
+    damaged = victim.read_bytes()
+    reused = runner.invoke(app, ["convert", str(config), "--to", "raw"])
+    assert reused.exit_code == 1 and f"error: {victim}" in said(reused) and REBUILD_RAW in said(reused), reused.output
+    verified = runner.invoke(app, ["convert", str(config), "--to", "raw", "--verify"])
+    assert verified.exit_code == 0 and "converted in" in said(verified), verified.output
+    warned = " ".join(r.getMessage() for r in caplog.records)  # the CLI's log line (logging set up once a process)
+    assert f"{victim}: " in warned and "checksum mismatch" in warned and "converting again" in warned
+    assert REBUILD_RAW not in warned
+    assert victim.read_bytes() != damaged
+    again = runner.invoke(app, ["convert", str(config), "--to", "raw", "--verify"])
+    assert "reused: converted earlier, every chunk verified, source unchanged" in said(again), again.output
+
+
+def test_verify_converts_a_truncated_arrow_shard_again(tmp_path, own_cache, caplog):
+    root, _ = images(tmp_path, corrupt=0)
+    config = write_config(tmp_path, dataset={"path": str(root)})
+    runner = CliRunner()
+    assert runner.invoke(app, ["convert", str(config), "--to", "arrow"]).exit_code == 0
+    (shard,) = (own_cache / "arrow").glob("*-encoded-*/shard-00000.arrow")
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-300])
+    verified = runner.invoke(app, ["convert", str(config), "--to", "arrow", "--verify"])
+    assert verified.exit_code == 0 and "converted in" in said(verified), verified.output
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{shard}: corrupt or truncated Arrow shard" in warned and "converting again" in warned
+    assert shard.read_bytes() == whole  # the same samples, the same bytes
+    again = runner.invoke(app, ["convert", str(config), "--to", "arrow", "--verify"])
+    assert "reused: converted earlier, every chunk verified, source unchanged" in said(again), again.output
+
+
+@pytest.mark.parametrize("to", ["arrow", "raw"])
+def test_a_tar_member_that_is_no_image_is_skipped_and_counted_by_the_encoded_conversion(tmp_path, own_cache, to):
+    from .source_files import folder_samples, write_shards
+
+    root, _ = images(tmp_path, corrupt=0)
+    samples = folder_samples(root)
+    samples[3] = (samples[3][0], samples[3][1], b"not an image at all" * 10)
+    write_shards(tmp_path / "shards", samples, per_shard=5)
+    config = write_config(tmp_path, dataset={"path": str(tmp_path / "shards"), "on_error": "skip"})
+    result = CliRunner().invoke(app, ["convert", str(config), "--to", to])
+    assert result.exit_code == 0, result.output
+    assert "1 unreadable file(s) skipped" in said(result), result.output

@@ -100,10 +100,11 @@ def record_batches(dataset, schema: pa.Schema, form: Form, size: int | None, pro
                     results = pool.map(encode, ids.tolist(), chunksize=4) if pool else [encode(int(i)) for i in ids]
                     column = pa.array(integrity.keep_or_skip(dataset, ids, results, on_error, skipped, bytes),
                                       type=pa.binary())
-                else:
-                    blobs = pool.map(encode_sample, ids.tolist(), chunksize=16) if pool else [
-                        encode_sample(int(i)) for i in ids]
-                    column = pa.array(blobs, type=pa.binary())
+                else:  # a sample that is no image (its header unreadable) goes by on_error, as reencoded's
+                    encode = partial(integrity.guarded, encode_sample)
+                    results = pool.map(encode, ids.tolist(), chunksize=16) if pool else [encode(int(i)) for i in ids]
+                    column = pa.array(integrity.keep_or_skip(dataset, ids, results, on_error, skipped, bytes),
+                                      type=pa.binary())
                 yield pa.record_batch([pa.array(ids), pa.array(dataset.labels[ids]), column], schema=schema)
             if progress is not None:
                 progress(int(ids[-1]) + 1, n)
@@ -283,6 +284,17 @@ def _images(folder: Path, remote: remote_shards.RemoteShards, tier: fsspec.Abstr
                                    threads)
 
 
+def _check_outlines(final: Path, verify: integrity.Verify) -> None:
+    """The outlines of the conversion `final` (its reference, the shards' data elsewhere) against the manifest's
+    CRC-32s, before they are read: every one (`all`) or a random few (`sample`)."""
+    if verify == "none":
+        return
+    files = shard_work.read_manifest(final, "Arrow conversion").get("files") or {}
+    names = sorted(files)
+    picked = [names[i] for i in integrity.chunks_to_check(len(names), verify)]
+    integrity.check_files(final, files, picked, "arrow")
+
+
 def open_conversion(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_SHARD_MIB,
                     tier: fsspec.AbstractFileSystem | None = None, threads: int = 8, **checks) -> ArrowConversion:
     """The finished Arrow conversion of `dataset` opened (`open_arrow`, `checks` its options), its reference
@@ -297,6 +309,7 @@ def open_conversion(dataset, form: Form, size: int | None, shard_mib: float = DE
         raise DatasetError(f"{final}: the reference of an Arrow conversion whose shards are not at {data.where()} "
                            "(storage.converted changed since); convert it there with `loadopt convert CONFIG --to "
                            "arrow ...`")
+    _check_outlines(final, checks.get("verify", "sample"))
     return open_arrow(final, dataset, form, size, shard_mib, images=_images(final, data, tier, threads), **checks)
 
 
@@ -326,9 +339,13 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
         digest = source_digest(dataset, engine, cores) if form not in ("tokens", "records") and \
             (verify or dataset.is_local()) else ""
         if done.exists() and not force:
-            if open_conversion(dataset, form, size, shard_mib, verify="all").source_content == digest:
-                return final
-            log.warning("%s: the source's content differs from the converted one's: converting again", final)
+            try:  # every chunk of every column and every outline
+                if open_conversion(dataset, form, size, shard_mib, verify="all").source_content == digest:
+                    return final
+                log.warning("%s: the source's content differs from the converted one's: converting again", final)
+            except integrity.DamagedConversion as exc:
+                log.warning("%s: converting again", exc.finding())
+                force = True  # nothing taken from the earlier conversions: a shard of theirs may be linked here
         key = conversion_key(dataset, form, size, shard_mib)
         line = shard_work.lineage(key, dataset)
         table = shard_work.source_table(dataset)
@@ -353,7 +370,9 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
                 folder, jobs, partial(_intact, folder, remote.sizes() if remote else None), write, reuse, engine,
                 cores, progress, receive=remote_shards.receive if remote else None),
             manifest=lambda entries: {**key, "source_content": digest, "lineage": line, "source_table": table,
-                                      "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries},
+                                      "skipped": [s for e in entries for s in e["skipped"]], "shard_table": entries,
+                                      "files": integrity.file_sums(shard_work.work_folder(final),
+                                                                   reference_names({"shard_table": entries}))},
             check=check)
         if remote is not None:
             remote_shards.publish(dataset, built, remote)  # the reference beside the data, its manifest last

@@ -45,7 +45,7 @@ import pyarrow as pa
 from loadopt.errors import DatasetError
 from loadopt.files import cache_dir
 from loadopt.imaging.frames import FRAME_FIELDS, FrameDims, centre_square, stored_frame
-from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, restarts_key, with_restarts
+from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, restarts_key, source_size, with_restarts
 from loadopt.storage import integrity, shard_work
 from loadopt.storage.shard_work import DEFAULT_SHARD_MIB
 from loadopt.storage.tier_reads import local_dir
@@ -160,8 +160,12 @@ def decode_frame(index: int) -> tuple[bytes, FrameDims]:
 
 def encode_sample(index: int) -> bytes:
     """The `encoded` form of one sample of the pool's dataset: its JPEG with restart markers (lossless,
-    `imaging.reencode.with_restarts`), anything else as it is."""
-    return with_restarts(_pool_sample(index))
+    `imaging.reencode.with_restarts`), any other image as it is. Its header is read first (`source_size`, no
+    pixels decoded): bytes that are no image raise here, so the conversion names the sample (a tar's member) by
+    `on_error`, not a bench reading the conversion later."""
+    data = _pool_sample(index)
+    source_size(data)
+    return with_restarts(data)
 
 
 def reencode_sample(index: int) -> bytes:
@@ -268,8 +272,9 @@ class ArrowConversion(list):
         for b in records:
             sums = self.checksums[b]
             if sums is None:
-                raise DatasetError(f"{self.where(int(self.batch_file[b]))}: record batch {b} has no checksums (a "
-                                   "damaged or foreign file): rebuild it with `loadopt convert CONFIG --force ...`")
+                raise integrity.DamagedConversion(f"{self.where(int(self.batch_file[b]))}: record batch {b} has no "
+                                                  "checksums (a damaged or foreign file): "
+                                                  f"{integrity.rebuild_hint('arrow')}")
             # A sample draws from the samples' column (where the bytes are); "all" checks every column.
             samples = self[b].schema.names[-1]
             for name, view in _regions(self[b]):
@@ -282,7 +287,7 @@ class ArrowConversion(list):
                 first = int(self.first_rows[b])
                 raise integrity.damaged(f"{self.where(int(self.batch_file[b]))}: record batch {b} (samples {first}-"
                                         f"{first + self[b].num_rows - 1}), chunk {k} of column {name} (bytes "
-                                        f"{at}-{min(at + integrity.CHUNK_BYTES, len(view))})")
+                                        f"{at}-{min(at + integrity.CHUNK_BYTES, len(view))})", "arrow")
 
 
 def mapped_shard(file: Path | str) -> tuple[pa.MemoryMappedFile, int | None]:
@@ -313,10 +318,11 @@ def read_shard_at(file: Path | str, expected: pa.Schema, samples: str = "",
         reader = pa.ipc.open_file(source if image is None else pa.py_buffer(image))
         pairs = [reader.get_batch_with_custom_metadata(i) for i in range(reader.num_record_batches)]
     except FileNotFoundError:
-        raise DatasetError(f"{file}: Arrow shard not found{samples}") from None
+        raise integrity.DamagedConversion(f"{file}: Arrow shard not found{samples}; "
+                                          f"{integrity.rebuild_hint('arrow')}") from None
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
-        raise DatasetError(f"{file}: corrupt or truncated Arrow shard ({str(exc).splitlines()[0]}){samples}") \
-            from None
+        raise integrity.DamagedConversion(f"{file}: corrupt or truncated Arrow shard{samples}; "
+                                          f"{integrity.rebuild_hint('arrow')} ({str(exc).splitlines()[0]})") from None
     if not reader.schema.remove_metadata().equals(expected.remove_metadata()):
         raise DatasetError(f"{file}: schema does not match the config: has {_describe(reader.schema)}, "
                            f"expected {_describe(expected)}")
@@ -362,8 +368,9 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
         pairs, base = read_shard_at(name, expected, which, None if images is None else images.buffers[k])
         rows = [b.num_rows for b, _ in pairs]
         if sum(rows) != entry["samples"] or any(r != step for r in rows[:-1]) or (rows and rows[-1] > step):
-            raise DatasetError(f"{name}: {sum(rows)} rows in record batches of {sorted(set(rows))}; the manifest "
-                               f"says {entry['samples']} in batches of {step}{which}")
+            raise integrity.DamagedConversion(f"{name}: {sum(rows)} rows in record batches of {sorted(set(rows))}; "
+                                              f"the manifest says {entry['samples']} in batches of {step}{which}; "
+                                              f"{integrity.rebuild_hint('arrow')}")
         for b, (batch, extra) in enumerate(pairs):
             try:
                 checksums.append(json.loads(extra["loadopt.checksums"])["regions"])
@@ -371,8 +378,8 @@ def open_arrow(path: str | Path, dataset, form: Form, size: int | None, shard_mi
             except (KeyError, ValueError, TypeError):
                 checksums.append(None)
                 if verify != "none":
-                    raise DatasetError(f"{name}: record batch {b} has no readable checksums (a damaged or foreign "
-                                       "file): rebuild it with `loadopt convert CONFIG --force ...`") from None
+                    raise integrity.DamagedConversion(f"{name}: record batch {b} has no readable checksums (a damaged "
+                                                      f"or foreign file): {integrity.rebuild_hint('arrow')}") from None
             batches.append(batch)
             owners.append(k)
             offsets_at.append(offsets_position(batch, base))

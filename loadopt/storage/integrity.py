@@ -4,9 +4,13 @@ one line.
 
 Checksums are CRC-32 (zlib: in the standard library, and fast beside the reads it checks; neither crc32c
 nor xxhash is a dependency) over chunks of `CHUNK_BYTES`. A conversion stores them beside its data (the
-Arrow form in each record batch's custom metadata, the raw form in its index) and they are checked
-when the conversion is reused: all of them under `loadopt convert --verify`, a few chunks chosen at
-random otherwise (a cheap sample: damage is found over repeated uses, at once with --verify).
+Arrow form in each record batch's custom metadata, the raw form in its manifest's shard table), and the
+manifest holds a CRC-32 of every other file the conversion consists of (a raw shard's index and frame
+dims, an Arrow shard's outline: `files`). They are checked when the conversion is reused: all of them under
+`loadopt convert --verify`, which reconverts a conversion found damaged (`DamagedConversion`); otherwise a
+few chunks chosen at random and the other files of the shards they are in (a cheap sample: damage is found
+over repeated uses, at once with --verify). A read between the sampled chunks is not checked: a flipped
+byte there is delivered as it is, until --verify finds it.
 """
 
 from __future__ import annotations
@@ -76,10 +80,55 @@ def chunks_to_check(count: int, verify: Verify, rng: random.Random | None = None
     return sorted((rng or random.Random()).sample(range(count), min(SAMPLE_CHUNKS, count)))
 
 
-def damaged(where: str) -> DatasetError:
-    """The one-line error for a chunk whose checksum does not match."""
-    return DatasetError(f"{where}: checksum mismatch: the converted file is damaged (run `loadopt convert CONFIG "
-                        "--force ...` to rebuild it)")
+class DamagedConversion(DatasetError):
+    """A finished conversion's file missing, short, unreadable or not matching its checksum: what `loadopt convert
+    --verify` reconverts, and what the loaders name in one line with the command that rebuilds it."""
+
+    def finding(self) -> str:
+        """The line without its advice (`rebuild_hint`): what --verify says before it reconverts."""
+        line = str(self)
+        for to in ("raw", "arrow"):
+            for form in ("; {}", " ({})", ": {}", "{}"):
+                line = line.replace(form.format(rebuild_hint(to)), "")
+        return line.replace("()", "").rstrip(" ;:")
+
+
+def rebuild_hint(to: str) -> str:
+    """The advice closing a damaged conversion's line: the command that rebuilds the conversion `to` (raw, arrow)."""
+    return f"run `loadopt convert CONFIG --to {to} --force` to rebuild it"
+
+
+def damaged(where: str, to: str) -> DamagedConversion:
+    """The one-line error for a chunk or file of the conversion `to` (raw, arrow) whose checksum does not match."""
+    return DamagedConversion(f"{where}: checksum mismatch: the converted file is damaged ({rebuild_hint(to)})")
+
+
+def file_crc(path: Path) -> int:
+    """The CRC-32 of a whole file, read a chunk at a time."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_sums(folder: Path, names: list[str]) -> dict[str, int]:
+    """The CRC-32 of each named file of `folder` that is there (a conversion's manifest `files`)."""
+    return {name: file_crc(folder / name) for name in names if (folder / name).is_file()}
+
+
+def check_files(folder: Path, recorded: dict[str, int], names: list[str], to: str) -> None:
+    """Each of `names` (of the `recorded` CRC-32s of the conversion `to` in `folder`) read whole and compared;
+    a file missing or damaged raises `DamagedConversion` naming it."""
+    for name in sorted(names):
+        path = folder / name
+        try:
+            crc = file_crc(path)
+        except FileNotFoundError:
+            raise DamagedConversion(f"{path}: not found (the conversion's manifest lists it); {rebuild_hint(to)}") \
+                from None
+        if crc != recorded[name]:
+            raise damaged(str(path), to)
 
 
 # ---------------------------------------------------------------------------------------------

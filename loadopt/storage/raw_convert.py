@@ -58,18 +58,15 @@ def samples(dataset, form: Form, size: int | None, workers: int, dims: list, on_
     if form == "reencoded" and not size:
         raise ValueError("the reencoded form is bounded by a max side: none was given")
     # The Arrow forms' own functions: the same bytes in both forms (bit-equal pixels for the decoded ones).
-    work, chunk, blank = {
+    work, chunk, blank = {  # blank: what a sample that goes by on_error (skip) is stored as
         "frames": (arrow_format.decode_frame, 16, lambda: (bytes(3), (1, 1, 1, 1))),
-        "encoded": (arrow_format.encode_sample, 16, None),
-        "reencoded": (arrow_format.reencode_sample, 4, bytes),
+        "encoded": (arrow_format.encode_sample, 16, lambda: b""),  # bytes that are no image: by on_error
+        "reencoded": (arrow_format.reencode_sample, 4, lambda: b""),
         "decoded": (arrow_format.decode_centre, 16, lambda: bytes((size or 0) ** 2 * 3)),
     }[form]
     arrow_format.set_pool_dataset(dataset, size)
     pool = decode_pool.start(workers)
     try:
-        if blank is None:  # encoded: the stored bytes, nothing decoded to fail
-            yield from (pool.imap(work, ids, chunksize=chunk) if pool else map(work, ids))
-            return
         guarded = partial(integrity.guarded, work)
         for i, result in zip(ids, pool.imap(guarded, ids, chunksize=chunk) if pool else map(guarded, ids),
                              strict=True):
@@ -219,11 +216,15 @@ def _reuse(work: Path, job: shard_work.ShardJob, dataset, form: Form,
 
 
 def _manifest(dataset, form: Form, size: int | None, shard_mib: float, digest: str, entries: list[ShardEntry],
-              source_table: list[list] | None) -> RawMeta:
+              source_table: list[list] | None, work: Path) -> RawMeta:
+    """The manifest of the conversion whose shards `entries` are in `work`, with the CRC-32 of each of their index
+    (and frame dims) files: the build's check then reads every index row against the source."""
     key = conversion_key(dataset, form, size, shard_mib)
-    return RawMeta(**key, source_content=digest, skipped=[s for e in entries for s in e["skipped"]],
+    meta = RawMeta(**key, source_content=digest, skipped=[s for e in entries for s in e["skipped"]],
                    checksums={"algorithm": integrity.ALGORITHM, "chunk_bytes": integrity.CHUNK_BYTES},
                    shard_table=entries, lineage=shard_work.lineage(key, dataset), source_table=source_table)
+    meta["files"] = integrity.file_sums(work, reference_names(dict(meta)))
+    return meta
 
 
 def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256.0,
@@ -248,10 +249,14 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
         digest = source_digest(dataset, engine, cores) if form not in ("tokens", "records") and \
             (verify or dataset.is_local()) else ""
         if (final / MANIFEST).exists() and not force:
-            if open_raw(final, dataset, form, size, shard_mib, verify="all",
-                        data=data_home(dataset, final)).meta.get("source_content") == digest:
-                return final
-            log.warning("%s: the source's content differs from the converted one's: converting again", final)
+            try:  # every chunk, index and frame dims file, and every index row read against the source
+                if open_raw(final, dataset, form, size, shard_mib, verify_labels=True, verify="all",
+                            data=data_home(dataset, final)).meta.get("source_content") == digest:
+                    return final
+                log.warning("%s: the source's content differs from the converted one's: converting again", final)
+            except integrity.DamagedConversion as exc:
+                log.warning("%s: converting again", exc.finding())
+                force = True  # nothing taken from the earlier conversions: a shard of theirs may be linked here
         needed = int(arrow_format.needed_bytes(dataset, form, size) * 1.05)  # + the 4 KiB alignment, about
         key = conversion_key(dataset, form, size, shard_mib)
         table = shard_work.source_table(dataset)
@@ -271,7 +276,8 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = 256
             write=lambda work: write_shards(
                 work, jobs, partial(_intact, work, remote.sizes() if remote else None), write, reuse, engine,
                 workers or os.cpu_count() or 1, progress, receive=remote_shards.receive if remote else None),
-            manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table),
+            manifest=lambda entries: _manifest(dataset, form, size, shard_mib, digest, entries, table,
+                                               shard_work.work_folder(final)),
             check=lambda work: open_raw(work, dataset, form, size, shard_mib, verify_labels=True, verify="none",
                                         data=remote))
         if remote is not None:

@@ -6,9 +6,10 @@ its index `shard-0000k.idx.npy` (one row per sample it holds: sample_id, shard, 
 bytes, chunk checksums, the samples it could not convert and the source shards it came from: written last, so
 a shard is finished exactly when it is there). `manifest.json`, written after every shard is verified, holds
 the conversion's key (form, source fingerprint, rows, decoded size and HWC shape, token dtype and window
-length), the source's digest, the samples skipped and the shard table (first sample, samples, bytes, checksums,
-source shards of each): a folder without it is not a conversion, and a shard it names that is missing or short
-is one line, never a silently short dataset.
+length), the source's digest, the samples skipped, the shard table (first sample, samples, bytes, checksums,
+source shards of each) and `files`, the CRC-32 of each index and frame dims file: a folder without it is not a
+conversion, and a shard or file it names that is missing, short or damaged is one line
+(`integrity.DamagedConversion`, the command that rebuilds it named), never a silently short dataset.
 
 A reader opens the manifest and maps a shard's index when it first reads a sample of that shard
 (`RawIndex.locate`), reading only the rows it locates: under the window shuffle a rank reads runs of its own
@@ -106,6 +107,7 @@ class RawMeta(RawKey):
     shard_table: list[ShardEntry]
     lineage: NotRequired[str]  # the same for the conversions of one source before and after a shard of it changed
     source_table: NotRequired[list[list] | None]  # [key, first sample, samples] per source shard (shard_work.py)
+    files: NotRequired[dict[str, int]]  # CRC-32 of each index (and frame dims) file, by name
 
 
 @overload
@@ -205,10 +207,10 @@ class RawIndex:
                              (got["offset"] % ALIGN != 0) | (got["offset"] + got["length"] > table[k]["bytes"]))[0]
             if len(bad):
                 row = got[bad[0]]
-                raise DatasetError(f"{self.shards[k]}: sample {int(indices[mine][bad[0]])} needs bytes "
-                                   f"{int(row['offset'])}-{int(row['offset'] + row['length'])} (index row of sample "
-                                   f"{int(row['sample_id'])}), the shard has {table[k]['bytes']} bytes (truncated "
-                                   "shard or bad index)")
+                raise integrity.DamagedConversion(
+                    f"{self.shards[k]}: sample {int(indices[mine][bad[0]])} needs bytes {int(row['offset'])}-"
+                    f"{int(row['offset'] + row['length'])} (index row of sample {int(row['sample_id'])}), the shard "
+                    f"has {table[k]['bytes']} bytes (truncated shard or bad index; {integrity.rebuild_hint('raw')})")
         return rows["shard"].astype(np.int64), np.ascontiguousarray(rows["offset"]), \
             np.ascontiguousarray(rows["length"])
 
@@ -278,13 +280,15 @@ def load_shard_index(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
     try:
         rows = _map_rows(path)
     except FileNotFoundError:
-        raise DatasetError(f"{path}: shard index not found (the manifest lists shard {k}); the conversion is "
-                           "damaged: rebuild it with `loadopt convert CONFIG --to raw --force ...`") from None
+        raise integrity.DamagedConversion(f"{path}: shard index not found (the manifest lists shard {k}); the "
+                                          f"conversion is damaged: {integrity.rebuild_hint('raw')}") from None
     except (OSError, ValueError, EOFError) as exc:
-        raise DatasetError(f"{path}: corrupt raw index ({str(exc).splitlines()[0]})") from None
+        raise integrity.DamagedConversion(f"{path}: corrupt raw index ({str(exc).splitlines()[0]}; "
+                                          f"{integrity.rebuild_hint('raw')})") from None
     if rows.dtype != INDEX_DTYPE or rows.shape != (entry["samples"],):
-        raise DatasetError(f"{path}: {len(rows)} index rows of {rows.dtype}; the manifest says samples "
-                           f"{entry['first']}-{entry['first'] + entry['samples'] - 1} (a damaged or foreign index)")
+        raise integrity.DamagedConversion(
+            f"{path}: {len(rows)} index rows of {rows.dtype}; the manifest says samples {entry['first']}-"
+            f"{entry['first'] + entry['samples'] - 1} (a damaged or foreign index; {integrity.rebuild_hint('raw')})")
     return rows
 
 
@@ -317,10 +321,12 @@ def load_shard_frames(root: Path, k: int, entry: ShardEntry) -> np.ndarray:
     try:
         frames = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
-        raise DatasetError(f"{path}: whole-frame dims missing or invalid ({str(exc).splitlines()[0]})") from None
+        raise integrity.DamagedConversion(f"{path}: whole-frame dims missing or invalid ({str(exc).splitlines()[0]}; "
+                                          f"{integrity.rebuild_hint('raw')})") from None
     if frames.shape != (entry["samples"], 4) or (frames <= 0).any():
-        raise DatasetError(f"{path}: whole-frame dims missing or invalid (expected {entry['samples']} rows of "
-                           "height, width, source height, source width)")
+        raise integrity.DamagedConversion(f"{path}: whole-frame dims missing or invalid (expected {entry['samples']} "
+                                          "rows of height, width, source height, source width; "
+                                          f"{integrity.rebuild_hint('raw')})")
     return frames
 
 
@@ -353,11 +359,14 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
         try:
             have = remote_sizes[shard.name] if data is not None else shard.stat().st_size
         except (FileNotFoundError, KeyError):
-            raise DatasetError(f"{where}: shard file not found (the manifest lists it, samples {entry['first']}-"
-                               f"{entry['first'] + entry['samples'] - 1})") from None
+            raise integrity.DamagedConversion(f"{where}: shard file not found (the manifest lists it, samples "
+                                              f"{entry['first']}-{entry['first'] + entry['samples'] - 1}); "
+                                              f"{integrity.rebuild_hint('raw')}") from None
         if have < entry["bytes"]:
-            raise DatasetError(f"{where}: {have} bytes, the manifest says {entry['bytes']} (truncated shard)")
+            raise integrity.DamagedConversion(f"{where}: {have} bytes, the manifest says {entry['bytes']} (truncated "
+                                              f"shard; {integrity.rebuild_hint('raw')})")
     raw = RawIndex(root, shards, meta)
+    check_shards(root, shards, meta, verify, raw, data)  # first: a damaged index is named by its checksum
     if verify_labels:
         index = raw.index
         if form != "tokens" and not np.array_equal(index["label"], dataset.labels):
@@ -367,22 +376,27 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
             assert frames is not None
             if not np.array_equal(index["length"], frames[:, 0].astype(np.int64) * frames[:, 1] * 3):
                 raise DatasetError(f"{root / MANIFEST}: whole-frame dims do not match the samples' lengths")
-    check_shards(root, shards, meta, verify, raw, data)
     return raw
 
 
 def check_shards(root: Path, shards: list[Path], meta: RawMeta, verify: integrity.Verify, raw: RawIndex,
                  data: RemoteShards | None = None) -> None:
     """Check the shard chunks `verify` asks for (read from `data` when the shards are there) against the
-    manifest's checksums; damage raises `DatasetError` naming the shard, the chunk and the samples in it."""
+    manifest's checksums, and the index (and frame dims) files of the shards they are in (of every shard:
+    `all`) against theirs, those first (a damaged index would misname the samples of a damaged chunk); damage
+    raises `integrity.DamagedConversion` naming the file (a shard's: the chunk and the samples in it)."""
     if verify == "none":
         return
     sums = [entry.get("checksums") for entry in meta["shard_table"]]
     if len(sums) != len(shards) or not all(isinstance(s, list) and s for s in sums):
-        raise DatasetError(f"{root / MANIFEST}: no checksums for the shards (a damaged or foreign manifest): "
-                           "rebuild it with `loadopt convert CONFIG --to raw --force ...`")
+        raise integrity.DamagedConversion(f"{root / MANIFEST}: no checksums for the shards (a damaged or foreign "
+                                          f"manifest): {integrity.rebuild_hint('raw')}")
     chunks = [(k, c) for k, shard_sums in enumerate(sums) for c in range(len(shard_sums))]
-    for k, c in (chunks[i] for i in integrity.chunks_to_check(len(chunks), verify)):
+    picked = [chunks[i] for i in integrity.chunks_to_check(len(chunks), verify)]
+    files = meta.get("files") or {}
+    mine = tuple(f"{shard_work.shard_stem(k)}." for k in {k for k, _ in picked})
+    integrity.check_files(root, files, [name for name in files if verify == "all" or name.startswith(mine)], "raw")
+    for k, c in picked:
         read = data.chunks(shards[k].name, [c]) if data is not None else integrity.iter_file_chunks(shards[k], [c])
         for _, chunk in read:
             if zlib.crc32(chunk) != sums[k][c]:
@@ -391,4 +405,4 @@ def check_shards(root: Path, shards: list[Path], meta: RawMeta, verify: integrit
                 inside = rows["sample_id"][(rows["offset"] < end) & (rows["offset"] + rows["length"] > at)]
                 samples = f", samples {inside.min()}-{inside.max()}" if len(inside) else ""
                 where = data.where(shards[k].name) if data is not None else shards[k]
-                raise integrity.damaged(f"{where}: chunk {c} (bytes {at}-{end}{samples})")
+                raise integrity.damaged(f"{where}: chunk {c} (bytes {at}-{end}{samples})", "raw")
