@@ -58,7 +58,8 @@ def no_space_for_the_report(tmp_path, cache, monkeypatch):
         real(path, text)
 
     monkeypatch.setattr(files, "atomic_write_text", fills_up)
-    return Setup(["bench", str(config), "--quick"], f"{stale}: the report could not be written (", config=config,
+    culprit = f"{stale}: cannot write the report (No space left on device); the results beside it are this bench's"
+    return Setup(["bench", str(config), "--quick"], culprit, config=config,
                  leftovers=lambda: [stale] * stale.exists() + temps(out)())
 
 
@@ -67,3 +68,32 @@ BENCH_CASES = {  # name: (setup, exit code)
     "bench: every sample skipped, none delivered": (every_sample_skipped, 1),
     "bench: no space left for the report": (no_space_for_the_report, 1),
 }
+
+
+def no_space_for_the_decision(tmp_path, cache, monkeypatch):
+    """The disk fills at decision.json: one line, exit 1; the earlier bench's decision is not left beside the new
+    results, and the report describes them."""
+    from loadopt.bench import decision
+
+    config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": 0}})
+    out = tmp_path / "results"
+    out.mkdir()
+    stale = out / "decision.json"
+    stale.write_text('{"backend": "an earlier bench\'s"}')
+    real = decision.atomic_write_text
+
+    def fills_up(path, text):
+        if path == stale:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(decision, "atomic_write_text", fills_up)
+
+    def after() -> None:
+        assert (out / "report.html").exists() and (out / "results.json").exists()
+
+    return Setup(["bench", str(config), "--quick"], f"{stale}: cannot write the decision (no space left on device)",
+                 config=config, leftovers=lambda: [stale] * stale.exists() + temps(out)(), after=after)
+
+
+BENCH_CASES["bench: no space left for the decision"] = (no_space_for_the_decision, 1)

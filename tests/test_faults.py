@@ -685,8 +685,8 @@ def test_no_space_for_the_report_leaves_no_stale_report_and_fails(tmp_path, own_
     result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
     assert result.exit_code == 1, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: {out / 'report.html'}: the report could not be "
-                                                     "written (")
+    assert len(errors) == 1 and errors[0].startswith(f"error: {out / 'report.html'}: cannot write the report "
+                                                     "(No space left on device); the results beside it")
     assert "Traceback" not in result.output
     assert not (out / "report.html").exists()
     results = json.loads((out / "results.json").read_text())

@@ -23,7 +23,8 @@ from typing import Any
 
 from loadopt import recipe
 from loadopt.bench.metrics import median
-from loadopt.files import atomic_write_text, cache_dir
+from loadopt.errors import OutputError
+from loadopt.files import atomic_write_text, cache_dir, is_no_space
 from loadopt.machine import MachineInfo, library_versions, machine_fingerprint, machine_info
 from loadopt.schema import (
     SCHEMA_VERSION,
@@ -193,13 +194,15 @@ def _same_machine(entry: Decision, here: MachineKey) -> bool:
 
 
 def record(decision: Decision, folder: Path | None) -> None:
-    """Write a decision beside the results (`folder/decision.json`) and into the cache's entries."""
+    """Write a decision beside the results (`folder/decision.json`: its failure, a full disk, raises `OutputError`
+    once the cache's entry is written) and into the cache's entries."""
     text = decision_text(decision)
+    beside_failed: OutputError | None = None
     if folder is not None:
         try:
             atomic_write_text(folder / FILE_NAME, text)
-        except OSError as exc:
-            log.warning("could not write %s: %s", folder / FILE_NAME, exc)
+        except (OSError, OutputError) as exc:
+            beside_failed = _not_written(folder, exc)
     path = decision_path(decision.dataset_fingerprint or "")
     here = decision.machine or MachineKey()
     keep = [e for e in _entries(path) if not (_same_machine(e, here) and e.pipeline == decision.pipeline)]
@@ -207,20 +210,30 @@ def record(decision: Decision, folder: Path | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         entries = [as_dict(decision), *(as_dict(e) for e in keep)]
         atomic_write_text(path, json.dumps({"schema_version": SCHEMA_VERSION, "entries": entries}, indent=2) + "\n")
-    except OSError as exc:  # the results are written; a missing decision only costs `auto` its memory
+    except (OSError, OutputError) as exc:  # the results are written; a missing decision only costs `auto` its memory
         log.warning("could not record the decision in %s: %s", path, exc)
+    if beside_failed is not None:
+        raise beside_failed
+
+
+def _not_written(folder: Path, exc: OSError | OutputError) -> OutputError:
+    """The one line of a decision.json that could not be written beside the results (atomic_write's OutputError is
+    its full disk)."""
+    why = "no space left on device" if isinstance(exc, OutputError) or is_no_space(exc) else (exc.strerror or str(exc))
+    return OutputError(f"{folder / FILE_NAME}: cannot write the decision ({why}); the results beside it are this "
+                       "bench's, with no decision file (results.json holds the decision)")
 
 
 def record_beside(decision: Decision | None, folder: Path) -> None:
     """The decision of the results just written into `folder`, recorded (`record`); where the bench decided
     nothing (nothing of the config's recipe measured), the decision.json an earlier bench left there is
     removed: it would contradict the results beside it. A partial decision (`partial`) is written beside
-    the results only."""
+    the results only. A decision.json that cannot be written beside them raises `OutputError`."""
     if decision is not None and decision.partial:
         try:
             atomic_write_text(folder / FILE_NAME, decision_text(decision))
-        except OSError as exc:
-            log.warning("could not write %s: %s", folder / FILE_NAME, exc)
+        except (OSError, OutputError) as exc:
+            raise _not_written(folder, exc) from None
         return
     if decision is not None:
         record(decision, folder)

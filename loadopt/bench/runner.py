@@ -30,7 +30,7 @@ from loadopt.bench.run_results import Setting, results_document, timing_rows
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer, Elapsed
-from loadopt.errors import LoadoptError, StorageError, Terminated, WorkerDied, stop_behind
+from loadopt.errors import LoadoptError, OutputError, StorageError, Terminated, WorkerDied, stop_behind
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
@@ -340,8 +340,12 @@ def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: 
     json_path, parquet_path = write_results(folder, results, timing_rows(plan))
     _discard_stale(folder)  # the earlier bench's report and decision describe other runs
     # A bench that decided nothing leaves no decision of an earlier bench beside its results.
-    decision.record_beside(made, folder)
-    return BenchOutcome(results, json_path, parquet_path, interrupted, error=done.user_error)
+    error = done.user_error
+    try:
+        decision.record_beside(made, folder)
+    except OutputError as exc:  # the results are written: the line comes after them, as a user error's does
+        error = error or exc
+    return BenchOutcome(results, json_path, parquet_path, interrupted, error=error)
 
 
 def _evict(files: list[str]) -> str:

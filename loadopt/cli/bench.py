@@ -98,6 +98,9 @@ def bench(
     if outcome.json_path is not None:
         console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
         report_failed = _report(outcome.json_path)
+    if report_failed is not None and (outcome.interrupted or outcome.error is not None):  # their line is the one
+        err_console.print(f"[yellow]warning:[/] {escape(report_failed)}", highlight=False)
+        report_failed = None
     _close(outcome, results, bool(terminated), out or cfg.report.out)
     console.print(f"[bold]{results.summary}[/]", highlight=False)
     if report_failed is not None:  # the folder holds this bench's files and no report: the bench did not finish
@@ -114,8 +117,10 @@ def _report(json_path: Path) -> str | None:
         console.print(f"report: {write_report([json_path])}", highlight=False)
     except Exception as exc:  # noqa: BLE001 - the results are on disk: the report's failure is said, not raised
         why = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return (f"{json_path.parent / 'report.html'}: the report could not be written ({why}); the results beside "
-                f"it are this bench's (no earlier report is left), `loadopt report {json_path}` writes it again")
+        target = str(json_path.parent / "report.html")
+        line = why if why.startswith(target) else f"{target}: cannot write the report ({why})"  # named once
+        return (f"{line}; the results beside it are this bench's (no earlier report is left), `loadopt report "
+                f"{json_path}` writes it again")
     return None
 
 
