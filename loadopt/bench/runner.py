@@ -5,7 +5,9 @@ shared, noisy machine does not land on one setting only. A backend that cannot r
 with its reason; a backend that fails at run time is listed with its error and the bench goes on;
 Ctrl-C stops the bench and keeps the runs already finished. Under `torchrun` every rank runs this same
 loop, each on its shard with an all-reduce per step; what differs is behind `distributed.Ranks`
-(bench/distributed.py): what rank 0 does alone, the per-step collective, the gather of each run.
+(bench/distributed.py): what rank 0 does alone, the per-step collective, the gather of each run. A backend
+whose native code can crash the process on bad bytes (`runs_apart`: DALI) runs each setting in a forked child
+on one CPU rank, so its crash is that setting's error; results.json is rewritten after every setting.
 """
 
 from __future__ import annotations
@@ -135,12 +137,12 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     as it was. One that measured part writes what it measured, each setting not run with the reason; a
     user error then is raised after the writing, or returned in `BenchOutcome.error` with
     `return_errors` (the CLI, which prints the runs and writes the report before the error). `relist` lists
-    the dataset again and saves the new listing (storage/remote_listing.py). `stop_requested` says whether a stop
-came whose exception got lost (it is honoured at the next setting's boundary).
+    the dataset again and saves the new listing (storage/remote_listing.py). `stop_requested` says whether a
+    stop came whose exception got lost (it is honoured at the next setting's boundary).
 
-From the first measured setting on, results.json and timings.parquet are rewritten after every setting (marked
-`in_progress: true` until the bench ends), so a crash of the process keeps what was measured; the report and
-decision an earlier bench left in `out` are removed then, as they describe other runs."""
+    From the first measured setting on, results.json and timings.parquet are rewritten after every setting
+    (marked `in_progress: true` until the bench ends), so a crash of the process keeps what was measured; the
+    report and decision an earlier bench left in `out` are removed then, as they describe other runs."""
     if attribute:
         ceiling_measures.ceiling_seconds()  # a bad $LOADOPT_CEILING_SECONDS: its one line before any work
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
