@@ -210,7 +210,11 @@ def test_a_jpeg_a_worker_cannot_decode_goes_by_on_error(tmp_path, on_error):
 
     from .conftest import make_image_folder
 
-    bad = make_image_folder(tmp_path / "data", classes=2, per_class=6, corrupt=1)[0]
+    make_image_folder(tmp_path / "data", classes=2, per_class=6)
+    good = (tmp_path / "data" / "train" / "c0" / "0.jpg").read_bytes()
+    bad = tmp_path / "data" / "train" / "c0" / "broken.jpg"  # a valid header (the conversion reads it), no scan
+    sos = good.index(b"\xff\xda")
+    bad.write_bytes(good[: sos + 12] + b"\xff\xd9")
     raw = tiny_config_dict(tmp_path / "out", dataset={"path": str(tmp_path / "data")},
                            pipeline={"augment": "train", "dtype": "uint8"})
     cfg = config_from_dict(raw, "bad.yaml")
