@@ -862,3 +862,37 @@ def test_a_tar_member_that_is_no_image_is_skipped_and_counted_by_the_encoded_con
     result = CliRunner().invoke(app, ["convert", str(config), "--to", to])
     assert result.exit_code == 0, result.output
     assert "1 unreadable file(s) skipped" in said(result), result.output
+
+
+def test_ctrl_c_lost_in_a_finaliser_after_the_last_setting_is_still_a_stop(tmp_path, own_cache, monkeypatch):
+    """The KeyboardInterrupt raised inside a `__del__` run by the last setting's close (Python ignores it, through
+    sys.unraisablehook): the bench still ends as stopped, exit 130, `interrupted: true`, a partial decision only."""
+    from loadopt.bench import runner
+
+    config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": 0}})
+    real = runner.setting_loader
+
+    class StoppedWhenCollected:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler's raise lands in this finaliser
+
+    def stopped_in_a_finaliser(*args, **kwargs):
+        loader = real(*args, **kwargs)
+        close = loader.close
+
+        def close_then_collect() -> None:
+            close()
+            held = StoppedWhenCollected()
+            del held
+
+        loader.close = close_then_collect
+        return loader
+
+    monkeypatch.setattr(runner, "setting_loader", stopped_in_a_finaliser)
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
+    assert result.exit_code == 130, result.output
+    assert "Exception ignored" not in result.output and "Traceback" not in result.output
+    results = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert results["interrupted"] is True and results["interrupted_by"] == "SIGINT"
+    assert results["runs"][0]["status"] == "ok"
+    assert json.loads((tmp_path / "results" / "decision.json").read_text())["partial"] is True
