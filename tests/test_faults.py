@@ -896,3 +896,39 @@ def test_ctrl_c_lost_in_a_finaliser_after_the_last_setting_is_still_a_stop(tmp_p
     assert results["interrupted"] is True and results["interrupted_by"] == "SIGINT"
     assert results["runs"][0]["status"] == "ok"
     assert json.loads((tmp_path / "results" / "decision.json").read_text())["partial"] is True
+
+
+def test_dali_where_it_cannot_run_apart_sees_only_screened_samples(tmp_path, own_cache, monkeypatch):
+    """Where a DALI run cannot go into a child process (a CUDA device, torchrun: forced here), every sample is
+    decoded once by PIL first (cached per dataset): the zeroed JPEG is a named failure DALI never saw, skipped and
+    counted under on_error: skip; under on_error: raise it is the bench's one line naming it."""
+    from loadopt.bench import runner
+    from loadopt.loaders.dali_loader import DaliLoader
+
+    if not DaliLoader.available()[0]:
+        pytest.skip(DaliLoader.available()[1])
+    config = _bench_folder_with_the_zeroed_jpeg(tmp_path, "skip")
+    monkeypatch.setattr(runner, "can_run_apart", lambda device, world_size: False)
+    seen: list[int] = []
+    real = DaliLoader._new_pipeline
+
+    def counting(self, source, depth=None):  # the batches DALI is handed: never the zeroed file's index
+        seen.append(1)
+        return real(self, source, depth)
+
+    monkeypatch.setattr(DaliLoader, "_new_pipeline", counting)
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick", "--loaders", "torch,dali"])
+    assert result.exit_code == 0, result.output
+    runs = {r["backend"]: r for r in json.loads((tmp_path / "results" / "results.json").read_text())["runs"]}
+    assert runs["torch"]["status"] == "ok" and runs["dali"]["status"] == "ok", runs["dali"]
+    (skipped,) = runs["dali"]["skipped_files"]
+    assert skipped["path"].endswith("zeroed.jpg") and skipped["reason"].startswith(
+        "refused before DALI saw it: PIL cannot decode it ("), skipped
+    assert seen and list((own_cache / "screened").glob("*.json"))
+    raising = _bench_folder_with_the_zeroed_jpeg(tmp_path / "raise", "raise")
+    result = CliRunner().invoke(app, ["bench", str(raising), "--quick", "--loaders", "dali"])
+    assert result.exit_code == 1, result.output
+    assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: {tmp_path / 'raise' / 'photos' / 'train' / 'c0' / 'zeroed.jpg'}: refused before DALI saw it: PIL "
+        f"cannot decode it ({skipped['reason'].split('PIL cannot decode it (', 1)[1]} (set dataset.on_error: skip "
+        "to skip it)"]

@@ -94,7 +94,7 @@ def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
 
 
 def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: Reporter,
-          convert: bool) -> list[Setting]:
+          convert: bool, world_size: int = 1) -> list[Setting]:
     plan: list[Setting] = []
     for name in names:
         cls = backend_for(name, f"--loaders {name}")
@@ -110,6 +110,8 @@ def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: 
             try:
                 probe.prepare(functools.partial(reporter.conversion_progress, label), convert)
                 label = f"{name} {probe.describe()}"  # a refused upload keeps the conversion local: not via tier
+                screen_where_kept_here(probe, device, world_size,
+                                       functools.partial(reporter.conversion_progress, f"{label}: screening"))
             except StorageError as exc:  # the tier failed its converted files' reads: this setting's error
                 plan.append(Setting(name, settings, label, RunStatus.ERROR, str(exc).splitlines()[0]))
                 continue
@@ -210,7 +212,7 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
                 for t in tunings]
     else:
         plan = ranks.alone(lambda: _plan(config, request.names, dataset, ranks.device, request.reporter,
-                                         request.convert))
+                                         request.convert, ranks.world_size))
     machine_load = MachineLoad().start() if ranks.lead else None  # results.json `machine.load`: a busy machine?
     progress = _Progress(request, folder, plan, dataset, workload, ranks.device) if ranks.lead else None
     done = _run_plan(request, ranks, plan, dataset, workload, progress)
@@ -367,6 +369,7 @@ def setting_loader(config: Config, setting: Setting, dataset, device, rank: int 
                                world_size=world_size)
     try:
         loader.prepare(convert_missing=False)
+        screen_where_kept_here(loader, device, world_size)
     except BaseException:
         loader.close()
         raise
@@ -449,12 +452,26 @@ class _Measured:
 
 def _runs_apart(setting: Setting, ranks: distributed.Ranks) -> bool:
     """Whether this setting's run goes into a child process: its backend says its native code can crash on
-    bad bytes, and a fork can carry the run (one rank, on the CPU: CUDA does not survive a fork)."""
+    bad bytes (`runs_apart`), and a fork can carry the run here."""
+    return bool(getattr(backend_class(setting.backend), "runs_apart", False)) and \
+        can_run_apart(ranks.device, ranks.world_size)
+
+
+def can_run_apart(device, world_size: int) -> bool:
+    """Whether a run can go into a forked child: one rank (a child cannot join the ranks' collective), on the CPU
+    (CUDA does not survive a fork)."""
     import multiprocessing
 
-    cls = backend_class(setting.backend)
-    return (getattr(cls, "runs_apart", False) and ranks.world_size == 1 and ranks.device.type == "cpu"
-            and "fork" in multiprocessing.get_all_start_methods())
+    return world_size == 1 and device.type == "cpu" and "fork" in multiprocessing.get_all_start_methods()
+
+
+def screen_where_kept_here(loader, device, world_size: int, progress=None) -> None:
+    """A backend that would run apart but cannot here (CUDA, torchrun) sees only the samples it screened first
+    (`screen_samples`: DALI's, every sample decoded once by PIL, cached), so that bad bytes are a named failure
+    and not a crash of the bench."""
+    screen = getattr(loader, "screen_samples", None)
+    if screen is not None and getattr(loader, "runs_apart", False) and not can_run_apart(device, world_size):
+        screen(progress)
 
 
 def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks, accelerator,

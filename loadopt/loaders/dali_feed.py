@@ -70,13 +70,33 @@ class Prepared:
         return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep]
 
 
+def pil_refusal(data) -> str | None:
+    """Why PIL (libjpeg-turbo for JPEGs) cannot decode these bytes whole, or None when it can."""
+    from PIL import Image
+
+    if len(data) == 0:
+        return "empty file (0 bytes)"
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as image:
+            image.load()
+    except Image.UnidentifiedImageError:  # its message names a BytesIO's address, not the file
+        return f"not an image PIL can identify ({len(data):,} bytes, starting {bytes(data[:4])!r})"
+    except Exception as exc:  # noqa: BLE001 - whatever PIL raises is the sample's refusal
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
 def plan_batch(indices: np.ndarray, epoch: int, encoded: Callable[[int], np.ndarray], pipeline: PipelineConfig,
-               seed: int, roi_decode: bool) -> Prepared:
+               seed: int, roi_decode: bool, refused: dict[int, str] | None = None) -> Prepared:
     """Read a batch (`encoded(index)`: a sample's stored bytes) and plan each sample's crop with the shared
-    crop plan (in a reader thread). A sample that cannot be read or whose header cannot be parsed is a failure."""
+    crop plan (in a reader thread). A sample that cannot be read or whose header cannot be parsed is a failure,
+    and so is one in `refused` (index -> why: screened before DALI may see it)."""
     size = pipeline.image_size
     kept, data, rows, failures, nbytes = [], [], [], [], 0
     for index in indices.tolist():
+        if refused and index in refused:  # never handed to DALI
+            failures.append((index, refused[index]))
+            continue
         try:
             blob = encoded(index)
             nbytes += len(blob)

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
+from loadopt.errors import BackendUnavailable, ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import HostBatch, Loader, LoaderState, WorkKind
-from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, plan_batch
+from loadopt.loaders.dali_feed import Columns, Feed, Prepared, SampleFeed, dali_error, pil_refusal, plan_batch
 from loadopt.loaders.dali_pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.loaders.serving import RequestPath
@@ -104,6 +104,7 @@ class DaliLoader(Loader[DaliSettings]):
         self._first_rows = np.zeros(0, np.int64)  # Arrow: each record batch's first sample
         self._tier_ranges: _TierRanges | None = None  # Arrow on a tier
         self._pipe: Any = None
+        self._refused: dict[int, str] | None = None  # screen_samples: the samples PIL refused, index -> why
         self._native_done = 0  # native: batches DALI has delivered in its current epoch
 
     # -- the registry's questions ----------------------------------------------------------------
@@ -235,7 +236,55 @@ class DaliLoader(Loader[DaliSettings]):
 
     def _prepare_batch(self, indices: np.ndarray, epoch: int) -> Prepared:
         """Read a batch and plan each sample's crop (in a reader thread)."""
-        return plan_batch(indices, epoch, self._encoded, self.pipeline, self.seed, self.settings.roi_decode)
+        return plan_batch(indices, epoch, self._encoded, self.pipeline, self.seed, self.settings.roi_decode,
+                          self._refused)
+
+    def screen_samples(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Decode every sample once with PIL (libjpeg-turbo for JPEGs) so that DALI never sees one PIL refuses: each
+        is then a failure under the on_error policy, named. For a bench run that cannot go into a child process (a
+        CUDA device, torchrun), where a crash of DALI's decoder on bad bytes would end the whole bench. The list is
+        cached per dataset fingerprint (the bench's later runs and the other ranks read it). Reader `external`
+        only: DALI's native reader opens the files itself."""
+        import json
+
+        from loadopt.files import atomic_write_text, cache_dir
+
+        if self._refused is not None or self.settings.reader != "external":
+            return
+        path = cache_dir() / "screened" / f"{self.dataset.fingerprint}.json"
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("samples") == len(self.dataset):
+                self._refused = {int(k): str(v) for k, v in saved["refused"].items()}
+                return
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            pass  # none yet, or unreadable: screened again
+        refused: dict[int, str] = {}
+        total = len(self.dataset)
+        with ThreadPoolExecutor(max(1, self.settings.num_threads), thread_name_prefix="loadopt-dali-screen") as pool:
+            # PIL decodes with the GIL released: the threads decode side by side
+            for start in range(0, total, 256):
+                chunk = range(start, min(total, start + 256))
+                for index, why in zip(chunk, pool.map(self._refusal, chunk), strict=True):
+                    if why is not None:
+                        refused[index] = f"refused before DALI saw it: PIL cannot decode it ({why})"
+                if progress is not None:
+                    progress(chunk.stop, total)
+        self._refused = refused
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({"samples": total, "refused": {str(k): v for k, v in refused.items()}}))
+        except (OSError, LoadoptError):  # screened again next time: slower, never wrong
+            pass
+
+    def _refusal(self, index: int) -> str | None:
+        try:
+            data = self._encoded(index)
+        except LoadoptError:
+            raise
+        except Exception:  # noqa: BLE001 - a read that fails (maybe for a while) is met again in the run, not cached
+            return None
+        return pil_refusal(data)
 
     def _new_pipeline(self, source: Callable[[], Columns] | None, depth: int | None = None) -> Any:
         native = None
