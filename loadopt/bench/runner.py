@@ -316,7 +316,7 @@ def _discard_stale(folder: Path) -> None:
         log.warning("could not remove the earlier bench's %s in %s", ", ".join(left), folder)
 
 
-IN_PROGRESS_NOT_RUN = "not run yet: the bench was still running when this file was written"
+IN_PROGRESS_NOT_RUN = "the bench was still running when this file was written"
 
 
 def _write(request: BenchRequest, ranks: distributed.Ranks, folder: Path, plan: list[Setting], dataset: Dataset,
