@@ -693,22 +693,26 @@ def test_no_space_for_the_report_leaves_no_stale_report_and_fails(tmp_path, own_
     assert results["runs"][0]["status"] == "ok" and "in_progress" not in results
 
 
-def test_a_decode_pool_stopped_as_soon_as_it_started_stops_its_workers(caplog):
+def test_a_decode_pool_stopped_as_soon_as_it_started_stops_its_workers():
     """A worker not yet scheduled when the pool is terminated (a short conversion on a busy machine) took its
     SIGTERM into the CLI's inherited handler before Python's after-fork step, which dropped it: the worker then
-    waited for good and `stop` for its whole timeout, saying so. SIGTERM is blocked while forking now."""
-    import logging
-
-    from loadopt.cli.process import terminate_as_interrupt
-    from loadopt.storage import decode_pool
-
-    caplog.set_level(logging.WARNING, logger=decode_pool.__name__)
-    with terminate_as_interrupt():  # the handler every forked worker of the CLI inherits
-        for _ in range(20):
-            pool = decode_pool.start(2)
-            assert pool is not None
-            decode_pool.stop(pool)
-    assert "did not stop" not in caplog.text
+    waited for good and `stop` for its whole timeout, saying so. SIGTERM is blocked while forking now. In a
+    fresh process: one that used Ray (an earlier test here) forks no pool at all."""
+    code = """
+import logging, sys
+from loadopt.cli.process import terminate_as_interrupt
+from loadopt.storage import decode_pool
+logging.basicConfig(level=logging.WARNING)
+with terminate_as_interrupt():  # the handler every forked worker of the CLI inherits
+    for _ in range(20):
+        pool = decode_pool.start(2)
+        assert pool is not None, "no pool forked"
+        decode_pool.stop(pool, timeout_s=10)
+print("stopped 20 pools")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "stopped 20 pools" in done.stdout, done.stderr
+    assert "did not stop" not in done.stderr, done.stderr
 
 
 def test_a_raw_decoded_conversion_after_an_arrow_one_stops_its_decode_workers(tmp_path, own_cache):

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from loadopt.bench.accelerator import AHEAD, Accelerator, EmulatedAccelerator
 from loadopt.bench.metrics import BatchProbe, window_metrics
@@ -138,13 +139,20 @@ def _play(loader: Loader, accelerator: Accelerator, transfer: DeviceTransfer, wa
     return window
 
 
+class NothingDelivered(Exception):
+    """A run that delivered no sample (every one skipped under `dataset.on_error: skip`): an error, never a
+    measured setting."""
+
+
 class _Batches:
-    """The loader's host batches, epoch after epoch: `take()` is the next one and when it was asked for."""
+    """The loader's host batches, epoch after epoch: `take()` is the next one and when it was asked for. A batch
+    whose every sample was skipped is passed over (its failures are counted): there is nothing to step on."""
 
     def __init__(self, loader: Loader) -> None:
         self._loader = loader
         self._iterator: Iterator[HostBatch] = loader.host_batches()
         self._empty_epochs = 0
+        self._delivered = False  # whether this epoch gave a sample yet
 
     def take(self) -> tuple[HostBatch, float, float]:
         """The next batch, with the host clock when it was asked for (after any epoch's end) and held."""
@@ -153,12 +161,23 @@ class _Batches:
             try:
                 batch = next(self._iterator)
             except StopIteration:  # end of the epoch: the loader has moved to the next one
-                self._empty_epochs = self._empty_epochs + 1 if self._loader.counters.batches == 0 else 0
+                self._empty_epochs = 0 if self._delivered else self._empty_epochs + 1
+                self._delivered = False
                 if self._empty_epochs > 1:
-                    raise RuntimeError(f"loader {self._loader.name} produced no batches") from None
+                    self._nothing_delivered()
                 self._iterator = self._loader.host_batches()
                 continue
+            if len(batch.indices) == 0:
+                continue
+            self._delivered = True
             return batch, asked, time.perf_counter()
+
+    def _nothing_delivered(self) -> NoReturn:
+        unreadable = len({path for path, _ in self._loader.counters.skipped})
+        if unreadable:
+            raise NothingDelivered(f"delivered no samples ({unreadable} unreadable file(s) skipped under "
+                                   "dataset.on_error: skip)")
+        raise RuntimeError(f"loader {self._loader.name} produced no batches")
 
     def close(self) -> None:
         close = getattr(self._iterator, "close", None)

@@ -23,7 +23,7 @@ from loadopt.bench import attribution, decision, distributed, stages, tuner
 from loadopt.bench import ceilings as ceiling_measures
 from loadopt.bench.accelerator import make_accelerator
 from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
-from loadopt.bench.harness import RepeatResult, run_repeat
+from loadopt.bench.harness import NothingDelivered, RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
 from loadopt.bench.rank_report import RankReport
@@ -437,10 +437,6 @@ class RunCrashed(Exception):
     """The child process a setting ran in died (a native library's crash, a signal): that setting's error."""
 
 
-class NothingDelivered(Exception):
-    """A run that delivered no sample (all skipped): an error, never a measured setting."""
-
-
 @dataclass
 class _Measured:
     """What one repeat of one setting gave: its figures, or the exception that stopped it."""
@@ -497,7 +493,8 @@ def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: di
         log.debug("run %s failed", setting.label, exc_info=True)
         measured.error = exc
         skipped = len({path for path, _ in loader.counters.skipped}) if loader is not None else 0
-        if loader is not None and skipped and not loader.counters.samples:  # a loader left with nothing: why first
+        if loader is not None and skipped and not loader.counters.samples and not isinstance(exc, NothingDelivered):
+            # a loader left with nothing, that failed over it: why first
             measured.error = NothingDelivered(f"delivered no samples ({skipped} unreadable file(s) skipped under "
                                               f"dataset.on_error: skip; then {type(exc).__name__}: {exc})")
     finally:

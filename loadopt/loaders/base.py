@@ -373,6 +373,8 @@ class Loader(ABC, Generic[SettingsT]):
 
     def _finished_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in self.host_batches():
+            if len(batch.indices) == 0:  # every sample skipped (on_error: skip, counted): no batch to hand on
+                continue
             inputs, labels = self.finish(batch)
             if self.batch_transform is not None:
                 inputs, labels = self.batch_transform(inputs, labels)

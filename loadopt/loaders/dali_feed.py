@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loadopt.config_models import PipelineConfig
+from loadopt.errors import describe_sample_error
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 
@@ -104,8 +105,8 @@ def plan_batch(indices: np.ndarray, epoch: int, encoded: Callable[[int], np.ndar
                 failures.append((index, "empty file (0 bytes)"))
                 continue
             width, height = image_size(blob)
-        except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
-            failures.append((index, f"cannot read or decode ({type(exc).__name__}: {exc})"))
+        except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer (a storage failure is raised)
+            failures.append((index, describe_sample_error(exc)))
             continue
         (left, top, right, bottom), flip = transforms.plan(width, height, pipeline.augment, seed, epoch, index)
         y0 = x0 = 0
