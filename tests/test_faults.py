@@ -936,3 +936,33 @@ def test_dali_where_it_cannot_run_apart_sees_only_screened_samples(tmp_path, own
         f"error: {tmp_path / 'raise' / 'photos' / 'train' / 'c0' / 'zeroed.jpg'}: refused before DALI saw it: PIL "
         f"cannot decode it ({skipped['reason'].split('PIL cannot decode it (', 1)[1]} (set dataset.on_error: skip "
         "to skip it)"]
+
+
+def test_dali_tuning_trials_see_only_screened_samples(tmp_path, own_cache, monkeypatch):
+    """`--tune` runs its trials in the bench's process (no child): DALI's trials get the samples PIL checked first,
+    so a JPEG that could crash its decoder is a named failure there too, never a crash of the tuning."""
+    from loadopt.loaders.dali_loader import DaliLoader
+
+    if not DaliLoader.available()[0]:
+        pytest.skip(DaliLoader.available()[1])
+    config = _bench_folder_with_the_zeroed_jpeg(tmp_path, "skip")
+    events: list[str] = []
+    real_screen, real_pipeline = DaliLoader.screen_samples, DaliLoader._new_pipeline
+
+    def noting(self, progress=None):
+        events.append("screened")
+        return real_screen(self, progress)
+
+    def building(self, source, depth=None):  # a pipeline: DALI is about to be handed samples
+        events.append("pipeline")
+        return real_pipeline(self, source, depth)
+
+    monkeypatch.setattr(DaliLoader, "screen_samples", noting)
+    monkeypatch.setattr(DaliLoader, "_new_pipeline", building)
+    result = CliRunner().invoke(app, ["bench", str(config), "--quick", "--loaders", "dali", "--tune", "--budget",
+                                      "8s"])
+    assert result.exit_code == 0, result.output
+    assert events and events[0] == "screened", events  # the first trial's pipeline came after the screening
+    (saved,) = (own_cache / "screened").glob("*.json")
+    refused = json.loads(saved.read_text())["refused"]
+    assert len(refused) == 1 and "PIL cannot decode it" in next(iter(refused.values())), refused

@@ -449,7 +449,7 @@ class _Measured:
 def _runs_apart(setting: Setting, ranks: distributed.Ranks) -> bool:
     """Whether this setting's run goes into a child process: its backend says its native code can crash on
     bad bytes (`runs_apart`), and a fork can carry the run here."""
-    return bool(getattr(backend_class(setting.backend), "runs_apart", False)) and \
+    return backend_class(setting.backend).runs_apart and \
         can_run_apart(ranks.device, ranks.world_size)
 
 
@@ -465,9 +465,8 @@ def screen_where_kept_here(loader, device, world_size: int, progress=None) -> No
     """A backend that would run apart but cannot here (CUDA, torchrun) sees only the samples it screened first
     (`screen_samples`: DALI's, every sample decoded once by PIL, cached), so that bad bytes are a named failure
     and not a crash of the bench."""
-    screen = getattr(loader, "screen_samples", None)
-    if screen is not None and getattr(loader, "runs_apart", False) and not can_run_apart(device, world_size):
-        screen(progress)
+    if loader.runs_apart and not can_run_apart(device, world_size):
+        loader.screen_samples(progress)
 
 
 def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks, accelerator,

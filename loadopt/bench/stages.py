@@ -94,6 +94,8 @@ def _loader_run(config: Config, dataset: Dataset, device: torch.device, backend:
     loader = configured_loader(backend, config, dataset, backend_class(backend).Settings(**settings), device=device)
     try:
         loader.prepare(convert_missing=False)
+        if loader.runs_apart:  # run in this process: a crash on bad bytes would end the bench
+            loader.screen_samples()
         files = loader.storage_files()
         if cold:
             evicted, left = evict_for_cold(files)

@@ -312,6 +312,8 @@ class Tuner:
         loader = configured_loader(cls.name, self.config, self.dataset, settings, device=self.device)
         try:
             loader.prepare(convert_missing=self.convert if prepare else False)
+            if loader.runs_apart:  # a trial runs in this process: a crash on bad bytes would end the whole tuning
+                loader.screen_samples()
         except BaseException:
             loader.close()
             raise

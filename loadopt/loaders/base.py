@@ -146,6 +146,9 @@ class Loader(ABC, Generic[SettingsT]):
     settings: SettingsT
     # False: another library orders the samples (the peer backends; their labels say `order=<library>`)
     shared_order: ClassVar[bool] = True
+    # True: the backend's native code can crash the process on bad bytes (DALI's decoder): `loadopt bench` runs it
+    # in a child process where it can, and elsewhere lets it see only samples `screen_samples` checked first.
+    runs_apart: ClassVar[bool] = False
 
     def __init__(self, dataset: Dataset, pipeline: PipelineConfig,
                  settings: SettingsT | None = None, *,
@@ -220,6 +223,10 @@ class Loader(ABC, Generic[SettingsT]):
 
         `batches` are the shared order's batches of dataset indices (samples known to be unreadable already
         dropped); the base class counts, resumes and finishes what is yielded (docs/plugins.md)."""
+
+    def screen_samples(self, progress: Callable[[int, int], None] | None = None) -> None:  # noqa: B027
+        """Check every sample before the backend may see it, where `runs_apart` says bad bytes can crash its native
+        code; a sample refused is then a failure under `on_error`. Nothing to do for the others."""
 
     def prepare(self, progress: Callable[[int, int], None] | None = None,  # noqa: B027 - optional hook
                 convert_missing: bool = True) -> None:
