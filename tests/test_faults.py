@@ -966,3 +966,29 @@ def test_dali_tuning_trials_see_only_screened_samples(tmp_path, own_cache, monke
     (saved,) = (own_cache / "screened").glob("*.json")
     refused = json.loads(saved.read_text())["refused"]
     assert len(refused) == 1 and "PIL cannot decode it" in next(iter(refused.values())), refused
+
+
+def test_ceilings_stop_at_the_first_storage_failure(tmp_path):
+    """The decode and crop ceilings read up to 300 samples: with the server down each read waited out its
+    retries (4 of a bench's 5 minutes); a StorageError is the storage's, so the first one ends the ceiling."""
+    from loadopt.bench import ceilings
+    from loadopt.config import config_from_dict
+    from loadopt.errors import StorageError
+    from loadopt.storage.imagefolder import open_dataset
+
+    from .conftest import tiny_config_dict
+
+    config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
+    dataset = open_dataset(config)
+    reads: list[int] = []
+
+    def down(index: int) -> bytes:
+        reads.append(index)
+        raise StorageError("http://127.0.0.1:1/x.tar: the host 127.0.0.1:1 refused the connection 5 times")
+
+    dataset.read = down  # type: ignore[method-assign]
+    for measure in (ceilings.decode_rates, ceilings.crop_resize_rate):
+        reads.clear()
+        with pytest.raises(StorageError):  # the bench's guard records it as the ceiling's reason
+            measure(config, dataset)
+        assert reads == [0], reads

@@ -22,7 +22,7 @@ import torch
 
 from loadopt.bench.parallel import in_process_rate, rate_in_workers
 from loadopt.config_models import Config
-from loadopt.errors import ConfigError
+from loadopt.errors import ConfigError, StorageError
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
 from loadopt.machine import usable_cores
@@ -188,6 +188,8 @@ def _decodable_samples(dataset: Dataset, count: int, slot: torch.Tensor, augment
         try:
             blob = dataset.read(i)
             transforms.write_sample(blob, slot, "pil", "pil", augment, seed, 0, i)
+        except StorageError:  # the storage failed, not this sample: the next reads would wait their retries too
+            raise
         except Exception:  # noqa: BLE001 - any failure to read or decode leaves the sample out of the ceiling
             continue
         blobs.append(blob)
@@ -216,6 +218,8 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
     for i in range(min(_CROP_FRAMES, len(dataset))):
         try:
             blob, dim = stored_frame(dataset.read(i), p.max_side)
+        except StorageError:  # the storage failed, not this sample: the next reads would wait their retries too
+            raise
         except Exception:  # noqa: BLE001 - a sample that cannot be read or decoded is the loaders' to report
             continue
         frames.append(np.frombuffer(blob, np.uint8))
