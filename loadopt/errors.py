@@ -80,13 +80,14 @@ def shown_name(name: str) -> str:
 def describe_sample_error(exc: BaseException) -> str:
     """What was wrong with a sample, in words: PIL's "cannot identify image file <_io.BytesIO object at
     0x...>" says which in-memory buffer, not what is wrong; the file is named by the caller. A `StorageError`
-    is no sample's fault and is raised again, to end the read whatever `dataset.on_error` says."""
+    is no sample's fault and is raised again, to end the read whatever `dataset.on_error` says; so is a
+    `DatasetChanged` (the file changed since its listing: `--relist`, not a skip, is the fix)."""
     import re
 
     if isinstance(exc, StorageError):  # the storage failed, not the sample: no on_error skips it
         raise exc
-    if isinstance(exc, DatasetChanged):  # the file is named by the caller
-        return exc.reason
+    if isinstance(exc, DatasetChanged):  # a stale listing, not a damaged sample: --relist is the fix, not a skip
+        raise exc
     text = str(exc).splitlines()[0] if str(exc) else ""
     name = type(exc).__name__
     if name == "UnidentifiedImageError" or text.startswith("cannot identify image file"):

@@ -56,7 +56,22 @@ def busy_server_during_convert(tmp_path, cache):
                  must_not_contain=["MaybeEncodingError", "Traceback", "pickle"], close=server.die)
 
 
+def busy_server_while_listing(tmp_path, cache):
+    """The server answering 503 Service Unavailable to every request of the first listing: waited for as reads
+    are, then one line saying what the server did (fsspec's HTTP driver made it "shards not found")."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
+    root, _ = images(tmp_path, corrupt=0)
+    write_shards(tmp_path / "site" / "shards", folder_samples(root), per_shard=5)
+    server = shaped_server(tmp_path / "site")
+    config = write_config(tmp_path, dataset={"path": f"{server.url}/shards", "format": "webdataset"})
+    server.busy(10**9, retry_after=0)
+    return Setup(["make-dataset", str(config)], f"{server.url}/shards: the server answered 503 Service Unavailable 5 "
+                 "times over ", config=config, backend="torch", must_not_contain=["not found", "Traceback"],
+                 close=server.die)
+
+
 REMOTE_CASES = {  # name: (setup, exit code)
+    "remote server busy (503) while listing, make-dataset": (busy_server_while_listing, 1),
     "remote server down during bench under on_error: skip": (server_down_during_bench, 1),
     "remote server busy (503) during convert": (busy_server_during_convert, 1),
 }

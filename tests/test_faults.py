@@ -992,3 +992,66 @@ def test_ceilings_stop_at_the_first_storage_failure(tmp_path):
         with pytest.raises(StorageError):  # the bench's guard records it as the ceiling's reason
             measure(config, dataset)
         assert reads == [0], reads
+
+
+def test_a_shard_rewritten_with_its_members_moved_is_a_changed_dataset_not_skipped_samples(tmp_path, own_cache):
+    """A shard rewritten on the server with its members at other offsets (a member added in front), read under
+    the saved listing: each read brings the member's tar header along, which no longer matches, so the run
+    stops on one line saying the dataset changed and to relist, even under on_error: skip (the images were
+    handed on as damaged before, every one of that shard skipped); `relist` reads it right."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
+    import io
+    import tarfile
+
+    from loadopt.errors import DatasetChanged
+
+    server, config, samples = _served_shards(tmp_path)
+    import yaml
+
+    document = yaml.safe_load(config.read_text())
+    document["dataset"]["on_error"] = "skip"
+    config.write_text(yaml.safe_dump(document))
+    try:
+        def labels(relist: bool) -> list[int]:
+            loader = make_loader(config, backend="torch", num_workers=0, relist=relist, shuffle="none",
+                                 drop_last=False, augment="eval")
+            try:
+                return [int(v) for _, batch in loader for v in batch.tolist()]
+            finally:
+                loader.close()
+
+        before = labels(relist=False)
+        shard = sorted((tmp_path / "site" / "shards").glob("*.tar"))[0]
+        with tarfile.open(shard) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+        rewritten = io.BytesIO()
+        with tarfile.open(fileobj=rewritten, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            note = tarfile.TarInfo("a-readme.txt")
+            note.size = 3000
+            tar.addfile(note, io.BytesIO(b"x" * 3000))
+            for member, data in members:
+                tar.addfile(member, io.BytesIO(data))
+        shard.write_bytes(rewritten.getvalue())
+        os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 120))
+        with pytest.raises(DatasetChanged) as caught:
+            labels(relist=False)
+        message = str(caught.value)
+        assert "the dataset changed since it was listed" in message and "--relist" in message, message
+        assert shard.name in message and "\n" not in message, message
+        assert sorted(labels(relist=True)) == sorted(before)
+    finally:
+        server.die()
+
+
+def test_a_listing_waits_for_a_busy_server(tmp_path, own_cache):
+    """Two 503s (Retry-After: 1) when the dataset is first listed: waited for, then listed whole (it was "shards
+    not found" at once)."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
+    server, config, samples = _served_shards(tmp_path)
+    try:
+        server.busy(2, retry_after=1)
+        listed = CliRunner().invoke(app, ["make-dataset", str(config)])
+        assert listed.exit_code == 0, listed.output
+        assert server.shape.busy_left == 0 and f"{len(samples)} images" in said(listed), listed.output
+    finally:
+        server.die()

@@ -48,7 +48,17 @@ import numpy as np
 from loadopt.errors import DatasetChanged
 from loadopt.files import cache_dir
 from loadopt.storage import manifest
-from loadopt.storage.remote import is_local_fs, redact
+from loadopt.storage.remote import (
+    TRANSIENT_STATUSES,
+    RetryPolicy,
+    display_name,
+    http_status,
+    is_local_fs,
+    is_transient,
+    read_with_retries,
+    redact,
+    why_unreachable,
+)
 
 LISTING_VERSION = 2  # 2: ETags in the fingerprint, an HTTP HEAD's Last-Modified as the modification time
 FOLDER = "listings"
@@ -207,8 +217,10 @@ def saves_listing(fs: fsspec.AbstractFileSystem, path: str) -> bool:
 def remembered(fs: fsspec.AbstractFileSystem, path: str, key: ListingKey, relist: bool,
                list_now: Callable[[], SavedListing]) -> SavedListing:
     """The listing of the dataset at `path`: the saved one (unless `relist`), else `list_now()`'s, saved.
-    Where listings are not kept (`saves_listing`), `list_now()`'s at every open."""
+    Where listings are not kept (`saves_listing`), `list_now()`'s at every open. Before a remote store is
+    listed, it is asked once whether it answers (`answering`)."""
     if not saves_listing(fs, path):
+        answering(fs, path, key)
         listing = list_now()
         listing.listed_at = None
         return listing
@@ -217,9 +229,40 @@ def remembered(fs: fsspec.AbstractFileSystem, path: str, key: ListingKey, relist
         found = load(where, key)
         if found is not None:
             return found
+    answering(fs, path, key)
     listing = list_now()
     save(where, listing, key)
     return listing
+
+
+def answering(fs: fsspec.AbstractFileSystem, path: str, key: ListingKey,
+              policy: RetryPolicy | None = None) -> None:
+    """Wait, as reads are retried (`policy`, default `RetryPolicy()`), for a remote store that does not answer yet
+    (a 503 with its Retry-After, a refused or dropped connection, a timeout): a listing taken then reads a busy
+    server as an empty or missing dataset ("not found" is what fsspec's HTTP driver makes of a 503). A store
+    that keeps not answering is a `StorageError` naming what it did; any other answer (not found, no
+    credentials) is left for the listing to say in its own words. Nothing is asked of a local folder."""
+    if is_local_fs(fs):
+        return
+    head = path
+    for mark in ("{", "*", "?", "["):  # a brace or glob pattern: its folder is what answers
+        if mark in head:
+            head = head.split(mark, 1)[0].rpartition("/")[0]
+
+    shown = key.location if not key.location.startswith("[") else display_name(fs, head)
+
+    def ask() -> None:
+        try:
+            fs.info(head)
+        except Exception as exc:  # noqa: BLE001 - only a busy or unreachable store is waited for
+            status = http_status(exc)
+            if status is not None and (status[0] >= 500 or status[0] in TRANSIENT_STATUSES):
+                # fsspec's HTTP driver says a 503 as FileNotFoundError: the answer behind it is what counts
+                raise ConnectionError(f"the server answered {status[0]}") from exc
+            if status is None and (is_transient(exc) or why_unreachable(shown, exc) is not None):
+                # a refused or dropped connection, a timeout (fsspec's HTTP driver says these as not found too)
+                raise ConnectionError("the store did not answer") from exc
+    read_with_retries(ask, policy or RetryPolicy(), shown)
 
 
 def save(where: Path, listing: SavedListing, key: ListingKey) -> bool:

@@ -98,8 +98,19 @@ class WebDataset:
             finally:
                 os.close(fd)
         else:
-            data = remote_listing.read_listed(self.fs, shard, display_name(self.fs, shard), self.listed_at, length,
-                                              start, start + length)
+            # The member's tar header comes along (512 bytes more in the same request): a shard rewritten on the
+            # server since it was listed moves its members, and the header then says so instead of the bytes
+            # being handed on as a damaged image.
+            shown = display_name(self.fs, shard)
+            data = remote_listing.read_listed(self.fs, shard, shown, self.listed_at, length + BLOCK, start - BLOCK,
+                                              start + length)
+            header, data = data[:BLOCK], data[BLOCK:]
+            if not _is_member_header(header, length):
+                key = self.keys[index].decode()
+                what = f"no tar header of a {length:,}-byte member at byte {start - BLOCK:,} (sample {key})"
+                if self.listed_at is not None:
+                    raise remote_listing.changed(shown, what, self.listed_at)
+                raise DatasetError(f"{shown}: {what}")
         if len(data) != length:
             raise DatasetError(f"{redact(self.path(index))}: cut short ({len(data)} of {length} bytes)")
         return jxl.decodable(data)
@@ -111,6 +122,17 @@ def _number(field_bytes: bytes) -> int:
         return int.from_bytes(field_bytes[1:], "big")
     text = field_bytes.split(b"\0", 1)[0].strip()
     return int(text, 8) if text else 0
+
+
+def _is_member_header(header: bytes, size: int) -> bool:
+    """Whether `header` is a valid tar header (its checksum) of a regular member of `size` bytes."""
+    if len(header) != BLOCK or header.count(0) == BLOCK:
+        return False
+    try:
+        checksum, stored = sum(header[:148]) + 8 * 32 + sum(header[156:]), _number(header[148:156])
+        return stored == checksum and _number(header[124:136]) == size and header[156:157] in REGULAR_FILES
+    except ValueError:  # not octal: not a header
+        return False
 
 
 def _pax_path(data: bytes) -> str | None:
