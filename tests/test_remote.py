@@ -12,7 +12,6 @@ import torch
 
 from loadopt.bench.runner import run_bench
 from loadopt.config import PipelineConfig, config_from_dict
-from loadopt.errors import DatasetError
 from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
 from loadopt.storage.imagefolder import open_dataset, scan_image_folder
 from loadopt.storage.remote import redact
@@ -152,10 +151,12 @@ def test_credentials_in_an_s3_url_become_options_not_a_bucket_name():
 
 
 def test_unreachable_url_is_one_line_without_credentials(image_root):
+    from loadopt.errors import StorageError
+
     from .servers import free_port
 
     url = f"http://user:hunter2@127.0.0.1:{free_port()}/images"  # nothing listens there
-    with pytest.raises(DatasetError) as caught:
+    with pytest.raises(StorageError) as caught:  # waited for as a read is, then the storage's failure
         scan_image_folder(url)
     message = str(caught.value)
     assert "hunter2" not in message and "\n" not in message and "127.0.0.1" in message
