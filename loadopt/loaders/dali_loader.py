@@ -242,9 +242,9 @@ class DaliLoader(Loader[DaliSettings]):
     def screen_samples(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Decode every sample once with PIL (libjpeg-turbo for JPEGs) so that DALI never sees one PIL refuses: each
         is then a failure under the on_error policy, named. For a run kept in the bench's process (a CUDA device,
-        torchrun, a tuning trial, a stage), where a crash of DALI's decoder on bad bytes would end the whole bench. The list is
-        cached per dataset fingerprint (the bench's later runs and the other ranks read it). Reader `external`
-        only: DALI's native reader opens the files itself."""
+        torchrun, a tuning trial, a stage), where a crash of DALI's decoder on bad bytes would end the whole bench.
+        The list is cached per dataset fingerprint (the bench's later runs and the other ranks read it). Reader
+        `external` only: DALI's native reader opens the files itself."""
         import json
 
         from loadopt.files import atomic_write_text, cache_dir
