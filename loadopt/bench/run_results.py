@@ -44,6 +44,8 @@ class Setting:
     reason: str = ""
     repeats: list[RepeatResult] = field(default_factory=list)
     tier_counters: list[dict[str, float]] = field(default_factory=list)  # per repeat: retries, faults, ...
+    # Its backend's run crashed on the dataset's bytes (`runs_apart`): its runs see only screened samples since
+    crashed: str | None = None
 
 
 def results_document(config: Config, plan: list[Setting], dataset: Dataset, device, workload: WorkloadConfig,

@@ -362,14 +362,18 @@ def _evict(files: list[str]) -> str:
             f"{stayed}")
 
 
-def setting_loader(config: Config, setting: Setting, dataset, device, rank: int = 0, world_size: int = 1):
+def setting_loader(config: Config, setting: Setting, dataset, device, rank: int = 0, world_size: int = 1,
+                   screen: bool = False):
     """The loader of one planned setting (for one rank under torchrun), opened: it was converted when
-    planned, and opening it is not timed."""
+    planned, and opening it is not timed. `screen`: it sees only the samples it checked first."""
     loader = configured_loader(setting.backend, config, dataset, setting.settings, device=device, rank=rank,
                                world_size=world_size)
     try:
         loader.prepare(convert_missing=False)
-        screen_where_kept_here(loader, device, world_size)
+        if screen:
+            loader.screen_samples()
+        else:
+            screen_where_kept_here(loader, device, world_size)
     except BaseException:
         loader.close()
         raise
@@ -386,7 +390,16 @@ def _run_one(setting: Setting, repeat: int, config: Config, dataset: Dataset, ra
                          workload.warmup_batches + workload.measure_batches)
     counters = tier_counters(dataset.fs)
     if _runs_apart(setting, ranks):
-        measured = _measured_apart(setting, config, dataset, ranks, accelerator, workload, reporter)
+        measured = _measured_apart(setting, config, dataset, ranks, accelerator, workload, reporter,
+                                   screen=setting.crashed is not None)
+        if isinstance(measured.error, RunCrashed) and setting.crashed is None:
+            # Once more on the samples PIL decodes (checked once, cached): a sample its decoder cannot take is
+            # then a named failure under on_error, and the setting has its figures.
+            setting.crashed = str(measured.error)
+            log.warning("%s: %s; running it again on the samples checked first", setting.label, measured.error)
+            reporter.run_started(f"{setting.label} (repeat {repeat + 1}/{workload.repeats}, samples checked first)",
+                                 workload.warmup_batches + workload.measure_batches)
+            measured = _measured_apart(setting, config, dataset, ranks, accelerator, workload, reporter, screen=True)
     else:
         measured = _measured_here(setting, config, dataset, ranks, accelerator, workload, reporter.batch_done)
     result, note, error = measured.result, measured.note, measured.error
@@ -470,11 +483,12 @@ def screen_where_kept_here(loader, device, world_size: int, progress=None) -> No
 
 
 def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks, accelerator,
-                   workload: WorkloadConfig, on_batch) -> _Measured:
-    """Open the setting's loader, evict what it reads where the cache is cold, and measure one repeat."""
+                   workload: WorkloadConfig, on_batch, screen: bool = False) -> _Measured:
+    """Open the setting's loader (`screen`: on the samples it checked first), evict what it reads where the cache
+    is cold, and measure one repeat."""
     loader, measured = None, _Measured()
     try:
-        loader = setting_loader(config, setting, dataset, ranks.device, ranks.rank, ranks.world_size)
+        loader = setting_loader(config, setting, dataset, ranks.device, ranks.rank, ranks.world_size, screen)
         # Cold: evict what this loader reads (the JPEGs, or the Arrow file / raw shards it converted to).
         measured.note = _evict(loader.storage_files()) if config.storage.cache == "cold" else None
         ranks.start()
@@ -503,7 +517,7 @@ def _measured_here(setting: Setting, config: Config, dataset: Dataset, ranks: di
 
 
 def _measured_apart(setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks, accelerator,
-                    workload: WorkloadConfig, reporter: Reporter) -> _Measured:
+                    workload: WorkloadConfig, reporter: Reporter, screen: bool = False) -> _Measured:
     """`_measured_here` in a forked child process: a crash there (DALI's decoder on a damaged JPEG, seen
     as a segfault) is this setting's error with its signal; a stop (Ctrl-C, SIGTERM) here ends the child."""
     import multiprocessing
@@ -512,7 +526,7 @@ def _measured_apart(setting: Setting, config: Config, dataset: Dataset, ranks: d
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child_measures, daemon=True, name=f"loadopt-run-{setting.backend}",
-                            args=(send, setting, config, dataset, ranks, accelerator, workload))
+                            args=(send, setting, config, dataset, ranks, accelerator, workload, screen))
     child.start()
     send.close()
     measured: _Measured | None = None
@@ -559,14 +573,23 @@ def _count_the_waiting_parent(result: RepeatResult) -> None:
 
 
 def _child_measures(send, setting: Setting, config: Config, dataset: Dataset, ranks: distributed.Ranks,
-                    accelerator, workload: WorkloadConfig) -> None:
+                    accelerator, workload: WorkloadConfig, screen: bool) -> None:
     """The forked child of `_measured_apart`: measure, send the batches done and then what was measured."""
     import pickle
     import signal
+    import threading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends this child
-    measured = _measured_here(setting, config, dataset, ranks, accelerator, workload,
-                              lambda done: send.send(("batch", done)))
+    # The run goes in a thread of its own: the fork copied the OpenMP team of the parent's main thread without
+    # its threads, and torch's first parallel op on this main thread (a batch's torch.cat) waited on them for
+    # good. A new thread makes its own team, with the intra-op threads an in-process run has.
+    done: list[_Measured] = []
+    runner = threading.Thread(target=lambda: done.append(_measured_here(
+        setting, config, dataset, ranks, accelerator, workload, lambda count: send.send(("batch", count)), screen)),
+        name="loadopt-run")
+    runner.start()
+    runner.join()
+    measured = done[0] if done else _Measured(error=RuntimeError("the run's thread ended without its result"))
     if measured.result is not None:  # the probes' durations as numbers (no device events cross the pipe)
         for probe in measured.result.probes:
             probe.h2d, probe.compute = Elapsed(probe.h2d.seconds()), Elapsed(probe.compute.seconds())
