@@ -391,7 +391,8 @@ def test_bad_input(case, tmp_path, own_cache, s3_env, monkeypatch, request):
         for secret in setup.must_not_contain:
             assert secret not in str(caught.value)
         assert setup.leftovers() == []
-    print(f"{case} | exit {result.exit_code} | {errors[0]}")  # one row a case: the table of user errors (-s)
+    command = "loadopt " + " ".join(setup.args)
+    print(f"{case} | {command} | exit {result.exit_code} | {errors[0]}")  # one row a case: the table of user errors
 
 
 # ---------------------------------------------------------------------------------------------
