@@ -1093,8 +1093,14 @@ def test_a_listing_waits_for_a_busy_server(tmp_path, own_cache):
 DALI_AFTER_OPENMP = """
 import sys
 import torch
+from loadopt.loaders.dali_loader import DaliLoader
 torch.set_num_threads(2)
-torch.ones(4_000_000).mul_(2)  # an OpenMP team on this main thread, as the torch rows before DALI's leave it
+torch.cat([torch.ones(2_000_000)] * 2)  # an OpenMP team on this main thread, as the torch rows before DALI's leave it
+real = DaliLoader.produce
+def produce(self, batches):  # a parallel torch op where DALI's loader makes them: isolating a damaged sample
+    torch.cat([torch.ones(2_000_000)] * 2)
+    yield from real(self, batches)
+DaliLoader.produce = produce
 from loadopt.cli import main
 sys.argv = ["loadopt", "bench", sys.argv[1], "--quick", "--loaders", "dali"]
 main()
@@ -1103,8 +1109,8 @@ main()
 
 def test_dali_in_its_child_after_openmp_work_in_the_parent_does_not_hang(tmp_path, own_cache):
     """The fork copies the parent main thread's OpenMP team without its threads: DALI's child, on its main thread,
-    waited on them for good at its first parallel torch op (isolating a damaged sample's batch). The run goes in
-    a thread of its own in the child."""
+    waited on them for good at its first parallel torch op (isolating a damaged sample's batch: a 300-photo bench
+    hung). The run goes in a thread of its own in the child."""
     from loadopt.loaders.dali_loader import DaliLoader
 
     if not DaliLoader.available()[0]:
