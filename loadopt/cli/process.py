@@ -59,13 +59,19 @@ def terminate_as_interrupt(interrupted: list[bool] | None = None) -> Iterator[li
             return
         previous_hook(info)
 
-    def interrupt(signum: int, frame: Any) -> None:  # Ctrl-C as always, remembered for `unraisable`
+    current_int = signal.getsignal(signal.SIGINT)
+
+    def interrupt(signum: int, frame: Any) -> None:  # Ctrl-C as it was handled, remembered for `unraisable`
         interrupted.append(True)
-        signal.default_int_handler(signum, frame)
+        if callable(current_int):
+            current_int(signum, frame)
+        else:
+            signal.default_int_handler(signum, frame)
 
     previous, previous_hook = signal.signal(signal.SIGTERM, stop), sys.unraisablehook
-    previous_int = signal.signal(signal.SIGINT, interrupt) if signal.getsignal(signal.SIGINT) is \
-        signal.default_int_handler else None
+    # Ctrl-C is remembered whoever handles it (Python's default, or a handler installed before: a caller's, or
+    # one a library left), so a stop whose exception a finaliser ate is honoured; an ignored SIGINT stays so.
+    previous_int = signal.signal(signal.SIGINT, interrupt) if callable(current_int) else None
     sys.unraisablehook = unraisable
     try:
         yield received
