@@ -633,34 +633,42 @@ def test_a_killed_bench_keeps_the_settings_it_finished(tmp_path, own_cache):
     assert not (out / "report.html").exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_ctrl_c_lost_in_a_loaders_close_stops_at_the_next_setting(tmp_path, own_cache, monkeypatch):
+STOPPED_IN_CLOSE = """
+import atexit, contextlib, os, signal, sys
+from loadopt.bench import runner
+real, opened = runner.setting_loader, []
+atexit.register(lambda: print(f"opened {len(opened)}"))
+
+def stopped_in_close(*args, **kwargs):
+    loader = real(*args, **kwargs)
+    opened.append(loader)
+    close = loader.close
+
+    def close_eating_the_stop():
+        close()
+        if len(opened) == 1:  # delivered here, in the main thread, and swallowed as in a __del__
+            with contextlib.suppress(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    loader.close = close_eating_the_stop
+    return loader
+
+runner.setting_loader = stopped_in_close
+from loadopt.cli import main
+sys.argv = ["loadopt", "bench", sys.argv[1], "--quick"]
+main()
+"""
+
+
+def test_ctrl_c_lost_in_a_loaders_close_stops_at_the_next_setting(tmp_path, own_cache):
     """SIGINT arriving as a setting finishes, its KeyboardInterrupt eaten where Python ignores it (here: the
-    loader's close, as a finaliser would): the next setting does not run, exit 130, `interrupted: true`."""
-    import contextlib
-
-    from loadopt.bench import runner
-
+    loader's close, as a finaliser would): the next setting does not run, exit 130, `interrupted: true`. In a
+    process of its own, as `loadopt bench` always is (in the full test run's process the stop was not seen)."""
     config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": [0, 1]}})
-    real, opened = runner.setting_loader, []
-
-    def stopped_in_close(*args, **kwargs):
-        loader = real(*args, **kwargs)
-        opened.append(loader)
-        close = loader.close
-
-        def close_eating_the_stop() -> None:
-            close()
-            if len(opened) == 1:  # delivered here, in the main thread, and swallowed as in a __del__
-                with contextlib.suppress(KeyboardInterrupt):
-                    os.kill(os.getpid(), signal.SIGINT)
-
-        loader.close = close_eating_the_stop
-        return loader
-
-    monkeypatch.setattr(runner, "setting_loader", stopped_in_close)
-    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
-    assert result.exit_code == 130, result.output
-    assert len(opened) == 1  # the second setting never opened its loader
+    done = subprocess.run([sys.executable, "-c", STOPPED_IN_CLOSE, str(config)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "LOADOPT_CACHE": str(own_cache), "COLUMNS": "200"})
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert "opened 1" in done.stdout  # the second setting never opened its loader
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert results["interrupted"] is True and results["interrupted_by"] == "SIGINT"
     assert [r["status"] for r in results["runs"]] == ["ok", "not run"]
@@ -901,34 +909,45 @@ def test_a_tar_member_that_is_no_image_is_skipped_and_counted_by_the_encoded_con
     assert "1 unreadable file(s) skipped" in said(result), result.output
 
 
-def test_ctrl_c_lost_in_a_finaliser_after_the_last_setting_is_still_a_stop(tmp_path, own_cache, monkeypatch):
+STOPPED_IN_A_FINALISER = """
+import os, signal, sys
+from loadopt.bench import runner
+real = runner.setting_loader
+
+class StoppedWhenCollected:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler's raise lands in this finaliser
+
+def stopped_in_a_finaliser(*args, **kwargs):
+    loader = real(*args, **kwargs)
+    close = loader.close
+
+    def close_then_collect():
+        close()
+        held = StoppedWhenCollected()
+        del held
+
+    loader.close = close_then_collect
+    return loader
+
+runner.setting_loader = stopped_in_a_finaliser
+from loadopt.cli import main
+sys.argv = ["loadopt", "bench", sys.argv[1], "--quick"]
+main()
+"""
+
+
+def test_ctrl_c_lost_in_a_finaliser_after_the_last_setting_is_still_a_stop(tmp_path, own_cache):
     """The KeyboardInterrupt raised inside a `__del__` run by the last setting's close (Python ignores it, through
-    sys.unraisablehook): the bench still ends as stopped, exit 130, `interrupted: true`, a partial decision only."""
-    from loadopt.bench import runner
-
+    sys.unraisablehook): the bench still ends as stopped, exit 130, `interrupted: true`, a partial decision only.
+    In a process of its own, as `loadopt bench` always is."""
     config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": 0}})
-    real = runner.setting_loader
-
-    class StoppedWhenCollected:
-        def __del__(self) -> None:
-            os.kill(os.getpid(), signal.SIGINT)  # the handler's raise lands in this finaliser
-
-    def stopped_in_a_finaliser(*args, **kwargs):
-        loader = real(*args, **kwargs)
-        close = loader.close
-
-        def close_then_collect() -> None:
-            close()
-            held = StoppedWhenCollected()
-            del held
-
-        loader.close = close_then_collect
-        return loader
-
-    monkeypatch.setattr(runner, "setting_loader", stopped_in_a_finaliser)
-    result = CliRunner().invoke(app, ["bench", str(config), "--quick"])
-    assert result.exit_code == 130, result.output
-    assert "Exception ignored" not in result.output and "Traceback" not in result.output
+    done = subprocess.run([sys.executable, "-c", STOPPED_IN_A_FINALISER, str(config)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "LOADOPT_CACHE": str(own_cache),
+                                                       "COLUMNS": "200"})
+    assert done.returncode == 130, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    assert "Exception ignored" not in output and "Traceback" not in output, output
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     assert results["interrupted"] is True and results["interrupted_by"] == "SIGINT"
     assert results["runs"][0]["status"] == "ok"

@@ -210,7 +210,9 @@ def test_ray_tasks_upload_their_shards_without_the_drivers_folder(own_cache, tmp
     _, _, reference = _local_reference(tmp_path, images, form_)
     config, dataset, folder = _remote(tmp_path, s3_images, "ray", form_)
     elsewhere = tmp_path / "workers-cache"  # the tasks' own disk: the driver's folder is not there
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"LOADOPT_CACHE": str(elsewhere)}})
+    # "local": a cluster of its own, not another test run's that ray.init() would join on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"LOADOPT_CACHE": str(elsewhere)}})
     try:
         done = conversions.convert(form_.to, dataset, _stored(config), SHARD_MIB, engine=ConvertEngine("ray"))
     finally:
