@@ -635,6 +635,8 @@ def test_a_killed_bench_keeps_the_settings_it_finished(tmp_path, own_cache):
 
 STOPPED_IN_CLOSE = """
 import atexit, contextlib, os, signal, sys
+# Ctrl-C live, as in a terminal: a test run started in the background (nohup, `&`) passes SIGINT on ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from loadopt.bench import runner
 real, opened = runner.setting_loader, []
 atexit.register(lambda: print(f"opened {len(opened)}"))
@@ -911,6 +913,8 @@ def test_a_tar_member_that_is_no_image_is_skipped_and_counted_by_the_encoded_con
 
 STOPPED_IN_A_FINALISER = """
 import os, signal, sys
+# Ctrl-C live, as in a terminal: a test run started in the background (nohup, `&`) passes SIGINT on ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from loadopt.bench import runner
 real = runner.setting_loader
 
