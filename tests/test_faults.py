@@ -447,10 +447,18 @@ def test_a_killed_bench_keeps_the_settings_it_finished(tmp_path, own_cache):
     assert not (out / "report.html").exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+def bench_after(patch: str, config, cache) -> subprocess.CompletedProcess:
+    """`loadopt bench CONFIG --quick` in a process of its own after the code `patch` (which patches the runner),
+    its output captured. Ctrl-C is made live there, as a terminal gives it: a test run started in the background
+    (nohup, `&`) passes SIGINT on ignored."""
+    code = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + patch +
+            "\nfrom loadopt.cli import main\nsys.argv = ['loadopt', 'bench', sys.argv[1], '--quick']\nmain()\n")
+    return subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "LOADOPT_CACHE": str(cache), "COLUMNS": "200"})
+
+
 STOPPED_IN_CLOSE = """
 import atexit, contextlib, os, signal, sys
-# Ctrl-C live, as in a terminal: a test run started in the background (nohup, `&`) passes SIGINT on ignored
-signal.signal(signal.SIGINT, signal.default_int_handler)
 from loadopt.bench import runner
 real, opened = runner.setting_loader, []
 atexit.register(lambda: print(f"opened {len(opened)}"))
@@ -470,9 +478,6 @@ def stopped_in_close(*args, **kwargs):
     return loader
 
 runner.setting_loader = stopped_in_close
-from loadopt.cli import main
-sys.argv = ["loadopt", "bench", sys.argv[1], "--quick"]
-main()
 """
 
 
@@ -481,8 +486,7 @@ def test_ctrl_c_lost_in_a_loaders_close_stops_at_the_next_setting(tmp_path, own_
     loader's close, as a finaliser would): the next setting does not run, exit 130, `interrupted: true`. In a
     process of its own, as `loadopt bench` always is (in the full test run's process the stop was not seen)."""
     config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": [0, 1]}})
-    done = subprocess.run([sys.executable, "-c", STOPPED_IN_CLOSE, str(config)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "LOADOPT_CACHE": str(own_cache), "COLUMNS": "200"})
+    done = bench_after(STOPPED_IN_CLOSE, config, own_cache)
     assert done.returncode == 130, done.stdout + done.stderr
     assert "opened 1" in done.stdout  # the second setting never opened its loader
     results = json.loads((tmp_path / "results" / "results.json").read_text())
@@ -727,8 +731,6 @@ def test_a_tar_member_that_is_no_image_is_skipped_and_counted_by_the_encoded_con
 
 STOPPED_IN_A_FINALISER = """
 import os, signal, sys
-# Ctrl-C live, as in a terminal: a test run started in the background (nohup, `&`) passes SIGINT on ignored
-signal.signal(signal.SIGINT, signal.default_int_handler)
 from loadopt.bench import runner
 real = runner.setting_loader
 
@@ -749,9 +751,6 @@ def stopped_in_a_finaliser(*args, **kwargs):
     return loader
 
 runner.setting_loader = stopped_in_a_finaliser
-from loadopt.cli import main
-sys.argv = ["loadopt", "bench", sys.argv[1], "--quick"]
-main()
 """
 
 
@@ -760,9 +759,7 @@ def test_ctrl_c_lost_in_a_finaliser_after_the_last_setting_is_still_a_stop(tmp_p
     sys.unraisablehook): the bench still ends as stopped, exit 130, `interrupted: true`, a partial decision only.
     In a process of its own, as `loadopt bench` always is."""
     config = write_config(tmp_path, loaders={"torch": {"variant": "plain", "num_workers": 0}})
-    done = subprocess.run([sys.executable, "-c", STOPPED_IN_A_FINALISER, str(config)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "LOADOPT_CACHE": str(own_cache),
-                                                       "COLUMNS": "200"})
+    done = bench_after(STOPPED_IN_A_FINALISER, config, own_cache)
     assert done.returncode == 130, done.stdout + done.stderr
     output = done.stdout + done.stderr
     assert "Exception ignored" not in output and "Traceback" not in output, output
