@@ -6,13 +6,20 @@ results files (so a fixed fixture gives a fixed text).
 
 from __future__ import annotations
 
+import re
+
 from loadopt.report.data import Results, Run, common_labels, stored_size
+
+
+# Only what a renderer would read as markup is escaped: a `<` that opens a tag, comment or autolink and an `&`
+# that opens an entity. A verdict's "<= 512 px" stays readable in the raw text, as typed.
+_OPENS_MARKUP = re.compile(r"&(?=#?\w+;)|<(?=[A-Za-z/!?])")
 
 
 def _cell(text: str) -> str:
     """Text from the results (a config's name, a label, a reason) as literal Markdown: a renderer that accepts
     inline HTML (GitHub's, mkdocs') must show `<b>` as typed, and a `|` must not end a table cell."""
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("`", "&#96;")
+    text = _OPENS_MARKUP.sub(lambda m: "&amp;" if m.group() == "&" else "&lt;", text).replace("`", "&#96;")
     return text.replace("|", "\\|").replace("\n", " ")
 
 
