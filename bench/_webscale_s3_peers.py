@@ -76,8 +76,8 @@ import numpy as np
 mode, path, url, local, sizes = sys.argv[1:6]
 sizes = np.load(sizes)
 from loadopt.config import load_config
-from loadopt.loaders.peer_base import CropSample, cropped
-from loadopt.loaders.peer_batches import collate
+from loadopt.loaders.peers.base import CropSample, cropped
+from loadopt.loaders.peers.batches import collate
 config = load_config(path)
 batch_size = config.pipeline.batch_size
 crop = CropSample(config.pipeline, config.seed, 0, "auto")  # the local peer backends' pipeline, decoder `auto`

@@ -13,7 +13,7 @@
    1.23 (0.856-1.45), 0.911 (0.71-1.63), 0.903 (0.647-1.6); load averages 8-14.
 2. Crop + resize ceiling, whole frames (`frame: whole`, the default under `augment: train`: the same
    training input as the JPEG paths): decoded arrow's images/s against the rate at which this machine
-   turns the same stored frames into samples (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop
+   turns the same stored frames into samples (`loadopt.bench.attribution.ceilings.crop_resize_rate`: the shared crop
    plan + the loaders' own `crops.crop_frames`, as many worker processes as arrow's threads, one
    intra-op thread each), measured just before and just after the loader in every round (their mean
    taken: this machine's load swings within seconds). Target >= 0.7: the loader runs `crops.crop_frames`
@@ -46,7 +46,7 @@ import time
 
 from _common import REPO, build_loader, harness_run, host_batches_forever, ratio_result, spread
 
-from loadopt.bench.ceilings import crop_resize_rate, memcpy_bandwidth  # shared with the bench's ceilings
+from loadopt.bench.attribution.ceilings import crop_resize_rate, memcpy_bandwidth  # shared with the bench's ceilings
 
 
 def host_rate(loader, batches: int) -> tuple[float, float]:
@@ -92,7 +92,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from loadopt.config import load_config
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     config = load_config(args.config)
     train = load_config(config, ["pipeline.augment=train"])

@@ -26,7 +26,7 @@ from _common import REPO, build_loader, harness_run
 
 
 def harness(config, backend: str, step_ms: float, batches: int, cold: bool = False, **settings) -> dict:
-    from loadopt.storage.pagecache import evict
+    from loadopt.storage.tiers.pagecache import evict
 
     loader = build_loader(config, backend, **settings)
     if cold:  # what this loader reads (the raw shards, the Arrow file, the JPEGs) out of the page cache
@@ -47,7 +47,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("unavailable: torch.cuda.is_available() is False on this machine; nothing to check")
         return 1
-    from loadopt.bench.ceilings import copy_to_device_bandwidth
+    from loadopt.bench.attribution.ceilings import copy_to_device_bandwidth
     from loadopt.errors import BackendUnavailable
 
     rows: list[tuple[str, str]] = [("GPU", torch.cuda.get_device_name(0))]

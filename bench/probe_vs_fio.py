@@ -25,7 +25,7 @@ import tempfile
 
 from _common import result_line, spread
 
-from loadopt.storage.probe import parse_size, probe
+from loadopt.storage.tiers.probe import parse_size, probe
 
 TOLERANCE = 0.15
 

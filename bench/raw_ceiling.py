@@ -43,7 +43,7 @@ crop + resize ceiling instead.
    so a second look found it cached).
 3. Whole frames, warm cache (the frames' shards read in by one epoch with prefill first): posix's
    images/s against the rate at which this machine turns the same stored frames into samples
-   (`loadopt.bench.ceilings.crop_resize_rate`: the shared crop plan + the loaders' own `crops.crop_frames`,
+   (`loadopt.bench.attribution.ceilings.crop_resize_rate`: the shared crop plan + the loaders' own `crops.crop_frames`,
    as many worker processes as posix's finishing threads, one intra-op thread each), measured just before
    and just after the loader in every round (their mean taken: this machine's load swings within seconds).
    Target >= 0.7: the loader runs `crops.crop_frames` itself. On 2 threads of one process (`crop_in:
@@ -76,20 +76,20 @@ import numpy as np
 from _common import REPO, build_loader, host_batches_forever, ratio_result, result_line, spread
 from probe_vs_fio import fio
 
-from loadopt.bench.ceilings import crop_resize_rate, memcpy_bandwidth  # shared with the bench's ceilings
-from loadopt.storage.raw_format import align_up
-from loadopt.storage.sequential import read_sequential
+from loadopt.bench.attribution.ceilings import crop_resize_rate, memcpy_bandwidth  # shared with the bench's ceilings
+from loadopt.storage.forms.raw_format import align_up
+from loadopt.storage.tiers.sequential import read_sequential
 
 
 def sequential_o_direct(shards: list, block: int = 4 << 20) -> tuple[float, bool]:
     """(bytes/s, whether O_DIRECT held) of reading every shard front to back, one 4 MiB preadv at a time
-    (the one sequential reader, `storage/sequential.py`)."""
+    (the one sequential reader, `storage/tiers/sequential.py`)."""
     read = read_sequential([str(shard) for shard in shards], block, direct=True)
     return read.nbytes / read.seconds, read.direct
 
 
 def evict(shards: list) -> None:
-    from loadopt.storage.pagecache import evict as drop
+    from loadopt.storage.tiers.pagecache import evict as drop
 
     drop([str(s) for s in shards])
 
@@ -274,7 +274,7 @@ def main() -> int:
         # Whole frames: the crop + resize is the work; a warm cache (one epoch with prefill, from an evicted
         # start), and the ceiling measured in each round beside the loader.
         from loadopt.config import load_config as with_overrides
-        from loadopt.storage.imagefolder import open_dataset
+        from loadopt.storage.sources.imagefolder import open_dataset
 
         train = with_overrides(config, ["pipeline.augment=train"])
         frames = build_loader(train, "posix", form="decoded", frame="whole", io_threads=args.io_threads)

@@ -2,7 +2,7 @@
 
 Synthetic ImageFolders of small JPEGs (`--side` px, quality `--quality`: ~2.5 KB a file, so that a
 million fit on this machine's disk; 1,000 classes as ImageNet) are generated once into
-`~/.cache/loadopt/scale` by `storage/synthetic.py` (in parallel, resumable, renamed into place when
+`~/.cache/loadopt/scale` by `storage/sources/synthetic.py` (in parallel, resumable, renamed into place when
 done), then opened as a real ImageFolder (`dataset.path`): the synthetic dataset's own manifest is not used.
 Every stage runs in a fresh child process (`LOADOPT_CACHE` pointing at the scale cache, so its
 manifests, conversions and decisions stay there), timed from inside it; peak memory is the child's
@@ -62,9 +62,9 @@ def label(n: int) -> str:
 
 
 def dataset_root(n: int, side: int, quality: int, progress: bool = True) -> Path:
-    """The generated folder of `n` files (made now if missing: `storage/synthetic.py`, in parallel)."""
+    """The generated folder of `n` files (made now if missing: `storage/sources/synthetic.py`, in parallel)."""
     from loadopt.config import SyntheticSpec
-    from loadopt.storage.synthetic import ensure_synthetic
+    from loadopt.storage.sources.synthetic import ensure_synthetic
 
     spec = SyntheticSpec(num_samples=n, num_classes=1000, mean_width=side, mean_height=side, jpeg_quality=quality)
     started = time.perf_counter()
@@ -94,8 +94,8 @@ def write_config(root: Path, folder: Path) -> Path:
 def stage_open(config: Path, cold: bool) -> dict:
     from loadopt.config import load_config
     from loadopt.files import cache_dir
-    from loadopt.storage import manifest
-    from loadopt.storage.imagefolder import scan_image_folder
+    from loadopt.storage.sources import manifest
+    from loadopt.storage.sources.imagefolder import scan_image_folder
 
     cfg = load_config(config)
     split = str(Path(str(cfg.dataset.path)) / "train")

@@ -81,7 +81,7 @@ def format_configs(config_path: str):
 
     from loadopt.config import config_from_dict
     from loadopt.files import cache_dir
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     raw = yaml.safe_load(Path(config_path).read_text())
     folder_config = config_from_dict(raw, config_path)
@@ -121,7 +121,7 @@ def main() -> int:
           f"batches, backends {', '.join(usable)}; load average {load:.2f} at the start", flush=True)
     rates: dict[tuple[str, str], list[float]] = {}
     same_input: dict[str, bool] = {}
-    from loadopt.bench.stages import warm_files
+    from loadopt.bench.attribution.stages import warm_files
 
     formats = list(configs)
     for round_index in range(args.rounds):

@@ -28,8 +28,9 @@ from pathlib import Path
 import fsspec
 from _common import ratio_result, spread
 
-from loadopt.storage.probe import probe
-from loadopt.storage.tiers import TierSpec, tier_filesystem
+from loadopt.storage.tiers.probe import probe
+from loadopt.storage.tiers.spec import TierSpec
+from loadopt.storage.tiers.stack import tier_filesystem
 
 SETTINGS = ((20.0, 2), (5.0, 4), (2.0, 8), (1.0, 4), (0.2, 2))  # (latency ms, max_concurrency)
 

@@ -28,10 +28,10 @@ def loader_rate(config, variant: str, workers: int, batches: int, epoch: int) ->
 
 def decode_ceiling(config, decoder: str, samples: int = 300) -> float:
     """Images/s the usable cores decode (decode alone, files already in memory), one worker process
-    per core with one intra-op thread each (bench/parallel.py: the way the loaders' workers run)."""
-    from loadopt.bench.parallel import rate_in_workers
+    per core with one intra-op thread each (bench/attribution/parallel.py: the way the loaders' workers run)."""
+    from loadopt.bench.attribution.parallel import rate_in_workers
     from loadopt.imaging.decode import decode_fast, decode_pil
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     dataset = open_dataset(config)
     blobs = [dataset.read(i) for i in range(min(samples, len(dataset)))]

@@ -36,14 +36,14 @@ Parts (`--part`, all by default):
   `RESULT first_batch_<n>`: the window shuffle's open + first batch, seconds, target <= 5.
 - `open_remote`: the index part's records served over HTTP (nginx) in a network namespace (tests/netns_tier.py:
   a first-byte delay per request, a shaped link), opened from inside it in fresh processes: the first open
-  lists the folder and saves the listing, the second reads it (storage/remote_listing.py).
+  lists the folder and saves the listing, the second reads it (storage/remote/listing.py).
   `RESULT open_remote_<n>_manifest`: the second open's seconds, target <= 2.
 
 - `remote`: `--remote-samples` synthetic photos (default 4,000, ~400 x 350 JPEGs) as WebDataset tars of 100,
   served over HTTP from the namespace's nginx and from its S3 server (moto, the tars and the peers' conversions
   uploaded to its bucket) at `--rate-mbit` (160) with `--first-byte-ms` (20) a request (bench/webscale_remote.py,
   bench/_webscale_s3_peers.py). Inside the namespace, each in a fresh process: the shards listed and indexed once
-  per URL (saved, as after a job's first open), the tier probed over HTTP (`loadopt.storage.probe`: 1 MiB reads,
+  per URL (saved, as after a job's first open), the tier probed over HTTP (`loadopt.storage.tiers.probe`: 1 MiB reads,
   4 in flight), then rounds of timed runs in rotating order, 2 workers each, two epochs each, every epoch 1 from
   the tier (loadopt's shard cache emptied, the peers' caches fresh): loadopt's torch tuned through the bounded
   shard cache under the window shuffle, over HTTP and over S3 (s3:// through s3fs at AWS_ENDPOINT_URL), and over
@@ -95,7 +95,7 @@ def _config(folder: Path, samples: int):
     """A config of the synthetic JPEGs opened as the ImageFolder they are written as: listed, so class-sorted
     as any ImageFolder is (the synthetic set's own index interleaves the classes)."""
     from loadopt.config import load_config
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     overrides = [f"dataset.synthetic.num_samples={samples}", "dataset.synthetic.num_classes=100",
                  "dataset.synthetic.mean_width=40", "dataset.synthetic.mean_height=36", "pipeline.image_size=32",
@@ -136,8 +136,8 @@ def shuffle_part(samples: int) -> list[dict]:
 
     from loadopt.loaders.sampler import EpochOrder, ShardWindows
     from loadopt.loaders.shuffle_quality import shuffle_quality
-    from loadopt.storage.imagefolder import open_dataset
-    from loadopt.storage.shards import shard_table
+    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.sources.shards import shard_table
 
     with tempfile.TemporaryDirectory(prefix="webscale-") as folder:
         config = _config(Path(folder), samples)
@@ -174,7 +174,7 @@ def _rank_order(args: tuple[int, int, int, str]) -> dict:
     import tracemalloc
 
     from loadopt.loaders.sampler import EpochOrder, ShardWindows
-    from loadopt.storage.shards import ShardTable
+    from loadopt.storage.sources.shards import ShardTable
 
     tracemalloc.start()
     start = time.perf_counter()
@@ -222,22 +222,22 @@ def _mapped_bytes(suffix: str) -> int:
 def _rank_index(args: tuple[str, str, int, int, int]) -> dict:
     folder, form, samples, rank, world = args
     from loadopt.loaders.sampler import EpochOrder, ShardWindows
-    from loadopt.storage.imagefolder import open_dataset
-    from loadopt.storage.shards import shard_table
+    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.sources.shards import shard_table
 
     config = records_config(Path(folder), samples)
     dataset = open_dataset(config)
     start = time.perf_counter()
     if form == "raw":
-        from loadopt.storage import raw_format
+        from loadopt.storage.forms import raw_format
 
         index = raw_format.open_raw(raw_format.raw_path(dataset, "records", None), dataset, "records", None,
                                     verify="none")
         locate, whole, suffix = index.locate, index.index_bytes, ".idx.npy"
         files = len(index.shards)
-    else:  # the Arrow form: each record batch's offsets, views of the mapped shards (loaders/arrow_column.py)
-        from loadopt.loaders.arrow_column import ArrowColumn
-        from loadopt.storage import arrow_format
+    else:  # the Arrow form: each record batch's offsets, views of the mapped shards (loaders/arrow/column.py)
+        from loadopt.loaders.arrow.column import ArrowColumn
+        from loadopt.storage.forms import arrow_format
 
         conversion = arrow_format.open_arrow(arrow_format.arrow_path(dataset, "records", None), dataset, "records",
                                              None, verify="none")
@@ -259,9 +259,9 @@ def _rank_index(args: tuple[str, str, int, int, int]) -> dict:
 def index_part(samples: int, world: int, form: str = "raw") -> str:
     """A rank's index under the window shuffle: of the raw form (its shards' index files) or of the Arrow form
     (the offsets in its shards' record batches)."""
-    from loadopt.storage import arrow_convert, raw_convert
-    from loadopt.storage.imagefolder import open_dataset
-    from loadopt.storage.pagecache import evict
+    from loadopt.storage.forms import arrow_convert, raw_convert
+    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.tiers.pagecache import evict
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-index-"))
     dataset = open_dataset(records_config(folder, samples))
@@ -296,7 +296,7 @@ import json, sys, time
 start = time.perf_counter()
 from loadopt import make_loader
 from loadopt.config import load_config
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 config = load_config(sys.argv[1], sys.argv[2:])
 opened_at = time.perf_counter()
 dataset = open_dataset(config)
@@ -312,7 +312,7 @@ print(json.dumps({"open_s": opened, "first_batch_s": first, "samples": len(datas
 def first_batch_part(samples: int, rounds: int) -> str:
     import subprocess
 
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-first-"))
     config = records_config(folder, samples)

@@ -17,7 +17,7 @@ _OPEN = """
 import json, sys, time
 start = time.perf_counter()
 from loadopt.config import load_config
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 config = load_config(sys.argv[1], sys.argv[2:])
 dataset = open_dataset(config)
 print(json.dumps({"seconds": time.perf_counter() - start, "samples": len(dataset)}))
@@ -27,7 +27,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "samples": len(dataset
 def open_remote_part(samples: int, rounds: int) -> str:
     import os
 
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
     from tests.netns_tier import namespaced_tier, netns_unavailable
 
     why = netns_unavailable()
@@ -65,17 +65,17 @@ from loadopt.config import load_config
 mode, path, url = sys.argv[1:4]
 config = load_config(path, [f"dataset.path={url}", *sys.argv[4:]])
 if mode == "index":  # listed and indexed once, saved in the cache: the runs after start from the saved index
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
     print(json.dumps({"samples": len(open_dataset(config))}))
     sys.exit()
 if mode == "probe":
-    from loadopt.storage.probe import probe, summary
+    from loadopt.storage.tiers.probe import probe, summary
     result = probe(url + "/train", block_sizes=(1 << 20,), concurrencies=(4,), duration_s=4.0, sequential=False,
                    cold=False)
     print(json.dumps({"mb_per_s": summary(result)["best_mb_per_s"]}))
     sys.exit()
 from loadopt import make_loader
-from loadopt.storage.tiers import tier_counters
+from loadopt.storage.tiers.spec import tier_counters
 start = time.perf_counter()
 if mode in ("loadopt", "loadopt_s3", "loadopt_jxl", "first_job"):
     loader = make_loader(config, backend="torch", variant="tuned", num_workers=2)
@@ -109,7 +109,7 @@ print(json.dumps(out))
 def _photo_shards(folder: Path, samples: int) -> Path:
     """`samples` synthetic photos as WebDataset tars of 100 (`<folder>/photos/train-NNNNNN.tar`)."""
     from loadopt.config import load_config
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
     from tests.source_files import write_shards
 
     synthetic = open_dataset(load_config(REPO / "configs" / "peers.yaml", [
@@ -186,7 +186,7 @@ def _measure_remote(folder: Path, samples: int, rate_mbit: float, first_byte_ms:
     from tests.netns_tier import namespaced_tier
 
     root = _photo_shards(folder, samples)
-    from loadopt.storage.recompress import recompress_shards
+    from loadopt.storage.forms.recompress import recompress_shards
 
     # set-up, not timed: the same tars with their JPEGs as JPEG XL, served beside them (`loadopt recompress`)
     packed = recompress_shards(root / "train", folder / "photos-jxl" / "train")

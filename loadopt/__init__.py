@@ -18,8 +18,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from loadopt.errors import LoadoptError
-
-__version__ = "0.1.0"
+from loadopt.version import __version__
 
 # name -> the module that defines it
 _LAZY = {"make_loader": "loadopt.api", "make_preprocessor": "loadopt.api", "Config": "loadopt.config_models",

@@ -19,8 +19,8 @@ from loadopt.loaders.base import BatchTransform, Loader
 from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
 from loadopt.recipe import RecipeMismatch
-from loadopt.schema import Knobs
-from loadopt.storage.imagefolder import ImageDataset, open_dataset
+from loadopt.schema.results import Knobs
+from loadopt.storage.sources.imagefolder import ImageDataset, open_dataset
 
 log = logging.getLogger(__name__)
 

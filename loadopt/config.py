@@ -36,8 +36,8 @@ from loadopt.config_models import (  # noqa: F401 - re-exported: the models are 
 from loadopt.errors import ConfigError
 from loadopt.files import yaml_problem
 from loadopt.loaders.registry import backend_class
-from loadopt.schema import Knobs
-from loadopt.storage.tiers import resolve_tier
+from loadopt.schema.results import Knobs
+from loadopt.storage.tiers.spec import resolve_tier
 
 # ---------------------------------------------------------------------------------------------
 # Error messages

@@ -194,14 +194,14 @@ def _gds_checks(folder: str) -> list[Check]:
         checks.append(Check("libcufile", False, "libcufile.so.0 not found: no cuFile (kvikio uses its POSIX path)"))
     setting = os.environ.get("KVIKIO_COMPAT_MODE", "unset (AUTO)")
     try:
-        from loadopt.loaders.kvikio_loader import cufile_mode
+        from loadopt.loaders.kvikio.loader import cufile_mode
 
         true_gds, why = cufile_mode()
         checks.append(Check("GDS mode", true_gds, f"KVIKIO_COMPAT_MODE {setting}; in effect: {why}"))
     except Exception as exc:  # noqa: BLE001 - kvikio missing or broken: the setting alone
         checks.append(Check("GDS mode", None, f"KVIKIO_COMPAT_MODE {setting}; in effect: unknown "
                                               f"({type(exc).__name__}: {exc})".splitlines()[0]))
-    from loadopt.loaders.kvikio_loader import nvidia_fs_loaded
+    from loadopt.loaders.kvikio.loader import nvidia_fs_loaded
 
     nvfs = nvidia_fs_loaded()
     checks.append(Check("nvidia-fs module", nvfs, "loaded" if nvfs else "not loaded: cuFile runs in compat mode"))

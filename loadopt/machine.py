@@ -46,7 +46,7 @@ def library_versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             versions[name] = None
     if versions["loadopt"] is None:  # run from a source tree on PYTHONPATH, not installed
-        from loadopt import __version__
+        from loadopt.version import __version__
 
         versions["loadopt"] = __version__
     return versions

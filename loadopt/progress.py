@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # a leaf at run time: the CLI's help never imports pydantic for it
-    from loadopt.schema_metrics import RepeatMetrics
+    from loadopt.schema.metrics import RepeatMetrics
 
 
 class Reporter:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from loadopt.config import PipelineConfig
 from loadopt.loaders.base import HostBatch, Loader
-from loadopt.storage.imagefolder import ImageDataset
+from loadopt.storage.sources.imagefolder import ImageDataset
 
 
 def memory_dataset(num_samples: int, sample_bytes: int = 1000) -> ImageDataset:

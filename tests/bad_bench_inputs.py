@@ -13,7 +13,7 @@ from .faults import Setup, images, temps, write_config
 
 def zero_byte_jpeg_under_dali(tmp_path, cache):
     """An empty .jpg: named, and said to be empty (never PIL's "cannot identify ... <_io.BytesIO at 0x...>")."""
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])

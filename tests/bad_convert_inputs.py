@@ -56,8 +56,8 @@ def _reference_of_another_home(tmp_path, cache, monkeypatch, to: str, backend: s
     from moto.server import ThreadedMotoServer
 
     from loadopt.config import load_config
-    from loadopt.storage import conversions
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.forms import conversions
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

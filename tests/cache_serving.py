@@ -10,8 +10,8 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from loadopt.config import config_from_dict
-from loadopt.storage.shard_cache import CacheCounters, shard_files_in_order
-from loadopt.storage.shards import shard_table
+from loadopt.storage.remote.shard_cache import CacheCounters, shard_files_in_order
+from loadopt.storage.sources.shards import shard_table
 
 from .servers import RangeRequestHandler
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from loadopt.storage.imagefolder import scan_image_folder
+from loadopt.storage.sources.imagefolder import scan_image_folder
 
 LONG_KEY = "deep/" + "x" * 120  # a member name over 100 characters: GNU `././@LongLink` or a pax header
 

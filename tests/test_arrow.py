@@ -15,12 +15,12 @@ import yaml
 
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
-from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
-from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.storage.arrow_convert import convert
-from loadopt.storage.arrow_format import arrow_path, open_arrow
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.shard_work import MANIFEST
+from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.storage.forms.arrow_convert import convert
+from loadopt.storage.forms.arrow_format import arrow_path, open_arrow
+from loadopt.storage.forms.shard_work import MANIFEST
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 
@@ -245,8 +245,8 @@ def test_native_crops_refuse_reads_past_a_source():
 def test_encoded_pages_released_every_32_batches_read_back_the_same(tmp_path, monkeypatch):
     """The encoded form unmaps the JPEG pages it read every 32 batches (`_release_mapped`): the next
     epochs read the same bytes back from the page cache."""
-    from loadopt.loaders import arrow_loader
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.loaders.arrow import loader as arrow_loader
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     from .conftest import prepared_loader
 
@@ -270,7 +270,7 @@ def test_encoded_pages_are_released_by_the_decoding_workers_every_32_batches(tmp
     """With the JPEGs decoded by worker processes (the default), each worker is told to let go of the pages
     it mapped at the same batches (`send_decode(release=True)`), and the epochs deliver what threads do."""
     from loadopt.loaders.crop_processes import CropProcesses, fork_available
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     from .conftest import prepared_loader
 

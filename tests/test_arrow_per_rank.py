@@ -6,11 +6,11 @@ tables; the bytes it locates are its samples'; `forget` lets go of them."""
 import numpy as np
 
 from loadopt.config import config_from_dict
-from loadopt.loaders.arrow_column import ArrowColumn
+from loadopt.loaders.arrow.column import ArrowColumn
 from loadopt.loaders.sampler import EpochOrder, ShardWindows
-from loadopt.storage import arrow_convert, arrow_format
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.shards import shard_table
+from loadopt.storage.forms import arrow_convert, arrow_format
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.sources.shards import shard_table
 
 from .test_records import records_config
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from loadopt.bench import attribution
+from loadopt.bench.attribution import verdicts as attribution
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.report import render_report
-from loadopt.schema_ceilings import Ceilings, Job, RunCeiling, written
+from loadopt.schema.ceilings import Ceilings, Job, RunCeiling, written
 
 from .conftest import tiny_config_dict
 
@@ -137,7 +137,7 @@ def test_comparable_wait_and_finish_keep_the_stage_and_mention_the_finishing():
 
 
 def test_a_run_more_than_10pct_above_its_ceiling_is_marked_unreliable_with_no_fraction():
-    from loadopt.bench.attribution import hold_to_ceiling
+    from loadopt.bench.attribution.verdicts import hold_to_ceiling
 
     run = hold_to_ceiling(RunCeiling(name="decode simplejpeg x 2 cores", samples_per_s=100.0), 631.0, busy=True)
     assert run.fraction is None

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from loadopt import make_loader
 from loadopt.cli import app
 from loadopt.errors import LoadoptError
-from loadopt.storage import arrow_convert
+from loadopt.storage.forms import arrow_convert
 
 from .bad_bench_inputs import BENCH_CASES
 from .bad_cli_inputs import CLI_CASES

@@ -1,4 +1,4 @@
-"""The ceilings each run is held to (bench/ceilings.py), measured on this machine: positive and named, the
+"""The ceilings each run is held to (bench/attribution/ceilings.py), measured on this machine: positive and named, the
 storage read within its budget, decode rates in worker processes of one thread, the better of the
 measurements before and after the loaders, and the busy-machine note beside them."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadopt.bench.ceilings import measure_ceilings
+from loadopt.bench.attribution.ceilings import measure_ceilings
 from loadopt.config import config_from_dict
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 
@@ -33,7 +33,7 @@ def test_ceilings_measured_on_the_tiny_config_are_positive_and_named(tmp_path):
 def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
     from types import SimpleNamespace
 
-    from loadopt.bench.ceilings import storage_bandwidth
+    from loadopt.bench.attribution.ceilings import storage_bandwidth
 
     big = tmp_path / "corpus.bin"
     big.write_bytes(b"\0" * (3 << 20))
@@ -42,7 +42,7 @@ def test_storage_reads_only_the_budget_of_a_file_larger_than_it(tmp_path):
 
 
 def test_decode_rate_in_worker_processes_runs_one_intra_op_thread_in_each():
-    from loadopt.bench.parallel import rate_in_workers
+    from loadopt.bench.attribution.parallel import rate_in_workers
 
     def work(_index: int) -> None:
         if torch.get_num_threads() != 1:
@@ -64,8 +64,8 @@ def test_decode_rate_in_worker_processes_runs_one_intra_op_thread_in_each():
 
 
 def test_keep_best_keeps_the_higher_measurement_of_each_ceiling_and_both_values(tmp_path):
-    from loadopt.bench.ceilings import keep_best
-    from loadopt.schema_ceilings import Ceilings, written
+    from loadopt.bench.attribution.ceilings import keep_best
+    from loadopt.schema.ceilings import Ceilings, written
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out"), "tiny.yaml")
     dataset = open_dataset(config)
@@ -100,7 +100,7 @@ def test_others_cpu_share_and_the_busy_note():
 
 
 def test_the_ceilings_window_from_the_environment(monkeypatch):
-    from loadopt.bench.ceilings import ceiling_seconds
+    from loadopt.bench.attribution.ceilings import ceiling_seconds
     from loadopt.errors import ConfigError
 
     monkeypatch.delenv("LOADOPT_CEILING_SECONDS")

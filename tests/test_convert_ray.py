@@ -1,4 +1,4 @@
-"""`loadopt convert --engine ray` on a real Ray of 2 CPUs on this machine (storage/ray_engine.py): the shards,
+"""`loadopt convert --engine ray` on a real Ray of 2 CPUs on this machine (storage/forms/ray_engine.py): the shards,
 their checksums and the manifest are byte for byte those of `--engine local`, a damaged sample is named as
 locally (counted and named in the manifest under `on_error: skip`), a conversion stopped part way is finished
 on Ray writing only the shards that are missing, and a Ray worker killed mid-shard is retried into the same
@@ -15,10 +15,10 @@ import pytest
 
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
-from loadopt.storage import arrow_convert, arrow_format, conversions, raw_format, ray_engine, shard_work
-from loadopt.storage.conversions import ConvertedForm
-from loadopt.storage.convert_engines import ConvertEngine
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.forms import arrow_convert, arrow_format, conversions, raw_format, ray_engine, shard_work
+from loadopt.storage.forms.conversions import ConvertedForm
+from loadopt.storage.forms.engine import ConvertEngine
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .cache_serving import cache_config
 from .conftest import make_image_folder, tiny_config_dict
@@ -157,7 +157,7 @@ def test_a_changed_tar_shard_reconverted_on_ray_keeps_the_other_shards(ray_here,
 def test_a_task_on_a_node_that_cannot_see_the_conversions_folder_names_the_node(tmp_path):
     """What a Ray task does on a node where the work folder is not (no shared filesystem): one line naming the
     folder and the node, nothing written."""
-    from loadopt.storage.ray_engine import write_shard_task
+    from loadopt.storage.forms.ray_engine import write_shard_task
 
     def never(*args):
         raise AssertionError("a shard written where the conversion's folder is not")

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from loadopt.config_models import SyntheticSpec
-from loadopt.storage.synthetic import ensure_synthetic
+from loadopt.storage.sources.synthetic import ensure_synthetic
 
 from .servers import free_port, s3_endpoint  # noqa: F401 - a fixture
 from .test_remote_conversion import BUCKET, s3_fs

@@ -12,10 +12,10 @@ import torch
 from loadopt.config import config_from_dict
 from loadopt.errors import LoadoptError
 from loadopt.loaders import crops
-from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
-from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 from .test_arrow import assert_same, batches

@@ -17,11 +17,12 @@ import yaml
 from loadopt import make_loader
 from loadopt.config import PipelineConfig, config_from_dict
 from loadopt.errors import ConfigError, DatasetError
-from loadopt.loaders.dali_feed import dali_error
-from loadopt.loaders.dali_loader import DaliLoader, DaliSettings
+from loadopt.loaders.dali.feed import dali_error
+from loadopt.loaders.dali.loader import DaliLoader
+from loadopt.loaders.dali.settings import DaliSettings
 from loadopt.loaders.registry import backend_class
-from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.storage.imagefolder import open_dataset, scan_image_folder
+from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.storage.sources.imagefolder import open_dataset, scan_image_folder
 
 from .conftest import make_image_folder, tiny_config_dict
 
@@ -286,9 +287,9 @@ def test_mixed_decode_resumes_and_skips_corrupt_files(tmp_path):
 def test_dali_is_judged_against_its_own_engine(tmp_path):
     """The bench measures DALI's CPU engine alone (one thread x cores) when the config runs dali, and a
     dali run's verdict is against that ceiling, not PIL's or simplejpeg's."""
-    from loadopt.bench.attribution import bounding_ceiling
-    from loadopt.bench.ceilings import decode_rates
-    from loadopt.schema_ceilings import Ceilings, Job
+    from loadopt.bench.attribution.ceilings import decode_rates
+    from loadopt.bench.attribution.verdicts import bounding_ceiling
+    from loadopt.schema.ceilings import Ceilings, Job
 
     config = config_from_dict(tiny_config_dict(tmp_path / "out", loaders={"dali": {}}), "d.yaml")
     decode = decode_rates(config, open_dataset(config))

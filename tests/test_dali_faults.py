@@ -34,7 +34,7 @@ def _bench_folder_with_the_zeroed_jpeg(tmp_path, on_error: str):
 def test_a_dali_crash_is_one_failed_setting_and_the_torch_rows_are_kept(tmp_path, own_cache, monkeypatch):
     """DALI's run goes into a child process: its crash (a segfault, forced here in DALI's decoding) is dali's
     failed setting with its signal; torch's rows and the decision among what was measured are written."""
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])
@@ -58,7 +58,7 @@ def test_a_dali_crash_is_one_failed_setting_and_the_torch_rows_are_kept(tmp_path
 
 def test_the_zeroed_jpeg_under_dali_is_skipped_and_counted_and_torch_kept(tmp_path, own_cache):
     """The real fixture, no forcing: DALI (in its child) skips it under on_error: skip, counted; never dies."""
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])
@@ -76,7 +76,7 @@ def test_a_dali_run_that_crashed_runs_again_on_the_samples_checked_first(tmp_pat
     """DALI's decoder has died of a segfault on the zeroed JPEG (forced here until the samples are screened): the
     setting runs again, in a new child, on the samples PIL decodes; the zeroed file is then a named failure under
     on_error, and the setting has its figures."""
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])
@@ -113,7 +113,7 @@ def test_dali_where_it_cannot_run_apart_sees_only_screened_samples(tmp_path, own
     decoded once by PIL first (cached per dataset): the zeroed JPEG is a named failure DALI never saw, skipped and
     counted under on_error: skip; under on_error: raise it is the bench's one line naming it."""
     from loadopt.bench import runner
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])
@@ -147,7 +147,7 @@ def test_dali_where_it_cannot_run_apart_sees_only_screened_samples(tmp_path, own
 def test_dali_tuning_trials_see_only_screened_samples(tmp_path, own_cache, monkeypatch):
     """`--tune` runs its trials in the bench's process (no child): DALI's trials get the samples PIL checked first,
     so a JPEG that could crash its decoder is a named failure there too, never a crash of the tuning."""
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])
@@ -177,7 +177,7 @@ def test_dali_tuning_trials_see_only_screened_samples(tmp_path, own_cache, monke
 DALI_AFTER_OPENMP = """
 import sys
 import torch
-from loadopt.loaders.dali_loader import DaliLoader
+from loadopt.loaders.dali.loader import DaliLoader
 torch.set_num_threads(2)
 torch.cat([torch.ones(2_000_000)] * 2)  # an OpenMP team on this main thread, as the torch rows before DALI's leave it
 real = DaliLoader.produce
@@ -195,7 +195,7 @@ def test_dali_in_its_child_after_openmp_work_in_the_parent_does_not_hang(tmp_pat
     """The fork copies the parent main thread's OpenMP team without its threads: DALI's child, on its main thread,
     waited on them for good at its first parallel torch op (isolating a damaged sample's batch: a 300-photo bench
     hung). The run goes in a thread of its own in the child."""
-    from loadopt.loaders.dali_loader import DaliLoader
+    from loadopt.loaders.dali.loader import DaliLoader
 
     if not DaliLoader.available()[0]:
         pytest.skip(DaliLoader.available()[1])

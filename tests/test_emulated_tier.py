@@ -20,18 +20,10 @@ import loadopt
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError, StorageError
-from loadopt.storage.emulated import EmulatedFileSystem, SharedTierState
-from loadopt.storage.tier_state import SLOT_RELEASES
-from loadopt.storage.tiers import (
-    BASE_BOUND_SHARE,
-    DEFAULT_TIERS_FILE,
-    TierSpec,
-    base_share,
-    load_tier_profiles,
-    resolve_tier,
-    tier_counters,
-    tier_filesystem,
-)
+from loadopt.storage.tiers.emulated import EmulatedFileSystem, SharedTierState
+from loadopt.storage.tiers.spec import DEFAULT_TIERS_FILE, TierSpec, load_tier_profiles, resolve_tier
+from loadopt.storage.tiers.stack import BASE_BOUND_SHARE, base_share, tier_counters, tier_filesystem
+from loadopt.storage.tiers.state import SLOT_RELEASES
 
 from .conftest import tiny_config_dict
 
@@ -366,7 +358,7 @@ def test_a_tiers_own_figures():
 def test_bench_through_a_tier_over_slower_storage_says_its_figures_are_that_storages(tmp_path, monkeypatch):
     """`loadopt bench` under an emulated tier over a disk slower than the tier's figures: each run, and the
     decision resting on them, says its reads were bounded by that disk; over a faster disk, nothing is said."""
-    import loadopt.storage.imagefolder as imagefolder
+    import loadopt.storage.sources.imagefolder as imagefolder
 
     loaders = {"torch": {"variant": "tuned", "num_workers": 0}}
     tier = {"name": "fast", "bandwidth_mb_s": 1000, "latency_ms": 2}

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from loadopt import make_loader
 from loadopt.cli import app
-from loadopt.storage import integrity
+from loadopt.storage.forms import integrity
 
 from .faults import images, said, write_config
 from .test_bad_inputs import damaged_arrow_file  # the table's damaged-conversion case, rebuilt here
@@ -143,7 +143,7 @@ def bench_stopped_by_sigterm(config, log, after: str, before_signal=lambda pid: 
 HANDOVER_CUT = """
 import os, sys, time
 from multiprocessing import resource_sharer
-from loadopt.loaders.torch_workers import quiet_when_the_consumer_left
+from loadopt.loaders.torch_dl.workers import quiet_when_the_consumer_left
 if sys.argv[1] == "worker":
     quiet_when_the_consumer_left(0)
 for _ in range(5):
@@ -327,7 +327,7 @@ def _delivered_labels(config) -> list[int]:
 def test_a_text_tar_label_is_skipped_and_the_others_keep_their_integers(tmp_path, own_cache):
     """One `.cls` of `cat` among 20 integer labels (0-19, so a text sort would renumber them): under
     `on_error: skip` it is left out and named, and every other sample keeps the very label written."""
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     from .bad_label_inputs import numbered_samples
     from .source_files import write_shards
@@ -357,7 +357,7 @@ def test_a_null_parquet_label_or_image_is_skipped_and_the_others_keep_their_inte
 
     from loadopt.config import load_config
     from loadopt.errors import DatasetError
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     from .bad_label_inputs import numbered_samples
 
@@ -394,7 +394,7 @@ def test_a_hugging_face_class_label_keeps_its_names(tmp_path, own_cache):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from loadopt.storage.parquet_source import open_parquet
+    from loadopt.storage.sources.parquet import open_parquet
 
     from .bad_label_inputs import numbered_samples
     from .source_files import write_parquet
@@ -591,7 +591,7 @@ def test_a_raw_decoded_conversion_after_an_arrow_one_stops_its_decode_workers(tm
 def test_label_values_as_class_numbers():
     """What each label value is: integers, integral floats and their text are class numbers; among them text,
     null, a negative or fractional number are named errors; labels that are all text are sorted names."""
-    from loadopt.storage.source_format import class_numbers
+    from loadopt.storage.sources.format import class_numbers
 
     mixed = class_numbers([3, "7", 2.0, " 12 ", "cat", None, -1, 2.5, True], None)
     assert mixed.numbers.tolist() == [3, 7, 2, 12, -1, -1, -1, -1, -1]
@@ -609,7 +609,7 @@ def test_compressed_tar_shards_are_named_however_they_are_given(tmp_path, own_ca
 
     from loadopt.config import load_config
     from loadopt.errors import DatasetError
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     from .bad_label_inputs import numbered_samples
     from .source_files import write_shards
@@ -637,7 +637,7 @@ def test_a_null_image_struct_in_hugging_face_parquet_is_skipped(tmp_path, own_ca
     import pyarrow.parquet as pq
 
     from loadopt.errors import DatasetError
-    from loadopt.storage.parquet_source import open_parquet
+    from loadopt.storage.sources.parquet import open_parquet
 
     from .bad_label_inputs import numbered_samples
 
@@ -773,10 +773,10 @@ def test_ctrl_c_lost_in_a_finaliser_after_the_last_setting_is_still_a_stop(tmp_p
 def test_ceilings_stop_at_the_first_storage_failure(tmp_path):
     """The decode and crop ceilings read up to 300 samples: with the server down each read waited out its
     retries (4 of a bench's 5 minutes); a StorageError is the storage's, so the first one ends the ceiling."""
-    from loadopt.bench import ceilings
+    from loadopt.bench.attribution import ceilings
     from loadopt.config import config_from_dict
     from loadopt.errors import StorageError
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     from .conftest import tiny_config_dict
 

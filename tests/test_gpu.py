@@ -9,8 +9,8 @@ from loadopt.bench.accelerator import EmulatedAccelerator
 from loadopt.bench.harness import run_repeat
 from loadopt.config import PipelineConfig
 from loadopt.device import DeviceTransfer
-from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.storage.imagefolder import scan_image_folder
+from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.storage.sources.imagefolder import scan_image_folder
 
 from .conftest import make_image_folder
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from loadopt.errors import DatasetError
-from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
-from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .test_arrow import assert_same, batches
 from .test_raw import SMALL, config, tokens_config
@@ -24,7 +24,7 @@ def test_kvikio_is_unavailable_here_with_the_reason():
 
 def kvikio_on_the_cpu(dataset, pipeline, settings, **kw):
     """The kvikio backend with its device read swapped for the POSIX reader into host staging."""
-    from loadopt.loaders.kvikio_loader import KvikioLoader
+    from loadopt.loaders.kvikio.loader import KvikioLoader
     from loadopt.loaders.shard_reader import PosixReader
 
     loader = KvikioLoader(dataset, pipeline, settings, **kw)
@@ -105,7 +105,7 @@ def test_kvikio_encoded_names_a_sample_the_decoder_rejects(tmp_path):
 
 def test_kvikio_encoded_without_a_gpu_decoder_is_one_line(tmp_path):
     from loadopt.errors import BackendUnavailable
-    from loadopt.loaders.kvikio_loader import KvikioLoader, gpu_jpeg_decoder
+    from loadopt.loaders.kvikio.loader import KvikioLoader, gpu_jpeg_decoder
 
     if gpu_jpeg_decoder()[0] is not None:
         pytest.skip(f"a GPU JPEG decoder is installed here ({gpu_jpeg_decoder()[1]})")
@@ -140,7 +140,7 @@ def test_cufile_mode_says_which_path_reads_and_why(monkeypatch, setting, kvikio_
     import sys
     import types
 
-    from loadopt.loaders import kvikio_loader
+    from loadopt.loaders.kvikio import loader as kvikio_loader
 
     mode = enum.Enum("CompatMode", "ON OFF AUTO")[setting]
     defaults = types.SimpleNamespace(get=lambda name: mode, is_compat_mode_preferred=lambda: kvikio_prefers_compat)
@@ -156,7 +156,7 @@ def test_cufile_mode_says_which_path_reads_and_why(monkeypatch, setting, kvikio_
 def test_kvikio_encoded_on_a_gpu_is_close_to_posix(tmp_path):
     """cuFile reads of the JPEG bytes, the installed GPU decoder, the float resize kernel: the labels
     and order of posix, pixels within a few levels (nvJPEG's IDCT and the float kernel round apart)."""
-    from loadopt.loaders.kvikio_loader import gpu_jpeg_decoder
+    from loadopt.loaders.kvikio.loader import gpu_jpeg_decoder
     from loadopt.loaders.registry import backend_class
 
     available, reason = backend_class("kvikio").available()

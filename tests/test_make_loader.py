@@ -8,7 +8,7 @@ import yaml
 from loadopt import make_loader
 from loadopt.bench.runner import decision_path
 from loadopt.errors import ConfigError
-from loadopt.loaders.torch_loader import TorchSettings
+from loadopt.loaders.torch_dl.loader import TorchSettings
 from loadopt.machine import machine_fingerprint, machine_info
 
 from .conftest import tiny_config_dict
@@ -189,7 +189,7 @@ def test_swept_knobs_take_the_backends_default_for_this_machine_and_say_so(tmp_p
     Without a decision each swept knob takes the backend's default for this machine (the tuner's start)."""
     from loadopt.bench.knobs import search_space
     from loadopt.config import load_config
-    from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+    from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
     from loadopt.loaders.registry import backend_class
     from loadopt.machine import usable_cores
 

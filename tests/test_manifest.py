@@ -1,4 +1,4 @@
-"""The listing manifest of a local ImageFolder (storage/manifest.py): same listing and fingerprint as
+"""The listing manifest of a local ImageFolder (storage/sources/manifest.py): same listing and fingerprint as
 fsspec's walk, reused while no folder changed, refreshed when one did."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import fsspec
 import numpy as np
 import pytest
 
-from loadopt.storage import manifest
-from loadopt.storage.imagefolder import IMAGE_EXTENSIONS, scan_image_folder
-from loadopt.storage.remote_listing import modified
+from loadopt.storage.remote.listing import modified
+from loadopt.storage.sources import manifest
+from loadopt.storage.sources.imagefolder import IMAGE_EXTENSIONS, scan_image_folder
 
 OLD = 1_600_000_000  # folders' mtimes set this far in the past: the listing is not racy
 
@@ -173,7 +173,7 @@ def test_a_symlinked_class_folder_is_a_class_as_in_torchvision(tmp_path: Path, o
     (split / "gone").symlink_to(tmp_path / "nowhere")
     (split / "loop").symlink_to(split)
     (split / "up").symlink_to(tmp_path / "data")
-    with caplog.at_level("WARNING", logger="loadopt.storage.manifest"):
+    with caplog.at_level("WARNING", logger="loadopt.storage.sources.manifest"):
         again = scan_image_folder(str(tmp_path / "data"))
     assert again.classes == ["c0", "c1", "c9"] and len(again) == 13
     said = " ".join(r.getMessage() for r in caplog.records)

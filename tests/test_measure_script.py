@@ -94,7 +94,7 @@ def test_zero_code_form_in_process(tmp_path, capsys, caplog, ending, code):
 
 
 def test_zero_code_user_errors(tmp_path, capsys):
-    from loadopt.measure import main
+    from loadopt.measure.__main__ import main
 
     assert main([str(tmp_path / "missing.py")]) == 1
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'missing.py'}: no such script"

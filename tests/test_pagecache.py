@@ -1,4 +1,4 @@
-"""storage/pagecache.py: pages of a mapped file released from the process stay readable, and leave its memory."""
+"""storage/tiers/pagecache.py: pages of a mapped file released from the process stay readable, and leave its memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadopt.storage.pagecache import cached_bytes, evict, evict_for_cold, release_pages
+from loadopt.storage.tiers.pagecache import cached_bytes, evict, evict_for_cold, release_pages
 
 
 def resident_kb(address: int) -> int:

@@ -12,11 +12,12 @@ import torch
 from loadopt import recipe
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError
-from loadopt.loaders import peer_base, peer_batches
+from loadopt.loaders.peers import base as peer_base
+from loadopt.loaders.peers import batches as peer_batches
 from loadopt.loaders.registry import backend_class, backend_names
-from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.schema import ResultsFile
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.schema.results import ResultsFile
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 
@@ -61,7 +62,7 @@ def test_ffcv_names_what_its_build_lacks():
     ok, reason = backend_class("ffcv").available()
     if ok:
         pytest.skip("ffcv is installed here")
-    from loadopt.loaders.peer_ffcv import build_requirements
+    from loadopt.loaders.peers.ffcv import build_requirements
 
     for missing in build_requirements():
         assert missing in reason
@@ -285,7 +286,7 @@ def test_the_bare_loop_is_the_librarys_batches_as_handed_over(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_webdataset_reads_its_shards_through_the_tier(tmp_path, workers):
-    from loadopt.storage.tiers import tier_counters
+    from loadopt.storage.tiers.stack import tier_counters
 
     cfg = config_from_dict(tiny_config_dict(tmp_path / "out", pipeline={"dtype": "uint8"},
                                             storage={"tier": {"name": "fast", "bandwidth_mb_s": 2000}}), "tier.yaml")

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from loadopt.errors import ConfigError, DatasetError
-from loadopt.storage.probe import parse_size, probe
-from loadopt.storage.tiers import TierSpec, tier_filesystem
+from loadopt.storage.tiers.probe import parse_size, probe
+from loadopt.storage.tiers.spec import TierSpec
+from loadopt.storage.tiers.stack import tier_filesystem
 
 from .test_cli import loadopt, one_line_error
 
@@ -110,7 +111,7 @@ def test_cli_probe_errors(tmp_path):
 
 def test_reader_keeps_few_files_open(tmp_path):
     # a folder of thousands of samples read by 64 readers must not run out of file descriptors
-    from loadopt.storage import probe_readers
+    from loadopt.storage.tiers import probe_readers
 
     files = []
     for i in range(3 * probe_readers._OPEN_FILES):
@@ -127,7 +128,7 @@ def test_reader_keeps_few_files_open(tmp_path):
 
 @pytest.mark.parametrize("in_c", [True, False])
 def test_random_reads_in_c_and_in_python_count_the_same(data_file, monkeypatch, in_c):
-    from loadopt.storage import probe_readers
+    from loadopt.storage.tiers import probe_readers
 
     if in_c and probe_readers.native is None:
         pytest.skip("loadopt.storage._preads is not compiled here (setup.py builds it)")
@@ -144,7 +145,7 @@ def test_random_reads_in_c_and_in_python_count_the_same(data_file, monkeypatch, 
 
 def test_a_reader_slow_to_start_does_not_shorten_the_others(data_file, monkeypatch):
     """The clock starts once every reader is ready: one slow to open (a fork under load) costs no time."""
-    from loadopt.storage import probe_readers
+    from loadopt.storage.tiers import probe_readers
 
     made = []
     original = probe_readers.Reader.__init__

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadopt.bench import tier_measure
-from loadopt.bench.procurement import run_tiers
-from loadopt.bench.tier_plan import Utilisation, demand, predict, search
 from loadopt.config import config_from_dict
-from loadopt.storage.emulated import EmulatedFileSystem
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.tiers import BASE_BOUND_SHARE, TierSpec
+from loadopt.procurement import measure_tier as tier_measure
+from loadopt.procurement.plan import Utilisation, demand, predict, search
+from loadopt.procurement.run import run_tiers
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.tiers.emulated import EmulatedFileSystem
+from loadopt.storage.tiers.spec import TierSpec
+from loadopt.storage.tiers.stack import BASE_BOUND_SHARE
 
 from .conftest import tiny_config_dict
 from .test_cli import loadopt, one_line_error
@@ -63,7 +64,7 @@ def test_supported_accelerators_known_by_construction(tmp_path):
     path.write_text(json.dumps(result))
     page = write_report([path]).read_text()
     assert "Storage tiers" in page and "bw2" in page and "bw5" in page
-    # each value under one key (loadopt.schema, version 2)
+    # each value under one key (loadopt.schema.results, version 2)
     assert not {"tier", "measured", "predicted"} & set(result["tiers"][0]) and result["schema_version"] == 2
 
 
@@ -145,7 +146,7 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
 
 def test_the_tier_sweep_takes_both_image_forms_but_one_of_records():
     """Records (and token windows) have one stored form: sweeping `form` listed each backend twice."""
-    from loadopt.bench.tier_plan import backend_sweep
+    from loadopt.procurement.plan import backend_sweep
 
     from .test_records import records_config
 
@@ -186,7 +187,7 @@ def test_a_tier_over_slower_storage_says_so_and_predicts_from_its_own_figures(tm
 def test_the_plan_said_up_front_follows_the_tiers_figures(tmp_path):
     """The trials the search will run by a tier's figures, and under --quick a tier whose batches are slow
     keeps its backends uncompared (said why) where a fast one runs them all."""
-    from loadopt.bench.tier_plan import plan_line, plan_tier, search_trials
+    from loadopt.procurement.plan import plan_line, plan_tier, search_trials
 
     assert search_trials(5, 64) == [1, 2, 4, 8, 6, 5]  # the sequence `search` tries (test above)
     config = config_from_dict(tiny_config_dict(tmp_path, loaders={"arrow": {}, "torch": {"variant": ["plain",

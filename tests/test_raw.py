@@ -9,10 +9,10 @@ import torch
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
 from loadopt.imaging.reencode import with_restarts
-from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
-from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
-from loadopt.storage import raw_convert, raw_format
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
+from loadopt.storage.forms import raw_convert, raw_format
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 from .test_arrow import assert_same, batches
@@ -67,8 +67,9 @@ def test_decoded_reads_through_a_cold_cache(tmp_path, monkeypatch, prefill):
     """Evicted shards: the first batch misses the page cache (RWF_NOWAIT). With `prefill` (the shards
     fit in memory) they are then read in sequentially, once; without it the next batches are
     announced to the kernel (POSIX_FADV_WILLNEED). Either way the batches equal arrow's."""
-    from loadopt.loaders import crops, posix_cache
-    from loadopt.storage.pagecache import evict
+    from loadopt.loaders import crops
+    from loadopt.loaders.posix import cache as posix_cache
+    from loadopt.storage.tiers.pagecache import evict
 
     if crops.native is None:
         pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
@@ -334,7 +335,7 @@ def test_on_a_gpu_equals_arrow(tmp_path, backend):
 
 
 def test_a_prefill_of_a_missing_shard_names_it(tmp_path):
-    from loadopt.loaders.posix_cache import prefill
+    from loadopt.loaders.posix.cache import prefill
 
     missing = tmp_path / "shard-00007.bin"
     with pytest.raises(DatasetError, match=f"^{missing}: cannot read \\(No such file or directory\\)$"):

@@ -1,4 +1,4 @@
-"""JPEG XL recompressed JPEGs (imaging/jxl.py) and `loadopt recompress` (storage/recompress.py): the same JPEG
+"""JPEG XL recompressed JPEGs (imaging/jxl.py) and `loadopt recompress` (storage/forms/recompress.py): the same JPEG
 bytes given back, so every sample, label and pixel of the recompressed tars is the source's."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from loadopt.cli import app
 from loadopt.errors import ConfigError, describe_sample_error
 from loadopt.imaging import jxl
 from loadopt.imaging.decode import decode_array, decode_pil
-from loadopt.storage.recompress import recompress_shards
-from loadopt.storage.webdataset_source import open_webdataset
+from loadopt.storage.forms.recompress import recompress_shards
+from loadopt.storage.sources.webdataset import open_webdataset
 
 from .source_files import write_shards
 
@@ -120,8 +120,8 @@ def test_recompress_goes_on_where_it_stopped_and_force_writes_again(shards, tmp_
 def test_jpeg_xl_images_in_an_image_folder_and_parquet_read_back_as_their_jpegs(tmp_path):
     """Every source gives back the JPEG a recompressed image was made from: an ImageFolder's .jxl files and
     Parquet's image bytes, as tar shards' .jxl members (above)."""
-    from loadopt.storage.imagefolder import scan_image_folder
-    from loadopt.storage.parquet_source import open_parquet
+    from loadopt.storage.sources.imagefolder import scan_image_folder
+    from loadopt.storage.sources.parquet import open_parquet
 
     from .source_files import write_parquet
 

@@ -1,4 +1,4 @@
-"""Record workloads (`dataset.kind: records`, storage/records.py) and `loadopt import-dlio`."""
+"""Record workloads (`dataset.kind: records`, storage/sources/records.py) and `loadopt import-dlio`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from loadopt.cli import app
 from loadopt.config import config_from_dict, load_config
 from loadopt.dlio import config_from_dlio
 from loadopt.errors import DatasetError
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.records import open_records, record_sizes
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.sources.records import open_records, record_sizes
 
 
 def records_config(tmp_path, file_format="npz", **records) -> dict:
@@ -148,8 +148,8 @@ def test_import_dlio_bad_files_are_one_line(tmp_path, text, message):
 
 
 def test_tiers_count_the_accelerators_a_tier_keeps_on_records(tmp_path):
-    from loadopt.bench.procurement import run_tiers
-    from loadopt.bench.tier_plan import demand
+    from loadopt.procurement.plan import demand
+    from loadopt.procurement.run import run_tiers
 
     raw = records_config(tmp_path, "raw", record_bytes=8_000, record_bytes_stdev=0, samples_per_file=8,
                          num_files=8, delivered_bytes=4_000)

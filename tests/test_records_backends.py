@@ -10,10 +10,10 @@ import torch
 
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
-from loadopt.loaders.arrow_loader import ArrowLoader, ArrowSettings
-from loadopt.loaders.posix_loader import PosixLoader, PosixSettings
+from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
+from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
 from loadopt.loaders.registry import backend_class
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .test_records import records_config
 
@@ -83,7 +83,7 @@ def test_arrow_reads_records_and_keeps_the_conversion(tmp_path, file_format):
     loader = ArrowLoader(dataset, config.pipeline, ArrowSettings(), seed=3)
     batches = host_batches(loader)
     check_records(dataset, batches)
-    from loadopt.storage.arrow_format import arrow_path
+    from loadopt.storage.forms.arrow_format import arrow_path
 
     path = arrow_path(dataset, "records", None) / "manifest.json"
     written = path.stat().st_mtime_ns
@@ -93,7 +93,7 @@ def test_arrow_reads_records_and_keeps_the_conversion(tmp_path, file_format):
 
 
 def test_arrow_record_batches_hold_large_records_by_bytes(tmp_path, monkeypatch):
-    from loadopt.storage import arrow_format
+    from loadopt.storage.forms import arrow_format
 
     monkeypatch.setattr(arrow_format, "RECORD_BATCH_BYTES", 100_000)  # a few records a record batch
     config, dataset = records_dataset(tmp_path, "npz")
@@ -119,7 +119,7 @@ def test_kvikio_reads_records_with_cufile(tmp_path):
     if not available:
         pytest.skip(reason)
     config, dataset = records_dataset(tmp_path, "raw")
-    from loadopt.loaders.kvikio_loader import KvikioLoader
+    from loadopt.loaders.kvikio.loader import KvikioLoader
 
     loader = KvikioLoader(dataset, config.pipeline, PosixSettings(), seed=3, device=torch.device("cuda"))
     check_records(dataset, host_batches(loader))
@@ -134,7 +134,7 @@ def test_backends_that_do_not_read_records_say_why(tmp_path):
 
 @pytest.mark.parametrize("to", ["raw", "arrow"])
 def test_conversions_store_records_whole(tmp_path, to):
-    from loadopt.storage import conversions
+    from loadopt.storage.forms import conversions
 
     config, dataset = records_dataset(tmp_path, "npz")
     form = conversions.converted_form(config.pipeline, "decoded", None, "auto", False, "--size", records=True)

@@ -75,7 +75,7 @@ def test_an_outside_entry_point_with_a_builtins_name_is_warned_about_and_the_bui
     text = " ".join(str(w.message) for w in caught)
     assert "clashing_backend:MyTorch" in text and registry.BUILTINS["torch"] in text and "clashing-backend" in text
     assert names.count("torch") == 1
-    assert registry.backend_class("torch").__module__ == "loadopt.loaders.torch_loader"
+    assert registry.backend_class("torch").__module__ == "loadopt.loaders.torch_dl.loader"
 
 
 def test_an_entry_point_naming_the_builtins_own_target_is_no_clash(tmp_path, monkeypatch):
@@ -115,8 +115,8 @@ def declaring_package(tmp_path, monkeypatch):
 
 
 def test_attribution_holds_an_outside_backend_to_the_ceiling_it_declares(declaring_package):
-    from loadopt.bench.attribution import declared_work_kind
-    from loadopt.schema_ceilings import Job
+    from loadopt.bench.attribution.verdicts import declared_work_kind
+    from loadopt.schema.ceilings import Job
 
     from .test_attribution import CEILINGS, JOB, attribute, metrics
 
@@ -159,7 +159,7 @@ def test_the_builtins_declare_what_bounds_them():
 
 
 def test_supports_says_which_datasets_a_backend_reads():
-    from loadopt.storage.tokens import TokenDataset
+    from loadopt.storage.sources.tokens import TokenDataset
 
     tokens = TokenDataset.__new__(TokenDataset)
     assert registry.backend_class("torch").supports(tokens) == (True, "")

@@ -12,10 +12,10 @@ import torch
 
 from loadopt.bench.runner import run_bench
 from loadopt.config import PipelineConfig, config_from_dict
-from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.storage.imagefolder import open_dataset, scan_image_folder
-from loadopt.storage.remote import redact
-from loadopt.storage.tiers import tier_counters
+from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.storage.remote.access import redact
+from loadopt.storage.sources.imagefolder import open_dataset, scan_image_folder
+from loadopt.storage.tiers.stack import tier_counters
 
 from .conftest import make_image_folder, tiny_config_dict
 from .servers import nginx_server, python_http_server, s3_endpoint  # noqa: F401 - s3_endpoint is a fixture
@@ -144,7 +144,7 @@ def test_redact_every_url_form(text, expected):
 
 
 def test_credentials_in_an_s3_url_become_options_not_a_bucket_name():
-    from loadopt.storage.remote import open_url
+    from loadopt.storage.remote.access import open_url
 
     fs, path = open_url("s3://AKIAKEY:se%2Fcret@bucket/images", {"endpoint_url": "http://127.0.0.1:1"})
     assert path == "bucket/images" and fs.key == "AKIAKEY" and fs.secret == "se/cret"
@@ -230,7 +230,7 @@ def test_probe_reads_urls_with_credentials_and_keeps_them_out_of_its_results(htt
 
 
 def test_storage_failure_is_one_redacted_line_for_the_drivers_errors_and_keeps_a_bug_a_bug():
-    from loadopt.storage.remote import storage_failure
+    from loadopt.storage.remote.access import storage_failure
 
     exceptions = pytest.importorskip("botocore.exceptions")
     invalid = exceptions.ParamValidationError(report='Invalid bucket name "b!": Bucket name must match')

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from loadopt.config import config_from_dict
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.tiers import tier_counters
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.tiers.stack import tier_counters
 
 from .conftest import epoch_inputs, make_image_folder, prepared_loader, tiny_config_dict
 from .servers import s3_endpoint  # noqa: F401 - a fixture

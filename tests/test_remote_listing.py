@@ -1,4 +1,4 @@
-"""A remote dataset's saved listing (storage/remote_listing.py): over HTTP and S3 (moto) on loopback, with
+"""A remote dataset's saved listing (storage/remote/listing.py): over HTTP and S3 (moto) on loopback, with
 every request the servers receive counted, the first open lists and every later open sends no request
 at all (same fingerprint, same samples); `--relist` lists again and sees an added shard; a file removed or
 rewritten since the listing is one line naming it, when it was listed, and `--relist`."""
@@ -26,9 +26,9 @@ from loadopt import make_loader
 from loadopt.cli import app
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetChanged, DatasetError
-from loadopt.storage import remote_listing
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.remote_listing import ListingKey, SavedListing
+from loadopt.storage.remote import listing as remote_listing
+from loadopt.storage.remote.listing import ListingKey, SavedListing
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import make_image_folder
 from .faults import write_config

@@ -1,6 +1,6 @@
-"""A raw or Arrow conversion whose home is S3 (moto's server on loopback; storage/remote_shards.py): each shard's
+"""A raw or Arrow conversion whose home is S3 (moto's server on loopback; storage/remote/converted.py): each shard's
 data is uploaded by whichever process or Ray task wrote it, only the reference (manifest, entries, and the raw
-index rows or the Arrow outlines: storage/arrow_outline.py) stays on the local disk, another machine opens it from
+index rows or the Arrow outlines: storage/forms/arrow_outline.py) stays on the local disk, another machine opens it from
 the remote manifest and reference alone, a stopped conversion resumes from the shards already uploaded (a killed
 writer's temporary upload removed there), a damaged remote shard is named by the check, and a moved
 `storage.converted` converts at the new home. The data is byte for byte that of the same conversion made on the
@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from loadopt.errors import DatasetError
-from loadopt.storage import arrow_convert, arrow_format, conversions, raw_convert, raw_format, remote_shards
-from loadopt.storage.arrow_outline import Outline, outline_name
-from loadopt.storage.conversions import Conversion, ConvertedForm
-from loadopt.storage.convert_engines import ConvertEngine
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.forms import arrow_convert, arrow_format, conversions, raw_convert, raw_format
+from loadopt.storage.forms.arrow_outline import Outline, outline_name
+from loadopt.storage.forms.conversions import Conversion, ConvertedForm
+from loadopt.storage.forms.engine import ConvertEngine
+from loadopt.storage.remote import converted as remote_shards
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import epoch_inputs, prepared_loader
 from .servers import s3_endpoint  # noqa: F401 - a fixture

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadopt.loaders.sampler import EpochOrder, ShardWindows
-from loadopt.storage.shards import ShardTable
+from loadopt.storage.sources.shards import ShardTable
 
 from .backends import delay_loader
 

@@ -1,4 +1,4 @@
-"""The one sequential reader (storage/sequential.py): budgets, passes, O_DIRECT fallback, fsspec."""
+"""The one sequential reader (storage/tiers/sequential.py): budgets, passes, O_DIRECT fallback, fsspec."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import fsspec
 import pytest
 
 from loadopt.errors import DatasetError
-from loadopt.storage.sequential import read_sequential
+from loadopt.storage.tiers.sequential import read_sequential
 
 
 @pytest.fixture

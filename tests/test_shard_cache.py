@@ -1,4 +1,4 @@
-"""The bounded local cache of remote shards (`storage.cache_limit`, storage/shard_cache.py): a first epoch
+"""The bounded local cache of remote shards (`storage.cache_limit`, storage/remote/shard_cache.py): a first epoch
 fetches each shard once, a second asks the storage nothing; the folder never holds more than the limit and
 evicts the least recently used copy; fetching ahead never evicts a file it is about to need; processes
 sharing the cache end with intact copies; a killed fetch's temporary file is cleaned up."""
@@ -21,10 +21,11 @@ import pytest
 from loadopt import make_loader
 from loadopt.config import config_from_dict
 from loadopt.config_models import byte_size
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.shard_cache import ShardCacheFileSystem, shard_files_in_order
-from loadopt.storage.shards import shard_table
-from loadopt.storage.tiers import TierSpec, tier_counters, tier_filesystem
+from loadopt.storage.remote.shard_cache import ShardCacheFileSystem, shard_files_in_order
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.sources.shards import shard_table
+from loadopt.storage.tiers.spec import TierSpec
+from loadopt.storage.tiers.stack import tier_counters, tier_filesystem
 
 from .cache_serving import (
     CountingHandler,
@@ -220,7 +221,7 @@ def test_a_killed_fetch_is_cleaned_up_and_fetched_again(served, own_cache):
 def test_a_file_larger_than_the_limit_is_read_through_and_said_once(served, own_cache, caplog):
     url, root = served
     fs, names = _tier(url, own_cache, 1000)
-    with caplog.at_level(logging.WARNING, logger="loadopt.storage.shard_cache"):
+    with caplog.at_level(logging.WARNING, logger="loadopt.storage.remote.shard_cache"):
         assert fs.cat_file(names[0], 0, 10) == (root / "shards" / "train-000000.tar").read_bytes()[:10]
         fs.cat_file(names[1], 0, 10)
     assert not list((fs.store.folder / "files").iterdir())
@@ -243,7 +244,7 @@ def test_make_loader_through_the_cache_delivers_the_same_labels(served, own_cach
 
 def test_a_local_dataset_is_not_cached_and_says_why(served, caplog):
     _, root = served
-    with caplog.at_level(logging.INFO, logger="loadopt.storage.shard_cache"):
+    with caplog.at_level(logging.INFO, logger="loadopt.storage.remote.shard_cache"):
         dataset = open_dataset(cache_config(str(root / "shards"), "1GB"))
     assert not isinstance(dataset.fs, ShardCacheFileSystem)
     assert [r.getMessage() for r in caplog.records if "storage.cache_limit" in r.getMessage()] == [
@@ -270,7 +271,7 @@ def test_cache_limit_sizes(text, size):
 
 
 def test_the_cache_folder_is_keyed_by_location_and_endpoint(own_cache):
-    from loadopt.storage.shard_cache import cache_key
+    from loadopt.storage.remote.shard_cache import cache_key
 
     assert cache_key("s3://b/x", {"endpoint_url": "http://a:1"}) != cache_key("s3://b/x", {"endpoint_url": "http://b:1"})
     assert cache_key("s3://k:secret@b/x", None) == cache_key("s3://other:key@b/x", None)  # never the secret

@@ -1,4 +1,4 @@
-"""The shard cache fetching ahead (storage/cache_fetch.py): the loader hands it its epoch's files in the order
+"""The shard cache fetching ahead (storage/remote/cache_fetch.py): the loader hands it its epoch's files in the order
 it reads them, a first open's indexing leaves copies the first epoch reads, and each file goes out as range
 requests several at once, in the files' order."""
 
@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from loadopt import make_loader
-from loadopt.storage import cache_fetch
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.shard_cache import ShardCacheFileSystem, shard_files_in_order
-from loadopt.storage.tiers import tier_counters
+from loadopt.storage.remote import cache_fetch
+from loadopt.storage.remote.shard_cache import ShardCacheFileSystem, shard_files_in_order
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.tiers.stack import tier_counters
 
 from .cache_serving import CountingHandler, cache_config, dataset_files
 

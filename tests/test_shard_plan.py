@@ -1,4 +1,4 @@
-"""The shards of a conversion, planned before any is written (storage/shard_work.py `plan_shards`): whole
+"""The shards of a conversion, planned before any is written (storage/forms/shard_work.py `plan_shards`): whole
 source shards grouped up to the size, a source shard larger than it cut between samples, a sample larger than
 it alone, a reused segment one shard; and the engine's options checked before anything runs."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from loadopt.errors import ConfigError
-from loadopt.storage import shard_work
-from loadopt.storage.convert_engines import ConvertEngine
-from loadopt.storage.shard_work import Segment, ShardJob, plan_shards
+from loadopt.storage.forms import shard_work
+from loadopt.storage.forms.engine import ConvertEngine
+from loadopt.storage.forms.shard_work import Segment, ShardJob, plan_shards
 
 
 def spans(jobs: list[ShardJob]) -> list[tuple[int, int]]:
@@ -81,7 +81,7 @@ def test_engine_options_are_one_line(engine, line):
 
 
 def test_ray_not_installed_is_one_line(monkeypatch, tmp_path):
-    from loadopt.storage import convert_engines
+    from loadopt.storage.forms import engines as convert_engines
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ConfigError, match=r"--engine ray needs Ray: pip install 'loadopt\[ray\]'"), \

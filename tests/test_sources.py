@@ -18,10 +18,11 @@ import pytest
 from loadopt import make_loader
 from loadopt.config import load_config
 from loadopt.errors import DatasetError
-from loadopt.storage import parquet_source, webdataset_source
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.parquet_source import open_parquet
-from loadopt.storage.webdataset_source import open_webdataset
+from loadopt.storage.sources import parquet as parquet_source
+from loadopt.storage.sources import webdataset as webdataset_source
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.sources.parquet import open_parquet
+from loadopt.storage.sources.webdataset import open_webdataset
 
 from .conftest import make_image_folder, tiny_config_dict
 from .servers import python_http_server, s3_endpoint  # noqa: F401 - s3_endpoint is a fixture
@@ -254,7 +255,7 @@ def test_bench_under_skip_counts_and_names_what_it_left_out(tmp_path, image_fold
     from typer.testing import CliRunner
 
     from loadopt.cli import app
-    from loadopt.schema import ResultsFile
+    from loadopt.schema.results import ResultsFile
 
     from .source_files import LONG_KEY
 
@@ -283,7 +284,7 @@ def test_webdataset_peer_reads_the_datasets_own_shards(tmp_path, image_folder, o
     import torch
 
     from loadopt.loaders.registry import backend_class
-    from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
+    from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
 
     samples = folder_samples(image_folder)
     write_shards(tmp_path / "shards", samples, per_shard=5, extra=True)

@@ -1,4 +1,4 @@
-"""Stages run apart (bench/stages.py): a loader slowed in decode is prep-bound, a slow tier fetch-bound, and
+"""Stages run apart (bench/attribution/stages.py): a loader slowed in decode is prep-bound, a slow tier fetch-bound, and
 the stage verdict on constructed stages."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loadopt.bench.ceilings import measure_ceilings
+from loadopt.bench.attribution.ceilings import measure_ceilings
 from loadopt.config import config_from_dict
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import tiny_config_dict
 
@@ -21,7 +21,7 @@ def stage_case(tmp_path, cache: str, loaders=None):
 
 
 def stages_of(config):
-    from loadopt.bench import stages
+    from loadopt.bench.attribution import stages
     from loadopt.loaders.registry import backend_class
 
     dataset = open_dataset(config)
@@ -68,7 +68,7 @@ def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
     import threading
     import time
 
-    from loadopt.bench import stages
+    from loadopt.bench.attribution import stages
     from loadopt.loaders.shard_reader import PosixReader
 
     rate, link = 1e6, threading.Lock()
@@ -96,8 +96,8 @@ def test_stages_name_the_fetch_when_the_tier_is_slow(tmp_path, monkeypatch):
 
 
 def test_stage_verdict_on_constructed_stages():
-    from loadopt.bench import stages
-    from loadopt.schema_ceilings import Job, Stages
+    from loadopt.bench.attribution import stages
+    from loadopt.schema.ceilings import Job, Stages
 
     def stage_verdict(measured: dict, job: dict) -> stages.StageVerdict:
         """`stages.stage_verdict` on stages and a job written as results.json holds them."""

@@ -14,9 +14,9 @@ import torch
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError, StorageError
-from loadopt.schema import ResultsFile
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.tiers import tier_counters
+from loadopt.schema.results import ResultsFile
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.tiers.stack import tier_counters
 
 from .conftest import epoch_inputs, make_image_folder, prepared_loader, tiny_config_dict
 from .test_kvikio import cpu_jpeg_decoder
@@ -54,9 +54,9 @@ def test_every_backend_reads_through_the_tier(tmp_path, backend, settings):
 
 
 def test_kvikio_reads_through_the_tier_into_host_memory(tmp_path):
-    from loadopt.loaders.kvikio_loader import KvikioLoader
-    from loadopt.loaders.posix_loader import PosixSettings
-    from loadopt.storage.tier_reads import TierReader
+    from loadopt.loaders.kvikio.loader import KvikioLoader
+    from loadopt.loaders.posix.loader import PosixSettings
+    from loadopt.storage.forms.tier_reads import TierReader
 
     config = _config(tmp_path, FAST_TIER)
     dataset = open_dataset(config)

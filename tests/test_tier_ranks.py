@@ -11,8 +11,8 @@ import sys
 
 import yaml
 
-from loadopt.bench.tier_plan import demand
 from loadopt.config import config_from_dict
+from loadopt.procurement.plan import demand
 
 from .conftest import REPO
 
@@ -52,7 +52,7 @@ def test_two_nodes_over_torchrun_find_what_one_process_finds(tmp_path, cache_dir
     one = json.loads((tmp_path / "single" / "tiers.json").read_text())["tiers"][0]
     result = json.loads((tmp_path / "multi" / "tiers.json").read_text())
     assert result["consumer"]["torchrun"] == {"ranks": 4, "nodes": 2,
-                                              "note": "each rank one emulated accelerator (bench/tier_ranks.py)"}
+                                              "note": "each rank one emulated accelerator (procurement/ranks.py)"}
     many = result["tiers"][0]
     # the truth is 3 by construction; one process and the torchrun job each find it (within one accelerator)
     assert abs(one["accelerators_supported"] - 3) <= 1, one["trials"]

@@ -10,8 +10,8 @@ import torch
 
 from loadopt.config import PipelineConfig
 from loadopt.errors import DatasetError
-from loadopt.loaders.torch_loader import TorchLoader, TorchSettings
-from loadopt.storage.imagefolder import scan_image_folder
+from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.storage.sources.imagefolder import scan_image_folder
 
 from .conftest import make_image_folder
 

@@ -15,7 +15,7 @@ from loadopt import make_loader
 from loadopt.config import load_config
 from loadopt.errors import ConfigError
 from loadopt.loaders.sampler import EpochOrder, ShardWindows
-from loadopt.storage.shards import ShardTable
+from loadopt.storage.sources.shards import ShardTable
 
 from .conftest import make_image_folder, tiny_config_dict
 from .source_files import folder_samples, write_shards
@@ -81,8 +81,8 @@ def test_the_order_refuses_a_table_of_another_dataset():
 
 
 def test_a_webdataset_s_shards_are_its_tar_files(tmp_path, image_folder, own_cache):
-    from loadopt.storage.shards import shard_table
-    from loadopt.storage.webdataset_source import open_webdataset
+    from loadopt.storage.sources.shards import shard_table
+    from loadopt.storage.sources.webdataset import open_webdataset
 
     samples = folder_samples(image_folder)
     write_shards(tmp_path / "shards", samples, per_shard=5)
@@ -160,8 +160,8 @@ def test_shuffle_quality_scores_a_permutation_near_one_and_storage_order_near_ze
 
 def test_a_webdataset_keeps_its_shard_table_in_its_index(tmp_path, image_folder, own_cache):
     """The table comes from the saved index (`shard_bounds`), not from reading every sample's shard number."""
-    from loadopt.storage.shards import shard_table
-    from loadopt.storage.webdataset_source import open_webdataset
+    from loadopt.storage.sources.shards import shard_table
+    from loadopt.storage.sources.webdataset import open_webdataset
 
     write_shards(tmp_path / "shards", folder_samples(image_folder), per_shard=5)
     dataset = open_webdataset(str(tmp_path / "shards"))
@@ -173,9 +173,9 @@ def test_a_webdataset_keeps_its_shard_table_in_its_index(tmp_path, image_folder,
 
 def test_parquet_and_record_datasets_keep_their_shard_tables(tmp_path, image_folder, own_cache):
     from loadopt.config import config_from_dict
-    from loadopt.storage.imagefolder import open_dataset
-    from loadopt.storage.parquet_source import open_parquet
-    from loadopt.storage.shards import ShardTable, shard_table
+    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.sources.parquet import open_parquet
+    from loadopt.storage.sources.shards import ShardTable, shard_table
 
     from .source_files import write_parquet
 

@@ -1,1 +1,1 @@
-"""The measuring harness, its metrics, the emulated accelerator and results files."""
+"""The `loadopt bench` harness: plays the job against each loader setting, measures, tunes, ranks and decides."""

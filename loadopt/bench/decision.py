@@ -26,7 +26,7 @@ from loadopt.bench.metrics import median
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text, cache_dir, is_no_space
 from loadopt.machine import MachineInfo, library_versions, machine_fingerprint, machine_info
-from loadopt.schema import (
+from loadopt.schema.results import (
     SCHEMA_VERSION,
     ConfigDump,
     Decision,
@@ -55,7 +55,7 @@ def storage_tier(tier: str | dict[str, Any], root: str) -> str:
     """The tier the dataset is read from: the config's tier (its name: never an inline tier's options,
     which may hold credentials) and, for local data, the filesystem type of the folder it sits in
     (`local:ext4`, `local:nfs4`, `local:tmpfs`); a URL's scheme otherwise."""
-    from loadopt.storage.tiers import tier_label
+    from loadopt.storage.tiers.spec import tier_label
 
     if not isinstance(tier, str):  # a name already is safe (and may be a label of an inline tier)
         tier = tier_label(tier)

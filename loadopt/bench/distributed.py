@@ -42,9 +42,9 @@ from loadopt.bench.rank_report import RankReport, ToldFailure
 from loadopt.device import Elapsed, resolve_device
 from loadopt.errors import LoadoptError, Terminated
 from loadopt.machine import usable_cores
-from loadopt.schema import ResultsFile
-from loadopt.schema_ceilings import Ceilings
-from loadopt.schema_metrics import RepeatMetrics
+from loadopt.schema.ceilings import Ceilings
+from loadopt.schema.metrics import RepeatMetrics
+from loadopt.schema.results import ResultsFile
 
 T = TypeVar("T")
 

@@ -33,9 +33,9 @@ from loadopt.bench.metrics import BatchProbe, window_metrics
 from loadopt.bench.monitor import ProcessTreeMonitor
 from loadopt.device import DeviceTransfer, Elapsed, EmulatedStream, HostCopyDone, StreamWork, TransferTiming
 from loadopt.loaders.base import HostBatch, Loader
-from loadopt.schema_metrics import RepeatMetrics
-from loadopt.storage.probe_readers import sleep_until
-from loadopt.storage.tiers import tier_counters
+from loadopt.schema.metrics import RepeatMetrics
+from loadopt.storage.tiers.probe_readers import sleep_until
+from loadopt.storage.tiers.stack import tier_counters
 
 
 @dataclass

@@ -31,7 +31,7 @@ import numpy as np
 
 from loadopt.bench.monitor import TreeUsage
 from loadopt.device import Elapsed
-from loadopt.schema_metrics import Figure, RepeatMetrics, RunMetrics, Spread
+from loadopt.schema.metrics import Figure, RepeatMetrics, RunMetrics, Spread
 
 # Metrics that describe the run rather than vary with it are not aggregated over repeats.
 NOT_AGGREGATED = ("h2d_pinned", "h2d_emulated")

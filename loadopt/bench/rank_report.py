@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loadopt.schema_metrics import DeliveredEpoch, RepeatMetrics
+from loadopt.schema.metrics import DeliveredEpoch, RepeatMetrics
 
 
 @dataclass(frozen=True)

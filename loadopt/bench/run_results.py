@@ -17,7 +17,7 @@ from loadopt.errors import LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import configured_loader
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema import (
+from loadopt.schema.results import (
     SCHEMA_VERSION,
     CacheSection,
     DatasetSection,
@@ -28,9 +28,10 @@ from loadopt.schema import (
     knobs_of,
 )
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.remote import redact
-from loadopt.storage.tier_reads import bounded_by_base, bytes_source
-from loadopt.storage.tiers import resolve_tier, sum_counters
+from loadopt.storage.forms.placement import bounded_by_base, bytes_source
+from loadopt.storage.remote.access import redact
+from loadopt.storage.tiers.spec import resolve_tier
+from loadopt.storage.tiers.stack import sum_counters
 
 
 @dataclass

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadopt.bench import attribution, decision, distributed, stages, tuner
-from loadopt.bench import ceilings as ceiling_measures
+from loadopt.bench import decision, distributed, tuner
 from loadopt.bench.accelerator import make_accelerator
+from loadopt.bench.attribution import ceilings as ceiling_measures
+from loadopt.bench.attribution import stages
+from loadopt.bench.attribution import verdicts as attribution
 from loadopt.bench.decision import decision_path  # noqa: F401 - where auto's decisions live, kept importable here
 from loadopt.bench.harness import NothingDelivered, RepeatResult, run_repeat
 from loadopt.bench.metrics import median
@@ -36,12 +38,13 @@ from loadopt.errors import LoadoptError, OutputError, StorageError, Terminated, 
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
-from loadopt.schema import ResultsFile, RunStatus, RunTuned, as_dict
-from loadopt.schema_ceilings import Ceilings, Verdict
+from loadopt.schema.ceilings import Ceilings, Verdict
+from loadopt.schema.results import ResultsFile, RunStatus, RunTuned, as_dict
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.imagefolder import open_dataset
-from loadopt.storage.pagecache import evict_for_cold
-from loadopt.storage.tiers import counters_delta, sum_counters, tier_counters, tier_failure, tier_label
+from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.tiers.pagecache import evict_for_cold
+from loadopt.storage.tiers.spec import tier_label
+from loadopt.storage.tiers.stack import counters_delta, sum_counters, tier_counters, tier_failure
 
 log = logging.getLogger(__name__)
 
@@ -129,17 +132,17 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
     is false, in which case a missing conversion is an error. `attribute` (default) also measures the
-    machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution.py).
+    machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution/verdicts.py).
     `tune` first searches each backend's knobs within `budget_s` seconds (bench/tuner.py) and then
     measures each backend's best setting; `attribute_stages` (implied by `tune`) runs the stages of each
-    backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/stages.py).
+    backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/attribution/stages.py).
 
     The folder `out` is only written once a setting was measured: a bench that measured nothing (every
     setting unavailable or failing, a user error or an interrupt before the first run finished) leaves it
     as it was. One that measured part writes what it measured, each setting not run with the reason; a
     user error then is raised after the writing, or returned in `BenchOutcome.error` with
     `return_errors` (the CLI, which prints the runs and writes the report before the error). `relist` lists
-    the dataset again and saves the new listing (storage/remote_listing.py). `stop_requested` says whether a
+    the dataset again and saves the new listing (storage/remote/listing.py). `stop_requested` says whether a
     stop came whose exception got lost (it is honoured at the next setting's boundary).
 
     From the first measured setting on, results.json and timings.parquet are rewritten after every setting
@@ -250,7 +253,7 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
                                                    ranks.device))
     try:
         if request.attribute and any(s.status == RunStatus.OK for s in plan):
-            # The decode ceiling runs as many worker processes as the busiest setting (bench/parallel.py).
+            # The decode ceiling runs as many worker processes as the busiest setting (bench/attribution/parallel.py).
             workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == RunStatus.OK)
             done.ceilings = ranks.alone(lambda: ceiling_measures.measure_ceilings(config, dataset, ranks.device,
                                                                                   ranks.decode_workers(workers)))

@@ -33,7 +33,7 @@ from loadopt.errors import ConfigError, Terminated, shown_name
 
 if TYPE_CHECKING:
     from loadopt.bench.runner import BenchOutcome
-    from loadopt.schema import ResultsFile
+    from loadopt.schema.results import ResultsFile
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -191,7 +191,7 @@ def _print_results(results: ResultsFile) -> None:
 
 def _print_verdicts(results: ResultsFile) -> None:
     """The measured ceilings, then one bottleneck verdict per backend's best setting."""
-    from loadopt.bench.attribution import ceilings_summary
+    from loadopt.bench.attribution.verdicts import ceilings_summary
 
     if results.ceilings is not None:
         summary = ceilings_summary(results.ceilings)

@@ -18,7 +18,7 @@ from loadopt.errors import LoadoptError, Terminated
 from loadopt.progress import Reporter
 
 if TYPE_CHECKING:
-    from loadopt.schema_metrics import RepeatMetrics
+    from loadopt.schema.metrics import RepeatMetrics
 
 # Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
 WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
@@ -28,7 +28,7 @@ err_console = Console(stderr=True, width=WIDTH)
 SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set workload.step_time_ms=40 "
                                              "(repeatable; the value is parsed as YAML).")
 # Every command that opens the config's dataset takes it: a remote dataset's listing is saved on its first
-# open and never refreshed by itself (storage/remote_listing.py).
+# open and never refreshed by itself (storage/remote/listing.py).
 RelistOption = typer.Option(False, "--relist", help="List the dataset's files again and save the new listing (a "
                             "remote dataset's is saved on its first open and reused; a local ImageFolder's while "
                             "its folders are unchanged).")

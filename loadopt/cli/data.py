@@ -1,7 +1,7 @@
 """The dataset commands of the `loadopt` CLI: `make-dataset` (generate or check the config's dataset),
 `import-dlio` (a DLIO workload file as a config), `recompress` (tar shards' JPEGs as JPEG XL, losslessly)
 and `convert` (to a backend's format, cached; `--verify` checks it, `--force` rebuilds it). Thin commands over
-loadopt/storage/ (the formats and their conversions: storage/conversions.py); registered on the app in
+loadopt/storage/ (the formats and their conversions: storage/forms/conversions.py); registered on the app in
 loadopt/cli/__init__.py.
 """
 
@@ -31,7 +31,7 @@ def make_dataset(
 ) -> None:
     """Generate (or check) the config's dataset, and nothing else."""
     from loadopt.config import load_config
-    from loadopt.storage.imagefolder import open_dataset
+    from loadopt.storage.sources.imagefolder import open_dataset
 
     with user_errors(), terminate_as_interrupt() as terminated:
         cfg = load_config(config, set_ or [])
@@ -86,10 +86,10 @@ def convert(
     """Convert the config's dataset to a backend's format (cached; reused when already done), on this machine or
     across a Ray cluster (docs/scale.md)."""
     from loadopt.config import load_config
-    from loadopt.storage import conversions
-    from loadopt.storage.convert_engines import ConvertEngine
-    from loadopt.storage.imagefolder import open_dataset
-    from loadopt.storage.tokens import TokenDataset
+    from loadopt.storage.forms import conversions
+    from loadopt.storage.forms.engine import ConvertEngine
+    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.sources.tokens import TokenDataset
 
     with user_errors(), terminate_as_interrupt() as terminated:
         conversions.check_options(to, frame, size, shard_mib)
@@ -99,7 +99,7 @@ def convert(
             reporter = RichReporter(progress, terminated)
             try:
                 # --verify lists the dataset again too: a file rewritten in place or touched changes no
-                # folder's mtime, so only its own stat tells (storage/manifest.py).
+                # folder's mtime, so only its own stat tells (storage/sources/manifest.py).
                 dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist or verify)
                 form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
                                                   frame, isinstance(dataset, TokenDataset), where="--size",
@@ -136,7 +136,7 @@ def recompress(
     fifth fewer bytes to store and move; loadopt reads each back as the very JPEG (docs/workloads.md)."""
     from pathlib import Path
 
-    from loadopt.storage.recompress import recompress_shards
+    from loadopt.storage.forms.recompress import recompress_shards
 
     with user_errors(), terminate_as_interrupt() as terminated, progress_bar() as progress:
         task = progress.add_task("recompressing shards", total=None)

@@ -14,8 +14,8 @@ from loadopt.errors import Terminated
 
 
 def setup_logging(verbose: bool) -> None:
-    """Log to stderr, every record with its credentials redacted (storage/remote.py)."""
-    from loadopt.storage.remote import RedactingFilter
+    """Log to stderr, every record with its credentials redacted (storage/remote/access.py)."""
+    from loadopt.storage.remote.access import RedactingFilter
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
     for handler in logging.getLogger().handlers:
@@ -95,6 +95,6 @@ def redacted_excepthook(kind: type[BaseException], exc: BaseException, tb: Any) 
     """A bug keeps its traceback, without the credentials a URL in it may hold."""
     import traceback
 
-    from loadopt.storage.remote import redact
+    from loadopt.storage.remote.access import redact
 
     sys.stderr.write(redact("".join(traceback.format_exception(kind, exc, tb))))

@@ -15,7 +15,7 @@ from loadopt.errors import Terminated
 
 if TYPE_CHECKING:
     from loadopt.config_models import Config
-    from loadopt.schema_serve import ServeResults
+    from loadopt.schema.serve import ServeResults
 
 
 def run_serve(cfg: Config, names: list[str] | None, out: str | None, quick: bool, slo_ms: float | None,

@@ -1,6 +1,6 @@
 """The storage commands of the `loadopt` CLI: `probe` (what a location delivers) and `tiers` (how many
-accelerators each storage tier keeps busy). Thin commands over loadopt/storage/probe.py and
-loadopt/bench/procurement.py; registered on the app in loadopt/cli/__init__.py, their tables in tables.py.
+accelerators each storage tier keeps busy). Thin commands over loadopt/storage/tiers/probe.py and
+loadopt/procurement/run.py; registered on the app in loadopt/cli/__init__.py, their tables in tables.py.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from loadopt.errors import Terminated
 from loadopt.progress import Reporter, TiersProgress
 
 if TYPE_CHECKING:
-    from loadopt.bench.tier_results import TiersRun
     from loadopt.config_models import Config
+    from loadopt.procurement.results import TiersRun
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -92,9 +92,9 @@ def probe(
     import os
 
     from loadopt.files import atomic_write_text, discard_output, prepare_output
-    from loadopt.storage.probe import parse_size
-    from loadopt.storage.probe import probe as run_probe
-    from loadopt.storage.remote import open_url, redact
+    from loadopt.storage.remote.access import open_url, redact
+    from loadopt.storage.tiers.probe import parse_size
+    from loadopt.storage.tiers.probe import probe as run_probe
 
     with user_errors():
         block_sizes = tuple(parse_size(b, "--blocks") for b in blocks.split(",") if b.strip())
@@ -105,7 +105,8 @@ def probe(
             fs = None
             path = url
             if tier is not None:
-                from loadopt.storage.tiers import resolve_tier, tier_filesystem
+                from loadopt.storage.tiers.spec import resolve_tier
+                from loadopt.storage.tiers.stack import tier_filesystem
 
                 spec = resolve_tier(tier, where="--tier")
                 base_fs, path = open_url(os.path.expanduser(url))
@@ -134,7 +135,7 @@ def probe(
 
 def _tier_names(cfg: Config, tier_names: str | None) -> list[str | dict[str, Any]]:
     """The tiers asked for: `--tiers`, else the config's storage.tier when it is not local, else every profile."""
-    from loadopt.storage.tiers import load_tier_profiles
+    from loadopt.storage.tiers.spec import load_tier_profiles
 
     if tier_names:
         return [t.strip() for t in tier_names.split(",") if t.strip()]
@@ -176,7 +177,7 @@ def _write_tiers(result: TiersRun, folder: Path, existed: bool) -> Path:
     """tiers.json in `folder`; a run stopped before any tier finished writes nothing, leaves the folder as it
     was and exits (143 for SIGTERM, else 130)."""
     from loadopt.files import atomic_write_text, discard_output
-    from loadopt.schema import results_text
+    from loadopt.schema.results import results_text
 
     stopped = result.interrupted_by
     if stopped and not result.tiers:
@@ -219,9 +220,9 @@ def tiers(
     """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
     and which backend is fastest through it."""
     from loadopt.bench.distributed import launched_rank
-    from loadopt.bench.tier_ranks import run_tiers_here
     from loadopt.config import load_config
     from loadopt.files import prepare_output
+    from loadopt.procurement.ranks import run_tiers_here
 
     interrupted: list[bool] = []
     with user_errors(), terminate_as_interrupt(interrupted) as terminated:
@@ -234,7 +235,7 @@ def tiers(
             measure, warmup, budget, backend_batches = min(measure, 1.0), min(warmup, 0.5), min(budget, 30.0), \
                 min(backend_batches, 8)
         with progress_bar() as progress:
-            # Alone, or one rank of `torchrun ... -m loadopt tiers` (each rank one accelerator: bench/tier_ranks.py)
+            # Alone, or one rank of `torchrun ... -m loadopt tiers` (each rank one accelerator: procurement/ranks.py)
             result = run_tiers_here(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
                                     warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
                                     progress=RichTiersProgress(progress, terminated, interrupted),

@@ -11,11 +11,11 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:  # the CLI's help stays light: the types only
-    from loadopt.bench.tier_results import TiersRun
+    from loadopt.procurement.results import TiersRun
     from loadopt.recipe import Recipe
-    from loadopt.schema import ResultsFile, Run
-    from loadopt.schema_metrics import RunMetrics
-    from loadopt.storage.probe import ProbeResult
+    from loadopt.schema.metrics import RunMetrics
+    from loadopt.schema.results import ResultsFile, Run
+    from loadopt.storage.tiers.probe import ProbeResult
 
 
 
@@ -51,7 +51,7 @@ def results_table(results: ResultsFile) -> Table:
     for rank, run in enumerate(ranked, start=1):
         m = run.metrics or {}
         fraction = run.fraction_of_ceiling
-        # The fraction of the ceiling that bounds this setting (bench/attribution.py), named in the verdicts.
+        # The fraction of the ceiling that bounds this setting (bench/attribution/verdicts.py), named in the verdicts.
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
         if run.ceiling is not None and run.ceiling.unreliable:  # > 110%: the ceiling was measured low (said below)
             of_ceiling = "[yellow]?[/]"

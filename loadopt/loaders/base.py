@@ -30,7 +30,7 @@ from loadopt.loaders.sampler import EpochOrder, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.shards import shard_table
+from loadopt.storage.sources.shards import shard_table
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torc
 
 
 class WorkKind(str, Enum):
-    """What bounds a loader setting: the work per sample whose measured capacity (bench/ceilings.py) the
+    """What bounds a loader setting: the work per sample whose measured capacity (bench/attribution/ceilings.py) the
     attribution holds the setting to."""
 
     JPEG_DECODE = "jpeg_decode"  # decode each source JPEG every epoch, crop, resize (the decode ceiling)
@@ -245,7 +245,7 @@ class Loader(ABC, Generic[SettingsT]):
     def bytes_source(self) -> str:
         """Where this setting's bytes come from (results.json `runs[i].bytes_source`, the `bytes from`
         column); known before `prepare` but for a conversion whose upload `prepare` finds refused."""
-        from loadopt.storage.tier_reads import bytes_source
+        from loadopt.storage.forms.placement import bytes_source
 
         return bytes_source(self.dataset, conversion=self.reads_conversion())
 
@@ -319,7 +319,7 @@ class Loader(ABC, Generic[SettingsT]):
         order = self.order()
         batches: Sequence[np.ndarray] = order.batches(self._position)
         if getattr(self.dataset, "fs", None) is not None:  # the bounded local cache of remote shards, if any,
-            from loadopt.storage.shard_cache import fetch_ahead  # fetches this epoch's files ahead
+            from loadopt.storage.remote.shard_cache import fetch_ahead  # fetches this epoch's files ahead
 
             fetch_ahead(self.dataset, batches, self.pipeline.shard_samples)
         unreadable = self.unreadable

@@ -34,7 +34,7 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.loaders import crops, transforms
-from loadopt.storage.pagecache import release_pages
+from loadopt.storage.tiers.pagecache import release_pages
 
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent is still there
 

@@ -28,8 +28,8 @@ from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch, Layout
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.records import RecordDataset
-from loadopt.storage.tokens import TokenDataset
+from loadopt.storage.sources.records import RecordDataset
+from loadopt.storage.sources.tokens import TokenDataset
 
 if TYPE_CHECKING:
     from loadopt.loaders.crop_processes import CropProcesses
@@ -229,7 +229,7 @@ class TokenWindows(Filler[np.ndarray]):
 
 
 class Records(Filler[np.ndarray]):
-    """Records (`records`, storage/records.py): each stored whole, its first `delivered_bytes` delivered into a
+    """Records (`records`, storage/sources/records.py): each stored whole, its first `delivered_bytes` delivered into a
     (batch, delivered_bytes) uint8 row, zero-padded (DLIO's `record_length_bytes_resize`), as the `torch`
     backend delivers them; every byte of a record is read from storage (the workload is the record's size)."""
 
@@ -262,7 +262,7 @@ class Records(Filler[np.ndarray]):
                          bytes_read=bytes_read, borrowed=True)
 
 
-# The host filler of each stored form (storage/conversions.py's `Form`).
+# The host filler of each stored form (storage/forms/conversions.py's `Form`).
 HOST_FILLERS: Mapping[str, type[Filler]] = {
     "decoded": CentreSquares, "frames": WholeFrames, "encoded": EncodedJpegs, "reencoded": Reencoded,
     "tokens": TokenWindows, "records": Records,

@@ -23,16 +23,16 @@ ENTRY_POINT_GROUP = "loadopt.loaders"
 # The one list of built-in backends. Kept here rather than as entry points in pyproject.toml: entry points
 # exist only once the package is installed, and loadopt must list its own backends when imported from a
 # checkout (PYTHONPATH, a vendored copy) too. Outside packages use the entry-point group.
-BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_loader:TorchLoader",
-                            "arrow": "loadopt.loaders.arrow_loader:ArrowLoader",
-                            "posix": "loadopt.loaders.posix_loader:PosixLoader",
-                            "kvikio": "loadopt.loaders.kvikio_loader:KvikioLoader",
-                            "dali": "loadopt.loaders.dali_loader:DaliLoader",
+BUILTINS: dict[str, str] = {"torch": "loadopt.loaders.torch_dl.loader:TorchLoader",
+                            "arrow": "loadopt.loaders.arrow.loader:ArrowLoader",
+                            "posix": "loadopt.loaders.posix.loader:PosixLoader",
+                            "kvikio": "loadopt.loaders.kvikio.loader:KvikioLoader",
+                            "dali": "loadopt.loaders.dali.loader:DaliLoader",
                             # other libraries' input paths, measured by the same harness (loaders/peer_*.py)
-                            "webdataset": "loadopt.loaders.peer_webdataset:WebDatasetLoader",
-                            "streaming": "loadopt.loaders.peer_streaming:StreamingLoader",
-                            "litdata": "loadopt.loaders.peer_litdata:LitDataLoader",
-                            "ffcv": "loadopt.loaders.peer_ffcv:FfcvLoader"}
+                            "webdataset": "loadopt.loaders.peers.webdataset:WebDatasetLoader",
+                            "streaming": "loadopt.loaders.peers.streaming:StreamingLoader",
+                            "litdata": "loadopt.loaders.peers.litdata:LitDataLoader",
+                            "ffcv": "loadopt.loaders.peers.ffcv:FfcvLoader"}
 
 LoaderT = TypeVar("LoaderT", bound=type[Loader[Any]])
 

@@ -28,10 +28,10 @@ from loadopt.loaders.crop_processes import CropProcesses, fork_available
 from loadopt.loaders.fillers import HOST_FILLERS, FillContext, Filler, WholeFrames
 from loadopt.loaders.transforms import decoder_name
 from loadopt.recipe import Recipe
-from loadopt.storage import conversions, tier_reads
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.records import RecordDataset
-from loadopt.storage.tokens import TokenDataset
+from loadopt.storage.forms import conversions, placement
+from loadopt.storage.sources.records import RecordDataset
+from loadopt.storage.sources.tokens import TokenDataset
 
 Producer = Callable[[queue.Queue, queue.Queue, threading.Event], None]
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class RingLoader(Loader[RingSettingsT]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # What it reads, resolved as `loadopt convert` resolves it (storage/conversions.py): the decoded
+        # What it reads, resolved as `loadopt convert` resolves it (storage/forms/conversions.py): the decoded
         # frame (`whole`: longer side <= pipeline.max_side, the JPEG paths' crop plan; `centre`: a
         # decoded_size square, the eval recipe; auto: whole for train), the stored form and the pixel size;
         # token windows and records whatever the settings ask for.
@@ -203,7 +203,7 @@ class RingLoader(Loader[RingSettingsT]):
         `worker_fillers`), writing into a ring in shared memory: not on CUDA (the ring is pinned there),
         nor where fork is unavailable, nor on a tier (read through it batch by batch, not mapped)."""
         return self.settings.crop_in == "processes" and issubclass(self.filler_class, self.worker_fillers) and \
-            self.device.type != "cuda" and fork_available() and tier_reads.conversion_tier(self.dataset) is None
+            self.device.type != "cuda" and fork_available() and placement.conversion_tier(self.dataset) is None
 
     @property
     def croppers(self) -> CropProcesses | None:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from loadopt.errors import DatasetError
-from loadopt.storage.raw_format import ALIGN, align_up
+from loadopt.storage.forms.raw_format import ALIGN, align_up
 
 HUGE_PAGE = 2 << 20
 

@@ -13,6 +13,6 @@ and the zero-code form `loadopt measure train.py ARGS` (also `python -m loadopt.
 
 from loadopt.measure.batch_structure import count_samples
 from loadopt.measure.measuring import Measurement, measure, measure_steps
-from loadopt.measure.script import ScriptError, main, run_script
+from loadopt.measure.script import ScriptError, run_script
 
-__all__ = ["Measurement", "ScriptError", "count_samples", "main", "measure", "measure_steps", "run_script"]
+__all__ = ["Measurement", "ScriptError", "count_samples", "measure", "measure_steps", "run_script"]

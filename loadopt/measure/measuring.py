@@ -44,7 +44,7 @@ from loadopt.measure.results import (
     write_json,
 )
 from loadopt.measure.results import write_ranked as _write_ranked
-from loadopt.schema_metrics import RepeatMetrics
+from loadopt.schema.metrics import RepeatMetrics
 
 log = logging.getLogger("loadopt.measure")
 F = TypeVar("F", bound=Callable[..., Any])

@@ -221,15 +221,3 @@ def verdicts_on_stderr() -> Iterator[None]:
         log.removeHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m loadopt.measure ARGS`: `loadopt measure ARGS`; returns the exit status."""
-    from loadopt.cli import app
-
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        app(["measure", *args], prog_name="python -m loadopt")
-    except SystemExit as exc:  # the command ends with the script's exit status, a usage error with 2
-        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    return 0

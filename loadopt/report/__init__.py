@@ -66,7 +66,7 @@ def _serving(paths: Sequence[PathLike]):
 
     from pydantic import ValidationError
 
-    from loadopt.schema_serve import ServeResults
+    from loadopt.schema.serve import ServeResults
 
     if not paths:
         return None

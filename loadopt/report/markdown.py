@@ -10,7 +10,6 @@ import re
 
 from loadopt.report.data import Results, Run, common_labels, stored_size
 
-
 # Only what a renderer would read as markup is escaped: a `<` that opens a tag, comment or autolink and an `&`
 # that opens an entity. A verdict's "<= 512 px" stays readable in the raw text, as typed.
 _OPENS_MARKUP = re.compile(r"&(?=#?\w+;)|<(?=[A-Za-z/!?])")

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from loadopt.report import plots
 from loadopt.report.html import CSS
-from loadopt.schema_serve import PathResult, ServeResults
+from loadopt.schema.serve import PathResult, ServeResults
 
 
 def _curve(results: ServeResults) -> Figure:

@@ -31,7 +31,7 @@ from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.machine import usable_cores
 from loadopt.progress import Reporter
-from loadopt.schema_serve import PathResult, ServeResults, ServerPoint
+from loadopt.schema.serve import PathResult, ServeResults, ServerPoint
 from loadopt.serve import latency
 from loadopt.serve.arrivals import offered_rate, poisson_arrivals, read_arrivals
 from loadopt.serve.offline import run_offline
@@ -39,7 +39,7 @@ from loadopt.serve.search import highest_rate_within
 from loadopt.serve.server import Batching, serve_one_at_a_time, serve_open_loop
 from loadopt.serve.step import ServingStep
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 
 WARMUP_REQUESTS = 16  # one at a time before a path's timed runs: first decodes, allocations, DALI's first batch
 QUICK_REQUESTS = 400  # --quick: requests per run
@@ -69,7 +69,7 @@ def run_serve_bench(config: Config, *, loaders: list[str] | None = None, out: st
                     quick: bool = False, reporter: Reporter | None = None, slo_ms: float | None = None,
                     convert: bool = True, relist: bool = False) -> ServeOutcome:
     """Measure every configured backend in `config.workload.scenario`; write serve.json into `out`. `relist`
-    lists the dataset again and saves the new listing (storage/remote_listing.py)."""
+    lists the dataset again and saves the new listing (storage/remote/listing.py)."""
     serve = serve_settings(config, quick, slo_ms)
     if config.workload.scenario == "train":
         raise ValueError("run_serve_bench runs the inference scenarios; train is run_bench's")

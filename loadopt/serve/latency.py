@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loadopt.schema_serve import LatencyParts, ServerPoint, SingleStream
+from loadopt.schema.serve import LatencyParts, ServerPoint, SingleStream
 from loadopt.serve.arrivals import offered_rate
 from loadopt.serve.server import RequestTimes
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from loadopt.device import DeviceTransfer
 from loadopt.loaders.base import Loader
-from loadopt.schema_serve import Offline
+from loadopt.schema.serve import Offline
 from loadopt.serve.step import ServingStep
 
 

@@ -16,9 +16,9 @@ from loadopt.device import DeviceTransfer, finish_inputs, resolve_device
 from loadopt.errors import ConfigError, DatasetError, describe_sample_error
 from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import Payload, RequestPath, Unservable
-from loadopt.schema_serve import ServeResults
+from loadopt.schema.serve import ServeResults
 from loadopt.serve.bench import best_path, inference_config
-from loadopt.storage.imagefolder import open_dataset
+from loadopt.storage.sources.imagefolder import open_dataset
 
 DEFAULT_BACKEND = "torch"  # a config naming no loader: torch's request paths
 

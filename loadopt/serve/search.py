@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loadopt.schema_serve import ServerPoint
+from loadopt.schema.serve import ServerPoint
 
 Trial = Callable[[float], ServerPoint]  # one open-loop run at a rate
 

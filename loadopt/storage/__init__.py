@@ -1,1 +1,1 @@
-"""Datasets: where samples live (local or fsspec), synthetic generation, page-cache control."""
+"""Datasets and their stored forms: sources opened by kind, conversions, storage tiers and remote storage."""

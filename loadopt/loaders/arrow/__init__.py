@@ -1,0 +1,1 @@
+"""The `arrow` backend: samples stored once in memory-mapped Arrow IPC files."""

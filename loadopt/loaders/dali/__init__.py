@@ -1,0 +1,1 @@
+"""The `dali` backend: NVIDIA DALI's native pipeline decodes, crops and normalises."""

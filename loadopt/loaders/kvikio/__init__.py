@@ -1,0 +1,1 @@
+"""The `kvikio` backend: raw shards read with cuFile straight into GPU memory."""

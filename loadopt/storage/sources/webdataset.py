@@ -1,0 +1,421 @@
+"""WebDataset tar shards as a dataset (`dataset.format: webdataset`): a folder of `.tar` shards or
+WebDataset's brace notation (`shards/train-{000000..000127}.tar`), local or any fsspec URL.
+
+A sample is the run of members sharing a key (WebDataset's rule: the member's name up to the first dot
+of its base name); its image is the member with an image extension, its label the integer in its `cls`
+member, or a field of its `json` member (`dataset.label_key`), kept as written (a label that is not a class
+is a sample error: storage/sources/format.py `class_numbers`). The index (shard, offset and length of each
+sample's image) is built by reading the tar headers, seeking over member data (only the small label
+members are read), and kept in the cache with the shards' fingerprint (names, sizes, modification
+times): a second open reads no shard. A sample is then one byte-range read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import fsspec
+import numpy as np
+
+from loadopt.errors import DatasetError
+from loadopt.files import cache_dir
+from loadopt.imaging import jxl
+from loadopt.storage.remote import listing as remote_listing
+from loadopt.storage.remote.access import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
+from loadopt.storage.remote.listing import ListedFile, ListingKey, SavedListing
+from loadopt.storage.sources import manifest
+from loadopt.storage.sources.format import (
+    BRACE,
+    GLOB_CHARS,
+    LABEL_RULE,
+    class_numbers,
+    expand_braces,
+    of_split,
+    raise_if_compressed,
+)
+from loadopt.storage.sources.shards import ShardTable
+
+log = logging.getLogger(__name__)
+
+IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "jxl")
+BLOCK = 512
+INDEX_BLOCK_BYTES = 8 << 20  # a remote shard's reads while it is indexed
+INDEX_STREAMS = 4  # remote shards indexed at once
+REGULAR_FILES = (b"0", b"\0", b"7")
+
+
+@dataclass
+class WebDataset:
+    """The samples of one split of tar shards: each image's shard, offset and length, and its label."""
+
+    root: str  # the shards' folder, as a path or URL
+    fs: fsspec.AbstractFileSystem
+    shards: np.ndarray  # fixed-width UTF-8 bytes, one per shard, as `fs` names them
+    shard_of: np.ndarray  # int64, each sample's shard
+    offsets: np.ndarray  # int64, where its image member's data starts in the shard
+    keys: np.ndarray  # fixed-width UTF-8 bytes: each sample's key, for messages
+    labels: np.ndarray  # int64
+    sizes: np.ndarray  # int64, the image member's bytes
+    classes: list[str]
+    fingerprint: str
+    left_out: list[str] = field(default_factory=list)  # samples without an image member or a class, empty shards
+    synthetic: bool = False
+    converted: str | None = None
+    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote/listing.py)
+    shard_bounds: np.ndarray | None = None  # where each shard's samples start (then their count): its shard table
+    file_keys: list[str] | None = None  # each shard's size, modification time and ETag, as listed
+    kind: ClassVar[str] = "images"
+    source_format: ClassVar[str] = "webdataset"
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def path(self, index: int) -> str:
+        start = int(self.offsets[index])
+        return (f"{self.shards[self.shard_of[index]].decode()} (sample {self.keys[index].decode()}, "
+                f"bytes {start}-{start + int(self.sizes[index])})")
+
+    def is_local(self) -> bool:
+        return is_local_fs(self.fs)
+
+    def local_files(self) -> list[str]:
+        return [s.decode() for s in self.shards] if self.is_local() else []
+
+    def read(self, index: int) -> bytes:
+        """The image member's bytes (a recompressed JPEG's JPEG: imaging/jxl.py): one `pread` on a local disk,
+        else one byte-range request."""
+        shard = self.shards[self.shard_of[index]].decode()
+        start, length = int(self.offsets[index]), int(self.sizes[index])
+        if self.is_local():
+            fd = os.open(shard, os.O_RDONLY)
+            try:
+                data = os.pread(fd, length, start)
+            finally:
+                os.close(fd)
+        else:
+            # The member's tar header comes along (512 bytes more in the same request): a shard rewritten on the
+            # server since it was listed moves its members, and the header then says so instead of the bytes
+            # being handed on as a damaged image.
+            shown = display_name(self.fs, shard)
+            data = remote_listing.read_listed(self.fs, shard, shown, self.listed_at, length + BLOCK, start - BLOCK,
+                                              start + length)
+            header, data = data[:BLOCK], data[BLOCK:]
+            if not _is_member_header(header, length):
+                key = self.keys[index].decode()
+                what = f"no tar header of a {length:,}-byte member at byte {start - BLOCK:,} (sample {key})"
+                if self.listed_at is not None:
+                    raise remote_listing.changed(shown, what, self.listed_at)
+                raise DatasetError(f"{shown}: {what}")
+        if len(data) != length:
+            raise DatasetError(f"{redact(self.path(index))}: cut short ({len(data)} of {length} bytes)")
+        return jxl.decodable(data)
+
+
+def _number(field_bytes: bytes) -> int:
+    """A tar header's numeric field: octal text, or GNU's base-256 (high bit set) for large values."""
+    if field_bytes[0] & 0x80:
+        return int.from_bytes(field_bytes[1:], "big")
+    text = field_bytes.split(b"\0", 1)[0].strip()
+    return int(text, 8) if text else 0
+
+
+def _is_member_header(header: bytes, size: int) -> bool:
+    """Whether `header` is a valid tar header (its checksum) of a regular member of `size` bytes."""
+    if len(header) != BLOCK or header.count(0) == BLOCK:
+        return False
+    try:
+        checksum, stored = sum(header[:148]) + 8 * 32 + sum(header[156:]), _number(header[148:156])
+        return stored == checksum and _number(header[124:136]) == size and header[156:157] in REGULAR_FILES
+    except ValueError:  # not octal: not a header
+        return False
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The `path` record of a pax extended header (`<length> <key>=<value>\\n` records)."""
+    position = 0
+    while position < len(data):
+        space = data.index(b" ", position)
+        length = int(data[position:space])
+        key, _, value = data[space + 1 : position + length - 1].partition(b"=")
+        if key == b"path":
+            return value.decode("utf-8", "surrogateescape")
+        position += length
+    return None
+
+
+def _header_name(header: bytes) -> str:
+    name = header[:100].split(b"\0", 1)[0]
+    if header[257:263] == b"ustar\0":  # POSIX ustar: a prefix field (GNU's header uses those bytes otherwise)
+        prefix = header[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def tar_members(read: Callable[[int, int], bytes], total: int, shown: str) -> list[tuple[str, int, int]]:
+    """(name, data offset, size) of each regular member of a tar of `total` bytes, read header by header
+    (GNU `././@LongLink` and pax long names applied to the member they precede)."""
+    members: list[tuple[str, int, int]] = []
+    offset, long_name = 0, None
+    while offset + BLOCK <= total:
+        header = read(offset, BLOCK)
+        if header.count(0) == BLOCK:  # the end-of-archive blocks
+            return members
+        checksum = sum(header[:148]) + 8 * 32 + sum(header[156:])
+        if len(header) < BLOCK or _number(header[148:156]) != checksum:
+            raise DatasetError(f"{shown}: not a tar header at offset {offset} (damaged or not a tar shard)")
+        size, kind = _number(header[124:136]), header[156:157]
+        data = offset + BLOCK
+        if data + size > total:
+            raise DatasetError(f"{shown}: truncated at offset {offset} (a member of {size} bytes; the file ends "
+                               f"at {total})")
+        if kind == b"L":
+            long_name = read(data, size).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        elif kind == b"x":
+            long_name = _pax_path(read(data, size)) or long_name
+        elif kind in REGULAR_FILES:
+            members.append((long_name or _header_name(header), data, size))
+            long_name = None
+        elif kind != b"K" and kind != b"g":  # folders, links: no sample data
+            long_name = None
+        offset = data + -(-size // BLOCK) * BLOCK
+    if offset < total:
+        raise DatasetError(f"{shown}: truncated at offset {offset} (a partial tar header)")
+    return members
+
+
+def _sample_key(name: str) -> tuple[str, str]:
+    """(key, extension) of a member name: WebDataset's split at the first dot of the base name."""
+    folder, _, base = name.rpartition("/")
+    stem, _, extension = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), extension.lower()
+
+
+def _label(members: dict[str, tuple[int, int]], read: Callable[[int, int], bytes], label_key: str | None,
+           where: str) -> object:
+    """The sample's label as written: its `cls` member's text, or the `label_key` field of its `json` member
+    (`class_numbers` makes it a class number)."""
+    if label_key is None:
+        if "cls" not in members:
+            raise DatasetError(f"{where}: no `cls` member (members: {', '.join(members)}); set dataset.label_key "
+                               "to the field of its `json` member that holds the label")
+        return read(*members["cls"]).strip().decode("utf-8", "replace")
+    if "json" not in members:
+        raise DatasetError(f"{where}: no `json` member for dataset.label_key {label_key!r} (members: "
+                           f"{', '.join(members)})")
+    try:
+        value = json.loads(read(*members["json"]))[label_key]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{where}: its `json` member has no field {label_key!r} ({type(exc).__name__})") from None
+    return value
+
+
+@dataclass
+class _ShardSamples:
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    labels: list[object] = field(default_factory=list)  # as written (`_label`)
+    label_members: list[str] = field(default_factory=list)  # the member each label was read from, for messages
+    left_out: list[str] = field(default_factory=list)
+
+
+def index_shard(read: Callable[[int, int], bytes], total: int, shown: str, label_key: str | None) -> _ShardSamples:
+    """The samples of one shard: the members of each key run, its image member and its label."""
+    found = _ShardSamples()
+    runs: list[tuple[str, dict[str, tuple[int, int]]]] = []
+    for name, offset, size in tar_members(read, total, shown):
+        key, extension = _sample_key(name)
+        if not runs or runs[-1][0] != key:
+            runs.append((key, {}))
+        runs[-1][1][extension] = (offset, size)
+    for key, members in runs:
+        image = next((m for m in members if m.rsplit(".", 1)[-1] in IMAGE_MEMBER_EXTENSIONS), None)
+        if image is None:
+            found.left_out.append(f"{shown} (sample {key}: no image member; members: {', '.join(members)})")
+            continue
+        found.labels.append(_label(members, lambda start, size: read(start, size), label_key,
+                                   f"{shown} (sample {key})"))
+        found.label_members.append(f"{key}.{'cls' if label_key is None else 'json'}")
+        found.offsets.append(members[image][0])
+        found.sizes.append(members[image][1])
+        found.keys.append(key)
+    return found
+
+
+def _reader(fs: fsspec.AbstractFileSystem, name: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
+    """read(offset, size) over shard `name` and its closer: `pread` locally, seeks over an fsspec file."""
+    if is_local_fs(fs):
+        fd = os.open(name, os.O_RDONLY)
+        return (lambda start, size: os.pread(fd, size, start)), (lambda: os.close(fd))
+    # Headers sit between the members' data, so indexing reads the shard start to end; in large blocks: a
+    # request a header (64 KiB blocks, one a ~110 KB photo) paid the store's latency a sample (60 s to the
+    # first batch of 1,000 photos at 20 ms a request, bench/webscale.py), 8 MiB blocks a few times a shard.
+    handle = fs.open(name, "rb", block_size=INDEX_BLOCK_BYTES, cache_type="readahead")
+
+    def read(start: int, size: int) -> bytes:
+        handle.seek(start)
+        return handle.read(size)
+
+    return read, handle.close
+
+
+def _shard_names(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: str) -> tuple[str, list[str]]:
+    """The shards' folder and the shard files of `split`: a brace pattern's names (another split's: the
+    `<split>-*` shards beside them, where the pattern names train's), a glob's matches, a single shard, or a
+    folder's `.tar` files of that split (or those of its `<split>/` folder)."""
+    if BRACE.search(path):
+        folder, _, pattern = path.rpartition("/")
+        if split != "train" and pattern.startswith("train"):  # splits differ in shard counts: list theirs
+            return folder, of_split([n for n in fs.ls(folder, detail=False) if n.endswith(".tar")], split, shown)
+        return folder, [f"{folder}/{name}" if folder else name for name in expand_braces(pattern)]
+    if any(c in path for c in GLOB_CHARS):
+        return path.rpartition("/")[0], sorted(fs.glob(path))
+    if path.endswith(".tar") and not fs.isdir(path):
+        return path.rpartition("/")[0], [path]
+    folder = path.rstrip("/")
+    tars = sorted(n for n in fs.ls(folder, detail=False) if n.endswith(".tar"))
+    inner = f"{folder}/{split}"
+    if not tars and fs.isdir(inner):
+        return inner, sorted(n for n in fs.ls(inner, detail=False) if n.endswith(".tar"))
+    return folder, of_split(tars, split, shown)
+
+
+def _shard_infos(fs: fsspec.AbstractFileSystem, folder: str, names: list[str], shown: str) -> list[ListedFile]:
+    """Each shard's size, modification time and ETag: from one listing of their folder where it names them."""
+    listed = {info["name"].rstrip("/"): info for info in fs.ls(folder, detail=True)} if folder else {}
+    found = []
+    for name in names:
+        info = listed.get(fs._strip_protocol(name).rstrip("/")) or listed.get(name)
+        if info is None or info.get("size") is None:
+            if not fs.exists(name):
+                raise DatasetError(f"{display_name(fs, name)}: shard not found (of {shown})")
+            info = fs.info(name)
+        found.append(ListedFile(name, int(info.get("size") or fs.size(name) or 0), remote_listing.modified(info),
+                                remote_listing.etag(info)))
+    return found
+
+
+def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[int], label_key: str | None,
+                  fingerprint: str) -> manifest.SampleIndex:
+    """Read every shard's headers (and label members): the index the dataset is opened from."""
+    shard_of, offsets, lengths, keys, labels, label_members, left_out = [], [], [], [], [], [], []
+
+    def one(name: str, total: int) -> _ShardSamples | str:
+        shown = display_name(fs, name)
+        if total == 0:  # an upload that failed part way, or a writer killed before its first sample
+            return f"{shown} (an empty file: 0 bytes, no tar header)"
+        read, close = _reader(fs, name)
+        try:
+            return index_shard(read, total, shown, label_key)
+        finally:
+            close()
+
+    # Remote shards are read start to end: a few at once keep the link full (one stream at a time paid a
+    # request's latency per block and left it idle between shards); local ones are read one after another.
+    with ThreadPoolExecutor(1 if is_local_fs(fs) else INDEX_STREAMS) as pool:
+        indexed = list(pool.map(one, names, sizes))
+    for number, found in enumerate(indexed):
+        if isinstance(found, str):
+            left_out.append(found)
+            continue
+        shard_of += [number] * len(found.sizes)
+        offsets += found.offsets
+        lengths += found.sizes
+        keys += found.keys
+        labels += found.labels
+        label_members += found.label_members
+        left_out += found.left_out
+    classes = class_numbers(labels, None)
+    field_named = "" if label_key is None else f" field {label_key!r}"
+    for i, why in classes.wrong.items():
+        left_out.append(f"{display_name(fs, names[shard_of[i]])} (sample {keys[i]}, member {label_members[i]}"
+                        f"{field_named}): {why}")
+    kept = classes.numbers >= 0
+    runs = np.array(shard_of, dtype=np.int64)[kept]
+    # Where each shard's samples start: the window order's shard table, without reading `shard_of` whole (a
+    # rank of a web-scale set maps the index and reads its own shards' rows only).
+    bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
+    arrays = {"shard_of": runs, "shard_bounds": bounds, "offsets": np.array(offsets, dtype=np.int64)[kept],
+              "sizes": np.array(lengths, dtype=np.int64)[kept], "labels": classes.numbers[kept],
+              "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)[kept]}
+    return manifest.SampleIndex(arrays=arrays, classes=classes.classes, fingerprint=fingerprint, notes=left_out)
+
+
+# (the shards' filesystem, the dataset's fingerprint) -> the filesystem to index them through
+IndexThrough = Callable[[fsspec.AbstractFileSystem, str], fsspec.AbstractFileSystem]
+
+
+def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
+                label_key: str | None) -> ListingKey:
+    """What names the saved listing of these shards (the label key is in their fingerprint)."""
+    return ListingKey.of("webdataset", path_url, split, storage_options, f"{label_key or 'cls'}:{LABEL_RULE}")
+
+
+def _identity(fs: fsspec.AbstractFileSystem, folder: str, split: str, label_key: str | None) -> str:
+    return f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}:{LABEL_RULE}"
+
+
+def _list_shards(fs: fsspec.AbstractFileSystem, path: str, path_url: str, split: str,
+                 label_key: str | None) -> SavedListing:
+    """The shards of `split` at `path`, with their sizes, modification times and fingerprint."""
+    shown = redact(path_url)
+    with storage_errors(path_url, "list the shards"):
+        if not BRACE.search(path) and not any(c in path for c in GLOB_CHARS) and not fs.exists(path):
+            raise DatasetError(f"{shown}: {why_missing(fs, path, path_url, 'shards not found')}")
+        folder, names = _shard_names(fs, path, split, shown)
+        raise_if_compressed([display_name(fs, name) for name in names])
+        if not names:
+            listed = [] if BRACE.search(path) or any(c in path for c in GLOB_CHARS) else fs.ls(folder, detail=False)
+            raise_if_compressed([display_name(fs, name) for name in listed])
+            raise DatasetError(f"{shown}: no .tar shards found")
+        files = _shard_infos(fs, folder, names, shown)
+    fingerprint = manifest.fingerprint(_identity(fs, folder, split, label_key), [n.rsplit("/", 1)[-1] for n in names],
+                                       [f.size for f in files], [f.mtime for f in files])
+    return remote_listing.listing_of(folder, files, fingerprint)
+
+
+def open_webdataset(path_url: str, split: str = "train", storage_options: dict[str, Any] | None = None,
+                    label_key: str | None = None, on_error: str = "raise", relist: bool = False,
+                    index_through: IndexThrough | None = None) -> WebDataset:
+    """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
+    the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
+    Remote shards are listed once and their listing saved (storage/remote/listing.py; `relist` lists them
+    again). A sample without an image member or whose label is not a class, or an empty shard, is an error,
+    or under `on_error: skip` left out and named. `index_through(fs, fingerprint)` gives the filesystem the
+    shards are indexed through (the bounded shard cache: indexing reads every shard whole, and its first
+    epoch then reads the copies)."""
+    fs, path = open_url(path_url, storage_options)
+    shown = redact(path_url)
+    listing = remote_listing.remembered(fs, path, listing_key(path_url, split, storage_options, label_key), relist,
+                                        lambda: _list_shards(fs, path, path_url, split, label_key))
+    folder, fingerprint = listing.root, listing.fingerprint
+    root = fs.unstrip_protocol(folder) if not is_local_fs(fs) else folder
+    identity = _identity(fs, folder, split, label_key)
+    where = manifest.manifest_path(identity, cache_dir())
+    index = manifest.load_index(where, identity, fingerprint)
+    if index is None:
+        with storage_errors(path_url, "read the shards' headers"):
+            reads = index_through(fs, fingerprint) if index_through is not None else fs
+            index = _index_shards(reads, listing.names(), listing.sizes.tolist(), label_key, fingerprint)
+        manifest.save_index(where, index, identity)
+    if index.notes and on_error != "skip":
+        raise DatasetError(f"{index.notes[0]}; set dataset.on_error: skip to leave it out "
+                           f"({len(index.notes)} such in all)")
+    if index.notes:
+        log.warning("%s: %d sample(s) without an image member or a class, or empty shard(s), left out; the first: "
+                    "%s", shown, len(index.notes), index.notes[0])
+    if not len(index.arrays["sizes"]):
+        raise DatasetError(f"{shown}: no samples with an image member and a class in {len(listing.files)} "
+                           "shard(s)")
+    arrays = index.arrays
+    return WebDataset(root=root, fs=fs, shards=listing.files, shard_of=arrays["shard_of"], offsets=arrays["offsets"],
+                      keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
+                      fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at,
+                      shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys())
