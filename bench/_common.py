@@ -29,7 +29,7 @@ def build_loader(config, backend: str, **settings):
     from loadopt.config import expand_settings
     from loadopt.device import resolve_device
     from loadopt.loaders.registry import backend_class
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     cls = backend_class(backend)
     dataset = open_dataset(config)

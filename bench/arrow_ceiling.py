@@ -92,7 +92,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from loadopt.config import load_config
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     config = load_config(args.config)
     train = load_config(config, ["pipeline.augment=train"])

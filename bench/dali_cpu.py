@@ -58,7 +58,7 @@ def torch_single_thread_rate(config, samples: int = 200) -> float:
     import torch
 
     from loadopt.loaders import transforms
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     torch.set_num_threads(1)
     dataset = open_dataset(config)

@@ -205,7 +205,7 @@ def read_costs(workload_file: Path, train_folder: Path) -> dict[str, float]:
     same files: where an I/O-bound gap comes from."""
     import numpy as np
 
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     raw, _ = config_from_dlio(yaml.safe_load(workload_file.read_text()), str(workload_file))
     raw["dataset"]["path"] = str(train_folder)

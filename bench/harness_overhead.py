@@ -49,7 +49,7 @@ def ready_loader(config, prefetch: int = 0):
     import torch
 
     from loadopt.loaders.base import HostBatch, Loader
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     class ReadyLoader(Loader):
         name = "ready"

@@ -91,7 +91,7 @@ def main() -> int:
     from loadopt.imaging.reencode import with_restarts
     from loadopt.imaging.resize import crop_resize_flip_into
     from loadopt.loaders import crops, transforms
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/imagenet.yaml")

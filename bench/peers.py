@@ -293,7 +293,7 @@ def best_ratio(rows: list[Path], kind: str, wanted: dict, rounds: int) -> tuple[
 
 def side_by_side(config, chosen: list[Path], rounds: int, batches: int) -> int:
     from loadopt import recipe
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     wanted = recipe.wanted(config.pipeline)
     sources_fit = sources_within(open_dataset(config), config.pipeline.max_side)

@@ -274,7 +274,7 @@ def main() -> int:
         # Whole frames: the crop + resize is the work; a warm cache (one epoch with prefill, from an evicted
         # start), and the ceiling measured in each round beside the loader.
         from loadopt.config import load_config as with_overrides
-        from loadopt.storage.sources.imagefolder import open_dataset
+        from loadopt.storage.open import open_dataset
 
         train = with_overrides(config, ["pipeline.augment=train"])
         frames = build_loader(train, "posix", form="decoded", frame="whole", io_threads=args.io_threads)

@@ -86,7 +86,7 @@ def run_replica(law: str, rho: float, service_s: float, requests: int, seed: int
     from loadopt.serve.arrivals import poisson_arrivals
     from loadopt.serve.server import Batching, serve_open_loop
     from loadopt.serve.step import ServingStep
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     name = register_backend(law, service_s, seed)
     config = truth_config()
@@ -143,7 +143,7 @@ def main() -> None:
         law, rho, service_s, requests, seed = args.replica
         run_replica(law, float(rho), float(service_s), int(requests), int(seed), Path(args.out))
         return
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     open_dataset(truth_config())  # generated once, before the replicas open it
     service_s = args.service_ms / 1000.0

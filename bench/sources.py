@@ -81,7 +81,7 @@ def format_configs(config_path: str):
 
     from loadopt.config import config_from_dict
     from loadopt.files import cache_dir
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     raw = yaml.safe_load(Path(config_path).read_text())
     folder_config = config_from_dict(raw, config_path)

@@ -38,7 +38,7 @@ def one_run(config, backend: str, settings: dict) -> dict:
     from loadopt.config import expand_settings
     from loadopt.device import DeviceTransfer, resolve_device
     from loadopt.loaders.registry import backend_class
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from loadopt.storage.tiers.pagecache import evict
 
     cls = backend_class(backend)

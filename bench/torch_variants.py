@@ -31,7 +31,7 @@ def decode_ceiling(config, decoder: str, samples: int = 300) -> float:
     per core with one intra-op thread each (bench/attribution/parallel.py: the way the loaders' workers run)."""
     from loadopt.bench.attribution.parallel import rate_in_workers
     from loadopt.imaging.decode import decode_fast, decode_pil
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     dataset = open_dataset(config)
     blobs = [dataset.read(i) for i in range(min(samples, len(dataset)))]

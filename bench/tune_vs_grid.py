@@ -71,7 +71,7 @@ def main() -> int:
     from loadopt.config import load_config
     from loadopt.device import resolve_device
     from loadopt.loaders.registry import backend_class
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     config = load_config(args.config)
     dataset = open_dataset(config)

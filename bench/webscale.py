@@ -95,7 +95,7 @@ def _config(folder: Path, samples: int):
     """A config of the synthetic JPEGs opened as the ImageFolder they are written as: listed, so class-sorted
     as any ImageFolder is (the synthetic set's own index interleaves the classes)."""
     from loadopt.config import load_config
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     overrides = [f"dataset.synthetic.num_samples={samples}", "dataset.synthetic.num_classes=100",
                  "dataset.synthetic.mean_width=40", "dataset.synthetic.mean_height=36", "pipeline.image_size=32",
@@ -136,7 +136,7 @@ def shuffle_part(samples: int) -> list[dict]:
 
     from loadopt.loaders.sampler import EpochOrder, ShardWindows
     from loadopt.loaders.shuffle_quality import shuffle_quality
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from loadopt.storage.sources.shards import shard_table
 
     with tempfile.TemporaryDirectory(prefix="webscale-") as folder:
@@ -222,7 +222,7 @@ def _mapped_bytes(suffix: str) -> int:
 def _rank_index(args: tuple[str, str, int, int, int]) -> dict:
     folder, form, samples, rank, world = args
     from loadopt.loaders.sampler import EpochOrder, ShardWindows
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from loadopt.storage.sources.shards import shard_table
 
     config = records_config(Path(folder), samples)
@@ -260,7 +260,7 @@ def index_part(samples: int, world: int, form: str = "raw") -> str:
     """A rank's index under the window shuffle: of the raw form (its shards' index files) or of the Arrow form
     (the offsets in its shards' record batches)."""
     from loadopt.storage.forms import arrow_convert, raw_convert
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from loadopt.storage.tiers.pagecache import evict
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-index-"))
@@ -312,7 +312,7 @@ print(json.dumps({"open_s": opened, "first_batch_s": first, "samples": len(datas
 def first_batch_part(samples: int, rounds: int) -> str:
     import subprocess
 
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     folder = Path(tempfile.mkdtemp(prefix="webscale-first-"))
     config = records_config(folder, samples)

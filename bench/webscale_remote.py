@@ -27,7 +27,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "samples": len(dataset
 def open_remote_part(samples: int, rounds: int) -> str:
     import os
 
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from tests.netns_tier import namespaced_tier, netns_unavailable
 
     why = netns_unavailable()
@@ -109,7 +109,7 @@ print(json.dumps(out))
 def _photo_shards(folder: Path, samples: int) -> Path:
     """`samples` synthetic photos as WebDataset tars of 100 (`<folder>/photos/train-NNNNNN.tar`)."""
     from loadopt.config import load_config
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from tests.source_files import write_shards
 
     synthetic = open_dataset(load_config(REPO / "configs" / "peers.yaml", [

@@ -20,7 +20,8 @@ from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backe
 from loadopt.loaders.ring import RingLoader
 from loadopt.recipe import RecipeMismatch
 from loadopt.schema.results import Knobs
-from loadopt.storage.sources.imagefolder import ImageDataset, open_dataset
+from loadopt.storage.open import open_dataset
+from loadopt.storage.sources.imagefolder import ImageDataset
 
 log = logging.getLogger(__name__)
 

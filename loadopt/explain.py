@@ -21,7 +21,7 @@ def explain_config(config, relist: bool = False) -> str:
     listed again, its saved listing replaced)."""
     from loadopt.api import FALLBACK_ORDER
     from loadopt.bench import decision
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     dataset = open_dataset(config, relist=relist)
     tier = decision.storage_tier(config.storage.tier, dataset.root)

@@ -57,7 +57,7 @@ def _reference_of_another_home(tmp_path, cache, monkeypatch, to: str, backend: s
 
     from loadopt.config import load_config
     from loadopt.storage.forms import conversions
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

@@ -20,7 +20,7 @@ from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
 from loadopt.storage.forms.arrow_convert import convert
 from loadopt.storage.forms.arrow_format import arrow_path, open_arrow
 from loadopt.storage.forms.shard_work import MANIFEST
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import tiny_config_dict
 
@@ -246,7 +246,7 @@ def test_encoded_pages_released_every_32_batches_read_back_the_same(tmp_path, mo
     """The encoded form unmaps the JPEG pages it read every 32 batches (`_release_mapped`): the next
     epochs read the same bytes back from the page cache."""
     from loadopt.loaders.arrow import loader as arrow_loader
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .conftest import prepared_loader
 
@@ -270,7 +270,7 @@ def test_encoded_pages_are_released_by_the_decoding_workers_every_32_batches(tmp
     """With the JPEGs decoded by worker processes (the default), each worker is told to let go of the pages
     it mapped at the same batches (`send_decode(release=True)`), and the epochs deliver what threads do."""
     from loadopt.loaders.crop_processes import CropProcesses, fork_available
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .conftest import prepared_loader
 

@@ -9,7 +9,7 @@ from loadopt.config import config_from_dict
 from loadopt.loaders.arrow.column import ArrowColumn
 from loadopt.loaders.sampler import EpochOrder, ShardWindows
 from loadopt.storage.forms import arrow_convert, arrow_format
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 from loadopt.storage.sources.shards import shard_table
 
 from .test_records import records_config

@@ -10,7 +10,7 @@ import torch
 from loadopt.errors import DatasetError
 from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
 from loadopt.storage.forms import arrow_convert, arrow_format, shard_work
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import epoch_inputs, prepared_loader
 from .test_arrow import assert_same, batches, config

@@ -9,7 +9,7 @@ import torch
 
 from loadopt.bench.attribution.ceilings import measure_ceilings
 from loadopt.config import config_from_dict
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import tiny_config_dict
 

@@ -18,7 +18,7 @@ from loadopt.errors import DatasetError
 from loadopt.storage.forms import arrow_convert, arrow_format, conversions, raw_format, ray_engine, shard_work
 from loadopt.storage.forms.conversions import ConvertedForm
 from loadopt.storage.forms.engine import ConvertEngine
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .cache_serving import cache_config
 from .conftest import make_image_folder, tiny_config_dict

@@ -15,7 +15,7 @@ from loadopt.loaders import crops
 from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.crop_processes import CropProcesses, fork_available
 from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import tiny_config_dict
 from .test_arrow import assert_same, batches

@@ -22,7 +22,8 @@ from loadopt.loaders.dali.loader import DaliLoader
 from loadopt.loaders.dali.settings import DaliSettings
 from loadopt.loaders.registry import backend_class
 from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
-from loadopt.storage.sources.imagefolder import open_dataset, scan_image_folder
+from loadopt.storage.open import open_dataset
+from loadopt.storage.sources.imagefolder import scan_image_folder
 
 from .conftest import make_image_folder, tiny_config_dict
 

@@ -327,7 +327,7 @@ def _delivered_labels(config) -> list[int]:
 def test_a_text_tar_label_is_skipped_and_the_others_keep_their_integers(tmp_path, own_cache):
     """One `.cls` of `cat` among 20 integer labels (0-19, so a text sort would renumber them): under
     `on_error: skip` it is left out and named, and every other sample keeps the very label written."""
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .bad_label_inputs import numbered_samples
     from .source_files import write_shards
@@ -357,7 +357,7 @@ def test_a_null_parquet_label_or_image_is_skipped_and_the_others_keep_their_inte
 
     from loadopt.config import load_config
     from loadopt.errors import DatasetError
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .bad_label_inputs import numbered_samples
 
@@ -609,7 +609,7 @@ def test_compressed_tar_shards_are_named_however_they_are_given(tmp_path, own_ca
 
     from loadopt.config import load_config
     from loadopt.errors import DatasetError
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .bad_label_inputs import numbered_samples
     from .source_files import write_shards
@@ -776,7 +776,7 @@ def test_ceilings_stop_at_the_first_storage_failure(tmp_path):
     from loadopt.bench.attribution import ceilings
     from loadopt.config import config_from_dict
     from loadopt.errors import StorageError
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .conftest import tiny_config_dict
 

@@ -9,7 +9,7 @@ import pytest
 
 from loadopt.storage.forms import arrow_convert, arrow_format, conversions, raw_convert, raw_format, shard_work
 from loadopt.storage.forms.conversions import ConvertedForm
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import make_image_folder
 from .source_files import folder_samples, write_shards

@@ -7,7 +7,7 @@ import torch
 from loadopt.errors import DatasetError
 from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .test_arrow import assert_same, batches
 from .test_raw import SMALL, config, tokens_config

@@ -17,7 +17,7 @@ from loadopt.config import config_from_dict
 from loadopt.procurement import measure_tier as tier_measure
 from loadopt.procurement.plan import Utilisation, demand, predict, search
 from loadopt.procurement.run import run_tiers
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 from loadopt.storage.tiers.emulated import EmulatedFileSystem
 from loadopt.storage.tiers.spec import TierSpec
 from loadopt.storage.tiers.stack import BASE_BOUND_SHARE

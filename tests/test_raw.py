@@ -12,7 +12,7 @@ from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
 from loadopt.storage.forms import raw_convert, raw_format
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import tiny_config_dict
 from .test_arrow import assert_same, batches

@@ -8,7 +8,7 @@ import pytest
 
 from loadopt.config import config_from_dict
 from loadopt.storage.forms import raw_convert, raw_format, shard_work
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import tiny_config_dict
 from .test_raw import SMALL, config

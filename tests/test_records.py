@@ -16,7 +16,7 @@ from loadopt.cli import app
 from loadopt.config import config_from_dict, load_config
 from loadopt.dlio import config_from_dlio
 from loadopt.errors import DatasetError
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 from loadopt.storage.sources.records import open_records, record_sizes
 
 

@@ -13,7 +13,7 @@ from loadopt.errors import DatasetError
 from loadopt.loaders.arrow.loader import ArrowLoader, ArrowSettings
 from loadopt.loaders.posix.loader import PosixLoader, PosixSettings
 from loadopt.loaders.registry import backend_class
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .test_records import records_config
 

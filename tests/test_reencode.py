@@ -19,7 +19,7 @@ from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError
 from loadopt.imaging.reencode import REENCODE_QUALITY, bounded_jpeg, source_size, with_restarts
 from loadopt.storage.forms import arrow_format, conversions, raw_format
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .conftest import epoch_inputs, prepared_loader, tiny_config_dict
 

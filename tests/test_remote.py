@@ -13,8 +13,9 @@ import torch
 from loadopt.bench.runner import run_bench
 from loadopt.config import PipelineConfig, config_from_dict
 from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
+from loadopt.storage.open import open_dataset
 from loadopt.storage.remote.access import redact
-from loadopt.storage.sources.imagefolder import open_dataset, scan_image_folder
+from loadopt.storage.sources.imagefolder import scan_image_folder
 from loadopt.storage.tiers.stack import tier_counters
 
 from .conftest import make_image_folder, tiny_config_dict

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loadopt.config import config_from_dict
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 from loadopt.storage.tiers.stack import tier_counters
 
 from .conftest import epoch_inputs, make_image_folder, prepared_loader, tiny_config_dict

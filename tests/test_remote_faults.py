@@ -69,7 +69,7 @@ def test_a_shard_rewritten_on_the_server_delivers_its_new_labels_after_relist(tm
     import numpy as np
 
     from loadopt.config import load_config
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     from .source_files import write_shards
 

@@ -26,9 +26,9 @@ from loadopt import make_loader
 from loadopt.cli import app
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetChanged, DatasetError
+from loadopt.storage.open import open_dataset
 from loadopt.storage.remote import listing as remote_listing
 from loadopt.storage.remote.listing import ListingKey, SavedListing
-from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import make_image_folder
 from .faults import write_config

@@ -24,8 +24,8 @@ from loadopt.storage.forms import arrow_convert, arrow_format, conversions, raw_
 from loadopt.storage.forms.arrow_outline import Outline, outline_name
 from loadopt.storage.forms.conversions import Conversion, ConvertedForm
 from loadopt.storage.forms.engine import ConvertEngine
+from loadopt.storage.open import open_dataset
 from loadopt.storage.remote import converted as remote_shards
-from loadopt.storage.sources.imagefolder import open_dataset
 
 from .conftest import epoch_inputs, prepared_loader
 from .servers import s3_endpoint  # noqa: F401 - a fixture

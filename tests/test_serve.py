@@ -219,7 +219,7 @@ def test_request_paths_deliver_the_eval_recipe_alike(tmp_path, serve_config):
     """torch plain, tuned (whole and region) and the arrow catalogue of whole frames give the same centre crop
     (PIL's resize differs from torch's by a few levels; the region decode equals the whole decode exactly)."""
     from loadopt.loaders.registry import configured_loader
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     config = load_config(serve_config("server"), [])
     config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"augment": "eval"})})
@@ -303,7 +303,7 @@ def test_slo_on_a_training_config_is_one_line(tiny_config):
 
 def test_make_preprocessor_hands_over_the_best_path(tmp_path, serve_config):
     from loadopt import make_preprocessor
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     path = serve_config("single_stream", loaders={"torch": {"variant": ["plain", "tuned"]}})
     config = load_config(path, [])

@@ -21,8 +21,8 @@ import pytest
 from loadopt import make_loader
 from loadopt.config import config_from_dict
 from loadopt.config_models import byte_size
+from loadopt.storage.open import open_dataset
 from loadopt.storage.remote.shard_cache import ShardCacheFileSystem, shard_files_in_order
-from loadopt.storage.sources.imagefolder import open_dataset
 from loadopt.storage.sources.shards import shard_table
 from loadopt.storage.tiers.spec import TierSpec
 from loadopt.storage.tiers.stack import tier_counters, tier_filesystem

@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from loadopt import make_loader
+from loadopt.storage.open import open_dataset
 from loadopt.storage.remote import cache_fetch
 from loadopt.storage.remote.shard_cache import ShardCacheFileSystem, shard_files_in_order
-from loadopt.storage.sources.imagefolder import open_dataset
 from loadopt.storage.tiers.stack import tier_counters
 
 from .cache_serving import CountingHandler, cache_config, dataset_files

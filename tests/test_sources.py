@@ -18,9 +18,9 @@ import pytest
 from loadopt import make_loader
 from loadopt.config import load_config
 from loadopt.errors import DatasetError
+from loadopt.storage.open import open_dataset
 from loadopt.storage.sources import parquet as parquet_source
 from loadopt.storage.sources import webdataset as webdataset_source
-from loadopt.storage.sources.imagefolder import open_dataset
 from loadopt.storage.sources.parquet import open_parquet
 from loadopt.storage.sources.webdataset import open_webdataset
 

@@ -168,7 +168,7 @@ def test_val_split_beside_train_keeps_train_as_it_was(tmp_path: Path, reference:
 def test_open_dataset_val_split_of_the_synthetic_dataset() -> None:
     from loadopt.config import config_from_dict
     from loadopt.errors import DatasetError
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     raw = {"dataset": {"synthetic": {"num_samples": 20, "num_classes": 2, "mean_width": 64, "mean_height": 64,
                                      "seed": 5}}}

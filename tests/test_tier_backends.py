@@ -15,7 +15,7 @@ from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError, StorageError
 from loadopt.schema.results import ResultsFile
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 from loadopt.storage.tiers.stack import tier_counters
 
 from .conftest import epoch_inputs, make_image_folder, prepared_loader, tiny_config_dict

@@ -68,7 +68,7 @@ def test_the_script_runs_from_the_command_line(example, config_path, tmp_path):
     import json
 
     from loadopt.config import load_config
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     out = tmp_path / "labels.json"
     assert example.main([str(config_path), "--backend", "torch", "--epochs", "1", "--labels-out", str(out)]) == 0

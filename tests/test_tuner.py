@@ -14,7 +14,7 @@ from loadopt.bench.tuner import Tuner, Window, parse_budget
 from loadopt.config import config_from_dict
 from loadopt.errors import ConfigError
 from loadopt.loaders.registry import backend_class, register, unregister
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 from .backends import DelayLoader
 from .conftest import tiny_config_dict

@@ -173,7 +173,7 @@ def test_a_webdataset_keeps_its_shard_table_in_its_index(tmp_path, image_folder,
 
 def test_parquet_and_record_datasets_keep_their_shard_tables(tmp_path, image_folder, own_cache):
     from loadopt.config import config_from_dict
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from loadopt.storage.sources.parquet import open_parquet
     from loadopt.storage.sources.shards import ShardTable, shard_table
 

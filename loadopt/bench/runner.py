@@ -41,7 +41,7 @@ from loadopt.progress import Reporter
 from loadopt.schema.ceilings import Ceilings, Verdict
 from loadopt.schema.results import ResultsFile, RunStatus, RunTuned, as_dict
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 from loadopt.storage.tiers.pagecache import evict_for_cold
 from loadopt.storage.tiers.spec import tier_label
 from loadopt.storage.tiers.stack import counters_delta, sum_counters, tier_counters, tier_failure

@@ -31,7 +31,7 @@ def make_dataset(
 ) -> None:
     """Generate (or check) the config's dataset, and nothing else."""
     from loadopt.config import load_config
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     with user_errors(), terminate_as_interrupt() as terminated:
         cfg = load_config(config, set_ or [])
@@ -88,7 +88,7 @@ def convert(
     from loadopt.config import load_config
     from loadopt.storage.forms import conversions
     from loadopt.storage.forms.engine import ConvertEngine
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     from loadopt.storage.sources.tokens import TokenDataset
 
     with user_errors(), terminate_as_interrupt() as terminated:

@@ -27,8 +27,15 @@ from loadopt.procurement.results import BaseBound, CutShort, MeasuredTier, Measu
 from loadopt.progress import TiersProgress
 from loadopt.schema.tiers import TierCost
 from loadopt.storage.tiers.probe import ProbeResult, probe
-from loadopt.storage.tiers.spec import TierSpec, base_bound_text
-from loadopt.storage.tiers.stack import BASE_BOUND_SHARE, base_share, storage_under, tier_counters, tier_filesystem
+from loadopt.storage.tiers.spec import TierSpec
+from loadopt.storage.tiers.stack import (
+    BASE_BOUND_SHARE,
+    base_bound_text,
+    base_share,
+    storage_under,
+    tier_counters,
+    tier_filesystem,
+)
 
 if TYPE_CHECKING:
     from loadopt.storage.dataset import Dataset

@@ -188,7 +188,7 @@ def _tiers_run(config: Config, options: TiersOptions, so_far: TiersSoFar, elapse
 
 
 def _open_for_tier(config: Config, spec: TierSpec, relist: bool = False):
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
 
     tier_config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"tier": spec.model_dump(mode="json")})})

@@ -39,7 +39,7 @@ from loadopt.serve.search import highest_rate_within
 from loadopt.serve.server import Batching, serve_one_at_a_time, serve_open_loop
 from loadopt.serve.step import ServingStep
 from loadopt.storage.dataset import Dataset
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 WARMUP_REQUESTS = 16  # one at a time before a path's timed runs: first decodes, allocations, DALI's first batch
 QUICK_REQUESTS = 400  # --quick: requests per run

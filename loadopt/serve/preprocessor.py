@@ -18,7 +18,7 @@ from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import Payload, RequestPath, Unservable
 from loadopt.schema.serve import ServeResults
 from loadopt.serve.bench import best_path, inference_config
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 
 DEFAULT_BACKEND = "torch"  # a config naming no loader: torch's request paths
 

@@ -18,8 +18,11 @@ from loadopt.storage.dataset import Dataset
 class Catalogue(Protocol):
     """What the catalogue reads through: the arrow loader, prepared on `open` (its conversion mapped)."""
 
-    filler: Filler[Any]
-    column: ArrowColumn
+    @property
+    def filler(self) -> Filler[Any]: ...
+
+    @property
+    def column(self) -> ArrowColumn: ...
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None: ...
 

@@ -17,11 +17,10 @@ from loadopt.config_models import PipelineConfig
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.imaging.reencode import REENCODE_QUALITY
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.forms import arrow_convert, arrow_format, raw_convert, raw_format, shard_work
 from loadopt.storage.forms.arrow_format import Form
 from loadopt.storage.forms.engine import LOCAL, ConvertEngine
-from loadopt.storage.sources.imagefolder import ImageDataset
-from loadopt.storage.sources.tokens import TokenDataset
 
 # Of decoded conversions (auto: whole for train augmentation); of encoded ones, `whole` stores JPEGs bounded by
 # pipeline.max_side (re-encoded where larger), the others the source's bytes.
@@ -93,7 +92,7 @@ def check_options(to: str, frame: str, decoded_size: int | None, shard_mib: floa
         raise ConfigError(f"--shard-mib {shard_mib:g}: must be more than 0")
 
 
-def conversion_path(to: str, dataset: ImageDataset | TokenDataset, stored: Form, size: int | None,
+def conversion_path(to: str, dataset: Dataset, stored: Form, size: int | None,
                     shard_mib: float = raw_format.DEFAULT_SHARD_MIB) -> Path:
     """Where the conversion lives: the folder of its shards."""
     if to == "raw":
@@ -126,7 +125,7 @@ class Conversion:
     data_at: str | None = None  # where the shards' data is when `path` holds the reference only (a remote home)
 
 
-def convert(to: str, dataset: ImageDataset | TokenDataset, form: ConvertedForm,
+def convert(to: str, dataset: Dataset, form: ConvertedForm,
             shard_mib: float = raw_format.DEFAULT_SHARD_MIB, progress: Callable[[int, int], None] | None = None,
             on_error: str = "raise", force: bool = False, verify: bool = False,
             engine: ConvertEngine = LOCAL) -> Conversion:

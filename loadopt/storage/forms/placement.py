@@ -88,8 +88,7 @@ def bounded_by_base(dataset: Dataset, counters: dict[str, float] | None, tier_by
     `BUSY_ENOUGH`) while the storage under the tier slowed its reads past the tier's own figures
     (`base_share` of `counters` at least `BASE_BOUND_SHARE`): what its figures are, at the MB/s the run got
     through the tier (`tier_bytes` in `wall_s`); else None."""
-    from loadopt.storage.tiers.spec import base_bound_text
-    from loadopt.storage.tiers.stack import BASE_BOUND_SHARE, base_share
+    from loadopt.storage.tiers.stack import BASE_BOUND_SHARE, base_bound_text, base_share
 
     tier = tier_fs(dataset)
     share = base_share(counters)

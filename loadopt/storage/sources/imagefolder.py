@@ -7,33 +7,25 @@ only ever read; the synthetic one is generated into the cache on first use.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 import numpy as np
 
-from loadopt.config_models import Config
-from loadopt.errors import ConfigError, DatasetError
-from loadopt.files import cache_dir, is_no_space
+from loadopt.errors import DatasetError
+from loadopt.files import cache_dir
 from loadopt.imaging import jxl
-from loadopt.storage.forms.placement import conversion_home
 from loadopt.storage.remote import listing as remote_listing
 from loadopt.storage.remote.access import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote.listing import ListingKey, SavedListing
 from loadopt.storage.sources import manifest
 from loadopt.storage.sources.format import what_is_there
-from loadopt.storage.sources.records import RecordDataset
-from loadopt.storage.tiers.spec import dataset_root, resolve_tier
-from loadopt.storage.tiers.stack import tier_filesystem
+from loadopt.storage.sources.request import SourceRequest
 
 if TYPE_CHECKING:  # they import this module's helpers
-    from loadopt.storage.sources.parquet import ParquetDataset
-    from loadopt.storage.sources.webdataset import WebDataset
+    pass
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".jxl")
 
@@ -165,171 +157,7 @@ def _list_remote(fs: fsspec.AbstractFileSystem, root: str, split: str, url: str)
     return remote_listing.listing_of(root, files, digest, classes, {"labels": labels})
 
 
-def _from_manifest(root: Path, split: str) -> ImageDataset | None:
-    """The synthetic dataset's listing from its manifest (no directory walk)."""
-    try:
-        manifest = json.loads((root / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return None
-    files = [f for f in manifest["files"] if f[0].startswith(split + "/")]
-    if not files:
-        return None
-    labels = np.array([f[2] for f in files], dtype=np.int64)
-    classes = [f[0].split("/")[1] for f in (files[int(i)] for i in np.unique(labels, return_index=True)[1])]
-    return ImageDataset(
-        root=str(root / split),
-        fs=fsspec.filesystem("file"),
-        paths=np.char.add(f"{root}/".encode(), np.array([f[0] for f in files], dtype=np.bytes_)),
-        labels=labels,
-        sizes=np.array([f[1] for f in files], dtype=np.int64),
-        classes=classes,
-        fingerprint=root.name,  # synthetic-<key> for train (as ever), synthetic-<key>-val<count> for val
-        synthetic=True,
-    )
-
-
-def open_dataset(config: Config, split: str = "train", progress: Callable[[int, int], None] | None = None,
-                 relist: bool = False):
-    """The dataset a config names (its `dataset.path`, the tier's `base`, or the synthetic one, generated if
-    missing), read through `storage.tier`, and with `storage.cache_limit` a dataset not on the local disk through
-    a bounded local cache of its files over the tier (storage/remote/shard_cache.py). Its listing is the saved one
-    where there is one (a remote dataset's, a local ImageFolder's while its folders are unchanged); `relist`
-    lists it again (`--relist`).
-
-    Images give an `ImageDataset`, a `WebDataset` or a `ParquetDataset` (`dataset.format`);
-    `dataset.kind: tokens` a `TokenDataset` (one split: the file);
-    `dataset.kind: records` a `RecordDataset` (storage/sources/records.py; one split: the folder).
-    """
-    tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
-    if config.dataset.kind == "tokens":
-        if tier.base is not None or tier.emulates():
-            raise ConfigError(f"{config.source}: storage.tier: token corpora are memory-mapped from a local file; "
-                              "tiers apply to image datasets (use storage.tier: local)")
-        return _open_tokens(config, progress)
-    path = dataset_root(tier, config.dataset.path, where=config.source)
-    dataset: ImageDataset | RecordDataset | WebDataset | ParquetDataset
-    if config.dataset.kind == "records":
-        dataset = _open_records(config, path, tier.storage_options, progress, relist)
-    elif path is not None:
-        dataset = _open_images(config, path, split, tier.storage_options, relist)
-    else:
-        dataset = _open_synthetic(config, split, progress)
-    dataset.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)
-    dataset.converted = conversion_home(config.storage.converted, tier.base, dataset.fs, dataset.root)
-    if config.storage.cache_limit is not None:  # over the tier, so that every byte fetched still crosses it
-        from loadopt.storage.tiers.stack import cache_reads
-
-        dataset.fs = cache_reads(dataset.fs, path, tier, config.storage.cache_limit, dataset.fingerprint,
-                                 config.storage.cache_fetches)
-    return dataset
-
-
-def _open_images(config: Config, path: str, split: str, storage_options: dict[str, Any] | None,
-                 relist: bool = False) -> ImageDataset | WebDataset | ParquetDataset:
-    """The images at `path` in the format `dataset.format` names, or the one it holds (`auto`: the format
-    of its saved listing, asking the storage only where none is saved)."""
-    spec = config.dataset
-    source_format: str = spec.format
-    if source_format == "auto":
-        from loadopt.storage.sources import parquet as parquet_source
-        from loadopt.storage.sources import webdataset as webdataset_source
-        from loadopt.storage.sources.format import detect_format
-
-        fs, inner = open_url(path, storage_options)
-        keys = [webdataset_source.listing_key(path, split, storage_options, spec.label_key),
-                parquet_source.listing_key(path, split, storage_options, spec.columns.image, spec.columns.label),
-                ListingKey.of("imagefolder", path, split, storage_options)]
-        saved = [key.source_format for key in keys if not relist and remote_listing.saves_listing(fs, inner)
-                 and remote_listing.is_saved(key)]
-        if saved:  # detected when it was listed: asking again would cost the requests the listing saves
-            source_format = saved[0]
-        else:
-            with storage_errors(path, "look at the dataset"):
-                source_format = detect_format(fs, inner, split, redact(path))
-    if source_format == "webdataset":
-        from loadopt.storage.sources.webdataset import open_webdataset
-
-        return open_webdataset(path, split, storage_options, spec.label_key, spec.on_error, relist,
-                               _index_through_cache(config, path))
-    if source_format == "parquet":
-        from loadopt.storage.sources.parquet import open_parquet
-
-        return open_parquet(path, split, storage_options, spec.columns.image, spec.columns.label, relist,
-                            spec.on_error)
-    return scan_image_folder(path, split, storage_options, relist)
-
-
-def _index_through_cache(config: Config, path: str):
-    """With `storage.cache_limit`, remote tar shards are indexed through the tier and the shard cache: indexing
-    reads each shard whole, so its copy is kept and the first epoch reads it instead of fetching it again."""
-    limit = config.storage.cache_limit
-    if limit is None:
-        return None
-    tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
-
-    def through(fs: fsspec.AbstractFileSystem, fingerprint: str) -> fsspec.AbstractFileSystem:
-        from loadopt.storage.tiers.stack import cache_reads
-
-        if tier.base is None and is_local_fs(fs):  # read where it is (open_dataset says so once)
-            return fs
-        return cache_reads(tier_filesystem(tier, fs), path, tier, limit, fingerprint)
-
-    return through
-
-
-def _open_synthetic(config: Config, split: str, progress: Callable[[int, int], None] | None) -> ImageDataset:
-    from loadopt.storage.sources.synthetic import ensure_synthetic
-
-    try:
-        root = ensure_synthetic(config.dataset.synthetic, cache_dir(), progress=progress, split=split)
-    except ValueError as exc:  # a split it does not have
-        raise DatasetError(f"{config.source}: dataset.synthetic: {exc}") from None
-    except OSError as exc:
-        from loadopt.storage.forms import integrity
-
-        if is_no_space(exc):  # the partial folder is already gone (synthetic.ensure_synthetic)
-            spec = config.dataset.synthetic  # JPEGs of these images at quality 90: about 0.8 bytes a pixel
-            needed = int(spec.num_samples * spec.mean_width * spec.mean_height * 0.8)
-            raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic dataset") from None
-        raise DatasetError(f"{cache_dir()}: cannot write the synthetic dataset into the cache ({exc}); "
-                           "set LOADOPT_CACHE to a writable folder") from None
-    dataset = _from_manifest(root, split)
-    if dataset is None:
-        raise DatasetError(f"{root}: the synthetic dataset has no split {split!r}")
-    return dataset
-
-
-def _open_records(config: Config, path: str | None, storage_options: dict[str, Any] | None,
-                  progress: Callable[[int, int], None] | None, relist: bool = False) -> RecordDataset:
-    from loadopt.storage.forms import integrity
-    from loadopt.storage.sources.records import ensure_records, open_records, record_sizes
-
-    spec = config.dataset.records
-    if path is not None:
-        return open_records(path, spec, storage_options, relist=relist)
-    try:
-        folder = ensure_records(spec, cache_dir(), progress=progress)
-    except OSError as exc:
-        if is_no_space(exc):  # the partial folder is already gone (records.ensure_records)
-            needed = int(record_sizes(spec).sum()) * spec.samples_per_file
-            raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic records") from None
-        raise DatasetError(f"{cache_dir()}: cannot write the synthetic records into the cache ({exc}); "
-                           "set LOADOPT_CACHE to a writable folder") from None
-    return open_records(str(folder), spec, synthetic=True)
-
-
-def _open_tokens(config: Config, progress: Callable[[int, int], None] | None):
-    from loadopt.storage.sources.tokens import ensure_tokens, open_tokens
-
-    spec, seq_len = config.dataset.tokens, config.pipeline.seq_len
-    if config.dataset.path is not None:
-        path = os.path.expanduser(config.dataset.path)
-        if "://" in path and not path.startswith("file://"):
-            raise DatasetError(f"{path}: token files are memory-mapped and must be on a local file system")
-        return open_tokens(path.removeprefix("file://"), spec, seq_len)
-    try:
-        corpus = ensure_tokens(spec, cache_dir(), progress=progress)
-    except OSError as exc:
-        raise DatasetError(f"{cache_dir()}: cannot write the synthetic token corpus into the cache ({exc}); "
-                           "set LOADOPT_CACHE to a writable folder") from None
-    return open_tokens(corpus, spec, seq_len, synthetic=True)
+def open_source(request: SourceRequest) -> ImageDataset:
+    """An ImageFolder split at `request.path`."""
+    assert request.path is not None, "an ImageFolder is opened where it is"
+    return scan_image_folder(request.path, request.split, request.storage_options, request.relist)

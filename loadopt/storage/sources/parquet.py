@@ -34,6 +34,7 @@ from loadopt.storage.remote.access import display_name, is_local_fs, open_url, r
 from loadopt.storage.remote.listing import ListedFile, ListingKey, SavedListing
 from loadopt.storage.sources import manifest
 from loadopt.storage.sources.format import GLOB_CHARS, LABEL_RULE, class_numbers, of_split
+from loadopt.storage.sources.request import SourceRequest
 from loadopt.storage.sources.shards import ShardTable
 
 log = logging.getLogger(__name__)
@@ -321,3 +322,11 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
                           file_bytes=listing.sizes, listed_at=listing.listed_at,
                           shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys(),
                           left_out=index.notes)
+
+
+def open_source(request: SourceRequest) -> ParquetDataset:
+    """The Parquet files at `request.path`."""
+    assert request.path is not None, "Parquet files are opened where they are"
+    spec = request.config.dataset
+    return open_parquet(request.path, request.split, request.storage_options, spec.columns.image, spec.columns.label,
+                        request.relist, spec.on_error)

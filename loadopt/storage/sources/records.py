@@ -34,10 +34,11 @@ import numpy as np
 
 from loadopt.config_models import RecordSpec
 from loadopt.errors import DatasetError
-from loadopt.files import honour_umask
+from loadopt.files import cache_dir, honour_umask, is_no_space
 from loadopt.storage.remote import listing as remote_listing
 from loadopt.storage.remote.access import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote.listing import ListingKey, SavedListing
+from loadopt.storage.sources.request import SourceRequest
 
 GENERATOR_VERSION = 1
 MIN_RECORD_BYTES = 1024  # a draw below this (the normal's left tail) is clipped to it
@@ -271,3 +272,21 @@ def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | 
                          sizes=np.repeat(record, rows), file_format=spec.file_format,
                          delivered_bytes=spec.delivered_bytes, fingerprint=listing.fingerprint, synthetic=synthetic,
                          listed_at=listing.listed_at, shard_bounds=np.unique(starts))  # a file without records: none
+
+
+def open_source(request: SourceRequest) -> RecordDataset:
+    """The record files at `request.path`, or the synthetic ones the config describes, generated on first use."""
+    from loadopt.storage.forms import integrity
+
+    spec, path, progress = request.config.dataset.records, request.path, request.progress
+    if path is not None:
+        return open_records(path, spec, request.storage_options, relist=request.relist)
+    try:
+        folder = ensure_records(spec, cache_dir(), progress=progress)
+    except OSError as exc:
+        if is_no_space(exc):  # the partial folder is already gone (records.ensure_records)
+            needed = int(record_sizes(spec).sum()) * spec.samples_per_file
+            raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic records") from None
+        raise DatasetError(f"{cache_dir()}: cannot write the synthetic records into the cache ({exc}); "
+                           "set LOADOPT_CACHE to a writable folder") from None
+    return open_records(str(folder), spec, synthetic=True)

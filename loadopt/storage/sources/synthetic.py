@@ -34,10 +34,15 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Protocol
 
+import fsspec
 import numpy as np
 from PIL import Image, ImageDraw
 
-from loadopt.files import is_no_space
+from loadopt.errors import DatasetError
+from loadopt.files import cache_dir, is_no_space
+from loadopt.storage.forms import integrity
+from loadopt.storage.sources.imagefolder import ImageDataset
+from loadopt.storage.sources.request import SourceRequest
 
 GENERATOR_VERSION = 1  # bump whenever the image recipe or the layout changes
 MANIFEST = "manifest.json"
@@ -374,3 +379,46 @@ def _render(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
         pixels += weights[labels, j][:, :, None] * layer
     pixels += _noise(rng, width, height, rng.uniform(1.5, 3.0), 3) * 12  # fine colour texture
     return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def from_manifest(root: Path, split: str) -> ImageDataset | None:
+    """The synthetic dataset's listing from its manifest (no directory walk)."""
+    try:
+        manifest = json.loads((root / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    files = [f for f in manifest["files"] if f[0].startswith(split + "/")]
+    if not files:
+        return None
+    labels = np.array([f[2] for f in files], dtype=np.int64)
+    classes = [f[0].split("/")[1] for f in (files[int(i)] for i in np.unique(labels, return_index=True)[1])]
+    return ImageDataset(
+        root=str(root / split),
+        fs=fsspec.filesystem("file"),
+        paths=np.char.add(f"{root}/".encode(), np.array([f[0] for f in files], dtype=np.bytes_)),
+        labels=labels,
+        sizes=np.array([f[1] for f in files], dtype=np.int64),
+        classes=classes,
+        fingerprint=root.name,  # synthetic-<key> for train (as ever), synthetic-<key>-val<count> for val
+        synthetic=True,
+    )
+
+
+def open_source(request: SourceRequest) -> ImageDataset:
+    """The synthetic image set the config describes, generated into the cache on first use."""
+    config, split, progress = request.config, request.split, request.progress
+    try:
+        root = ensure_synthetic(config.dataset.synthetic, cache_dir(), progress=progress, split=split)
+    except ValueError as exc:  # a split it does not have
+        raise DatasetError(f"{config.source}: dataset.synthetic: {exc}") from None
+    except OSError as exc:
+        if is_no_space(exc):  # the partial folder is already gone (synthetic.ensure_synthetic)
+            spec = config.dataset.synthetic  # JPEGs of these images at quality 90: about 0.8 bytes a pixel
+            needed = int(spec.num_samples * spec.mean_width * spec.mean_height * 0.8)
+            raise integrity.no_space_error(cache_dir() / "datasets", needed, "the synthetic dataset") from None
+        raise DatasetError(f"{cache_dir()}: cannot write the synthetic dataset into the cache ({exc}); "
+                           "set LOADOPT_CACHE to a writable folder") from None
+    dataset = from_manifest(root, split)
+    if dataset is None:
+        raise DatasetError(f"{root}: the synthetic dataset has no split {split!r}")
+    return dataset

@@ -21,7 +21,8 @@ import numpy as np
 
 from loadopt.config_models import TokenSpec
 from loadopt.errors import DatasetError
-from loadopt.files import honour_umask
+from loadopt.files import cache_dir, honour_umask
+from loadopt.storage.sources.request import SourceRequest
 
 GENERATOR_VERSION = 1
 CHUNK_TOKENS = 4_000_000
@@ -127,3 +128,21 @@ def open_tokens(path: str | Path, spec: TokenSpec, seq_len: int, synthetic: bool
     stat = path.stat()
     fingerprint = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{seq_len}".encode())
     return TokenDataset(str(path), tokens, seq_len, fingerprint.hexdigest()[:16], synthetic=synthetic)
+
+
+def open_source(request: SourceRequest) -> TokenDataset:
+    """The token file at `dataset.path` (memory-mapped, on the local disk), or the synthetic corpus the config
+    describes, generated on first use."""
+    config, progress = request.config, request.progress
+    spec, seq_len = config.dataset.tokens, config.pipeline.seq_len
+    if config.dataset.path is not None:
+        path = os.path.expanduser(config.dataset.path)
+        if "://" in path and not path.startswith("file://"):
+            raise DatasetError(f"{path}: token files are memory-mapped and must be on a local file system")
+        return open_tokens(path.removeprefix("file://"), spec, seq_len)
+    try:
+        corpus = ensure_tokens(spec, cache_dir(), progress=progress)
+    except OSError as exc:
+        raise DatasetError(f"{cache_dir()}: cannot write the synthetic token corpus into the cache ({exc}); "
+                           "set LOADOPT_CACHE to a writable folder") from None
+    return open_tokens(corpus, spec, seq_len, synthetic=True)

@@ -39,6 +39,7 @@ from loadopt.storage.sources.format import (
     of_split,
     raise_if_compressed,
 )
+from loadopt.storage.sources.request import IndexThrough, SourceRequest
 from loadopt.storage.sources.shards import ShardTable
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,6 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
 
 
 # (the shards' filesystem, the dataset's fingerprint) -> the filesystem to index them through
-IndexThrough = Callable[[fsspec.AbstractFileSystem, str], fsspec.AbstractFileSystem]
 
 
 def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
@@ -419,3 +419,11 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
                       keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
                       fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at,
                       shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys())
+
+
+def open_source(request: SourceRequest) -> WebDataset:
+    """The tar shards at `request.path`."""
+    assert request.path is not None, "tar shards are opened where they are"
+    spec = request.config.dataset
+    return open_webdataset(request.path, request.split, request.storage_options, spec.label_key, spec.on_error,
+                           request.relist, request.index_through)
