@@ -1,4 +1,4 @@
-"""A remote storage tier with real sockets and real latency, for the tests and `bench/webscale.py`: nginx
+"""A remote storage tier with real sockets and real latency, for the tests and `benchmarks/webscale.py`: nginx
 (HTTP ranges, directory listings) and moto's S3 server run inside a private network namespace whose
 loopback is shaped by `tc` to a link rate, each behind a proxy (tests/delay_proxy.py) that holds every
 request for a first-byte delay. Readers run inside the namespace too (`NamespacedTier.command` / `run`):

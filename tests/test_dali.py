@@ -1,7 +1,7 @@
 """The dali backend: the CPU pipeline end to end, same order and pixels as torch, resume, shards, errors.
 
 GPU paths (mixed decode, batches delivered on the device) are marked `gpu`: skipped without CUDA,
-run by bench/gpu_check.py on a GPU machine.
+run by benchmarks/gpu_check.py on a GPU machine.
 """
 
 import json
@@ -244,7 +244,7 @@ def test_make_loader_and_bench_end_to_end(tmp_path):
     assert "dali cpu num_threads=2 prefetch=2" in proc.stdout
 
 
-# -- GPU (skipped without CUDA; bench/gpu_check.py runs them) ---------------------------------------
+# -- GPU (skipped without CUDA; benchmarks/gpu_check.py runs them) ---------------------------------------
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""bench/dlio_crosscheck.py without DLIO: its reading of DLIO's per-step output, loadopt's side on files in
+"""benchmarks/dlio_crosscheck.py without DLIO: its reading of DLIO's per-step output, loadopt's side on files in
 DLIO's npz layout, and the honest exit where DLIO is not installed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")

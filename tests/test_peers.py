@@ -271,7 +271,7 @@ def test_rebatch_copies_what_it_keeps_of_a_borrowed_buffer_before_the_next():
 
 
 def test_the_bare_loop_is_the_librarys_batches_as_handed_over(tmp_path):
-    """`bare_batches` (bench/peers.py --truth's reference): the library's own batches, uncut and uncopied."""
+    """`bare_batches` (benchmarks/peers.py --truth's reference): the library's own batches, uncut and uncopied."""
     cfg = config(tmp_path)
     loader = peer("webdataset", cfg, num_workers=0)
     try:

@@ -1,7 +1,7 @@
 """The inference scenarios (loadopt/serve/): arrivals, the open-loop server and its batcher, one request at a
 time, the rate search, the request paths, and `loadopt bench` with workload.scenario offline, server and
 single_stream. Service times here come from a request path that sleeps a known time (the emulated work of an
-outside backend); the truth against queueing theory at scale is bench/serve_truth.py's."""
+outside backend); the truth against queueing theory at scale is benchmarks/serve_truth.py's."""
 
 from __future__ import annotations
 

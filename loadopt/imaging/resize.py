@@ -47,7 +47,7 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     `out` is a view of HWC pixels (every batch ring's layout), then mirrored there in place by OpenCV
     (it swaps each row's pixel pairs); elsewhere resized into a new tensor and mirrored into `out` by
     one reversed strided copy. The same pixels as resizing into a new tensor, flipping that (a copy)
-    and copying it into `out`, which `fused` False does (bench/levers.py). The kernel reads the HWC
+    and copying it into `out`, which `fused` False does (benchmarks/levers.py). The kernel reads the HWC
     crop as channels-last, so an HWC `out` takes its output as computed, where CHW memory costs the
     kernel a transposing write."""
     left, top, right, bottom = whole_pixels(box)  # torch's kernel takes whole-pixel crops

@@ -361,7 +361,7 @@ class Loader(ABC, Generic[SettingsT]):
         never leave the finishing, in one buffer kept per shape; fresh memory for anything handed out.
         A fresh 9.6 MB transpose every batch (64 x 224 px) made glibc raise its mmap threshold and serve
         them from a heap that fragmented: the consumer's memory, and that of the workers forked from it
-        each epoch, grew 2-3x over the first epochs of bench/soak.py (not a leak: freed, not returned)."""
+        each epoch, grew 2-3x over the first epochs of benchmarks/soak.py (not a leak: freed, not returned)."""
         if purpose != "nhwc":
             return torch.empty(shape, dtype=dtype, device=self.device)
         key = (shape, dtype)

@@ -4,7 +4,7 @@ interpreter (and GIL).
 `crops.crop_frames` on threads of one process shares one GIL: every sample's crop is a few Python
 calls around torch's resize kernel, so each thread hands the GIL to the other once or twice a sample,
 and each hand-over waits for the scheduler. On 2 cores the decoded whole-frame paths reached 0.56-0.62
-of the rate at which 2 processes crop the same frames (bench/raw_ceiling.py, bench/arrow_ceiling.py).
+of the rate at which 2 processes crop the same frames (benchmarks/raw_ceiling.py, benchmarks/arrow_ceiling.py).
 Here the same function runs in forked processes, which inherit the frames' read-only mappings and write
 into a ring held in shared memory; a batch's samples are split over them, and the parent only sends each
 its positions and crop plan (a few KB) and waits for the replies. The Arrow encoded form's JPEGs go the

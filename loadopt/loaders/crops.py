@@ -60,7 +60,7 @@ def copy_crops(out: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray
     its rows `stride` bytes apart, mirrored left-right where `flips[k]`. Releases the GIL.
 
     Native (`loadopt/_native.c`, where it was built): every row written with streaming stores, mirrored 16
-    pixels at a time, so a batch's crops approach the memory copy rate (`bench/arrow_ceiling.py`), where
+    pixels at a time, so a batch's crops approach the memory copy rate (`benchmarks/arrow_ceiling.py`), where
     ordinary stores first read every line of the batch from memory (it is far larger than the cache): a
     third more memory traffic.
     Otherwise one strided copy of the rows per crop, a flip by OpenCV's mirror (1.7x a plain copy),

@@ -27,7 +27,7 @@ def release_free_heap() -> None:
 
     Each batch handed out is fresh memory (the caller may keep it); glibc serves these multi-MB blocks from
     its heap once one has been freed (its mmap threshold rises to their size) and keeps what is freed:
-    measured with bench/scale.py (100k files, batches of 256 x 64 px uint8, 4 workers), the consumer's
+    measured with benchmarks/scale.py (100k files, batches of 256 x 64 px uint8, 4 workers), the consumer's
     anonymous memory rose 80 -> 317 MB over 360 batches, all of it free (317 -> 47 MB after one trim), and
     the workers forked from it each epoch inherit that heap. A trim every `TRIM_EVERY` batches keeps it flat."""
     if _MALLOC_TRIM is not None:

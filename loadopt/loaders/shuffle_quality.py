@@ -1,4 +1,4 @@
-"""How well an epoch's order is shuffled, measured on the order itself: what `bench/webscale.py` prints for
+"""How well an epoch's order is shuffled, measured on the order itself: what `benchmarks/webscale.py` prints for
 loadopt's shuffles and the peers' beside a global permutation (docs/performance/webscale.md).
 
 Two figures, each scaled so that a uniformly random permutation scores about 1 and storage order about 0:

@@ -218,7 +218,7 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         read of one is a minor fault), for a form whose samples are read once an epoch (`release_mapped`: the
         encoded JPEGs, records): the mapping gains nothing from keeping them, while every page touched counted
         in the process's memory (PSS) until the whole file was: x4.4 over an epoch of 1M small JPEGs
-        (bench/scale.py). Not for the decoded forms, whose warm rate is a memory copy's and is read from pages
+        (benchmarks/scale.py). Not for the decoded forms, whose warm rate is a memory copy's and is read from pages
         kept mapped (a fault per page would cost it)."""
         for data in self.column.sources:
             release_pages(data)

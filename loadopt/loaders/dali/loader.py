@@ -111,7 +111,7 @@ class DaliLoader(Loader[DaliSettings]):
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list[Any]]:
         # normalise=device with NHWC: uint8 straight from the resize, normalised on the device (one pass
-        # over the output fewer in DALI; bench/dali_cpu.py measures it).
+        # over the output fewer in DALI; benchmarks/dali_cpu.py measures it).
         return {"num_threads": list(range(1, max(1, cores) + 1)), "prefetch_queue_depth": [1, 2, 3],
                 "normalise": ["dali", "device"], "layout": ["NCHW", "NHWC"]}
 

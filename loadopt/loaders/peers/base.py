@@ -357,7 +357,7 @@ class PeerLoader(Loader[PeerSettingsT]):
     def bare_batches(self, epoch: int) -> Generator[tuple[torch.Tensor, torch.Tensor, Layout], None, None]:
         """The library's bare loop over epoch `epoch`, as a training script written for it iterates: each of
         its batches' (uint8 inputs, labels, layout) as the library hands them, nothing copied or cut (the
-        reference `bench/peers.py --truth` holds the harness to)."""
+        reference `benchmarks/peers.py --truth` holds the harness to)."""
         stream = self.library_batches(epoch)
         try:
             for batch in stream:

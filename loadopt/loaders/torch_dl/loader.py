@@ -375,5 +375,5 @@ class TorchLoader(Loader[TorchSettings]):
                 iterator._shutdown_workers()
             self._dataloader = None
         # The shared batch ring (tuned): unmapped now, not when the loader object goes (a script keeps it
-        # after close(); bench/soak.py found it still mapped). A later pass makes a new one.
+        # after close(); benchmarks/soak.py found it still mapped). A later pass makes a new one.
         self._ring = None

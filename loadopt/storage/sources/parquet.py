@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # Decoded row groups held per process, by their image bytes (the newest always kept). A random order meets
 # a new row group at almost every sample once the split outgrows this: each then costs a whole row group's
-# read and decompression (bench/sources.py shows it); the converting backends read each sample alone.
+# read and decompression (benchmarks/sources.py shows it); the converting backends read each sample alone.
 ROW_GROUP_CACHE_BYTES = 512 << 20
 
 

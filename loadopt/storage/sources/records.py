@@ -121,7 +121,7 @@ class RecordDataset:
         storage buffer at a time, as DLIO's reader does: holding a batch of them until the batch is stacked
         (4 x 1.5 MB npz arrays) made the heap give them back to the system after every batch and fault them
         in again (2,770 page faults and 10 ms of worker CPU a batch of 4 against 1,090 and 5.9 ms, measured
-        by bench/dlio_crosscheck.py's workload)."""
+        by benchmarks/dlio_crosscheck.py's workload)."""
         size = int(self.sizes[index])
         if self.file_format == "raw" and size <= len(out) and self.is_local():
             name, row = self.files[self.file_of[index]].decode(), int(self.row_of[index])

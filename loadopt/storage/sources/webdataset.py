@@ -257,7 +257,7 @@ def _reader(fs: fsspec.AbstractFileSystem, name: str) -> tuple[Callable[[int, in
         return (lambda start, size: os.pread(fd, size, start)), (lambda: os.close(fd))
     # Headers sit between the members' data, so indexing reads the shard start to end; in large blocks: a
     # request a header (64 KiB blocks, one a ~110 KB photo) paid the store's latency a sample (60 s to the
-    # first batch of 1,000 photos at 20 ms a request, bench/webscale.py), 8 MiB blocks a few times a shard.
+    # first batch of 1,000 photos at 20 ms a request, benchmarks/webscale.py), 8 MiB blocks a few times a shard.
     handle = fs.open(name, "rb", block_size=INDEX_BLOCK_BYTES, cache_type="readahead")
 
     def read(start: int, size: int) -> bytes:

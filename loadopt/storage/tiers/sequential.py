@@ -1,7 +1,7 @@
 """The one sequential reader: files read front to back, one block after another, under a budget.
 
 Used by `probe`'s sequential pattern, the bench's storage ceiling, the posix loader's prefill and
-`bench/raw_ceiling.py`'s sequential reference, so that each of them measures (or warms) the same way.
+`benchmarks/raw_ceiling.py`'s sequential reference, so that each of them measures (or warms) the same way.
 
 Local files are read with `os.preadv` into one page-aligned buffer (anonymous mmap, as O_DIRECT
 requires), with O_DIRECT when asked and the file system allows it (tmpfs and some overlays refuse it:

@@ -55,7 +55,7 @@ FFCV jpg's input is its JPEGs re-encoded at <= max_side (q90). Where some source
 encoded forms bounded the same way run too (`<= max_side`: arrow/posix `form: encoded, frame: whole`, stored
 form `reencoded`, imaging/reencode.py), so the JPEG ratio compares the same input.
 
-    python bench/peers.py [--config configs/peers.yaml] [--rounds 5] [--batches 40] [--truth] [--only a,b]
+    python benchmarks/peers.py [--config configs/peers.yaml] [--rounds 5] [--batches 40] [--truth] [--only a,b]
                           [--set KEY=VALUE ...]
 
 Truth, measured (`--truth --rounds 5 --batches 50`, 08:21 UTC 2026-12-01, quiet machine; harness / own loop,

@@ -15,7 +15,7 @@ this machine at that moment): the held figure is delivered / min(told, that boun
 (too fast is as wrong as too slow). The cap's machinery is in the capped run and not in the bound, so
 its own cost per request still counts against it. The plain delivered / told is printed beside it.
 
-    python bench/tier_accuracy.py [--seconds 2] [--rounds 5]
+    python benchmarks/tier_accuracy.py [--seconds 2] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ nothing, so everything the wrapper adds per step shows. Rounds alternate bare / 
 drift on a shared machine hits all alike; the figure is the median added microseconds per step
 (wrapped minus bare). Logging is off: the verdict is not part of the per-step cost.
 
-    python bench/measure_overhead.py [--steps 200000] [--rounds 5]
+    python benchmarks/measure_overhead.py [--steps 200000] [--rounds 5]
 """
 
 from __future__ import annotations

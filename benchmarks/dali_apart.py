@@ -5,7 +5,7 @@ same ImageFolder, rounds interleaved, each round's child rate ÷ its in-process 
 
     RESULT dali_child_vs_in_process ratio=<samples/s in the child / in process> target>=0.9
 
-    python bench/dali_apart.py [--images 300] [--rounds 5] [--repeats 3]
+    python benchmarks/dali_apart.py [--images 300] [--rounds 5] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ machine is shared (other agents run beside it): the spread is printed, and besid
 images per CPU second of this process (all threads; the loader: the harness's CPU seconds), which
 another process's load disturbs far less than the wall-clock rate: the work the lever saves.
 
-    python bench/levers.py [--config configs/imagenet.yaml] [--rounds 5] [--samples 256] [--threads 2]
-    python bench/levers.py --config configs/photos_large.yaml --samples 48
+    python benchmarks/levers.py [--config configs/imagenet.yaml] [--rounds 5] [--samples 256] [--threads 2]
+    python benchmarks/levers.py --config configs/photos_large.yaml --samples 48
 """
 
 from __future__ import annotations

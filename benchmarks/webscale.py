@@ -41,8 +41,8 @@ Parts (`--part`, all by default):
 
 - `remote`: `--remote-samples` synthetic photos (default 4,000, ~400 x 350 JPEGs) as WebDataset tars of 100,
   served over HTTP from the namespace's nginx and from its S3 server (moto, the tars and the peers' conversions
-  uploaded to its bucket) at `--rate-mbit` (160) with `--first-byte-ms` (20) a request (bench/webscale_remote.py,
-  bench/_webscale_s3_peers.py). Inside the namespace, each in a fresh process: the shards listed and indexed once
+  uploaded to its bucket) at `--rate-mbit` (160) with `--first-byte-ms` (20) a request (benchmarks/webscale_remote.py,
+  benchmarks/_webscale_s3_peers.py). Inside the namespace, each in a fresh process: the shards listed and indexed once
   per URL (saved, as after a job's first open), the tier probed over HTTP (`loadopt.storage.tiers.probe`: 1 MiB reads,
   4 in flight), then rounds of timed runs in rotating order, 2 workers each, two epochs each, every epoch 1 from
   the tier (loadopt's shard cache emptied, the peers' caches fresh): loadopt's torch tuned through the bounded
@@ -67,7 +67,7 @@ Parts (`--part`, all by default):
   well (the delaying proxy), as an object store limits each connection while the link holds many: the same two
   figures come out as `..._per_connection`.
 
-    python bench/webscale.py [--part shuffle,order,index,first_batch,open_remote,remote] [--samples N]
+    python benchmarks/webscale.py [--part shuffle,order,index,first_batch,open_remote,remote] [--samples N]
                              [--order-samples N] [--index-samples N] [--first-samples N] [--world 8]
 """
 
@@ -124,7 +124,7 @@ finally:
 def _peer_order(config_path: Path, backend: str) -> list[int]:
     import subprocess
 
-    done = subprocess.run([python_for(backend), "-c", _PEER_ORDER, str(config_path), str(REPO / "bench"), backend],
+    done = subprocess.run([python_for(backend), "-c", _PEER_ORDER, str(config_path), str(REPO / "benchmarks"), backend],
                           capture_output=True, text=True, cwd=REPO)
     if done.returncode:
         raise RuntimeError(why_failed(done))

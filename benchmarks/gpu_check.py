@@ -12,7 +12,7 @@ Exits 0 when every check passed, 1 when there is no CUDA device, 2 when any chec
 (pytest's exit not 0) or a benchmark that raised (a backend refusing with `BackendUnavailable`, e.g. a
 missing GPU JPEG decoder, is reported as unavailable with its reason, not failed) or DALI's mixed decode
 copying bytes host-to-device. The failed rows are listed after the table. Meant to finish in a few
-minutes on one GPU: `python bench/gpu_check.py [--batches 60]`.
+minutes on one GPU: `python benchmarks/gpu_check.py [--batches 60]`.
 """
 
 from __future__ import annotations

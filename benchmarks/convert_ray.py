@@ -1,5 +1,5 @@
 """The same conversion written locally and on Ray (issue 35): `loadopt convert --engine local` against
-`--engine ray` on the same 100k-file ImageFolder (bench/scale.py's small JPEGs, ~2.6 KB a file, generated once
+`--engine ray` on the same 100k-file ImageFolder (benchmarks/scale.py's small JPEGs, ~2.6 KB a file, generated once
 into `~/.cache/loadopt/scale`).
 
 Each run is a fresh child process that opens the dataset (its listing cached), then times
@@ -15,7 +15,7 @@ shards. Three configurations, interleaved over `--rounds` rounds:
 `RESULT ray_scaling ratio=<ray1 median ÷ ray2 median> target>=1.7`, and the per-core constant (core-seconds
 per 1M files: ray1's time x 10) that docs/scale.md extrapolates to 1B samples on N nodes.
 
-    nice -n 10 python bench/convert_ray.py [--files 100000] [--rounds 3] [--shard-mib 16] [--to arrow]
+    nice -n 10 python benchmarks/convert_ray.py [--files 100000] [--rounds 3] [--shard-mib 16] [--to arrow]
 """
 
 from __future__ import annotations

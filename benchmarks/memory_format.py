@@ -8,7 +8,7 @@ interleaved in every round; the ratio held is channels-last's rate over contiguo
 should cost no backend more than noise: target >= 0.95), and contiguous's cost is printed as a share
 of the channels-last rate. Finishing alone (the per-batch work the format changes) is timed too.
 
-    python bench/memory_format.py [--config configs/imagenet.yaml] [--set KEY=VALUE ...]
+    python benchmarks/memory_format.py [--config configs/imagenet.yaml] [--set KEY=VALUE ...]
                                   [--backends arrow,posix,torch] [--batches 20] [--rounds 5]
 """
 

@@ -17,7 +17,7 @@ requests (about 24 minutes in all at the defaults). Prints, per case,
 `RESULT serve_truth_<case> ratio=<measured / truth> target>=0.95` and the same
 ratio against `target<=1.05` (`_upper`).
 
-    python bench/serve_truth.py [--service-ms 10] [--requests 40000] [--replicas 6]
+    python benchmarks/serve_truth.py [--service-ms 10] [--requests 40000] [--replicas 6]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Per round, a format's rate ÷ the ImageFolder's on the same backend; the RESULT 
     RESULT loadopt_vs_webdataset_on_tars ratio=<loadopt's fastest path delivering the config's training
         input, from the tars / WebDataset's own loader on the same tars> target>=1.5
 
-    python bench/sources.py [--config configs/imagenet.yaml] [--batches 30] [--rounds 5] [--backends ...]
+    python benchmarks/sources.py [--config configs/imagenet.yaml] [--batches 30] [--rounds 5] [--backends ...]
 """
 
 from __future__ import annotations

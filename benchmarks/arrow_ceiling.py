@@ -33,7 +33,7 @@
 
 Every figure: rounds interleaved (5 by default), the median held, the spread printed.
 
-    python bench/arrow_ceiling.py [--config configs/imagenet.yaml] [--tokens configs/tokens.yaml] [--batches 60]
+    python benchmarks/arrow_ceiling.py [--config configs/imagenet.yaml] [--tokens configs/tokens.yaml] [--batches 60]
                                   [--rounds 5]
 """
 

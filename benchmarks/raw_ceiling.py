@@ -59,7 +59,7 @@ crop + resize ceiling instead.
 Every figure is printed with its spread over the rounds (5 by default) and held on the median; the
 rounds of each part are interleaved (subject and reference measured in every round).
 
-    python bench/raw_ceiling.py [--config configs/imagenet.yaml] [--rounds 5] [--io-threads 8]
+    python benchmarks/raw_ceiling.py [--config configs/imagenet.yaml] [--rounds 5] [--io-threads 8]
 """
 
 from __future__ import annotations

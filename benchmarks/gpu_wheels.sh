@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch the wheels a lent GPU machine lacks, here, where pip can download:  bench/gpu_wheels.sh [--dali]
+# Fetch the wheels a lent GPU machine lacks, here, where pip can download:  benchmarks/gpu_wheels.sh [--dali]
 #
 # That machine (device/KINDS.md: Python 3.12, torch 2.11 for CUDA 13, CuPy, cuFile, pyarrow, fsspec, typer,
 # rich, OpenCV, torchvision) can fetch nothing. loadopt needs pydantic there, and the GDS checks need kvikio
@@ -7,7 +7,7 @@
 #
 # --dali also fetches DALI for CUDA 13 with what it needs there (about 270 MB) into .whl-dali/, cut into
 # parts of 56 MiB, one folder each (.whl-dali/1, 2, ...): one call carries at most 64 MiB, so each part
-# travels in its own short call (`bash bench/gpu_session.sh stage N`, carry [".whl-dali/N"]) before the
+# travels in its own short call (`bash benchmarks/gpu_session.sh stage N`, carry [".whl-dali/N"]) before the
 # main one. Without it, gpu_check's DALI rows say DALI is not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

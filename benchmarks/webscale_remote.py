@@ -1,5 +1,5 @@
-"""bench/webscale.py's parts on the network-namespace tier (tests/netns_tier.py): `open_remote` and `remote` (what
-each measures: bench/webscale.py's docstring)."""
+"""benchmarks/webscale.py's parts on the network-namespace tier (tests/netns_tier.py): `open_remote` and `remote` (what
+each measures: benchmarks/webscale.py's docstring)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ for each of DALI's two outputs (normalised float NCHW by DALI, or uint8 NHWC nor
 device), and the best DALI setting is held to the ceiling of its own pipeline. For reference the same
 is measured for simplejpeg + torch's resize (the `tuned` kernels).
 
-    python bench/dali_cpu.py [--config configs/imagenet.yaml] [--threads 1,2,3] [--workers 1,2,4]
+    python benchmarks/dali_cpu.py [--config configs/imagenet.yaml] [--threads 1,2,3] [--workers 1,2,4]
                              [--batches 25] [--rounds 5]
 
 One target: `dali_cpu_of_ceiling` (the best DALI setting over the ceiling of its own pipeline, each

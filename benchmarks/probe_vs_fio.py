@@ -5,7 +5,7 @@ Both read a test file written on the disk under test (`--dir`), cold and with O_
 then random reads of each block size at each concurrency. Each pattern runs the probe and fio back
 to back, round after round, so drift hits both; the medians are compared (IOPS, and latency p50).
 
-    python bench/probe_vs_fio.py [--dir .] [--size 1g] [--duration 2] [--rounds 3] [--blocks 4k,128k,1m]
+    python benchmarks/probe_vs_fio.py [--dir .] [--size 1g] [--duration 2] [--rounds 3] [--blocks 4k,128k,1m]
                                  [--concurrency 1,4,16,64]
 
 Each pattern's ratio (probe / fio IOPS) is printed with its spread over the rounds (each round's pair);

@@ -23,7 +23,7 @@ its stall is the harness's error (`harness_stall_zero_cost`, the median stall ov
 <= 0.01); the emulated device copies and finishes each batch beside the step before, as a GPU does.
 `--stall-batches` (default 80) sets its run length.
 
-    python bench/harness_overhead.py [--config configs/imagenet.yaml] [--batches 60] [--rounds 5]
+    python benchmarks/harness_overhead.py [--config configs/imagenet.yaml] [--batches 60] [--rounds 5]
 """
 
 from __future__ import annotations

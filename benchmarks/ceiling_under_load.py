@@ -14,7 +14,7 @@ Two figures per round, their median over the rounds held to the target and their
 The number of unreliable runs and the machine's load as the bench recorded it (`machine.load`) are
 printed for each round.
 
-    python bench/ceiling_under_load.py [--config configs/imagenet.yaml] [--rounds 5] [--busy 2] [--loaders ...]
+    python benchmarks/ceiling_under_load.py [--config configs/imagenet.yaml] [--rounds 5] [--busy 2] [--loaders ...]
 """
 
 from __future__ import annotations

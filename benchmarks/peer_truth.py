@@ -1,6 +1,6 @@
-"""`bench/peers.py --truth`: each peer backend in the harness against its library's own bare loop.
+"""`benchmarks/peers.py --truth`: each peer backend in the harness against its library's own bare loop.
 
-The cause of the gap this closed, and the figures measured, are in `bench/peers.py`'s docstring.
+The cause of the gap this closed, and the figures measured, are in `benchmarks/peers.py`'s docstring.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ ahead of the window's edges. Rounds interleave the settings. Per setting, on the
   past it);
 - `tier_bytes_<setting>`: bytes that crossed the tier / `bytes_read`; target >= 0.95.
 
-    python bench/tier_every_backend.py [--rounds 5] [--samples 160] [--batch 32] [--mb-s 20]
+    python benchmarks/tier_every_backend.py [--rounds 5] [--samples 160] [--batch 32] [--mb-s 20]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ manifests, conversions and decisions stay there), timed from inside it; peak mem
 - `convert_arrow`, `convert_raw`: `loadopt convert --to arrow|raw --force` (the JPEG bytes), wall time and peak RSS;
 - `startup_<backend>` and `first_batch_<backend>`: `make_loader` (manifest cached, conversion done) and
   the time from `iter()` to the first batch, 4 workers (torch tuned) or 4 threads (arrow, encoded);
-- `pss_growth_<backend>`: the loader process tree's PSS (bench/soak.py's `tree_memory`) after the
+- `pss_growth_<backend>`: the loader process tree's PSS (benchmarks/soak.py's `tree_memory`) after the
   first 16 batches (a quarter of the epoch at most: by then every ring slot and allocator arena in use
   has been touched once, a cost that does not grow with the dataset) and after the epoch's last (one
   epoch; `--epoch-batches` caps it and the run says so). Growth between the two is what per-sample
@@ -32,7 +32,7 @@ the RESULT lines name the largest size (`1m` with the default sizes):
 part alone, <= 1.05: the copy-on-read and retained-heap growth, without the file-backed pages of a mapped
 conversion that the epoch read, which are page cache and count in PSS once touched).
 
-    nice -n 10 python bench/scale.py [--sizes 10000,100000,1000000] [--rounds 5] [--backends torch,arrow]
+    nice -n 10 python benchmarks/scale.py [--sizes 10000,100000,1000000] [--rounds 5] [--backends torch,arrow]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two computation times are run: one I/O-bound (AU clearly below 1 here) and one c
 so agreement is tested where it matters. Rounds interleave the tools (the order alternates per round);
 the median of the per-round ratios is held, each round's ratio and the spread printed.
 
-    python bench/dlio_crosscheck.py [--rounds 5] [--epochs E] [--dlio /work/venv-dlio/bin/dlio_benchmark]
+    python benchmarks/dlio_crosscheck.py [--rounds 5] [--epochs E] [--dlio /work/venv-dlio/bin/dlio_benchmark]
 
 One definition for both (the comparison is fair only if both count the same steps the same way):
 - DLIO's own AU (dlio_benchmark/utils/statscounter.py compute_metrics_train) is, per epoch, the nominal
@@ -55,7 +55,7 @@ pytorch + npz run needs neither DALI nor torchaudio/torchvision):
     /work/venv-dlio/bin/pip install --no-deps dlio_benchmark==2.0.0
     /work/venv-dlio/bin/pip install mpi4py hydra-core omegaconf pandas h5py pydftracer==1.0.2 psutil Pillow numpy PyYAML
 
-Measured, 04:40-04:47 UTC (`python bench/dlio_crosscheck.py --rounds 7`: 21 epochs I/O-bound, 6 compute-
+Measured, 04:40-04:47 UTC (`python benchmarks/dlio_crosscheck.py --rounds 7`: 21 epochs I/O-bound, 6 compute-
 bound, 2 workers prefetching 1 batch each on both sides; 2 cores shared with other sessions' benchmarks
 and tests, load average 3.2-7.3; dlio_benchmark 2.0.0, torch 2.13.0 CPU):
     io_bound (5 ms per batch of 4): samples/s loadopt 434 (344-476), DLIO 425 (358-494); loadopt / DLIO per

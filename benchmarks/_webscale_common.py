@@ -1,4 +1,4 @@
-"""What bench/webscale.py and bench/webscale_remote.py share: the record sets they generate, a config written
+"""What benchmarks/webscale.py and benchmarks/webscale_remote.py share: the record sets they generate, a config written
 to a file for a fresh process, and a sample count as a RESULT line names it."""
 
 from __future__ import annotations

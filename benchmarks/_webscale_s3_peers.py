@@ -1,4 +1,4 @@
-"""bench/webscale.py's `remote` part, the peers that read S3: LitData and MosaicML Streaming, each on its own
+"""benchmarks/webscale.py's `remote` part, the peers that read S3: LitData and MosaicML Streaming, each on its own
 conversion of the same photo tars, read from the namespaced tier's S3 server (moto behind the first-byte-delay
 proxy, tests/netns_tier.py) by the library's own client and loop, in a fresh process inside the namespace.
 
@@ -134,7 +134,7 @@ def prepare_s3_peers(tier, folder: Path, config_path: Path, root: Path, env: dic
         sizes = folder / f"sizes-{peer}.npy"
         convert_env = {**env, "LOADOPT_CACHE": str(folder / f"convert-{peer}")}
         done = subprocess.run([python_for(peer), "-c", _CONVERT, peer, str(config_path), str(root),
-                               str(REPO / "bench"), str(sizes)], capture_output=True, text=True, env=convert_env,
+                               str(REPO / "benchmarks"), str(sizes)], capture_output=True, text=True, env=convert_env,
                               cwd=REPO)
         if done.returncode:
             failed = "" if done.returncode == 3 else "its conversion failed: "  # 3: the library does not import

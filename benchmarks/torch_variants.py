@@ -7,7 +7,7 @@ with the highest median; the ratio is the median over the rounds of tuned / plai
 Each is also shown as a fraction of the decode ceiling measured in the same run (JPEG decode alone in
 one worker process per core, one intra-op thread each, as the loaders' workers run).
 
-    python bench/torch_variants.py [--config configs/imagenet.yaml] [--workers 1,2,4] [--batches 30] [--rounds 5]
+    python benchmarks/torch_variants.py [--config configs/imagenet.yaml] [--workers 1,2,4] [--batches 30] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ run (`--confirm` batches), and compared round by round (held on the median):
 - quality: tuner's best / grid's best samples/s, target >= 0.95;
 - time: the tuner's search time / the grid's time, target <= 0.40.
 
-    python bench/tune_vs_grid.py [--config configs/imagenet.yaml] [--loaders torch,arrow,posix]
+    python benchmarks/tune_vs_grid.py [--config configs/imagenet.yaml] [--loaders torch,arrow,posix]
         [--warmup 3] [--measure 12] [--confirm 40] [--rounds 5]
 
 Defaults take about 3 minutes on 2 cores once the dataset and its conversions are cached.

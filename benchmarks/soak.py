@@ -45,7 +45,7 @@ appeared during the run and are still there, and shared-memory mappings the cons
 (torch shares tensors through unlinked /dev/shm files, which only /proc/<pid>/maps shows). Each must
 be none: `RESULT soak_leftovers_<backend> ratio=<count> target<=0`.
 
-    python bench/soak.py [--config configs/imagenet.yaml] [--epochs 30] [--backends torch,arrow] [--workers 2]
+    python benchmarks/soak.py [--config configs/imagenet.yaml] [--epochs 30] [--backends torch,arrow] [--workers 2]
 """
 
 from __future__ import annotations
