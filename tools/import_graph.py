@@ -167,27 +167,62 @@ def read_graph(root: Path = ROOT, package: str = PACKAGE) -> ImportGraph:
     return ImportGraph(files, imports)
 
 
-def mermaid(graph: ImportGraph) -> str:
-    """The folders as boxes and an arrow for each folder that imports from another, layer by layer."""
-    def folder(module: str) -> str:
-        path = graph.files[module]
-        return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+LEAF_LAYERS = 3  # the layers drawn as one box: the modules and folders everything else stands on
 
+
+def place(module: str) -> str | None:
+    """The box a module is drawn in: the `LAYERS` entry that places it, or `leaves`; None for an entry point or
+    the package's lazy names (`loadopt/__init__.py`), which stand above everything."""
+    if module.endswith("__main__") or module == PACKAGE:
+        return None
+    if layer_of(module) < LEAF_LAYERS:
+        return "leaves"
+    return max((p for prefixes in LAYERS for p in prefixes if module == p or module.startswith(p + ".")), key=len)
+
+
+def box_edges(graph: ImportGraph) -> set[tuple[str, str]]:
+    """Box A -> box B where a module of A imports one of B, less each edge that others imply (the transitive
+    reduction: the boxes stand in layers, so the graph has no cycle and the reduction is the picture's)."""
     edges: set[tuple[str, str]] = set()
     for source, targets in graph.imports.items():
         for target in targets:
-            a, b = folder(source), folder(target)
-            if a != b and not b.startswith(a + "."):
+            a, b = place(source), place(target)
+            if a and b and a != b:
                 edges.add((a, b))
-    # an arrow implied by another (a -> b -> c and a -> c) is left out, so the picture shows the layers
-    reach: dict[str, set[str]] = defaultdict(set)
+    out: dict[str, set[str]] = defaultdict(set)
     for a, b in edges:
-        reach[a].add(b)
-    kept = sorted((a, b) for a, b in edges if not any(b in reach[m] for m in reach[a] if m != b))
-    names = sorted({n for e in edges for n in e} | set(graph.folders()))
-    ident = {n: n.replace(".", "_") for n in names}
-    lines = ["flowchart TD"] + [f'    {ident[n]}["{n.removeprefix(PACKAGE + ".") or PACKAGE}"]' for n in names]
-    lines += [f"    {ident[a]} --> {ident[b]}" for a, b in kept]
+        out[a].add(b)
+
+    def reaches(start: str, goal: str) -> bool:
+        todo, seen = [n for n in out[start] if n != goal], set()
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(out[node])
+        return False
+
+    return {(a, b) for a, b in edges if not reaches(a, b)}
+
+
+def mermaid(graph: ImportGraph) -> str:
+    """The layers' boxes, each naming its folders, and an arrow where one imports from another, bottom-up."""
+    edges = sorted(box_edges(graph))
+    boxes = sorted({n for e in edges for n in e})
+    folders = graph.folders()
+
+    def label(box: str) -> str:
+        if box == "leaves":
+            members = sorted({m.removeprefix(PACKAGE + ".").split(".")[0] for m in graph.files if place(m) == box})
+            return "leaves: " + ", ".join(members)
+        inside = sorted(f.removeprefix(box + ".") for f in folders if f.startswith(box + "."))
+        path = box.replace(".", "/") + ("/" if box in folders else ".py")
+        return path + (": " + ", ".join(inside) if inside else "")
+
+    lines = ["flowchart BT"] + [f'    {b.replace(".", "_")}["{label(b)}"]' for b in boxes]
+    lines += [f'    {a.replace(".", "_")} --> {b.replace(".", "_")}' for a, b in edges]
     return "\n".join(lines) + "\n"
 
 

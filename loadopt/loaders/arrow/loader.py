@@ -46,7 +46,7 @@ from loadopt.storage.forms import placement, shard_work, tier_reads
 from loadopt.storage.forms.arrow_convert import convert, open_conversion, reference_names
 from loadopt.storage.forms.arrow_format import ArrowConversion, arrow_path, shard_files
 from loadopt.storage.forms.arrow_outline import Outline
-from loadopt.storage.remote import converted as remote_shards
+from loadopt.storage.forms.ready import make_ready, read_from
 from loadopt.storage.sources.shards import shard_table
 from loadopt.storage.tiers.pagecache import release_pages
 
@@ -105,24 +105,18 @@ class ArrowLoader(RingLoader[ArrowSettings]):
         self.stop_workers()  # they inherited the views this replaces
         shard_mib = self.settings.shard_mib
         path = arrow_path(self.dataset, self.stored_form, self.size, shard_mib)
-        remote_shards.fetch_reference(self.dataset, path, reference_names)  # made elsewhere for its remote home
-        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
-            convert(self.dataset, self.stored_form, self.size, shard_mib, progress=progress, on_error=self.on_error)
-        elif not (path / shard_work.MANIFEST).exists():
-            raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} ({self.form}); run "
-                               f"`loadopt convert CONFIG --to arrow{' --decoded' if self.size else ''}`")
-        tier = placement.conversion_tier(self.dataset)
-        conversion = open_conversion(self.dataset, self.stored_form, self.size, shard_mib, tier,
-                                     self.settings.io_threads)
+        make_ready(self.dataset, path, reference_names,
+                   (lambda: convert(self.dataset, self.stored_form, self.size, shard_mib, progress=progress,
+                                    on_error=self.on_error)) if convert_missing else None,
+                   "arrow", self.form, " --decoded" if self.size else "")
+        conversion = open_conversion(self.dataset, self.stored_form, self.size, shard_mib,
+                                     placement.conversion_tier(self.dataset), self.settings.io_threads)
         self.unreadable, self._conversion = conversion.skipped, conversion  # samples the conversion skipped
         batches: list[pa.RecordBatch] = conversion
-        remote = None if conversion.images else placement.publish(self.dataset, path, marker=shard_work.MANIFEST)
         if isinstance(conversion.images, tier_reads.ShadowShards):  # the data on the remote home, outlines here
             self._shadow = conversion.images
-        elif (tier := placement.conversion_tier(self.dataset)) is not None:  # asked again: an upload refused
-            # just now keeps the conversion in the local cache, read directly. Else every byte through the tier
-            where = remote or str(path)
-            self._shadow = tier_reads.ShadowShards(tier, [f"{where}/{f.name}" for f in conversion.files],
+        elif (home := read_from(self.dataset, path)).tier is not None:  # every byte through the tier
+            self._shadow = tier_reads.ShadowShards(home.tier, home.paths([f.name for f in conversion.files]),
                                                    [Outline.of(f) for f in conversion.files], self.settings.io_threads)
             batches = self._shadow.record_batches()
         runs = shard_table(self.dataset, self.pipeline.shard_samples).bounds  # what the window shuffle deals

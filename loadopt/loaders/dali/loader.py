@@ -157,22 +157,18 @@ class DaliLoader(Loader[DaliSettings]):
     def prepare(self, progress: Callable[[int, int], None] | None = None, convert_missing: bool = True) -> None:
         if self.settings.source != "arrow" or self._views is not None:
             return
-        from loadopt.storage.forms import placement, shard_work, tier_reads
+        from loadopt.storage.forms import placement, tier_reads
         from loadopt.storage.forms.arrow_convert import convert, open_conversion, reference_names
         from loadopt.storage.forms.arrow_format import arrow_path
         from loadopt.storage.forms.arrow_outline import arrow_layout
-        from loadopt.storage.remote import converted as remote_shards
+        from loadopt.storage.forms.ready import make_ready, read_from
 
         path = arrow_path(self.dataset, "encoded", None)
-        remote_shards.fetch_reference(self.dataset, path, reference_names)  # made elsewhere for its remote home
-        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
-            convert(self.dataset, "encoded", None, progress=progress)
-        elif not (path / shard_work.MANIFEST).exists():
-            raise DatasetError(f"{path}: no Arrow conversion of {self.dataset.root} (encoded); "
-                               "run `loadopt convert CONFIG --to arrow`")
+        make_ready(self.dataset, path, reference_names,
+                   (lambda: convert(self.dataset, "encoded", None, progress=progress)) if convert_missing else None,
+                   "arrow", "encoded")
         views = []
-        tier = placement.conversion_tier(self.dataset)
-        conversion = open_conversion(self.dataset, "encoded", None, tier=tier)
+        conversion = open_conversion(self.dataset, "encoded", None, tier=placement.conversion_tier(self.dataset))
         for batch in conversion:
             column = batch.column(batch.num_columns - 1)
             offsets = np.frombuffer(column.buffers()[1], np.int32, batch.num_rows + 1, column.offset * 4)
@@ -182,12 +178,11 @@ class DaliLoader(Loader[DaliSettings]):
             images = conversion.images
             self._tier_ranges = _TierRanges(images.fs, images.paths, images.file_of, images.offsets, images.lengths)
             return
-        remote = placement.publish(self.dataset, path, marker=shard_work.MANIFEST)
-        if tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
-            where = remote or str(path)
+        home = read_from(self.dataset, path)
+        if home.tier is not None:  # on a tier every sample's bytes are a range request through it, not the map
             file_of, offsets, lengths = arrow_layout(conversion.files)
-            self._tier_ranges = _TierRanges(tier, [f"{where}/{f.name}" for f in conversion.files], file_of, offsets,
-                                            lengths)
+            self._tier_ranges = _TierRanges(home.tier, home.paths([f.name for f in conversion.files]), file_of,
+                                            offsets, lengths)
 
     def storage_files(self) -> list[str]:
         if self.settings.source == "arrow":

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from loadopt.errors import DatasetError
 from loadopt.loaders import crops
 from loadopt.loaders.fillers import Located
 from loadopt.loaders.posix import cache as posix_cache
@@ -43,7 +42,7 @@ from loadopt.loaders.shard_reader import PosixReader, ShardReader, aligned_empty
 from loadopt.machine import usable_cores
 from loadopt.storage.forms import placement, raw_convert, raw_format, tier_reads
 from loadopt.storage.forms.raw_format import ALIGN, RawIndex, align_up
-from loadopt.storage.remote import converted as remote_shards
+from loadopt.storage.forms.ready import make_ready, read_from
 
 
 class PosixSettings(RingSettings):
@@ -139,27 +138,21 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
-        remote_shards.fetch_reference(self.dataset, path, raw_convert.reference_names)  # converted elsewhere
-        if convert_missing:  # at once where it is finished (made again where storage.converted moved since)
-            raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib,
-                                progress=progress, on_error=self.on_error)
-        elif not (path / raw_format.MANIFEST).exists():
-            flags = CONVERT_FLAGS.get(self.stored_form, "")
-            raise DatasetError(f"{path}: no raw conversion of {self.dataset.root} ({self.form}); run "
-                               f"`loadopt convert CONFIG --to raw{flags}`")
+        make_ready(self.dataset, path, raw_convert.reference_names,
+                   (lambda: raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib,
+                                                progress=progress, on_error=self.on_error)) if convert_missing else None,
+                   "raw", self.form, CONVERT_FLAGS.get(self.stored_form, ""))
         self._raw = raw_convert.open_conversion(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         raw = self._raw
         self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion
         self.close_maps()
         if self._reader is not None:
             self._reader.close()
-        remote = placement.publish(self.dataset, path, marker=raw_format.MANIFEST)
-        tier = placement.conversion_tier(self.dataset)
-        if tier is None:
+        home = read_from(self.dataset, path)
+        if home.tier is None:
             self._reader = self.reader_class(raw.shards, self.settings.o_direct)
         else:  # every read through the tier (its limits, faults, counters); o_direct does not apply there
-            names = [f"{remote}/{shard.name}" if remote else str(shard) for shard in raw.shards]
-            self._reader = tier_reads.TierReader(tier, names)
+            self._reader = tier_reads.TierReader(home.tier, home.paths([shard.name for shard in raw.shards]))
 
     # -- reading -------------------------------------------------------------------------------
 
