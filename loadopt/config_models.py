@@ -60,7 +60,7 @@ class TokenSpec(_Strict):
 
 
 class RecordSpec(_Strict):
-    """Record workloads (DLIO / MLPerf Storage: storage/sources/records.py): generated when `dataset.path` is null,
+    """Record workloads (DLIO / MLPerf Storage): generated when `dataset.path` is null,
     else the layout of the record files there. Sizes are per record; DLIO's names in the comments."""
 
     record_bytes: int = Field(150_528, gt=0)  # record_length_bytes (the mean)
@@ -101,7 +101,7 @@ class DatasetConfig(_Strict):
     kind: Literal["images", "tokens", "records"] = "images"
     path: str | None = None
     # How `path` stores the images: `auto` tells an ImageFolder, WebDataset tar shards and Parquet files
-    # apart by what the path holds (loadopt/storage/sources/format.py).
+    # apart by what the path holds.
     format: Literal["auto", "imagefolder", "webdataset", "parquet"] = "auto"
     label_key: str | None = None  # WebDataset: the `json` member's field holding the label (default: the `cls` member)
     columns: ParquetColumns = ParquetColumns()
@@ -125,12 +125,11 @@ class PipelineConfig(_Strict):
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     # global: one permutation of every sample per epoch; window: shards permuted, samples shuffled within a window
-    # of `window_shards` shards, each rank reading its own shards (loaders/sampler.py); none: in order.
+    # of `window_shards` shards, each rank reading its own shards; none: in order.
     # true and false are global and none.
     shuffle: Literal["global", "window", "none"] = "global"
     window_shards: int = Field(16, ge=1)
     # a source without files of many samples (an ImageFolder, tokens) is cut into shards of this many
-    # (storage/sources/shards.py)
     shard_samples: int = Field(1024, ge=1)
     # `shared`: batches in the sampler's order, as DataLoader's (every loadopt backend); `any` also lets `auto`
     # pick a backend whose library orders the samples itself (the peers, dali reader native): loadopt.recipe.
@@ -184,7 +183,7 @@ class WorkloadConfig(_Strict):
     model: Literal["none", "small_cnn", "resnet50"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # An alternative to step_time_ms: the emulated step of this accelerator from MLPerf Storage's
-    # published figures (accelerators_table.py), scaled to pipeline.batch_size.
+    # published figures (`loadopt.accelerators_table`), scaled to pipeline.batch_size.
     accelerator: str | None = None
 
     @field_validator("accelerator")
@@ -196,7 +195,7 @@ class WorkloadConfig(_Strict):
 
 
 class StorageConfig(_Strict):
-    # "local", a profile name from configs/tiers.yaml, or an inline tier (storage/tiers/spec.py: TierSpec)
+    # "local", a profile name from configs/tiers.yaml, or an inline tier (`TierSpec`)
     tier: str | dict[str, Any] = "local"
 
     @field_validator("tier", mode="before")
@@ -208,9 +207,9 @@ class StorageConfig(_Strict):
     cache: Literal["warm", "cold"] = "warm"
     # Where conversions (Arrow files, raw shards) of a dataset that is not on the local disk live: a
     # path or URL on the dataset's storage; null: beside the source under `.loadopt/` (on the local
-    # disk: the cache). See storage/forms/tier_reads.py.
+    # disk: the cache).
     converted: str | None = None
-    # A bounded local cache of a remote dataset's files (storage/remote/shard_cache.py): its most bytes, as
+    # A bounded local cache of a remote dataset's files: its most bytes, as
     # `20GiB`, `500MB` or a byte count; null: no cache, every read goes to the storage.
     cache_limit: int | None = None
     # Range requests of that cache in flight (a file's 1-8 MiB ranges, the files in the order they are read):

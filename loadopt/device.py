@@ -9,7 +9,7 @@ A GPU runs the copy and the finishing kernels queued on its streams, asynchronou
 beside the step before: `EmulatedStream` is the emulated device's stream, one host thread that runs
 each batch's copy and finishing in order while the host goes on to the next batch and the emulated step
 runs. Its CPU is the host's (counted as CPU cost, as everything the process does); the accelerator is
-idle only when a step has to wait for it (loadopt/bench/harness.py says whose wait that was).
+idle only when a step has to wait for it (the harness says whose wait that was).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from loadopt.config_models import PipelineConfig
 
-try:  # one-pass normalisation on the CPU (loadopt/_native.c), built at install where a C compiler is
+try:  # one-pass normalisation on the CPU, built at install where a C compiler is
     from loadopt import _native as native
 except ImportError:  # pragma: no cover - built by `pip install`; torch's ops stay for installs without it
     native = None  # type: ignore[assignment]  # None where the optional module is absent

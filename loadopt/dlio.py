@@ -3,7 +3,7 @@
 DLIO (argonne-lcf/dlio_benchmark) describes a training job's I/O as a workload YAML: the dataset
 (`num_files_train`, `num_samples_per_file`, `record_length_bytes` and its spread, the file format),
 the reader (`batch_size`, `read_threads`) and the emulated computation per batch. Each maps onto a
-`dataset.kind: records` config (storage/sources/records.py). Whatever has no equivalent here is named in the
+`dataset.kind: records` config. Whatever has no equivalent here is named in the
 output's header, key by key, never dropped silently.
 """
 
@@ -35,7 +35,7 @@ _MAPPED = {
 
 
 class RecordsSection(TypedDict):
-    """The imported config's `dataset.records` (storage/sources/records.py's RecordSpec)."""
+    """The imported config's `dataset.records` (`RecordSpec`)."""
 
     record_bytes: int
     record_bytes_stdev: int

@@ -25,8 +25,8 @@ class DatasetError(LoadoptError):
 
 
 class DatasetChanged(DatasetError):
-    """A file of a remote dataset that vanished or changed since its listing was saved
-    (storage/remote/listing.py). `name` is the file as messages show it, `reason` the rest of the line; both
+    """A file of a remote dataset that vanished or changed since its listing was saved.
+    `name` is the file as messages show it, `reason` the rest of the line; both
     are the exception's args, so it pickles across the loaders' worker processes."""
 
     def __init__(self, name: str, reason: str) -> None:
@@ -47,7 +47,7 @@ class OutputError(LoadoptError):
 
 class StorageError(LoadoptError):
     """A storage tier that keeps failing: reads still erroring or timing out after every retry, or refused for
-    good (storage/remote/access.py `read_with_retries`). Never a damaged sample: `describe_sample_error` raises it, so
+    good (`read_with_retries`). Never a damaged sample: `describe_sample_error` raises it, so
     it ends the read under `dataset.on_error: skip` too. Its one argument is its line, so it pickles across
     worker processes; torch's DataLoader re-raises a worker's exception with its traceback as the message,
     which is cut back to that line here."""

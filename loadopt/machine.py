@@ -102,7 +102,7 @@ class MachineInfo(TypedDict, total=False):
     ram_gb: float
     gpu: GpuInfo | None
     libraries: dict[str, str | None]  # version of each of LIBRARIES; None where it is not installed
-    load: LoadSummary | None  # a bench's results only: the machine's load over the bench (bench/monitor.py)
+    load: LoadSummary | None  # a bench's results only: the machine's load over the bench (`MachineLoad`)
 
 
 def machine_info() -> MachineInfo:

@@ -16,7 +16,7 @@ name the difference. Fields:
 - `order`: set (to the library's name) by a loader whose library orders the samples itself (the peers,
   dali `reader: native`): not the same samples in the same order as the sampler's, as DataLoader's would
   be. It differs from the config's unless `pipeline.order: any` (the wanted recipe's `order`) allows it.
-Tokens: `kind: tokens` and `seq_len`. Records (storage/sources/records.py): `kind: records` (each record's first
+Tokens: `kind: tokens` and `seq_len`. Records: `kind: records` (each record's first
 `dataset.records.delivered_bytes` bytes, by every backend that reads them).
 """
 

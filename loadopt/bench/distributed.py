@@ -1,5 +1,5 @@
 """Where a bench process stands among the ranks: `Ranks` (one process, rank 0 of 1) and, under `torchrun`,
-`TorchrunRanks`; `ranks_here` gives the one this process is. The runner (bench/runner.py) runs one loop
+`TorchrunRanks`; `ranks_here` gives the one this process is. The runner (`run_bench`) runs one loop
 over both:
 
     torchrun --nproc-per-node N -m loadopt bench CONFIG [--tune] ...
@@ -22,7 +22,7 @@ an error there is every rank's. Rank 0 gathers every rank's figures after each r
 results.json: per-rank figures, the aggregate over ranks and the slowest rank (the one that waited longest
 for data); after the runs it measures the ceilings again, the stages apart and the decision alone. The
 other ranks write nothing. The per-batch timings file holds rank 0's batches. (The ranks' figures:
-bench/rank_figures.py; what a rank reports of a run: bench/rank_report.py.)
+`add_ranks`; what a rank reports of a run: `RankReport`.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The metrics of DESIGN.md, computed from the per-batch probes of one measured window.
+"""The bench's metrics, computed from the per-batch probes of one measured window.
 
 Definitions (warm-up batches excluded):
 - `samples_per_s`, `mb_per_s`: samples and stored (encoded) sample bytes delivered per wall second;
   `tokens_per_s` (token workloads) = samples_per_s x seq_len.
 - `accelerator_utilisation` = sum(compute_i) / wall; `stall_fraction` = 1 - accelerator_utilisation: the
-  share of the window the accelerator was idle. The device runs as a GPU does (loadopt/bench/harness.py):
+  share of the window the accelerator was idle. The device runs as a GPU does in the harness:
   the copy and finishing of a batch overlap the step before, so they stall it only where they cannot keep up.
 - `loader_stall_fraction`, `finish_stall_fraction`: that idle time split by whose it was (summed
   `loader_stall_s`, `finish_stall_s` of the probes over wall): the loader's (the device went idle before
@@ -66,7 +66,7 @@ def step_metrics(*, waits_s: np.ndarray, wall_s: float, compute_s: float, sample
                  sample_bytes: float | None, h2d_s: float, h2d_bytes: int, cpu_seconds: float | None,
                  storage_bytes_read: int, peak_rss_bytes: int | None, peak_pss_bytes: int | None,
                  utilisation: float | None = None) -> RepeatMetrics:
-    """The step metrics of DESIGN.md from one measured window's totals: the one place they are computed,
+    """The step metrics from one measured window's totals: the one place they are computed,
     for `loadopt bench` (`window_metrics`) and `loadopt measure` (loadopt.measure.results).
 
     `utilisation` defaults to compute_s / wall_s; a caller that timed the device itself (CUDA events)

@@ -1,6 +1,6 @@
 """The figures of a torchrun bench's ranks: which samples each rank delivered, the job's metrics from its
-ranks', the slowest rank, and what results.json says of the ranks (bench/distributed.py runs them; each
-rank's report of a run: bench/rank_report.py)."""
+ranks', the slowest rank, and what results.json says of the ranks (`TorchrunRanks` runs them; each
+rank's report of a run: `RankReport`)."""
 
 from __future__ import annotations
 

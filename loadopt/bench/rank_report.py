@@ -1,4 +1,4 @@
-"""What the ranks of a torchrun bench tell each other of one run (bench/distributed.py carries it): a rank's
+"""What the ranks of a torchrun bench tell each other of one run (`TorchrunRanks` carries it): a rank's
 `RankReport` (with the samples it delivered per epoch: the schema's `DeliveredEpoch`), and a failure as
 plain data (`ToldFailure`)."""
 

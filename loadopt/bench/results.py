@@ -20,7 +20,7 @@ from loadopt.schema.results import ResultsFile, results_text
 __all__ = ["STALE_FILES", "discard_stale_files", "write_results"]
 
 # What a bench leaves beside its results that describes them: the report (`loadopt.report`'s default name)
-# and the decision (bench/decision.py).
+# and the decision.
 STALE_FILES = ("report.html", "decision.json")
 
 

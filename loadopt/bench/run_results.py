@@ -1,5 +1,5 @@
 """The results document of a bench (`results.json`): each planned setting's run, the ranking and the summary
-line; and the per-batch rows of `timings.parquet`. (bench/results.py writes both files.)"""
+line; and the per-batch rows of `timings.parquet`. (`write_results` writes both files.)"""
 
 from __future__ import annotations
 

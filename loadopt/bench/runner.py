@@ -4,10 +4,10 @@ Repeats are interleaved (repeat 1 of every setting, then repeat 2, ...) so that 
 shared, noisy machine does not land on one setting only. A backend that cannot run here is listed
 with its reason; a backend that fails at run time is listed with its error and the bench goes on;
 Ctrl-C stops the bench and keeps the runs already finished. Under `torchrun` every rank runs this same
-loop, each on its shard with an all-reduce per step; what differs is behind `distributed.Ranks`
-(bench/distributed.py): what rank 0 does alone, the per-step collective, the gather of each run. A backend
-whose native code can crash the process on bad bytes (`runs_apart`: DALI) runs each setting in a forked child
-on one CPU rank, so its crash is that setting's error; results.json is rewritten after every setting.
+loop, each on its shard with an all-reduce per step; what differs is behind `distributed.Ranks`: what
+rank 0 does alone, the per-step collective, the gather of each run. A backend whose native code can crash
+the process on bad bytes (`runs_apart`: DALI) runs each setting in a forked child on one CPU rank, so its crash
+is that setting's error; results.json is rewritten after every setting.
 """
 
 from __future__ import annotations
@@ -132,17 +132,17 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
 
     A backend that reads its own format converts the dataset first (once, cached) unless `convert`
     is false, in which case a missing conversion is an error. `attribute` (default) also measures the
-    machine's ceilings (a few seconds) and attributes each setting's bottleneck (bench/attribution/verdicts.py).
-    `tune` first searches each backend's knobs within `budget_s` seconds (bench/tuner.py) and then
+    machine's ceilings (a few seconds) and attributes each setting's bottleneck.
+    `tune` first searches each backend's knobs within `budget_s` seconds and then
     measures each backend's best setting; `attribute_stages` (implied by `tune`) runs the stages of each
-    backend's best setting apart: loader warm and cold, storage read, decode + transform (bench/attribution/stages.py).
+    backend's best setting apart: loader warm and cold, storage read, decode + transform.
 
     The folder `out` is only written once a setting was measured: a bench that measured nothing (every
     setting unavailable or failing, a user error or an interrupt before the first run finished) leaves it
     as it was. One that measured part writes what it measured, each setting not run with the reason; a
     user error then is raised after the writing, or returned in `BenchOutcome.error` with
     `return_errors` (the CLI, which prints the runs and writes the report before the error). `relist` lists
-    the dataset again and saves the new listing (storage/remote/listing.py). `stop_requested` says whether a
+    the dataset again and saves the new listing. `stop_requested` says whether a
     stop came whose exception got lost (it is honoured at the next setting's boundary).
 
     From the first measured setting on, results.json and timings.parquet are rewritten after every setting
@@ -226,7 +226,7 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
         return BenchOutcome(None, None, None, done.interrupted, ranks.rank)
     results = results_document(config, plan, dataset, ranks.device, workload, request.quick, done.interrupted,
                                done.cache_note, done.not_run())
-    ranks.annotate(results)  # the ranks' figures (bench/distributed.py)
+    ranks.annotate(results)  # the ranks' figures
     if done.interrupted:
         results.interrupted_by = done.stopped_by
     if results.machine is not None:
@@ -253,7 +253,7 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
                                                    ranks.device))
     try:
         if request.attribute and any(s.status == RunStatus.OK for s in plan):
-            # The decode ceiling runs as many worker processes as the busiest setting (bench/attribution/parallel.py).
+            # The decode ceiling runs as many worker processes as the busiest setting.
             workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == RunStatus.OK)
             done.ceilings = ranks.alone(lambda: ceiling_measures.measure_ceilings(config, dataset, ranks.device,
                                                                                   ranks.decode_workers(workers)))

@@ -1,7 +1,7 @@
 """`loadopt bench --tune`: search each backend's knobs for its fastest setting within a time budget.
 
 The knobs and their values come from the backend (`Loader.knob_space(cores)`), never from here; the
-config narrows them and sets the start (bench/knobs.py, with the machine's limits).
+config narrows them and sets the start (`search_space`, with the machine's limits).
 
 The search first runs every backend's start; a backend whose start is below `prune_below` of the
 fastest start is not climbed (successive halving over backends: knobs move a backend by tens of

@@ -1,8 +1,8 @@
 """The `loadopt` command: thin typer commands over the library, rich progress and tables.
 
-One module per group of commands (bench.py: bench, measure; results.py: report, doctor, explain;
-storage.py: probe, tiers; data.py: make-dataset, convert), what they share in console.py (consoles,
-user errors, progress) and process.py (logging, signals), their tables in tables.py. Each module
+One module per group of commands (`bench`: bench, measure; `results`: report, doctor, explain;
+`storage`: probe, tiers; `data`: make-dataset, convert), what they share in `console` (consoles,
+user errors, progress) and `process` (logging, signals), their tables in `tables`. Each module
 declares its commands on its own `app`; they are joined here with `add_typer`, in the order
 `loadopt --help` lists them.
 

@@ -28,7 +28,7 @@ err_console = Console(stderr=True, width=WIDTH)
 SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set workload.step_time_ms=40 "
                                              "(repeatable; the value is parsed as YAML).")
 # Every command that opens the config's dataset takes it: a remote dataset's listing is saved on its first
-# open and never refreshed by itself (storage/remote/listing.py).
+# open and never refreshed by itself.
 RelistOption = typer.Option(False, "--relist", help="List the dataset's files again and save the new listing (a "
                             "remote dataset's is saved on its first open and reused; a local ImageFolder's while "
                             "its folders are unchanged).")

@@ -1,8 +1,8 @@
 """The dataset commands of the `loadopt` CLI: `make-dataset` (generate or check the config's dataset),
 `import-dlio` (a DLIO workload file as a config), `recompress` (tar shards' JPEGs as JPEG XL, losslessly)
 and `convert` (to a backend's format, cached; `--verify` checks it, `--force` rebuilds it). Thin commands over
-loadopt/storage/ (the formats and their conversions: storage/forms/conversions.py); registered on the app in
-loadopt/cli/__init__.py.
+`loadopt.storage` (the formats and their conversions: `conversions.convert`); registered on the app in
+`loadopt.cli`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def convert(
             reporter = RichReporter(progress, terminated)
             try:
                 # --verify lists the dataset again too: a file rewritten in place or touched changes no
-                # folder's mtime, so only its own stat tells (storage/sources/manifest.py).
+                # folder's mtime, so only its own stat tells.
                 dataset = open_dataset(cfg, progress=reporter.dataset_progress, relist=relist or verify)
                 form = conversions.converted_form(cfg.pipeline, "decoded" if decoded else "encoded", size,
                                                   frame, isinstance(dataset, TokenDataset), where="--size",

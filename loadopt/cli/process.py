@@ -14,7 +14,7 @@ from loadopt.errors import Terminated
 
 
 def setup_logging(verbose: bool) -> None:
-    """Log to stderr, every record with its credentials redacted (storage/remote/access.py)."""
+    """Log to stderr, every record with its credentials redacted."""
     from loadopt.storage.remote.access import RedactingFilter
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")

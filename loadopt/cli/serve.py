@@ -1,5 +1,5 @@
 """`loadopt bench` in the inference scenarios (`workload.scenario` offline, server, single_stream): the run
-(loadopt/serve/bench.py) and its table, one row per request path, within 120 columns."""
+(`run_serve_bench`) and its table, one row per request path, within 120 columns."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The storage commands of the `loadopt` CLI: `probe` (what a location delivers) and `tiers` (how many
-accelerators each storage tier keeps busy). Thin commands over loadopt/storage/tiers/probe.py and
-loadopt/procurement/run.py; registered on the app in loadopt/cli/__init__.py, their tables in tables.py.
+accelerators each storage tier keeps busy). Thin commands over `probe` and
+`run_tiers`; registered on the app in `loadopt.cli`, their tables in `tables`.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def tiers(
             measure, warmup, budget, backend_batches = min(measure, 1.0), min(warmup, 0.5), min(budget, 30.0), \
                 min(backend_batches, 8)
         with progress_bar() as progress:
-            # Alone, or one rank of `torchrun ... -m loadopt tiers` (each rank one accelerator: procurement/ranks.py)
+            # Alone, or one rank of `torchrun ... -m loadopt tiers` (each rank one accelerator)
             result = run_tiers_here(cfg, names, au=au, max_accelerators=max_accelerators, readers=readers,
                                     warmup_s=warmup, measure_s=measure, budget_s=budget, capacity_tb=capacity_tb,
                                     progress=RichTiersProgress(progress, terminated, interrupted),

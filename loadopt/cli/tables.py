@@ -51,7 +51,7 @@ def results_table(results: ResultsFile) -> Table:
     for rank, run in enumerate(ranked, start=1):
         m = run.metrics or {}
         fraction = run.fraction_of_ceiling
-        # The fraction of the ceiling that bounds this setting (bench/attribution/verdicts.py), named in the verdicts.
+        # The fraction of the ceiling that bounds this setting, named in the verdicts.
         of_ceiling = f"{fraction:.0%}" if isinstance(fraction, (int, float)) else "-"
         if run.ceiling is not None and run.ceiling.unreliable:  # > 110%: the ceiling was measured low (said below)
             of_ceiling = "[yellow]?[/]"

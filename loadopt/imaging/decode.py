@@ -1,10 +1,10 @@
 """Encoded images to RGB uint8 pixels: whole (PIL or simplejpeg), or only the region a crop needs
-(libjpeg-turbo's region decoding, `loadopt/_jpeg.c`), optionally at a reduced DCT scale.
+(libjpeg-turbo's region decoding, `loadopt._jpeg`), optionally at a reduced DCT scale.
 
 Whatever the file's name says, the bytes decide: a JPEG goes to simplejpeg when asked for, anything
 else (a PNG named .JPEG, a GIF, a TIFF) to PIL; grayscale, CMYK and palette images come out RGB. A JPEG XL
 image made from pixels goes to libjxl (a recompressed JPEG never gets here: the sources' `read` gives back its
-JPEG, imaging/jxl.py).
+JPEG).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ try:  # the faster libjpeg-turbo binding, GIL released while decoding
 except ImportError:  # pragma: no cover - simplejpeg is a dependency, but stay usable without it
     simplejpeg = None
 
-try:  # libjpeg-turbo's region decoding (loadopt/_jpeg.c), built at install where libjpeg-turbo's headers are
+try:  # libjpeg-turbo's region decoding, built at install where libjpeg-turbo's headers are
     from loadopt import _jpeg as jpeg_region
 except ImportError:  # pragma: no cover - optional; JPEGs are then decoded whole
     jpeg_region = None  # type: ignore[assignment]  # None where the optional module is absent
@@ -71,7 +71,7 @@ def decode_for_crop(data: Encoded, decoder: str, plan: CropPlan, region: bool = 
     """Decode what one crop needs: (HWC uint8 pixels, the crop box in their coordinates, flip), the box and
     flip from `plan(source width, source height)`.
 
-    With `region` (the default) and libjpeg-turbo's region decoding built (`loadopt/_jpeg.c`), a JPEG
+    With `region` (the default) and libjpeg-turbo's region decoding built (`loadopt._jpeg`), a JPEG
     for simplejpeg is decoded only over the crop's whole-pixel box: rows above it skipped, columns
     outside it never inverse-transformed, nothing below it read; the pixels equal the full decode's
     crop (tests/test_transforms.py), in less time. Otherwise the whole image is decoded.

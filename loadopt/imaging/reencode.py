@@ -5,7 +5,7 @@ within it keeps its own bytes (no recompression).
 Both encoded forms store each JPEG with restart markers (`with_restarts`): the same coefficients, so
 the same pixels bit for bit, re-entropy-coded (optimised Huffman tables, a little smaller) with a marker
 every ~64 pixels of each MCU row, so that the region decoder reads only the intervals around a crop
-(`loadopt/_jpeg.c`), which skips the entropy decoding of the rows above a crop that a marker per row or
+(`loadopt._jpeg`), which skips the entropy decoding of the rows above a crop that a marker per row or
 none still pays. Without the native module the bytes are stored as they are.
 
 The shrink decodes at the smallest DCT scale that still gives the bounded frame's pixels each way
@@ -42,7 +42,7 @@ def restarts_key() -> int | None:
 
 
 def with_restarts(data: Encoded) -> bytes:
-    """A JPEG's coefficients re-entropy-coded with restart markers that tile its MCU rows (`_jpeg.c`'s
+    """A JPEG's coefficients re-entropy-coded with restart markers that tile its MCU rows (`_jpeg`'s
     `with_restarts`): lossless. Anything it does not transcode (not a JPEG, CMYK, damaged) as it is,
     to be decoded, or reported, as the source would be."""
     if jpeg_region is None or not is_jpeg(data):

@@ -1,5 +1,5 @@
 """The Loader contract every backend implements (docs/plugins.md): `Loader`, the `HostBatch` it produces,
-the `WorkKind` that bounds it, and its counters. The registry of backends by name is `registry.py`.
+the `WorkKind` that bounds it, and its counters. The registry of backends by name is `loadopt.loaders.registry`.
 
 A backend subclasses `Loader[MySettings]`, declares its knobs as a pydantic `Settings` model and implements
 `produce(batches)`: turn the given batches of sample indices into `HostBatch`es, in order. The base
@@ -42,8 +42,8 @@ BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torc
 
 
 class WorkKind(str, Enum):
-    """What bounds a loader setting: the work per sample whose measured capacity (bench/attribution/ceilings.py) the
-    attribution holds the setting to."""
+    """What bounds a loader setting: the work per sample whose measured capacity the attribution
+    holds the setting to."""
 
     JPEG_DECODE = "jpeg_decode"  # decode each source JPEG every epoch, crop, resize (the decode ceiling)
     # decode the encoded forms' stored JPEGs (restart markers: only the intervals around each crop), crop,
@@ -257,7 +257,7 @@ class Loader(ABC, Generic[SettingsT]):
         return recipe.delivered(self.pipeline, kind=self.dataset.kind)
 
     def request_paths(self, max_batch: int) -> list[RequestPath]:
-        """This setting's ways of serving requests (the inference scenarios: loaders/serving.py), each on its
+        """This setting's ways of serving requests (the inference scenarios), each on its
         own row; `Unservable` with the reason for a backend that reads whole batches in an order it keeps."""
         raise Unservable(f"{self.name} reads batches of the dataset in an epoch's order; it has no request path")
 

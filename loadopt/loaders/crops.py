@@ -25,7 +25,7 @@ import torch
 from loadopt.imaging.resize import crop_resize_flip_into, resize_aa
 from loadopt.loaders import transforms
 
-try:  # streaming stores and a 16-pixel mirror (loadopt/_native.c), built at install where a C compiler is
+try:  # streaming stores and a 16-pixel mirror, built at install where a C compiler is
     from loadopt import _native as native
 except ImportError:  # pragma: no cover - built by `pip install`; the paths below stay for installs without it
     native = None  # type: ignore[assignment]  # None where the optional module is absent
@@ -59,7 +59,7 @@ def copy_crops(out: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray
     size x size crop whose top-left pixel is at byte `offsets[k]` of the uint8 buffer `sources[which[k]]`,
     its rows `stride` bytes apart, mirrored left-right where `flips[k]`. Releases the GIL.
 
-    Native (`loadopt/_native.c`, where it was built): every row written with streaming stores, mirrored 16
+    Native (`loadopt._native`, where it was built): every row written with streaming stores, mirrored 16
     pixels at a time, so a batch's crops approach the memory copy rate (`benchmarks/arrow_ceiling.py`), where
     ordinary stores first read every line of the batch from memory (it is far larger than the cache): a
     third more memory traffic.

@@ -9,7 +9,7 @@ says what it read (`Filled`). The forms:
 - `EncodedJpegs` (encoded) and `Reencoded` (reencoded: bounded by max_side): decoded by the shared pipeline;
 - `TokenWindows` (tokens): int64 inputs and targets gathered from the stored windows;
 - `Records` (records): each record's first `delivered_bytes`, zero-padded.
-The device variants (kvikio: torch ops on the staging buffer's device) are in `device_fillers.py`.
+The device variants (kvikio: torch ops on the staging buffer's device) are the `kvikio` backend's own.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class TokenWindows(Filler[np.ndarray]):
 
 
 class Records(Filler[np.ndarray]):
-    """Records (`records`, storage/sources/records.py): each stored whole, its first `delivered_bytes` delivered into a
+    """Records (`records`): each stored whole, its first `delivered_bytes` delivered into a
     (batch, delivered_bytes) uint8 row, zero-padded (DLIO's `record_length_bytes_resize`), as the `torch`
     backend delivers them; every byte of a record is read from storage (the workload is the record's size)."""
 
@@ -262,7 +262,7 @@ class Records(Filler[np.ndarray]):
                          bytes_read=bytes_read, borrowed=True)
 
 
-# The host filler of each stored form (storage/forms/conversions.py's `Form`).
+# The host filler of each stored form (`Form`).
 HOST_FILLERS: Mapping[str, type[Filler]] = {
     "decoded": CentreSquares, "frames": WholeFrames, "encoded": EncodedJpegs, "reencoded": Reencoded,
     "tokens": TokenWindows, "records": Records,

@@ -106,7 +106,7 @@ class RingLoader(Loader[RingSettingsT]):
     makes the batch over a slot, `produce` runs them and hands each slot back once its batch's device copy
     is done (docs/plugins.md)."""
 
-    # The filler of each stored form (fillers.py); a backend finishing batches elsewhere (kvikio) has its own.
+    # The filler of each stored form; a backend finishing batches elsewhere (kvikio) has its own.
     fillers: ClassVar[Mapping[str, type[Filler]]] = HOST_FILLERS
     # The fillers this backend hands to worker processes (`crops_in_processes`; `frame_sources` gives them
     # their bytes): whole frames by default; the Arrow backend its encoded JPEGs too.
@@ -114,7 +114,7 @@ class RingLoader(Loader[RingSettingsT]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # What it reads, resolved as `loadopt convert` resolves it (storage/forms/conversions.py): the decoded
+        # What it reads, resolved as `loadopt convert` resolves it (`converted_form`): the decoded
         # frame (`whole`: longer side <= pipeline.max_side, the JPEG paths' crop plan; `centre`: a
         # decoded_size square, the eval recipe; auto: whole for train), the stored form and the pixel size;
         # token windows and records whatever the settings ask for.
@@ -148,7 +148,7 @@ class RingLoader(Loader[RingSettingsT]):
 
         if self.frame is None:  # token windows, records, the sources' own JPEGs
             return super().recipe()
-        # the encoded form bounded by max_side: JPEGs over it re-encoded (imaging/reencode.py), as FFCV's jpg
+        # the encoded form bounded by max_side: JPEGs over it re-encoded (`bounded_jpeg`), as FFCV's jpg
         reencoded = REENCODE_QUALITY if self.stored_form == "reencoded" else None
         return recipe.delivered(self.pipeline, self.frame, self.size, reencoded_quality=reencoded)
 

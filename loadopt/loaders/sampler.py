@@ -7,7 +7,7 @@ a run resumed with other workers continues the same order.
 
 Shuffles (`pipeline.shuffle`):
 - `global`: one permutation of every sample per epoch; rank r takes every world_size-th of it from r.
-- `window`: the shards (storage/sources/shards.py) permuted per epoch, their samples laid end to end and cut into
+- `window`: the shards (`shard_table`) permuted per epoch, their samples laid end to end and cut into
   world_size contiguous shares, so a rank reads about shards/world_size of them; its share is shuffled within
   windows of `window_shards` shards. A rank holds its own share only, never the dataset's order.
 - `none`: the samples in order, strided over ranks as `global`.

@@ -34,7 +34,7 @@ from loadopt.imaging.geometry import (
 )
 from loadopt.imaging.resize import crop_resize_flip, crop_resize_flip_chw, crop_resize_flip_into
 
-# A batched device JPEG decoder: host bitstreams in, CHW uint8 tensors on the device out (kvikio_loader.py).
+# A batched device JPEG decoder: host bitstreams in, CHW uint8 tensors on the device out (`gpu_jpeg_decoder`).
 DeviceDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
 Failures = list[tuple[int, str]]  # (sample index, why) of the samples that could not be decoded
 

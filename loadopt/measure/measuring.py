@@ -6,7 +6,7 @@
 Per step it records the wait (asking for batch i -> holding it) and the step (handing batch i out ->
 asking for batch i+1) with `perf_counter_ns` into array-backed storage; everything else (percentiles,
 the verdict) is computed when a summary is asked for. On a GPU the device's busy and idle time come
-from CUDA events read back a few steps late (loadopt/measure/cuda.py), never a per-step sync.
+from CUDA events read back a few steps late, never a per-step sync.
 
 For loops that are not a plain `for`:
 

@@ -1,7 +1,7 @@
 """Every backend through one tier of `loadopt tiers`: each configured backend (arrow and posix in both forms,
 decoded and encoded, side by side; every other swept knob at its last listed value, `tier_plan.backend_sweep`)
 runs through the harness as one accelerator on the tier, cold, every byte through the tier; the fastest is that
-tier's decision, recorded as `loadopt bench` records it (keyed by the tier). procurement/run.py runs it per tier.
+tier's decision, recorded as `loadopt bench` records it (keyed by the tier). `run_tiers` runs it per tier.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 MLPerf Storage run them. Each consumer is a storage reader (`readers` threads fetch the stored bytes of
 the next `prefetch` batches through the tier, no decode) on its own shard of the shared sample order,
 and the emulated accelerator takes `step_time` per batch. All start together and are measured over the
-same window after a warm-up; loadopt/procurement/run.py searches N with them.
+same window after a warm-up; `run_tiers` searches N with them.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class TrialFigures:
 
 
 # Plays one trial: (the dataset through a fresh tier, the settings, count, warm-up s, measured s) -> its figures;
-# `run_consumers` forks them, procurement/ranks.py plays them on a torchrun job's ranks.
+# `run_consumers` forks them, `RankConsumers` plays them on a torchrun job's ranks.
 PlayTrial = Callable[[Dataset, ConsumerSettings, int, float, float], TrialFigures]
 
 

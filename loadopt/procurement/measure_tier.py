@@ -1,4 +1,4 @@
-"""One tier of `loadopt tiers` (procurement/run.py): its dataset through a fresh tier instance, its probe and
+"""One tier of `loadopt tiers` (`run_tiers`): its dataset through a fresh tier instance, its probe and
 the prediction from it, its search over accelerator counts, whether the storage under it bounded the figures,
 its cost, and its row."""
 
@@ -164,7 +164,8 @@ def _bounded_by_base(spec: TierSpec, dataset: Dataset, plan: TierPlan, need: dic
 
 def _tier_row(spec: TierSpec, au: float, searched: TierSearch, note: str, predicted: Prediction, bounded: str | None,
               probed: TierProbe, trial_share: float | None, capacity: float) -> MeasuredTier:
-    """The row of tiers.json (loadopt.schema.results.TierRow, schema version 2: one key each, those `loadopt report` reads)."""
+    """The row of tiers.json (loadopt.schema.results.TierRow, schema version 2: one key each, those `loadopt report`
+    reads)."""
     measured, trials = searched.count, searched.trials
     cost = tier_costs(spec, capacity, measured)
     at = next((t for t in trials if t.accelerators == measured), None)

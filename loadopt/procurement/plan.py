@@ -2,7 +2,7 @@
 accelerator counts, the prediction from a probe or from the tier's own figures, the backends compared
 through it, and the plan `loadopt tiers` says up front (trials, backend runs, about how long).
 
-`procurement/run.py` measures what this plans."""
+`run_tiers` measures what this plans."""
 
 from __future__ import annotations
 

@@ -3,13 +3,13 @@
     torchrun --nnodes N --nproc-per-node K -m loadopt tiers CONFIG --tiers T
 
 One client machine cannot load a parallel file system or an object store the way many nodes do; a
-torchrun job spreads the accelerators over its nodes. Rank 0 runs the search (procurement/run.py) as in
+torchrun job spreads the accelerators over its nodes. Rank 0 runs the search (`run_tiers`) as in
 one process; for each trial of n accelerators it tells every rank (a broadcast) which tier instance to
 read and when, ranks 0..n-1 each play one accelerator on their shard of the shared sample order
 (`consumers.consume`, the same consumer as the forked one) while the others wait, and rank 0 gathers
 their figures (`gather_object`). Nothing passes between the ranks but `torch.distributed`'s collectives.
 
-An emulated tier's state (its bandwidth clock and concurrency slots, storage/tiers/state.py) is shared by
+An emulated tier's state (its bandwidth clock and concurrency slots: `SharedTierState`) is shared by
 the processes of one machine, so ranks on one machine share one emulated tier, as the forked consumers
 do; ranks on different machines would each emulate their own. Across machines, point the tier at storage
 all nodes reach (a shared path or URL, `base`) with no emulated limits: the measured answer is then the

@@ -4,7 +4,7 @@ and the decision among them, a tier's row, and the whole run (tiers.json).
 Each model is dumped with `exclude_unset` (`TiersRun.document`): a field that was never set is a key the
 file does not have (a row's `backends` without --backends, a run's metrics where it measured nothing), so
 the document keeps exactly the keys and values `loadopt tiers` has always written.
-`procurement/run.py` measures these; `loadopt.schema.results` validates the file they are written to.
+`run_tiers` measures these; `loadopt.schema.results` validates the file they are written to.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class ConsumerDescription(BaseModel):
     warmup_s: float
     measure_s: float
     max_accelerators: int
-    torchrun: TorchrunConsumers | None = None  # set under torchrun (procurement/ranks.py)
+    torchrun: TorchrunConsumers | None = None  # set under torchrun (`run_tiers_here`)
 
 
 class PlanSummary(BaseModel):

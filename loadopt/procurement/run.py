@@ -16,10 +16,10 @@ real device.
 
 Backends: the same question asked of the input paths. Each configured backend (arrow and posix in
 both forms, decoded and encoded, side by side; every other swept knob at its last listed value) runs
-through the harness as one accelerator on the tier, cold, every byte through the tier
-(storage/forms/tier_reads.py); the fastest is that tier's decision, recorded as `loadopt bench` records it
-(keyed by the tier), so `make_loader(backend="auto")` follows the tier: on a slow one the smaller
-encoded form can win, on a fast one the decoded form (procurement/backends.py).
+through the harness as one accelerator on the tier, cold, every byte through the tier; the fastest is
+that tier's decision, recorded as `loadopt bench` records it (keyed by the tier), so
+`make_loader(backend="auto")` follows the tier: on a slow one the smaller encoded form can win, on a fast one
+the decoded form (`tier_backends`).
 
 Predicted: from `loadopt probe` of the tier (whole-sample reads of the dataset at concurrency 1, 4,
 16 and 64): N consumers with `readers` threads each keep about N x readers requests in flight, so
@@ -98,10 +98,10 @@ def run_tiers(config: Config, tiers: list[str | dict[str, Any]], *, au: float = 
               ranks: int | None = None, quick: bool = False, relist: bool = False) -> TiersRun:
     """For each tier: supported accelerators (measured and predicted), with what was delivered and cost;
     with `backends_out` (a folder), also every backend compared on it (`compare_backends`). `consumers` plays
-    a trial's accelerators (forked processes; under torchrun the job's `ranks`, procurement/ranks.py).
+    a trial's accelerators (forked processes; under torchrun the job's `ranks`).
     `quick`: no sequential probe, the last `variant` only, and each tier's backend runs sized to its figures.
     Ctrl-C or SIGTERM ends it early with the tiers that finished (`interrupted_by`). `relist` lists the
-    dataset again (storage/remote/listing.py)."""
+    dataset again."""
     options = TiersOptions(au, max_accelerators, readers, prefetch, warmup_s, measure_s, probe_s, budget_s, capacity_tb,
                            backends_out, backend_warmup, backend_batches, ranks, quick, relist)
     say = progress or TiersProgress()

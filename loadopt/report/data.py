@@ -50,7 +50,7 @@ class Run:
     reason: str
     metrics: RunMetrics
     repeats: list[RepeatMetrics]
-    ceiling: RunCeiling | None  # bench/attribution/verdicts.py's, as recorded
+    ceiling: RunCeiling | None  # the verdicts', as recorded
 
     @property
     def measured(self) -> bool:

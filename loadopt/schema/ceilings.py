@@ -1,13 +1,12 @@
-"""The bottleneck attribution's sections of results.json, as pydantic models: the machine's `ceilings`
-(measured by loadopt/bench/attribution/ceilings.py), each run's `ceiling` and the `verdicts` (loadopt/bench/attribution/verdicts.py),
-and the `stages` measured apart (loadopt/bench/attribution/stages.py).
+"""The bottleneck attribution's sections of results.json, as pydantic models: the machine's `ceilings`,
+each run's `ceiling`, the `verdicts`, and the `stages` measured apart.
 
-A bottom-layer module (pydantic and typing only), so that the results schema (loadopt/schema/results.py: fields of
-`ResultsFile` and `Run`) and the report can read them. Each model is written with `written(model)` (or as
+A bottom-layer module (pydantic and typing only), so that the results schema (fields of `ResultsFile`
+and `Run`) and the report can read them. Each model is written with `written(model)` (or as
 part of the results file, `schema.as_dict`, which dumps the same way): exactly the keys its producer set
 (a measurement that was skipped is `{"skipped": why}` alone), in the order they are declared here; readers
 get the defaults (None, or an empty part) for what a file does not say. Unknown keys are kept
-(`extra="allow"`), as in loadopt/schema/results.py, so no recorded figure is dropped.
+(`extra="allow"`), as in the results schema, so no recorded figure is dropped.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The figures of a results file's runs: one figure, its spread over the repeats, a repeat's and a run's
-metrics, and a torchrun bench's per-rank figures (loadopt/schema/results.py's `Run` and `ResultsFile` hold them)."""
+metrics, and a torchrun bench's per-rank figures (`Run` and `ResultsFile` hold them)."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class RunTuned(_Open):
 class Run(_Open):
     """One loader setting (bench), measured iterable or rank (measure) of a results file. The bench's runs
     also say where their bytes came from and what training input they deliver, the ceiling they are held
-    to (bench/attribution/verdicts.py) and, under torchrun, their ranks' figures (bench/rank_figures.py)."""
+    to and, under torchrun, their ranks' figures."""
 
     label: str
     backend: str = ""
@@ -119,7 +119,7 @@ class Run(_Open):
     # declared in the order the bench adds them, so that results.json keeps its keys' order
     ranks: list[RankFigures] = []  # a torchrun bench: each rank's figures
     slowest_rank: SlowestRank | None = None  # a torchrun bench
-    ceiling: RunCeiling | None = None  # the ceiling of the stage that bounds it (bench/attribution/verdicts.py)
+    ceiling: RunCeiling | None = None  # the ceiling of the stage that bounds it
     fraction_of_ceiling: float | None = None  # None where the ceiling is unreliable or unmeasured
 
 
@@ -135,7 +135,7 @@ class _Versioned(_Open):
 
 
 class TrialRecord(_Open):
-    """One short run of the `--tune` search (bench/tuner.py `Trial`)."""
+    """One short run of the `--tune` search (the tuner's `Trial`)."""
 
     label: str
     settings: Knobs
@@ -154,7 +154,7 @@ class Refusal(_Open):
 
 
 class BackendTuningRecord(_Open):
-    """One backend's search (bench/tuner.py `BackendTuning`)."""
+    """One backend's search (the tuner's `BackendTuning`)."""
 
     backend: str
     status: RunStatus = RunStatus.OK
@@ -262,8 +262,7 @@ class DecisionNote(_Open):
 class ResultsFile(_Versioned):
     """results.json, measure.json and tiers.json: runs (none for tiers), ranking, summary; a bench's results
     also its config, dataset, workload, cache and tier sections, the tuning and the decision, the ceilings
-    and verdicts (bench/attribution/verdicts.py), the stages measured apart (bench/attribution/stages.py) and how a torchrun
-    bench's ranks ran (bench/rank_figures.py)."""
+    and verdicts, the stages measured apart and how a torchrun bench's ranks ran."""
 
     schema_version: int = SCHEMA_VERSION
     command: str = ""
@@ -291,7 +290,7 @@ class ResultsFile(_Versioned):
     decision: Annotated[Decision | DecisionNote, Field(union_mode="left_to_right")] | None = None
     # declared in the order the bench adds them, so that results.json keeps its keys' order
     distributed: DistributedNote | None = None  # a torchrun bench
-    ceilings: Ceilings | None = None  # the machine's, measured in the bench's own run (bench/attribution/ceilings.py)
+    ceilings: Ceilings | None = None  # the machine's, measured in the bench's own run
     # per backend's best setting; an older or hand-written file may hold plain sentences
     verdicts: list[Annotated[Verdict | str, Field(union_mode="left_to_right")]] = []
     stages: list[StageMeasurement] = []  # each backend's best setting measured stage by stage

@@ -69,7 +69,7 @@ def run_serve_bench(config: Config, *, loaders: list[str] | None = None, out: st
                     quick: bool = False, reporter: Reporter | None = None, slo_ms: float | None = None,
                     convert: bool = True, relist: bool = False) -> ServeOutcome:
     """Measure every configured backend in `config.workload.scenario`; write serve.json into `out`. `relist`
-    lists the dataset again and saves the new listing (storage/remote/listing.py)."""
+    lists the dataset again and saves the new listing."""
     serve = serve_settings(config, quick, slo_ms)
     if config.workload.scenario == "train":
         raise ValueError("run_serve_bench runs the inference scenarios; train is run_bench's")

@@ -21,7 +21,7 @@ class Dataset(Protocol):
     classes: list[str]
     labels: np.ndarray  # int64, one per sample (zeros where samples have no class)
     sizes: np.ndarray  # int64, each sample's stored bytes
-    converted: str | None  # where its conversions live when not in the local cache (storage/forms/tier_reads.py)
+    converted: str | None  # where its conversions live when not in the local cache (`conversion_home`)
     left_out: list[str]  # samples its indexing left out (dataset.on_error: skip), each named
 
     @property

@@ -1,10 +1,10 @@
-"""The machine's ceilings, measured in the bench's own run (DESIGN.md), each a capacity of one stage
+"""The machine's ceilings, measured in the bench's own run, each a capacity of one stage
 measured apart, quickly (a few seconds at most): memory copy bandwidth, storage sequential read with the
 page cache evicted, decode + transform per core x usable cores (from memory, in worker processes as the
 loaders run), crop + resize of stored whole frames (the decoded forms' train path, from memory, the same
 way), pinned host-to-device bandwidth on CUDA, and compute alone (the accelerator's step on an
 in-memory batch). Measured before the runs and again after them, the best kept (`keep_best`).
-loadopt/bench/attribution/verdicts.py holds each run to the ceiling of what it does.
+The verdicts hold each run to the ceiling of what it does.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
     """Decode + crop/resize/flip from memory, for PIL (PIL's resize: the `plain` path), the fastest decoder
     (torch's resize: `tuned`) and the same on the encoded forms' stored JPEGs (`stored`: with restart
     markers, `imaging.reencode.with_restarts`), measured the way the loaders run: `workers` processes at
-    once (default: the usable cores), one intra-op thread each (bench/attribution/parallel.py)."""
+    once (default: the usable cores), one intra-op thread each (`rate_in_workers`)."""
     if config.dataset.kind != "images":
         return DecodeRates(skipped="token samples are not decoded")
     size, augment = config.pipeline.image_size, config.pipeline.augment
@@ -208,7 +208,7 @@ def crop_resize_rate(config: Config, dataset: Dataset, workers: int | None = Non
     source size, scaled into stored pixels) and the loaders' own crop/resize (`crops.crop_frames`), from
     frames in memory stored as the decoded forms store them (`imaging.frames.stored_frame`, longer side
     <= `pipeline.max_side`), a batch at a time, `workers` processes at once, one intra-op thread each
-    (bench/attribution/parallel.py): the most the decoded whole-frame paths can deliver on this machine."""
+    (`rate_in_workers`): the most the decoded whole-frame paths can deliver on this machine."""
     from loadopt.imaging.frames import stored_frame
 
     if config.dataset.kind != "images":

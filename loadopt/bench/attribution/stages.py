@@ -1,4 +1,4 @@
-"""Bottleneck attribution by stages run apart (DESIGN.md, as DS-Analyzer does), for the best setting of
+"""Bottleneck attribution by stages run apart (as DS-Analyzer does), for the best setting of
 each backend: `loadopt bench --tune` or `--attribute-stages` (a plain bench stays fast without them).
 
 Stages, each a capacity in samples/s:

@@ -1,9 +1,9 @@
-"""Bottleneck attribution (DESIGN.md): a one-sentence verdict per loader setting on which stage bounds
+"""Bottleneck attribution: a one-sentence verdict per loader setting on which stage bounds
 the job. The job's demand is batch_size / step time; a loader setting is shown against the ceiling of
 what its backend declares it does (`Loader.work_kind`, outside backends included: JPEG decode; crop +
 resize of stored whole frames for the decoded forms' whole-frame path; a memory copy of decoded centre
 squares or tokens; the storage read for a backend that only reads, or when the cache is cold; the ceilings
-are measured by loadopt/bench/attribution/ceilings.py), and the verdict says which stage bounds it.
+are measured by `measure_ceilings`), and the verdict says which stage bounds it.
 """
 
 from __future__ import annotations
@@ -52,9 +52,8 @@ class Held(NamedTuple):
 def finishing_stalls(loader_stall: float | None, finish_stall: float | None, wait_ms: float,
                      finish_ms: float) -> bool:
     """Whether the stall is the host finishing's rather than the loader's: from the harness's split of the
-    accelerator's idle time where it has one (`loader_stall_fraction`, `finish_stall_fraction`:
-    loadopt/bench/harness.py), else (CUDA) where the batches arrive in time and finishing them takes far
-    longer than waiting for them."""
+    accelerator's idle time where it has one (`loader_stall_fraction`, `finish_stall_fraction`), else
+    (CUDA) where the batches arrive in time and finishing them takes far longer than waiting for them."""
     if loader_stall is not None and finish_stall is not None:
         return finish_stall > loader_stall
     return finish_ms > 3 * wait_ms
@@ -78,7 +77,7 @@ def _delivered_bytes(metrics: RunMetrics | RepeatMetrics) -> float | None:
 def stores_whole_frames(label: str, settings: Knobs | None, recipe: Recipe | None,
                         job: Job) -> bool:
     """Whether a setting crops and resizes stored whole frames on the host: its recorded recipe says so
-    (`stored: whole frame <= N px`, loadopt/recipe.py), else its settings (decoded, `frame` whole, or
+    (`stored: whole frame <= N px`), else its settings (decoded, `frame` whole, or
     auto under `augment: train`). kvikio resizes its frames on the device: not the host's work."""
     backend = (label.split() or [""])[0]
     if backend == "kvikio" or job.kind == "tokens":

@@ -3,7 +3,7 @@
 Reading a sample costs a page-cache hit and a copy: no file opens, no per-sample Python objects.
 A producer thread assembles each batch straight into a slot of a preallocated ring (pinned where
 CUDA is there), `prefetch` batches ahead, with `threads` threads sharing each batch. The backend only
-locates each sample's bytes in the mapped file (`ArrowColumn`); the stored form's filler (fillers.py) fills:
+locates each sample's bytes in the mapped file (`ArrowColumn`); the stored form's filler fills:
 - decoded pixels: whole frames (train): the JPEG paths' crop box scaled into stored pixels, resized
   and flipped (`crops.crop_frames`); centre squares (eval, or `frame: centre`): a crop copied from the
   mapped rows;
@@ -19,8 +19,8 @@ On a tier that is not plain local disk (emulated, or remote storage) the shards 
 their image in anonymous memory (`tier_reads.ShadowShards`) gets each batch's samples fetched through the
 tier (`io_threads` range requests in flight, the next batch's while this one is assembled), so the
 tier's limits and counters see every byte, and the views and fills above run unchanged. Where the conversion
-was written to its remote home (storage/remote/converted.py), this machine holds only the shards' outlines
-(storage/forms/arrow_outline.py): the images are made from them, and only the samples' bytes are fetched.
+was written to its remote home, this machine holds only the shards' outlines: the images are made from them,
+and only the samples' bytes are fetched.
 """
 
 from __future__ import annotations

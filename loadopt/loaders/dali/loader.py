@@ -9,7 +9,7 @@ then decodes only the rows and columns the crop needs (`decoders.image_slice`, p
 margin), resizes the crop (linear, antialiased: PIL's bilinear filter) and runs
 `crop_mirror_normalize` to NCHW float or uint8. On a GPU the decoder is `mixed` (nvImageCodec,
 the hardware JPEG decoder where there is one) and the batch stays on the device. The pipeline's graph is
-`dali_pipeline.py`; the reading ahead and crop planning that feed it, `dali_feed.py`.
+`DaliGraph`; the reading ahead and crop planning that feed it, `Feed` and `plan_batch`.
 
 `reader: native` is DALI's own `fn.readers.file` (local files only) with `decoders.image_random_crop`:
 its order, shards and crops are DALI's (describe() says `order=dali`), and it cannot resume mid-epoch.

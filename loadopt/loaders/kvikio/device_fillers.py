@@ -1,6 +1,6 @@
 """The fillers of the `kvikio` backend: each stored form finished with torch ops on the device of the staging
 buffer its bytes were read into (cuFile: GPU memory; the encoded forms' pinned host memory), into a ring
-slot on that device. Same forms, slots and batches as the host fillers (fillers.py) they subclass; every
+slot on that device. Same forms, slots and batches as the host fillers they subclass; every
 step is plain torch, so the tests run them on the CPU.
 """
 

@@ -1,1 +1,2 @@
-"""The peer backends: other libraries' input paths (WebDataset, MosaicML Streaming, LitData, FFCV) in their own loops."""
+"""The peer backends: other libraries' input paths (WebDataset, MosaicML Streaming, LitData, FFCV) in their own
+loops."""

@@ -1,4 +1,4 @@
-"""Part of the `posix` backend (posix_loader.py): its decoded samples read through the page cache, in C.
+"""Part of the `posix` backend: its decoded samples read through the page cache, in C.
 
 The centre squares' producer of the posix backend where it reads through the page cache (`PageCacheCrops`).
 The shards are mapped read-only (`PosixLoader.mapped_shards`); a batch is cropped by one native call

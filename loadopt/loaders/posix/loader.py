@@ -5,7 +5,7 @@ Per batch, the samples' byte ranges are sorted by (shard, offset), adjacent ones
 of at most `task_kib` and read by `io_threads` threads straight into the staging buffer. With
 `o_direct` the shards are opened O_DIRECT (every offset, length and the buffer are 4 KiB aligned),
 bypassing the page cache. The reads of the next `read_ahead` batches are in flight while batch n is
-finished into its ring slot (pinned where CUDA is there) by the stored form's filler (fillers.py) from
+finished into its ring slot (pinned where CUDA is there) by the stored form's filler from
 the staging buffer (`fillers.Located`):
 - decoded pixels: whole frames (train) cropped, resized and flipped by the JPEG paths' plan
   (`crops.crop_frames`); centre squares (eval, `frame: centre`): the crop copied, one copy;
@@ -16,7 +16,7 @@ the staging buffer (`fillers.Located`):
   slot's row (`fillers.Records`).
 Decoded centre squares through the page cache (no O_DIRECT) take another path where the native module is
 built: one read per sample's crop rows into a buffer that stays in cache, then the crop
-(`posix_cache.py`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
+(`PageCacheCrops`). Batches are the `arrow` backend's, bit for bit (same decoded pixels, same plan).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class TorchSettings(BaseModel):
     persistent_workers: bool = False
     # auto: PIL for `plain` (what most scripts use), the fastest installed decoder for `tuned`.
     decoder: Literal["auto", "pil", "simplejpeg"] = "auto"
-    # auto: PIL's kernel for `plain`, torch's uint8 kernel for `tuned` (see loaders/transforms.py).
+    # auto: PIL's kernel for `plain`, torch's uint8 kernel for `tuned`.
     resize: Literal["auto", "pil", "torch"] = "auto"
 
     def resolved_decoder(self) -> str:
@@ -231,7 +231,7 @@ class TorchLoader(Loader[TorchSettings]):
 
     @classmethod
     def supports(cls, dataset) -> tuple[bool, str]:
-        return True, ""  # image folders, token corpora (windows from a memmap), records (storage/sources/records.py)
+        return True, ""  # image folders, token corpora (windows from a memmap), records
 
     def request_paths(self, max_batch: int) -> list[RequestPath]:
         """plain: PIL's decoder and resize; tuned: the fastest decoder with torch's resize, the whole JPEG

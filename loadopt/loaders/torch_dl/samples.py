@@ -1,5 +1,5 @@
-"""The torch backend's DataLoader datasets for token windows and records (its image samples are in
-`torch_loader.py`): what a nanoGPT-style loader and DLIO's reader do, one window or record at a time;
+"""The torch backend's DataLoader datasets for token windows and records (its image samples are the
+loader's own): what a nanoGPT-style loader and DLIO's reader do, one window or record at a time;
 and the batch its DataLoader hands the consumer (`WorkerBatch`)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class TokenWindows(torch.utils.data.Dataset):
 
 class RecordSamples(torch.utils.data.Dataset):
     """Records read one at a time straight into their batch's row, each delivered as its first
-    `delivered_bytes` bytes (storage/sources/records.py), with the bytes read for them (an npz file is read whole).
+    `delivered_bytes` bytes, with the bytes read for them (an npz file is read whole).
 
     `__getitems__` fills the batch in shared memory as it reads (as `default_collate`'s stack does in a
     worker), so one record's storage buffer is alive at a time (`RecordDataset.read_into`), and the batch

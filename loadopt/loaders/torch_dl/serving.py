@@ -11,7 +11,7 @@ from loadopt.loaders.serving import Payload, RequestPath
 
 class DecodedRequests(RequestPath):
     """The request's JPEG decoded on the host: PIL's decoder and resize (torch plain), or the fastest decoder
-    with torch's resize (tuned), whole or only over the crop's region (libjpeg-turbo, `loadopt/_jpeg.c`)."""
+    with torch's resize (tuned), whole or only over the crop's region (libjpeg-turbo, `loadopt._jpeg`)."""
 
     def __init__(self, label: str, pipeline: PipelineConfig, seed: int, decoder: str, resize: str,
                  region: bool) -> None:

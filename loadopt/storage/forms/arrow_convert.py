@@ -1,9 +1,8 @@
-"""Writing the Arrow form (storage/forms/arrow_format.py's layout) shard by shard, resumable (storage/forms/shard_work.py: the
+"""Writing the Arrow form in its layout shard by shard, resumable (the shard work all conversions share: the
 work folder, the planned shards, the resume, the manifest written last, one conversion at a time): each shard is
 an Arrow IPC file of whole record batches (from the shard's first sample, `rows_per_batch` each), read back
 against its batches' checksums, renamed, its entry last. Where the conversions' home is remote storage, each
-shard's writer uploads it there and the conversion's folder keeps its outline (storage/remote/converted.py,
-storage/forms/arrow_outline.py).
+shard's writer uploads it there and the conversion's folder keeps its outline.
 """
 
 from __future__ import annotations
@@ -325,7 +324,7 @@ def convert(dataset, form: Form, size: int | None = None, shard_mib: float = DEF
     `on_error` is the dataset's policy for samples that cannot be decoded; `force` rebuilds a finished
     conversion; `verify` checks every chunk of a finished one (damage raises, naming the shard) and the
     source's content against the digest it recorded, reconverting when the source changed. `engine` writes the
-    planned shards (storage/forms/engines.py): this process, or a Ray cluster."""
+    planned shards: this process, or a Ray cluster."""
     final = arrow_path(dataset, form, size, shard_mib)
     integrity.remove_dead_temps(final.parent)  # what a killed conversion left, whatever this one does
     remote_shards.fetch_reference(dataset, final, reference_names)  # made on another machine for the same home

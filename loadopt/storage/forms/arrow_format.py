@@ -8,7 +8,7 @@ against its checksums: the conversion's key (form, source fingerprint, rows, siz
 source's digest, and the shard table. A folder without it is not a conversion; a shard it lists that is
 missing or damaged is one line naming it and its samples. Each record batch carries the CRC-32s of its columns'
 chunks and the samples it skipped in its custom metadata. Writing, resuming shard by shard:
-storage/forms/arrow_convert.py (storage/forms/shard_work.py).
+`arrow_convert.convert`.
 
 Forms (columns):
 - `encoded`: sample_id, label, jpeg (the stored bytes, as read from the source);
@@ -22,7 +22,7 @@ Forms (columns):
   binary: the rows' offsets index the contiguous pixel data. Padding every frame to size x size
   instead would store 1.6-1.9x the bytes of the default dataset);
 - `tokens`: sample_id, window (seq_len + 1 token ids, fixed-size binary);
-- `records`: sample_id, label, record (each record's stored bytes whole, storage/sources/records.py; variable-length
+- `records`: sample_id, label, record (each record's stored bytes whole; variable-length
   large binary: record sizes spread per file). Record batches hold as many records as fit in
   `RECORD_BATCH_BYTES` (at least one), not `ROWS_PER_BATCH`: 1,024 of MLPerf Storage's 140 MB unet3d samples
   would be one 140 GB batch in memory while writing.
@@ -87,7 +87,7 @@ def arrow_path(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT
     """The folder of the conversion of `dataset` to `form` in the cache."""
     wanted = json.dumps(conversion_key(dataset, form, size, shard_mib), sort_keys=True)
     key = hashlib.sha256(wanted.encode()).hexdigest()[:16]
-    # the cache, or `storage.converted` / beside the source (storage/forms/tier_reads.py)
+    # the cache, or `storage.converted` / beside the source
     return local_dir(dataset, cache_dir()) / "arrow" / f"{dataset.fingerprint}-{form}-{key}"
 
 
@@ -176,7 +176,7 @@ def reencode_sample(index: int) -> bytes:
 def stored_sizes(dataset, form: Form, size: int | None) -> np.ndarray:
     """Each sample's stored bytes in `form`, about: exact for tokens, records and centre squares; the source file's
     size for the encoded forms; the most a frame can hold for whole frames. The shards are planned by these
-    (storage/forms/shard_work.py `plan_shards`) before anything is decoded."""
+    (`plan_shards`) before anything is decoded."""
     n = len(dataset)
     if form == "tokens":
         return np.full(n, (dataset.seq_len + 1) * dataset.tokens.itemsize, np.int64)
@@ -217,7 +217,7 @@ def batch_metadata(batch: pa.RecordBatch, skipped: list) -> dict[str, str]:
 
 class ShardImages(Protocol):
     """A conversion's shard files as images in memory, everything but the samples' bytes in place, and where those
-    are (storage/forms/tier_reads.py `ShadowShards`, built from the shards' outlines: storage/forms/arrow_outline.py)."""
+    are (`ShadowShards`, built from the shards' outlines)."""
 
     buffers: list[mmap.mmap]
 

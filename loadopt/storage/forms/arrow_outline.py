@@ -1,8 +1,8 @@
 """An Arrow shard's outline: where each sample's bytes are in the shard file, and every other byte of it (footer,
 schema, record batch headers, ids, labels, offsets, frame dims: a few dozen bytes a sample). With it a reader
 opens the shard's record batches from an image in anonymous memory and fetches only the samples' bytes from
-wherever the file is (storage/forms/tier_reads.py `ShadowShards`); it is what a machine keeps of an Arrow conversion
-whose shards are on remote storage (storage/remote/converted.py), as the index rows are for the raw form.
+wherever the file is (`ShadowShards`); it is what a machine keeps of an Arrow conversion whose shards are on
+remote storage, as the index rows are for the raw form.
 
 Saved beside the shard as `<shard>.outline.npz`: `samples` (n, 2) each sample's (offset, length) in sample order,
 `runs` (m, 2) the other bytes' (offset, length), `data` those bytes back to back, `size` the file's size."""

@@ -1,7 +1,7 @@
 """The dataset's conversions to a backend's format, in one place: which formats exist (`FORMATS`, and
 the backend that reads each), what a conversion stores for a pipeline and a backend's settings
 (`converted_form`: the form, the decoded frame, the pixel size; the ring backends resolve theirs here
-too, loaders/ring.py), where it lives, and building, reusing or verifying one (`convert`, what
+too), where it lives, and building, reusing or verifying one (`convert`, what
 `loadopt convert` runs; the backends' `prepare` calls the same format modules' `convert`).
 """
 
@@ -56,7 +56,7 @@ def converted_form(pipeline: PipelineConfig, form: str, decoded_size: int | None
     pipeline.max_side, the JPEG paths' crop plan) for train augmentation, else a `decoded_size` centre
     square (default image_size / 0.875: the eval recipe). Encoded, `frame` whole: the JPEGs bounded by
     pipeline.max_side (FFCV's jpg input: a larger source re-encoded, `imaging.reencode`); auto or centre:
-    the sources' own bytes. `where` names the size in the error. Records (storage/sources/records.py) are stored
+    the sources' own bytes. `where` names the size in the error. Records are stored
     whole, each record's bytes, whatever the form asked for (the ring backends deliver their first bytes)."""
     if records:
         return ConvertedForm("records", None, "records", None)
@@ -132,7 +132,7 @@ def convert(to: str, dataset: Dataset, form: ConvertedForm,
     """Convert `dataset` to format `to` in `form`, or reuse the finished conversion. `force` rebuilds it;
     `verify` checks every chunk against its checksums and the source against the digest it recorded,
     reconverting when the source changed (the format modules' `convert`); `engine` writes the shards (this
-    process, or a Ray cluster: storage/forms/engines.py)."""
+    process, or a Ray cluster)."""
     if to not in FORMATS:
         raise ConfigError(f"{to}: unknown format (known: {', '.join(FORMATS)})")
     if len(dataset) == 0:

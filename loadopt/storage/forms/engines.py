@@ -1,9 +1,8 @@
-"""Who writes a conversion's planned shards (storage/forms/shard_work.py's `ShardJob`s): this machine's cores, a forked
-process per core writing whole shards (`local`, the default; a single shard is written with its samples decoded
-by the pool instead), or a Ray cluster, one task per shard on one core each (`ray`, storage/forms/ray_engine.py). The
-source's digest is read the same way, in parts. Both call the same shard-writing function of
-the form (raw_convert.py, arrow_convert.py), so the shards, their entries and their checksums are the same
-whichever engine wrote them; shards finished by an earlier, stopped run are kept either way."""
+"""Who writes a conversion's planned shards (`ShardJob`s): this machine's cores, a forked process per core
+writing whole shards (`local`, the default; a single shard is written with its samples decoded by the pool
+instead), or a Ray cluster, one task per shard on one core each (`ray`). The source's digest is read the same
+way, in parts. Both call the same shard-writing function of the form, so the shards, their entries and their
+checksums are the same whichever engine wrote them; shards finished by an earlier, stopped run are kept either way."""
 
 from __future__ import annotations
 
@@ -52,8 +51,8 @@ def write_shards(work: Path, jobs: list[ShardJob], intact: Callable[[int, Any], 
                  receive: Callable[[Path, Any], Any] | None = None) -> list[Any]:
     """Every planned shard's entry, in order: those finished in `work` by an earlier run kept, reused ones
     linked here, the others written by `engine` (`workers` decode processes a shard, locally). `receive(work,
-    what write returned)`: the shard's entry where the writers write elsewhere than `work` (a remote home:
-    storage/remote/converted.py), so `work` need not be seen by them; None: they write in `work`."""
+    what write returned)`: the shard's entry where the writers write elsewhere than `work` (a remote home), so
+    `work` need not be seen by them; None: they write in `work`."""
     keep = receive if receive is not None else (lambda _, entry: entry)
     done = shard_work.finished_shards(work, jobs, intact)
     for job in jobs:  # an earlier conversion's shard: a link and a rewritten index, no decoding

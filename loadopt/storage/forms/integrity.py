@@ -143,7 +143,7 @@ def source_digest(dataset, threads: int = 8) -> str:
 
 def sample_crcs(dataset, start: int, stop: int, threads: int = 8) -> np.ndarray:
     """The CRC-32 of samples start..stop-1's stored bytes: `source_digest`'s part for those samples, so that
-    machines can each read a part (storage/forms/ray_engine.py) into the same digest."""
+    machines can each read a part (the `ray` engine) into the same digest."""
     def one(index: int) -> int:
         return zlib.crc32(dataset.read(index))
 

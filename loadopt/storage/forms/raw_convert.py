@@ -1,5 +1,5 @@
-"""Writing a raw conversion (storage/forms/raw_format.py's layout) shard by shard, resumable (storage/forms/shard_work.py:
-the work folder, the planned shards, the resume, the manifest written last, one conversion at a time): each
+"""Writing a raw conversion in the raw form's layout shard by shard, resumable (the shard work all conversions
+share: the work folder, the planned shards, the resume, the manifest written last, one conversion at a time): each
 shard's .bin, index (and frames) are written under temporary names, the .bin read back against the checksums
 taken while it was written, then renamed, its entry last.
 """

@@ -23,9 +23,9 @@ Forms: `encoded` (the stored JPEG bytes), `reencoded` (the Arrow `reencoded` for
 the very bytes of the Arrow decoded form: same decode function), `frames` (whole frames, longer side
 at most `size`, the Arrow `frames` form's bytes; their dims (height, width, source height, source width) per
 sample, the samples at variable lengths), `tokens` (windows of seq_len + 1 token ids), `records` (each
-record's stored bytes whole, as storage/sources/records.py reads it: a raw record's byte range, an npz file's record
+record's stored bytes whole, as the records source reads it: a raw record's byte range, an npz file's record
 row; the loader delivers their first `delivered_bytes`). Writing, and resuming a conversion shard by shard:
-storage/forms/raw_convert.py.
+`raw_convert.convert`.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class ShardEntry(TypedDict):
     bytes: int  # the .bin file's size
     checksums: list[int]  # CRC-32 of each chunk of the .bin file
     skipped: list[list[int | str]]  # [sample index, reason] of its samples that could not be read
-    source_shards: list[int]  # the first and last source shard (storage/sources/shards.py) its samples came from
+    source_shards: list[int]  # the first and last source shard its samples came from
     max_length: int  # its longest sample
     kept_from: NotRequired[str]  # the earlier conversion it was taken from (its source shards unchanged)
 
@@ -106,7 +106,7 @@ class RawMeta(RawKey):
     checksums: ShardChecksums
     shard_table: list[ShardEntry]
     lineage: NotRequired[str]  # the same for the conversions of one source before and after a shard of it changed
-    source_table: NotRequired[list[list] | None]  # [key, first sample, samples] per source shard (shard_work.py)
+    source_table: NotRequired[list[list] | None]  # [key, first sample, samples] per source shard (`source_table`)
     files: NotRequired[dict[str, int]]  # CRC-32 of each index (and frame dims) file, by name
 
 
@@ -142,7 +142,7 @@ def raw_path(dataset, form: Form, size: int | None, shard_mib: float = DEFAULT_S
     """The folder of the conversion of `dataset` to `form` in the cache."""
     wanted = json.dumps(conversion_key(dataset, form, size, shard_mib), sort_keys=True)
     key = hashlib.sha256(wanted.encode()).hexdigest()[:16]
-    # the cache, or `storage.converted` / beside the source (storage/forms/tier_reads.py)
+    # the cache, or `storage.converted` / beside the source
     return local_dir(dataset, cache_dir()) / "raw" / f"{dataset.fingerprint}-{form}-{key}"
 
 
@@ -341,7 +341,7 @@ def open_raw(path: str | Path, dataset, form: Form, size: int | None, shard_mib:
     """Open a raw conversion and check it matches `dataset`, the settings and its shard files (each one there
     at the size the manifest says), and that the chunks `verify` asks for (a random few by default) match their
     checksums. `verify_labels` (after a conversion) loads every shard's index and checks the labels too. `data`:
-    where the shard files are when `path` holds the conversion's reference only (storage/remote/converted.py)."""
+    where the shard files are when `path` holds the conversion's reference only."""
     root = Path(path)
     meta = read_manifest(root)
     expected = conversion_key(dataset, form, size, shard_mib)

@@ -1,18 +1,18 @@
 """A conversion's planned shards written on a Ray cluster (`loadopt convert --engine ray`, the `ray` extra).
 
-Plain Ray tasks, one per output shard, not Ray Data: the plan (storage/forms/shard_work.py `plan_shards`) already cut the
-conversion into shards of whole source shards, and each shard must come out as loadopt writes it locally (its
+Plain Ray tasks, one per output shard, not Ray Data: the plan (`plan_shards`) already cut the conversion
+into shards of whole source shards, and each shard must come out as loadopt writes it locally (its
 record batches or aligned samples, its checksums taken while writing, read back, renamed, its entry last), which
 Ray Data's block repartitioning and its own writers would not keep. A task is then also the unit Ray retries: a
 worker or node lost mid-shard leaves only a temporary file, and the retry writes the shard again.
 
 The driver (this
 process) keeps the lock, links reused shards, and writes the manifest once every task is done and the folder
-checked (shard_work.build). The source's digest that a conversion records (integrity.py) is read by tasks too, a
+checked (shard_work.build). The source's digest that a conversion records (`source_digest`) is read by tasks too, a
 part each: read by the driver alone it was a third of a 2-CPU conversion's time. The conversion's folder must be a
 path every node sees (a task that cannot see it says so, naming its node), except for a raw conversion whose home is
 remote storage (`storage.converted: s3://...`): each task then uploads its shard's data there and returns the
-shard's index to the driver (storage/remote/converted.py)."""
+shard's index to the driver."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def connected(engine: ConvertEngine) -> Iterator[None]:
 
 def write_shard_task(write: WriteShard, work: str | None, job: ShardJob) -> Any:
     """On a Ray worker: shard `job`, in the conversion's work folder (which every node must see), or (`work` None)
-    where `write` puts it (storage/remote/converted.py: the conversions' remote home)."""
+    where `write` puts it (the conversions' remote home)."""
     if work is None:
         return write(None, job, 1, None)  # type: ignore[arg-type]  # a remote writer keeps no work folder here
     folder = Path(work)

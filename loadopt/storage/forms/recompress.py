@@ -1,5 +1,5 @@
 """`loadopt recompress`: a folder of WebDataset tar shards rewritten with every JPEG member losslessly recompressed
-as JPEG XL (imaging/jxl.py), about a fifth fewer bytes to store and to move from remote storage.
+as JPEG XL, about a fifth fewer bytes to store and to move from remote storage.
 
 Each shard keeps its members, their order and their keys; a `<key>.jpg` (or `.jpeg`) member becomes `<key>.jxl`
 where libjxl gives back its exact bytes, and stays as it was otherwise (a PNG named .jpg, a damaged JPEG, one

@@ -1,9 +1,9 @@
-"""Writing a conversion as shards, resumable: what the raw (storage/forms/raw_convert.py) and Arrow
-(storage/forms/arrow_convert.py) forms share.
+"""Writing a conversion as shards, resumable: what the raw and Arrow forms' conversions
+share.
 
 The shards are planned before any is written (`plan_shards`: whole source shards grouped up to `shard_mib` by
 the samples' estimated stored sizes), so each can be written on its own, by this process or by a task on
-another machine (storage/forms/engines.py), and the same plan gives the same shards whichever wrote them.
+another machine, and the same plan gives the same shards whichever wrote them.
 They are written into a work folder beside the conversion's (`.<name>.partial`), each one finished on its
 own: its files under temporary names, read back against the checksums taken while it was written, renamed, and
 then its entry `shard-0000k.json` written by rename, the mark that it is done. A conversion that was stopped
@@ -67,7 +67,7 @@ def write_npy(path: Path, array: np.ndarray) -> None:
 
 
 def source_span(bounds: np.ndarray, first: int, samples: int) -> list[int]:
-    """The first and last source shard (storage/sources/shards.py's table `bounds`) of samples first..first+samples-1."""
+    """The first and last source shard (the `ShardTable`'s `bounds`) of samples first..first+samples-1."""
     last = first + max(samples, 1) - 1
     span = np.searchsorted(bounds, [first, last], side="right") - 1
     return [int(span[0]), int(span[1])]
@@ -198,7 +198,7 @@ class Segment:
 
 
 def source_table(dataset: Any) -> list[list] | None:
-    """[key, first sample, samples] of each source shard (storage/sources/shards.py), kept in the manifest so that the next
+    """[key, first sample, samples] of each source shard, kept in the manifest so that the next
     conversion of a changed source knows which shards it can keep; None where the source has no keyed shards."""
     keys = source_shard_keys(dataset)
     if keys is None:
@@ -276,7 +276,7 @@ class ShardJob:
 
 def plan_shards(segments: list[Segment], stored: np.ndarray, source_bounds: np.ndarray, limit: int) -> list[ShardJob]:
     """The shards of a conversion: each reused segment one shard; the samples to convert cut into shards of whole
-    source shards (`source_bounds`, storage/sources/shards.py) holding at most `limit` bytes by `stored`, each sample's
+    source shards (`source_bounds`) holding at most `limit` bytes by `stored`, each sample's
     estimated stored size (a source shard larger than that is cut between samples; a sample larger than `limit`
     is a shard of its own). Decided before anything is written, so any process can write any shard."""
     sums = np.concatenate([[0], np.cumsum(stored, dtype=np.int64)])

@@ -1,8 +1,8 @@
-"""The counters of a shard cache (storage/remote/shard_cache.py), one set across threads and processes: what it
+"""The counters of a shard cache (`ShardCacheFileSystem`), one set across threads and processes: what it
 served from its copies, what it fetched (on demand or ahead) and what it evicted.
 
 They live in a small file mapped shared (in /dev/shm when there is one), updated under `flock`, as the
-tier's counters do (storage/tiers/state.py); each process opens its own descriptor, since a forked child's
+tier's counters do (`SharedTierState`); each process opens its own descriptor, since a forked child's
 copy would share the parent's lock. The folder travels with the cache when it is pickled, so a spawned
 process adds to the same counters.
 """

@@ -1,4 +1,4 @@
-"""Fetching one file into the shard cache (storage/remote/shard_cache.py) as range requests, several at once
+"""Fetching one file into the shard cache as range requests, several at once
 (`RangedFetch`): an object store limits each connection, not the link, so a file comes in at the link's rate
 only when its ranges are requested together. The ranges land in the file's reservation at their own offsets
 in any order; the copy is published when the last one is in, and given up when any fails or the fetch is

@@ -1,4 +1,4 @@
-"""The folder of a bounded local cache of remote files (storage/remote/shard_cache.py): whole copies, the least
+"""The folder of a bounded local cache of remote files (the shard cache): whole copies, the least
 recently used out first, its total kept at or below a limit, shared by every thread and process of the
 machine that reads the same dataset.
 

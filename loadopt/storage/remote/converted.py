@@ -1,16 +1,16 @@
-"""A conversion whose home is remote storage (`storage.converted` on S3, GCS, ...: storage/forms/tier_reads.py): its
-shard data written straight there, by whichever process or Ray task wrote the shard, and only its reference kept
-on the local disk (the manifest, each shard's entry, and its index rows (raw, ~40 bytes a sample) or its outline
-(Arrow: every byte of the shard file but the samples', storage/forms/arrow_outline.py)).
+"""A conversion whose home is remote storage (`storage.converted` on S3, GCS, ...): its shard data written
+straight there, by whichever process or Ray task wrote the shard, and only its reference kept on the local disk
+(the manifest, each shard's entry, and its index rows (raw, ~40 bytes a sample) or its outline (Arrow: every byte
+of the shard file but the samples')).
 
 A shard is written on the writer's own disk (a temporary folder in its cache), read back against the checksums
-taken while writing it (raw_convert.py, arrow_convert.py), uploaded under a temporary name, renamed, and its size
-on the remote checked; the writer returns the shard's small files (`ShardUpload`) and the conversion's process
-files them in its work folder, the entry last (storage/forms/shard_work.py: the resume, the manifest once every shard is
-there). The finished reference is then uploaded beside the data, the manifest last (`publish`, after removing
-what killed writers left there), so another machine opens the conversion from the remote manifest and index
-files (or outlines) alone (`fetch_reference`) and reads every byte of data through the tier. A Ray task therefore
-needs no folder shared with the driver.
+taken while writing it, uploaded under a temporary name, renamed, and its size on the remote checked; the writer
+returns the shard's small files (`ShardUpload`) and the conversion's process files them in its work folder, the
+entry last (as the shard work does: the resume, the manifest once every shard is there). The finished reference
+is then uploaded beside the data, the manifest last (`publish`, after removing what killed writers left there), so
+another machine opens the conversion from the remote manifest and index files (or outlines) alone
+(`fetch_reference`) and reads every byte of data through the tier. A Ray task therefore needs no folder shared
+with the driver.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class RemoteShards:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The filesystem; a fresh instance in a forked writer (async clients, s3fs's among them, are bound to the
-        parent's event loop and refuse to run after a fork), as the tier's own base (storage/tiers/emulated.py)."""
+        parent's event loop and refuse to run after a fork), as the tier's own base (`EmulatedFileSystem`)."""
         if self._pid != os.getpid():
             self.base, self._pid = pickle.loads(pickle.dumps(self.base)), os.getpid()
         return self.base

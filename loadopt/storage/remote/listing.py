@@ -3,9 +3,9 @@
 Listing a dataset on an object store or an HTTP server costs a request per page of names (S3's
 ListObjectsV2 gives 1,000 keys a page) and a HEAD per file where the listing carries no sizes (HTTP index
 pages): at a billion samples about 1M requests, minutes, on every open. An object store has no folder
-modification time that would tell that nothing changed (what the local ImageFolder's manifest checks,
-storage/sources/manifest.py), so the listing is kept until asked to refresh: the first open lists and saves it
-under `<cache>/listings/<key>/`, and every later open reads it and sends no list or stat request. Saved:
+modification time that would tell that nothing changed (what the local ImageFolder's manifest checks),
+so the listing is kept until asked to refresh: the first open lists and saves it under
+`<cache>/listings/<key>/`, and every later open reads it and sends no list or stat request. Saved:
 the files as the filesystem names them, their sizes, each one's modification time and ETag as the store
 gives them ("" where it gives none), what the source format derives from them (an ImageFolder's classes
 and labels, an npz record folder's rows per file), the folder they are under, the fingerprint and when it
@@ -146,7 +146,7 @@ class SavedListing:
 
     def file_keys(self) -> list[str]:
         """Each file's size, modification time and ETag: what says it changed (a conversion's shards of it are
-        redone, storage/forms/shard_work.py)."""
+        redone)."""
         return [f"{size}:{mtime.decode()}:{etag.decode()}"
                 for size, mtime, etag in zip(self.sizes.tolist(), self.mtimes, self.etags, strict=True)]
 

@@ -1,21 +1,21 @@
 """A bounded local cache of a remote dataset's files (`storage.cache_limit`), for datasets whose files hold
 many samples (WebDataset tars, Parquet files, record files; an ImageFolder's images too).
 
-`ShardCacheFileSystem` wraps the tier filesystem (storage/tiers/emulated.py), so every byte fetched from the
+`ShardCacheFileSystem` wraps the tier filesystem (`EmulatedFileSystem`), so every byte fetched from the
 storage still crosses the tier and is counted there. The first read of any range of a file fetches the
 whole file into the cache folder (`$LOADOPT_CACHE/shard-cache/<key of the dataset's location and
-endpoint>/`: storage/remote/cache_folder.py says how threads and processes share it), then every range of it is
+endpoint>/`: `CacheFolder` says how threads and processes share it), then every range of it is
 read from the local copy: `cat_file` ranges, `open(path, "rb")` files (Parquet, npz), whole files. The
 least recently used copies are evicted to keep the folder at or below the limit; a file larger than the
 limit is read through, uncached. `prefetch(paths)` fetches an epoch's files ahead in the background, in
 order, and stops where it would have to evict one it fetched or found earlier in the list.
 
-The counters (storage/remote/cache_counters.py: reads served from a copy or not, files and bytes fetched, fetched
+The counters (`CacheCounters`: reads served from a copy or not, files and bytes fetched, fetched
 ahead, evicted) are shared by every process reading through the same instance, as the tier's are, and
 reported with them: `tiers.tier_counters` merges them in under `cache_` names, so a run's `tier_counters` in
 `results.json` holds them beside the tier's `bytes` (what crossed to the storage). A fetch costs a size
 request (a HEAD over HTTP) and range requests of 1-8 MiB through the tier, `storage.cache_fetches` in flight
-(storage/remote/cache_fetch.py); a read from a copy, none.
+(`RangedFetch`); a read from a copy, none.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _ATTEMPTS = 4  # fetches of one read before it is read through (each lost its co
 
 def cache_key(location: str, storage_options: dict[str, Any] | None) -> str:
     """The cache folder's name for a dataset at `location`: a digest of the URL (credentials redacted) and of
-    what selects the endpoint, never a secret (as the saved listings' key, storage/remote/listing.py)."""
+    what selects the endpoint, never a secret (as the saved listings' key)."""
     identity = json.dumps({"location": redact(location), "endpoint": endpoint(location, storage_options)},
                           sort_keys=True)
     return hashlib.sha256(identity.encode()).hexdigest()[:24]

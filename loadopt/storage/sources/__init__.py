@@ -1,1 +1,2 @@
-"""The dataset kinds a config can name (ImageFolder, WebDataset, Parquet, records, tokens, synthetic), one per module."""
+"""The dataset kinds a config can name (ImageFolder, WebDataset, Parquet, records, tokens, synthetic), one per
+module."""

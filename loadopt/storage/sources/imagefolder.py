@@ -42,9 +42,9 @@ class ImageDataset:
     classes: list[str]
     fingerprint: str
     synthetic: bool = False
-    converted: str | None = None  # where its conversions live when not in the cache (storage/forms/tier_reads.py)
+    converted: str | None = None  # where its conversions live when not in the cache (`conversion_home`)
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
-    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote/listing.py)
+    listed_at: float | None = None  # when its saved remote listing was taken
     kind: ClassVar[str] = "images"  # what `recipe` and the backends' `supports` tell datasets apart by
     source_format: ClassVar[str] = "imagefolder"
 
@@ -58,7 +58,7 @@ class ImageDataset:
         return is_local_fs(self.fs)
 
     def read(self, index: int) -> bytes:
-        """The stored bytes of sample `index` (a recompressed JPEG's JPEG: imaging/jxl.py); plain `open` on local
+        """The stored bytes of sample `index` (a recompressed JPEG's JPEG); plain `open` on local
         disks: no fsspec overhead."""
         if self.is_local():
             with open(self.paths[index], "rb") as handle:
@@ -92,9 +92,9 @@ def scan_image_folder(root_url: str, split: str = "train",
 
     `root_url` is a path or any fsspec URL (`s3://`, `http(s)://`, `memory://`, ...), opened with
     `storage_options`; messages show it with its credentials redacted. A local folder's listing is kept
-    in the cache and reused while its folders' mtimes are unchanged (storage/sources/manifest.py says what that
-    misses); a remote one's is saved on its first open and read on every later one without a request
-    (storage/remote/listing.py); `relist` lists either again regardless."""
+    in the cache and reused while its folders' mtimes are unchanged (`manifest` says what that
+    misses); a remote one's is saved on its first open and read on every later one without a request;
+    `relist` lists either again regardless."""
     fs, root = open_url(root_url, storage_options)
     if not is_local_fs(fs):
         key = ListingKey.of("imagefolder", root_url, split, storage_options)

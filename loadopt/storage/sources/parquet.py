@@ -64,7 +64,7 @@ class ParquetDataset:
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
     file_bytes: np.ndarray | None = None  # int64, each file's size as listed
-    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote/listing.py)
+    listed_at: float | None = None  # when its saved remote listing was taken
     shard_bounds: np.ndarray | None = None  # where each file's samples start (then their count): its shard table
     file_keys: list[str] | None = None  # each file's size, modification time and ETag, as listed
     kind: ClassVar[str] = "images"
@@ -85,7 +85,7 @@ class ParquetDataset:
         return [f.decode() for f in self.files] if self.is_local() else []
 
     def read(self, index: int) -> bytes:
-        """The image's stored bytes (a recompressed JPEG's JPEG: imaging/jxl.py), from its row group (read once
+        """The image's stored bytes (a recompressed JPEG's JPEG), from its row group (read once
         while among the last few used)."""
         images = self.row_groups.images(self, int(self.file_of[index]), int(self.group_of[index]))
         value = images[int(self.row_of[index])].as_py()
@@ -248,7 +248,7 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
         notes.append(f"{display_name(fs, names[every_file[i]])} (row {row_in_file[i]}): {why}")
     kept = (every_size > 0) & (classes.numbers >= 0)
     runs = every_file[kept]
-    # the window order's shard table, kept so that a rank need not read `file_of` whole (storage/sources/shards.py)
+    # the window order's shard table, kept so that a rank need not read `file_of` whole
     bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
     arrays = {"file_of": runs, "shard_bounds": bounds, "group_of": np.concatenate(group_of or [empty])[kept],
               "row_of": np.concatenate(row_of or [empty])[kept], "sizes": every_size[kept],
@@ -289,7 +289,7 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
                  on_error: str = "raise") -> ParquetDataset:
     """The `split` of the Parquet files at `path_url`: from the cached index while the files' names, sizes
     and modification times are unchanged, else indexed. Remote files are listed once and their listing
-    saved (storage/remote/listing.py; `relist` lists them again). A row without image bytes or a class is an
+    saved (`relist` lists them again). A row without image bytes or a class is an
     error, or under `on_error: skip` left out and named."""
     first = path_url[0] if isinstance(path_url, list) else path_url
     fs, path = open_url(first, storage_options)

@@ -63,7 +63,7 @@ class RecordDataset:
     classes: list[str] = field(default_factory=list)
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
-    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote/listing.py)
+    listed_at: float | None = None  # when its saved remote listing was taken
     shard_bounds: np.ndarray | None = None  # where each file's records start (then their count): its shard table
     kind: ClassVar[str] = "records"
     source_format: ClassVar[str] = "records"
@@ -249,7 +249,7 @@ def open_records(path: str, spec: RecordSpec, storage_options: dict[str, Any] | 
                  synthetic: bool = False, relist: bool = False) -> RecordDataset:
     """The records of the folder at `path` (a path or URL): `*.bin` files of `samples_per_file` records
     each, or `*.npz` files with an `x` array of records (one per row). A remote folder is listed once and
-    its listing saved (storage/remote/listing.py; `relist` lists it again)."""
+    its listing saved (`relist` lists it again)."""
     fs, root = open_url(path, storage_options)
     key = ListingKey.of("records", path, "", storage_options, spec.file_format)
     listing = remote_listing.remembered(fs, root, key, relist, lambda: _list_records(fs, root, path, spec))

@@ -1,6 +1,6 @@
 """A dataset's shards for the sample order: runs of consecutive sample indices that live together.
 
-The shard-window shuffle (loaders/sampler.py) permutes shards and shuffles samples only within a window of
+The shard-window shuffle (`ShardWindows`) permutes shards and shuffles samples only within a window of
 them, so a rank reads a few shards at a time instead of the whole dataset at random. A shard is what the
 source stores together: a tar file of a WebDataset, a Parquet file, a record file. A source without one (an
 ImageFolder, a token corpus, the synthetic set) is cut into blocks of `shard_samples` consecutive samples,

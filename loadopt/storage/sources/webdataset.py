@@ -4,7 +4,7 @@ WebDataset's brace notation (`shards/train-{000000..000127}.tar`), local or any 
 A sample is the run of members sharing a key (WebDataset's rule: the member's name up to the first dot
 of its base name); its image is the member with an image extension, its label the integer in its `cls`
 member, or a field of its `json` member (`dataset.label_key`), kept as written (a label that is not a class
-is a sample error: storage/sources/format.py `class_numbers`). The index (shard, offset and length of each
+is a sample error: `class_numbers`). The index (shard, offset and length of each
 sample's image) is built by reading the tar headers, seeking over member data (only the small label
 members are read), and kept in the cache with the shards' fingerprint (names, sizes, modification
 times): a second open reads no shard. A sample is then one byte-range read.
@@ -68,7 +68,7 @@ class WebDataset:
     left_out: list[str] = field(default_factory=list)  # samples without an image member or a class, empty shards
     synthetic: bool = False
     converted: str | None = None
-    listed_at: float | None = None  # when its saved remote listing was taken (storage/remote/listing.py)
+    listed_at: float | None = None  # when its saved remote listing was taken
     shard_bounds: np.ndarray | None = None  # where each shard's samples start (then their count): its shard table
     file_keys: list[str] | None = None  # each shard's size, modification time and ETag, as listed
     kind: ClassVar[str] = "images"
@@ -89,7 +89,7 @@ class WebDataset:
         return [s.decode() for s in self.shards] if self.is_local() else []
 
     def read(self, index: int) -> bytes:
-        """The image member's bytes (a recompressed JPEG's JPEG: imaging/jxl.py): one `pread` on a local disk,
+        """The image member's bytes (a recompressed JPEG's JPEG): one `pread` on a local disk,
         else one byte-range request."""
         shard = self.shards[self.shard_of[index]].decode()
         start, length = int(self.offsets[index]), int(self.sizes[index])
@@ -386,7 +386,7 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
                     index_through: IndexThrough | None = None) -> WebDataset:
     """The `split` of the tar shards at `path_url` (a folder, a brace pattern, a glob or one shard): from
     the cached index while the shards' names, sizes and modification times are unchanged, else indexed.
-    Remote shards are listed once and their listing saved (storage/remote/listing.py; `relist` lists them
+    Remote shards are listed once and their listing saved (`relist` lists them
     again). A sample without an image member or whose label is not a class, or an empty shard, is an error,
     or under `on_error: skip` left out and named. `index_through(fs, fingerprint)` gives the filesystem the
     shards are indexed through (the bounded shard cache: indexing reads every shard whole, and its first

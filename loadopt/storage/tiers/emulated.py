@@ -10,12 +10,12 @@ Each read request (a whole file or a byte range):
    next free (a token bucket without burst), so all readers together get `bandwidth_mb_s`.
    A real read that ends after the time the tier's figures give the request is counted (`base_over_s`):
    the emulation can only slow the storage under it down, so those requests are the base's, not the tier's.
-Transient errors are retried with capped exponential backoff (storage/remote/access.py) and counted.
+Transient errors are retried with capped exponential backoff (`read_with_retries`) and counted.
 
 The limits hold for the tier as a whole, across threads and processes (forked DataLoader workers,
 spawned consumers): the clock and the counters live in a small file mapped shared (in /dev/shm when
 there is one), updated under `flock`; the slots are `flock`s on one file each, booked in arrival
-order on a virtual clock (storage/tiers/state.py). The state folder travels with the filesystem when
+order on a virtual clock (`SharedTierState`). The state folder travels with the filesystem when
 it is pickled, so a spawned process joins the same tier. Sleeping is the emulated device's time:
 every sleep is computed from the tier's figures.
 """
@@ -37,7 +37,7 @@ from fsspec.spec import AbstractBufferedFile
 from loadopt.storage.remote.access import display_name, read_with_retries
 from loadopt.storage.tiers.state import COUNTERS, SharedTierState, remove_state, sleep_until_monotonic, state_root
 
-if TYPE_CHECKING:  # tiers.py imports this module where it makes a tier
+if TYPE_CHECKING:  # the tier stack imports this module where it makes a tier
     from loadopt.storage.tiers.spec import TierSpec
 
 __all__ = ["COUNTERS", "EmulatedFileSystem", "InjectedReadError", "InjectedTimeout", "SharedTierState"]

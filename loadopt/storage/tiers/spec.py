@@ -5,7 +5,7 @@ A tier is `local` (the dataset's own location, read as it is), a named profile f
 store, emulated), or an inline spec in `storage.tier`. `base` points a tier at real storage (any
 fsspec URL: a path, `http(s)://`, `s3://`, `memory://`); the emulated limits (bandwidth, latency,
 concurrency, faults) are imposed on whatever is read through it by a wrapper filesystem
-(storage/tiers/emulated.py), shared by every process that reads through the same tier instance.
+(`EmulatedFileSystem`), shared by every process that reads through the same tier instance.
 """
 
 from __future__ import annotations

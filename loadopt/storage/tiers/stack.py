@@ -35,7 +35,7 @@ def tier_filesystem(spec: TierSpec, base_fs: fsspec.AbstractFileSystem) -> fsspe
 
 
 def tier_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
-    """The filesystem under a dataset's local shard cache (storage/remote/shard_cache.py): its tier; `fs` itself
+    """The filesystem under a dataset's local shard cache: its tier; `fs` itself
     when it reads through no cache."""
     return fs.tier if isinstance(fs, ShardCacheFileSystem) else fs
 

@@ -1,4 +1,4 @@
-"""The shared state of an emulated tier (storage/tiers/emulated.py): its bandwidth clock, counters and
+"""The shared state of an emulated tier (`EmulatedFileSystem`): its bandwidth clock, counters and
 concurrency slots, one instance across threads and processes, and the precise sleeps its times are.
 
 The clock and the counters live in a small file mapped shared (in /dev/shm when there is one),
