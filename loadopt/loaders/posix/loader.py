@@ -138,10 +138,12 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def prepare(self, progress=None, convert_missing: bool = True) -> None:
         path = raw_format.raw_path(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
-        make_ready(self.dataset, path, raw_convert.reference_names,
-                   (lambda: raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib,
-                                                progress=progress, on_error=self.on_error)) if convert_missing else None,
-                   "raw", self.form, CONVERT_FLAGS.get(self.stored_form, ""))
+        def convert() -> None:
+            raw_convert.convert(self.dataset, self.stored_form, self.size, self.settings.shard_mib, progress=progress,
+                                on_error=self.on_error)
+
+        make_ready(self.dataset, path, raw_convert.reference_names, convert if convert_missing else None, "raw",
+                   self.form, CONVERT_FLAGS.get(self.stored_form, ""))
         self._raw = raw_convert.open_conversion(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         raw = self._raw
         self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion
