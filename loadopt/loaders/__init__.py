@@ -1,5 +1,5 @@
-"""Loader backends: the contract (`base`), the registry by name (`registry`), one module per backend, and
-what a plugin author builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` and its
+"""Loader backends: the contract, the registry by name, one package per backend, and what a plugin author
+builds a backend from (docs/plugins.md): `Loader` (or `RingLoader` and its
 `RingSettings` for a producer thread filling a batch ring), `HostBatch`, `WorkKind`, `register`, and the
 shared crop plan in `loadopt.loaders.transforms` (source JPEGs) and `loadopt.loaders.crops` (stored pixels)."""
 

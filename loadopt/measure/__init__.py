@@ -1,11 +1,6 @@
 """Measuring an existing training loop where it runs: `loadopt.measure(loader)`, `loadopt.measure_steps()`,
 and the zero-code form `loadopt measure train.py ARGS` (also `python -m loadopt.measure train.py ARGS`).
 
-- `measuring`: the `Measurement` (per-step wait and step, CUDA events on a GPU) and its two forms;
-- `results`: its metrics (those of `loadopt bench`), the verdict, the results files and the ranks;
-- `cuda`: the device's busy and idle time from CUDA events read back a few steps late;
-- `batch_structure`: the tensors of a batch of any structure, its samples, the batch rebuilt;
-- `script`: an unmodified script run with every torch DataLoader iteration measured.
 
 `loadopt.measure` is the function (the `loadopt` package binds it after importing this package), so
 `loadopt.measure(loader)` works whichever was imported first; this package is `sys.modules["loadopt.measure"]`.
