@@ -1,7 +1,6 @@
 """Measuring an existing training loop where it runs: `loadopt.measure(loader)`, `loadopt.measure_steps()`,
 and the zero-code form `loadopt measure train.py ARGS` (also `python -m loadopt.measure train.py ARGS`).
 
-
 `loadopt.measure` is the function (the `loadopt` package binds it after importing this package), so
 `loadopt.measure(loader)` works whichever was imported first; this package is `sys.modules["loadopt.measure"]`.
 """
