@@ -36,10 +36,10 @@ _RUN = """
 import hashlib, json, sys, time
 from pathlib import Path
 from loadopt.config import load_config
-from loadopt.storage import conversions
+from loadopt.storage.forms import conversions
 from loadopt.storage.forms.conversions import ConvertedForm
 from loadopt.storage.forms.engine import ConvertEngine
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 config, to, shard_mib, engine, cpus = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 dataset = open_dataset(load_config(config, []))
 ray_start = 0.0

@@ -296,7 +296,7 @@ import json, sys, time
 start = time.perf_counter()
 from loadopt import make_loader
 from loadopt.config import load_config
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 config = load_config(sys.argv[1], sys.argv[2:])
 opened_at = time.perf_counter()
 dataset = open_dataset(config)

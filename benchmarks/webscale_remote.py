@@ -17,7 +17,7 @@ _OPEN = """
 import json, sys, time
 start = time.perf_counter()
 from loadopt.config import load_config
-from loadopt.storage.sources.imagefolder import open_dataset
+from loadopt.storage.open import open_dataset
 config = load_config(sys.argv[1], sys.argv[2:])
 dataset = open_dataset(config)
 print(json.dumps({"seconds": time.perf_counter() - start, "samples": len(dataset)}))
@@ -65,7 +65,7 @@ from loadopt.config import load_config
 mode, path, url = sys.argv[1:4]
 config = load_config(path, [f"dataset.path={url}", *sys.argv[4:]])
 if mode == "index":  # listed and indexed once, saved in the cache: the runs after start from the saved index
-    from loadopt.storage.sources.imagefolder import open_dataset
+    from loadopt.storage.open import open_dataset
     print(json.dumps({"samples": len(open_dataset(config))}))
     sys.exit()
 if mode == "probe":
@@ -75,7 +75,7 @@ if mode == "probe":
     print(json.dumps({"mb_per_s": summary(result)["best_mb_per_s"]}))
     sys.exit()
 from loadopt import make_loader
-from loadopt.storage.tiers.spec import tier_counters
+from loadopt.storage.tiers.stack import tier_counters
 start = time.perf_counter()
 if mode in ("loadopt", "loadopt_s3", "loadopt_jxl", "first_job"):
     loader = make_loader(config, backend="torch", variant="tuned", num_workers=2)

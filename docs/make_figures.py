@@ -167,7 +167,7 @@ def main() -> int:
     made = report_figures(bench_dir, tiers_dir if (tiers_dir / "tiers.json").exists() else None)
     from loadopt.config import load_config
     from loadopt.files import cache_dir
-    from loadopt.storage.synthetic import synthetic_root
+    from loadopt.storage.sources.synthetic import synthetic_root
 
     config = load_config(ROOT / "configs" / "imagenet.yaml", [size[0].removeprefix("--set=")])
     made.append(recipe_figure(synthetic_root(config.dataset.synthetic, cache_dir())))

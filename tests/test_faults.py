@@ -563,7 +563,7 @@ def test_a_decode_pool_stopped_as_soon_as_it_started_stops_its_workers():
     code = """
 import logging, sys
 from loadopt.cli.process import terminate_as_interrupt
-from loadopt.storage import decode_pool
+from loadopt.storage.forms import decode_pool
 logging.basicConfig(level=logging.WARNING)
 with terminate_as_interrupt():  # the handler every forked worker of the CLI inherits
     for _ in range(20):
