@@ -260,13 +260,13 @@ def test_the_default_profiles_ship_inside_the_package():
     # an installed wheel has no configs/ folder: the profiles must be package data, and the checkout's
     # configs/tiers.yaml must be the same file, not a copy that can drift
     package_dir = Path(loadopt.__file__).parent
-    assert DEFAULT_TIERS_FILE.parent == package_dir / "storage" and DEFAULT_TIERS_FILE.is_file()
+    assert DEFAULT_TIERS_FILE.parent == package_dir / "storage" / "tiers" and DEFAULT_TIERS_FILE.is_file()
     checkout_copy = package_dir.parent / "configs" / "tiers.yaml"
     if checkout_copy.exists():
         assert checkout_copy.resolve() == DEFAULT_TIERS_FILE.resolve()
     pyproject = package_dir.parent / "pyproject.toml"
     if pyproject.exists():
-        assert '"loadopt.storage" = ["tiers.yaml"]' in pyproject.read_text()
+        assert '"loadopt.storage.tiers" = ["tiers.yaml"]' in pyproject.read_text()
 
 
 def _bench(tmp_path: Path, tier: dict, loaders: dict, name: str) -> dict:
@@ -358,7 +358,7 @@ def test_a_tiers_own_figures():
 def test_bench_through_a_tier_over_slower_storage_says_its_figures_are_that_storages(tmp_path, monkeypatch):
     """`loadopt bench` under an emulated tier over a disk slower than the tier's figures: each run, and the
     decision resting on them, says its reads were bounded by that disk; over a faster disk, nothing is said."""
-    import loadopt.storage.sources.imagefolder as imagefolder
+    import loadopt.storage.open as opening
 
     loaders = {"torch": {"variant": "tuned", "num_workers": 0}}
     tier = {"name": "fast", "bandwidth_mb_s": 1000, "latency_ms": 2}
@@ -367,7 +367,7 @@ def test_bench_through_a_tier_over_slower_storage_says_its_figures_are_that_stor
     assert "bounded" not in json.loads((tmp_path / "roomy" / "decision.json").read_text())["text"]
 
     disk = TierSpec(name="disk", bandwidth_mb_s=0.3)  # the machine's disk, slower
-    monkeypatch.setattr(imagefolder, "tier_filesystem", lambda spec, base: EmulatedFileSystem(
+    monkeypatch.setattr(opening, "tier_filesystem", lambda spec, base: EmulatedFileSystem(
         spec, EmulatedFileSystem(disk, base)))
     results = _bench(tmp_path, tier, loaders, "starved")
     run = results["runs"][0]
