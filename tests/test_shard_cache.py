@@ -244,7 +244,7 @@ def test_make_loader_through_the_cache_delivers_the_same_labels(served, own_cach
 
 def test_a_local_dataset_is_not_cached_and_says_why(served, caplog):
     _, root = served
-    with caplog.at_level(logging.INFO, logger="loadopt.storage.remote.shard_cache"):
+    with caplog.at_level(logging.INFO, logger="loadopt.storage"):
         dataset = open_dataset(cache_config(str(root / "shards"), "1GB"))
     assert not isinstance(dataset.fs, ShardCacheFileSystem)
     assert [r.getMessage() for r in caplog.records if "storage.cache_limit" in r.getMessage()] == [
