@@ -47,7 +47,7 @@ def bench_round(config: str, out: Path, busy: int, loaders: str | None) -> dict:
     if proc.returncode != 0 or not (out / "results.json").exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"loadopt bench exited {proc.returncode}: {' / '.join(tail)}")
-    from loadopt.schema.results import read_results
+    from loadopt.schema.documents import read_results
 
     return read_results(out / "results.json")
 

@@ -19,7 +19,7 @@ from loadopt.loaders.base import BatchTransform, Loader
 from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
 from loadopt.recipe import RecipeMismatch
-from loadopt.schema.results import Knobs
+from loadopt.schema.documents import Knobs
 from loadopt.storage.open import open_dataset
 from loadopt.storage.sources.imagefolder import ImageDataset
 

@@ -36,7 +36,7 @@ from loadopt.config_models import (  # noqa: F401 - re-exported: the models are 
 from loadopt.errors import ConfigError
 from loadopt.files import yaml_problem
 from loadopt.loaders.registry import backend_class
-from loadopt.schema.results import Knobs
+from loadopt.schema.documents import Knobs
 from loadopt.storage.tiers.spec import resolve_tier
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from loadopt.errors import DatasetError
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
-from loadopt.schema.results import Recipe
+from loadopt.schema.documents import Recipe
 
 TRAIN_CROP = "RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) + flip"
 EVAL_CROP = f"centre {EVAL_CROP_FRACTION:g} of the shorter side"

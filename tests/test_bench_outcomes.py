@@ -17,7 +17,7 @@ from loadopt.bench import decision
 from loadopt.cli import app
 from loadopt.errors import DatasetError
 from loadopt.loaders.registry import backend_class, backend_names, register, unregister
-from loadopt.schema.results import decision_text
+from loadopt.schema.documents import decision_text
 
 from .backends import DelayLoader
 from .conftest import make_image_folder

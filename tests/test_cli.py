@@ -222,7 +222,7 @@ def test_the_bench_table_fits_120_columns_one_line_a_setting():
     from rich.console import Console
 
     from loadopt.cli.tables import results_table, verdict_lines
-    from loadopt.schema.results import read_results_file
+    from loadopt.schema.documents import read_results_file
 
     results = read_results_file(Path(__file__).parent / "fixtures" / "bench_after" / "results.json")
     console = Console(width=120, record=True)

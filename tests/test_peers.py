@@ -16,7 +16,7 @@ from loadopt.loaders.peers import base as peer_base
 from loadopt.loaders.peers import batches as peer_batches
 from loadopt.loaders.registry import backend_class, backend_names
 from loadopt.loaders.torch_dl.loader import TorchLoader, TorchSettings
-from loadopt.schema.results import ResultsFile
+from loadopt.schema.documents import ResultsFile
 from loadopt.storage.open import open_dataset
 
 from .conftest import tiny_config_dict

@@ -64,7 +64,7 @@ def test_supported_accelerators_known_by_construction(tmp_path):
     path.write_text(json.dumps(result))
     page = write_report([path]).read_text()
     assert "Storage tiers" in page and "bw2" in page and "bw5" in page
-    # each value under one key (loadopt.schema.results, version 2)
+    # each value under one key (loadopt.schema.documents, version 2)
     assert not {"tier", "measured", "predicted"} & set(result["tiers"][0]) and result["schema_version"] == 2
 
 

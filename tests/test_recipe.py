@@ -20,7 +20,7 @@ from loadopt.config import config_from_dict
 from loadopt.imaging.frames import scaled_frame
 from loadopt.loaders import transforms
 from loadopt.loaders.registry import backend_class
-from loadopt.schema.results import ResultsFile
+from loadopt.schema.documents import ResultsFile
 
 LOW, SPAN = 20.0, 215.0  # the ramps run from 20 to 235: away from clipping at 0 and 255
 SIZE, MAX_SIDE, SEED = 64, 200, 3

@@ -1,4 +1,4 @@
-"""The one results schema (loadopt.schema.results): files of the previous version (1) are read by report, explain
+"""The one results schema (loadopt.schema.documents): files of the previous version (1) are read by report, explain
 and the decision; unknown versions and corrupt files are one-line errors naming the file."""
 
 import json
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from loadopt.bench import decision
 from loadopt.explain import explain_results
 from loadopt.report import render_report
-from loadopt.schema.results import (
+from loadopt.schema.documents import (
     SCHEMA_VERSION,
     SchemaError,
     decision_text,

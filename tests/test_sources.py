@@ -255,7 +255,7 @@ def test_bench_under_skip_counts_and_names_what_it_left_out(tmp_path, image_fold
     from typer.testing import CliRunner
 
     from loadopt.cli import app
-    from loadopt.schema.results import ResultsFile
+    from loadopt.schema.documents import ResultsFile
 
     from .source_files import LONG_KEY
 

@@ -14,7 +14,7 @@ import torch
 from loadopt.bench.runner import run_bench
 from loadopt.config import config_from_dict
 from loadopt.errors import DatasetError, StorageError
-from loadopt.schema.results import ResultsFile
+from loadopt.schema.documents import ResultsFile
 from loadopt.storage.open import open_dataset
 from loadopt.storage.tiers.stack import tier_counters
 

@@ -26,7 +26,7 @@ from loadopt.bench.metrics import median
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text, cache_dir, is_no_space
 from loadopt.machine import MachineInfo, library_versions, machine_fingerprint, machine_info
-from loadopt.schema.results import (
+from loadopt.schema.documents import (
     SCHEMA_VERSION,
     ConfigDump,
     Decision,

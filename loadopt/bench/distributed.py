@@ -43,8 +43,8 @@ from loadopt.device import Elapsed, resolve_device
 from loadopt.errors import LoadoptError, Terminated
 from loadopt.machine import usable_cores
 from loadopt.schema.ceilings import Ceilings
+from loadopt.schema.documents import ResultsFile
 from loadopt.schema.metrics import RepeatMetrics
-from loadopt.schema.results import ResultsFile
 
 T = TypeVar("T")
 

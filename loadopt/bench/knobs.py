@@ -17,7 +17,7 @@ from loadopt.config import backend_settings, expand_settings
 from loadopt.config_models import Config
 from loadopt.loaders.base import Loader
 from loadopt.machine import usable_cores
-from loadopt.schema.results import Knobs
+from loadopt.schema.documents import Knobs
 
 
 @dataclass(frozen=True)

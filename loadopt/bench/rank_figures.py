@@ -12,8 +12,8 @@ import numpy as np
 
 from loadopt.bench.metrics import median
 from loadopt.bench.rank_report import RankReport
+from loadopt.schema.documents import ResultsFile
 from loadopt.schema.metrics import DeliveredEpoch, DistributedNote, RankFigures, RepeatMetrics, SlowestRank
-from loadopt.schema.results import ResultsFile
 
 # Summed over ranks (extensive), the worst over ranks, or the mean over ranks; the rates are recomputed.
 _SUMMED = ("samples", "compute_s", "wait_s", "h2d_s", "finish_s", "sample_bytes_delivered", "bytes_read",

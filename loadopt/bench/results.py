@@ -15,7 +15,7 @@ from pathlib import Path
 
 from loadopt.errors import OutputError
 from loadopt.files import honour_umask, is_no_space
-from loadopt.schema.results import ResultsFile, results_text
+from loadopt.schema.documents import ResultsFile, results_text
 
 __all__ = ["STALE_FILES", "discard_stale_files", "write_results"]
 
@@ -33,7 +33,7 @@ def write_results(folder: Path, results: ResultsFile, timing_rows: dict[str, lis
     staged: list[str] = []
     try:
         table = pa.table(timing_rows)
-        text = results_text(results)  # validated against loadopt.schema.results
+        text = results_text(results)  # validated against loadopt.schema.documents
         parquet_tmp, json_tmp = _staged(parquet_path, staged), _staged(json_path, staged)
         pq.write_table(table, parquet_tmp)
         Path(json_tmp).write_text(text)

@@ -17,7 +17,7 @@ from loadopt.errors import LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import configured_loader
 from loadopt.machine import machine_fingerprint, machine_info
-from loadopt.schema.results import (
+from loadopt.schema.documents import (
     SCHEMA_VERSION,
     CacheSection,
     DatasetSection,

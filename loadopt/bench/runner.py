@@ -39,7 +39,7 @@ from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
 from loadopt.progress import Reporter
 from loadopt.schema.ceilings import Ceilings, Verdict
-from loadopt.schema.results import ResultsFile, RunStatus, RunTuned, as_dict
+from loadopt.schema.documents import ResultsFile, RunStatus, RunTuned, as_dict
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.open import open_dataset
 from loadopt.storage.tiers.pagecache import evict_for_cold

@@ -39,7 +39,15 @@ from loadopt.device import DeviceTransfer
 from loadopt.errors import ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import Loader
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
-from loadopt.schema.results import BackendTuningRecord, Knobs, Refusal, RunStatus, TrialRecord, TuningSummary, knobs_of
+from loadopt.schema.documents import (
+    BackendTuningRecord,
+    Knobs,
+    Refusal,
+    RunStatus,
+    TrialRecord,
+    TuningSummary,
+    knobs_of,
+)
 from loadopt.storage.dataset import Dataset
 
 log = logging.getLogger(__name__)

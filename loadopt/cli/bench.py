@@ -33,7 +33,7 @@ from loadopt.errors import ConfigError, Terminated, shown_name
 
 if TYPE_CHECKING:
     from loadopt.bench.runner import BenchOutcome
-    from loadopt.schema.results import ResultsFile
+    from loadopt.schema.documents import ResultsFile
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loadopt.schema.results import Run
+    from loadopt.schema.documents import Run
 
 # The knobs' short names in the table (the full names are in results.json's settings).
 SHORT_KEYS = {"num_workers": "w", "num_threads": "t", "threads": "t", "io_threads": "io", "prefetch": "pf",

@@ -177,7 +177,7 @@ def _write_tiers(result: TiersRun, folder: Path, existed: bool) -> Path:
     """tiers.json in `folder`; a run stopped before any tier finished writes nothing, leaves the folder as it
     was and exits (143 for SIGTERM, else 130)."""
     from loadopt.files import atomic_write_text, discard_output
-    from loadopt.schema.results import results_text
+    from loadopt.schema.documents import results_text
 
     stopped = result.interrupted_by
     if stopped and not result.tiers:

@@ -13,8 +13,8 @@ from rich.table import Table
 if TYPE_CHECKING:  # the CLI's help stays light: the types only
     from loadopt.procurement.results import TiersRun
     from loadopt.recipe import Recipe
+    from loadopt.schema.documents import ResultsFile, Run
     from loadopt.schema.metrics import RunMetrics
-    from loadopt.schema.results import ResultsFile, Run
     from loadopt.storage.tiers.probe import ProbeResult
 
 

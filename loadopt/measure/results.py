@@ -1,7 +1,7 @@
 """What `loadopt.measure` reports: the metrics of `loadopt bench`, a verdict, results files, ranks.
 
 The metrics are computed by `loadopt bench`'s function (loadopt.bench.metrics.step_metrics) and the file
-is written through the one results schema (loadopt.schema.results), so `loadopt report` and other readers take both.
+is written through the one results schema (loadopt.schema.documents), so `loadopt report` and other readers take both.
 Under `torchrun` every rank writes `measure-rank<r>.json` into a shared folder and rank 0 gathers them
 by polling that folder with a timeout: no collective call that could hang a job whose other ranks died.
 """
@@ -23,8 +23,8 @@ from loadopt.bench.metrics import aggregate, percentile_ms, step_metrics
 from loadopt.errors import OutputError
 from loadopt.files import atomic_write_text
 from loadopt.machine import machine_fingerprint, machine_info
+from loadopt.schema.documents import SCHEMA_VERSION, ResultsFile, Run, RunStatus, as_dict, results_text
 from loadopt.schema.metrics import RepeatMetrics
-from loadopt.schema.results import SCHEMA_VERSION, ResultsFile, Run, RunStatus, as_dict, results_text
 
 COMMAND = "loadopt.measure"
 CPU_NOTE = "on the CPU the loop body stands for the accelerator"
@@ -171,7 +171,7 @@ def write_json(path: str | os.PathLike[str], document: MeasureResults) -> Path:
     target = Path(path).expanduser()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target, results_text(as_dict(document)))  # validated against loadopt.schema.results
+        atomic_write_text(target, results_text(as_dict(document)))  # validated against loadopt.schema.documents
     except OSError as exc:
         raise OutputError(f"{target}: cannot write the measure results ({exc.strerror or exc})") from None
     return target

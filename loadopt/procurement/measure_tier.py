@@ -164,7 +164,7 @@ def _bounded_by_base(spec: TierSpec, dataset: Dataset, plan: TierPlan, need: dic
 
 def _tier_row(spec: TierSpec, au: float, searched: TierSearch, note: str, predicted: Prediction, bounded: str | None,
               probed: TierProbe, trial_share: float | None, capacity: float) -> MeasuredTier:
-    """The row of tiers.json (loadopt.schema.results.TierRow, schema version 2: one key each, those `loadopt report`
+    """The row of tiers.json (loadopt.schema.documents.TierRow, schema version 2: one key each, those `loadopt report`
     reads)."""
     measured, trials = searched.count, searched.trials
     cost = tier_costs(spec, capacity, measured)

@@ -19,7 +19,7 @@ from loadopt.config import backend_settings
 from loadopt.config_models import Config
 from loadopt.errors import ConfigError
 from loadopt.procurement.consumers import ConsumerSettings, start_delay_s
-from loadopt.schema.results import Knobs
+from loadopt.schema.documents import Knobs
 from loadopt.storage.tiers.probe import ProbeResult
 from loadopt.storage.tiers.spec import TierSpec
 

@@ -4,7 +4,7 @@ and the decision among them, a tier's row, and the whole run (tiers.json).
 Each model is dumped with `exclude_unset` (`TiersRun.document`): a field that was never set is a key the
 file does not have (a row's `backends` without --backends, a run's metrics where it measured nothing), so
 the document keeps exactly the keys and values `loadopt tiers` has always written.
-`run_tiers` measures these; `loadopt.schema.results` validates the file they are written to.
+`run_tiers` measures these; `loadopt.schema.documents` validates the file they are written to.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from loadopt.machine import MachineInfo
 from loadopt.procurement.consumers import TrialFigures
 from loadopt.procurement.plan import Prediction
-from loadopt.schema.results import ConfigDump, Recipe, Run, RunStatus
+from loadopt.schema.documents import ConfigDump, Recipe, Run, RunStatus
 from loadopt.schema.tiers import TierRow
 
 

@@ -65,7 +65,7 @@ from loadopt.procurement.results import (
     TiersRun,
 )
 from loadopt.progress import TiersProgress
-from loadopt.schema.results import SCHEMA_VERSION
+from loadopt.schema.documents import SCHEMA_VERSION
 from loadopt.storage.tiers.spec import (
     TierSpec,
     resolve_tier,

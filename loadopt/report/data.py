@@ -30,8 +30,8 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.schema.ceilings import RunCeiling
+from loadopt.schema.documents import ResultsFile, SchemaError, as_dict, parse_results
 from loadopt.schema.metrics import RepeatMetrics, RunMetrics
-from loadopt.schema.results import ResultsFile, SchemaError, as_dict, parse_results
 
 OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
@@ -277,7 +277,7 @@ def load(path: str | os.PathLike[str], tag: str = "A", timings: bool = True) -> 
     for i, raw in enumerate(doc["runs"]):
         if not isinstance(raw, dict) or not isinstance(raw.get("label"), str):
             raise ResultsFileError(f"{p}: runs[{i}] is not a loader setting with a label")
-    try:  # the schema's shape and version (loadopt.schema.results); version 1 files are upgraded as read
+    try:  # the schema's shape and version (loadopt.schema.documents); version 1 files are upgraded as read
         file = parse_results(doc, p)
     except SchemaError as exc:
         raise ResultsFileError(str(exc)) from None

@@ -40,8 +40,8 @@ from loadopt.schema.ceilings import (
     StorageStage,
     Verdict,
 )
+from loadopt.schema.documents import Knobs, ResultsFile
 from loadopt.schema.metrics import RepeatMetrics
-from loadopt.schema.results import Knobs, ResultsFile
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.tiers.pagecache import cold_note, evict, evict_for_cold
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from loadopt.loaders.base import WorkKind
 from loadopt.machine import usable_cores
 from loadopt.schema.ceilings import DECODERS, Ceilings, DecodeRates, Job, RunCeiling
+from loadopt.schema.documents import Knobs, Recipe
 from loadopt.schema.metrics import RepeatMetrics, RunMetrics
-from loadopt.schema.results import Knobs, Recipe
 
 CEILING_OVERSHOOT = 1.1  # a run this far above its ceiling shows the ceiling was measured low
 STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input path, sets the pace

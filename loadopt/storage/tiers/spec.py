@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from loadopt.errors import ConfigError
 from loadopt.files import read_yaml
-from loadopt.schema.results import ConfigDump
+from loadopt.schema.documents import ConfigDump
 from loadopt.storage.remote.access import RetryPolicy, redact
 
 TIERS_ENV = "LOADOPT_TIERS"
