@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from loadopt.loaders import HostBatch, Loader, WorkKind, transforms
-from loadopt.schema.documents import Recipe
+from loadopt.schema import Recipe
 
 __all__ = ["ThreadedJpegLoader", "ThreadedJpegSettings"]
 
