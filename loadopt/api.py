@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, TypedDict
 
 import torch
@@ -18,12 +18,18 @@ from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
 from loadopt.loaders.base import BatchTransform, Loader
 from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backend_names
 from loadopt.loaders.ring import RingLoader
+from loadopt.loaders.sample_transform import SampleTransform
+from loadopt.named import name_of
 from loadopt.recipe import RecipeMismatch
 from loadopt.schema.documents import Knobs
+from loadopt.storage.dataset import Dataset
 from loadopt.storage.open import open_dataset
-from loadopt.storage.sources.imagefolder import ImageDataset
+from loadopt.storage.sources.user import from_object
 
 log = logging.getLogger(__name__)
+
+# The job's own per-sample transform, as handed to `make_loader(transform=...)`: the decoded image -> the image.
+SampleFunction = Callable[[Any], Any]
 
 # `auto` without a recorded decision: the first available of these (fastest first, by design:
 # native engines, then pre-packed formats, then the DataLoader everyone has).
@@ -36,13 +42,30 @@ def _as_config(config_or_path: str | os.PathLike[str] | Config | dict[str, Any])
     return load_config(config_or_path)
 
 
+def is_config(given: object) -> bool:
+    """Whether `make_loader` was handed a config (a path, a `Config`, a dict) rather than a dataset object."""
+    return isinstance(given, str | os.PathLike | Config | dict)
+
+
+def _with_transform(config: Config, transform: SampleFunction | None) -> Config:
+    """`config` whose `pipeline.transform` names `transform` (a copy: the caller's config is left as it was)."""
+    if transform is None:
+        return config
+    if not callable(transform):
+        raise ConfigError(f"make_loader: transform= must be a function of the decoded image, got "
+                          f"{type(transform).__name__}")
+    copied = config.model_copy(deep=True)
+    copied.pipeline.transform = name_of(transform)
+    return copied
+
+
 def _distributed() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
 
-def _choose(config: Config, dataset: ImageDataset) -> tuple[str, Knobs, str]:
+def _choose(config: Config, dataset: Dataset) -> tuple[str, Knobs, str]:
     """(backend, settings, why) for `auto` from the recorded decision; backend "" when none applies.
 
     A decision applies when it was made for this dataset on this machine (CPU model and count, GPU
@@ -84,12 +107,18 @@ REFUSED_KEYWORDS = {
 PARALLELISM_KNOBS = ("num_workers", "num_threads", "threads")
 
 
-def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any], split: str = "train",
+def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any] | Any, split: str = "train",
                 backend: str = "auto", *, device: str | torch.device | None = None, rank: int | None = None,
                 world_size: int | None = None, seed: int | None = None, epoch: int = 0,
-                batch_transform: BatchTransform | None = None, relist: bool = False,
-                **overrides: Any) -> Loader:
+                batch_transform: BatchTransform | None = None, transform: SampleFunction | None = None,
+                relist: bool = False, **overrides: Any) -> Loader:
     """A loader for `split` of the configured dataset, iterating `(inputs, labels)` on `device`.
+
+    In place of a config, the job's own dataset object (a map-style torch `Dataset` of `(image, target)` or dict
+    items, a Hugging Face `datasets.Dataset`): read through its own `[i]`, with the config's defaults.
+    `transform(image) -> image` is the job's own per-sample transform (as `pipeline.transform`): run after
+    loadopt's crop (`augment="none"`: in its place) in the backend's workers, Python's, NumPy's and torch's
+    generators seeded from (seed, epoch, sample index) before each call, so every backend draws the same.
 
     `backend="auto"` uses the setting the last `loadopt bench` found fastest for this dataset on this
     machine, else the first backend of `FALLBACK_ORDER` that is available and can read the dataset
@@ -112,10 +141,15 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     if batch_transform is not None and not callable(batch_transform):
         raise ConfigError(f"make_loader: batch_transform= must be a function of (inputs, labels), got "
                           f"{type(batch_transform).__name__}")
-    config = _as_config(config_or_path)
-    dataset = open_dataset(config, split, relist=relist)
+    if is_config(config_or_path):
+        config = _with_transform(_as_config(config_or_path), transform)
+        dataset: Dataset = open_dataset(config, split, relist=relist)
+    else:  # the job's own dataset object, with the defaults of every key
+        config = _with_transform(Config(source="make_loader"), transform)
+        dataset = from_object(config_or_path, config, split=split)
     overrides = {**_split_defaults(split, overrides), **overrides}
-    build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch)
+    build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch,
+                       transform=transform)
     if backend != "auto":
         loader = _build(config, dataset, backend, dict(config.loaders.get(backend) or {}), f"loaders.{backend}",
                         "asked for by name", build, convert=True)
@@ -145,6 +179,7 @@ class _Placement(TypedDict):
     world_size: int | None
     seed: int | None
     epoch: int
+    transform: SampleFunction | None  # the job's own per-sample transform, as given
 
 
 def _auto(config: Config, dataset, build: _Placement) -> Loader:
@@ -169,7 +204,7 @@ def _auto(config: Config, dataset, build: _Placement) -> Loader:
             return _build(config, dataset, name, dict(config.loaders.get(name) or {}), f"loaders.{name}",
                           f"{why}; first ready in the fallback order {', '.join(FALLBACK_ORDER)}", build,
                           convert=False, same_recipe=True)
-        except DatasetError as exc:
+        except (DatasetError, BackendUnavailable) as exc:
             log.info("make_loader: skipping %s: %s", name, exc)
     raise BackendUnavailable("make_loader: no backend is available here (see `loadopt doctor`)")
 
@@ -218,12 +253,19 @@ def _build(config: Config, dataset, backend: str, settings_raw: Knobs, where: st
                               f"{', '.join(cls.Settings.model_fields)}; batch_transform)")
     pipeline = config_from_dict({"pipeline": pipeline_raw}, "make_loader").pipeline
     settings, start_why = start_settings(cls, settings_raw, where, "make_loader")
+    runs, why_not = cls.runs_pipeline(pipeline, settings)
+    if not runs:
+        raise BackendUnavailable(f"backend {backend}: {why_not}")
     knob_why = {**start_why, **knob_why}
     dist_rank, dist_world = _distributed()
     rank, world_size, seed = placement["rank"], placement["world_size"], placement["seed"]
     loader = cls(dataset, pipeline, settings, device=resolve_device(placement["device"] or config.workload.device),
                  rank=dist_rank if rank is None else rank, world_size=dist_world if world_size is None else world_size,
                  seed=config.seed if seed is None else seed, epoch=placement["epoch"], on_error=config.dataset.on_error)
+    function = placement["transform"]
+    if function is not None:  # the function itself, not imported again by its name
+        loader.sample_transform = SampleTransform(function, name_of(function), pipeline.image_size,
+                                                  pipeline.transform_input)
     if same_recipe:  # `auto`: only a loader that delivers the config's training input (before any conversion)
         recipe.check(loader, pipeline)
     loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use

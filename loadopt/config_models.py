@@ -103,6 +103,9 @@ class DatasetConfig(_Strict):
     # How `path` stores the images: `auto` tells an ImageFolder, WebDataset tar shards and Parquet files
     # apart by what the path holds.
     format: Literal["auto", "imagefolder", "webdataset", "parquet"] = "auto"
+    # "package.module:function" returning the job's own dataset (a map-style torch Dataset, a Hugging Face
+    # `datasets.Dataset`), or (dataset, version): read in place of `path`, the version naming its contents.
+    factory: str | None = None
     label_key: str | None = None  # WebDataset: the `json` member's field holding the label (default: the `cls` member)
     columns: ParquetColumns = ParquetColumns()
     synthetic: SyntheticSpec = SyntheticSpec()
@@ -114,7 +117,13 @@ class DatasetConfig(_Strict):
 class PipelineConfig(_Strict):
     batch_size: int = Field(64, gt=0)
     image_size: int = Field(224, ge=8)
-    augment: Literal["train", "eval"] = "train"
+    # train: RandomResizedCrop + flip; eval: resize + centre crop; none: loadopt crops nothing, `transform` does
+    augment: Literal["train", "eval", "none"] = "train"
+    # "package.module:function": the job's own per-sample transform, of the decoded image (a PIL image, or a HWC
+    # uint8 array with `transform_input: array`) to `image_size` square uint8 pixels, run after loadopt's crop
+    # (before any with `augment: none`) in each backend's workers, its random draws seeded per sample.
+    transform: str | None = None
+    transform_input: Literal["pil", "array"] = "pil"
     # The decoded forms' whole frames keep their longer side at most this (FFCV's max_resolution):
     # 512 keeps ImageNet-sized frames at their own pixels (docs/performance/recipe.md: storage per form).
     max_side: int = Field(512, ge=8)
@@ -144,6 +153,19 @@ class PipelineConfig(_Strict):
     @classmethod
     def _shuffle_from_bool(cls, value: object) -> object:
         return {True: "global", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("transform")
+    @classmethod
+    def _transform_named(cls, value: str | None) -> str | None:
+        if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
+            raise ValueError(f"{value!r} is not of the form 'package.module:function'")
+        return value
+
+    @model_validator(mode="after")
+    def _augment_none_has_a_transform(self) -> PipelineConfig:
+        if self.augment == "none" and self.transform is None:
+            raise ValueError("augment: none leaves the crop to pipeline.transform, which is not set")
+        return self
 
 
 class ServeConfig(_Strict):

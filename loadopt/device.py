@@ -33,11 +33,19 @@ except ImportError:  # pragma: no cover - built by `pip install`; torch's ops st
 
 
 def resolve_device(requested: str | torch.device | None) -> torch.device:
-    """`auto`/None: CUDA when there is one, else CPU. Asking for CUDA without one is a user error."""
+    """`auto`/None: CUDA when there is one (under torchrun the process's own, `LOCAL_RANK`, as a job that never
+    called `torch.cuda.set_device` expects), else CPU. Asking for CUDA without one is a user error."""
+    import os
+
     from loadopt.errors import BackendUnavailable
 
     if requested is None or str(requested) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        if local_rank.isdigit() and int(local_rank) < torch.cuda.device_count():
+            return torch.device("cuda", int(local_rank))
+        return torch.device("cuda", torch.cuda.current_device())
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable(f"device {device}: CUDA is not available on this machine "

@@ -89,6 +89,8 @@ def describe_sample_error(exc: BaseException) -> str:
     if isinstance(exc, DatasetChanged):  # a stale listing, not a damaged sample: --relist is the fix, not a skip
         raise exc
     text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, SampleProblem):
+        return text
     name = type(exc).__name__
     if name == "UnidentifiedImageError" or text.startswith("cannot identify image file"):
         return "not a readable image (no known image format: damaged or not an image)"
@@ -98,6 +100,11 @@ def describe_sample_error(exc: BaseException) -> str:
         return f"truncated image ({re.sub(r'<[^>]* at 0x[0-9a-fA-F]+>', 'the file', text) or name})"
     text = re.sub(r"<[^>]* at 0x[0-9a-fA-F]+>", "the file", text)
     return f"cannot decode ({name}: {text})" if text else f"cannot decode ({name})"
+
+
+class SampleProblem(Exception):  # noqa: N818 - a sample's failure, not an error of the program
+    """A sample that could not be made, its message already the reason in words (a user's transform that raised
+    or returned the wrong thing): reported as it is, under `dataset.on_error` as a damaged file is."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -6,7 +6,7 @@ loader's recipe (`Loader.recipe()`); `results.json` records the config's (`wante
 name the difference. Fields:
 - `crop`: the crop plan (RandomResizedCrop + flip on the whole frame for train, the 0.875 centre box for
   eval; a decoded centre square gives a plain random crop of that square instead: no border, no resize);
-- `image_size`, `normalise` (dtype, mean, std);
+- `image_size`, `normalise` (dtype, mean, std); `transform`: the job's own per-sample transform, by name;
 - `stored`: what the crop runs on: `source` (the JPEG, decoded every epoch; with `pipeline.jpeg_scale:
   reduced`, a crop at least twice the output decoded at a reduced DCT scale), `JPEG re-encoded <= N px
   qQ` (the encoded forms' bounded JPEGs, decoded every epoch: a source over `pipeline.max_side` re-encoded
@@ -28,7 +28,9 @@ from loadopt.schema.documents import Recipe
 
 TRAIN_CROP = "RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) + flip"
 EVAL_CROP = f"centre {EVAL_CROP_FRACTION:g} of the shorter side"
-COMPARED = ("kind", "crop", "image_size", "normalise", "seq_len")  # must be equal; `max_side` is checked apart
+NO_CROP = "none (pipeline.transform crops)"
+# must be equal; `max_side` is checked apart
+COMPARED = ("kind", "crop", "image_size", "normalise", "seq_len", "transform")
 
 
 class RecipeMismatch(DatasetError):
@@ -50,7 +52,15 @@ def _base(pipeline, kind: str) -> Recipe:
         return {"kind": "records"}
     normalise = "uint8" if pipeline.dtype == "uint8" else \
         f"float32 mean={tuple(pipeline.mean)} std={tuple(pipeline.std)}"
-    return {"kind": "images", "image_size": pipeline.image_size, "normalise": normalise}
+    recipe: Recipe = {"kind": "images", "image_size": pipeline.image_size, "normalise": normalise}
+    if getattr(pipeline, "transform", None) is not None:  # the job's own: `auto` never moves a job across them
+        recipe["transform"] = pipeline.transform
+    return recipe
+
+
+def crop_of(pipeline) -> str:
+    """The crop plan `pipeline.augment` names."""
+    return {"train": TRAIN_CROP, "eval": EVAL_CROP}.get(pipeline.augment, NO_CROP)
 
 
 def wanted(pipeline, kind: str = "images") -> Recipe:
@@ -59,7 +69,7 @@ def wanted(pipeline, kind: str = "images") -> Recipe:
     recipe = _base(pipeline, kind)
     recipe["order"] = getattr(pipeline, "order", "shared")  # `any`: a library's own order is allowed
     if kind == "images":
-        recipe["crop"] = TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP
+        recipe["crop"] = crop_of(pipeline)
         recipe["stored"], recipe["max_side"] = f"whole frame <= {pipeline.max_side} px", pipeline.max_side
     return recipe
 
@@ -79,7 +89,7 @@ def delivered(pipeline, frame: str | None = None, stored_size: int | None = None
             crop = f"centre {pipeline.image_size / stored_size:.3g} of the shorter side"
             crop = EVAL_CROP if crop == f"centre {EVAL_CROP_FRACTION:.3g} of the shorter side" else crop
         return {**recipe, "crop": crop, "stored": f"centre {stored_size} px square", "max_side": stored_size}
-    crop = TRAIN_CROP if pipeline.augment == "train" else EVAL_CROP
+    crop = crop_of(pipeline)
     if frame == "whole" and reencoded_quality is not None:
         return {**recipe, "crop": crop, "stored": f"JPEG re-encoded <= {stored_size} px q{reencoded_quality}",
                 "max_side": stored_size}

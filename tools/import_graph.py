@@ -24,6 +24,7 @@ PACKAGE = "loadopt"
 # placed by the longest entry that names it or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("loadopt.errors", "loadopt.files", "loadopt.version"),
+    ("loadopt.named",),
     ("loadopt.machine", "loadopt.schema", "loadopt.accelerators_table", "loadopt.config_models", "loadopt.device",
      "loadopt.progress", "loadopt.imaging"),
     ("loadopt.recipe",),
@@ -167,7 +168,7 @@ def read_graph(root: Path = ROOT, package: str = PACKAGE) -> ImportGraph:
     return ImportGraph(files, imports)
 
 
-LEAF_LAYERS = 3  # the layers drawn as one box: the modules and folders everything else stands on
+LEAF_LAYERS = 4  # the layers drawn as one box: the modules and folders everything else stands on
 
 
 def place(module: str) -> str | None:

@@ -37,6 +37,7 @@ from loadopt.device import DeviceTransfer, Elapsed
 from loadopt.errors import LoadoptError, OutputError, StorageError, Terminated, WorkerDied, stop_behind
 from loadopt.files import discard_output, prepare_output
 from loadopt.loaders.registry import backend_class, backend_for, configured_loader
+from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.progress import Reporter
 from loadopt.schema.ceilings import Ceilings, Verdict
 from loadopt.schema.documents import ResultsFile, RunStatus, RunTuned, as_dict
@@ -99,6 +100,7 @@ def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
 def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: Reporter,
           convert: bool, world_size: int = 1) -> list[Setting]:
     plan: list[Setting] = []
+    SampleTransform.of_pipeline(config.pipeline)  # the job's transform imports, or one line says why not
     for name in names:
         cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
@@ -108,6 +110,10 @@ def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: 
             plan.append(Setting(name, None, name, RunStatus.UNAVAILABLE, reason))
             continue
         for settings in backend_settings(config, name):
+            runs, why_not = cls.runs_pipeline(config.pipeline, settings)
+            if not runs:
+                plan.append(Setting(name, settings, name, RunStatus.UNAVAILABLE, why_not))
+                continue
             probe = configured_loader(name, config, dataset, settings, device=device)
             label = f"{name} {probe.describe()}"
             try:

@@ -26,6 +26,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
+from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.loaders.sampler import EpochOrder, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
@@ -149,6 +150,8 @@ class Loader(ABC, Generic[SettingsT]):
     # True: the backend's native code can crash the process on bad bytes (DALI's decoder): `loadopt bench` runs it
     # in a child process where it can, and elsewhere lets it see only samples `screen_samples` checked first.
     runs_apart: ClassVar[bool] = False
+    # True: the backend runs the job's own per-sample transform (`pipeline.transform`) where it makes its samples.
+    runs_sample_transform: ClassVar[bool] = False
 
     def __init__(self, dataset: Dataset, pipeline: PipelineConfig,
                  settings: SettingsT | None = None, *,
@@ -170,6 +173,7 @@ class Loader(ABC, Generic[SettingsT]):
         self._epoch, self._position = epoch, 0
         self._resume = False  # the next `for` continues at `_position` (set by `load_state_dict`)
         self.batch_transform: BatchTransform | None = None
+        self._sample_transform: SampleTransform | None = None  # imported when first asked for
         self._transfer = DeviceTransfer(self.device, emulate=False)
         self._intermediates: dict[tuple, torch.Tensor] = {}
         self._windows: ShardWindows | None = None
@@ -215,6 +219,15 @@ class Loader(ABC, Generic[SettingsT]):
         raises. `make_loader(backend="auto")` and `loadopt bench` pass over a backend that cannot."""
         if dataset.kind != "images":
             return False, f"{cls.name} reads image datasets only"
+        return True, ""
+
+    @classmethod
+    def runs_pipeline(cls, pipeline: PipelineConfig, settings: SettingsT) -> tuple[bool, str]:
+        """Whether `settings` can deliver `pipeline` (its own per-sample transform, `augment: none`), and why not.
+        Never raises. `make_loader` and `loadopt bench` pass over a setting that cannot."""
+        if pipeline.transform is not None and not cls.runs_sample_transform:
+            return False, (f"{cls.name} does not run a per-sample Python transform (pipeline.transform); "
+                           "torch, arrow and posix do")
         return True, ""
 
     @abstractmethod
@@ -270,6 +283,18 @@ class Loader(ABC, Generic[SettingsT]):
 
     # -- the shared protocol ---------------------------------------------------------------------
 
+    @property
+    def sample_transform(self) -> SampleTransform | None:
+        """The job's per-sample transform, imported from `pipeline.transform` when first asked for
+        (`make_loader(transform=fn)` sets the function itself before the first epoch)."""
+        if self._sample_transform is None and self.pipeline.transform is not None:
+            self._sample_transform = SampleTransform.of_pipeline(self.pipeline)
+        return self._sample_transform
+
+    @sample_transform.setter
+    def sample_transform(self, transform: SampleTransform | None) -> None:
+        self._sample_transform = transform
+
     def order(self) -> EpochOrder:
         windows = None
         if self.pipeline.shuffle == "window":
@@ -294,6 +319,11 @@ class Loader(ABC, Generic[SettingsT]):
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def sampler(self) -> LoaderSampler:
+        """The order as a DataLoader's `sampler`: where Lightning and Accelerate call `set_epoch` each epoch."""
+        return LoaderSampler(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its first batch (a no-op for the epoch already under way)."""
@@ -405,3 +435,21 @@ class Loader(ABC, Generic[SettingsT]):
         if read is None:
             read = int(sizes[batch.indices].sum()) + int(sizes[failed].sum())
         self.counters.bytes_read += read
+
+
+class LoaderSampler:
+    """A loader's order in a DataLoader's `sampler` shape: `set_epoch(epoch)` starts that epoch (what Lightning's
+    loops and Accelerate call on `loader.sampler`), iterating gives this rank's sample indices of the epoch."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.loader.order().batches(0):
+            yield from batch.tolist()
+
+    def __len__(self) -> int:
+        return sum(len(batch) for batch in self.loader.order().batches(0))

@@ -34,6 +34,7 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.loaders import crops, transforms
+from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.storage.tiers.pagecache import release_pages
 
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent is still there
@@ -60,10 +61,11 @@ def fork_available() -> bool:
 class CropProcesses:
     """`crops.crop_frames` over `count` forked processes: `out` the ring's slots, (B, size, size, 3) uint8
     each, in shared memory; `sources` the frames' byte arrays (`which` indexes them); both inherited.
-    `map_all`: each worker maps every page of the sources first (`populate`: where they fit in memory)."""
+    `map_all`: each worker maps every page of the sources first (`populate`: where they fit in memory);
+    `transform`: the job's own per-sample transform, run by the workers on what they crop or decode."""
 
     def __init__(self, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], count: int,
-                 map_all: bool = False) -> None:
+                 map_all: bool = False, transform: SampleTransform | None = None) -> None:
         self.out, self.sources, self.count = out, sources, max(1, count)
         context = multiprocessing.get_context("fork")
         self._connections: list[Any] = []
@@ -73,7 +75,7 @@ class CropProcesses:
             for rank in range(self.count):
                 parent_end, child_end = context.Pipe()
                 self._connections.append(parent_end)
-                process = context.Process(target=serve, args=(child_end, out, sources, os.getpid(), map_all),
+                process = context.Process(target=serve, args=(child_end, out, sources, os.getpid(), map_all, transform),
                                           name=f"loadopt-crop-{rank}", daemon=True)
                 process.start()
                 child_end.close()
@@ -207,7 +209,7 @@ def populate(sources: Sequence[np.ndarray]) -> None:
 
 
 def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], parent: int,  # noqa: ANN001
-          map_all: bool = False) -> None:
+          map_all: bool = False, transform: SampleTransform | None = None) -> None:
     """A worker's loop: crop (or decode) each chunk it is sent into its slots of `out`; reply (None or the
     error, its major faults meanwhile, the samples that could not be decoded). `map_all`: `populate` the
     sources first."""
@@ -236,7 +238,7 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
         error = None
         work, doing = WORK[kind]
         try:
-            failures = work(out[slot][first:end], sources, indices, which, starts, *rest)
+            failures = work(out[slot][first:end], sources, indices, which, starts, *rest, transform=transform)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as one line
             error = f"{doing} samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
         connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults, failures))
@@ -244,16 +246,18 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
 
 def crop(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
          starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
-         boxes: np.ndarray, flips: np.ndarray) -> list[tuple[int, str]]:
-    """A worker's share of `send`: its whole frames cropped into `out` by the plan drawn in the parent."""
+         boxes: np.ndarray, flips: np.ndarray, transform: SampleTransform | None = None) -> list[tuple[int, str]]:
+    """A worker's share of `send`: its whole frames cropped into `out` by the plan drawn in the parent (then the
+    job's own `transform`, if any)."""
     crops.crop_frames(out, indices, sources, which, starts, frames, augment, seed, epoch, InlinePool(), 1,
                       planned=(boxes, flips))
-    return []
+    return transform.apply_to_slots(out, indices, seed, epoch) if transform is not None else []
 
 
 def decode(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
            starts: np.ndarray, lengths: np.ndarray, decoder: str, augment: Literal["train", "eval"], seed: int,
-           epoch: int, reduced_scale: bool, release: bool) -> list[tuple[int, str]]:
+           epoch: int, reduced_scale: bool, release: bool, transform: SampleTransform | None = None
+           ) -> list[tuple[int, str]]:
     """A worker's share of `send_decode`: its samples decoded into `out` (its positions' HWC slots) one
     after another; the ones that could not be decoded returned."""
     import torch
@@ -262,7 +266,7 @@ def decode(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, 
     places, sizes, sourced = starts.tolist(), lengths.tolist(), which.tolist()
     failures = transforms.decode_batch(torch.from_numpy(out), indices,
                                        lambda k: views[sourced[k]][places[k] : places[k] + sizes[k]], decoder,
-                                       augment, seed, epoch, reduced_scale=reduced_scale)
+                                       augment, seed, epoch, reduced_scale=reduced_scale, transform=transform)
     if release:
         for source in sources:
             release_pages(np.asarray(source))

@@ -27,6 +27,7 @@ from loadopt.config_models import PipelineConfig
 from loadopt.errors import DatasetError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.base import HostBatch, Layout
+from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.sources.records import RecordDataset
 from loadopt.storage.sources.tokens import TokenDataset
@@ -80,6 +81,7 @@ class FillContext:
     damaged: Callable[[int], None] | None = None
     # the GPU decoder and its name, or None and why (the device fillers of the encoded forms)
     device_decoder: Callable[[], tuple[DeviceDecoder | None, str]] | None = None
+    transform: SampleTransform | None = None  # the job's own per-sample transform (`pipeline.transform`)
 
 
 class Filler(ABC, Generic[BufferT]):
@@ -116,6 +118,14 @@ class Filler(ABC, Generic[BufferT]):
         """Hand the batch to the crop worker processes instead (a form they crop or decode)."""
         raise NotImplementedError(f"{type(self).__name__}: not filled by worker processes")
 
+    def transformed(self, slot: torch.Tensor, indices: np.ndarray, epoch: int) -> Failures:
+        """The job's own transform over a slot loadopt's crop filled (`pipeline.transform`), in place; the samples
+        it failed. Nothing to do without one."""
+        c = self.context
+        if c.transform is None:
+            return []
+        return c.transform.apply_to_slots(slot.numpy(), indices, c.seed, epoch)
+
     def batch(self, slot: torch.Tensor, indices: np.ndarray, failures: Failures, bytes_read: int | None) -> HostBatch:
         """The host batch over a filled slot: its images but those that failed (their positions hold garbage)."""
         failed = {index for index, _ in failures}
@@ -136,7 +146,7 @@ class CentreSquares(Filler[np.ndarray]):
         assert c.size is not None, "centre squares are stored at a size"
         crops.crop_batch(slot.numpy(), indices, located.sources, located.which, located.starts, c.size,
                          c.pipeline.augment, c.seed, epoch, pool, c.threads)
-        return Filled(indices, [], located.nbytes)
+        return Filled(indices, self.transformed(slot, indices, epoch), located.nbytes)
 
 
 class WholeFrames(Filler[np.ndarray]):
@@ -150,7 +160,7 @@ class WholeFrames(Filler[np.ndarray]):
         assert located.frames is not None, "whole frames are located with their dims"
         crops.crop_frames(slot.numpy(), indices, located.sources, located.which, located.starts, located.frames,
                           c.pipeline.augment, c.seed, epoch, pool, c.threads)
-        return Filled(indices, [], located.nbytes)
+        return Filled(indices, self.transformed(slot, indices, epoch), located.nbytes)
 
     def send(self, croppers: CropProcesses, slot: int, indices: np.ndarray, located: Located[np.ndarray], epoch: int,
              release: bool) -> None:
@@ -179,7 +189,7 @@ class EncodedJpegs(Filler[np.ndarray]):
 
         failures = transforms.decode_batch(slot, indices, sample, c.decoder, c.pipeline.augment, c.seed, epoch,
                                            reduced_scale=c.pipeline.jpeg_scale == "reduced", pool=pool,
-                                           threads=c.threads, damaged=c.damaged)
+                                           threads=c.threads, damaged=c.damaged, transform=c.transform)
         return Filled(indices, failures, located.nbytes)
 
     def send(self, croppers: CropProcesses, slot: int, indices: np.ndarray, located: Located[np.ndarray], epoch: int,

@@ -111,6 +111,7 @@ class RingLoader(Loader[RingSettingsT]):
     # The fillers this backend hands to worker processes (`crops_in_processes`; `frame_sources` gives them
     # their bytes): whole frames by default; the Arrow backend its encoded JPEGs too.
     worker_fillers: ClassVar[tuple[type[Filler], ...]] = (WholeFrames,)
+    runs_sample_transform = True  # by the host fillers, on what they crop or decode
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -142,6 +143,16 @@ class RingLoader(Loader[RingSettingsT]):
     @classmethod
     def supports(cls, dataset: Dataset) -> tuple[bool, str]:
         return True, ""  # image folders, token corpora and records: each converted to a form with a filler
+
+    @classmethod
+    def runs_pipeline(cls, pipeline: PipelineConfig, settings: RingSettingsT) -> tuple[bool, str]:
+        """`augment: none` hands the job's transform the source image: the decoded forms hold crops or frames
+        bounded by `max_side`, so only the encoded form has it."""
+        runs, why = super().runs_pipeline(pipeline, settings)
+        if runs and pipeline.augment == "none" and settings.form != "encoded":
+            return False, (f"{cls.name} form {settings.form}: augment: none hands pipeline.transform the source "
+                           "image, which only the encoded form stores (form: encoded)")
+        return runs, why
 
     def recipe(self) -> Recipe:
         from loadopt import recipe
@@ -176,7 +187,8 @@ class RingLoader(Loader[RingSettingsT]):
     def fill_context(self) -> FillContext:
         """What the filler needs of this loader (a backend adds its own: a damage check, a GPU decoder)."""
         return FillContext(self.name, self.pipeline, self.dataset, self.seed, getattr(self.settings, "threads", 1),
-                           self.size, decoder_name(getattr(self.settings, "decoder", "auto")))
+                           self.size, decoder_name(getattr(self.settings, "decoder", "auto")),
+                           transform=self.sample_transform)
 
     @abstractmethod
     def is_open(self) -> bool:
@@ -226,7 +238,8 @@ class RingLoader(Loader[RingSettingsT]):
                 # Frames that fit in half the memory available are mapped whole into each worker at its start
                 # (`crop_processes.populate`): no page faults in its first epochs.
                 fits = sum(source.nbytes for source in sources) <= psutil.virtual_memory().available // 2
-                self._croppers = CropProcesses([slot.numpy() for slot in ring], sources, count, map_all=fits)
+                self._croppers = CropProcesses([slot.numpy() for slot in ring], sources, count, map_all=fits,
+                                               transform=self.sample_transform)
             except (AssertionError, OSError, ValueError) as exc:  # e.g. inside a daemonic process: no children
                 self._croppers_refused = True
                 log.warning("%s: whole frames cropped by threads, worker processes could not start (%s)",

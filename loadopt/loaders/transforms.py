@@ -37,6 +37,10 @@ from loadopt.imaging.resize import crop_resize_flip, crop_resize_flip_chw, crop_
 # A batched device JPEG decoder: host bitstreams in, CHW uint8 tensors on the device out (`gpu_jpeg_decoder`).
 DeviceDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
 Failures = list[tuple[int, str]]  # (sample index, why) of the samples that could not be decoded
+# The job's own per-sample transform (`sample_transform.SampleTransform`): (HWC uint8 pixels, seed, epoch, sample
+# index) -> the pipeline's HWC uint8 pixels; with `augment: none` it is handed the whole decoded image.
+PixelTransform = Callable[[np.ndarray, int, int, int], np.ndarray]
+Augment = Literal["train", "eval", "none"]
 
 
 MASK64 = (1 << 64) - 1
@@ -124,10 +128,17 @@ def decode_planned(data: Encoded, decoder: str, augment: Literal["train", "eval"
                                   region, reduced_for)
 
 
-def pil_pixels(data: Encoded, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, index: int,
-               size: int, reduced_scale: bool = False) -> np.ndarray:
+def pil_pixels(data: Encoded, decoder: str, augment: Augment, seed: int, epoch: int, index: int,
+               size: int, reduced_scale: bool = False, transform: PixelTransform | None = None) -> np.ndarray:
     """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8. `reduced_scale`: a crop
-    at least twice `size` decoded at a reduced DCT scale (`decode_planned`; PIL's `draft` for `pil`)."""
+    at least twice `size` decoded at a reduced DCT scale (`decode_planned`; PIL's `draft` for `pil`).
+    `transform`: the job's own, run on the result (`augment: none`: on the whole decoded image instead)."""
+    if augment == "none" or transform is not None:
+        if augment == "none":
+            assert transform is not None, "augment: none leaves the crop to the job's transform"
+            return transform(decode.decode_array(data, decoder), seed, epoch, index)
+        return transform(pil_pixels(data, decoder, augment, seed, epoch, index, size, reduced_scale),
+                          seed, epoch, index)
     if reduced_scale and decoder != "pil":
         pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, True, size)
         return crop_resize_flip(Image.fromarray(pixels), box, flip, size)
@@ -147,11 +158,22 @@ def pil_pixels(data: Encoded, decoder: str, augment: Literal["train", "eval"], s
     return crop_resize_flip(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), flip, size)
 
 
-def write_sample(data: Encoded, slot: torch.Tensor, decoder: str, resize: str, augment: Literal["train", "eval"],
-                 seed: int, epoch: int, index: int, region: bool = True, reduced_scale: bool = False) -> None:
+def write_sample(data: Encoded, slot: torch.Tensor, decoder: str, resize: str, augment: Augment,
+                 seed: int, epoch: int, index: int, region: bool = True, reduced_scale: bool = False,
+                 transform: PixelTransform | None = None) -> None:
     """Decode one sample, crop/resize/flip it and write it into `slot` (CHW uint8, e.g. of a batch).
     `resize` torch: only the crop is decoded where it can be (`decode_planned`; `region` False: whole),
-    at a reduced DCT scale with `reduced_scale` where the crop is at least twice the slot's size."""
+    at a reduced DCT scale with `reduced_scale` where the crop is at least twice the slot's size.
+    `transform`: the job's own, run on the crop (`augment: none`: on the whole decoded image, no crop)."""
+    if augment == "none":
+        assert transform is not None, "augment: none leaves the crop to the job's transform"
+        slot.numpy()[...] = transform(decode.decode_array(data, decoder), seed, epoch, index).transpose(2, 0, 1)
+        return
+    if transform is not None:
+        write_sample(data, slot, decoder, resize, augment, seed, epoch, index, region, reduced_scale)
+        chw = slot.numpy()
+        chw[...] = transform(chw.transpose(1, 2, 0).copy(), seed, epoch, index).transpose(2, 0, 1)
+        return
     if resize == "torch":
         pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, region,
                                            slot.shape[-1] if reduced_scale else None)
@@ -162,9 +184,9 @@ def write_sample(data: Encoded, slot: torch.Tensor, decoder: str, resize: str, a
 
 
 def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int], Any],
-                 decoder: str | DeviceDecoder, augment: Literal["train", "eval"], seed: int, epoch: int, *,
+                 decoder: str | DeviceDecoder, augment: Augment, seed: int, epoch: int, *,
                  reduced_scale: bool = False, pool: Executor | None = None, threads: int = 1,
-                 damaged: Callable[[int], None] | None = None) -> Failures:
+                 damaged: Callable[[int], None] | None = None, transform: PixelTransform | None = None) -> Failures:
     """Decode each encoded sample of a batch into its slot by the shared plan: batch position k (sample
     `indices[k]`, bytes `sample(k)`) cropped, resized and flipped into `slot[k]` (`slot` a batch ring's
     slot: (B, size, size, 3) uint8, each position written through its CHW view). Returns the
@@ -183,6 +205,8 @@ def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int]
                          f"not {tuple(slot.shape)}")
     slots = slot.permute(0, 3, 1, 2)  # CHW views of the HWC positions
     if callable(decoder):
+        if transform is not None or augment == "none":
+            raise ValueError("a job's own transform runs on host-decoded samples, not a device decoder's")
         device_decode, device = decoder, slot.device
         streams = [sample(k) for k in range(n)]
         try:
@@ -200,7 +224,8 @@ def decode_batch(slot: torch.Tensor, indices: np.ndarray, sample: Callable[[int]
         name = decoder
 
         def write(k: int, index: int) -> None:
-            write_sample(sample(k), slots[k], name, "torch", augment, seed, epoch, index, reduced_scale=reduced_scale)
+            write_sample(sample(k), slots[k], name, "torch", augment, seed, epoch, index, reduced_scale=reduced_scale,
+                         transform=transform)
 
     def run(positions: Iterable[int]) -> Failures:
         failures = []

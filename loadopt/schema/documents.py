@@ -76,6 +76,7 @@ class Recipe(TypedDict, total=False):
     stored: str
     max_side: int | None
     order: str
+    transform: str  # the job's own per-sample transform (`pipeline.transform`), where there is one
 
 
 class _Open(BaseModel):

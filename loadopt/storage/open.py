@@ -30,6 +30,7 @@ OPENERS: dict[str, str] = {
     "records": "loadopt.storage.sources.records",
     "tokens": "loadopt.storage.sources.tokens",
     "synthetic": "loadopt.storage.sources.synthetic",
+    "factory": "loadopt.storage.sources.user",
 }
 Opener = Callable[[SourceRequest], Dataset]
 
@@ -47,13 +48,17 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     dataset's, a local ImageFolder's while its folders are unchanged); `relist` lists it again (`--relist`).
 
     Tokens and records are the `dataset.kind`s of those names; images are an ImageFolder, WebDataset tar shards or
-    Parquet files (`dataset.format`, or what the path holds), or the synthetic set where there is no path."""
+    Parquet files (`dataset.format`, or what the path holds), the object `dataset.factory` returns, or the synthetic
+    set where there is no path."""
     tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
-    if config.dataset.kind == "tokens":
+    if config.dataset.kind == "tokens" or config.dataset.factory is not None:
+        what = "token corpora are memory-mapped from a local file" if config.dataset.kind == "tokens" else \
+            "dataset.factory's dataset is read through its own object"
         if tier.base is not None or tier.emulates():
-            raise ConfigError(f"{config.source}: storage.tier: token corpora are memory-mapped from a local file; "
-                              "tiers apply to image datasets (use storage.tier: local)")
-        return opener("tokens")(SourceRequest(config, split, config.dataset.path, progress=progress))
+            raise ConfigError(f"{config.source}: storage.tier: {what}; tiers apply to image datasets read from "
+                              "files (use storage.tier: local)")
+        return opener("tokens" if config.dataset.kind == "tokens" else "factory")(
+            SourceRequest(config, split, config.dataset.path, progress=progress))
     path = dataset_root(tier, config.dataset.path, where=config.source)
     request = SourceRequest(config, split, path, tier.storage_options, progress, relist,
                             _index_through_cache(config, tier, path))

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from loadopt.config_models import Config
 from loadopt.errors import ConfigError, StorageError
 from loadopt.imaging.reencode import with_restarts
 from loadopt.loaders import crops, transforms
+from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.machine import usable_cores
 from loadopt.schema.ceilings import (
     DECODERS,
@@ -149,8 +150,9 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
     if config.dataset.kind != "images":
         return DecodeRates(skipped="token samples are not decoded")
     size, augment = config.pipeline.image_size, config.pipeline.augment
+    transform = SampleTransform.of_pipeline(config.pipeline)  # the job's own is part of each sample's work
     slot = torch.empty((size, size, 3), dtype=torch.uint8).permute(2, 0, 1)  # a ring slot's CHW view of HWC memory
-    blobs = _decodable_samples(dataset, min(_DECODE_SAMPLES, len(dataset)), slot, augment, config.seed)
+    blobs = _decodable_samples(dataset, min(_DECODE_SAMPLES, len(dataset)), slot, augment, config.seed, transform)
     if not blobs:
         return DecodeRates(skipped="none of the first samples could be read and decoded")
     count = len(blobs)
@@ -162,7 +164,8 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
 
     def rate_of(decoder: str, resize: str, samples: list[bytes]) -> DecodeRate:
         def work(i: int) -> None:
-            transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count)
+            transforms.write_sample(samples[i % count], slot, decoder, resize, augment, config.seed, 0, i % count,
+                                    transform=transform)
 
         try:
             rate = rate_in_workers(work, workers, window)["samples_per_s"]
@@ -179,15 +182,15 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
     return out
 
 
-def _decodable_samples(dataset: Dataset, count: int, slot: torch.Tensor, augment: Literal["train", "eval"],
-                       seed: int) -> list[bytes]:
+def _decodable_samples(dataset: Dataset, count: int, slot: torch.Tensor, augment: transforms.Augment,
+                       seed: int, transform: SampleTransform | None = None) -> list[bytes]:
     """The first `count` samples that read and decode: a damaged file is the loaders' to report (by
     `on_error`), while a ceiling measured on it would fail in its worker processes or count errors as work."""
     blobs = []
     for i in range(count):
         try:
             blob = dataset.read(i)
-            transforms.write_sample(blob, slot, "pil", "pil", augment, seed, 0, i)
+            transforms.write_sample(blob, slot, "pil", "pil", augment, seed, 0, i, transform=transform)
         except StorageError:  # the storage failed, not this sample: the next reads would wait their retries too
             raise
         except Exception:  # noqa: BLE001 - any failure to read or decode leaves the sample out of the ceiling

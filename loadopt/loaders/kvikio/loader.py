@@ -137,6 +137,7 @@ class KvikioLoader(PosixLoader):
     name = "kvikio"
     Settings = PosixSettings
     fillers = DEVICE_FILLERS  # each form finished on the staging buffer's device
+    runs_sample_transform = False  # finished on the device: a per-sample Python transform would copy it back
     reader_class: type = KvikioReader
     sample_reads = False  # whole batches into device memory, finished there
     staging_device: str = "cuda"

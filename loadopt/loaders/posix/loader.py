@@ -204,9 +204,10 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def through_page_cache(self) -> bool:
         """Whether batches may be cropped from the shards' mappings (the filler's `page_cache_path`): the
-        reads go through the page cache, into this process, with the native module there."""
+        reads go through the page cache, into this process, with the native module there, and no job's own transform
+        follows the crop (the staged batches' filler runs it)."""
         return self.sample_reads and not self.settings.o_direct and crops.native is not None and \
-            isinstance(self.reader, PosixReader)
+            isinstance(self.reader, PosixReader) and self.sample_transform is None
 
     def storage_files(self) -> list[str]:
         if self._raw is None:

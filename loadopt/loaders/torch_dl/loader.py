@@ -100,6 +100,7 @@ class _Samples(torch.utils.data.Dataset):
         self.resize = loader.settings.resolved_resize()
         self.batched = loader.settings.variant == "tuned"
         self.ring = loader._ring  # shared memory: inherited by forked workers, passed by handle otherwise
+        self.transform = loader.sample_transform
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -108,7 +109,8 @@ class _Samples(torch.utils.data.Dataset):
         """Decode, crop, resize and flip one sample into `slot` (CHW uint8)."""
         epoch, index, _ = item
         transforms.write_sample(self.dataset.read(index), slot, self.decoder, self.resize, self.pipeline.augment,
-                                self.seed, epoch, index, reduced_scale=self.pipeline.jpeg_scale == "reduced")
+                                self.seed, epoch, index, reduced_scale=self.pipeline.jpeg_scale == "reduced",
+                                transform=self.transform)
 
     def __getitem__(self, item: Item) -> PlainSample:
         """The plain path: one sample, CHW float normalised (or uint8 CHW when so configured)."""
@@ -118,7 +120,7 @@ class _Samples(torch.utils.data.Dataset):
             if self.resize == "pil":  # as torchvision's PIL transforms + ToTensor + Normalize do
                 pixels = transforms.pil_pixels(self.dataset.read(item[1]), self.decoder, self.pipeline.augment,
                                                self.seed, item[0], item[1], size,
-                                               self.pipeline.jpeg_scale == "reduced")
+                                               self.pipeline.jpeg_scale == "reduced", self.transform)
                 if self.pipeline.dtype == "uint8":
                     return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), label, item[1], None
                 return transforms.to_normalised_chw(pixels, self.pipeline.mean, self.pipeline.std), label, item[1], None
@@ -195,6 +197,7 @@ class _BatchPlan:
 class TorchLoader(Loader[TorchSettings]):
     name = "torch"
     Settings = TorchSettings
+    runs_sample_transform = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

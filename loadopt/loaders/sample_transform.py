@@ -1,0 +1,118 @@
+"""The job's own per-sample transform (`pipeline.transform`, `make_loader(transform=...)`), run where each backend
+makes its samples, with the same random draws for a sample on every backend, in any worker and after a resume.
+
+Before each call Python's `random`, NumPy's global generator and torch's default generator are seeded from
+(seed, epoch, sample index) (a stream of `transforms.sample_hash` apart from the crop's), so a transform written
+for a DataLoader's worker (torchvision, timm, albumentations: they draw from those generators) draws the same
+numbers for the same sample whichever process or thread runs it. Those generators are one per process: threads
+of one process take turns (`_CALLS`), and worker processes each run their own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from loadopt.config_models import PipelineConfig
+from loadopt.errors import SampleProblem
+from loadopt.loaders.transforms import mix64_int, sample_hash
+from loadopt.named import import_named
+
+# XORed into a sample's hash: the transform's draws are not the crop plan's (`transforms.sample_uniforms`).
+TRANSFORM_STREAM = 0x6A09E667F3BCC908  # sqrt(2)'s fraction, as SHA-512's first word
+
+_CALLS = threading.Lock()  # the generators are the process's: one seeded call at a time
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_CALLS", threading.Lock()))
+
+
+def transform_seed(seed: int, epoch: int, index: int) -> int:
+    """The 64-bit seed of sample `index`'s transform in `epoch`: the same wherever the sample is made."""
+    return mix64_int(int(sample_hash(seed, epoch, np.asarray([index], np.int64))[0]) ^ TRANSFORM_STREAM)
+
+
+def seed_generators(word: int) -> None:
+    """Seed Python's `random`, NumPy's global generator and torch's default generator from one 64-bit word."""
+    random.seed(word)
+    np.random.seed(word & 0xFFFFFFFF)
+    torch.manual_seed(word & 0x7FFFFFFFFFFFFFFF)
+
+
+class SampleTransform:
+    """A per-sample transform `function(image) -> image` named `name`, whose result must be `size` square pixels:
+    a PIL image, a HWC uint8 array or a uint8 tensor (CHW or HWC). `takes`: whether it is handed a PIL image or
+    the HWC uint8 array. Called as `transform(pixels, seed, epoch, index)`, it returns HWC uint8 pixels, or
+    raises `SampleProblem` naming the transform, the sample and what went wrong."""
+
+    def __init__(self, function: Callable[[Any], Any], name: str, size: int, takes: str = "pil") -> None:
+        self.function, self.name, self.size, self.takes = function, name, size, takes
+
+    @classmethod
+    def of_pipeline(cls, pipeline: PipelineConfig, function: Callable[[Any], Any] | None = None
+                    ) -> SampleTransform | None:
+        """The pipeline's transform (`function` when given, named by `pipeline.transform`; else imported from
+        that name), or None where it has none."""
+        if pipeline.transform is None:
+            return None
+        if function is None:
+            function = import_named(pipeline.transform, "pipeline.transform")
+            if not callable(function):
+                from loadopt.errors import ConfigError
+
+                raise ConfigError(f"pipeline.transform: {pipeline.transform!r} is a {type(function).__name__}, "
+                                  "not a function")
+        return cls(function, pipeline.transform, pipeline.image_size, pipeline.transform_input)
+
+    def __call__(self, pixels: np.ndarray | Image.Image, seed: int, epoch: int, index: int) -> np.ndarray:
+        given: Any = pixels
+        if self.takes == "pil" and isinstance(pixels, np.ndarray):
+            given = Image.fromarray(pixels)
+        elif self.takes == "array" and isinstance(pixels, Image.Image):
+            given = np.asarray(pixels.convert("RGB"))
+        word = transform_seed(seed, epoch, index)
+        with _CALLS:
+            seed_generators(word)
+            try:
+                out = self.function(given)
+            except Exception as exc:  # noqa: BLE001 - the user's function may fail any way: the sample's failure
+                text = str(exc).splitlines()[0] if str(exc) else "no message"
+                raise SampleProblem(f"pipeline.transform {self.name} raised {type(exc).__name__}: {text}") from None
+        return self.pixels(out)
+
+    def pixels(self, out: Any) -> np.ndarray:
+        """What the transform returned as HWC uint8 pixels of the pipeline's size, or the one-line reason not."""
+        if isinstance(out, Image.Image):
+            array = np.asarray(out.convert("RGB") if out.mode != "RGB" else out)
+        elif isinstance(out, torch.Tensor):
+            array = out.detach().cpu().numpy()
+            if array.ndim == 3 and array.shape[0] == 3 and array.shape[-1] != 3:
+                array = array.transpose(1, 2, 0)
+        elif isinstance(out, np.ndarray):
+            array = out
+        else:
+            raise SampleProblem(f"pipeline.transform {self.name} returned a {type(out).__name__}; return the image: "
+                                "a PIL image, a HWC uint8 array or a uint8 tensor")
+        expected = (self.size, self.size, 3)
+        if array.dtype != np.uint8 or array.shape != expected:
+            raise SampleProblem(
+                f"pipeline.transform {self.name} returned {array.dtype} pixels of shape {tuple(array.shape)}; "
+                f"loadopt batches uint8 images of {self.size}x{self.size} (normalisation runs on "
+                "the device from pipeline.mean and std: leave ToTensor and Normalize out)")
+        return array
+
+    def apply_to_slots(self, slots: np.ndarray, indices: np.ndarray, seed: int, epoch: int) -> list[tuple[int, str]]:
+        """Transform each position k of `slots` ((B, size, size, 3) uint8, filled by loadopt's crop) as sample
+        `indices[k]`, in place; the samples whose transform failed, with why (their positions left as they were)."""
+        failures = []
+        for k, index in enumerate(indices.tolist()):
+            try:
+                slots[k] = self(slots[k].copy(), seed, epoch, int(index))
+            except SampleProblem as exc:
+                failures.append((int(index), str(exc)))
+        return failures

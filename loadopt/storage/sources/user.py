@@ -1,0 +1,257 @@
+"""The job's own dataset object as a source: a map-style torch `Dataset` (items `(image, target)` or dicts) or a
+Hugging Face `datasets.Dataset`, handed to `make_loader` or made by the config's `dataset.factory`.
+
+Every backend reads a sample as its encoded bytes (`read`), so the object is read as a folder of files would be:
+an image that is encoded bytes, or a PIL image opened from a file, is read as it is stored; pixels (a PIL image
+made in memory, a uint8 array or tensor) are stored as a lossless PNG, so every path decodes the same pixels.
+Opening reads each sample once (labels, sizes and, without a version, the fingerprint: a hash of every sample),
+unless the object says its labels (`targets`, a Hugging Face label column) and its version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from PIL import Image
+
+from loadopt.config_models import Config
+from loadopt.errors import ConfigError, DatasetError, SampleProblem
+from loadopt.named import import_named
+from loadopt.storage.sources.request import SourceRequest
+
+# Where a dict item keeps its image and label when the configured names (`dataset.columns`) are not there.
+IMAGE_KEYS = ("image", "img", "jpg", "jpeg", "png", "webp")
+LABEL_KEYS = ("label", "target", "cls", "class", "labels")
+ACCEPTED = ("a map-style torch.utils.data.Dataset (len() and [i], items (image, target) or dicts) or a Hugging "
+            "Face datasets.Dataset")
+
+
+@dataclass
+class UserDataset:
+    """A dataset object's samples, read through its own `[i]`: labels and stored sizes taken once at open."""
+
+    items: Any  # the object (a Hugging Face dataset with its image column left encoded)
+    root: str  # what it is, for messages: `python:<module>.<class>` or the factory's name
+    labels: np.ndarray  # int64
+    sizes: np.ndarray  # int64, each sample's encoded bytes
+    classes: list[str]
+    fingerprint: str
+    image_key: str | int  # the item's image: a dict key or column, or a tuple's position
+    synthetic: bool = False
+    converted: str | None = None
+    left_out: list[str] = field(default_factory=list)
+    fs: None = None  # read through the object: no filesystem, no tier
+    kind: ClassVar[str] = "images"
+    source_format: ClassVar[str] = "python"
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, index: int) -> bytes:
+        return encoded_image(image_of(self.items[index], self.image_key, index), index)
+
+    def path(self, index: int) -> str:
+        return f"{self.root}[{index}]"
+
+    def is_local(self) -> bool:
+        return True
+
+    def local_files(self) -> list[str]:
+        return []
+
+
+def open_source(request: SourceRequest) -> UserDataset:
+    """The dataset `dataset.factory` returns for the request's split (the factory called with `split=` where it
+    takes one): the object, or (object, version) where a version string names its contents."""
+    spec = request.config.dataset.factory
+    assert spec is not None, "the factory source opens configs with dataset.factory"
+    factory = import_named(spec, "dataset.factory")
+    if not callable(factory):
+        raise ConfigError(f"dataset.factory: {spec!r} is a {type(factory).__name__}, not a function")
+    try:
+        takes_split = "split" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_split = False
+    try:
+        made = factory(split=request.split) if takes_split else factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory may fail any way
+        raise DatasetError(f"dataset.factory {spec} raised {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else 'no message'}") from None
+    version = None
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], str):
+        made, version = made
+    return from_object(made, request.config, f"factory {spec}", version, request.progress, request.split)
+
+
+def from_object(obj: Any, config: Config, name: str | None = None, version: str | None = None,
+                progress: Callable[[int, int], None] | None = None, split: str = "train") -> UserDataset:
+    """`obj` as a source; `name` says where it came from (default: its class), `version` names its contents (its
+    fingerprint is otherwise a hash of every sample's bytes and label)."""
+    kind = type(obj).__module__.split(".")[0] + "." + type(obj).__name__
+    where = name or f"python:{kind}"
+    if kind == "datasets.DatasetDict":
+        raise ConfigError(f"{where}: a DatasetDict of splits {', '.join(obj)}; pass one of them (dataset[{split!r}])")
+    if kind.startswith("datasets.") and hasattr(obj, "features"):
+        return _huggingface(obj, config, where, version)
+    if not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")) or isinstance(obj, str | bytes | dict):
+        raise ConfigError(f"{where}: a {type(obj).__name__} is not a dataset loadopt reads; it reads {ACCEPTED}")
+    count = len(obj)
+    if count == 0:
+        raise DatasetError(f"{where}: the dataset has no samples")
+    first = obj[0]
+    columns = config.dataset.columns
+    image_key = _key_of(first, columns.image, IMAGE_KEYS, 0, where, "image")
+    label_key = _key_of(first, columns.label, LABEL_KEYS, 1, where, "label", needed=False)
+    targets = getattr(obj, "targets", None)
+    labels = np.asarray(targets, dtype=np.int64) if _whole_numbers(targets, count) else None
+    sizes = np.zeros(count, np.int64)
+    digest = hashlib.sha256(f"{where}\0{version}\0{count}".encode())
+    read_labels = labels is None
+    if read_labels:
+        labels = np.zeros(count, np.int64)
+    assert labels is not None
+    if version is None or read_labels:  # one pass: every sample's bytes and label
+        for i in range(count):
+            item = first if i == 0 else obj[i]
+            data = encoded_image(image_of(item, image_key, i), i, where)
+            sizes[i] = len(data)
+            if read_labels and label_key is not None:
+                labels[i] = _label_of(item, label_key, i, where)
+            if version is None:
+                digest.update(hashlib.sha256(data).digest() + int(labels[i]).to_bytes(8, "little", signed=True))
+            if progress is not None and (i + 1) % 256 == 0:
+                progress(i + 1, count)
+    else:  # sizes for the byte counts: the first samples' mean (reading them all is what the version spares)
+        probe = range(min(64, count))
+        sizes[:] = int(np.mean([len(encoded_image(image_of(obj[i], image_key, i), i, where)) for i in probe]))
+    names = getattr(obj, "classes", None)
+    classes = [str(c) for c in names] if isinstance(names, Sequence) and len(names) > int(labels.max(initial=0)) \
+        else [str(c) for c in range(int(labels.max(initial=0)) + 1)]
+    return UserDataset(obj, where, labels, sizes, classes, digest.hexdigest()[:16], image_key)
+
+
+def _huggingface(ds: Any, config: Config, where: str, version: str | None) -> UserDataset:
+    """A Hugging Face dataset: its image column read undecoded (the stored bytes), its labels from their column,
+    its fingerprint the library's own (it changes with every transformation of the data) or `version`."""
+    from datasets import Image as ImageFeature
+
+    columns = config.dataset.columns
+    features = ds.features
+    image = next((c for c in (columns.image, *IMAGE_KEYS) if c in features), None)
+    if image is None:
+        raise ConfigError(f"{where}: no image column (dataset.columns.image: {columns.image!r}; it has "
+                          f"{', '.join(features)})")
+    label = next((c for c in (columns.label, *LABEL_KEYS) if c in features), None)
+    undecoded = ds.cast_column(image, ImageFeature(decode=False)) if isinstance(features[image], ImageFeature) \
+        else ds
+    count = len(ds)
+    if count == 0:
+        raise DatasetError(f"{where}: the dataset has no samples")
+    labels = np.asarray(ds[label], dtype=np.int64) if label is not None else np.zeros(count, np.int64)
+    names = getattr(features.get(label), "names", None) if label is not None else None
+    classes = list(names) if names else [str(c) for c in range(int(labels.max(initial=0)) + 1)]
+    stored = undecoded.data.column(image)
+    sizes = np.asarray([_stored_length(stored[i].as_py()) for i in range(count)], np.int64)
+    identity = version or getattr(ds, "_fingerprint", None) or ""
+    fingerprint = hashlib.sha256(f"{where}\0{identity}\0{count}\0{image}\0{label}".encode()).hexdigest()[:16]
+    return UserDataset(undecoded, where, labels, sizes, classes, fingerprint, image)
+
+
+def _stored_length(value: Any) -> int:
+    if isinstance(value, dict):
+        value = value.get("bytes") or b""
+    return len(value) if isinstance(value, bytes | bytearray) else 0
+
+
+def _key_of(item: Any, configured: str, known: tuple[str, ...], position: int, where: str, what: str,
+            needed: bool = True) -> str | int | None:
+    """Where an item keeps its image (or label): a dict's key, or a tuple's position."""
+    if isinstance(item, dict):
+        key = next((k for k in (configured, *known) if k in item), None)
+        if key is None and needed:
+            raise ConfigError(f"{where}: item 0 is a dict without an {what} (dataset.columns.{what}: "
+                              f"{configured!r}; its keys: {', '.join(map(str, item))})")
+        return key
+    if isinstance(item, tuple | list):
+        if len(item) > position:
+            return position
+        if needed:
+            raise ConfigError(f"{where}: item 0 is a {type(item).__name__} of {len(item)}; loadopt reads "
+                              "(image, target) items or dicts")
+        return None
+    if position == 0:  # the item is the image itself
+        return -1
+    return None
+
+
+def image_of(item: Any, key: str | int, index: int) -> Any:
+    if key == -1:
+        return item
+    try:
+        return item[key]
+    except (KeyError, IndexError, TypeError):
+        raise SampleProblem(f"sample {index} has no {key!r}") from None
+
+
+def _label_of(item: Any, key: str | int, index: int, where: str) -> int:
+    value = item[key] if not isinstance(item, dict) or key in item else None
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if not isinstance(value, int | np.integer) or isinstance(value, bool):
+        raise DatasetError(f"{where}[{index}]: its target {value!r} is not a class index (an int)")
+    return int(value)
+
+
+def _whole_numbers(values: Any, count: int) -> bool:
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError):
+        return False
+    return array.shape == (count,) and array.dtype.kind in "iu"
+
+
+def encoded_image(value: Any, index: int, where: str = "") -> bytes:
+    """A sample's image as stored bytes: encoded bytes as they are (a Hugging Face `{bytes, path}` cell, a file's
+    path), a PIL image opened from a file as that file holds it, uint8 pixels (PIL, HWC/HW array, CHW/HWC tensor)
+    as a lossless PNG; anything else a `SampleProblem` saying what is accepted."""
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str | os.PathLike) and os.path.isfile(value):
+        with open(value, "rb") as handle:
+            return handle.read()
+    if isinstance(value, Image.Image):
+        filename = getattr(value, "filename", "")
+        if value.format and filename and os.path.isfile(filename):  # as opened, unchanged: the file's bytes
+            with open(filename, "rb") as handle:
+                return handle.read()
+        return _png(np.asarray(value.convert("RGB")))
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+        if value.ndim == 3 and value.shape[0] in (1, 3) and value.shape[-1] not in (1, 3):
+            value = value.transpose(1, 2, 0)
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and (
+            value.ndim == 2 or value.ndim == 3 and value.shape[-1] in (1, 3, 4)):
+        return _png(value)
+    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+    dtype = f"{value.dtype} " if hasattr(value, "dtype") else ""
+    raise SampleProblem(f"{where + ': ' if where else ''}sample {index}'s image is a {dtype}{type(value).__name__}"
+                        f"{shape}; loadopt reads encoded image bytes, PIL images and uint8 pixels (give the dataset "
+                        "without ToTensor/Normalize and the rest as pipeline.transform)")
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    """Pixels stored losslessly, quickly (zlib level 1): every path decodes exactly these."""
+    if pixels.ndim == 3 and pixels.shape[-1] == 1:
+        pixels = pixels[..., 0]
+    out = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB").save(out, format="PNG", compress_level=1)
+    return out.getvalue()
