@@ -119,6 +119,7 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     `transform(image) -> image` is the job's own per-sample transform (as `pipeline.transform`): run after
     loadopt's crop (`augment="none"`: in its place) in the backend's workers, Python's, NumPy's and torch's
     generators seeded from (seed, epoch, sample index) before each call, so every backend draws the same.
+    `on_error="skip"` skips (and counts) a sample that cannot be read, decoded or transformed (`dataset.on_error`).
 
     `backend="auto"` uses the setting the last `loadopt bench` found fastest for this dataset on this
     machine, else the first backend of `FALLBACK_ORDER` that is available and can read the dataset
@@ -147,6 +148,9 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     else:  # the job's own dataset object, with the defaults of every key
         config = _with_transform(Config(source="make_loader"), transform)
         dataset = from_object(config_or_path, config, split=split)
+    if "on_error" in overrides:  # the dataset's policy, for a dataset object with no config to hold it
+        config = config.model_copy(deep=True)
+        config.dataset.on_error = overrides.pop("on_error")
     overrides = {**_split_defaults(split, overrides), **overrides}
     build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch,
                        transform=transform)

@@ -130,4 +130,5 @@ def describe(recipe: Recipe | None) -> str:
     crop = "RRC+flip" if crop == TRAIN_CROP else "centre 0.875" if crop == EVAL_CROP else crop.split(" (")[0]
     order = f" / order={recipe['order']}" if recipe.get("order") not in (None, "shared", "any") else ""
     normalise = str(recipe.get("normalise", "?")).split()[0]
-    return f"{crop} {recipe.get('image_size')} {normalise} / {recipe.get('stored')}{order}"
+    transform = f" + {recipe['transform']}" if recipe.get("transform") else ""
+    return f"{crop}{transform} {recipe.get('image_size')} {normalise} / {recipe.get('stored')}{order}"

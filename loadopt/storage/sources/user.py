@@ -111,30 +111,45 @@ def from_object(obj: Any, config: Config, name: str | None = None, version: str 
     label_key = _key_of(first, columns.label, LABEL_KEYS, 1, where, "label", needed=False)
     targets = getattr(obj, "targets", None)
     labels = np.asarray(targets, dtype=np.int64) if _whole_numbers(targets, count) else None
-    sizes = np.zeros(count, np.int64)
     digest = hashlib.sha256(f"{where}\0{version}\0{count}".encode())
     read_labels = labels is None
     if read_labels:
         labels = np.zeros(count, np.int64)
     assert labels is not None
-    if version is None or read_labels:  # one pass: every sample's bytes and label
-        for i in range(count):
-            item = first if i == 0 else obj[i]
-            data = encoded_image(image_of(item, image_key, i), i, where)
-            sizes[i] = len(data)
-            if read_labels and label_key is not None:
-                labels[i] = _label_of(item, label_key, i, where)
-            if version is None:
-                digest.update(hashlib.sha256(data).digest() + int(labels[i]).to_bytes(8, "little", signed=True))
-            if progress is not None and (i + 1) % 256 == 0:
-                progress(i + 1, count)
-    else:  # sizes for the byte counts: the first samples' mean (reading them all is what the version spares)
-        probe = range(min(64, count))
-        sizes[:] = int(np.mean([len(encoded_image(image_of(obj[i], image_key, i), i, where)) for i in probe]))
+    try:
+        sizes = _read_all(obj, first, image_key, label_key, labels, read_labels, digest,
+                          version is None or read_labels, version is None, where, progress)
+    except SampleProblem as exc:
+        raise DatasetError(str(exc)) from None
     names = getattr(obj, "classes", None)
     classes = [str(c) for c in names] if isinstance(names, Sequence) and len(names) > int(labels.max(initial=0)) \
         else [str(c) for c in range(int(labels.max(initial=0)) + 1)]
     return UserDataset(obj, where, labels, sizes, classes, digest.hexdigest()[:16], image_key)
+
+
+def _read_all(obj: Any, first: Any, image_key: str | int, label_key: str | int | None, labels: np.ndarray,
+              fill_labels: bool, digest: Any, every: bool, hashed: bool, where: str,
+              progress: Callable[[int, int], None] | None) -> np.ndarray:
+    """Each sample's encoded size, read once (`every`; else the first samples' mean stands for each: reading them
+    all is what a version spares), filling `labels` from the items with `fill_labels` and, where `hashed`, the
+    digest of every sample's bytes and label."""
+    count = len(obj)
+    sizes = np.zeros(count, np.int64)
+    if not every:
+        probe = range(min(64, count))
+        sizes[:] = int(np.mean([len(encoded_image(image_of(obj[i], image_key, i), i, where)) for i in probe]))
+        return sizes
+    for i in range(count):
+        item = first if i == 0 else obj[i]
+        data = encoded_image(image_of(item, image_key, i), i, where)
+        sizes[i] = len(data)
+        if fill_labels and label_key is not None:
+            labels[i] = _label_of(item, label_key, i, where)
+        if hashed:
+            digest.update(hashlib.sha256(data).digest() + int(labels[i]).to_bytes(8, "little", signed=True))
+        if progress is not None and (i + 1) % 256 == 0:
+            progress(i + 1, count)
+    return sizes
 
 
 def _huggingface(ds: Any, config: Config, where: str, version: str | None) -> UserDataset:
@@ -234,6 +249,8 @@ def encoded_image(value: Any, index: int, where: str = "") -> bytes:
             with open(filename, "rb") as handle:
                 return handle.read()
         return _png(np.asarray(value.convert("RGB")))
+    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+    kind = f"{str(getattr(value, 'dtype', '')).removeprefix('torch.')} {type(value).__name__}".strip()
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
         value = value.detach().cpu().numpy()
         if value.ndim == 3 and value.shape[0] in (1, 3) and value.shape[-1] not in (1, 3):
@@ -241,11 +258,9 @@ def encoded_image(value: Any, index: int, where: str = "") -> bytes:
     if isinstance(value, np.ndarray) and value.dtype == np.uint8 and (
             value.ndim == 2 or value.ndim == 3 and value.shape[-1] in (1, 3, 4)):
         return _png(value)
-    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
-    dtype = f"{value.dtype} " if hasattr(value, "dtype") else ""
-    raise SampleProblem(f"{where + ': ' if where else ''}sample {index}'s image is a {dtype}{type(value).__name__}"
-                        f"{shape}; loadopt reads encoded image bytes, PIL images and uint8 pixels (give the dataset "
-                        "without ToTensor/Normalize and the rest as pipeline.transform)")
+    raise SampleProblem(f"{where + ': ' if where else ''}sample {index}'s image is a {kind}{shape}; loadopt reads "
+                        "encoded image bytes, PIL images and uint8 pixels (give the dataset without "
+                        "ToTensor/Normalize, and those as pipeline.transform or batch_transform)")
 
 
 def _png(pixels: np.ndarray) -> bytes:

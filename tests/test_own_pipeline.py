@@ -1,0 +1,253 @@
+"""The job's own pipeline on every path: its dataset object (a torch Dataset class, a Hugging Face dataset) and its
+per-sample transform give equal batches on torch, arrow and posix, in any worker count and across a resume; the
+transform's draws are seeded per sample; what a user can get wrong is one line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loadopt import make_loader
+from loadopt.errors import BackendUnavailable, ConfigError, DatasetError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own_pipeline"
+sys.path.insert(0, str(EXAMPLE))
+
+import own_augment  # noqa: E402
+import own_data  # noqa: E402
+
+# Every path that runs a per-sample transform: (label, backend, its settings).
+PATHS = [
+    ("torch tuned w=0", "torch", {"variant": "tuned", "num_workers": 0}),
+    ("torch tuned w=2", "torch", {"variant": "tuned", "num_workers": 2}),
+    ("arrow encoded, processes", "arrow", {"form": "encoded", "crop_in": "processes", "threads": 2}),
+    ("arrow encoded, threads", "arrow", {"form": "encoded", "crop_in": "threads", "threads": 2}),
+    ("posix encoded", "posix", {"form": "encoded", "threads": 2}),
+]
+# augment: none hands the transform the decoded image: the plain variant's PIL decode is the same pixels.
+PATHS_NONE = [*PATHS, ("torch plain w=2", "torch", {"variant": "plain", "num_workers": 2})]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return own_data.write_folder(tmp_path_factory.mktemp("own") / "data", count=40)
+
+
+def epoch_of(loader, batches=None):
+    out = []
+    for inputs, labels in loader:
+        out.append((inputs.clone(), labels.clone()))
+        if len(out) == batches:  # the state now says these were delivered, and no more
+            break
+    return out
+
+
+def assert_same(reference, other, what):
+    assert len(reference) == len(other), what
+    for n, ((a, la), (b, lb)) in enumerate(zip(reference, other, strict=True)):
+        assert torch.equal(la, lb), f"{what}: labels of batch {n}"
+        assert torch.equal(a, b), f"{what}: pixels of batch {n}"
+
+
+@pytest.mark.parametrize("augment, transform, paths", [("train", own_augment.train, PATHS),
+                                                         ("none", own_augment.crop_and_jitter, PATHS_NONE)])
+def test_own_dataset_and_transform_give_equal_batches_on_every_path(folder, augment, transform, paths):
+    dataset = own_data.CaptionedJpegs(folder)
+    size = 48 if augment == "train" else own_augment.SIZE
+    epochs = {}
+    for label, backend, settings in paths:
+        loader = make_loader(dataset, backend=backend, transform=transform, batch_size=8, image_size=size,
+                             shuffle=True, seed=3, augment=augment, dtype="uint8", **settings)
+        epochs[label] = [epoch_of(loader), epoch_of(loader)]
+        loader.close()
+    reference_label = paths[0][0]
+    reference = epochs[reference_label]
+    labels = torch.cat([lab for _, lab in reference[0]])
+    assert sorted(labels.tolist()) == sorted(dataset.targets)  # every sample once, with its own label
+    for label, got in epochs.items():
+        for epoch in (0, 1):
+            assert_same(reference[epoch], got[epoch], f"{label} against {reference_label}, epoch {epoch}")
+    # the transform's draws move with the epoch (as do the crop's)
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(reference[0], reference[1], strict=True))
+
+
+def test_the_transform_is_run_and_seeded_per_sample(folder):
+    dataset = own_data.CaptionedJpegs(folder)
+    common = {"batch_size": 8, "image_size": 48, "shuffle": False, "dtype": "uint8"}
+    plain = epoch_of(make_loader(dataset, backend="torch", num_workers=0, **common))
+    transformed = epoch_of(make_loader(dataset, backend="torch", num_workers=0, transform=own_augment.train, **common))
+    assert not torch.equal(plain[0][0], transformed[0][0])
+    # a sample's draw is its own: the same sample in another batch position, batch size and order gets it too
+    alone = epoch_of(make_loader(dataset, backend="arrow", form="encoded", transform=own_augment.train,
+                                 **{**common, "batch_size": 5}))
+    assert torch.equal(torch.cat([x for x, _ in alone]), torch.cat([x for x, _ in transformed]))
+
+
+@pytest.mark.parametrize("resumed_on", ["arrow", "posix"])
+def test_a_resume_on_another_path_continues_with_the_same_draws(folder, resumed_on):
+    dataset = own_data.CaptionedJpegs(folder)
+    common = {"batch_size": 8, "image_size": 48, "shuffle": True, "seed": 5, "dtype": "uint8",
+              "transform": own_augment.train}
+    whole = epoch_of(make_loader(dataset, backend="torch", num_workers=2, **common))
+    first = make_loader(dataset, backend="torch", num_workers=2, **common)
+    head = epoch_of(first, batches=2)
+    state = first.state_dict()
+    rest_loader = make_loader(dataset, backend=resumed_on, form="encoded", **common)
+    rest_loader.load_state_dict(state)
+    assert_same(whole, head + epoch_of(rest_loader), f"torch for 2 batches, then {resumed_on}")
+
+
+def test_a_hugging_face_dataset_with_image_and_class_label_features(tmp_path, folder):
+    datasets = pytest.importorskip("datasets")
+    own = own_data.CaptionedJpegs(folder)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=own.classes)})
+    hf = datasets.Dataset.from_dict({"image": [str(p) for p, _ in own.files], "label": own.targets},
+                                    features=features)
+    common = {"batch_size": 8, "image_size": 48, "shuffle": True, "seed": 1, "dtype": "uint8",
+              "transform": own_augment.train}
+    reference = epoch_of(make_loader(own, backend="torch", num_workers=0, **common))
+    saved = tmp_path / "saved"
+    hf.save_to_disk(str(saved))
+    for name, given in [("in memory", hf), ("save_to_disk folder", datasets.load_from_disk(str(saved)))]:
+        for backend, settings in [("torch", {"num_workers": 2}), ("arrow", {"form": "encoded"})]:
+            loader = make_loader(given, backend=backend, **settings, **common)
+            assert loader.dataset.classes == own.classes
+            assert_same(reference, epoch_of(loader), f"{name} on {backend}")
+
+
+def test_lightning_advances_the_epoch_through_the_sampler(folder):
+    lightning = pytest.importorskip("lightning")
+    dataset = own_data.CaptionedJpegs(folder)
+    loader = make_loader(dataset, backend="torch", num_workers=0, batch_size=4, image_size=32, shuffle=True)
+    seen: dict[int, list[list[int]]] = {}
+
+    class Model(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3 * 32 * 32, 4)
+
+        def training_step(self, batch, index):
+            inputs, labels = batch
+            seen.setdefault(self.current_epoch, []).append(labels.tolist())
+            return torch.nn.functional.cross_entropy(self.layer(inputs.flatten(1)), labels)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = lightning.Trainer(max_epochs=2, limit_train_batches=3, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Model(), train_dataloaders=loader)
+    assert len(seen[0]) == len(seen[1]) == 3
+    assert seen[0] != seen[1], "epoch 1 repeated epoch 0's batches"
+    assert loader.epoch == 1
+
+
+def test_a_config_names_the_factory_and_the_transform(folder, monkeypatch):
+    monkeypatch.setenv("OWN_DATA", str(folder.parent))
+    config = {"dataset": {"factory": "own_data:make"},
+              "pipeline": {"batch_size": 8, "image_size": 64, "augment": "none",
+                           "transform": "own_augment:crop_and_jitter", "dtype": "uint8"}}
+    loader = make_loader(config, backend="posix", form="encoded")
+    assert loader.dataset.root == "factory own_data:make"
+    assert loader.recipe()["transform"] == "own_augment:crop_and_jitter"
+    assert len(epoch_of(loader)) == 5
+    with pytest.raises(BackendUnavailable, match="dali does not run a per-sample Python transform"):
+        make_loader(config, backend="dali")
+
+
+def test_the_fingerprint_changes_when_a_sample_does(tmp_path):
+    from loadopt.config_models import Config
+    from loadopt.storage.sources.user import from_object
+
+    split = own_data.write_folder(tmp_path / "data", count=8)
+    before = from_object(own_data.CaptionedJpegs(split), Config()).fingerprint
+    path = sorted(split.glob("*/*.jpg"))[3]
+    from PIL import Image
+
+    Image.new("RGB", (50, 60), (1, 2, 3)).save(path, quality=90)
+    assert from_object(own_data.CaptionedJpegs(split), Config()).fingerprint != before
+
+
+def broken(image):
+    raise ValueError("no such lens")
+
+
+def returns_floats(image):
+    return torch.zeros(3, 48, 48)
+
+
+@pytest.mark.parametrize("transform, expected", [
+    (broken, r"python:own_data.CaptionedJpegs\[\d+\]: pipeline.transform (tests\.)?test_own_pipeline:broken raised "
+             r"ValueError: no such lens( \(sample \d+\))? \(set dataset.on_error: skip to skip it\)"),
+    (returns_floats, r"pipeline.transform (tests\.)?test_own_pipeline:returns_floats returned float32 pixels of shape "
+                     r"\(48, 48, 3\); loadopt batches uint8 images of 48x48"),
+])
+def test_a_transform_that_fails_is_one_line_naming_the_sample(folder, transform, expected):
+    dataset = own_data.CaptionedJpegs(folder)
+    for backend, settings in [("torch", {"num_workers": 2}), ("arrow", {"form": "encoded"})]:
+        loader = make_loader(dataset, backend=backend, transform=transform, batch_size=8, image_size=48, **settings)
+        with pytest.raises(DatasetError, match=expected) as caught:
+            epoch_of(loader)
+        assert "\n" not in str(caught.value)
+        loader.close()
+
+
+def test_a_failing_transform_under_on_error_skip_skips_and_counts(folder):
+    def unlucky(image):
+        if own_augment.random.random() < 0.3:  # the seeded draw: the same samples fail on every path
+            raise ValueError("unlucky")
+        return own_augment.train(image)
+
+    dataset = own_data.CaptionedJpegs(folder)
+    counts = []
+    for backend, settings in [("torch", {"num_workers": 2}), ("posix", {"form": "encoded"})]:
+        loader = make_loader(dataset, backend=backend, transform=unlucky, batch_size=8, image_size=48,
+                             on_error="skip", **settings)
+        delivered = sum(len(labels) for _, labels in epoch_of(loader))
+        counts.append((delivered, sorted(path for path, _ in loader.counters.skipped)))
+    assert counts[0] == counts[1]
+    delivered, skipped = counts[0]
+    assert skipped and delivered + len(skipped) == len(dataset)
+
+
+@pytest.mark.parametrize("given, expected", [
+    (42, r"python:builtins.int: a int is not a dataset loadopt reads; it reads a map-style torch.utils.data.Dataset"),
+    ([(torch.zeros(3, 8, 8), 1)], r"python:builtins.list: sample 0's image is a float32 Tensor of shape "
+                                  r"\(3, 8, 8\); loadopt reads encoded image bytes, PIL images and uint8 pixels"),
+])
+def test_what_is_not_a_dataset_is_one_line(given, expected):
+    with pytest.raises((ConfigError, DatasetError), match=expected) as caught:
+        make_loader(given, backend="torch")
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("pipeline.transform", "own_augment:nothing_here", "pipeline.transform: 'own_augment:nothing_here': own_augment "
+                                                       "has no 'nothing_here'"),
+    ("pipeline.transform", "no_such_module:f", "cannot import no_such_module"),
+    ("dataset.factory", "own_augment:SIZE", "dataset.factory: 'own_augment:SIZE' is a int, not a function"),
+])
+def test_a_name_that_does_not_import_is_one_line(key, value, expected):
+    section, name = key.split(".")
+    config = {section: {name: value}, "pipeline": {"batch_size": 8, "image_size": 48}} if section == "dataset" else \
+        {"pipeline": {"batch_size": 8, "image_size": 48, name: value}}
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        epoch_of(make_loader(config, backend="torch", num_workers=0))
+
+
+def test_loadopt_bench_runs_the_own_pipeline_through_every_backend(folder, tmp_path):
+    import json
+    import os
+
+    env = {**os.environ, "OWN_DATA": str(folder.parent), "LOADOPT_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "loadopt", "bench", "own.yaml", "--quick", "--set",
+                           f"report.out={tmp_path / 'out'}"], cwd=EXAMPLE, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    status = {run["backend"] + " " + str(run.get("settings", {}).get("num_workers", "")): run["status"]
+              for run in results["runs"]}
+    assert [s for s in status.values() if s == "ok"] and len([s for s in status.values() if s == "ok"]) == 4, status
+    assert "dali does not run a per-sample Python transform" in done.stdout + done.stderr
