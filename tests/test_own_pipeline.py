@@ -144,6 +144,40 @@ def test_lightning_advances_the_epoch_through_the_sampler(folder):
     assert loader.epoch == 1
 
 
+def test_lightning_resumes_mid_epoch_from_its_checkpoint(folder, tmp_path):
+    """Lightning keeps a stateful loader's `state_dict` in its checkpoints: resumed at step 6 of 10 in epoch 0, the
+    run continues with the batches the uninterrupted one had from there, through epoch 1."""
+    lightning = pytest.importorskip("lightning")
+    seen: list[tuple[int, list[int]]] = []
+
+    class Model(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3 * 32 * 32, 4)
+
+        def training_step(self, batch, index):
+            seen.append((self.current_epoch, batch[1].tolist()))
+            return torch.nn.functional.cross_entropy(self.layer(batch[0].flatten(1)), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def loader():
+        return make_loader(own_data.CaptionedJpegs(folder), backend="torch", num_workers=0, batch_size=4,
+                           image_size=32, shuffle=True, transform=own_augment.train)
+
+    quiet = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+             "max_epochs": 2}
+    saving = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1,
+                                                         filename="{step}")
+    lightning.Trainer(callbacks=[saving], **quiet).fit(Model(), train_dataloaders=loader())
+    whole = list(seen)
+    seen.clear()
+    lightning.Trainer(callbacks=[saving], **quiet).fit(Model(), train_dataloaders=loader(),
+                                                       ckpt_path=str(tmp_path / "step=6.ckpt"))
+    assert len(whole) == 20 and seen == whole[6:]
+
+
 def test_a_config_names_the_factory_and_the_transform(folder, monkeypatch):
     monkeypatch.setenv("OWN_DATA", str(folder.parent))
     config = {"dataset": {"factory": "own_data:make"},
