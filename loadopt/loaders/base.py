@@ -227,7 +227,7 @@ class Loader(ABC, Generic[SettingsT]):
         Never raises. `make_loader` and `loadopt bench` pass over a setting that cannot."""
         if pipeline.transform is not None and not cls.runs_sample_transform:
             return False, (f"{cls.name} does not run a per-sample Python transform (pipeline.transform); "
-                           "torch, arrow and posix do")
+                           "torch, arrow, posix and dali do")
         return True, ""
 
     @abstractmethod

@@ -49,8 +49,9 @@ def image_size(data) -> tuple[int, int]:
             from None
 
 
-# What the external source hands DALI per batch: encoded bytes, slice anchors, slice shapes, crop starts, ends.
-Columns = tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# What the external source hands DALI per batch: encoded bytes, slice anchors, slice shapes, crop starts, ends (for
+# the job's own transform: encoded bytes and the samples' indices).
+Columns = tuple[list[np.ndarray] | np.ndarray, ...]
 
 
 @dataclass
@@ -66,8 +67,12 @@ class Prepared:
     failures: list[tuple[int, str]] = field(default_factory=list)
     bytes_read: int = 0
 
-    def columns(self, keep: slice | list[int] = slice(None)) -> Columns:
+    def columns(self, keep: slice | list[int] = slice(None), with_indices: bool = False) -> Columns:
+        """What DALI's external source is handed; `with_indices`: the bytes and each sample's index only (the job's
+        own transform crops by loadopt's plan and draws by the index)."""
         data = self.data[keep] if isinstance(keep, slice) else [self.data[k] for k in keep]
+        if with_indices:
+            return data, self.indices[keep].reshape(-1, 1)
         return data, self.anchor[keep], self.shape[keep], self.roi_start[keep], self.roi_end[keep]
 
 
@@ -134,15 +139,16 @@ class Feed:
     skips them too, so the n-th DALI output is the n-th fed batch."""
 
     def __init__(self, prepare: Callable[[np.ndarray], Prepared] | None, batches: Sequence[np.ndarray],
-                 pool: ThreadPoolExecutor | None, ahead: int) -> None:
+                 pool: ThreadPoolExecutor | None, ahead: int, with_indices: bool = False) -> None:
         self.prepare, self.batches, self.pool, self.ahead = prepare, batches, pool, ahead
+        self.with_indices = with_indices  # bytes and the samples' indices (`Prepared.columns`)
         self.futures: dict[int, Future[Prepared]] = {}
         self.cursor = 0  # the next batch DALI gets
 
     @classmethod
-    def of_prepared(cls, prepared: list[Prepared]) -> Feed:
+    def of_prepared(cls, prepared: list[Prepared], with_indices: bool = False) -> Feed:
         """A feed of batches already read and planned: it only hands them out (no pool, nothing ahead)."""
-        feed = cls(None, [p.indices for p in prepared], None, ahead=0)
+        feed = cls(None, [p.indices for p in prepared], None, ahead=0, with_indices=with_indices)
         for k, batch in enumerate(prepared):
             feed.futures[k] = Future()
             feed.futures[k].set_result(batch)
@@ -163,20 +169,20 @@ class Feed:
             prepared = self.get(self.cursor)
             self.cursor += 1
             if len(prepared.indices):
-                return prepared.columns()
+                return prepared.columns(with_indices=self.with_indices)
         raise StopIteration
 
 
 class SampleFeed:
     """A feed of single-sample batches, to find which samples of a failed batch DALI cannot decode."""
 
-    def __init__(self, prepared: Prepared, positions: list[int]) -> None:
-        self.prepared, self.positions = prepared, list(positions)
+    def __init__(self, prepared: Prepared, positions: list[int], with_indices: bool = False) -> None:
+        self.prepared, self.positions, self.with_indices = prepared, list(positions), with_indices
         self.fed: list[Columns] = []
 
     def __call__(self) -> Columns:
         if not self.positions:
             raise StopIteration
-        columns = self.prepared.columns([self.positions.pop(0)])
+        columns = self.prepared.columns([self.positions.pop(0)], self.with_indices)
         self.fed.append(columns)  # no_copy: DALI reads these arrays after the call returns
         return columns

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -63,6 +63,7 @@ class DaliLoader(Loader[DaliSettings]):
     # DALI's CPU decoder has died of a segfault on a JPEG with its scan data zeroed ("[jpeg_parser] Invalid
     # marker"), taking the process with it: `loadopt bench` runs each of its settings in a child process.
     runs_apart = True
+    runs_sample_transform = True  # reader external: loadopt's decode and the transform in DALI's Python operator
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -98,6 +99,13 @@ class DaliLoader(Loader[DaliSettings]):
             return False, ("dali: its record reader, fn.readers.numpy, reads .npy files (one array each); "
                            "records here are npz archives (DLIO's) or raw byte ranges")
         return super().supports(dataset)
+
+    @classmethod
+    def runs_pipeline(cls, pipeline, settings: DaliSettings) -> tuple[bool, str]:
+        if pipeline.transform is not None and settings.reader == "native":
+            return False, ("dali reader native: DALI's own reader, crops and order; the job's own transform runs "
+                           "with reader: external")
+        return super().runs_pipeline(pipeline, settings)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -267,7 +275,8 @@ class DaliLoader(Loader[DaliSettings]):
         native = None
         if self.settings.reader == "native":
             native = NativeFiles(self.dataset.local_files(), self.rank, self.world_size)
-        return self.graph.build(source, self.epoch, depth, native)
+        graph = self.graph if self.sample_transform is None else replace(self.graph, transform=self.sample_transform)
+        return graph.build(source, self.epoch, depth, native)
 
     def engine_rate(self, batches: int = 6) -> tuple[float, float]:
         """(images/s, CPU seconds per wall second) of this pipeline alone: decode, crop, resize, flip and
@@ -275,7 +284,8 @@ class DaliLoader(Loader[DaliSettings]):
         With `num_threads: 1`, times the cores, it is DALI's ceiling on this machine."""
         planned = self.order().batches()[: batches + 1]
         prepared = [self._prepare_batch(indices, self.epoch) for indices in planned]
-        pipe = self._new_pipeline(Feed.of_prepared(prepared))  # every batch already read and planned
+        # every batch already read and planned
+        pipe = self._new_pipeline(Feed.of_prepared(prepared, self.sample_transform is not None))
         self.graph.run(pipe)  # allocations
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(len(planned) - 1):
@@ -314,7 +324,7 @@ class DaliLoader(Loader[DaliSettings]):
         epoch, s = self.epoch, self.settings
         pool = ThreadPoolExecutor(s.read_threads, thread_name_prefix="loadopt-dali-read")
         feed = Feed(lambda indices: self._prepare_batch(indices, epoch), batches, pool,
-                     ahead=s.prefetch_queue_depth + s.read_threads)
+                    ahead=s.prefetch_queue_depth + s.read_threads, with_indices=self.sample_transform is not None)
         pipe = self._new_pipeline(feed)
         try:
             for k in range(len(batches)):
@@ -340,7 +350,7 @@ class DaliLoader(Loader[DaliSettings]):
         """Decode a failed batch sample by sample: the good samples' images, indices, and the failures."""
         pending, good, failures = list(range(len(prepared.indices))), [], list(prepared.failures)
         while pending:
-            pipe = self._new_pipeline(SampleFeed(prepared, pending), depth=1)
+            pipe = self._new_pipeline(SampleFeed(prepared, pending, self.sample_transform is not None), depth=1)
             while pending:
                 position = pending.pop(0)
                 try:

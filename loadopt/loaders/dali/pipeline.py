@@ -13,12 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from typing_extensions import NotRequired, TypedDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.imaging.geometry import EVAL_CROP_FRACTION
 from loadopt.loaders.dali.feed import Columns
+from loadopt.loaders.sample_transform import SampleTransform
+from loadopt.loaders.transforms import decoder_name, write_sample
 
 if TYPE_CHECKING:
     from loadopt.loaders.dali.settings import DaliSettings
@@ -52,6 +55,9 @@ class DaliGraph:
     decoder: str  # "cpu" or "mixed" (resolved from `auto`)
     device: torch.device
     seed: int
+    # The job's own per-sample transform: each sample then made by loadopt's decode, crop and the transform in
+    # DALI's Python operator (`python_function`), the same pixels as every other path; DALI batches and finishes.
+    transform: SampleTransform | None = None
 
     def normalised(self) -> bool:
         """Whether DALI normalises (float output), rather than the device finishing uint8 pixels."""
@@ -81,6 +87,12 @@ class DaliGraph:
                 images, labels = self._native_graph(fn, types, decode_args, native)
                 mirror = fn.random.coin_flip() if self.pipeline.augment == "train" else 0
                 crop = (size, size)
+            elif self.transform is not None:
+                data, index = fn.external_source(source=source, num_outputs=2, batch=True, no_copy=True,
+                                                 dtype=[types.UINT8, types.INT64])
+                images = fn.python_function(data, index, function=self.sample_maker(epoch), batch_processing=False,
+                                            num_outputs=1, output_layouts="HWC")
+                labels, crop, mirror = None, None, 0
             else:
                 data, anchor, shape, roi_start, roi_end = fn.external_source(
                     source=source, num_outputs=5, batch=True, no_copy=True,
@@ -100,6 +112,21 @@ class DaliGraph:
             pipe.set_outputs(images, *([labels] if labels is not None else []))
         pipe.build()
         return pipe
+
+    def sample_maker(self, epoch: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        """DALI's Python operator for the job's transform: a sample's bytes and index -> its HWC uint8 pixels, made
+        as the other paths make them (`transforms.write_sample`, the fastest CPU decoder, torch's resize)."""
+        pipeline, seed, transform = self.pipeline, self.seed, self.transform
+        size, decoder = pipeline.image_size, decoder_name("auto")
+
+        def make(data: np.ndarray, index: np.ndarray) -> np.ndarray:
+            pixels = np.empty((size, size, 3), np.uint8)
+            write_sample(memoryview(data), torch.from_numpy(pixels).permute(2, 0, 1), decoder, "torch",
+                         pipeline.augment, seed, epoch, int(index[0]), transform=transform,
+                         reduced_scale=pipeline.jpeg_scale == "reduced")
+            return pixels
+
+        return make
 
     def _native_graph(self, fn: Any, types: Any, decode_args: DecodeArgs, native: NativeFiles) -> tuple[Any, Any]:
         size = self.pipeline.image_size
