@@ -194,8 +194,9 @@ def test_a_config_names_the_factory_and_the_transform(folder, monkeypatch):
     from loadopt.loaders.registry import backend_class
 
     kvikio = backend_class("kvikio")  # finished on the device: said whether or not this machine has one
-    assert kvikio.runs_pipeline(loader.pipeline, kvikio.Settings()) == (
-        False, "kvikio does not run a per-sample Python transform (pipeline.transform); torch, arrow, posix and dali do")
+    runs, why = kvikio.runs_pipeline(loader.pipeline, kvikio.Settings())
+    assert not runs and why == ("kvikio does not run a per-sample Python transform (pipeline.transform); torch, "
+                                "arrow, posix and dali do")
 
 
 def test_the_fingerprint_changes_when_a_sample_does(tmp_path):

@@ -12,8 +12,9 @@ import torch
 from loadopt.device import resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--backend", "torch", "--set", "dataset.synthetic.num_samples=200", "--set", "dataset.synthetic.num_classes=10",
-         "--set", "pipeline.batch_size=16", "--set", "pipeline.image_size=64", "--set", "loaders.torch.num_workers=1"]
+SMALL = ["--backend", "torch", "--set", "dataset.synthetic.num_samples=200", "--set",
+         "dataset.synthetic.num_classes=10", "--set", "pipeline.batch_size=16", "--set", "pipeline.image_size=64",
+         "--set", "loaders.torch.num_workers=1"]
 
 
 def first_labels(output: str) -> dict[str, str]:
