@@ -142,15 +142,15 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     if batch_transform is not None and not callable(batch_transform):
         raise ConfigError(f"make_loader: batch_transform= must be a function of (inputs, labels), got "
                           f"{type(batch_transform).__name__}")
-    if is_config(config_or_path):
-        config = _with_transform(_as_config(config_or_path), transform)
-        dataset: Dataset = open_dataset(config, split, relist=relist)
-    else:  # the job's own dataset object, with the defaults of every key
-        config = _with_transform(Config(source="make_loader"), transform)
-        dataset = from_object(config_or_path, config, split=split)
+    config = _with_transform(_as_config(config_or_path) if is_config(config_or_path) else Config(source="make_loader"),
+                             transform)
     if "on_error" in overrides:  # the dataset's policy, for a dataset object with no config to hold it
         config = config.model_copy(deep=True)
         config.dataset.on_error = overrides.pop("on_error")
+    if is_config(config_or_path):
+        dataset: Dataset = open_dataset(config, split, relist=relist)
+    else:  # the job's own dataset object, with the defaults of every other key
+        dataset = from_object(config_or_path, config, split=split)
     overrides = {**_split_defaults(split, overrides), **overrides}
     build = _Placement(overrides=overrides, device=device, rank=rank, world_size=world_size, seed=seed, epoch=epoch,
                        transform=transform)

@@ -124,6 +124,10 @@ class PipelineConfig(_Strict):
     # (before any with `augment: none`) in each backend's workers, its random draws seeded per sample.
     transform: str | None = None
     transform_input: Literal["pil", "array"] = "pil"
+    # The sample's fields besides its image and label that travel to the batch (a caption, a JSON target, a dict
+    # item's keys, a Hugging Face dataset's columns), each batch then `(inputs, labels, fields)`; null: every field
+    # the dataset's items have, [] none.
+    fields: list[str] | None = None
     # The decoded forms' whole frames keep their longer side at most this (FFCV's max_resolution):
     # 512 keeps ImageNet-sized frames at their own pixels (docs/performance/recipe.md: storage per form).
     max_side: int = Field(512, ge=8)

@@ -39,8 +39,8 @@ def folder(tmp_path_factory):
 
 def epoch_of(loader, batches=None):
     out = []
-    for inputs, labels in loader:
-        out.append((inputs.clone(), labels.clone()))
+    for inputs, labels, *fields in loader:
+        out.append((inputs.clone(), labels.clone(), *fields))
         if len(out) == batches:  # the state now says these were delivered, and no more
             break
     return out
@@ -48,15 +48,16 @@ def epoch_of(loader, batches=None):
 
 def assert_same(reference, other, what):
     assert len(reference) == len(other), what
-    for n, ((a, la), (b, lb)) in enumerate(zip(reference, other, strict=True)):
-        assert torch.equal(la, lb), f"{what}: labels of batch {n}"
-        assert torch.equal(a, b), f"{what}: pixels of batch {n}"
+    for n, (mine, theirs) in enumerate(zip(reference, other, strict=True)):
+        assert torch.equal(mine[1], theirs[1]), f"{what}: labels of batch {n}"
+        assert torch.equal(mine[0], theirs[0]), f"{what}: pixels of batch {n}"
+        assert mine[2:] == theirs[2:], f"{what}: fields of batch {n}"
 
 
 @pytest.mark.parametrize("augment, transform, paths", [("train", own_augment.train, PATHS),
                                                          ("none", own_augment.crop_and_jitter, PATHS_NONE)])
 def test_own_dataset_and_transform_give_equal_batches_on_every_path(folder, augment, transform, paths):
-    dataset = own_data.CaptionedJpegs(folder)
+    dataset = own_data.CaptionedSamples(folder)  # dict items: image, label and caption
     size = 48 if augment == "train" else own_augment.SIZE
     epochs = {}
     for label, backend, settings in paths:
@@ -66,8 +67,11 @@ def test_own_dataset_and_transform_give_equal_batches_on_every_path(folder, augm
         loader.close()
     reference_label = paths[0][0]
     reference = epochs[reference_label]
-    labels = torch.cat([lab for _, lab in reference[0]])
+    labels = torch.cat([batch[1] for batch in reference[0]])
     assert sorted(labels.tolist()) == sorted(dataset.targets)  # every sample once, with its own label
+    captions = [caption for batch in reference[0] for caption in batch[2]["caption"]]
+    assert sorted(captions) == sorted(dataset.caption(i) for i in range(len(dataset)))
+    assert all(f"class {label}," in caption for label, caption in zip(labels.tolist(), captions, strict=True))
     for label, got in epochs.items():
         for epoch in (0, 1):
             assert_same(reference[epoch], got[epoch], f"{label} against {reference_label}, epoch {epoch}")
@@ -89,7 +93,7 @@ def test_the_transform_is_run_and_seeded_per_sample(folder):
 
 @pytest.mark.parametrize("resumed_on", ["arrow", "posix"])
 def test_a_resume_on_another_path_continues_with_the_same_draws(folder, resumed_on):
-    dataset = own_data.CaptionedJpegs(folder)
+    dataset = own_data.CaptionedSamples(folder)
     common = {"batch_size": 8, "image_size": 48, "shuffle": True, "seed": 5, "dtype": "uint8",
               "transform": own_augment.train}
     whole = epoch_of(make_loader(dataset, backend="torch", num_workers=2, **common))
@@ -104,16 +108,17 @@ def test_a_resume_on_another_path_continues_with_the_same_draws(folder, resumed_
 def test_a_hugging_face_dataset_with_image_and_class_label_features(tmp_path, folder):
     datasets = pytest.importorskip("datasets")
     own = own_data.CaptionedJpegs(folder)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=own.classes)})
-    hf = datasets.Dataset.from_dict({"image": [str(p) for p, _ in own.files], "label": own.targets},
-                                    features=features)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=own.classes),
+                                  "caption": datasets.Value("string")})
+    hf = datasets.Dataset.from_dict({"image": [str(p) for p, _ in own.files], "label": own.targets,
+                                     "caption": [own.caption(i) for i in range(len(own))]}, features=features)
     common = {"batch_size": 8, "image_size": 48, "shuffle": True, "seed": 1, "dtype": "uint8",
               "transform": own_augment.train}
-    reference = epoch_of(make_loader(own, backend="torch", num_workers=0, **common))
+    reference = epoch_of(make_loader(own_data.CaptionedSamples(folder), backend="torch", num_workers=0, **common))
     saved = tmp_path / "saved"
     hf.save_to_disk(str(saved))
     for name, given in [("in memory", hf), ("save_to_disk folder", datasets.load_from_disk(str(saved)))]:
-        for backend, settings in [("torch", {"num_workers": 2}), ("arrow", {"form": "encoded"})]:
+        for backend, settings in [("torch", {"num_workers": 2}), ("arrow", {"form": "encoded"}), ("dali", {})]:
             loader = make_loader(given, backend=backend, **settings, **common)
             assert loader.dataset.classes == own.classes
             assert_same(reference, epoch_of(loader), f"{name} on {backend}")
@@ -293,3 +298,33 @@ def test_loadopt_bench_runs_the_own_pipeline_through_every_backend(folder, tmp_p
               for run in results["runs"]}
     assert sorted(status.items()) == [("arrow ", "ok"), ("dali ", "ok"), ("posix ", "ok"), ("torch 0", "ok"),
                                       ("torch 2", "ok")], status
+
+
+class SomeWithoutCaptions(own_data.CaptionedSamples):
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if index % 10 == 7:
+            del item["caption"]
+        return item
+
+
+def test_a_field_missing_from_some_samples_is_one_line_or_skipped_and_counted(folder):
+    dataset = SomeWithoutCaptions(folder)
+    with pytest.raises(DatasetError, match=r"^python:(tests\.)?test_own_pipeline.SomeWithoutCaptions\[7\]: no field 'caption' "
+                                           r"\(the first item has it\) \(set dataset.on_error: skip to skip it\)$"):
+        make_loader(dataset, backend="torch", batch_size=8, image_size=32)
+    for backend in ("torch", "posix"):
+        loader = make_loader(dataset, backend=backend, batch_size=8, image_size=32, on_error="skip", form="encoded") \
+            if backend == "posix" else make_loader(dataset, backend=backend, batch_size=8, image_size=32,
+                                                   on_error="skip", num_workers=0)
+        batches = epoch_of(loader)
+        assert sum(len(batch[1]) for batch in batches) == len(dataset) - 4
+        assert sorted(path.rsplit("[", 1)[1] for path, _ in loader.counters.skipped) == ["17]", "27]", "37]", "7]"]
+
+
+def test_a_field_the_dataset_lacks_is_one_line(folder):
+    with pytest.raises(ConfigError, match=r"pipeline.fields: python:own_data.CaptionedSamples has no field 'boxes' "
+                                          r"\(its fields: caption\)"):
+        make_loader(own_data.CaptionedSamples(folder), backend="torch", fields=["boxes"])
+    loader = make_loader(own_data.CaptionedSamples(folder), backend="torch", fields=[], num_workers=0, batch_size=8)
+    assert all(len(batch) == 2 for batch in epoch_of(loader))  # fields: [] carries none

@@ -1,7 +1,8 @@
 """A job's own dataset, as training code writes it: a `torch.utils.data.Dataset` over a folder of JPEGs
 (`<root>/<class>/<name>.jpg`, a caption beside each in `<name>.txt`), items `(PIL image, class index)`.
 
-`make(split)` is what a config names as `dataset.factory: own_data:make`; `write_folder` makes a small folder of
+`CaptionedSamples` gives the same samples as dicts with their captions. `make(split)` is what a config names as
+`dataset.factory: own_data:make`; `write_folder` makes a small folder of
 this shape for the examples and tests to run on.
 """
 
@@ -34,6 +35,14 @@ class CaptionedJpegs(torch.utils.data.Dataset):
 
     def caption(self, index: int) -> str:
         return self.files[index][0].with_suffix(".txt").read_text()
+
+
+class CaptionedSamples(CaptionedJpegs):
+    """The same samples as dicts, as a CLIP-style job reads them: its image, label and caption."""
+
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        image, label = super().__getitem__(index)
+        return {"image": image, "label": label, "caption": self.caption(index)}
 
 
 def make(split: str = "train") -> tuple[CaptionedJpegs, str]:

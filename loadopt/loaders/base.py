@@ -24,13 +24,13 @@ from pydantic import BaseModel, ConfigDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
-from loadopt.errors import DatasetError, shown_name
+from loadopt.errors import ConfigError, DatasetError, shown_name
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
 from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.loaders.sampler import EpochOrder, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
-from loadopt.storage.dataset import Dataset
+from loadopt.storage.dataset import Dataset, SampleFields
 from loadopt.storage.sources.shards import shard_table
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,42 @@ def work_kind_of_recipe(recipe: Recipe | None) -> WorkKind:
     if stored.startswith("centre"):
         return WorkKind.PIXEL_COPY
     return WorkKind.JPEG_DECODE
+
+
+# What iterating a loader yields: (inputs, labels), and the fields of `Loader.field_names` where there are any.
+Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
+
+
+def fields_to_carry(dataset: Dataset, pipeline: PipelineConfig) -> list[str]:
+    """The fields each batch carries: `pipeline.fields`, each one the dataset's samples have (else one line
+    naming it); null: every field the dataset has."""
+    has = dataset.field_names() if isinstance(dataset, SampleFields) else []
+    if pipeline.fields is None:
+        return has
+    unknown = [name for name in pipeline.fields if name not in has]
+    if unknown:
+        raise ConfigError(f"pipeline.fields: {dataset.root} has no field {unknown[0]!r} (its fields: "
+                          f"{', '.join(has) or 'none besides the image and label'})")
+    return list(pipeline.fields)
+
+
+def collate_fields(fields: dict[str, list]) -> dict[str, Any]:
+    """A batch's fields as training code takes them: numbers (and equal-length lists of them) as a tensor, anything
+    else (strings, JSON objects, lists of boxes of varying length) as a list in the batch's order."""
+    out: dict[str, Any] = {}
+    for name, values in fields.items():
+        try:
+            tensor = torch.as_tensor(values) if values and all(_numeric(v) for v in values) else None
+        except (TypeError, ValueError, RuntimeError):  # ragged lists
+            tensor = None
+        out[name] = tensor if tensor is not None else list(values)
+    return out
+
+
+def _numeric(value: Any) -> bool:
+    if isinstance(value, bool | int | float | np.number):
+        return True
+    return isinstance(value, list | tuple | np.ndarray) and all(_numeric(v) for v in value)
 
 
 class LoaderState(TypedDict):
@@ -174,6 +210,9 @@ class Loader(ABC, Generic[SettingsT]):
         self._resume = False  # the next `for` continues at `_position` (set by `load_state_dict`)
         self.batch_transform: BatchTransform | None = None
         self._sample_transform: SampleTransform | None = None  # imported when first asked for
+        # The fields besides image and label each batch carries (`pipeline.fields`, else the dataset's own).
+        self.field_names = fields_to_carry(dataset, pipeline)
+        self.unreadable.update(self.skipped_at_open())
         self._transfer = DeviceTransfer(self.device, emulate=False)
         self._intermediates: dict[tuple, torch.Tensor] = {}
         self._windows: ShardWindows | None = None
@@ -245,6 +284,11 @@ class Loader(ABC, Generic[SettingsT]):
                 convert_missing: bool = True) -> None:
         """Make ready what this backend reads (e.g. convert the dataset to its format), before any
         timing starts; `convert_missing=False` makes a missing conversion an error instead."""
+
+    def skipped_at_open(self) -> dict[int, str]:
+        """The samples the dataset's opening found wanting (a dict item without one of the fields: `dataset.missing`),
+        index -> why: never produced, failures of their batches (skipped and counted under `on_error: skip`)."""
+        return dict(getattr(self.dataset, "missing", {}))
 
     def storage_files(self) -> list[str]:
         """The local files this loader reads (evicted from the page cache for cold runs); after `prepare`."""
@@ -399,7 +443,7 @@ class Loader(ABC, Generic[SettingsT]):
             self._intermediates[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return self._intermediates[key]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         # A plain method, so the pass is placed when `iter()` is called, as a DataLoader's is.
         if self._position >= len(self.order()):  # a pass ended at its last batch (broken off there)
             self._epoch, self._position = self._epoch + 1, 0
@@ -408,14 +452,18 @@ class Loader(ABC, Generic[SettingsT]):
         self._resume = False
         return self._finished_batches()
 
-    def _finished_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _finished_batches(self) -> Iterator[Batch]:
         for batch in self.host_batches():
             if len(batch.indices) == 0:  # every sample skipped (on_error: skip, counted): no batch to hand on
                 continue
             inputs, labels = self.finish(batch)
             if self.batch_transform is not None:
                 inputs, labels = self.batch_transform(inputs, labels)
-            yield inputs, labels
+            if self.field_names:
+                assert isinstance(self.dataset, SampleFields), "fields_to_carry found them on the dataset"
+                yield inputs, labels, collate_fields(self.dataset.fields(batch.indices, self.field_names))
+            else:
+                yield inputs, labels
 
     def _account(self, batch: HostBatch) -> None:
         sizes = self.dataset.sizes

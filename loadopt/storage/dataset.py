@@ -4,7 +4,7 @@ new source needs no change in any of them."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import fsspec
 import numpy as np
@@ -46,4 +46,18 @@ class Dataset(Protocol):
     def local_files(self) -> list[str]:
         """Every file of the samples on a local disk, else empty (whoever reads them directly would bypass
         a tier's limits)."""
+        ...
+
+
+@runtime_checkable
+class SampleFields(Protocol):
+    """A dataset whose samples carry fields besides the image and label (a caption, a JSON target, a dict item's
+    other keys), read in the consumer by index: every backend's batch gets them, whatever form it read."""
+
+    def field_names(self) -> list[str]:
+        """The fields every sample has."""
+        ...
+
+    def fields(self, indices: np.ndarray, names: list[str]) -> dict[str, list]:
+        """Fields `names` of samples `indices`, in their order: one Python value per sample."""
         ...

@@ -309,7 +309,7 @@ class PeerLoader(Loader[PeerSettingsT]):
             log.info("converting %s to %s at %s", self.dataset.root, self.dist, path)
             meta = convert_once(path, self._write)
         self.path, self.meta = path, meta
-        self.unreadable = dict(meta.skipped)
+        self.unreadable = {**self.skipped_at_open(), **dict(meta.skipped)}
         self._opened()
 
     def _opened(self) -> None:  # noqa: B027 - optional hook: a library that opens its files once

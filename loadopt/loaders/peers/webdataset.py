@@ -117,7 +117,7 @@ class WebDatasetLoader(PeerLoader[WebDatasetSettings]):
             return
         self.path = Path(source.root)
         self.meta = ConversionMeta(shards=[s.decode() for s in source.shards], samples=len(source))
-        self.unreadable = {}
+        self.unreadable = self.skipped_at_open()
 
     def reads_conversion(self) -> bool:
         return self.source_shards() is None

@@ -146,7 +146,8 @@ class PosixLoader(RingLoader[PosixSettings]):
                    self.form, CONVERT_FLAGS.get(self.stored_form, ""))
         self._raw = raw_convert.open_conversion(self.dataset, self.stored_form, self.size, self.settings.shard_mib)
         raw = self._raw
-        self.unreadable = {int(i): str(why) for i, why in raw.meta.get("skipped", [])}  # skipped in conversion
+        self.unreadable = {**self.skipped_at_open(),  # and those skipped in the conversion
+                           **{int(i): str(why) for i, why in raw.meta.get("skipped", [])}}
         self.close_maps()
         if self._reader is not None:
             self._reader.close()

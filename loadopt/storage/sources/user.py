@@ -44,6 +44,9 @@ class UserDataset:
     classes: list[str]
     fingerprint: str
     image_key: str | int  # the item's image: a dict key or column, or a tuple's position
+    field_list: list[str] = field(default_factory=list)  # a dict item's other keys, a Hugging Face dataset's columns
+    field_values: dict[str, list] | None = None  # each field's value per sample, where opening read them
+    missing: dict[int, str] = field(default_factory=dict)  # samples without one of the fields: index -> which
     synthetic: bool = False
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)
@@ -65,6 +68,18 @@ class UserDataset:
 
     def local_files(self) -> list[str]:
         return []
+
+    def field_names(self) -> list[str]:
+        return list(self.field_list)
+
+    def fields(self, indices: np.ndarray, names: list[str]) -> dict[str, list]:
+        rows = indices.tolist()
+        if self.field_values is not None:
+            return {name: [self.field_values[name][i] for i in rows] for name in names}
+        if hasattr(self.items, "select_columns"):  # a Hugging Face dataset: the columns' rows, not the images
+            return dict(self.items.select_columns(names)[rows])
+        items = [self.items[i] for i in rows]
+        return {name: [item.get(name) for item in items] for name in names}
 
 
 def open_source(request: SourceRequest) -> UserDataset:
@@ -94,11 +109,15 @@ def from_object(obj: Any, config: Config, name: str | None = None, version: str 
                 progress: Callable[[int, int], None] | None = None, split: str = "train") -> UserDataset:
     """`obj` as a source; `name` says where it came from (default: its class), `version` names its contents (its
     fingerprint is otherwise a hash of every sample's bytes and label)."""
-    kind = type(obj).__module__.split(".")[0] + "." + type(obj).__name__
-    where = name or f"python:{kind}"
-    if kind == "datasets.DatasetDict":
-        raise ConfigError(f"{where}: a DatasetDict of splits {', '.join(obj)}; pass one of them (dataset[{split!r}])")
-    if kind.startswith("datasets.") and hasattr(obj, "features"):
+    module = type(obj).__module__
+    where = name or f"python:{module}.{type(obj).__qualname__}"
+    hugging_face = module.split(".")[0] == "datasets"
+    if hugging_face and type(obj).__name__ in ("DatasetDict", "IterableDatasetDict"):
+        raise ConfigError(f"{where}: a {type(obj).__name__} of splits {', '.join(obj)}; pass one of them "
+                          f"(dataset[{split!r}])")
+    if hugging_face and type(obj).__name__ == "IterableDataset":
+        raise ConfigError(f"{where}: a streaming dataset has no len() or [i]; load it without streaming=True")
+    if hugging_face and hasattr(obj, "features"):
         return _huggingface(obj, config, where, version)
     if not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")) or isinstance(obj, str | bytes | dict):
         raise ConfigError(f"{where}: a {type(obj).__name__} is not a dataset loadopt reads; it reads {ACCEPTED}")
@@ -109,6 +128,7 @@ def from_object(obj: Any, config: Config, name: str | None = None, version: str 
     columns = config.dataset.columns
     image_key = _key_of(first, columns.image, IMAGE_KEYS, 0, where, "image")
     label_key = _key_of(first, columns.label, LABEL_KEYS, 1, where, "label", needed=False)
+    names = [k for k in first if k not in (image_key, label_key)] if isinstance(first, dict) else []
     targets = getattr(obj, "targets", None)
     labels = np.asarray(targets, dtype=np.int64) if _whole_numbers(targets, count) else None
     digest = hashlib.sha256(f"{where}\0{version}\0{count}".encode())
@@ -116,23 +136,43 @@ def from_object(obj: Any, config: Config, name: str | None = None, version: str 
     if read_labels:
         labels = np.zeros(count, np.int64)
     assert labels is not None
+    gathered = _Gathered(names)
     try:
         sizes = _read_all(obj, first, image_key, label_key, labels, read_labels, digest,
-                          version is None or read_labels, version is None, where, progress)
+                          version is None or read_labels or bool(names), version is None, where, progress, gathered)
     except SampleProblem as exc:
         raise DatasetError(str(exc)) from None
-    names = getattr(obj, "classes", None)
-    classes = [str(c) for c in names] if isinstance(names, Sequence) and len(names) > int(labels.max(initial=0)) \
+    if gathered.missing and config.dataset.on_error == "raise":
+        index, why = next(iter(gathered.missing.items()))
+        raise DatasetError(f"{where}[{index}]: {why} (set dataset.on_error: skip to skip it)")
+    named = getattr(obj, "classes", None)
+    classes = [str(c) for c in named] if isinstance(named, Sequence) and len(named) > int(labels.max(initial=0)) \
         else [str(c) for c in range(int(labels.max(initial=0)) + 1)]
-    return UserDataset(obj, where, labels, sizes, classes, digest.hexdigest()[:16], image_key)
+    return UserDataset(obj, where, labels, sizes, classes, digest.hexdigest()[:16], image_key, names,
+                       gathered.values if names else None, gathered.missing)
+
+
+@dataclass
+class _Gathered:
+    """The fields of a dict item dataset as opening reads them (`_read_all`), and the samples missing one."""
+
+    names: list[str]
+    values: dict[str, list] = field(default_factory=dict)
+    missing: dict[int, str] = field(default_factory=dict)
+
+    def add(self, item: Any, index: int) -> None:
+        for name in self.names:
+            if not isinstance(item, dict) or name not in item:
+                self.missing.setdefault(index, f"no field {name!r} (the first item has it)")
+            self.values.setdefault(name, []).append(item.get(name) if isinstance(item, dict) else None)
 
 
 def _read_all(obj: Any, first: Any, image_key: str | int, label_key: str | int | None, labels: np.ndarray,
               fill_labels: bool, digest: Any, every: bool, hashed: bool, where: str,
-              progress: Callable[[int, int], None] | None) -> np.ndarray:
+              progress: Callable[[int, int], None] | None, gathered: _Gathered) -> np.ndarray:
     """Each sample's encoded size, read once (`every`; else the first samples' mean stands for each: reading them
-    all is what a version spares), filling `labels` from the items with `fill_labels` and, where `hashed`, the
-    digest of every sample's bytes and label."""
+    all is what a version spares), filling `labels` from the items with `fill_labels`, the items' fields into
+    `gathered` and, where `hashed`, the digest of every sample's bytes and label."""
     count = len(obj)
     sizes = np.zeros(count, np.int64)
     if not every:
@@ -145,6 +185,7 @@ def _read_all(obj: Any, first: Any, image_key: str | int, label_key: str | int |
         sizes[i] = len(data)
         if fill_labels and label_key is not None:
             labels[i] = _label_of(item, label_key, i, where)
+        gathered.add(item, i)
         if hashed:
             digest.update(hashlib.sha256(data).digest() + int(labels[i]).to_bytes(8, "little", signed=True))
         if progress is not None and (i + 1) % 256 == 0:
@@ -176,7 +217,8 @@ def _huggingface(ds: Any, config: Config, where: str, version: str | None) -> Us
     sizes = np.asarray([_stored_length(stored[i].as_py()) for i in range(count)], np.int64)
     identity = version or getattr(ds, "_fingerprint", None) or ""
     fingerprint = hashlib.sha256(f"{where}\0{identity}\0{count}\0{image}\0{label}".encode()).hexdigest()[:16]
-    return UserDataset(undecoded, where, labels, sizes, classes, fingerprint, image)
+    others = [name for name in features if name not in (image, label)]
+    return UserDataset(undecoded, where, labels, sizes, classes, fingerprint, image, others)
 
 
 def _stored_length(value: Any) -> int:
