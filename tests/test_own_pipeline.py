@@ -310,8 +310,9 @@ class SomeWithoutCaptions(own_data.CaptionedSamples):
 
 def test_a_field_missing_from_some_samples_is_one_line_or_skipped_and_counted(folder):
     dataset = SomeWithoutCaptions(folder)
-    with pytest.raises(DatasetError, match=r"^python:(tests\.)?test_own_pipeline.SomeWithoutCaptions\[7\]: no field 'caption' "
-                                           r"\(the first item has it\) \(set dataset.on_error: skip to skip it\)$"):
+    with pytest.raises(DatasetError, match=r"^python:(tests\.)?test_own_pipeline.SomeWithoutCaptions\[7\]: no field "
+                                           r"'caption' \(the first item has it\) \(set dataset.on_error: skip to skip "
+                                           r"it\)$"):
         make_loader(dataset, backend="torch", batch_size=8, image_size=32)
     for backend in ("torch", "posix"):
         loader = make_loader(dataset, backend=backend, batch_size=8, image_size=32, on_error="skip", form="encoded") \
