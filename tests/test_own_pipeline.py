@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -329,3 +330,51 @@ def test_a_field_the_dataset_lacks_is_one_line(folder):
         make_loader(own_data.CaptionedSamples(folder), backend="torch", fields=["boxes"])
     loader = make_loader(own_data.CaptionedSamples(folder), backend="torch", fields=[], num_workers=0, batch_size=8)
     assert all(len(batch) == 2 for batch in epoch_of(loader))  # fields: [] carries none
+
+
+def test_a_webdataset_with_txt_captions_delivers_them(tmp_path):
+    """Tar shards as `webdataset.TarWriter` writes them (a `jpg`, a `cls`, a `txt` caption and a `json` target per
+    sample, one sample without its `json`): the captions and targets reach the batch on every path, in order."""
+    import io
+
+    webdataset = pytest.importorskip("webdataset")
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "train").mkdir()
+    for shard in range(2):
+        with webdataset.TarWriter(str(tmp_path / "train" / f"shard-{shard:04d}.tar")) as sink:
+            for i in range(20):
+                n = shard * 20 + i
+                jpeg = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (40 + n, 50, 3), dtype=np.uint8)).save(jpeg, format="JPEG")
+                sample = {"__key__": f"s{n:05d}", "jpg": jpeg.getvalue(), "cls": str(n % 3), "txt": f"caption {n}",
+                          "json": {"boxes": [[1, 2, 3, n]]}}
+                if n == 13:
+                    del sample["json"]
+                sink.write(sample)
+    config = {"dataset": {"path": str(tmp_path), "format": "webdataset"},
+              "pipeline": {"batch_size": 8, "image_size": 32, "shuffle": True, "dtype": "uint8"}}
+    epochs = {}
+    for backend, settings in [("torch", {"num_workers": 2}), ("arrow", {"form": "encoded"}),
+                              ("posix", {"form": "encoded"}), ("dali", {})]:
+        loader = make_loader(config, backend=backend, **settings)
+        assert loader.field_names == ["txt"]  # every sample has one; `json` only some
+        epochs[backend] = epoch_of(loader)
+        if backend == "dali":  # its own decoder and resize kernel (no job transform here): other pixels
+            epochs[backend] = [(reference[0], *batch[1:]) for reference, batch in zip(epochs["torch"],
+                                                                                      epochs[backend], strict=True)]
+        assert_same(epochs["torch"], epochs[backend], f"{backend} against torch")
+    labels = torch.cat([batch[1] for batch in epochs["torch"]]).tolist()
+    captions = [caption for batch in epochs["torch"] for caption in batch[2]["txt"]]
+    assert sorted(captions) == sorted(f"caption {n}" for n in range(40))
+    assert all(int(caption.split()[1]) % 3 == label for caption, label in zip(captions, labels, strict=True))
+    with pytest.raises(DatasetError, match=r"shard-0000.tar \(sample s00013, bytes \d+-\d+\): no `json` member "
+                                           r"\(pipeline.fields names it\) \(set dataset.on_error: skip to skip it\)"):
+        make_loader(config, backend="torch", fields=["txt", "json"])
+    loader = make_loader(config, backend="torch", num_workers=0, fields=["txt", "json"], on_error="skip")
+    batches = epoch_of(loader)
+    assert sum(len(batch[1]) for batch in batches) == 39 and len(loader.counters.skipped) == 1
+    boxes = [target["boxes"][0][3] for batch in batches for target in batch[2]["json"]]
+    captions = [int(caption.split()[1]) for batch in batches for caption in batch[2]["txt"]]
+    assert boxes == captions  # each target is its own sample's

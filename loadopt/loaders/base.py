@@ -85,7 +85,9 @@ def fields_to_carry(dataset: Dataset, pipeline: PipelineConfig) -> list[str]:
     has = dataset.field_names() if isinstance(dataset, SampleFields) else []
     if pipeline.fields is None:
         return has
-    unknown = [name for name in pipeline.fields if name not in has]
+    # a field only some samples have may be named: the others fail (`missing_fields`)
+    some = dataset.field_names(partial=True) if isinstance(dataset, SampleFields) else []
+    unknown = [name for name in pipeline.fields if name not in some]
     if unknown:
         raise ConfigError(f"pipeline.fields: {dataset.root} has no field {unknown[0]!r} (its fields: "
                           f"{', '.join(has) or 'none besides the image and label'})")
@@ -213,6 +215,9 @@ class Loader(ABC, Generic[SettingsT]):
         # The fields besides image and label each batch carries (`pipeline.fields`, else the dataset's own).
         self.field_names = fields_to_carry(dataset, pipeline)
         self.unreadable.update(self.skipped_at_open())
+        if self.unreadable and on_error == "raise":
+            index, why = next(iter(self.unreadable.items()))
+            raise DatasetError(f"{shown_name(dataset.path(index))}: {why} (set dataset.on_error: skip to skip it)")
         self._transfer = DeviceTransfer(self.device, emulate=False)
         self._intermediates: dict[tuple, torch.Tensor] = {}
         self._windows: ShardWindows | None = None
@@ -286,9 +291,11 @@ class Loader(ABC, Generic[SettingsT]):
         timing starts; `convert_missing=False` makes a missing conversion an error instead."""
 
     def skipped_at_open(self) -> dict[int, str]:
-        """The samples the dataset's opening found wanting (a dict item without one of the fields: `dataset.missing`),
-        index -> why: never produced, failures of their batches (skipped and counted under `on_error: skip`)."""
-        return dict(getattr(self.dataset, "missing", {}))
+        """The samples without one of the fields the batches carry (`SampleFields.missing_fields`), index -> why:
+        never produced, failures of their batches (skipped and counted under `on_error: skip`)."""
+        if not self.field_names or not isinstance(self.dataset, SampleFields):
+            return {}
+        return self.dataset.missing_fields(self.field_names)
 
     def storage_files(self) -> list[str]:
         """The local files this loader reads (evicted from the page cache for cold runs); after `prepare`."""

@@ -54,10 +54,15 @@ class SampleFields(Protocol):
     """A dataset whose samples carry fields besides the image and label (a caption, a JSON target, a dict item's
     other keys), read in the consumer by index: every backend's batch gets them, whatever form it read."""
 
-    def field_names(self) -> list[str]:
-        """The fields every sample has."""
+    def field_names(self, partial: bool = False) -> list[str]:
+        """The fields every sample has (those `pipeline.fields: null` carries); `partial`: also those only some
+        have."""
         ...
 
     def fields(self, indices: np.ndarray, names: list[str]) -> dict[str, list]:
         """Fields `names` of samples `indices`, in their order: one Python value per sample."""
+        ...
+
+    def missing_fields(self, names: list[str]) -> dict[int, str]:
+        """The samples without one of fields `names`, index -> which (they fail, or are skipped and counted)."""
         ...

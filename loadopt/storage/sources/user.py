@@ -69,8 +69,11 @@ class UserDataset:
     def local_files(self) -> list[str]:
         return []
 
-    def field_names(self) -> list[str]:
-        return list(self.field_list)
+    def field_names(self, partial: bool = False) -> list[str]:
+        return list(self.field_list)  # the first item's: those others lack are in `missing`
+
+    def missing_fields(self, names: list[str]) -> dict[int, str]:
+        return dict(self.missing)  # against the first item's keys, found while opening
 
     def fields(self, indices: np.ndarray, names: list[str]) -> dict[str, list]:
         rows = indices.tolist()

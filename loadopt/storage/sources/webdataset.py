@@ -45,6 +45,10 @@ from loadopt.storage.sources.shards import ShardTable
 log = logging.getLogger(__name__)
 
 IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "jxl")
+# A sample's other members up to this size are its fields (a `txt` caption, a `json` target), read while indexing
+# and kept in the index: a batch's fields cost no read. Larger ones (a depth map, a clip) are not fields.
+FIELD_MAX_BYTES = 64 << 10
+FIELDS_RULE = "fields<=64KiB"  # in the index's identity: an index made before fields were kept is made again
 BLOCK = 512
 INDEX_BLOCK_BYTES = 8 << 20  # a remote shard's reads while it is indexed
 INDEX_STREAMS = 4  # remote shards indexed at once
@@ -71,6 +75,7 @@ class WebDataset:
     listed_at: float | None = None  # when its saved remote listing was taken
     shard_bounds: np.ndarray | None = None  # where each shard's samples start (then their count): its shard table
     file_keys: list[str] | None = None  # each shard's size, modification time and ETag, as listed
+    field_index: dict[str, np.ndarray] = field(default_factory=dict)  # the small members' bytes (`field_arrays`)
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "webdataset"
 
@@ -87,6 +92,29 @@ class WebDataset:
 
     def local_files(self) -> list[str]:
         return [s.decode() for s in self.shards] if self.is_local() else []
+
+    def field_names(self, partial: bool = False) -> list[str]:
+        """The member extensions every sample has besides its image and `cls` label (`txt`, `json`, ...);
+        `partial`: also those only some have."""
+        return [key[len("field-"):-len("-has")] for key, has in self.field_index.items()
+                if key.endswith("-has") and (partial or bool(np.all(has)))]
+
+    def fields(self, indices: np.ndarray, names: list[str]) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for name in names:
+            data, ends = self.field_index[f"field-{name}-data"], self.field_index[f"field-{name}-ends"]
+            starts = np.concatenate([[0], ends[:-1]])
+            out[name] = [field_value(name, bytes(data[starts[i] : ends[i]])) for i in indices.tolist()]
+        return out
+
+    def missing_fields(self, names: list[str]) -> dict[int, str]:
+        missing: dict[int, str] = {}
+        for name in names:
+            has = self.field_index.get(f"field-{name}-has")
+            if has is not None:
+                for i in np.flatnonzero(~np.asarray(has)).tolist():
+                    missing.setdefault(i, f"no `{name}` member (pipeline.fields names it)")
+        return missing
 
     def read(self, index: int) -> bytes:
         """The image member's bytes (a recompressed JPEG's JPEG): one `pread` on a local disk,
@@ -225,6 +253,7 @@ class _ShardSamples:
     labels: list[object] = field(default_factory=list)  # as written (`_label`)
     label_members: list[str] = field(default_factory=list)  # the member each label was read from, for messages
     left_out: list[str] = field(default_factory=list)
+    fields: list[dict[str, bytes]] = field(default_factory=list)  # each sample's small other members, by extension
 
 
 def index_shard(read: Callable[[int, int], bytes], total: int, shown: str, label_key: str | None) -> _ShardSamples:
@@ -247,6 +276,9 @@ def index_shard(read: Callable[[int, int], bytes], total: int, shown: str, label
         found.offsets.append(members[image][0])
         found.sizes.append(members[image][1])
         found.keys.append(key)
+        label_member = "cls" if label_key is None else None
+        found.fields.append({extension: read(*place) for extension, place in members.items()
+                             if extension not in (image, label_member) and place[1] <= FIELD_MAX_BYTES})
     return found
 
 
@@ -307,6 +339,7 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
                   fingerprint: str) -> manifest.SampleIndex:
     """Read every shard's headers (and label members): the index the dataset is opened from."""
     shard_of, offsets, lengths, keys, labels, label_members, left_out = [], [], [], [], [], [], []
+    fields: list[dict[str, bytes]] = []
 
     def one(name: str, total: int) -> _ShardSamples | str:
         shown = display_name(fs, name)
@@ -333,6 +366,7 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
         labels += found.labels
         label_members += found.label_members
         left_out += found.left_out
+        fields += found.fields
     classes = class_numbers(labels, None)
     field_named = "" if label_key is None else f" field {label_key!r}"
     for i, why in classes.wrong.items():
@@ -345,11 +379,34 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
     bounds = ShardTable.from_runs(runs).bounds if len(runs) else np.zeros(1, np.int64)
     arrays = {"shard_of": runs, "shard_bounds": bounds, "offsets": np.array(offsets, dtype=np.int64)[kept],
               "sizes": np.array(lengths, dtype=np.int64)[kept], "labels": classes.numbers[kept],
-              "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)[kept]}
+              "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)[kept],
+              **field_arrays([f for f, keep in zip(fields, kept.tolist(), strict=True) if keep])}
     return manifest.SampleIndex(arrays=arrays, classes=classes.classes, fingerprint=fingerprint, notes=left_out)
 
 
-# (the shards' filesystem, the dataset's fingerprint) -> the filesystem to index them through
+def field_arrays(fields: list[dict[str, bytes]]) -> dict[str, np.ndarray]:
+    """Each field's members as index arrays: `field-<ext>-data` (their bytes end to end), `field-<ext>-ends` (where
+    each sample's ends) and `field-<ext>-has` (whether the sample has one)."""
+    out = {}
+    for extension in sorted({name for sample in fields for name in sample}):
+        values = [sample.get(extension) for sample in fields]
+        out[f"field-{extension}-data"] = np.frombuffer(b"".join(v or b"" for v in values), np.uint8).copy()
+        out[f"field-{extension}-ends"] = np.cumsum([len(v or b"") for v in values], dtype=np.int64)
+        out[f"field-{extension}-has"] = np.array([v is not None for v in values], dtype=bool)
+    return out
+
+
+def field_value(extension: str, data: bytes) -> object:
+    """A field member's value as training code takes it: text for `txt` (and other text), parsed `json`, the number
+    of a `cls`/`id`/`index`, else the bytes."""
+    if extension.endswith("json"):
+        return json.loads(data)
+    if extension.endswith(("cls", "cls2", "id", "index")):
+        text = data.strip().decode("utf-8", "replace")
+        return int(text) if text.lstrip("-").isdigit() else text
+    if extension.endswith(("txt", "text", "caption")):
+        return data.decode("utf-8", "replace")
+    return data
 
 
 def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
@@ -359,7 +416,7 @@ def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | Non
 
 
 def _identity(fs: fsspec.AbstractFileSystem, folder: str, split: str, label_key: str | None) -> str:
-    return f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}:{LABEL_RULE}"
+    return f"webdataset:{fs.unstrip_protocol(folder)}:{split}:{label_key or 'cls'}:{LABEL_RULE}:{FIELDS_RULE}"
 
 
 def _list_shards(fs: fsspec.AbstractFileSystem, path: str, path_url: str, split: str,
@@ -418,7 +475,8 @@ def open_webdataset(path_url: str, split: str = "train", storage_options: dict[s
     return WebDataset(root=root, fs=fs, shards=listing.files, shard_of=arrays["shard_of"], offsets=arrays["offsets"],
                       keys=arrays["keys"], labels=arrays["labels"], sizes=arrays["sizes"], classes=index.classes,
                       fingerprint=fingerprint, left_out=index.notes, listed_at=listing.listed_at,
-                      shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys())
+                      shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys(),
+                      field_index={k: v for k, v in arrays.items() if k.startswith("field-")})
 
 
 def open_source(request: SourceRequest) -> WebDataset:
