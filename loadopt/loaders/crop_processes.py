@@ -28,13 +28,14 @@ import resource
 import signal
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.loaders import crops, transforms
 from loadopt.loaders.sample_transform import SampleTransform
+from loadopt.loaders.transforms import Augment
 from loadopt.storage.tiers.pagecache import release_pages
 
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that its parent is still there
@@ -85,7 +86,7 @@ class CropProcesses:
             raise
 
     def crop(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
-             augment: Literal["train", "eval"], seed: int, epoch: int,
+             augment: Augment, seed: int, epoch: int,
              planned: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """`crops.crop_frames` of a batch into ring slot `slot`, its positions split over the workers
         (`send`, then `receive`). Returns the workers' major page faults meanwhile (see `receive`)."""
@@ -93,7 +94,7 @@ class CropProcesses:
         return self.receive().major_faults
 
     def send(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, frames: np.ndarray,
-             augment: Literal["train", "eval"], seed: int, epoch: int,
+             augment: Augment, seed: int, epoch: int,
              planned: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Hand a batch to the workers without waiting: each works through what it was sent in order, so
         a batch sent while the previous one is cropped starts the moment that one is done."""
@@ -103,7 +104,7 @@ class CropProcesses:
                                                      augment, seed, epoch, boxes[a:b], flips[a:b]))
 
     def send_decode(self, slot: int, indices: np.ndarray, which: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                    decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int, reduced_scale: bool,
+                    decoder: str, augment: Augment, seed: int, epoch: int, reduced_scale: bool,
                     release: bool = False) -> None:
         """Hand a batch of encoded samples to the workers (as `send`): position k's bytes are `lengths[k]` at
         `starts[k]` of `sources[which[k]]`, decoded into ring slot `slot` by `transforms.decode_batch` with
@@ -245,7 +246,7 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
 
 
 def crop(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
-         starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
+         starts: np.ndarray, frames: np.ndarray, augment: Augment, seed: int, epoch: int,
          boxes: np.ndarray, flips: np.ndarray, transform: SampleTransform | None = None) -> list[tuple[int, str]]:
     """A worker's share of `send`: its whole frames cropped into `out` by the plan drawn in the parent (then the
     job's own `transform`, if any)."""
@@ -255,7 +256,7 @@ def crop(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, wh
 
 
 def decode(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,
-           starts: np.ndarray, lengths: np.ndarray, decoder: str, augment: Literal["train", "eval"], seed: int,
+           starts: np.ndarray, lengths: np.ndarray, decoder: str, augment: Augment, seed: int,
            epoch: int, reduced_scale: bool, release: bool, transform: SampleTransform | None = None
            ) -> list[tuple[int, str]]:
     """A worker's share of `send_decode`: its samples decoded into `out` (its positions' HWC slots) one

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 import torch
 
 from loadopt.imaging.resize import crop_resize_flip_into, resize_aa
 from loadopt.loaders import transforms
+from loadopt.loaders.transforms import Augment
 
 try:  # streaming stores and a 16-pixel mirror, built at install where a C compiler is
     from loadopt import _native as native
@@ -36,10 +36,10 @@ except ImportError:  # pragma: no cover - a dependency; the numpy path stays for
     cv2 = None  # type: ignore[assignment]  # None where the optional module is absent
 
 
-def plan_crops(indices: np.ndarray, span: int, augment: Literal["train", "eval"], seed: int,
+def plan_crops(indices: np.ndarray, span: int, augment: Augment, seed: int,
                epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tops, lefts, flips) for a batch of samples, `span` = stored size - output size."""
-    if augment == "eval":
+    if augment != "train":  # eval's centre (and `none`: no random crop)
         tops = lefts = np.full(len(indices), span // 2, dtype=np.int64)
         return tops, lefts, np.zeros(len(indices), dtype=bool)
     bits = transforms.sample_hash(seed, epoch, indices)
@@ -85,7 +85,7 @@ def copy_crops(out: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray
 
 
 def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray,
-               starts: np.ndarray, stored: int, augment: Literal["train", "eval"], seed: int, epoch: int, pool,
+               starts: np.ndarray, stored: int, augment: Augment, seed: int, epoch: int, pool,
                threads: int) -> None:
     """Crop every sample of a batch into `out` (B, size, size, 3) by the shared plan: position k's
     `stored` x `stored` HWC image starts at byte `starts[k]` of `sources[which[k]]`. The samples are
@@ -107,7 +107,7 @@ def crop_batch(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarra
 ONE_TORCH_THREAD_EACH = "OpenMP" in torch.__config__.parallel_info()
 
 
-def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int,
+def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Augment, seed: int,
                 epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(boxes, flips) of a batch of whole frames: `frames[k]` = (height, width, source height, source
     width) of sample `indices[k]`; boxes (B, 4) = whole stored pixels (left, top, right, bottom), at
@@ -125,7 +125,7 @@ def frame_boxes(indices: np.ndarray, frames: np.ndarray, augment: Literal["train
 
 
 def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarray], which: np.ndarray,
-                starts: np.ndarray, frames: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
+                starts: np.ndarray, frames: np.ndarray, augment: Augment, seed: int, epoch: int,
                 pool, threads: int, fused: bool = True,
                 planned: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Crop, resize and flip every whole frame of a batch into `out` (B, size, size, 3) uint8: position

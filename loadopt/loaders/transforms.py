@@ -89,11 +89,14 @@ def sample_uniform(seed: int, epoch: int, index: int) -> Callable[[int], float]:
     return lambda k: (mix64_int((base + (k + 1) * GOLDEN64) & MASK64) >> 11) * (1.0 / (1 << 53))
 
 
-def plan_batch(widths: np.ndarray, heights: np.ndarray, augment: Literal["train", "eval"], seed: int, epoch: int,
+def plan_batch(widths: np.ndarray, heights: np.ndarray, augment: Augment, seed: int, epoch: int,
                indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The crop boxes (B, 4 float64, in source pixels) and flips (B bool) of a batch: `plan` for each
     sample, computed together (the same arithmetic, so the same values)."""
     widths, heights = np.asarray(widths, np.int64), np.asarray(heights, np.int64)
+    if augment == "none":  # no crop: the whole frame
+        zeros = np.zeros(len(widths))
+        return np.stack([zeros, zeros, widths, heights], axis=1).astype(np.float64), np.zeros(len(widths), bool)
     if augment == "eval":
         side = np.minimum(widths, heights) * EVAL_CROP_FRACTION
         left, top = (widths - side) / 2, (heights - side) / 2
@@ -103,10 +106,12 @@ def plan_batch(widths: np.ndarray, heights: np.ndarray, augment: Literal["train"
     return boxes, uniforms[:, UNIFORMS_PER_SAMPLE] < 0.5
 
 
-def plan(width: int, height: int, augment: Literal["train", "eval"], seed: int, epoch: int,
+def plan(width: int, height: int, augment: Augment, seed: int, epoch: int,
          index: int) -> tuple[Box, bool]:
     """The crop box (in source pixels) and whether to flip, for one sample (torchvision's
     RandomResizedCrop + horizontal flip for train, the centre crop for eval); `plan_batch` for one."""
+    if augment == "none":  # no crop: the whole frame
+        return (0.0, 0.0, float(width), float(height)), False
     if augment == "eval":
         return center_crop_box(width, height), False
     uniform = sample_uniform(seed, epoch, int(index))
@@ -120,7 +125,7 @@ def decoder_name(choice: str) -> str:
     return choice
 
 
-def decode_planned(data: Encoded, decoder: str, augment: Literal["train", "eval"], seed: int, epoch: int,
+def decode_planned(data: Encoded, decoder: str, augment: Augment, seed: int, epoch: int,
                    index: int, region: bool = True, reduced_for: int | None = None) -> tuple[np.ndarray, Box, bool]:
     """Decode what one sample's crop needs: (HWC uint8 pixels, the crop box in their coordinates, flip);
     only the crop's region of a JPEG where it can (`imaging.decode.decode_for_crop`)."""
@@ -133,12 +138,13 @@ def pil_pixels(data: Encoded, decoder: str, augment: Augment, seed: int, epoch: 
     """Decode one sample and crop/resize/flip it with PIL's kernel: HWC uint8. `reduced_scale`: a crop
     at least twice `size` decoded at a reduced DCT scale (`decode_planned`; PIL's `draft` for `pil`).
     `transform`: the job's own, run on the result (`augment: none`: on the whole decoded image instead)."""
-    if augment == "none" or transform is not None:
-        if augment == "none":
-            assert transform is not None, "augment: none leaves the crop to the job's transform"
-            return transform(decode.decode_array(data, decoder), seed, epoch, index)
+    if augment == "none":
+        if transform is None:
+            raise ValueError("augment: none leaves the crop to the job's transform, and there is none")
+        return transform(decode.decode_array(data, decoder), seed, epoch, index)
+    if transform is not None:
         return transform(pil_pixels(data, decoder, augment, seed, epoch, index, size, reduced_scale),
-                          seed, epoch, index)
+                         seed, epoch, index)
     if reduced_scale and decoder != "pil":
         pixels, box, flip = decode_planned(data, decoder, augment, seed, epoch, index, True, size)
         return crop_resize_flip(Image.fromarray(pixels), box, flip, size)
@@ -166,7 +172,8 @@ def write_sample(data: Encoded, slot: torch.Tensor, decoder: str, resize: str, a
     at a reduced DCT scale with `reduced_scale` where the crop is at least twice the slot's size.
     `transform`: the job's own, run on the crop (`augment: none`: on the whole decoded image, no crop)."""
     if augment == "none":
-        assert transform is not None, "augment: none leaves the crop to the job's transform"
+        if transform is None:
+            raise ValueError("augment: none leaves the crop to the job's transform, and there is none")
         slot.numpy()[...] = transform(decode.decode_array(data, decoder), seed, epoch, index).transpose(2, 0, 1)
         return
     if transform is not None:

@@ -121,7 +121,7 @@ class DaliGraph:
 
         def make(data: np.ndarray, index: np.ndarray) -> np.ndarray:
             pixels = np.empty((size, size, 3), np.uint8)
-            write_sample(memoryview(data), torch.from_numpy(pixels).permute(2, 0, 1), decoder, "torch",
+            write_sample(data.data, torch.from_numpy(pixels).permute(2, 0, 1), decoder, "torch",
                          pipeline.augment, seed, epoch, int(index[0]), transform=transform,
                          reduced_scale=pipeline.jpeg_scale == "reduced")
             return pixels

@@ -36,7 +36,6 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import psutil
@@ -45,6 +44,7 @@ from loadopt.errors import DatasetError
 from loadopt.loaders import crops
 from loadopt.loaders.ring import next_slot
 from loadopt.loaders.shard_reader import PosixReader
+from loadopt.loaders.transforms import Augment
 from loadopt.storage.forms.raw_format import RawIndex
 from loadopt.storage.tiers.sequential import read_sequential
 
@@ -103,7 +103,7 @@ class PageCacheCrops:
     tasks: Callable[[np.ndarray], ReadTasks]
     stored: int
     size: int
-    augment: Literal["train", "eval"]
+    augment: Augment
     seed: int
     threads: int
     read_ahead: int

@@ -131,6 +131,7 @@ def from_object(obj: Any, config: Config, name: str | None = None, version: str 
     columns = config.dataset.columns
     image_key = _key_of(first, columns.image, IMAGE_KEYS, 0, where, "image")
     label_key = _key_of(first, columns.label, LABEL_KEYS, 1, where, "label", needed=False)
+    assert image_key is not None, "a needed key is found or refused"
     names = [k for k in first if k not in (image_key, label_key)] if isinstance(first, dict) else []
     targets = getattr(obj, "targets", None)
     labels = np.asarray(targets, dtype=np.int64) if _whole_numbers(targets, count) else None
@@ -199,7 +200,7 @@ def _read_all(obj: Any, first: Any, image_key: str | int, label_key: str | int |
 def _huggingface(ds: Any, config: Config, where: str, version: str | None) -> UserDataset:
     """A Hugging Face dataset: its image column read undecoded (the stored bytes), its labels from their column,
     its fingerprint the library's own (it changes with every transformation of the data) or `version`."""
-    from datasets import Image as ImageFeature
+    from datasets import Image as ImageFeature  # type: ignore[import-untyped]
 
     columns = config.dataset.columns
     features = ds.features
@@ -262,7 +263,7 @@ def image_of(item: Any, key: str | int, index: int) -> Any:
 
 def _label_of(item: Any, key: str | int, index: int, where: str) -> int:
     value = item[key] if not isinstance(item, dict) or key in item else None
-    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+    if value is not None and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         value = value.item()
     if not isinstance(value, int | np.integer) or isinstance(value, bool):
         raise DatasetError(f"{where}[{index}]: its target {value!r} is not a class index (an int)")
