@@ -4,7 +4,9 @@
         [--max-steps N --checkpoint ckpt.pt] [--resume ckpt.pt] [--labels-out labels.json] [--set key=value ...]
 
 `--backend auto` takes the loader the last `loadopt bench` decided on for this dataset and machine (or
-the fixed fallback order; the log says which and why). `--max-steps N` stops after N steps, as a
+the fixed fallback order; the log says which and why). `--backend dataloader` reads as most scripts do: torchvision's
+ImageFolder with its reference transform and a plain DataLoader (`loadopt measure` then ends with that pipeline on
+loadopt's paths). `--max-steps N` stops after N steps, as a
 preempted job would, saving a checkpoint with the model, the optimiser and `loader.state_dict()`;
 `--resume` continues from it mid-epoch: no sample is repeated or skipped, whatever the backend.
 `--labels-out` writes the label sequence the loop saw (the tests compare it across backends and resumes).
@@ -43,7 +45,10 @@ def train(config_path: str, backend: str = "auto", epochs: int = 2, max_steps: i
     """Train; returns the labels of every batch seen, in order."""
     torch.manual_seed(0)
     config = load_config(config_path, overrides or [])
-    loader = make_loader(config, backend=backend, device="cpu", **loader_overrides)
+    if backend == "dataloader":  # what most scripts do: a torchvision ImageFolder and a plain DataLoader
+        loader = plain_dataloader(config, **loader_overrides)
+    else:
+        loader = make_loader(config, backend=backend, device="cpu", **loader_overrides)
     model = SmallCNN(len(loader.dataset.classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = 0
@@ -56,8 +61,9 @@ def train(config_path: str, backend: str = "auto", epochs: int = 2, max_steps: i
     seen: list[list[int]] = []
     started = time.perf_counter()
     try:
-        for epoch in range(loader.epoch, epochs):  # resumed: starts in the epoch under way
-            loader.set_epoch(epoch)  # a no-op for the epoch under way, so a resume continues mid-epoch
+        for epoch in range(getattr(loader, "epoch", 0), epochs):  # resumed: starts in the epoch under way
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)  # a no-op for the epoch under way, so a resume continues mid-epoch
             for images, labels in loader:
                 if images.dtype == torch.uint8:  # pipeline.dtype: uint8 leaves the normalisation to the model
                     images = images.float().div_(255.0)
@@ -77,8 +83,22 @@ def train(config_path: str, backend: str = "auto", epochs: int = 2, max_steps: i
                     return seen
     finally:
         _print_loop_rate(seen, time.perf_counter() - started)
-        loader.close()
+        if hasattr(loader, "close"):
+            loader.close()
     return seen
+
+
+def plain_dataloader(config, num_workers: int = 2) -> torch.utils.data.DataLoader:
+    """The config's train split as most training scripts read it: torchvision's ImageFolder with the reference
+    script's transform (RandomResizedCrop, flip, ToTensor, Normalize) and a DataLoader (`--backend dataloader`)."""
+    from torchvision_style import ImageFolder, classification_train
+
+    from loadopt.storage.open import open_dataset
+
+    root = open_dataset(config).root  # the split's class folders (the synthetic set made on first use)
+    dataset = ImageFolder(root, transform=classification_train(config.pipeline.image_size))
+    return torch.utils.data.DataLoader(dataset, batch_size=config.pipeline.batch_size, shuffle=True,
+                                       num_workers=num_workers)
 
 
 def _print_loop_rate(seen: list[list[int]], elapsed_s: float) -> None:

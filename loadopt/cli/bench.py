@@ -212,13 +212,15 @@ def measure(
     out: str = typer.Option("results/measure", "--out", help="Folder for measure.json."),
     every: int = typer.Option(None, "--every", help="Log a progress line every N steps."),
     rank_wait: float = typer.Option(30.0, "--rank-wait", help="Seconds rank 0 waits for the other ranks' files."),
+    paths: bool = typer.Option(True, "--paths/--no-paths",
+                               help="End with the loop's own pipeline (its dataset and transform) on loadopt's paths."),
 ) -> None:
     """Measure every torch DataLoader and loadopt loader iteration of an unmodified training script; keeps its
     exit status."""
     from loadopt.measure.script import run_script, verdicts_on_stderr
 
     with user_errors(), verdicts_on_stderr():
-        code = run_script(script, args or [], out, every, rank_wait)
+        code = run_script(script, args or [], out, every, rank_wait, paths)
     raise typer.Exit(code)
 
 

@@ -42,9 +42,11 @@ class ScriptError(LoadoptError):
 class MeasureSession:
     """One Measurement per DataLoader or loadopt loader the script iterates, kept after the loader is gone."""
 
-    def __init__(self, every: int | None = None) -> None:
+    def __init__(self, every: int | None = None, paths: bool = True) -> None:
         self.every = every
+        self.paths = paths  # end with the most iterated DataLoader's pipeline on loadopt's paths (`measure.paths`)
         self.measurements: list[Measurement] = []
+        self.subjects: list[Any] = []  # what each measurement measured, kept for the ending
         self._by_loader: weakref.WeakKeyDictionary[Any, Measurement] = weakref.WeakKeyDictionary()
         self._made_by_backends: weakref.WeakSet[Any] = weakref.WeakSet()  # DataLoaders a backend created
         self._originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (class, method, its own)
@@ -59,6 +61,7 @@ class MeasureSession:
                                 label=name if not same else f"{name} #{same + 1}", summary=False)
             self._by_loader[loader] = found
             self.measurements.append(found)
+            self.subjects.append(loader)
         return found
 
     def patch(self) -> None:
@@ -117,6 +120,8 @@ class MeasureSession:
                 log.info("%s", m.summary())
         if not any(metrics for _, metrics in measured):
             log.warning("measure: the script iterated no torch DataLoader and no loadopt loader; nothing was measured")
+        elif self.paths:
+            self.end_with_paths(measured)
         if out is None:
             return None
         device = next((str(m.device) for m in self.measurements if m.device is not None), "cpu")
@@ -124,6 +129,26 @@ class MeasureSession:
         path = write_ranked(out, results_document(measured, device), rank, world_size, wait_s, 1)
         log.info("measure: results in %s", path)
         return path
+
+
+    def end_with_paths(self, measured: list[tuple[str, Any]]) -> None:
+        """The most iterated torch DataLoader's pipeline on loadopt's paths (`measure.paths.ending`), logged."""
+        from torch.utils.data import DataLoader
+
+        from loadopt.measure.paths import ending, stall_of
+
+        candidates = [(metrics.get("samples", 0) if isinstance(metrics, dict) else 0, subject, metrics)
+                      for subject, (_, metrics) in zip(self.subjects, measured, strict=True)
+                      if isinstance(subject, DataLoader) and metrics is not None]
+        if not candidates:
+            return
+        _, loader, metrics = max(candidates, key=lambda c: c[0])
+        try:
+            lines = ending(loader, stall_of(metrics))
+        except LoadoptError as exc:
+            lines = [f"loadopt's paths for this loop: not run: {str(exc).splitlines()[0]}"]
+        for line in lines:
+            log.info("%s", line)
 
 
 def _inside_a_backend(subject: Any) -> bool:
@@ -168,9 +193,9 @@ def _script_exit_code(exc: SystemExit) -> int:
 
 
 def run_script(script: str, args: list[str], out: str | None, every: int | None = None,
-               wait_s: float = 30.0) -> int:
+               wait_s: float = 30.0, paths: bool = True) -> int:
     """Run `script` as `__main__` with `args`, every DataLoader and loadopt loader measured; returns its
-    exit status."""
+    exit status. `paths`: end with the most iterated DataLoader's pipeline on loadopt's paths."""
     path = Path(script)
     if not path.is_file():
         raise ScriptError(f"{script}: no such script" if not path.exists() else f"{script}: not a file")
@@ -178,7 +203,7 @@ def run_script(script: str, args: list[str], out: str | None, every: int | None 
         from loadopt.files import prepare_output
 
         prepare_output(out)  # an unwritable folder fails now, not after the whole job has run
-    session = MeasureSession(every)
+    session = MeasureSession(every, paths)
     session.patch()
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [str(path), *args]
