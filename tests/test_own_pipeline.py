@@ -25,7 +25,8 @@ PATHS = [
     ("torch tuned w=2", "torch", {"variant": "tuned", "num_workers": 2}),
     ("arrow encoded, processes", "arrow", {"form": "encoded", "crop_in": "processes", "threads": 2}),
     ("arrow encoded, threads", "arrow", {"form": "encoded", "crop_in": "threads", "threads": 2}),
-    ("posix encoded", "posix", {"form": "encoded", "threads": 2}),
+    ("posix encoded, processes", "posix", {"form": "encoded", "threads": 2, "crop_in": "processes"}),
+    ("posix encoded, threads", "posix", {"form": "encoded", "threads": 2, "crop_in": "threads"}),
     ("dali external", "dali", {"reader": "external"}),
     ("dali arrow", "dali", {"reader": "external", "source": "arrow"}),
 ]

@@ -35,9 +35,10 @@ import torch
 from pydantic import Field
 
 from loadopt.loaders import crops
-from loadopt.loaders.fillers import Located
+from loadopt.loaders.crop_processes import fork_available
+from loadopt.loaders.fillers import EncodedJpegs, Located
 from loadopt.loaders.posix import cache as posix_cache
-from loadopt.loaders.ring import RingLoader, RingSettings, next_slot
+from loadopt.loaders.ring import RingLoader, RingSettings, next_slot, shared_empty
 from loadopt.loaders.shard_reader import PosixReader, ShardReader, aligned_empty
 from loadopt.machine import usable_cores
 from loadopt.storage.forms import placement, raw_convert, raw_format, tier_reads
@@ -75,6 +76,9 @@ class PosixLoader(RingLoader[PosixSettings]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # With the job's own transform, the encoded form's JPEGs are decoded (and transformed) by the crop worker
+        # processes from staging buffers in shared memory (threads of one process take turns at a Python transform).
+        self._shared_staging: list[np.ndarray] | None = None
         self._raw: RawIndex | None = None
         self._reader: ShardReader | None = None
         self._maps: list[mmap.mmap | bytes] | None = None
@@ -231,7 +235,9 @@ class PosixLoader(RingLoader[PosixSettings]):
             return
         most = int(align_up(raw.max_length)) * self.pipeline.batch_size
         depth = self.settings.read_ahead
-        staging = [self._new_staging(most) for _ in range(depth + 1)]
+        by_workers = self.croppers is not None and self._shared_staging is not None and self.decodes_in_workers()
+        staging = self._shared_staging if by_workers else [self._new_staging(most) for _ in range(depth + 1)]
+        assert staging is not None
         pending: dict[int, tuple] = {}
         # Whole frames through the page cache: a batch whose frames are all cached is cropped from the
         # shards' mappings (no staging copy of whole frames: the crop reads only its box).
@@ -259,6 +265,9 @@ class PosixLoader(RingLoader[PosixSettings]):
                     if mapped:
                         mapped_crops.start(slot, indices, shards, starts, nbytes, planned, finisher, pool)
                         continue
+                    if by_workers:  # decoded by the workers from the shared staging buffer; its reads are done
+                        self._decode_by_workers(slot, indices, staging, n % (depth + 1), starts, nbytes, epoch, ready)
+                        continue
                     filled = filler.fill(ring[slot], indices, self._staged(staging[n % (depth + 1)], starts, indices,
                                                                            nbytes), epoch, pool)
                     ready.put((slot, *filled))
@@ -266,6 +275,17 @@ class PosixLoader(RingLoader[PosixSettings]):
         finally:
             if mapped_crops.croppers is not None:
                 mapped_crops.croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next
+
+    def _decode_by_workers(self, slot: int, indices: np.ndarray, staging: list[np.ndarray], which: int,
+                           starts: np.ndarray, nbytes: int, epoch: int, ready: queue.Queue) -> None:
+        """Batch `indices`, read into `staging[which]`, decoded and transformed by the crop workers into ring slot
+        `slot`; waited for here, so that the buffer is free before the reads of a later batch go into it."""
+        croppers = self.croppers
+        assert croppers is not None, "only where the workers run"
+        lengths = self.raw.locate(indices)[2]
+        located = Located(staging, np.full(len(indices), which, np.int32), starts, lengths, nbytes)
+        self.filler.send(croppers, slot, indices, located, epoch, release=False)
+        ready.put((slot, indices, croppers.receive().failures, nbytes))
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor,
                maps: list[np.ndarray] | None = None,
@@ -292,10 +312,27 @@ class PosixLoader(RingLoader[PosixSettings]):
         return starts, nbytes, self._submit(staging, tasks, io), None
 
     def frame_sources(self) -> list[np.ndarray] | None:
-        """The shards' mappings, where whole frames are cropped from the page cache (see `fill_ring`)."""
+        """The shards' mappings, where whole frames are cropped from the page cache (see `fill_ring`); the shared
+        staging buffers, where the workers decode the encoded form for the job's transform."""
+        if self.decodes_in_workers():
+            if self._shared_staging is None:
+                most = int(align_up(self.raw.max_length)) * self.pipeline.batch_size
+                self._shared_staging = [shared_empty((most,), torch.uint8).numpy()
+                                        for _ in range(self.settings.read_ahead + 1)]
+            return self._shared_staging
         if self.through_page_cache():
             return [np.frombuffer(m, np.uint8) for m in self.mapped_shards()]
         return None
+
+    def decodes_in_workers(self) -> bool:
+        """Whether the crop worker processes decode the encoded form's JPEGs (and run the job's transform on them):
+        where the job has a transform, as `crop_in: processes` asks; without one, threads decode (`fill_ring`)."""
+        return self.sample_transform is not None and issubclass(self.filler_class, EncodedJpegs) and \
+            self.settings.crop_in == "processes" and self.device.type != "cuda" and fork_available() and \
+            placement.conversion_tier(self.dataset) is None
+
+    def crops_in_processes(self) -> bool:
+        return self.decodes_in_workers() or super().crops_in_processes()
 
     def _page_cache_crops(self) -> posix_cache.PageCacheCrops:
         """The centre squares' producer through the page cache (`posix_cache`), over the mapped shards."""
@@ -309,6 +346,7 @@ class PosixLoader(RingLoader[PosixSettings]):
         """Unmap the shards (`mapped_shards`) and close the crop workers that inherited them; the next
         epoch maps them again."""
         self.stop_workers()
+        self._shared_staging = None  # the workers' staging goes with them (made again with the next)
         self._check_frames = True
         for mapping in self._maps or []:
             if isinstance(mapping, mmap.mmap):
