@@ -379,3 +379,37 @@ def test_a_webdataset_with_txt_captions_delivers_them(tmp_path):
     boxes = [target["boxes"][0][3] for batch in batches for target in batch[2]["json"]]
     captions = [int(caption.split()[1]) for batch in batches for caption in batch[2]["txt"]]
     assert boxes == captions  # each target is its own sample's
+
+
+def test_parquet_written_by_hugging_face_with_its_images_by_path(tmp_path):
+    """`datasets`' `to_parquet` of images loaded from local files writes each cell's path, not its bytes: the images
+    are read from those files, the extra columns reach the batch, and a changed image file changes the fingerprint
+    and what every path delivers (the incremental conversion does not reuse the stale shard)."""
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    split = own_data.write_folder(tmp_path / "images", count=24)
+    own = own_data.CaptionedJpegs(split)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=own.classes),
+                                  "caption": datasets.Value("string")})
+    hf = datasets.Dataset.from_dict({"image": [str(p) for p, _ in own.files], "label": own.targets,
+                                     "caption": [own.caption(i) for i in range(len(own))]}, features=features)
+    (tmp_path / "pq" / "data").mkdir(parents=True)
+    hf.to_parquet(str(tmp_path / "pq" / "data" / "train-00000-of-00001.parquet"))
+    config = {"dataset": {"path": str(tmp_path / "pq"), "format": "parquet"},
+              "pipeline": {"batch_size": 8, "image_size": 32, "shuffle": False, "dtype": "uint8"}}
+
+    def epochs():
+        return {backend: epoch_of(make_loader(config, backend=backend, **settings))
+                for backend, settings in [("torch", {"num_workers": 0}), ("arrow", {"form": "encoded"})]}
+
+    before = epochs()
+    assert_same(before["torch"], before["arrow"], "arrow against torch")
+    assert [c for batch in before["torch"] for c in batch[2]["caption"]] == [own.caption(i) for i in range(24)]
+    fingerprint = make_loader(config, backend="torch").dataset.fingerprint
+    Image.new("RGB", (50, 50), (200, 0, 0)).save(own.files[0][0], quality=90)
+    after = epochs()
+    assert make_loader(config, backend="torch").dataset.fingerprint != fingerprint
+    assert_same(after["torch"], after["arrow"], "arrow against torch, the image changed")
+    assert not torch.equal(after["arrow"][0][0][0], before["arrow"][0][0][0])
+    assert torch.equal(after["arrow"][0][0][1:], before["arrow"][0][0][1:])

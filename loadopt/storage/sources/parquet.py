@@ -13,11 +13,14 @@ row and stored bytes per sample) is kept in the cache with the files' fingerprin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import fsspec
@@ -60,6 +63,7 @@ class ParquetDataset:
     classes: list[str]
     fingerprint: str
     image_column: str = "image"
+    label_column: str = "label"
     synthetic: bool = False
     converted: str | None = None
     left_out: list[str] = field(default_factory=list)  # samples indexing left out (on_error: skip), named
@@ -70,6 +74,8 @@ class ParquetDataset:
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "parquet"
     row_groups: RowGroupCache = field(default_factory=lambda: RowGroupCache(), repr=False)
+    # The files the consumer reads other columns from (`fields`), opened once (not shared with the readers' threads).
+    field_files: dict[int, pq.ParquetFile] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -93,14 +99,49 @@ class ParquetDataset:
             raise DatasetError(f"{redact(self.path(index))}: no image bytes ({'null' if value is None else 'empty'})")
         return jxl.decodable(value)
 
+    def open_file(self, file: int) -> pq.ParquetFile:
+        """File `file`, opened for reading (a remote one checked against its listing)."""
+        name = self.files[file].decode()
+        expected = int(self.file_bytes[file]) if self.file_bytes is not None else None
+        return pq.ParquetFile(name if self.is_local() else
+                              remote_listing.open_listed(self.fs, name, display_name(self.fs, name), self.listed_at,
+                                                         expected))
+
+    def field_names(self, partial: bool = False) -> list[str]:
+        """The columns besides the image and label (of the first file's schema)."""
+        if 0 not in self.field_files:
+            self.field_files[0] = self.open_file(0)
+        return [name for name in self.field_files[0].schema_arrow.names
+                if name not in (self.image_column, self.label_column)]
+
+    def fields(self, indices: np.ndarray, names: list[str]) -> dict[str, list]:
+        """Columns `names` of the samples, read from their row groups (those columns only), in the samples' order."""
+        out: dict[str, list] = {name: [None] * len(indices) for name in names}
+        tables: dict[tuple[int, int], pa.Table] = {}
+        for k, index in enumerate(indices.tolist()):
+            file, group = int(self.file_of[index]), int(self.group_of[index])
+            table = tables.get((file, group))
+            if table is None:
+                if file not in self.field_files:
+                    self.field_files[file] = self.open_file(file)
+                try:
+                    table = tables[(file, group)] = self.field_files[file].read_row_group(group, columns=names)
+                except (OSError, pa.ArrowException, KeyError) as exc:
+                    raise DatasetError(f"{redact(self.files[file].decode())}: cannot read columns {names} of row "
+                                       f"group {group} ({exc})") from None
+            row = int(self.row_of[index])
+            for name in names:
+                out[name][k] = table.column(name)[row].as_py()
+        return out
+
+    def missing_fields(self, names: list[str]) -> dict[int, str]:
+        return {}  # a column every file has (its schema's); a null cell is None in the batch
+
     def read_group(self, file: int, group: int, handle: pq.ParquetFile | None) -> tuple[pa.Array, pq.ParquetFile]:
         """The image bytes of one row group, and the file opened to read it (`handle`, or opened now)."""
         name = self.files[file].decode()
         if handle is None:
-            expected = int(self.file_bytes[file]) if self.file_bytes is not None else None
-            handle = pq.ParquetFile(name if self.is_local() else
-                                    remote_listing.open_listed(self.fs, name, display_name(self.fs, name),
-                                                               self.listed_at, expected))
+            handle = self.open_file(file)
         try:
             table = handle.read_row_group(group, columns=[self.image_column])
         except (OSError, pa.ArrowException) as exc:
@@ -154,19 +195,66 @@ class RowGroupCache:
         return images
 
 
-def image_bytes(table: pa.Table, column: str, where: str) -> pa.Array:
-    """The image column's bytes: the `bytes` field of Hugging Face's `{bytes, path}` struct, or the column."""
+def image_bytes(table: pa.Table, column: str, where: str, referenced: bool = True) -> pa.Array:
+    """The image column's bytes: the `bytes` field of Hugging Face's `{bytes, path}` struct, or the column. A cell
+    with no bytes but a `path` (what `datasets`' `to_parquet` writes for images it loaded from local files) is that
+    file's bytes where it is on this machine (`referenced`; else left null)."""
     if column not in table.column_names:
         raise DatasetError(f"{redact(where)}: no column {column!r} (columns: {', '.join(table.column_names)}); "
                            "set dataset.columns.image")
-    values = table.column(column).combine_chunks()
-    if pa.types.is_struct(values.type):
-        if values.type.get_field_index("bytes") < 0:
+    cells = table.column(column).combine_chunks()
+    values = cells
+    if pa.types.is_struct(cells.type):
+        if cells.type.get_field_index("bytes") < 0:
             raise DatasetError(f"{redact(where)}: column {column!r} is a struct without a `bytes` field")
-        values = pc.struct_field(values, "bytes")  # a null struct's cell null too (`.field` gives its child's bytes)
+        values = pc.struct_field(cells, "bytes")  # a null struct's cell null too (`.field` gives its child's bytes)
     if not (pa.types.is_binary(values.type) or pa.types.is_large_binary(values.type)):
         raise DatasetError(f"{redact(where)}: column {column!r} holds {values.type}, not image bytes")
+    if referenced and values.null_count:
+        files = referenced_files(cells, where)
+        if any(files):
+            data = [cell if cell is not None or not file else Path(file).read_bytes()
+                    for cell, file in zip(values.to_pylist(), files, strict=True)]
+            values = pa.array(data, type=values.type)
     return values
+
+
+def referenced_files(cells: pa.Array, where: str) -> list[str | None]:
+    """Per cell without bytes, the local file its `path` names (absolute, or beside the Parquet file `where`) where
+    it is one; None for the others."""
+    if not pa.types.is_struct(cells.type) or cells.type.get_field_index("path") < 0:
+        return [None] * len(cells)
+    stored = pc.struct_field(cells, "bytes").is_null().to_pylist()
+    beside = Path(where).parent if "://" not in where else None
+    out: list[str | None] = []
+    for missing, path in zip(stored, pc.struct_field(cells, "path").to_pylist(), strict=True):
+        found = None
+        if missing and path:
+            candidate = Path(path) if Path(path).is_absolute() or beside is None else beside / path
+            found = str(candidate) if candidate.is_file() else None
+        out.append(found)
+    return out
+
+
+def referenced_identity(fingerprint: str, file_keys: list[str] | None, file_of: np.ndarray,
+                        files: np.ndarray) -> tuple[str, list[str] | None]:
+    """`fingerprint` and each Parquet file's key (what an incremental conversion reuses a shard by) with the size and
+    modification time of each image file its cells name folded in (a stat each, as an ImageFolder's cold open
+    does): a changed image is never served from a stale conversion."""
+    per_file: dict[int, Any] = {}
+    for number, name in zip(file_of.tolist(), files.tolist(), strict=True):
+        if name:
+            digest = per_file.setdefault(number, hashlib.sha256())
+            try:
+                stat = os.stat(name)
+                digest.update(name + f"\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            except OSError:
+                digest.update(name + b"\0gone\0")
+    stamps = {number: digest.hexdigest()[:16] for number, digest in per_file.items()}
+    whole = hashlib.sha256((fingerprint + "".join(f"{n}:{d}" for n, d in sorted(stamps.items()))).encode())
+    keys = None if file_keys is None else [key + (f":images {stamps[n]}" if n in stamps else "")
+                                           for n, key in enumerate(file_keys)]
+    return whole.hexdigest()[:16], keys
 
 
 def class_names(schema: pa.Schema, label: str) -> list[str] | None:
@@ -204,6 +292,7 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
     class are named in the notes and left out of the arrays."""
     image, label = columns
     file_of, group_of, row_of, sizes, labels, missing, file_rows = [], [], [], [], [], [], []
+    referenced: list[bytes] = []  # per row, the local file its image is read from ("" where the bytes are stored)
     names_found: list[str] | None = None
     first_schema: pa.Schema | None = None
     for number, name in enumerate(names):
@@ -225,8 +314,12 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
             rows_before = 0
             for group in range(parquet.num_row_groups):
                 table = parquet.read_row_group(group, columns=[image, label])
-                images = image_bytes(table, image, name)
-                lengths = pc.binary_length(images).fill_null(0).to_numpy(zero_copy_only=False)
+                images = image_bytes(table, image, name, referenced=False)
+                lengths = pc.binary_length(images).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+                for row, file in enumerate(referenced_files(table.column(image).combine_chunks(), name)):
+                    if file is not None:  # read from the file its path names (`image_bytes`): its size
+                        lengths[row] = os.path.getsize(file)
+                    referenced.append((file or "").encode())
                 sizes.append(lengths.astype(np.int64))
                 missing.append(images.is_null().to_numpy(zero_copy_only=False))
                 labels += table.column(label).to_pylist()
@@ -253,6 +346,8 @@ def _index_files(fs: fsspec.AbstractFileSystem, names: list[str], columns: tuple
     arrays = {"file_of": runs, "shard_bounds": bounds, "group_of": np.concatenate(group_of or [empty])[kept],
               "row_of": np.concatenate(row_of or [empty])[kept], "sizes": every_size[kept],
               "labels": classes.numbers[kept]}
+    if any(referenced):  # images read from the files their paths name: those files are part of the identity
+        arrays["referenced"] = np.array(referenced, dtype=np.bytes_)[kept]
     return manifest.SampleIndex(arrays=arrays, classes=classes.classes, fingerprint=fingerprint, notes=notes)
 
 
@@ -315,13 +410,15 @@ def open_parquet(path_url: str | list[str], split: str = "train", storage_option
     if not len(index.arrays["sizes"]):
         raise DatasetError(f"{shown}: no rows with image bytes and a class in {len(listing.files)} Parquet file(s)")
     arrays = index.arrays
+    file_keys = listing.file_keys()
+    if "referenced" in arrays:  # images in files the cells name: their sizes and times are part of the identity
+        fingerprint, file_keys = referenced_identity(fingerprint, file_keys, arrays["file_of"], arrays["referenced"])
     return ParquetDataset(root=fs.unstrip_protocol(folder) if not is_local_fs(fs) else folder, fs=fs,
                           files=listing.files, file_of=arrays["file_of"], group_of=arrays["group_of"],
                           row_of=arrays["row_of"], labels=arrays["labels"], sizes=arrays["sizes"],
                           classes=index.classes, fingerprint=fingerprint, image_column=image_column,
-                          file_bytes=listing.sizes, listed_at=listing.listed_at,
-                          shard_bounds=arrays.get("shard_bounds"), file_keys=listing.file_keys(),
-                          left_out=index.notes)
+                          label_column=label_column, file_bytes=listing.sizes, listed_at=listing.listed_at,
+                          shard_bounds=arrays.get("shard_bounds"), file_keys=file_keys, left_out=index.notes)
 
 
 def open_source(request: SourceRequest) -> ParquetDataset:
