@@ -236,8 +236,8 @@ def referenced_files(cells: pa.Array, where: str) -> list[str | None]:
     return out
 
 
-def referenced_identity(fingerprint: str, file_keys: list[str] | None, file_of: np.ndarray,
-                        files: np.ndarray) -> tuple[str, list[str] | None]:
+def referenced_identity(fingerprint: str, file_keys: list[str], file_of: np.ndarray,
+                        files: np.ndarray) -> tuple[str, list[str]]:
     """`fingerprint` and each Parquet file's key (what an incremental conversion reuses a shard by) with the size and
     modification time of each image file its cells name folded in (a stat each, as an ImageFolder's cold open
     does): a changed image is never served from a stale conversion."""
@@ -252,8 +252,7 @@ def referenced_identity(fingerprint: str, file_keys: list[str] | None, file_of: 
                 digest.update(name + b"\0gone\0")
     stamps = {number: digest.hexdigest()[:16] for number, digest in per_file.items()}
     whole = hashlib.sha256((fingerprint + "".join(f"{n}:{d}" for n, d in sorted(stamps.items()))).encode())
-    keys = None if file_keys is None else [key + (f":images {stamps[n]}" if n in stamps else "")
-                                           for n, key in enumerate(file_keys)]
+    keys = [key + (f":images {stamps[n]}" if n in stamps else "") for n, key in enumerate(file_keys)]
     return whole.hexdigest()[:16], keys
 
 
