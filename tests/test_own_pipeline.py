@@ -413,3 +413,20 @@ def test_parquet_written_by_hugging_face_with_its_images_by_path(tmp_path):
     assert_same(after["torch"], after["arrow"], "arrow against torch, the image changed")
     assert not torch.equal(after["arrow"][0][0][0], before["arrow"][0][0][0])
     assert torch.equal(after["arrow"][0][0][1:], before["arrow"][0][0][1:])
+
+
+class Unpicklable(own_data.CaptionedJpegs):
+    def __init__(self, root):
+        super().__init__(root)
+        self.opener = lambda path: path  # a lambda: pickle refuses it
+
+
+def test_a_dataset_that_cannot_be_sent_to_spawned_workers_is_one_line(folder, monkeypatch):
+    import multiprocessing
+
+    loader = make_loader(Unpicklable(folder), backend="torch", num_workers=2, batch_size=8, image_size=32)
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "spawn")
+    with pytest.raises(DatasetError, match=r"^python:(tests\.)?test_own_pipeline.Unpicklable: cannot be sent to the "
+                                           r"worker processes \(start method spawn: .*\): .*; make it picklable, or "
+                                           r"use num_workers=0$"):
+        epoch_of(loader)

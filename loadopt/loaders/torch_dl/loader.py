@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, default_collate
 from typing_extensions import TypedDict
 
 from loadopt.config_models import PipelineConfig
-from loadopt.errors import WorkerDied
+from loadopt.errors import DatasetError, WorkerDied
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
@@ -194,6 +194,23 @@ class _BatchPlan:
         return len(self.batches)
 
 
+def _check_sendable(samples: torch.utils.data.Dataset, where: str) -> None:
+    """Where worker processes are not forked (a script that set the start method to spawn or forkserver), what they
+    read is pickled to them: a dataset object that cannot be is one line naming it, not the DataLoader's traceback."""
+    import multiprocessing
+    import pickle
+
+    method = multiprocessing.get_start_method(allow_none=True) or "fork"
+    if method == "fork":
+        return
+    try:
+        pickle.dumps(samples)
+    except Exception as exc:  # noqa: BLE001 - pickle fails in many ways (PicklingError, AttributeError, TypeError)
+        raise DatasetError(f"{where}: cannot be sent to the worker processes (start method {method}: they are sent "
+                           f"what they read, pickled): {type(exc).__name__}: {str(exc).splitlines()[0]}; make it "
+                           "picklable, or use num_workers=0") from None
+
+
 class TorchLoader(Loader[TorchSettings]):
     name = "torch"
     Settings = TorchSettings
@@ -277,6 +294,8 @@ class TorchLoader(Loader[TorchSettings]):
             samples, collate = RecordSamples(self.dataset), collated
         else:
             samples, collate = _Samples(self), collated if s.variant == "tuned" else _collate_plain
+        if workers:
+            _check_sendable(samples, self.dataset.root)
         return DataLoader(
             samples,
             batch_sampler=self._plan,
