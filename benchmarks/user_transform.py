@@ -63,13 +63,15 @@ def paths(cores: int) -> list[tuple[str, str, dict]]:
             ("dali_external", "dali", {"reader": "external", "num_threads": cores})]
 
 
-def transform_alone_rate(crops: list[np.ndarray], transform: SampleTransform, seed: int, workers: int,
+def transform_alone_rate(crops: list[np.ndarray], transform: SampleTransform, seed: int, epoch: int, workers: int,
                          seconds: float) -> float:
-    """Samples/s of the transform alone on crops made beforehand, in `workers` forked processes."""
+    """Samples/s of the transform alone on crops made beforehand, in `workers` forked processes. Each call is
+    seeded as sample i of the epoch (its own draws: which operations, their magnitudes), over the crops in turn:
+    the operations' mix is the paths' (a few samples' draws repeated would weigh a few operations)."""
     count = len(crops)
 
     def work(i: int) -> None:
-        transform(crops[i % count].copy(), seed, 0, i % count)
+        transform(crops[i % count].copy(), seed, epoch, i)
 
     return rate_in_workers(work, workers, seconds)["samples_per_s"]
 
@@ -88,7 +90,7 @@ def main() -> int:
     transform = SampleTransform(rand_ops, pipeline.transform, pipeline.image_size, pipeline.transform_input)
     dataset = open_dataset(config)
     crops = []
-    for index in range(64):
+    for index in range(256):
         pixels = np.empty((pipeline.image_size, pipeline.image_size, 3), np.uint8)
         transforms.write_sample(dataset.read(index), transforms.torch.from_numpy(pixels).permute(2, 0, 1),
                                 "simplejpeg", "torch", "train", seed, 0, index)
@@ -101,7 +103,7 @@ def main() -> int:
     rates: dict[tuple[str, bool], list[float]] = {}
     ceilings: list[float] = []
     for round_index in range(args.rounds):
-        ceiling = transform_alone_rate(crops, transform, seed, cores, args.ceiling_seconds)
+        ceiling = transform_alone_rate(crops, transform, seed, round_index, cores, args.ceiling_seconds)
         ceilings.append(ceiling)
         for label, backend, settings in chosen:
             measured = {}

@@ -238,6 +238,7 @@ class PosixLoader(RingLoader[PosixSettings]):
         by_workers = self.croppers is not None and self._shared_staging is not None and self.decodes_in_workers()
         staging = self._shared_staging if by_workers else [self._new_staging(most) for _ in range(depth + 1)]
         assert staging is not None
+        in_flight: collections.deque[tuple[int, np.ndarray, int]] = collections.deque()  # sent to the workers
         pending: dict[int, tuple] = {}
         # Whole frames through the page cache: a batch whose frames are all cached is cropped from the
         # shards' mappings (no staging copy of whole frames: the crop reads only its box).
@@ -250,7 +251,7 @@ class PosixLoader(RingLoader[PosixSettings]):
                 for n, indices in enumerate(batches):
                     for ahead in range(n, min(n + depth + 1, len(batches))):
                         if ahead not in pending:
-                            pending[ahead] = self._start(batches[ahead], staging[ahead % (depth + 1)], io, maps,
+                            pending[ahead] = self._start(batches[ahead], staging[ahead % len(staging)], io, maps,
                                                          self._check_frames or mapped_crops.croppers is None)
                     starts, nbytes, reads, shards = pending.pop(n)
                     mapped = shards is not None and maps is not None
@@ -266,26 +267,42 @@ class PosixLoader(RingLoader[PosixSettings]):
                         mapped_crops.start(slot, indices, shards, starts, nbytes, planned, finisher, pool)
                         continue
                     if by_workers:  # decoded by the workers from the shared staging buffer; its reads are done
-                        self._decode_by_workers(slot, indices, staging, n % (depth + 1), starts, nbytes, epoch, ready)
+                        self._decode_by_workers(slot, indices, staging, n % len(staging), starts, nbytes, epoch,
+                                                in_flight, ready)
                         continue
-                    filled = filler.fill(ring[slot], indices, self._staged(staging[n % (depth + 1)], starts, indices,
+                    filled = filler.fill(ring[slot], indices, self._staged(staging[n % len(staging)], starts, indices,
                                                                            nbytes), epoch, pool)
                     ready.put((slot, *filled))
                 mapped_crops.collect(0)
+                while in_flight:
+                    self._hand_over(in_flight, ready)
         finally:
-            if mapped_crops.croppers is not None:
-                mapped_crops.croppers.drain()  # an epoch stopped early: its batches' replies must not meet the next
+            workers = mapped_crops.croppers or (self.croppers if by_workers else None)
+            if workers is not None:  # an epoch stopped early: its batches' replies must not meet the next
+                workers.drain()
 
     def _decode_by_workers(self, slot: int, indices: np.ndarray, staging: list[np.ndarray], which: int,
-                           starts: np.ndarray, nbytes: int, epoch: int, ready: queue.Queue) -> None:
-        """Batch `indices`, read into `staging[which]`, decoded and transformed by the crop workers into ring slot
-        `slot`; waited for here, so that the buffer is free before the reads of a later batch go into it."""
+                           starts: np.ndarray, nbytes: int, epoch: int,
+                           in_flight: collections.deque[tuple[int, np.ndarray, int]], ready: queue.Queue) -> None:
+        """Batch `indices`, read into `staging[which]`, sent to the crop workers to decode and transform into ring
+        slot `slot`; the batch before it then handed over. Two in flight, as arrow's: a worker done with its share
+        of one goes on to the next (the shares of a batch end apart: a transform's cost varies by sample), and the
+        staging has a buffer more than the reads ahead, so none is read into while the workers decode it."""
         croppers = self.croppers
         assert croppers is not None, "only where the workers run"
         lengths = self.raw.locate(indices)[2]
         located = Located(staging, np.full(len(indices), which, np.int32), starts, lengths, nbytes)
         self.filler.send(croppers, slot, indices, located, epoch, release=False)
-        ready.put((slot, indices, croppers.receive().failures, nbytes))
+        in_flight.append((slot, indices, nbytes))
+        if len(in_flight) > 1:
+            self._hand_over(in_flight, ready)
+
+    def _hand_over(self, in_flight: collections.deque[tuple[int, np.ndarray, int]], ready: queue.Queue) -> None:
+        """The oldest batch sent to the workers, once they are done with it, to the consumer."""
+        assert self.croppers is not None, "only where the workers run"
+        failures = self.croppers.receive().failures
+        slot, indices, nbytes = in_flight.popleft()
+        ready.put((slot, indices, failures, nbytes))
 
     def _start(self, indices: np.ndarray, staging: np.ndarray, io: ThreadPoolExecutor,
                maps: list[np.ndarray] | None = None,
@@ -317,8 +334,9 @@ class PosixLoader(RingLoader[PosixSettings]):
         if self.decodes_in_workers():
             if self._shared_staging is None:
                 most = int(align_up(self.raw.max_length)) * self.pipeline.batch_size
+                # one buffer more than the reads ahead: the batch the workers still decode keeps its own
                 self._shared_staging = [shared_empty((most,), torch.uint8).numpy()
-                                        for _ in range(self.settings.read_ahead + 1)]
+                                        for _ in range(self.settings.read_ahead + 2)]
             return self._shared_staging
         if self.through_page_cache():
             return [np.frombuffer(m, np.uint8) for m in self.mapped_shards()]
