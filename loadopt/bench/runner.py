@@ -534,7 +534,10 @@ def _measured_apart(setting: Setting, config: Config, dataset: Dataset, ranks: d
 
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child_measures, daemon=True, name=f"loadopt-run-{setting.backend}",
+    # Not daemonic: the run may start worker processes of its own (the job's transform on dali), which Python
+    # refuses a daemonic process. It ends with this one all the same: killed below on a stop, and on its own
+    # when this process is gone (its next message meets a closed pipe).
+    child = context.Process(target=_child_measures, daemon=False, name=f"loadopt-run-{setting.backend}",
                             args=(send, setting, config, dataset, ranks, accelerator, workload, screen))
     child.start()
     send.close()

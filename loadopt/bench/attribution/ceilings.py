@@ -177,7 +177,9 @@ def decode_rates(config: Config, dataset: Dataset, workers: int | None = None) -
 
     out = DecodeRates(cores=cores, workers=workers, pil=rate_of("pil", "pil", blobs),
                       fast=rate_of(fast, "torch", blobs), stored=rate_of(fast, "torch", stored))
-    if "dali" in config.loaders:  # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's
+    # DALI's own CPU engine: its rate per thread differs from PIL's and simplejpeg's. Not with the job's transform:
+    # DALI then runs loadopt's decode and the transform in worker processes, held to the `fast` rate (which has it).
+    if "dali" in config.loaders and config.pipeline.transform is None:
         out.dali = _guarded(DecodeRate, _dali_engine_rate, config, dataset, cores)
     return out
 

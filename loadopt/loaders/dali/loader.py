@@ -32,9 +32,11 @@ import torch
 
 from loadopt.errors import BackendUnavailable, ConfigError, DatasetError, LoadoptError
 from loadopt.loaders.base import HostBatch, Loader, LoaderState, WorkKind
+from loadopt.loaders.crop_processes import fork_available
 from loadopt.loaders.dali.feed import Columns, Feed, Prepared, SampleFeed, dali_error, pil_refusal, plan_batch
 from loadopt.loaders.dali.pipeline import DaliGraph, NativeFiles
 from loadopt.loaders.dali.settings import DaliSettings
+from loadopt.loaders.dali.workers import SampleWorkers
 from loadopt.loaders.sampler import EpochOrder
 from loadopt.loaders.serving import RequestPath
 from loadopt.recipe import Recipe
@@ -88,6 +90,7 @@ class DaliLoader(Loader[DaliSettings]):
         self._pipe: Any = None
         self._refused: dict[int, str] | None = None  # screen_samples: the samples PIL refused, index -> why
         self._native_done = 0  # native: batches DALI has delivered in its current epoch
+        self._sample_workers: SampleWorkers | None = None  # the job's transform: its worker processes
 
     # -- the registry's questions ----------------------------------------------------------------
 
@@ -275,8 +278,22 @@ class DaliLoader(Loader[DaliSettings]):
         native = None
         if self.settings.reader == "native":
             native = NativeFiles(self.dataset.local_files(), self.rank, self.world_size)
-        graph = self.graph if self.sample_transform is None else replace(self.graph, transform=self.sample_transform)
+        graph = self.graph
+        if self.sample_transform is not None:
+            workers = self.sample_workers()
+            graph = replace(graph, transform=self.sample_transform, batch_maker=workers)
+            if workers is not None:
+                workers.epoch = self.epoch
         return graph.build(source, self.epoch, depth, native)
+
+    def sample_workers(self) -> SampleWorkers | None:
+        """The worker processes that make each batch's samples for the job's transform (forked once, before DALI's
+        pipeline starts its threads); None where fork is unavailable (DALI's Python operator then makes them)."""
+        if self._sample_workers is None and fork_available() and self.sample_transform is not None:
+            most = int(self.dataset.sizes.max()) * self.pipeline.batch_size * 2  # room for a batch of large ones
+            self._sample_workers = SampleWorkers(self.pipeline, self.seed, self.sample_transform,
+                                                 max(1, self.settings.num_threads), most)
+        return self._sample_workers
 
     def engine_rate(self, batches: int = 6) -> tuple[float, float]:
         """(images/s, CPU seconds per wall second) of this pipeline alone: decode, crop, resize, flip and
@@ -336,6 +353,8 @@ class DaliLoader(Loader[DaliSettings]):
                 try:
                     (images,) = self.graph.run(pipe)
                     indices, failures = prepared.indices, prepared.failures
+                    if self._sample_workers is not None and self._sample_workers.failures:
+                        images, indices, failures = self._without_failed(images, indices, failures)
                 except RuntimeError as exc:  # a sample DALI cannot decode fails its whole batch
                     del pipe
                     images, indices, failures = self._isolate(prepared, exc)
@@ -345,6 +364,16 @@ class DaliLoader(Loader[DaliSettings]):
                 yield self._host_batch(images, indices, failures, prepared.bytes_read)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _without_failed(self, images: torch.Tensor, indices: np.ndarray, failures: list[tuple[int, str]]
+                        ) -> tuple[torch.Tensor, np.ndarray, list[tuple[int, str]]]:
+        """The batch less the samples the transform's workers could not make (`SampleWorkers.failures`), those added
+        to its failures."""
+        assert self._sample_workers is not None
+        failed = self._sample_workers.failures
+        kept = np.array([int(i) not in failed for i in indices.tolist()], dtype=bool)
+        lost = [(int(i), failed.pop(int(i))) for i in indices[~kept].tolist()]
+        return images[torch.from_numpy(kept)], indices[kept], [*failures, *lost]
 
     def _isolate(self, prepared: Prepared, exc: RuntimeError) -> tuple[torch.Tensor, np.ndarray, list[tuple[int, str]]]:
         """Decode a failed batch sample by sample: the good samples' images, indices, and the failures."""
@@ -386,6 +415,9 @@ class DaliLoader(Loader[DaliSettings]):
     def close(self) -> None:
         self._pipe = None
         self._views = None
+        if self._sample_workers is not None:
+            self._sample_workers.close()
+            self._sample_workers = None
 
 
 def _dali_shard_order(loader: DaliLoader) -> EpochOrder:

@@ -58,6 +58,9 @@ class DaliGraph:
     # The job's own per-sample transform: each sample then made by loadopt's decode, crop and the transform in
     # DALI's Python operator (`python_function`), the same pixels as every other path; DALI batches and finishes.
     transform: SampleTransform | None = None
+    # With the transform: each batch made by worker processes (`dali.workers.SampleWorkers`, DALI's batch-mode
+    # Python operator); None: one sample at a time in DALI's Python operator (`sample_maker`).
+    batch_maker: Callable[[list[np.ndarray], list[np.ndarray]], list[np.ndarray]] | None = None
 
     def normalised(self) -> bool:
         """Whether DALI normalises (float output), rather than the device finishing uint8 pixels."""
@@ -90,8 +93,12 @@ class DaliGraph:
             elif self.transform is not None:
                 data, index = fn.external_source(source=source, num_outputs=2, batch=True, no_copy=True,
                                                  dtype=[types.UINT8, types.INT64])
-                images = fn.python_function(data, index, function=self.sample_maker(epoch), batch_processing=False,
-                                            num_outputs=1, output_layouts="HWC")
+                if self.batch_maker is not None:
+                    images = fn.python_function(data, index, function=self.batch_maker, batch_processing=True,
+                                                num_outputs=1, output_layouts="HWC")
+                else:
+                    images = fn.python_function(data, index, function=self.sample_maker(epoch),
+                                                batch_processing=False, num_outputs=1, output_layouts="HWC")
                 labels, crop, mirror = None, None, 0
             else:
                 data, anchor, shape, roi_start, roi_end = fn.external_source(
