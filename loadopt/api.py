@@ -147,6 +147,8 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     if "on_error" in overrides:  # the dataset's policy, for a dataset object with no config to hold it
         config = config.model_copy(deep=True)
         config.dataset.on_error = overrides.pop("on_error")
+    if transform is None:  # the config's transform imports, before any dataset is opened (or generated)
+        SampleTransform.of_pipeline(config.pipeline)
     if is_config(config_or_path):
         dataset: Dataset = open_dataset(config, split, relist=relist)
     else:  # the job's own dataset object, with the defaults of every other key
