@@ -24,10 +24,11 @@ from pydantic import BaseModel, ConfigDict
 
 from loadopt.config_models import PipelineConfig
 from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
-from loadopt.errors import ConfigError, DatasetError, shown_name
+from loadopt.errors import DatasetError, shown_name
+from loadopt.loaders.fields import Batch, collate_fields, fields_to_carry
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
 from loadopt.loaders.sample_transform import SampleTransform
-from loadopt.loaders.sampler import EpochOrder, ShardWindows
+from loadopt.loaders.sampler import EpochOrder, LoaderSampler, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
 from loadopt.storage.dataset import Dataset, SampleFields
@@ -73,44 +74,6 @@ def work_kind_of_recipe(recipe: Recipe | None) -> WorkKind:
     if stored.startswith("centre"):
         return WorkKind.PIXEL_COPY
     return WorkKind.JPEG_DECODE
-
-
-# What iterating a loader yields: (inputs, labels), and the fields of `Loader.field_names` where there are any.
-Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
-
-
-def fields_to_carry(dataset: Dataset, pipeline: PipelineConfig) -> list[str]:
-    """The fields each batch carries: `pipeline.fields`, each one the dataset's samples have (else one line
-    naming it); null: every field the dataset has."""
-    has = dataset.field_names() if isinstance(dataset, SampleFields) else []
-    if pipeline.fields is None:
-        return has
-    # a field only some samples have may be named: the others fail (`missing_fields`)
-    some = dataset.field_names(partial=True) if isinstance(dataset, SampleFields) else []
-    unknown = [name for name in pipeline.fields if name not in some]
-    if unknown:
-        raise ConfigError(f"pipeline.fields: {dataset.root} has no field {unknown[0]!r} (its fields: "
-                          f"{', '.join(has) or 'none besides the image and label'})")
-    return list(pipeline.fields)
-
-
-def collate_fields(fields: dict[str, list]) -> dict[str, Any]:
-    """A batch's fields as training code takes them: numbers (and equal-length lists of them) as a tensor, anything
-    else (strings, JSON objects, lists of boxes of varying length) as a list in the batch's order."""
-    out: dict[str, Any] = {}
-    for name, values in fields.items():
-        try:
-            tensor = torch.as_tensor(values) if values and all(_numeric(v) for v in values) else None
-        except (TypeError, ValueError, RuntimeError):  # ragged lists
-            tensor = None
-        out[name] = tensor if tensor is not None else list(values)
-    return out
-
-
-def _numeric(value: Any) -> bool:
-    if isinstance(value, bool | int | float | np.number):
-        return True
-    return isinstance(value, list | tuple | np.ndarray) and all(_numeric(v) for v in value)
 
 
 class LoaderState(TypedDict):
@@ -490,21 +453,3 @@ class Loader(ABC, Generic[SettingsT]):
         if read is None:
             read = int(sizes[batch.indices].sum()) + int(sizes[failed].sum())
         self.counters.bytes_read += read
-
-
-class LoaderSampler:
-    """A loader's order in a DataLoader's `sampler` shape: `set_epoch(epoch)` starts that epoch (what Lightning's
-    loops and Accelerate call on `loader.sampler`), iterating gives this rank's sample indices of the epoch."""
-
-    def __init__(self, loader: Loader) -> None:
-        self.loader = loader
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        for batch in self.loader.order().batches(0):
-            yield from batch.tolist()
-
-    def __len__(self) -> int:
-        return sum(len(batch) for batch in self.loader.order().batches(0))

@@ -23,9 +23,9 @@ ran out (ranks' shares differ by at most one sample, which can leave one rank a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, Protocol, overload
 
 import numpy as np
 
@@ -213,3 +213,29 @@ class EpochOrder:
             j = int(np.searchsorted(ends, position, side="right"))
             return np.int64(self.windows.table.bounds[permuted[j]] + position - starts[j])
         return epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle == "global")[position]
+
+
+class Ordered(Protocol):
+    """What a `LoaderSampler` asks of its loader (`loaders.base.Loader` answers it)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def order(self) -> EpochOrder: ...
+
+
+class LoaderSampler:
+    """A loader's order in a DataLoader's `sampler` shape: `set_epoch(epoch)` starts that epoch (what Lightning's
+    loops and Accelerate call on `loader.sampler`), iterating gives this rank's sample indices of the epoch."""
+
+    def __init__(self, loader: Ordered) -> None:
+        self.loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.loader.order().batches(0):
+            yield from batch.tolist()
+
+    def __len__(self) -> int:
+        return sum(len(batch) for batch in self.loader.order().batches(0))

@@ -41,14 +41,12 @@ from loadopt.storage.sources.format import (
 )
 from loadopt.storage.sources.request import IndexThrough, SourceRequest
 from loadopt.storage.sources.shards import ShardTable
+from loadopt.storage.sources.tar_fields import FIELD_MAX_BYTES, FIELDS_RULE, field_arrays, field_value
 
 log = logging.getLogger(__name__)
 
 IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "jxl")
-# A sample's other members up to this size are its fields (a `txt` caption, a `json` target), read while indexing
-# and kept in the index: a batch's fields cost no read. Larger ones (a depth map, a clip) are not fields.
-FIELD_MAX_BYTES = 64 << 10
-FIELDS_RULE = "fields<=64KiB"  # in the index's identity: an index made before fields were kept is made again
+
 BLOCK = 512
 INDEX_BLOCK_BYTES = 8 << 20  # a remote shard's reads while it is indexed
 INDEX_STREAMS = 4  # remote shards indexed at once
@@ -382,31 +380,6 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
               "keys": np.array([k.encode() for k in keys], dtype=np.bytes_)[kept],
               **field_arrays([f for f, keep in zip(fields, kept.tolist(), strict=True) if keep])}
     return manifest.SampleIndex(arrays=arrays, classes=classes.classes, fingerprint=fingerprint, notes=left_out)
-
-
-def field_arrays(fields: list[dict[str, bytes]]) -> dict[str, np.ndarray]:
-    """Each field's members as index arrays: `field-<ext>-data` (their bytes end to end), `field-<ext>-ends` (where
-    each sample's ends) and `field-<ext>-has` (whether the sample has one)."""
-    out = {}
-    for extension in sorted({name for sample in fields for name in sample}):
-        values = [sample.get(extension) for sample in fields]
-        out[f"field-{extension}-data"] = np.frombuffer(b"".join(v or b"" for v in values), np.uint8).copy()
-        out[f"field-{extension}-ends"] = np.cumsum([len(v or b"") for v in values], dtype=np.int64)
-        out[f"field-{extension}-has"] = np.array([v is not None for v in values], dtype=bool)
-    return out
-
-
-def field_value(extension: str, data: bytes) -> object:
-    """A field member's value as training code takes it: text for `txt` (and other text), parsed `json`, the number
-    of a `cls`/`id`/`index`, else the bytes."""
-    if extension.endswith("json"):
-        return json.loads(data)
-    if extension.endswith(("cls", "cls2", "id", "index")):
-        text = data.strip().decode("utf-8", "replace")
-        return int(text) if text.lstrip("-").isdigit() else text
-    if extension.endswith(("txt", "text", "caption")):
-        return data.decode("utf-8", "replace")
-    return data
 
 
 def listing_key(path_url: str, split: str, storage_options: dict[str, Any] | None,
