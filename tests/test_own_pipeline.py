@@ -93,7 +93,7 @@ def test_the_transform_is_run_and_seeded_per_sample(folder):
     assert torch.equal(torch.cat([x for x, _ in alone]), torch.cat([x for x, _ in transformed]))
 
 
-@pytest.mark.parametrize("resumed_on", ["arrow", "posix"])
+@pytest.mark.parametrize("resumed_on", ["arrow", "posix", "dali"])
 def test_a_resume_on_another_path_continues_with_the_same_draws(folder, resumed_on):
     dataset = own_data.CaptionedSamples(folder)
     common = {"batch_size": 8, "image_size": 48, "shuffle": True, "seed": 5, "dtype": "uint8",
@@ -102,7 +102,8 @@ def test_a_resume_on_another_path_continues_with_the_same_draws(folder, resumed_
     first = make_loader(dataset, backend="torch", num_workers=2, **common)
     head = epoch_of(first, batches=2)
     state = first.state_dict()
-    rest_loader = make_loader(dataset, backend=resumed_on, form="encoded", **common)
+    rest_loader = make_loader(dataset, backend=resumed_on, **({} if resumed_on == "dali" else {"form": "encoded"}),
+                              **common)
     rest_loader.load_state_dict(state)
     assert_same(whole, head + epoch_of(rest_loader), f"torch for 2 batches, then {resumed_on}")
 
