@@ -217,18 +217,31 @@ def _huggingface(ds: Any, config: Config, where: str, version: str | None) -> Us
     labels = np.asarray(ds[label], dtype=np.int64) if label is not None else np.zeros(count, np.int64)
     names = getattr(features.get(label), "names", None) if label is not None else None
     classes = list(names) if names else [str(c) for c in range(int(labels.max(initial=0)) + 1)]
-    stored = undecoded.data.column(image)
-    sizes = np.asarray([_stored_length(stored[i].as_py()) for i in range(count)], np.int64)
+    sizes = _stored_lengths(undecoded, image)
     identity = version or getattr(ds, "_fingerprint", None) or ""
     fingerprint = hashlib.sha256(f"{where}\0{identity}\0{count}\0{image}\0{label}".encode()).hexdigest()[:16]
     others = [name for name in features if name not in (image, label)]
     return UserDataset(undecoded, where, labels, sizes, classes, fingerprint, image, others)
 
 
-def _stored_length(value: Any) -> int:
-    if isinstance(value, dict):
-        value = value.get("bytes") or b""
-    return len(value) if isinstance(value, bytes | bytearray) else 0
+def _stored_lengths(ds: Any, column: str) -> np.ndarray:
+    """Each row's stored image bytes, counted by Arrow over the column alone, a block of rows at a time (in the
+    dataset's own order, a selection or shuffle included; never the images as Python objects). A cell with a path
+    and no bytes counts its file's size."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out = []
+    for block in ds.select_columns([column]).with_format("arrow").iter(batch_size=8192):
+        cells = block.column(column)
+        values = pc.struct_field(cells, "bytes") if pa.types.is_struct(cells.type) else cells
+        lengths = pc.binary_length(values).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        if pa.types.is_struct(cells.type) and values.null_count:
+            paths = pc.struct_field(cells, "path").to_pylist()
+            for row in np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False)).tolist():
+                lengths[row] = os.path.getsize(paths[row]) if paths[row] and os.path.isfile(paths[row]) else 0
+        out.append(lengths)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 def _key_of(item: Any, configured: str, known: tuple[str, ...], position: int, where: str, what: str,
