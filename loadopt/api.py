@@ -39,6 +39,9 @@ FALLBACK_ORDER = ("dali", "arrow", "kvikio", "posix", "torch")
 def _as_config(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]) -> Config:
     if isinstance(config_or_path, dict):
         return config_from_dict(config_or_path, "<dict>")
+    if isinstance(config_or_path, str | os.PathLike) and os.path.isdir(config_or_path):
+        # a dataset's folder (an ImageFolder, shards, Parquet, a save_to_disk folder) with every other key's default
+        return config_from_dict({"dataset": {"path": os.fspath(config_or_path)}}, os.fspath(config_or_path))
     return load_config(config_or_path)
 
 
@@ -115,7 +118,8 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     """A loader for `split` of the configured dataset, iterating `(inputs, labels)` on `device`.
 
     In place of a config, the job's own dataset object (a map-style torch `Dataset` of `(image, target)` or dict
-    items, a Hugging Face `datasets.Dataset`): read through its own `[i]`, with the config's defaults.
+    items, a Hugging Face `datasets.Dataset`): read through its own `[i]`, with the config's defaults; or a
+    dataset's folder (`dataset.path`, with the config's defaults).
     `transform(image) -> image` is the job's own per-sample transform (as `pipeline.transform`): run after
     loadopt's crop (`augment="none"`: in its place) in the backend's workers, Python's, NumPy's and torch's
     generators seeded from (seed, epoch, sample index) before each call, so every backend draws the same.

@@ -100,9 +100,9 @@ class ParquetColumns(_Strict):
 class DatasetConfig(_Strict):
     kind: Literal["images", "tokens", "records"] = "images"
     path: str | None = None
-    # How `path` stores the images: `auto` tells an ImageFolder, WebDataset tar shards and Parquet files
-    # apart by what the path holds.
-    format: Literal["auto", "imagefolder", "webdataset", "parquet"] = "auto"
+    # How `path` stores the images: `auto` tells an ImageFolder, WebDataset tar shards, Parquet files and a Hugging
+    # Face `save_to_disk` folder apart by what the path holds.
+    format: Literal["auto", "imagefolder", "webdataset", "parquet", "huggingface"] = "auto"
     # "package.module:function" returning the job's own dataset (a map-style torch Dataset, a Hugging Face
     # `datasets.Dataset`), or (dataset, version): read in place of `path`, the version naming its contents.
     factory: str | None = None

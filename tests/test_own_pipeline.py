@@ -431,3 +431,24 @@ def test_a_dataset_that_cannot_be_sent_to_spawned_workers_is_one_line(folder, mo
                                            r"worker processes \(start method spawn: .*\): .*; make it picklable, or "
                                            r"use num_workers=0$"):
         epoch_of(loader)
+
+
+def test_a_save_to_disk_folder_is_a_dataset_path(folder, tmp_path):
+    """A Hugging Face `save_to_disk` folder, named as `dataset.path` or handed to `make_loader` as a folder (a
+    DatasetDict's split by `split`), is read as the dataset it holds, with its class names and columns."""
+    datasets = pytest.importorskip("datasets")
+    own = own_data.CaptionedJpegs(folder)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=own.classes),
+                                  "caption": datasets.Value("string")})
+    hf = datasets.Dataset.from_dict({"image": [str(p) for p, _ in own.files], "label": own.targets,
+                                     "caption": [own.caption(i) for i in range(len(own))]}, features=features)
+    datasets.DatasetDict({"train": hf, "validation": hf.select(range(8))}).save_to_disk(str(tmp_path / "saved"))
+    reference = epoch_of(make_loader(hf, backend="torch", num_workers=0, batch_size=8, shuffle=False))
+    config = {"dataset": {"path": str(tmp_path / "saved")}, "pipeline": {"batch_size": 8, "shuffle": False}}
+    for given in (config, str(tmp_path / "saved")):
+        loader = make_loader(given, backend="arrow", form="encoded", batch_size=8, shuffle=False)
+        assert loader.dataset.classes == own.classes
+        assert_same(reference, epoch_of(loader), f"{given!r} on arrow")
+    assert len(make_loader(str(tmp_path / "saved"), "validation", backend="torch", num_workers=0).dataset) == 8
+    with pytest.raises(DatasetError, match=r"saved: no split 'test' \(its splits: train, validation\)"):
+        make_loader(str(tmp_path / "saved"), "test", backend="torch")

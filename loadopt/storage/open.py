@@ -31,8 +31,11 @@ OPENERS: dict[str, str] = {
     "tokens": "loadopt.storage.sources.tokens",
     "synthetic": "loadopt.storage.sources.synthetic",
     "factory": "loadopt.storage.sources.user",
+    "huggingface": "loadopt.storage.sources.user",  # a `save_to_disk` folder, read as the dataset it holds
 }
 Opener = Callable[[SourceRequest], Dataset]
+# Sources read through a dataset object (its own `[i]`), not files: no tier or shard cache is laid over them.
+OBJECT_SOURCES = ("factory", "huggingface")
 
 
 def opener(name: str) -> Opener:
@@ -47,9 +50,9 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     a bounded local cache of its files over the tier. Its listing is the saved one where there is one (a remote
     dataset's, a local ImageFolder's while its folders are unchanged); `relist` lists it again (`--relist`).
 
-    Tokens and records are the `dataset.kind`s of those names; images are an ImageFolder, WebDataset tar shards or
-    Parquet files (`dataset.format`, or what the path holds), the object `dataset.factory` returns, or the synthetic
-    set where there is no path."""
+    Tokens and records are the `dataset.kind`s of those names; images are an ImageFolder, WebDataset tar shards,
+    Parquet files or a Hugging Face `save_to_disk` folder (`dataset.format`, or what the path holds), the object
+    `dataset.factory` returns, or the synthetic set where there is no path."""
     tier = resolve_tier(config.storage.tier, where=f"{config.source}: storage.tier")
     if config.dataset.kind == "tokens" or config.dataset.factory is not None:
         what = "token corpora are memory-mapped from a local file" if config.dataset.kind == "tokens" else \
@@ -62,7 +65,14 @@ def open_dataset(config: Config, split: str = "train", progress: Callable[[int, 
     path = dataset_root(tier, config.dataset.path, where=config.source)
     request = SourceRequest(config, split, path, tier.storage_options, progress, relist,
                             _index_through_cache(config, tier, path))
-    dataset = opener(source_name(request))(request)
+    name = source_name(request)
+    if name in OBJECT_SOURCES:  # read through the dataset object it holds: no files of its own for a tier to limit
+        if tier.base is not None or tier.emulates():
+            raise ConfigError(f"{config.source}: storage.tier: a Hugging Face save_to_disk folder is read through "
+                              "its dataset object; tiers apply to image datasets read from files (use storage.tier: "
+                              "local)")
+        return opener(name)(request)
+    dataset = opener(name)(request)
     # `fs` and `converted` are set on the dataset classes, which all have them as plain attributes
     opened = cast(Any, dataset)
     opened.fs = tier_filesystem(tier, dataset.fs)  # reads go through the tier (itself when it imposes nothing)

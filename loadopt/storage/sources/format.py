@@ -109,9 +109,14 @@ def _kinds(fs: fsspec.AbstractFileSystem, folder: str) -> tuple[list[str], list[
     return tars, parquets, folders, compressed
 
 
+# What `datasets`' `save_to_disk` leaves in its folder: a Dataset's state, or a DatasetDict's list of splits.
+HUGGING_FACE_MARKERS = ("state.json", "dataset_dict.json")
+
+
 def detect_format(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: str) -> str:
-    """imagefolder, webdataset or parquet, by what `path` holds; a path that is none of them is a
-    DatasetError naming what is there. A missing path is left to the ImageFolder's own message."""
+    """imagefolder, webdataset, parquet or huggingface (a `save_to_disk` folder), by what `path` holds; a path that
+    is none of them is a DatasetError naming what is there. A missing path is left to the ImageFolder's own
+    message."""
     if path.lower().endswith(COMPRESSED_TARS) and not any(c in path for c in GLOB_CHARS) and not BRACE.search(path):
         raise compressed_tars([shown])
     if BRACE.search(path) or path.endswith(".tar") or any(c in path for c in GLOB_CHARS) and ".tar" in path:
@@ -120,6 +125,8 @@ def detect_format(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: s
         return "parquet"
     if not fs.exists(path) or not fs.isdir(path):
         return "imagefolder"
+    if any(fs.exists(f"{path.rstrip('/')}/{marker}") for marker in HUGGING_FACE_MARKERS):
+        return "huggingface"
     tars, parquets, folders, compressed = _kinds(fs, path)
     if tars:
         return "webdataset"
@@ -139,7 +146,8 @@ def detect_format(fs: fsspec.AbstractFileSystem, path: str, split: str, shown: s
     files = [info["name"].rstrip("/").rsplit("/", 1)[-1] for info in fs.ls(path, detail=True)]
     listed = ", ".join(sorted(files)[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
     raise DatasetError(f"{shown}: not a dataset loadopt reads (found {len(files)} file(s): {listed or 'nothing'}; "
-                       "expected class folders (ImageFolder), .tar shards (WebDataset) or .parquet files)")
+                       "expected class folders (ImageFolder), .tar shards (WebDataset), .parquet files or a Hugging "
+                       "Face save_to_disk folder)")
 
 
 # Part of the identity of tar and Parquet indexes and listings: indexes built under the earlier rule (a

@@ -87,9 +87,11 @@ class UserDataset:
 
 def open_source(request: SourceRequest) -> UserDataset:
     """The dataset `dataset.factory` returns for the request's split (the factory called with `split=` where it
-    takes one): the object, or (object, version) where a version string names its contents."""
+    takes one): the object, or (object, version) where a version string names its contents. Without a factory, the
+    Hugging Face `save_to_disk` folder at the request's path (a DatasetDict's split)."""
     spec = request.config.dataset.factory
-    assert spec is not None, "the factory source opens configs with dataset.factory"
+    if spec is None:
+        return _saved(request)
     factory = import_named(spec, "dataset.factory")
     if not callable(factory):
         raise ConfigError(f"dataset.factory: {spec!r} is a {type(factory).__name__}, not a function")
@@ -106,6 +108,26 @@ def open_source(request: SourceRequest) -> UserDataset:
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], str):
         made, version = made
     return from_object(made, request.config, f"factory {spec}", version, request.progress, request.split)
+
+
+def _saved(request: SourceRequest) -> UserDataset:
+    """A `save_to_disk` folder: its Dataset, or its DatasetDict's split."""
+    assert request.path is not None, "a saved folder is opened where it is"
+    try:
+        import datasets  # type: ignore[import-untyped]
+    except ImportError:
+        raise ConfigError(f"{request.path}: a Hugging Face save_to_disk folder; reading it needs the datasets "
+                          "package (pip install 'loadopt[trainers]')") from None
+    try:
+        saved = datasets.load_from_disk(request.path, storage_options=request.storage_options)
+    except Exception as exc:  # noqa: BLE001 - the library's own failure on a damaged or partial folder
+        raise DatasetError(f"{request.path}: cannot load the saved dataset ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else 'no message'})") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if request.split not in saved:
+            raise DatasetError(f"{request.path}: no split {request.split!r} (its splits: {', '.join(saved)})")
+        saved = saved[request.split]
+    return from_object(saved, request.config, f"{request.path}", None, request.progress, request.split)
 
 
 def from_object(obj: Any, config: Config, name: str | None = None, version: str | None = None,
@@ -200,7 +222,7 @@ def _read_all(obj: Any, first: Any, image_key: str | int, label_key: str | int |
 def _huggingface(ds: Any, config: Config, where: str, version: str | None) -> UserDataset:
     """A Hugging Face dataset: its image column read undecoded (the stored bytes), its labels from their column,
     its fingerprint the library's own (it changes with every transformation of the data) or `version`."""
-    from datasets import Image as ImageFeature  # type: ignore[import-untyped]
+    from datasets import Image as ImageFeature
 
     columns = config.dataset.columns
     features = ds.features
