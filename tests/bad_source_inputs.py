@@ -107,7 +107,8 @@ def no_dataset_format_in_the_folder(tmp_path, cache):
     (tmp_path / "notes" / "readme.txt").write_text("not a dataset")
     config = write_config(tmp_path, dataset={"path": str(tmp_path / "notes")})
     return Setup(["bench", str(config)], f"{tmp_path / 'notes'}: not a dataset loadopt reads (found 1 file(s): "
-                 "readme.txt; expected class folders (ImageFolder), .tar shards (WebDataset) or .parquet files)",
+                 "readme.txt; expected class folders (ImageFolder), .tar shards (WebDataset), .parquet files or a "
+                 "Hugging Face save_to_disk folder)",
                  config=config, backend="torch")
 
 
