@@ -21,6 +21,7 @@ from .bad_cli_inputs import CLI_CASES
 from .bad_convert_inputs import CONVERT_CASES
 from .bad_integrity_inputs import INTEGRITY_CASES
 from .bad_label_inputs import LABEL_CASES
+from .bad_pipeline_inputs import PIPELINE_CASES
 from .bad_recompress_inputs import RECOMPRESS_CASES
 from .bad_remote_inputs import REMOTE_CASES
 from .bad_serving_inputs import (
@@ -335,6 +336,7 @@ CASES = {  # name: (setup, exit code)
     **LABEL_CASES,
     **CLI_CASES,
     **BENCH_CASES,
+    **PIPELINE_CASES,
 }
 
 
