@@ -275,7 +275,7 @@ def _build(config: Config, dataset, backend: str, settings_raw: Knobs, where: st
     function = placement["transform"]
     if function is not None:  # the function itself, not imported again by its name
         loader.sample_transform = SampleTransform(function, name_of(function), pipeline.image_size,
-                                                  pipeline.transform_input)
+                                                  pipeline.transform_input, pipeline.transform_target)
     if same_recipe:  # `auto`: only a loader that delivers the config's training input (before any conversion)
         recipe.check(loader, pipeline)
     loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use

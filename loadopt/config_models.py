@@ -124,6 +124,9 @@ class PipelineConfig(_Strict):
     # (before any with `augment: none`) in each backend's workers, its random draws seeded per sample.
     transform: str | None = None
     transform_input: Literal["pil", "array"] = "pil"
+    # true: the transform is `function(image, target) -> (image, target)`, the target `{"label": int, field: value}`
+    # for the fields the batches carry (a detection job moves its boxes with its crop); what it returns is batched.
+    transform_target: bool = False
     # The sample's fields besides its image and label that travel to the batch (a caption, a JSON target, a dict
     # item's keys, a Hugging Face dataset's columns), each batch then `(inputs, labels, fields)`; null: every field
     # the dataset's items have, [] none.
@@ -169,6 +172,8 @@ class PipelineConfig(_Strict):
     def _augment_none_has_a_transform(self) -> PipelineConfig:
         if self.augment == "none" and self.transform is None:
             raise ValueError("augment: none leaves the crop to pipeline.transform, which is not set")
+        if self.transform_target and self.transform is None:
+            raise ValueError("transform_target: true hands pipeline.transform the target, and no transform is set")
         return self
 
 

@@ -54,7 +54,7 @@ def _base(pipeline, kind: str) -> Recipe:
         f"float32 mean={tuple(pipeline.mean)} std={tuple(pipeline.std)}"
     recipe: Recipe = {"kind": "images", "image_size": pipeline.image_size, "normalise": normalise}
     if getattr(pipeline, "transform", None) is not None:  # the job's own: `auto` never moves a job across them
-        recipe["transform"] = pipeline.transform
+        recipe["transform"] = pipeline.transform + (" (image, target)" if pipeline.transform_target else "")
     return recipe
 
 

@@ -28,7 +28,11 @@ def assert_same(reference, other, what):
     for n, (mine, theirs) in enumerate(zip(reference, other, strict=True)):
         assert torch.equal(mine[1], theirs[1]), f"{what}: labels of batch {n}"
         assert torch.equal(mine[0], theirs[0]), f"{what}: pixels of batch {n}"
-        assert mine[2:] == theirs[2:], f"{what}: fields of batch {n}"
+        assert len(mine) == len(theirs), f"{what}: fields of batch {n}"
+        for name, value in (mine[2] if len(mine) > 2 else {}).items():
+            other_value = theirs[2][name]
+            same = torch.equal(value, other_value) if isinstance(value, torch.Tensor) else value == other_value
+            assert same, f"{what}: field {name} of batch {n}"
 
 
 

@@ -276,3 +276,85 @@ def test_a_dataset_that_cannot_be_sent_to_spawned_workers_is_one_line(folder, mo
                                            r"worker processes \(start method spawn: .*\): .*; make it picklable, or "
                                            r"use num_workers=0$"):
         epoch_of(loader)
+
+
+class BoxedSamples(torch.utils.data.Dataset):
+    """A detection job's dataset: dark JPEGs of varying size with one bright rectangle, its box a field."""
+
+    def __init__(self, count=24):
+        import io
+        import random
+
+        from PIL import Image, ImageDraw
+
+        draw = random.Random(7)
+        self.items = []
+        for index in range(count):
+            width, height = draw.randint(60, 120), draw.randint(50, 100)
+            x0, y0 = draw.randint(0, width // 2), draw.randint(0, height // 2)
+            box = [x0, y0, x0 + draw.randint(width // 4, width // 2), y0 + draw.randint(height // 4, height // 2)]
+            image = Image.new("RGB", (width, height), (20, 20, 20))
+            ImageDraw.Draw(image).rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(240, 240, 240))
+            encoded = io.BytesIO()
+            image.save(encoded, "JPEG", quality=95)
+            self.items.append({"image": encoded.getvalue(), "label": index % 3, "boxes": [box]})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def test_a_transform_of_image_and_target_moves_the_boxes_with_the_pixels_on_every_path():
+    dataset = BoxedSamples()
+    epochs = {}
+    for label, backend, settings in PATHS_NONE:
+        loader = make_loader(dataset, backend=backend, transform=own_augment.resize_and_flip_boxes,
+                             transform_target=True, batch_size=8, image_size=own_augment.SIZE, shuffle=True, seed=3,
+                             augment="none", dtype="uint8", **settings)
+        epochs[label] = [epoch_of(loader), epoch_of(loader)]
+        loader.close()
+    reference_label = PATHS_NONE[0][0]
+    reference = epochs[reference_label]
+    for label, got in epochs.items():
+        for epoch in (0, 1):
+            assert_same(reference[epoch], got[epoch], f"{label} against {reference_label}, epoch {epoch}")
+    for inputs, labels, fields in reference[0]:
+        boxes = fields["boxes"]
+        assert isinstance(boxes, torch.Tensor) and boxes.shape == (len(labels), 1, 4)
+        for pixels, box in zip(inputs, boxes[:, 0], strict=True):  # the bright rectangle is where its box now says
+            gray = pixels.float().mean(0) if pixels.shape[0] == 3 else pixels.float().mean(-1)
+            x0, y0, x1, y1 = (int(round(v)) for v in box.tolist())
+            inside = gray[y0 + 1 : y1 - 1, x0 + 1 : x1 - 1].mean()
+            outside = torch.cat([gray[:, : max(x0 - 1, 0)].flatten(), gray[:, x1 + 1 :].flatten()]).mean()
+            assert inside > 200 and (outside != outside or outside < 60), (box, inside, outside)
+    # the flips are drawn per sample and epoch: the epochs' boxes differ
+    boxes_of = [sorted(box for batch in epoch for box in batch[2]["boxes"][:, 0].tolist()) for epoch in reference]
+    assert boxes_of[0] != boxes_of[1]
+    epoch_labels = torch.cat([batch[1] for batch in reference[0]])
+    assert sorted(epoch_labels.tolist()) == sorted(item["label"] for item in dataset.items)
+
+
+def forgets_the_target(image, target):
+    return own_augment.resize_and_flip_boxes(image, target)[0]
+
+
+def drops_the_boxes(image, target):
+    image, target = own_augment.resize_and_flip_boxes(image, target)
+    return image, {"label": target["label"]}
+
+
+@pytest.mark.parametrize("transform, expected", [
+    (forgets_the_target, r"forgets_the_target returned a Image; a transform of \(image, target\) returns "
+                         r"\(image, target\)"),
+    (drops_the_boxes, r"drops_the_boxes returned a target without 'boxes'"),
+])
+def test_a_transform_of_image_and_target_that_returns_less_is_one_line(transform, expected):
+    for backend, settings in [("torch", {"num_workers": 2}), ("arrow", {"form": "encoded"})]:
+        loader = make_loader(BoxedSamples(8), backend=backend, transform=transform, transform_target=True,
+                             augment="none", batch_size=4, image_size=own_augment.SIZE, **settings)
+        with pytest.raises(DatasetError, match=expected) as caught:
+            epoch_of(loader)
+        assert "\n" not in str(caught.value)
+        loader.close()

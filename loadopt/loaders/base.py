@@ -27,7 +27,7 @@ from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.fields import Batch, collate_fields, fields_to_carry
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
-from loadopt.loaders.sample_transform import SampleTransform
+from loadopt.loaders.sample_transform import SampleTargets, SampleTransform
 from loadopt.loaders.sampler import EpochOrder, LoaderSampler, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
@@ -120,6 +120,8 @@ class HostBatch:
     # Set for a borrowed batch copied asynchronously (by `finish` on CUDA, by the harness on its emulated
     # device): the copy's end event, which the backend waits on before it lets the buffer be reused.
     copy_done: torch.cuda.Event | HostCopyDone | None = None
+    # The carried fields' values as the job's transform of (image, target) made them (else read by index).
+    fields: dict[str, list] | None = None
 
 
 @dataclass
@@ -302,11 +304,13 @@ class Loader(ABC, Generic[SettingsT]):
         """The job's per-sample transform, imported from `pipeline.transform` when first asked for
         (`make_loader(transform=fn)` sets the function itself before the first epoch)."""
         if self._sample_transform is None and self.pipeline.transform is not None:
-            self._sample_transform = SampleTransform.of_pipeline(self.pipeline)
+            self.sample_transform = SampleTransform.of_pipeline(self.pipeline)
         return self._sample_transform
 
     @sample_transform.setter
     def sample_transform(self, transform: SampleTransform | None) -> None:
+        if transform is not None and transform.with_target:
+            transform.targets = SampleTargets(self.dataset, self.field_names)
         self._sample_transform = transform
 
     def order(self) -> EpochOrder:
@@ -377,6 +381,7 @@ class Loader(ABC, Generic[SettingsT]):
             if unreadable and len(dropped[n]):
                 batch.failures = [*batch.failures, *((int(i), unreadable[int(i)]) for i in dropped[n])]
             self._account(batch)
+            self._with_made_targets(batch)
             self._position += 1
             yield batch
         if self._position >= len(order):
@@ -422,6 +427,14 @@ class Loader(ABC, Generic[SettingsT]):
         self._resume = False
         return self._finished_batches()
 
+    def _with_made_targets(self, batch: HostBatch) -> None:
+        """A transform of (image, target): the batch's labels and fields are what it made for its samples."""
+        transform = self._sample_transform
+        if transform is None or not transform.with_target or len(batch.indices) == 0:
+            return
+        labels, batch.fields = transform.take(batch.indices, self._epoch)
+        batch.labels = torch.as_tensor(labels, dtype=batch.labels.dtype)
+
     def _finished_batches(self) -> Iterator[Batch]:
         for batch in self.host_batches():
             if len(batch.indices) == 0:  # every sample skipped (on_error: skip, counted): no batch to hand on
@@ -431,7 +444,9 @@ class Loader(ABC, Generic[SettingsT]):
                 inputs, labels = self.batch_transform(inputs, labels)
             if self.field_names:
                 assert isinstance(self.dataset, SampleFields), "fields_to_carry found them on the dataset"
-                yield inputs, labels, collate_fields(self.dataset.fields(batch.indices, self.field_names))
+                fields = batch.fields if batch.fields is not None else \
+                    self.dataset.fields(batch.indices, self.field_names)
+                yield inputs, labels, collate_fields(fields)
             else:
                 yield inputs, labels
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.loaders import crops, transforms
-from loadopt.loaders.sample_transform import SampleTransform
+from loadopt.loaders.sample_transform import Made, SampleTransform
 from loadopt.loaders.transforms import Augment
 from loadopt.storage.tiers.pagecache import release_pages
 
@@ -67,7 +67,7 @@ class CropProcesses:
 
     def __init__(self, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], count: int,
                  map_all: bool = False, transform: SampleTransform | None = None) -> None:
-        self.out, self.sources, self.count = out, sources, max(1, count)
+        self.out, self.sources, self.count, self.transform = out, sources, max(1, count), transform
         context = multiprocessing.get_context("fork")
         self._connections: list[Any] = []
         self._processes: list[Any] = []
@@ -130,12 +130,17 @@ class CropProcesses:
     def receive(self) -> Replies:
         """Wait for the oldest batch sent; raise its error, if any, as one line. Returns the workers' major
         page faults meanwhile (source pages that were not in the page cache, each read from storage by the
-        fault, for a caller that stopped checking (mincore) to start again) and a decoded batch's failures."""
+        fault, for a caller that stopped checking (mincore) to start again) and a decoded batch's failures.
+        The targets a transform of (image, target) made go to it (`SampleTransform.give`), for the consumer to take
+        with the batch."""
         replies = [self._reply(rank) for rank in range(self._sent.popleft())]
-        for error, _, _ in replies:
+        for error, _, _, _ in replies:
             if error is not None:
                 raise LoadoptError(error)
-        return Replies(sum(faults for _, faults, _ in replies), [f for _, _, failed in replies for f in failed])
+        if self.transform is not None:
+            for *_, made in replies:
+                self.transform.give(made)
+        return Replies(sum(faults for _, faults, _, _ in replies), [f for _, _, failed, _ in replies for f in failed])
 
     def drain(self) -> None:
         """Receive every batch still in flight, errors dropped (an epoch that stopped early): the next
@@ -144,7 +149,7 @@ class CropProcesses:
             with contextlib.suppress(LoadoptError):
                 self.receive()
 
-    def _reply(self, rank: int) -> tuple[str | None, int, list[tuple[int, str]]]:
+    def _reply(self, rank: int) -> tuple[str | None, int, list[tuple[int, str]], Made | None]:
         try:
             return self._connections[rank].recv()
         except (EOFError, OSError):
@@ -212,8 +217,8 @@ def populate(sources: Sequence[np.ndarray]) -> None:
 def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], parent: int,  # noqa: ANN001
           map_all: bool = False, transform: SampleTransform | None = None) -> None:
     """A worker's loop: crop (or decode) each chunk it is sent into its slots of `out`; reply (None or the
-    error, its major faults meanwhile, the samples that could not be decoded). `map_all`: `populate` the
-    sources first."""
+    error, its major faults meanwhile, the samples that could not be decoded, the targets a transform of (image,
+    target) made). `map_all`: `populate` the sources first."""
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes the workers
@@ -242,7 +247,8 @@ def serve(connection, out: Sequence[np.ndarray], sources: Sequence[np.ndarray], 
             failures = work(out[slot][first:end], sources, indices, which, starts, *rest, transform=transform)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as one line
             error = f"{doing} samples {int(indices[0])}..{int(indices[-1])}: {exc}".splitlines()[0]
-        connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults, failures))
+        made = transform.made() if transform is not None and transform.with_target else None
+        connection.send((error, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults, failures, made))
 
 
 def crop(out: np.ndarray, sources: Sequence[np.ndarray], indices: np.ndarray, which: np.ndarray,

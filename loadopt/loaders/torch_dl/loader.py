@@ -32,6 +32,7 @@ from loadopt.errors import DatasetError, WorkerDied
 from loadopt.imaging.decode import simplejpeg
 from loadopt.loaders import transforms
 from loadopt.loaders.base import HostBatch, Loader
+from loadopt.loaders.sample_transform import Made
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.loaders.torch_dl import workers as torch_workers
 from loadopt.loaders.torch_dl.samples import Item, RecordSamples, TokenWindows, WorkerBatch, collate_windows, collated
@@ -78,6 +79,8 @@ def _describe_error(exc: BaseException) -> str:
 
 # One image sample of the plain path: (pixels, label, dataset index, why it failed); pixels None when it did.
 PlainSample = tuple[torch.Tensor | None, int, int, str | None]
+# A plain batch's samples as a worker made them, with the targets a transform of (image, target) made of them.
+PlainSamples = tuple[list[PlainSample], Made | None]
 
 
 class RingBatch(TypedDict):
@@ -87,6 +90,7 @@ class RingBatch(TypedDict):
     labels: torch.Tensor
     indices: np.ndarray  # int64 dataset indices of the samples written, in order
     failures: list[tuple[int, str]]  # (index, reason) of the samples that failed
+    targets: Made | None  # what a transform of (image, target) made of its samples' targets
 
 
 class _Samples(torch.utils.data.Dataset):
@@ -148,16 +152,24 @@ class _Samples(torch.utils.data.Dataset):
                 failures.append((item[1], _describe_error(exc)))
         indices = np.asarray(kept, dtype=np.int64)
         return {"slot": items[0][2], "labels": torch.from_numpy(self.dataset.labels[indices]), "indices": indices,
-                "failures": failures}
+                "failures": failures, "targets": self.made_targets()}
 
-    def __getitems__(self, items: list[Item]) -> RingBatch | list[PlainSample]:
+    def made_targets(self) -> Made | None:
+        """The targets the job's transform of (image, target) made here, sent with the batch to the consumer."""
+        return self.transform.made() if self.transform is not None and self.transform.with_target else None
+
+    def __getitems__(self, items: list[Item]) -> RingBatch | PlainSamples:
         # DataLoader calls this for a whole batch when present; the plain variant keeps per-sample calls.
         if self.batched:
             return self.tuned_batch(items)
-        return [self[item] for item in items]
+        samples = [self[item] for item in items]
+        return samples, self.made_targets()
 
 
-def _collate_plain(samples: list[PlainSample]) -> WorkerBatch:
+def _collate_plain(made: Any) -> WorkerBatch:
+    """The plain batch from what `_Samples.__getitems__` made (`PlainSamples`; DataLoader types it a list)."""
+    samples: list[PlainSample]
+    samples, targets = made
     good = [s for s in samples if s[3] is None]
     failures = [(index, failure) for _, _, index, failure in samples if failure is not None]
     indices = np.asarray([s[2] for s in good], dtype=np.int64)
@@ -167,7 +179,7 @@ def _collate_plain(samples: list[PlainSample]) -> WorkerBatch:
         inputs, labels = torch.empty(0), torch.empty(0, dtype=torch.int64)
     # Plain samples leave the worker finished: float normalised, or uint8 CHW when so configured.
     return {"inputs": inputs, "labels": labels, "indices": indices, "failures": failures, "layout": "NCHW",
-            "normalised": True}
+            "normalised": True, "targets": targets}
 
 
 class _BatchPlan:
@@ -355,12 +367,14 @@ class TorchLoader(Loader[TorchSettings]):
                 if ring is not None and tuned:
                     self._ring_cursor = (self._ring_cursor + 1) % slots
                     ringed: RingBatch = out
+                    self._give_targets(ringed["targets"])
                     inputs = ring[ringed["slot"]][: len(ringed["indices"])]
                     previous = HostBatch(inputs, ringed["labels"], ringed["indices"], "NHWC", normalised=False,
                                          failures=ringed["failures"], borrowed=True)
                     yield previous
                 else:
                     batch: WorkerBatch = out
+                    self._give_targets(batch.get("targets"))
                     labels = batch["labels"]
                     if labels is None:  # records: no labels, made here (see RecordSamples)
                         labels = torch.zeros(len(batch["indices"]), dtype=torch.int64)
@@ -373,6 +387,12 @@ class TorchLoader(Loader[TorchSettings]):
                 if shutdown is not None:
                     shutdown()
                 self._dataloader = None
+
+    def _give_targets(self, made: Made | None) -> None:
+        """Targets a worker's transform of (image, target) made, to the consumer's transform, which takes them with
+        the batch (`Loader.host_batches`)."""
+        if made and self.sample_transform is not None:
+            self.sample_transform.give(made)
 
     def _next_or_died(self, step: Callable[[], Any], iterator: Any, done: int) -> Any:
         """`step()` (the DataLoader's next batch, or a new pass), a worker that died under it raised as

@@ -11,6 +11,7 @@ import torch
 from typing_extensions import NotRequired, TypedDict
 
 from loadopt.loaders.base import Layout
+from loadopt.loaders.sample_transform import Made
 from loadopt.storage.sources.records import RecordDataset
 from loadopt.storage.sources.tokens import TokenDataset
 
@@ -31,6 +32,7 @@ class WorkerBatch(TypedDict):
     layout: Layout
     normalised: bool
     bytes_read: NotRequired[int]  # records: the bytes read for them (an npz file is read whole)
+    targets: NotRequired[Made | None]  # what a transform of (image, target) made of the samples' targets
 
 
 class TokenWindows(torch.utils.data.Dataset):
