@@ -69,3 +69,44 @@ def test_loadopt_measure_ends_with_the_loops_pipeline_on_loadopts_paths(tmp_path
     assert all("samples/s" in row and row.rstrip().endswith("x") for row in rows[1:]), rows
     assert lines[head + 6].startswith("fastest for this pipeline: ")
     assert lines[head + 7].startswith("the loop waited for data ")
+
+
+# A Hugging Face image-classification tutorial's transform: one composition, applied to each image of the batch.
+TUTORIAL = Compose([RandomResizedCrop(48), ToTensor(), Normalize((0.5,) * 3, (0.25,) * 3)])
+
+
+def tutorial_transforms(examples):
+    examples["pixel_values"] = [TUTORIAL(image.convert("RGB")) for image in examples["image"]]
+    del examples["image"]
+    return examples
+
+
+def test_a_hugging_face_dataset_with_set_transform_is_taken_apart_and_run_on_loadopts_paths(folder, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from loadopt.measure import paths
+
+    files = sorted(folder.glob("*/*.jpg"))
+    classes = sorted({path.parent.name for path in files})
+    dataset = datasets.Dataset.from_dict(
+        {"image": [str(path) for path in files], "label": [classes.index(path.parent.name) for path in files]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)}))
+    dataset.set_transform(tutorial_transforms)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4)
+    job = job_pipeline(loader)
+    assert not isinstance(job, str), job
+    assert (job.image_size, job.mean, job.std, job.batch_size) == (48, (0.5,) * 3, (0.25,) * 3, 4)
+    assert job.described == "RandomResizedCrop + ToTensor/Normalize on the device"
+    assert job.dataset_name == "Hugging Face Dataset" and len(job.dataset) == len(files)
+    assert dataset.format["type"] == "custom"  # the script's own dataset is left as it was
+    monkeypatch.setattr(paths, "BATCHES", 2)
+    rates = dict(paths.path_rates(job, lambda: loader))
+    assert all(isinstance(rate, float) and rate > 0 for rate in rates.values()), rates
+
+
+def test_a_hugging_face_transform_without_one_composition_says_why(folder):
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_dict({"image": [str(p) for p in sorted(folder.glob("*/*.jpg"))]},
+                                         features=datasets.Features({"image": datasets.Image()}))
+    dataset.set_transform(lambda examples: examples)
+    found = job_pipeline(torch.utils.data.DataLoader(dataset, batch_size=4))
+    assert isinstance(found, str) and "uses no torchvision-style compositions (Compose) by name" in found, found

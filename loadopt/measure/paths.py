@@ -1,7 +1,8 @@
 """The end of `loadopt measure`: the measured loop's own pipeline run on loadopt's paths, beside its DataLoader.
 
 From the DataLoader the script iterated most, it takes the dataset and its per-sample transform where it can see
-them apart (a torchvision-style dataset with `.transform`: its `ToTensor`/`Normalize` tail becomes loadopt's
+them apart (a torchvision-style dataset with `.transform`, or a Hugging Face dataset whose `set_transform` function
+applies one torchvision-style composition to each image: its `ToTensor`/`Normalize` tail becomes loadopt's
 device-side normalisation, the rest the job's transform with `augment: none`), and the DataLoader's own knobs
 (batch size, workers). The DataLoader itself and each loadopt path that runs a per-sample transform then deliver
 the same number of batches of the first samples, loader-bound (no step), one after another; the line says which
@@ -41,6 +42,7 @@ class JobPipeline:
     """What the measured loop's DataLoader does per sample, as loadopt runs it."""
 
     dataset: Any  # the dataset object with its transform taken off (its first `SAMPLES`)
+    dataset_name: str  # what it is, for the line
     transform: Callable[[Any], Any] | None  # the rest of its transform (crops, augmentations)
     transform_name: str  # the job's transform as a config names one (its recipe's `transform`)
     described: str  # the transform's steps, for the line
@@ -88,17 +90,67 @@ class _First:
         return self.dataset[index]
 
 
+def referenced(function: Callable[..., Any]) -> list[Any]:
+    """The objects a function uses by name: its closure's cells and the module globals its code (and the code of
+    the comprehensions and functions within it) names."""
+    found = [cell.cell_contents for cell in (getattr(function, "__closure__", None) or ())
+             if cell.cell_contents is not function]
+    module = getattr(function, "__globals__", {})
+    codes = [getattr(function, "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is None:
+            continue
+        found += [module[name] for name in code.co_names if name in module]
+        codes += [const for const in code.co_consts if hasattr(const, "co_names")]
+    return found
+
+
+def hugging_face_transform(dataset: Any) -> tuple[Any, Any] | str | None:
+    """A Hugging Face dataset's `set_transform`/`with_transform` function taken apart: (the dataset without it, the
+    torchvision-style composition the function applies to each image); why not; None for any other dataset."""
+    format_of = getattr(dataset, "format", None)
+    if not (hasattr(dataset, "with_format") and isinstance(format_of, dict)):
+        return None
+    function = (format_of.get("format_kwargs") or {}).get("transform")
+    if format_of.get("type") != "custom" or function is None:
+        return None
+    compositions = [value for value in referenced(function)
+                    if isinstance(getattr(value, "transforms", None), list) and callable(value)]
+    if len(compositions) != 1:
+        return (f"its Hugging Face dataset's transform {name_of(function)} uses "
+                f"{len(compositions) or 'no'} torchvision-style compositions (Compose) by name, not one to run on "
+                "each image")
+    return dataset.with_format(None), compositions[0]
+
+
 def job_pipeline(loader: Any) -> JobPipeline | str:
     """The measured DataLoader's pipeline, or why loadopt cannot run it apart from its dataset."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         return "its dataset is not a map-style dataset (len() and [i])"
+    hugging_face = hugging_face_transform(dataset)
+    if isinstance(hugging_face, str):
+        return hugging_face
+    if hugging_face is not None:
+        bare, transform = hugging_face
+        return _taken_apart(loader, transform, bare, bare.select(range(min(SAMPLES, len(bare)))),
+                            f"Hugging Face {type(bare).__name__}")
     transform = getattr(dataset, "transform", None)
     if transform is None:
         return ("its dataset has no `.transform` to take apart from the images (a torchvision-style dataset has one; "
                 "make_loader(dataset, transform=fn) takes any other)")
     if getattr(dataset, "target_transform", None) is not None:
         return "its dataset has a target_transform, which loadopt's paths do not run"
+    bare = copy.copy(dataset)
+    bare.transform = None
+    return _taken_apart(loader, transform, bare, _First(bare, min(SAMPLES, len(bare))), type(bare).__name__)
+
+
+def _taken_apart(loader: Any, transform: Any, bare: Any, first_samples: Any, dataset_name: str
+                 ) -> JobPipeline | str:
+    """The pipeline of `loader` whose dataset without its transform is `bare` (`first_samples`: what the paths
+    read) and whose per-image transform is `transform` (a composition's tensor tail done on the device)."""
     steps = list(getattr(transform, "transforms", [transform]))
     mean: tuple[float, ...] = (0.0, 0.0, 0.0)
     std: tuple[float, ...] = (1.0, 1.0, 1.0)
@@ -114,31 +166,33 @@ def job_pipeline(loader: Any) -> JobPipeline | str:
                 "of images, and batch_transform on the device")
     if len(mean) != 3 or len(std) != 3:
         return "its Normalize is not of 3 channels"
-    bare = copy.copy(dataset)
-    bare.transform = None
     rest = _Steps(steps) if steps else None
     first = bare[0]
     image = first[0] if isinstance(first, tuple | list) else first
+    if isinstance(first, dict):  # a dict item (a Hugging Face dataset's row): its image
+        image = next((value for value in first.values() if hasattr(value, "convert")), None)
+        image = image.convert("RGB") if image is not None else None
     shaped = rest(image) if rest is not None else image
     size = getattr(shaped, "size", None)
     if not isinstance(size, tuple) or len(size) != 2 or size[0] != size[1]:
         return f"its transform's images are not square ({size}): loadopt's batches are"
     described = ", ".join(type(s).__name__ for s in steps) + (f" + {'/'.join(reversed(tail))} on the device"
                                                                if tail else "")
-    return JobPipeline(_First(bare, min(SAMPLES, len(bare))), rest, name_of(transform), described, int(size[0]),
+    return JobPipeline(first_samples, dataset_name, rest, name_of(transform), described, int(size[0]),
                        mean, std, int(getattr(loader, "batch_size", None) or 1),
                        int(getattr(loader, "num_workers", 0)))
 
 
 def timed(batches: Iterable[Any], count: int) -> float:
-    """Samples per second over `count` batches after 3 not timed (a batch's first element's length)."""
+    """Samples per second over `count` batches after 3 not timed (a batch's first element's length, or its first
+    value's: a Hugging Face dataset's batches are dicts)."""
     iterator: Iterator[Any] = iter(batches)
     for _ in range(3):
         next(iterator)
     start, samples = time.perf_counter(), 0
     for _ in range(count):
         batch = next(iterator)
-        samples += len(batch[0])
+        samples += len(next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
     return samples / (time.perf_counter() - start)
 
 
@@ -187,7 +241,7 @@ def ending(loader: Any, waited: float | None) -> list[str]:
     if isinstance(job, str):
         return [f"loadopt's paths for this loop: not run: {job}"]
     rates = path_rates(job, lambda: loader)  # the script's own DataLoader, iterated again as it was made
-    head = (f"this loop's pipeline on loadopt's paths ({type(job.dataset.dataset).__name__}, first "
+    head = (f"this loop's pipeline on loadopt's paths ({job.dataset_name}, first "
             f"{len(job.dataset):,} samples; {job.described}; {job.image_size} px, batch {job.batch_size}), "
             f"loader-bound, {BATCHES} batches each:")
     base = rates[0][1]
