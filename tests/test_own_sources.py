@@ -159,3 +159,42 @@ def test_a_save_to_disk_folder_is_a_dataset_path(folder, tmp_path):
     assert len(make_loader(str(tmp_path / "saved"), "validation", backend="torch", num_workers=0).dataset) == 8
     with pytest.raises(DatasetError, match=r"saved: no split 'test' \(its splits: train, validation\)"):
         make_loader(str(tmp_path / "saved"), "test", backend="torch")
+
+
+@pytest.mark.parametrize("ranges", [True, False], ids=["ranges", "no-ranges"])
+def test_the_fields_of_a_served_dataset_reach_the_batch_as_they_do_from_disk(tmp_path, own_cache, ranges):
+    """Parquet with a caption column and tar shards with a JSON member, read over HTTP (from a server that answers
+    byte ranges, and from one that answers every request with the whole file): the same fields, in the same
+    order, as from the local copy."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .shaped_server import shaped_server
+    from .source_files import folder_samples, write_parquet, write_shards
+
+    own_data.write_folder(tmp_path / "images", count=12, classes=3)
+    samples = folder_samples(tmp_path / "images" / "train")
+    site = tmp_path / "site"
+    for path in write_parquet(site / "pq", samples, ["c0", "c1", "c2"]):
+        table = pq.read_table(path)
+        captions = [f"caption of {image['path']}" for image in table.column("image").to_pylist()]
+        pq.write_table(table.append_column("caption", pa.array(captions)), path, row_group_size=3)
+    write_shards(site / "shards", samples, per_shard=5, labels_in="json")
+    server = shaped_server(site)
+    if not ranges:
+        server.without_ranges()
+    pipeline = {"batch_size": 4, "image_size": 32, "shuffle": True, "dtype": "uint8"}
+    try:
+        for form, folder, field in [("parquet", "pq", "caption"), ("webdataset", "shards", "json")]:
+            for backend, settings in [("torch", {"num_workers": 0}), ("arrow", {"form": "encoded"})]:
+                keys = {"label_key": "target"} if form == "webdataset" else {}
+                local, served = ({"dataset": {"path": where, "format": form, **keys}, "pipeline": pipeline}
+                                 for where in (str(site / folder), f"{server.url}/{folder}"))
+                from_disk = epoch_of(make_loader(local, backend=backend, **settings))
+                over_http = epoch_of(make_loader(served, backend=backend, **settings))
+                assert all(field in batch[2] for batch in over_http), f"{form} on {backend}: no {field}"
+                assert_same(from_disk, over_http, f"{form} on {backend}, served against from disk")
+                assert sum(len(batch[2][field]) for batch in over_http) == len(samples)
+    finally:
+        server.die()
