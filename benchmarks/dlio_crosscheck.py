@@ -6,7 +6,7 @@ record size, `record_length_resize` delivered per sample, batch, `read_threads` 
 (persistent, prefetching ceil(prefetch_size / read_threads) batches each, as DLIO's pytorch reader sets
 them: 1 here, DLIO's default prefetch_size being 2), and the emulated accelerator (a
 sleep of `computation_time` per batch). The loadopt config is `loadopt import-dlio`'s mapping of the very
-workload file DLIO runs (loadopt.dlio.config_from_dlio), with `dataset.path` set to DLIO's train folder.
+workload file DLIO runs (loadopt.procurement.dlio.config_from_dlio), with `dataset.path` set to DLIO's train folder.
 Two computation times are run: one I/O-bound (AU clearly below 1 here) and one compute-bound (AU near 1),
 so agreement is tested where it matters. Rounds interleave the tools (the order alternates per round);
 the median of the per-round ratios is held, each round's ratio and the spread printed.
@@ -113,7 +113,7 @@ import yaml
 from _common import REPO, agreement, build_loader, harness_run, result_line, spread
 
 from loadopt.config import config_from_dict
-from loadopt.dlio import config_from_dlio
+from loadopt.procurement.dlio import config_from_dlio
 
 TARGET = 0.95
 FILES, RECORD_BYTES, RESIZE_BYTES, BATCH, READ_THREADS = 64, 1_572_864, 1_048_576, 4, 2

@@ -14,8 +14,8 @@ from loadopt import make_loader
 from loadopt.bench.runner import run_bench
 from loadopt.cli import app
 from loadopt.config import config_from_dict, load_config
-from loadopt.dlio import config_from_dlio
 from loadopt.errors import DatasetError
+from loadopt.procurement.dlio import config_from_dlio
 from loadopt.storage.open import open_dataset
 from loadopt.storage.sources.records import open_records, record_sizes
 

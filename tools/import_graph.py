@@ -23,7 +23,7 @@ PACKAGE = "loadopt"
 # The layers, lowest first: a module may import its own layer or any below it, never one above. A module is
 # placed by the longest entry that names it or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("loadopt.errors", "loadopt.files", "loadopt.version"),
+    ("loadopt.errors", "loadopt.files", "loadopt.version", "loadopt.clock"),
     ("loadopt.named",),
     ("loadopt.machine", "loadopt.schema", "loadopt.accelerators_table", "loadopt.config_models", "loadopt.device",
      "loadopt.progress", "loadopt.imaging"),
@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loadopt.bench",),
     ("loadopt.procurement", "loadopt.serve", "loadopt.measure"),
     ("loadopt.api", "loadopt.report"),
-    ("loadopt.explain", "loadopt.doctor", "loadopt.dlio"),
+    ("loadopt.explain", "loadopt.doctor"),
     ("loadopt.cli", "loadopt"),  # the commands, and the package's lazy names for users
 )
 

@@ -31,10 +31,10 @@ from typing import NoReturn
 from loadopt.bench.accelerator import AHEAD, Accelerator, EmulatedAccelerator
 from loadopt.bench.metrics import BatchProbe, window_metrics
 from loadopt.bench.monitor import ProcessTreeMonitor
+from loadopt.clock import sleep_until
 from loadopt.device import DeviceTransfer, Elapsed, EmulatedStream, HostCopyDone, StreamWork, TransferTiming
 from loadopt.loaders.base import HostBatch, Loader
 from loadopt.schema.metrics import RepeatMetrics
-from loadopt.storage.tiers.probe_readers import sleep_until
 from loadopt.storage.tiers.stack import tier_counters
 
 

@@ -54,7 +54,7 @@ def import_dlio(
 ) -> None:
     """Print the loadopt config of a DLIO workload file (`> config.yaml`); what has no equivalent is named in
     its header."""
-    from loadopt.dlio import import_dlio as imported
+    from loadopt.procurement.dlio import import_dlio as imported
 
     with user_errors():
         text = imported(workload)

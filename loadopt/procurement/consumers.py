@@ -20,12 +20,12 @@ from typing import final
 import numpy as np
 from typing_extensions import TypedDict
 
+from loadopt.clock import sleep_until
 from loadopt.errors import DatasetError
 from loadopt.loaders.sampler import DEFAULT_WINDOW_SHARDS, EpochOrder, ShardWindows, Shuffle
 from loadopt.machine import usable_cores
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.sources.shards import DEFAULT_SHARD_SAMPLES, shard_table
-from loadopt.storage.tiers.probe_readers import sleep_until
 
 
 @dataclass(frozen=True)

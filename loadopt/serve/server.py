@@ -13,7 +13,6 @@ omission): a late worker makes the latency longer, never the schedule later.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loadopt.clock import sleep_until
 from loadopt.errors import describe_sample_error
 from loadopt.loaders.serving import Payload, RequestPath
 from loadopt.serve.step import ServingStep
@@ -118,21 +118,6 @@ class _Batcher:
         return [self.pending.popleft() for _ in range(count)]
 
 
-def sleep_until(deadline: float, stop: threading.Event | None = None) -> None:
-    """Sleep until `deadline` (perf_counter's clock): a sleep to `SPIN_S` before it, then yielding to other threads
-    until it (a plain sleep wakes 0.1-0.3 ms late on a shared machine; a worker woken late for an arrival would add
-    that to the latency of every request its busy period serves)."""
-    left = deadline - time.perf_counter()
-    if left > SPIN_S:
-        if stop is not None:  # woken at once when the run is stopped (Ctrl-C), not at a far arrival
-            if stop.wait(left - SPIN_S):
-                return
-        else:
-            time.sleep(left - SPIN_S)
-    while time.perf_counter() < deadline:
-        os.sched_yield()  # releases the GIL: the spin never holds up the other threads
-
-
 def serve_open_loop(path: RequestPath, payloads: Sequence[Payload], scheduled: np.ndarray, batching: Batching,
                     step: ServingStep, finish: Finish, workers: int, stop: threading.Event | None = None,
                     lead_s: float = 0.05) -> RequestTimes:
@@ -159,7 +144,7 @@ def serve_open_loop(path: RequestPath, payloads: Sequence[Payload], scheduled: n
                 if request is None:
                     return
                 if scheduled[request] > clock():
-                    sleep_until(start + scheduled[request], stop)
+                    sleep_until(start + scheduled[request], stop=stop, spin_s=SPIN_S)
                     if stop.is_set():
                         return
                 began = clock()

@@ -34,8 +34,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from loadopt.clock import sleep_until
 from loadopt.storage.remote.access import display_name, read_with_retries
-from loadopt.storage.tiers.state import COUNTERS, SharedTierState, remove_state, sleep_until_monotonic, state_root
+from loadopt.storage.tiers.state import COUNTERS, SharedTierState, remove_state, state_root
 
 if TYPE_CHECKING:  # the tier stack imports this module where it makes a tier
     from loadopt.storage.tiers.spec import TierSpec
@@ -159,14 +160,14 @@ class EmulatedFileSystem(fsspec.AbstractFileSystem):
                 add(requests=1, bytes=len(data), throttle_s=max(0.0, done - read_end),
                     request_s=max(done, read_end) - arrival, base_over_s=max(0.0, read_end - done))
         if draw < spec.error_rate:
-            sleep_until_monotonic(done)
+            sleep_until(done, clock=time.monotonic)
             state.add(requests=1, errors=1, injected_errors=1)
             raise InjectedReadError(5, "injected read error (emulated tier)", path)
         if draw < spec.error_rate + spec.timeout_rate:
-            sleep_until_monotonic(done)
+            sleep_until(done, clock=time.monotonic)
             state.add(requests=1, errors=1, injected_timeouts=1)
             raise InjectedTimeout(f"{path}: no answer in {spec.timeout_s:g} s (emulated tier)")
-        sleep_until_monotonic(done)
+        sleep_until(done, clock=time.monotonic)
         return data
 
     def _read(self, path: str, start: int | None, end: int | None) -> bytes:

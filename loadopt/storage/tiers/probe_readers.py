@@ -19,6 +19,7 @@ import fsspec
 import numpy as np
 from typing_extensions import TypedDict
 
+from loadopt.clock import sleep_until
 from loadopt.machine import usable_cores
 from loadopt.storage.forms.raw_format import ALIGN, align_up
 from loadopt.storage.tiers.sequential import AlignedBuffer
@@ -287,13 +288,6 @@ def run_concurrent(make_reader: Callable[[], Reader], files: list[File], pick: P
         latencies = np.concatenate([p[0] for p in parts])
         nbytes, ended = sum(p[1] for p in parts), max(p[3] for p in parts)
     return latency_stats(latencies / 1e9, nbytes, max(ended - started, 1e-9))
-
-
-def sleep_until(moment: float) -> None:
-    """Sleep until `time.perf_counter()` reads `moment` (readers started together start at once)."""
-    delay = moment - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
 
 
 def processes_for(concurrency: int, local: bool) -> int:

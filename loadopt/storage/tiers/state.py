@@ -9,14 +9,12 @@ descriptions); a spawned process joins by the folder's path.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import math
 import mmap
 import os
 import random
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -25,13 +23,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from loadopt.clock import sleep_until
+
 COUNTERS = ("requests", "bytes", "retries", "errors", "injected_errors", "injected_timeouts", "failed_reads",
             "throttle_s", "request_s", "base_over_s")
 # Seconds, kept as floats: the rest are counts. `request_s` sums the reads' times from arrival to their end;
 # `base_over_s` the part of it the storage under the tier took past the end the tier's figures gave them.
 TIMES = ("throttle_s", "request_s", "base_over_s")
 _CLOCK = 0  # the state file's first value; the counters start at index 2 (1 is unused)
-_PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 # From here on, one value per slot: when its holder expects to release it; then one per slot: when the
 # last request booked on it is due to end (the end of its queue); then the counters of each slot, updated
 # by the slot's holder under the slot's flock (no second pass through the state's lock per request).
@@ -176,7 +175,7 @@ class SharedTierState:
             booked = tails[taken] = began + hold_s
         # Wake just before the turn (a request booked behind another on the same slot does not race it
         # for the flock), then block on the flock: the kernel wakes us as the last holder lets go.
-        sleep_until_monotonic(began - _BLOCK_WITHIN_S)
+        sleep_until(began - _BLOCK_WITHIN_S, clock=time.monotonic)
         fd = handles.take(taken)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -248,23 +247,3 @@ def remove_state(folder: str, owner_pid: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def sleep_until_monotonic(deadline: float) -> None:
-    """Sleep until `time.monotonic()` reads `deadline` (the tier books on the monotonic clock)."""
-    delay = deadline - time.monotonic()
-    if delay > 0:
-        _precise_sleep(delay)
-
-
-_thread_timers = threading.local()
-
-
-def _precise_sleep(seconds: float) -> None:
-    """`time.sleep` with this thread's timer slack at its minimum: Linux's default slack wakes a sleeper
-    late, and emulated latencies are sleeps, so the default slack added a visible error to a millisecond
-    tier."""
-    if not getattr(_thread_timers, "tight", False):
-        _thread_timers.tight = True
-        if sys.platform.startswith("linux"):
-            with suppress(OSError, AttributeError):  # no prctl: the default slack it is
-                ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-    time.sleep(seconds)
