@@ -200,7 +200,7 @@ def test_one_function_for_bench_and_measure():
     from loadopt.bench.metrics import BatchProbe, step_metrics, window_metrics
     from loadopt.bench.monitor import TreeUsage
     from loadopt.device import Elapsed
-    from loadopt.measure.results import Recorded, recorded_metrics
+    from loadopt.measure.reporting import Recorded, recorded_metrics
 
     waits, steps, samples = [0.010, 0.030, 0.020, 0.040], [0.050, 0.050, 0.050, 0.050], [8, 8, 8, 4]
     wall = sum(waits) + sum(steps)  # 0.3 s

@@ -223,7 +223,7 @@ def test_nothing_measured_still_renders(tmp_path):
 
 def test_a_failing_auto_report_only_warns(tmp_path, capsys):
     """`loadopt bench` writes the report after the results: a report that fails leaves them and warns."""
-    from loadopt.cli.results import auto_report
+    from loadopt.cli.reading import auto_report
 
     results = tmp_path / "results.json"
     results.write_text('{"runs": "not a list"}')

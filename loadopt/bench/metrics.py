@@ -67,7 +67,7 @@ def step_metrics(*, waits_s: np.ndarray, wall_s: float, compute_s: float, sample
                  storage_bytes_read: int, peak_rss_bytes: int | None, peak_pss_bytes: int | None,
                  utilisation: float | None = None) -> RepeatMetrics:
     """The step metrics from one measured window's totals: the one place they are computed,
-    for `loadopt bench` (`window_metrics`) and `loadopt measure` (loadopt.measure.results).
+    for `loadopt bench` (`window_metrics`) and `loadopt measure` (loadopt.measure.reporting).
 
     `utilisation` defaults to compute_s / wall_s; a caller that timed the device itself (CUDA events)
     passes its own. `sample_bytes` None: the stored bytes are unknown (no `mb_per_s`)."""

@@ -29,8 +29,8 @@ from loadopt.bench.harness import NothingDelivered, RepeatResult, run_repeat
 from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
 from loadopt.bench.rank_report import RankReport
-from loadopt.bench.results import discard_stale_files, write_results
-from loadopt.bench.run_results import Setting, results_document, timing_rows
+from loadopt.bench.results_document import Setting, results_document, timing_rows
+from loadopt.bench.results_files import discard_stale_files, write_results
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer, Elapsed

@@ -20,7 +20,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from loadopt.cli import bench, data, results, storage
+from loadopt.cli import bench, data, reading, storage
 from loadopt.cli.console import err_console
 from loadopt.cli.process import redacted_excepthook
 
@@ -60,7 +60,7 @@ app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=
                   help="Measure and pick the fastest input path for a deep-learning job.")
 
 # One typer app per module, merged into this one (add_typer without a name adds the commands themselves).
-for commands in (bench.app, results.app, data.app, storage.app):
+for commands in (bench.app, reading.app, data.app, storage.app):
     app.add_typer(commands)
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def run_serve(cfg: Config, names: list[str] | None, out: str | None, quick: bool, slo_ms: float | None,
               convert: bool, terminated: list[bool], relist: bool = False) -> None:
-    from loadopt.serve.bench import run_serve_bench
+    from loadopt.serve.scenarios import run_serve_bench
 
     with progress_bar() as progress:
         outcome = run_serve_bench(cfg, loaders=names, out=out, quick=quick, slo_ms=slo_ms, convert=convert,
@@ -34,7 +34,7 @@ def run_serve(cfg: Config, names: list[str] | None, out: str | None, quick: bool
     if results.machine_load:
         console.print(f"[yellow]{escape(results.machine_load)}[/]", highlight=False)
     if outcome.json_path is not None:
-        from loadopt.cli.results import auto_report
+        from loadopt.cli.reading import auto_report
 
         console.print(f"results: {outcome.json_path}", highlight=False)
         auto_report(outcome.json_path)

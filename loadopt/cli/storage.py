@@ -21,14 +21,14 @@ from loadopt.cli.console import (
     user_errors,
 )
 from loadopt.cli.process import terminate_as_interrupt
-from loadopt.cli.results import auto_report
+from loadopt.cli.reading import auto_report
 from loadopt.cli.tables import backend_lines, backends_table, bounded_lines, probe_table, tiers_table
 from loadopt.errors import Terminated
 from loadopt.progress import Reporter, TiersProgress
 
 if TYPE_CHECKING:
     from loadopt.config_models import Config
-    from loadopt.procurement.results import TiersRun
+    from loadopt.procurement.tiers_document import TiersRun
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:  # the CLI's help stays light: the types only
-    from loadopt.procurement.results import TiersRun
+    from loadopt.procurement.tiers_document import TiersRun
     from loadopt.recipe import Recipe
     from loadopt.schema.documents import ResultsFile, Run
     from loadopt.schema.metrics import RunMetrics

@@ -34,7 +34,7 @@ import numpy as np
 
 from loadopt.errors import LoadoptError
 from loadopt.measure.batch_structure import count_samples, rebuilt, tensors_of
-from loadopt.measure.results import (
+from loadopt.measure.reporting import (
     MeasureResults,
     Recorded,
     rank_info,
@@ -43,7 +43,7 @@ from loadopt.measure.results import (
     verdict,
     write_json,
 )
-from loadopt.measure.results import write_ranked as _write_ranked
+from loadopt.measure.reporting import write_ranked as _write_ranked
 from loadopt.schema.metrics import RepeatMetrics
 
 log = logging.getLogger("loadopt.measure")

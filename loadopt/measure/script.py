@@ -110,7 +110,7 @@ class MeasureSession:
 
     def finish(self, out: str | os.PathLike[str] | None, wait_s: float = 30.0) -> Path | None:
         """Close what is still open, log each loader's verdict, write the results (per rank)."""
-        from loadopt.measure.results import rank_info, results_document, write_ranked
+        from loadopt.measure.reporting import rank_info, results_document, write_ranked
 
         for m in self.measurements:
             m.close()

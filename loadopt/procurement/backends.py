@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from loadopt.config_models import Config
 from loadopt.procurement.plan import TierPlan, backend_sweep
-from loadopt.procurement.results import BackendComparison, BackendRun, TierDecision
+from loadopt.procurement.tiers_document import BackendComparison, BackendRun, TierDecision
 from loadopt.progress import TiersProgress
 from loadopt.storage.tiers.spec import TierSpec
 

@@ -23,7 +23,7 @@ from loadopt.procurement.plan import (
     profile_points,
     search,
 )
-from loadopt.procurement.results import BaseBound, CutShort, MeasuredTier, MeasuredTrial, TierSeconds
+from loadopt.procurement.tiers_document import BaseBound, CutShort, MeasuredTier, MeasuredTrial, TierSeconds
 from loadopt.progress import TiersProgress
 from loadopt.schema.tiers import TierCost
 from loadopt.storage.tiers.probe import ProbeResult, probe

@@ -28,7 +28,7 @@ from loadopt.bench.distributed import Ranks, described, raise_told
 from loadopt.bench.rank_report import ToldFailure
 from loadopt.errors import DatasetError
 from loadopt.procurement.consumers import ConsumerFigures, ConsumerSettings, TrialFigures, combine, consume
-from loadopt.procurement.results import TiersRun, TorchrunConsumers
+from loadopt.procurement.tiers_document import TiersRun, TorchrunConsumers
 from loadopt.storage.dataset import Dataset
 
 _STOP = "stop"

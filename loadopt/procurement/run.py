@@ -57,7 +57,7 @@ from loadopt.procurement.plan import (
     plan_line,
     plan_tier,
 )
-from loadopt.procurement.results import (
+from loadopt.procurement.tiers_document import (
     ConsumerDescription,
     CutShort,
     MeasuredTier,

@@ -17,7 +17,7 @@ from loadopt.errors import ConfigError, DatasetError, describe_sample_error
 from loadopt.loaders.registry import backend_for, configured_loader
 from loadopt.loaders.serving import Payload, RequestPath, Unservable
 from loadopt.schema.serve import ServeResults
-from loadopt.serve.bench import best_path, inference_config
+from loadopt.serve.scenarios import best_path, inference_config
 from loadopt.storage.open import open_dataset
 
 DEFAULT_BACKEND = "torch"  # a config naming no loader: torch's request paths
