@@ -22,7 +22,8 @@ import numpy as np
 from loadopt.errors import ConfigError, DatasetError
 from loadopt.storage.dataset import Dataset
 from loadopt.storage.remote.access import is_local_fs, redact
-from loadopt.storage.tiers.stack import storage_under, tier_of
+from loadopt.storage.tiers.emulated import EmulatedFileSystem
+from loadopt.storage.tiers.stack import BASE_BOUND_SHARE, base_bound_text, base_share, storage_under, tier_of
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,6 @@ LAYOUT_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8")])
 def tier_fs(dataset: Dataset) -> fsspec.AbstractFileSystem | None:
     """The tier wrapper every read of `dataset` and its conversions must pass through, or None on plain
     local disk (the loaders' direct fast paths)."""
-    from loadopt.storage.tiers.emulated import EmulatedFileSystem
-
     fs = tier_of(dataset.fs) if dataset.fs is not None else None  # conversions are read past a shard cache
     return fs if isinstance(fs, EmulatedFileSystem) else None
 
@@ -88,8 +87,6 @@ def bounded_by_base(dataset: Dataset, counters: dict[str, float] | None, tier_by
     `BUSY_ENOUGH`) while the storage under the tier slowed its reads past the tier's own figures
     (`base_share` of `counters` at least `BASE_BOUND_SHARE`): what its figures are, at the MB/s the run got
     through the tier (`tier_bytes` in `wall_s`); else None."""
-    from loadopt.storage.tiers.stack import BASE_BOUND_SHARE, base_bound_text, base_share
-
     tier = tier_fs(dataset)
     share = base_share(counters)
     if tier is None or tier.spec.profile_mb_s(1, 1) is None or share is None or share < BASE_BOUND_SHARE \
@@ -110,8 +107,6 @@ def conversion_home(converted: str | None, tier_base: str | None, fs: fsspec.Abs
     local disk; None: the local cache."""
     if converted:
         return os.path.expanduser(converted)
-    from loadopt.storage.tiers.emulated import EmulatedFileSystem
-
     fs = tier_of(fs)
     base_fs = fs.base_fs if isinstance(fs, EmulatedFileSystem) else fs
     if tier_base is None and is_local_fs(base_fs) or root.split("://", 1)[0] in READ_ONLY_SCHEMES:
@@ -139,8 +134,6 @@ def remote_home(dataset: Dataset) -> tuple[fsspec.AbstractFileSystem, str] | Non
     home = dataset.converted
     if home is None or "://" not in home or home.startswith("file://") or dataset.fs is None:
         return None
-    from loadopt.storage.tiers.emulated import EmulatedFileSystem
-
     tier = tier_of(dataset.fs)
     base = tier.base_fs if isinstance(tier, EmulatedFileSystem) else tier
     protocols = (base.protocol,) if isinstance(base.protocol, str) else tuple(base.protocol)
