@@ -161,8 +161,39 @@ def _check_one_step_source(raw: dict[str, Any], config: Config, source: str, ove
                           f"{workload.step_time_ms:g} ms per batch of {config.pipeline.batch_size}), not both")
 
 
+# The configs shipped inside the package (`configs/` in a checkout links here): `loadopt bench imagenet` from anywhere.
+BUNDLED_CONFIGS = Path(__file__).resolve().parent / "configs"
+NOT_BUNDLED = ("tiers",)  # the tier profiles, not a bench config
+
+
+def bundled_configs() -> list[str]:
+    """The names of the bundled configs (`imagenet`, `serve`, ...)."""
+    return sorted(p.stem for p in BUNDLED_CONFIGS.glob("*.yaml") if p.stem not in NOT_BUNDLED)
+
+
+def bundled_config(name: str) -> Path | None:
+    """The bundled config named `name` (`imagenet` or `imagenet.yaml`), or None."""
+    stem = name.removesuffix(".yaml").removesuffix(".yml")
+    return BUNDLED_CONFIGS / f"{stem}.yaml" if "/" not in name and stem in bundled_configs() else None
+
+
+def config_path(path: str | os.PathLike[str]) -> Path:
+    """The config file `path` names: the file itself where there is one, else the bundled config of that name."""
+    given = Path(path)
+    if given.exists():
+        return given
+    bundled = bundled_config(str(path))
+    if bundled is not None:
+        return bundled
+    if os.sep in str(path):  # a path, not a name: the file is what is missing
+        raise ConfigError(f"{path}: config file not found")
+    raise ConfigError(f"{path}: config file not found, nor a bundled config of that name (bundled: "
+                      f"{', '.join(bundled_configs())}; `loadopt init NAME` writes one here to edit)")
+
+
 def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read and validate a YAML config file; errors name the file and the key."""
+    """Read and validate a YAML config file, or the bundled config of that name (`imagenet`); errors name the file
+    and the key."""
     if isinstance(path, Config):
         if not overrides:
             return path
@@ -171,7 +202,7 @@ def load_config(path: str | os.PathLike[str] | Config, overrides: list[str] | tu
         return config_from_dict(path.model_dump(exclude=derived), path.source, overrides)
     source = str(path)
     try:
-        text = Path(path).read_text()
+        text = config_path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"{source}: config file not found") from None
     except IsADirectoryError:

@@ -123,6 +123,25 @@ def _native_check() -> Check:
     return Check("native module", True, f"built: streaming-store crops ({simd}), posix read-and-crop, normalise")
 
 
+def _optional_native_checks() -> list[Check]:
+    """The two other native modules: each optional, its fallback named."""
+    import importlib
+
+    checks = []
+    for module, what, fallback in (
+            ("loadopt._jpeg", "region JPEG decode", "not built (no libjpeg-turbo headers at `pip install`): JPEGs "
+                                                    "are decoded whole, then cropped"),
+            ("loadopt.storage._preads", "probe reads", "not built: `loadopt probe` times its reads in Python "
+                                                        "(lower IOPS at many readers)")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            checks.append(Check(what, False, fallback))
+        else:
+            checks.append(Check(what, True, f"built ({module})"))
+    return checks
+
+
 def run_checks() -> list[Check]:
     from loadopt.files import cache_dir
     from loadopt.imaging.decode import simplejpeg
@@ -132,6 +151,7 @@ def run_checks() -> list[Check]:
     checks.append(Check("JPEG decoder", True, "simplejpeg (libjpeg-turbo)" if simplejpeg is not None
                         else "PIL only (pip install simplejpeg for ~1.3x faster decode)"))
     checks.append(_native_check())
+    checks += _optional_native_checks()
     dali = _package("nvidia.dali", _installed_dist(("nvidia-dali-cuda130", "nvidia-dali-cuda120"),
                                                   "nvidia-dali-cuda120"))
     if not dali.ok:

@@ -56,8 +56,27 @@ class OneLineUsageErrors(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Measure and pick the fastest input path for a deep-learning job.")
+app = typer.Typer(cls=OneLineUsageErrors, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from loadopt.version import __version__
+
+        print(f"loadopt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                          help="Print loadopt's version and exit.")) -> None:
+    """Measure and pick the fastest input path for a deep-learning job.
+
+    Examples:
+      loadopt bench imagenet --quick     # a bundled config, from any folder
+      loadopt init && loadopt bench imagenet.yaml
+    """
 
 # One typer app per module, merged into this one (add_typer without a name adds the commands themselves).
 for commands in (bench.app, reading.app, data.app, storage.app):

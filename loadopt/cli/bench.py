@@ -40,7 +40,8 @@ app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `load
 
 @app.command()
 def bench(
-    config: str = typer.Argument(..., help="The config YAML, e.g. configs/imagenet.yaml."),
+    config: str = typer.Argument(..., help="A config YAML, or a bundled config by name (imagenet, serve, ...: "
+                                           "`loadopt init --list`)."),
     loaders: str = typer.Option(None, "--loaders", help="Comma-separated backends to run (default: all configured)."),
     out: str = typer.Option(None, "--out", help="Output folder (default: report.out of the config)."),
     quick: bool = typer.Option(False, "--quick", help="One short repeat per setting: a first look in < 2 minutes."),
@@ -57,7 +58,13 @@ def bench(
                                  "request rate whose p99 latency stays within this many ms."),
     relist: bool = RelistOption,
 ) -> None:
-    """Run every configured loader setting through the harness and rank them."""
+    """Run every configured loader setting through the harness and rank them.
+
+    Examples:
+      loadopt bench imagenet --quick              # a bundled config, from any folder
+      loadopt bench my.yaml --loaders torch,arrow --set pipeline.batch_size=128
+      loadopt bench serve --slo-ms 15             # the inference scenarios
+    """
     from loadopt.bench.runner import run_bench
     from loadopt.config import load_config
 
@@ -216,7 +223,12 @@ def measure(
                                help="End with the loop's own pipeline (its dataset and transform) on loadopt's paths."),
 ) -> None:
     """Measure every torch DataLoader and loadopt loader iteration of an unmodified training script; keeps its
-    exit status."""
+    exit status.
+
+    Examples:
+      loadopt measure train.py --epochs 1        # the script's own arguments follow it
+      loadopt measure --no-paths train.py
+    """
     from loadopt.measure.script import run_script, verdicts_on_stderr
 
     with user_errors(), verdicts_on_stderr():

@@ -1,11 +1,12 @@
-"""The dataset commands of the `loadopt` CLI: `make-dataset` (generate or check the config's dataset),
-`import-dlio` (a DLIO workload file as a config), `recompress` (tar shards' JPEGs as JPEG XL, losslessly)
-and `convert` (to a backend's format, cached; `--verify` checks it, `--force` rebuilds it). Thin commands over
-`loadopt.storage` (the formats and their conversions: `conversions.convert`); registered on the app in
-`loadopt.cli`.
+"""The dataset commands of the `loadopt` CLI: `init` (a bundled config written here to edit), `make-dataset`
+(generate or check the config's dataset), `import-dlio` (a DLIO workload file as a config), `recompress` (tar
+shards' JPEGs as JPEG XL, losslessly) and `convert` (to a backend's format, cached; `--verify` checks it,
+`--force` rebuilds it). Thin commands over `loadopt.storage`; registered on the app in `loadopt.cli`.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
@@ -19,6 +20,7 @@ from loadopt.cli.console import (
     user_errors,
 )
 from loadopt.cli.process import terminate_as_interrupt
+from loadopt.errors import ConfigError
 
 app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `loadopt` app
 
@@ -29,7 +31,11 @@ def make_dataset(
     set_: list[str] = SetOption,
     relist: bool = RelistOption,
 ) -> None:
-    """Generate (or check) the config's dataset, and nothing else."""
+    """Generate (or check) the config's dataset, and nothing else.
+
+    Examples:
+      loadopt make-dataset imagenet --set dataset.synthetic.num_samples=1000
+    """
     from loadopt.config import load_config
     from loadopt.storage.open import open_dataset
 
@@ -48,12 +54,46 @@ def make_dataset(
                   f"{dataset.sizes.sum() / 1e6:,.1f} MB in all", highlight=False)
 
 
+@app.command()
+def init(
+    name: str = typer.Argument("imagenet", help="The bundled config to start from (`loadopt init --list` names them)."),
+    out: str = typer.Option(None, "--out", "-o", help="Where to write it (default: NAME.yaml in this folder)."),
+    list_: bool = typer.Option(False, "--list", help="Name the bundled configs and stop."),
+) -> None:
+    """Write a bundled config into this folder, to edit and then bench (`loadopt bench NAME.yaml`).
+
+    Examples:
+      loadopt init                 # imagenet.yaml: a synthetic ImageNet-shaped set on every backend
+      loadopt init serve -o my.yaml
+    """
+    from loadopt.config import bundled_config, bundled_configs
+    from loadopt.files import atomic_write_text
+
+    if list_:
+        console.print("\n".join(bundled_configs()), highlight=False)
+        return
+    with user_errors():
+        source = bundled_config(name)
+        if source is None:
+            raise ConfigError(f"{name}: no bundled config of that name (bundled: {', '.join(bundled_configs())})")
+        target = Path(out or f"{source.stem}.yaml")
+        if target.exists():
+            raise ConfigError(f"{target}: exists already; edit it, or name another file with --out")
+        atomic_write_text(target, source.read_text())
+    console.print(f"wrote {target} (from the bundled {source.stem}); edit it, then: loadopt bench {target}",
+                  highlight=False, markup=False)
+
+
 @app.command("import-dlio")
 def import_dlio(
     workload: str = typer.Argument(..., help="A DLIO workload YAML (e.g. DLIO's configs/workload/unet3d_h100.yaml)."),
 ) -> None:
     """Print the loadopt config of a DLIO workload file (`> config.yaml`); what has no equivalent is named in
-    its header."""
+    its header.
+
+    Examples:
+      loadopt import-dlio unet3d_h100.yaml > unet3d.yaml
+    """
     from loadopt.procurement.dlio import import_dlio as imported
 
     with user_errors():
@@ -84,7 +124,12 @@ def convert(
     relist: bool = RelistOption,
 ) -> None:
     """Convert the config's dataset to a backend's format (cached; reused when already done), on this machine or
-    across a Ray cluster (docs/scale.md)."""
+    across a Ray cluster (docs/scale.md).
+
+    Examples:
+      loadopt convert my.yaml                    # the arrow backend's encoded form
+      loadopt convert my.yaml --decoded --verify
+    """
     from loadopt.config import load_config
     from loadopt.storage.forms import conversions
     from loadopt.storage.forms.engine import ConvertEngine
@@ -133,7 +178,11 @@ def recompress(
     force: bool = typer.Option(False, "--force", help="Write every shard again, even one already written."),
 ) -> None:
     """Rewrite tar shards with each JPEG losslessly recompressed as JPEG XL (pip install 'loadopt\\[jxl]'): about a
-    fifth fewer bytes to store and move; loadopt reads each back as the very JPEG (docs/workloads.md)."""
+    fifth fewer bytes to store and move; loadopt reads each back as the very JPEG (docs/workloads.md).
+
+    Examples:
+      loadopt recompress shards/ shards-jxl/ --workers 2
+    """
     from pathlib import Path
 
     from loadopt.storage.forms.recompress import recompress_shards

@@ -35,7 +35,12 @@ def report(
     format_: str = typer.Option("html", "--format", help="html (one self-contained page) or markdown (a table and "
                                                          "the verdict, for a pull request)."),
 ) -> None:
-    """Turn results into one self-contained HTML page with plots, or a short Markdown summary."""
+    """Turn results into one self-contained HTML page with plots, or a short Markdown summary.
+
+    Examples:
+      loadopt report results/imagenet/results.json
+      loadopt report results/imagenet/results.json --format markdown
+    """
     from loadopt.report import render_report, write_report
 
     with user_errors():
@@ -48,7 +53,11 @@ def report(
 
 @app.command()
 def doctor() -> None:
-    """What this machine offers: torch/CUDA, pinned memory, DALI, kvikio/GDS, shared memory, CPU, RAM."""
+    """What this machine offers: torch/CUDA, pinned memory, DALI, kvikio/GDS, shared memory, CPU, RAM.
+
+    Examples:
+      loadopt doctor
+    """
     from loadopt.doctor import run_checks
 
     table = Table(title="loadopt doctor", title_justify="left")
@@ -68,7 +77,12 @@ def explain(
     set_: list[str] = SetOption,
     relist: bool = RelistOption,
 ) -> None:
-    """Say which input path `make_loader(backend="auto")` picks here and why, or what a results file says."""
+    """Say which input path `make_loader(backend="auto")` picks here and why, or what a results file says.
+
+    Examples:
+      loadopt explain imagenet                   # what backend="auto" picks here
+      loadopt explain results/imagenet/results.json
+    """
     from pathlib import Path
 
     from loadopt.config import load_config

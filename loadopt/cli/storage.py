@@ -87,7 +87,12 @@ def probe(
     warm: bool = typer.Option(False, "--warm", help="Local files: leave the page cache as it is."),
     tier: str = typer.Option(None, "--tier", help="Read through this storage tier (a profile of tiers.yaml)."),
 ) -> None:
-    """Measure a storage location: sequential bandwidth, random-read IOPS, MB/s and latency."""
+    """Measure a storage location: sequential bandwidth, random-read IOPS, MB/s and latency.
+
+    Examples:
+      loadopt probe /data --duration 5
+      loadopt probe s3://bucket/prefix --concurrency 16
+    """
     import json
     import os
 
@@ -218,7 +223,12 @@ def tiers(
     relist: bool = RelistOption,
 ) -> None:
     """For each storage tier: how many emulated accelerators it keeps at the AU threshold, measured and predicted;
-    and which backend is fastest through it."""
+    and which backend is fastest through it.
+
+    Examples:
+      loadopt tiers resnet50_storage --quick
+      loadopt tiers my.yaml --tiers nvme,nfs_10gbe --au 0.9
+    """
     from loadopt.bench.distributed import launched_rank
     from loadopt.config import load_config
     from loadopt.files import prepare_output
