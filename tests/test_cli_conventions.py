@@ -51,3 +51,21 @@ def test_init_writes_a_bundled_config_here_and_never_over_a_file(tmp_path, monke
     unknown = runner.invoke(app, ["init", "nope"])
     assert unknown.exit_code != 0 and "nope: no bundled config of that name" in unknown.output
     assert runner.invoke(app, ["init", "serve", "-o", "s.yaml"]).exit_code == 0 and (tmp_path / "s.yaml").is_file()
+
+
+def test_long_work_off_a_terminal_says_each_stage_as_it_goes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    with log.open("w") as sink:  # `> log 2>&1`: no terminal
+        done = subprocess.run([sys.executable, "-m", "loadopt", "convert", "imagenet", "--to", "arrow", "--set",
+                               "dataset.synthetic.num_samples=60"], stdout=sink, stderr=subprocess.STDOUT,
+                              cwd=tmp_path, env={**os.environ, "LOADOPT_CACHE": str(tmp_path / "cache")}, timeout=600)
+    lines = log.read_text().splitlines()
+    assert done.returncode == 0, lines[-5:]
+    assert lines[0] == "generating the synthetic dataset: started 0/60 (0 s)"
+    assert any(line.startswith("generating the synthetic dataset: done 60/60") for line in lines[1:-1])
+    assert any(line.startswith("converting for arrow encoded: done 60/60") for line in lines[1:-1])
+    assert "60 samples, encoded" in " ".join(lines[-2:])  # the last line, wrapped at the width of a pipe

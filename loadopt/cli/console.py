@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn
@@ -112,7 +113,48 @@ class RichReporter(Reporter):
         self.progress.console.print(f"  [dim]tried {escape(label)}: {rate}, {outcome}{escape(why)}[/]", highlight=False)
 
 
+class LineProgress(Progress):
+    """The progress of long work where stderr is not a terminal (a log file, CI, a notebook's captured output): a
+    line when a task of known size starts, one every `every_s` seconds while it runs, and one when it ends, in
+    place of a bar that would show nothing until the end."""
+
+    def __init__(self, console: Console, every_s: float = 5.0) -> None:
+        super().__init__(console=console, disable=True)
+        self.every_s = every_s
+        self._said: dict[TaskID, tuple[float, str, bool]] = {}  # when, which description, whether it ended
+
+    def add_task(self, description: str, start: bool = True, total: float | None = 100.0, completed: int = 0,
+                 visible: bool = True, **fields: object) -> TaskID:
+        task = super().add_task(description, start, total, completed, visible, **fields)
+        self._say(task)
+        return task
+
+    def update(self, task_id: TaskID, **changes: object) -> None:
+        super().update(task_id, **changes)  # type: ignore[arg-type]
+        self._say(task_id)
+
+    def _say(self, task_id: TaskID) -> None:
+        task = self._tasks[task_id]
+        if task.total is None:  # a status line, not an amount of work: its command prints what it finds itself
+            return
+        ended = task.completed >= task.total
+        said = self._said.get(task_id)
+        now = time.monotonic()
+        if said is not None and said[2]:
+            return  # its end is said once
+        if said is not None and said[1] == task.description and not ended and now - said[0] < self.every_s:
+            return
+        self._said[task_id] = (now, task.description, ended)
+        count = f"{task.completed:,.0f}/{task.total:,.0f}"
+        state = "done" if ended else "started" if said is None and not task.completed else "at"
+        self.console.print(f"{task.description}: {state} {count} ({task.elapsed or 0:.0f} s)", highlight=False,
+                           markup=False, soft_wrap=True)
+
+
 def progress_bar() -> Progress:
+    """A rich bar on a terminal, else a line per stage as it starts, goes on and ends (`LineProgress`)."""
+    if not err_console.is_terminal:
+        return LineProgress(err_console)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err_console, transient=False, disable=not err_console.is_terminal)
+                    console=err_console, transient=False)
 

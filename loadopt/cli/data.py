@@ -127,8 +127,8 @@ def convert(
     across a Ray cluster (docs/scale.md).
 
     Examples:
-      loadopt convert my.yaml                    # the arrow backend's encoded form
-      loadopt convert my.yaml --decoded --verify
+      loadopt convert my.yaml --to arrow         # the arrow backend's encoded form
+      loadopt convert my.yaml --to raw --decoded --verify  # posix's aligned shards
     """
     from loadopt.config import load_config
     from loadopt.storage.forms import conversions
