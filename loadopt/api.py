@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Collection
 from typing import Any, TypedDict
 
@@ -20,6 +21,7 @@ from loadopt.loaders.registry import BUILTINS, backend_class, backend_for, backe
 from loadopt.loaders.ring import RingLoader
 from loadopt.loaders.sample_transform import SampleTransform
 from loadopt.named import name_of
+from loadopt.progress import StderrProgress, quiet
 from loadopt.recipe import RecipeMismatch
 from loadopt.schema.documents import Knobs
 from loadopt.storage.dataset import Dataset
@@ -154,7 +156,8 @@ def make_loader(config_or_path: str | os.PathLike[str] | Config | dict[str, Any]
     if transform is None:  # the config's transform imports, before any dataset is opened (or generated)
         SampleTransform.of_pipeline(config.pipeline)
     if is_config(config_or_path):
-        dataset: Dataset = open_dataset(config, split, relist=relist)
+        dataset: Dataset = open_dataset(config, split, relist=relist,
+                                        progress=StderrProgress("loadopt: generating the synthetic dataset"))
     else:  # the job's own dataset object, with the defaults of every other key
         dataset = from_object(config_or_path, config, split=split)
     overrides = {**_split_defaults(split, overrides), **overrides}
@@ -278,8 +281,11 @@ def _build(config: Config, dataset, backend: str, settings_raw: Knobs, where: st
                                                   pipeline.transform_input, pipeline.transform_target)
     if same_recipe:  # `auto`: only a loader that delivers the config's training input (before any conversion)
         recipe.check(loader, pipeline)
-    loader.prepare(convert_missing=convert)  # e.g. converts the dataset to the backend's format on first use
+    # e.g. converts the dataset to the backend's format on first use
+    loader.prepare(StderrProgress(f"loadopt: converting for {backend}"), convert_missing=convert)
     log.info("make_loader: backend %s (%s): %s", backend, loader.describe(), why)
+    if loader.rank == 0 and not quiet():  # said once, by one rank: which path the job got (LOADOPT_QUIET=1: not)
+        print(f"loadopt: make_loader took {backend} ({loader.describe()}): {why}", file=sys.stderr, flush=True)
     log.info("make_loader: %s knobs: %s", backend, _knobs_line(settings, knob_why))
     return loader
 

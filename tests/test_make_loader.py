@@ -238,3 +238,15 @@ def test_swept_knobs_take_the_backends_default_for_this_machine_and_say_so(tmp_p
     assert f"num_workers={workers[0]} (swept {workers} in loaders.torch: its first value (the backend's default " \
            f"for this machine, {min(8, cores)}, is not among them)" in caplog.text
     loader.close()
+
+
+def test_make_loader_says_once_on_stderr_which_backend_it_took_unless_quiet(tmp_path, capfd, monkeypatch):
+    config = tiny_config_dict(tmp_path / "out")
+    monkeypatch.delenv("LOADOPT_QUIET", raising=False)
+    make_loader(config, backend="torch", num_workers=0).close()
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("loadopt: make_loader took")]
+    assert said == [said[0]] and said[0].startswith("loadopt: make_loader took torch (") and \
+        said[0].endswith(": asked for by name")
+    monkeypatch.setenv("LOADOPT_QUIET", "1")
+    make_loader(config, backend="torch", num_workers=0).close()
+    assert "make_loader took" not in capfd.readouterr().err

@@ -100,7 +100,6 @@ def effective_workload(workload: WorkloadConfig, quick: bool) -> WorkloadConfig:
 def _plan(config: Config, names: list[str], dataset: Dataset, device, reporter: Reporter,
           convert: bool, world_size: int = 1) -> list[Setting]:
     plan: list[Setting] = []
-    SampleTransform.of_pipeline(config.pipeline)  # the job's transform imports, or one line says why not
     for name in names:
         cls = backend_for(name, f"--loaders {name}")
         available, reason = cls.available()
@@ -156,6 +155,9 @@ def run_bench(config: Config, *, loaders: list[str] | None = None, out: str | No
     report and decision an earlier bench left in `out` are removed then, as they describe other runs."""
     if attribute:
         ceiling_measures.ceiling_seconds()  # a bad $LOADOPT_CEILING_SECONDS: its one line before any work
+    for name in loaders or list(config.loaders):  # a misspelt --loaders, before any dataset is made or converted
+        backend_for(name, f"--loaders {name}")
+    SampleTransform.of_pipeline(config.pipeline)  # the job's transform imports, or one line says why not
     # How long a rank may wait for the others: rank 0 alone generates, converts, tunes and measures ceilings.
     timeout_s = 1800.0 + (budget_s if tune else 0.0)
     with distributed.ranks_here(config.workload.device, timeout_s) as ranks:
