@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,8 @@ def test_supported_accelerators_known_by_construction(tmp_path):
     need = demand(config, float(open_dataset(config).sizes.mean()), AU)["mb_per_s_at_threshold"]
     # A tier of B MB/s keeps floor(B / need) accelerators at AU >= 0.9; B sits halfway between two counts.
     tiers = [{"name": f"bw{k}", "bandwidth_mb_s": (k + 0.5) * need, "latency_ms": 1.0} for k in (2, 5)]
-    result = run_tiers(config, tiers, au=AU, max_accelerators=12, warmup_s=0.4, measure_s=1.2).document()
+    # (the probe at --quick's 0.5 s a level: its prediction still agrees with the search, asserted below)
+    result = run_tiers(config, tiers, au=AU, max_accelerators=12, warmup_s=0.3, measure_s=0.8, probe_s=0.5).document()
     for row, truth in zip(result["tiers"], (2, 5), strict=True):
         assert math.floor(row["spec"]["bandwidth_mb_s"] / need) == truth
         measured, predicted = row["accelerators_supported"], row["predicted_accelerators"]
@@ -97,9 +99,15 @@ def test_cli_tiers_table_and_errors(tmp_path):
     data = tiny_config_dict(tmp_path / "r", pipeline={"batch_size": 4, "image_size": 32},
                             workload={"step_time_ms": 20})
     path.write_text(yaml.safe_dump(data))
-    proc = loadopt("tiers", path, "--set", "storage.tier={name: tiny, bandwidth_mb_s: 0.1, price_per_tb_month: 20}",
-                   "--max-accelerators", "2", "--readers", "2", "--warmup", "0.2", "--measure", "0.5",
-                   "--no-backends", "--out", tmp_path / "out")
+    # The three commands side by side (the two refused ones need no dataset): one start's time, not three.
+    with ThreadPoolExecutor(3) as pool:
+        ran = pool.submit(loadopt, "tiers", path, "--set",
+                          "storage.tier={name: tiny, bandwidth_mb_s: 0.1, price_per_tb_month: 20}",
+                          "--max-accelerators", "2", "--readers", "2", "--warmup", "0.2", "--measure", "0.5",
+                          "--no-backends", "--out", tmp_path / "out")
+        unknown = pool.submit(loadopt, "tiers", path, "--tiers", "nonesuch")
+        above_one = pool.submit(loadopt, "tiers", path, "--au", "1.5")
+    proc = ran.result()
     assert proc.returncode == 0, proc.stderr
     assert "loadopt tiers" in proc.stdout and "tiny" in proc.stdout
     # not on a terminal: the plan up front, then one line per trial and one per tier (no bar is drawn)
@@ -112,9 +120,9 @@ def test_cli_tiers_table_and_errors(tmp_path):
     # 0.1 MB/s feeds nobody
     assert row["name"] == "tiny" and row["accelerators_supported"] == 0 and row["predicted_accelerators"] == 0
     assert row["cost"]["per_month"] == pytest.approx(20 * row["capacity_tb"])
-    line = one_line_error(loadopt("tiers", path, "--tiers", "nonesuch"), code=2)
+    line = one_line_error(unknown.result(), code=2)
     assert "unknown tier 'nonesuch'" in line
-    line = one_line_error(loadopt("tiers", path, "--au", "1.5"), code=2)
+    line = one_line_error(above_one.result(), code=2)
     assert "--au 1.5" in line
 
 
@@ -127,7 +135,7 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
                                                workload={"step_time_ms": 1},
                                                loaders={"arrow": {"form": "decoded"}, "posix": {"shard_mib": 0.25}}))
     tiers = [{"name": "starved", "bandwidth_mb_s": 0.5}, {"name": "roomy", "bandwidth_mb_s": 2000}]
-    result = run_tiers(config, tiers, max_accelerators=1, warmup_s=0.1, measure_s=0.3, budget_s=5,
+    result = run_tiers(config, tiers, max_accelerators=1, warmup_s=0.1, measure_s=0.3, budget_s=5, probe_s=0.5,
                        backends_out=str(tmp_path / "backends"), backend_warmup=2, backend_batches=6).document()
     for row in result["tiers"]:
         runs = row["backends"]["runs"]
@@ -170,7 +178,8 @@ def test_a_tier_over_slower_storage_says_so_and_predicts_from_its_own_figures(tm
         return EmulatedFileSystem(spec.model_dump(mode="json"), EmulatedFileSystem(disk, base))
 
     monkeypatch.setattr(tier_measure, "tier_filesystem", over_slow_disk)  # where a tier's dataset is made
-    row = run_tiers(config, [fast], au=AU, max_accelerators=3, warmup_s=0.3, measure_s=0.8).document()["tiers"][0]
+    row = run_tiers(config, [fast], au=AU, max_accelerators=3, warmup_s=0.3, measure_s=0.8,
+                    probe_s=0.5).document()["tiers"][0]
     assert row["accelerators_supported"] <= 2, row["trials"]  # the disk's answer
     assert "bounded by the" in row["bounded_by_base"] and "not a figure of tier fast" in row["bounded_by_base"]
     assert row["bounded_by_base"] in row["measured_note"]
@@ -209,34 +218,62 @@ def test_the_plan_said_up_front_follows_the_tiers_figures(tmp_path):
     assert line.startswith("2 tiers (roomy, far)") and "trials" in line and "in all" in line
 
 
-@pytest.mark.parametrize(("signal_name", "after"), [("SIGTERM", "second: trial 1 "), ("SIGINT", "second: trial 1 "),
-                                                     ("SIGTERM", "2 tiers (")])
-def test_cli_tiers_stopped_keeps_the_tiers_that_finished(tmp_path, signal_name, after):
-    """SIGTERM (`timeout`, Slurm) or Ctrl-C mid-run: the tiers that finished are in tiers.json (and the report),
-    with what stopped it and the trials of the tier cut short; stopped before any finished, nothing is written."""
-    profiles = tmp_path / "tiers.yaml"
+STOPS = [("SIGTERM", "second: trial 1 "), ("SIGINT", "second: trial 1 "), ("SIGTERM", "2 tiers (")]
+
+
+def _tiers_stopped(folder: Path, cache: Path, signal_name: str, after: str) -> tuple[int, str, str, Path]:
+    """`loadopt tiers` over two tiers, sent `signal_name` once it printed a line starting with `after`; its exit
+    status, stdout, stderr and output folder."""
+    folder.mkdir()
+    profiles = folder / "tiers.yaml"
     profiles.write_text(yaml.safe_dump({"tiers": {name: {"bandwidth_mb_s": 100} for name in ("first", "second")}}))
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "r", pipeline={"batch_size": 4, "image_size": 32},
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(folder / "r", pipeline={"batch_size": 4, "image_size": 32},
                                                     workload={"step_time_ms": 20})))
-    out = tmp_path / "out"
-    env = {**os.environ, "LOADOPT_TIERS": str(profiles), "COLUMNS": "200"}
+    out = folder / "out"
+    env = {**os.environ, "LOADOPT_CACHE": str(cache), "LOADOPT_CEILING_SECONDS": "0.2", "LOADOPT_TIERS": str(profiles),
+           "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "loadopt.cli", "tiers", str(path), "--tiers", "first,second",
                              "--max-accelerators", "2", "--readers", "2", "--warmup", "0.2", "--measure", "0.6",
                              "--no-backends", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
-    reader.start()
-    seen = [lines.get(timeout=120)]
-    while not seen[-1].startswith(after):
-        seen.append(lines.get(timeout=120))
-    proc.send_signal(getattr(signal, signal_name))
-    proc.wait(timeout=60)
-    stdout = proc.stdout.read()
-    reader.join(timeout=10)
-    stderr = "".join(seen + list(lines.queue))
-    assert proc.returncode == (143 if signal_name == "SIGTERM" else 130), stderr
+    try:
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+        reader.start()
+        seen = [lines.get(timeout=120)]
+        while not seen[-1].startswith(after):
+            seen.append(lines.get(timeout=120))
+        proc.send_signal(getattr(signal, signal_name))
+        proc.wait(timeout=60)
+        stdout = proc.stdout.read()
+        reader.join(timeout=10)
+        return proc.returncode, stdout, "".join(seen + list(lines.queue)), out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiers_stopped(tmp_path_factory, cache_dir):
+    """Each of `STOPS` run at once, side by side (each waits on its own trials' sleeps, not on the CPU): the
+    futures of `_tiers_stopped`, by (signal, line). The tiny dataset is generated here first."""
+    folder = tmp_path_factory.mktemp("tiers-stopped")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOADOPT_CACHE", str(cache_dir))
+        open_dataset(config_from_dict(tiny_config_dict(folder / "r", pipeline={"batch_size": 4, "image_size": 32}),
+                                      str(folder / "job.yaml")))
+    with ThreadPoolExecutor(len(STOPS)) as pool:
+        yield {(name, after): pool.submit(_tiers_stopped, folder / f"{name}-{index}", cache_dir, name, after)
+               for index, (name, after) in enumerate(STOPS)}
+
+
+@pytest.mark.parametrize(("signal_name", "after"), STOPS)
+def test_cli_tiers_stopped_keeps_the_tiers_that_finished(tiers_stopped, signal_name, after):
+    """SIGTERM (`timeout`, Slurm) or Ctrl-C mid-run: the tiers that finished are in tiers.json (and the report),
+    with what stopped it and the trials of the tier cut short; stopped before any finished, nothing is written."""
+    returncode, stdout, stderr, out = tiers_stopped[(signal_name, after)].result()
+    assert returncode == (143 if signal_name == "SIGTERM" else 130), stderr
     assert "Traceback" not in stderr
     if after.startswith("2 tiers"):  # before any tier finished: the folder is left as it was (it was not there)
         assert not out.exists() and "before any tier finished: no results were written" in stderr

@@ -253,6 +253,8 @@ def test_o_direct_refused_is_one_line(tmp_path, monkeypatch):
 
 
 def test_cli_convert_to_raw_and_bench(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
     import yaml
 
     from .test_cli import loadopt, one_line_error
@@ -262,7 +264,10 @@ def test_cli_convert_to_raw_and_bench(tmp_path):
                                                                 "shard_mib": SMALL}})
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(raw))
-    line = one_line_error(loadopt("bench", path, "--no-convert"))
+    with ThreadPoolExecutor(2) as pool:  # the two refused commands side by side: one start's time, not two
+        no_convert = pool.submit(loadopt, "bench", path, "--no-convert")
+        unknown = pool.submit(loadopt, "convert", path, "--to", "nope")
+    line = one_line_error(no_convert.result())
     assert "no raw conversion" in line
     done = loadopt("convert", path, "--to", "raw", "--decoded", "--frame", "centre", "--size", "52", "--shard-mib",
                    str(SMALL))
@@ -273,7 +278,7 @@ def test_cli_convert_to_raw_and_bench(tmp_path):
     proc = loadopt("bench", path, "--quick", "--no-convert")
     assert proc.returncode == 0, proc.stderr
     assert "posix decoded centre 52px o_direct=True" in proc.stdout
-    assert "unknown format (known: arrow, raw)" in one_line_error(loadopt("convert", path, "--to", "nope"))
+    assert "unknown format (known: arrow, raw)" in one_line_error(unknown.result())
 
 
 @pytest.mark.parametrize("o_direct", [False, True])

@@ -159,7 +159,8 @@ def test_tiers_count_the_accelerators_a_tier_keeps_on_records(tmp_path):
     # A tier of 2.5 accelerators' bandwidth keeps 2 at AU >= 0.9; an unbounded one is limited by the
     # dataset: 64 records give at most 16 accelerators a batch of 4.
     tiers = [{"name": "bw2", "bandwidth_mb_s": 2.5 * need, "latency_ms": 1.0}, {"name": "fast", "latency_ms": 0.1}]
-    result = run_tiers(config, tiers, au=0.9, max_accelerators=64, warmup_s=0.4, measure_s=1.2, budget_s=60).document()
+    result = run_tiers(config, tiers, au=0.9, max_accelerators=64, warmup_s=0.3, measure_s=0.8, probe_s=0.5,
+                       budget_s=60).document()
     limited, fast = result["tiers"]
     assert abs(limited["accelerators_supported"] - 2) <= 1, limited["trials"]
     assert limited["capacity_tb"] == pytest.approx(64 * 8_000 / 1e12)

@@ -13,6 +13,7 @@ import yaml
 
 from loadopt.config import config_from_dict
 from loadopt.procurement.plan import demand
+from loadopt.storage.open import open_dataset
 
 from .conftest import REPO
 
@@ -38,16 +39,25 @@ def test_two_nodes_over_torchrun_find_what_one_process_finds(tmp_path, cache_dir
     env = {**os.environ, "LOADOPT_CACHE": str(cache_dir), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
     common = ["tiers", str(path), "--max-accelerators", "4", "--no-backends", "--measure", "1.5", "--warmup", "0.5"]
-    single = subprocess.run([sys.executable, "-m", "loadopt", *common, "--out", str(tmp_path / "single")],
-                            capture_output=True, text=True, env=env, timeout=600)
-    assert single.returncode == 0, single.stderr
+    # The records generated (and listed) here first: the single process and the torchrun job then run side by side
+    # (each trial reads a tier instance of its own, and their consumers take a few % of a core) on the same files.
+    open_dataset(config_from_dict(raw, str(path)))
+    single = subprocess.Popen([sys.executable, "-m", "loadopt", *common, "--out", str(tmp_path / "single")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     port = str(free_port())
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
                                "-m", "loadopt", *common, "--out", str(tmp_path / "multi")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for node in (0, 1)]
-    outputs = [node.communicate(timeout=600) for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=600) for node in nodes]
+        _, single_err = single.communicate(timeout=600)
+    finally:
+        for proc in (single, *nodes):
+            if proc.poll() is None:
+                proc.kill()
+    assert single.returncode == 0, single_err
     assert [node.returncode for node in nodes] == [0, 0], outputs
     one = json.loads((tmp_path / "single" / "tiers.json").read_text())["tiers"][0]
     result = json.loads((tmp_path / "multi" / "tiers.json").read_text())
