@@ -90,10 +90,10 @@ def peers_checks() -> list[Check]:
     """How to add `loadopt[peers]` without replacing this torch, and whether an installed torchvision fits it."""
     import torch
 
-    pins = peers_constraints().replace("\n", "\\n")
-    checks = [Check("peers install", None, f"to keep torch {torch.__version__}: printf '{pins}' > keep.txt; "
-                                           "pip install 'loadopt[peers]' -c keep.txt (alone, pip may replace torch "
-                                           "with a newer CUDA build: docs/backends.md, Installing the peer libraries)")]
+    checks = [Check("peers install", None, f"to keep torch {torch.__version__}: loadopt doctor --constraints > "
+                                           "keep.txt; pip install 'loadopt[litdata]' -c keep.txt (or [webdataset], "
+                                           "[streaming], [ffcv], [peers]; alone, pip may replace torch with a newer "
+                                           "CUDA build: docs/backends.md, Installing the peer libraries)")]
     try:
         from packaging.requirements import Requirement  # not a loadopt dependency: without it, no fit check
 

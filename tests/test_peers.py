@@ -54,8 +54,8 @@ def test_a_missing_library_is_a_reason_not_an_exception(monkeypatch):
         raise RuntimeError(f"{name} is broken here")
 
     monkeypatch.setattr(peer_base.importlib, "import_module", broken)
-    ok, reason = peer_base.library_available("webdataset", "webdataset")
-    assert not ok and "RuntimeError" in reason and "loadopt[peers]" in reason
+    ok, reason = peer_base.library_available("webdataset", "webdataset", peer_base.install_hint("webdataset"))
+    assert not ok and "RuntimeError" in reason and "pip install 'loadopt[webdataset]' -c keep.txt" in reason
 
 
 def test_ffcv_names_what_its_build_lacks():

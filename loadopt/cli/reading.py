@@ -52,13 +52,21 @@ def report(
 
 
 @app.command()
-def doctor() -> None:
+def doctor(
+    constraints: bool = typer.Option(False, "--constraints", help="Print only pip's constraint lines that keep this "
+                                     "machine's torch and numpy while a peer library installs, and stop."),
+) -> None:
     """What this machine offers: torch/CUDA, pinned memory, DALI, kvikio/GDS, shared memory, CPU, RAM.
 
     Examples:
       loadopt doctor
+      loadopt doctor --constraints > keep.txt && pip install 'loadopt[litdata]' -c keep.txt
     """
-    from loadopt.doctor import run_checks
+    from loadopt.doctor import peers_constraints, run_checks
+
+    if constraints:
+        print(peers_constraints(), end="")
+        return
 
     table = Table(title="loadopt doctor", title_justify="left")
     table.add_column("item")

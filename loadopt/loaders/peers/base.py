@@ -48,8 +48,11 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DONE = "loadopt-peer.json"  # written last into a finished conversion: its metadata
-# With the constraint file `loadopt doctor` prints (`peers install`): alone, pip may replace the installed torch.
-INSTALL_HINT = "pip install 'loadopt[peers]' -c keep.txt (keep.txt: see loadopt doctor, peers install)"
+
+
+def install_hint(extra: str) -> str:
+    """How to install a peer's extra keeping this machine's torch and numpy (alone, pip may replace torch)."""
+    return f"loadopt doctor --constraints > keep.txt; pip install 'loadopt[{extra}]' -c keep.txt"
 
 
 class PeerSettings(BaseModel):
@@ -100,7 +103,7 @@ class StoredRecord(TypedDict):
     idx: int | str | bytes  # its dataset index
 
 
-def library_available(module: str, dist: str, hint: str = INSTALL_HINT) -> tuple[bool, str]:
+def library_available(module: str, dist: str, hint: str) -> tuple[bool, str]:
     """Whether `module` imports (any failure counts: a library may pull a broken dependency)."""
     try:
         importlib.import_module(module)
@@ -256,7 +259,7 @@ class PeerLoader(Loader[PeerSettingsT]):
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
-        return library_available(cls.module, cls.dist)
+        return library_available(cls.module, cls.dist, install_hint(cls.name))
 
     @classmethod
     def knob_space(cls, cores: int) -> dict[str, list]:

@@ -38,6 +38,7 @@ from loadopt.loaders.peers.base import (
     PeerSettings,
     Skipped,
     epoch_seed,
+    install_hint,
     library_available,
     source_samples,
 )
@@ -103,7 +104,7 @@ class FfcvLoader(PeerLoader[FfcvSettings]):
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
-        ok, reason = library_available(cls.module, cls.dist, "pip install 'loadopt[peers-ffcv]'")
+        ok, reason = library_available(cls.module, cls.dist, install_hint("ffcv"))
         if ok:
             return ok, reason
         missing = build_requirements()
