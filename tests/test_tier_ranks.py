@@ -38,7 +38,7 @@ def test_two_nodes_over_torchrun_find_what_one_process_finds(tmp_path, cache_dir
     path.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "LOADOPT_CACHE": str(cache_dir), "COLUMNS": "200", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    common = ["tiers", str(path), "--max-accelerators", "4", "--no-backends", "--measure", "1.5", "--warmup", "0.5"]
+    common = ["tiers", str(path), "--max-accelerators", "4", "--no-backends", "--measure", "0.8", "--warmup", "0.3"]
     # The records generated (and listed) here first: the single process and the torchrun job then run side by side
     # (each trial reads a tier instance of its own, and their consumers take a few % of a core) on the same files.
     open_dataset(config_from_dict(raw, str(path)))
