@@ -134,7 +134,7 @@ def test_every_backend_through_each_tier_and_the_decision_follows_the_tier(tmp_p
     config = config_from_dict(tiny_config_dict(tmp_path, pipeline={"batch_size": 4, "image_size": 32},
                                                workload={"step_time_ms": 1},
                                                loaders={"arrow": {"form": "decoded"}, "posix": {"shard_mib": 0.25}}))
-    tiers = [{"name": "starved", "bandwidth_mb_s": 0.5}, {"name": "roomy", "bandwidth_mb_s": 2000}]
+    tiers = [{"name": "starved", "bandwidth_mb_s": 1.0}, {"name": "roomy", "bandwidth_mb_s": 2000}]
     result = run_tiers(config, tiers, max_accelerators=1, warmup_s=0.1, measure_s=0.3, budget_s=5, probe_s=0.5,
                        backends_out=str(tmp_path / "backends"), backend_warmup=2, backend_batches=6).document()
     for row in result["tiers"]:
