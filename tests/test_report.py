@@ -304,3 +304,22 @@ def test_a_steps_breakdown_on_the_emulated_device_adds_up_to_its_wall_time():
     serial = Run("b", "delay", "ok", "", {k: v for k, v in metrics.items() if "stall" not in k}, [], None)
     assert serial.per_step_ms() == pytest.approx({"compute": 25.0, "wait": 30.0, "h2d": 2.5, "finish": 5.0,
                                                   "other": 0.0})
+
+
+def test_a_second_bench_keeps_the_first_run_and_the_report_compares_the_two(tmp_path):
+    config = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 0}},
+                              workload={"repeats": 1, "measure_batches": 3, "warmup_batches": 1})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for _ in range(2):
+        proc = loadopt("bench", path, "--quick", env_cache=tmp_path / "cache")
+        assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    (earlier,) = (out / "runs").iterdir()  # the first run, moved aside whole as the second began to write
+    assert sorted(p.name for p in earlier.iterdir()) == ["decision.json", "report.html", "results.json",
+                                                         "timings.parquet"]
+    first, second = (json.loads((where / "results.json").read_text()) for where in (earlier, out))
+    assert first["created"] < second["created"] and re.sub(r"[^0-9T]", "", first["created"])[:15] == earlier.name
+    proc = loadopt("report", earlier / "results.json", out / "results.json", "--format", "markdown")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("torch") >= 2  # both runs, side by side

@@ -30,7 +30,7 @@ from loadopt.bench.metrics import median
 from loadopt.bench.monitor import MachineLoad, load_note
 from loadopt.bench.rank_report import RankReport
 from loadopt.bench.results_document import Setting, results_document, timing_rows
-from loadopt.bench.results_files import discard_stale_files, write_results
+from loadopt.bench.results_files import archive_previous, discard_stale_files, write_results
 from loadopt.config import backend_settings
 from loadopt.config_models import Config, WorkloadConfig
 from loadopt.device import DeviceTransfer, Elapsed
@@ -250,6 +250,8 @@ def _measure(request: BenchRequest, ranks: distributed.Ranks, folder: Path) -> B
         if done.interrupted:
             raise Terminated() if done.stopped_by == "SIGTERM" else KeyboardInterrupt()
         return BenchOutcome(results, None, None, False)  # every setting unavailable or failing: the reasons
+    if ranks.lead and (progress is None or not progress.started):  # no write of this bench moved the last run aside
+        _archive(folder)
     return _write(request, ranks, folder, plan, dataset, results, done)
 
 
@@ -311,6 +313,8 @@ class _Progress:
                                    self.workload, request.quick, False, cache_note, IN_PROGRESS_NOT_RUN,
                                    described=False)
         results.in_progress = True  # type: ignore[attr-defined]  # an extra key: results.json allows them
+        if not self.started:
+            _archive(self.folder)
         try:
             write_results(self.folder, results, timing_rows(self.plan))
         except LoadoptError as exc:  # the final write says it in its line; the bench goes on
@@ -319,6 +323,12 @@ class _Progress:
         if not self.started:
             self.started = True
             _discard_stale(self.folder)
+
+
+def _archive(folder: Path) -> None:
+    moved = archive_previous(folder)
+    if moved is not None:
+        log.info("the earlier bench's results in %s moved to %s", folder, moved)
 
 
 def _discard_stale(folder: Path) -> None:
