@@ -323,3 +323,41 @@ def test_a_second_bench_keeps_the_first_run_and_the_report_compares_the_two(tmp_
     proc = loadopt("report", earlier / "results.json", out / "results.json", "--format", "markdown")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("torch") >= 2  # both runs, side by side
+
+
+def test_log_to_tensorboard_records_the_table_the_ceilings_and_the_timeline(real_bench, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'loadopt[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from loadopt.report.trackers import log_results
+
+    out, _ = real_bench
+    where = Path(log_results(out / "results.json", f"tensorboard:{tmp_path / 'tb'}"))
+    events = EventAccumulator(str(where))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    results = json.loads((out / "results.json").read_text())
+    for run in results["runs"]:
+        if run["status"] == "ok":
+            (value,) = events.Scalars(f"table/samples_per_s/{run['label']}")
+            assert value.value == pytest.approx(run["metrics"]["samples_per_s"]["median"], rel=1e-6)
+            timeline = events.Scalars(f"timeline/{run['label']}/wait_ms")
+            assert len(timeline) == sum(1 for r in pq_rows(out) if r["label"] == run["label"] and r["measured"])
+    assert any(tag.startswith("ceilings/") for tag in tags)
+    assert "table/text_summary" in events.Tags()["tensors"]  # the Markdown table, as text
+
+
+def pq_rows(out):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(out / "timings.parquet").to_pylist()
+
+
+def test_log_to_an_unknown_tracker_is_one_line_before_any_work(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "out")))
+    proc = loadopt("bench", path, "--log-to", "tensorbored:x", env_cache=tmp_path / "cache")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --log-to tensorbored:x: unknown tracker 'tensorbored' (known: tensorboard, wandb, mlflow; e.g. "
+        "tensorboard:runs/loadopt)")
+    assert not (tmp_path / "cache").exists()  # refused before the dataset was made

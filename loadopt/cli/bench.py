@@ -57,6 +57,9 @@ def bench(
     slo_ms: float = typer.Option(None, "--slo-ms", min=0.001, help="workload.scenario server: search the highest "
                                  "request rate whose p99 latency stays within this many ms."),
     relist: bool = RelistOption,
+    log_to: list[str] = typer.Option(None, "--log-to", help="Also record the table, the ceilings and the per-batch "
+                                     "timeline in a tracker: tensorboard[:DIR], wandb[:PROJECT] or "
+                                     "mlflow[:TRACKING_URI] (repeatable; each an extra, e.g. loadopt\\[tensorboard])."),
 ) -> None:
     """Run every configured loader setting through the harness and rank them.
 
@@ -67,6 +70,7 @@ def bench(
     """
     from loadopt.bench.runner import run_bench
     from loadopt.config import load_config
+    from loadopt.report.trackers import check_target
 
     setup_logging(verbose)
     interrupted: list[bool] = []  # Ctrl-C came (its KeyboardInterrupt may have been lost in a finaliser)
@@ -75,6 +79,8 @@ def bench(
 
         cfg = load_config(config, set_ or [])
         budget_s = parse_budget(budget)
+        for target in log_to or []:  # an unknown tracker or a missing package: its line before any work
+            check_target(target)
         names = [n.strip() for n in loaders.split(",") if n.strip()] if loaders else None
         if cfg.workload.scenario != "train":  # the inference scenarios (loadopt/serve/)
             from loadopt.cli.serve import run_serve
@@ -105,6 +111,8 @@ def bench(
     if outcome.json_path is not None:
         console.print(f"results: {outcome.json_path}, per-batch timings: {outcome.parquet_path}", highlight=False)
         report_failed = _report(outcome.json_path)
+    if outcome.json_path is not None:
+        _log_to_trackers(outcome.json_path, log_to or [])
     if report_failed is not None and (outcome.interrupted or outcome.error is not None):  # their line is the one
         err_console.print(f"[yellow]warning:[/] {escape(report_failed)}", highlight=False)
         report_failed = None
@@ -113,6 +121,19 @@ def bench(
     if report_failed is not None:  # the folder holds this bench's files and no report: the bench did not finish
         err_console.print(f"error: {report_failed}", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def _log_to_trackers(json_path: Path, targets: list[str]) -> None:
+    """The results just written, in each tracker of `--log-to`; a tracker that fails is a warning (the results are
+    on disk, and `loadopt bench` says where)."""
+    from loadopt.report.trackers import log_results
+
+    for target in targets:
+        try:
+            console.print(f"logged to {target}: {log_results(json_path, target)}", highlight=False, markup=False)
+        except Exception as exc:  # noqa: BLE001 - a tracker's own failure (a server down): said, the bench stands
+            why = (str(exc).splitlines() or [type(exc).__name__])[0]
+            err_console.print(f"warning: --log-to {target}: {why}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _report(json_path: Path) -> str | None:

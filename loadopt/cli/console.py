@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 # Piped or captured output gets a width that fits the results table instead of rich's 80 columns.
 WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160
-console = Console(width=WIDTH)
-err_console = Console(stderr=True, width=WIDTH)
+console = Console(width=WIDTH, emoji=False)  # ":x" in a path or a name is text, not an emoji code
+err_console = Console(stderr=True, width=WIDTH, emoji=False)
 
 SetOption = typer.Option(None, "--set", help="Override a config key, e.g. --set workload.step_time_ms=40 "
                                              "(repeatable; the value is parsed as YAML).")
