@@ -230,3 +230,20 @@ def test_a_jpeg_a_worker_cannot_decode_goes_by_on_error(tmp_path, on_error):
         assert delivered == len(dataset) - 1 and skipped == [True]
     assert arrow.croppers is not None  # decoded by the workers, not by threads
     arrow.close()
+
+
+@pytest.mark.skipif(not fork_available(), reason="the crop workers are forked: this OS cannot fork")
+def test_workers_of_a_pool_dropped_without_close_end_when_it_is_collected():
+    import gc
+    import time
+
+    out = [np.zeros((2, 8, 8, 3), np.uint8)]
+    pool = CropProcesses(out, [np.zeros(16, np.uint8)], 2)
+    processes = list(pool._processes)
+    assert all(p.is_alive() for p in processes)
+    del pool
+    gc.collect()
+    deadline = time.monotonic() + 10.0  # they are told at once; exiting takes a moment on a busy machine
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.is_alive() for p in processes), "a dropped pool left its workers running"

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple, NoReturn
@@ -72,6 +73,9 @@ class CropProcesses:
         self._connections: list[Any] = []
         self._processes: list[Any] = []
         self._sent: collections.deque[int] = collections.deque()  # per batch in flight: the chunks sent
+        # A loader dropped without `close()` (a notebook, a sweep making loader after loader) ends its workers when
+        # it is collected, not when the process exits: each left idle holds its copy-on-write pages.
+        self._finalizer = weakref.finalize(self, stop_workers, self._connections, self._processes)
         try:
             for rank in range(self.count):
                 parent_end, child_end = context.Pipe()
@@ -162,16 +166,7 @@ class CropProcesses:
 
     def close(self) -> None:
         """Tell the workers to exit and reap them (killed if they do not within a few seconds)."""
-        for connection in self._connections:
-            with contextlib.suppress(OSError, ValueError):  # already gone
-                connection.send(None)
-        for process in self._processes:
-            process.join(timeout=5.0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for connection in self._connections:
-            connection.close()
+        stop_workers(self._connections, self._processes)
         self._connections, self._processes = [], []
 
     def alive(self) -> bool:
@@ -180,6 +175,25 @@ class CropProcesses:
     def dead(self) -> list[str]:
         """Each worker that has exited, as "PID (exit code N)"."""
         return [exit_of(p) for p in self._processes if not p.is_alive()]
+
+
+def stop_workers(connections: list[Any], processes: list[Any]) -> None:
+    """Tell workers to exit and reap them (killed if they do not within a few seconds); empties both lists."""
+    owner = getattr(processes[0], "_parent_pid", None) if processes else None
+    if owner is not None and owner != os.getpid():
+        return  # a forked child's copy of a pool it does not own: its parent stops the workers
+    for connection in connections:
+        with contextlib.suppress(OSError, ValueError):  # already gone
+            connection.send(None)
+    for process in processes:
+        process.join(timeout=5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for connection in connections:
+        connection.close()
+    connections.clear()
+    processes.clear()
 
 
 def exit_of(process: BaseProcess) -> str:
