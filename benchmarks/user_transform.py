@@ -7,7 +7,10 @@ drawn with Python's `random` from PIL's ImageEnhance/ImageOps, their magnitudes 
 two interleaved in every round (the order alternating); the transform's cost on a path is the time per sample it
 adds there, 1/rate_with - 1/rate_without. Its ceiling is the transform alone (on crops made beforehand, seeded per
 sample as the paths seed it) in as many worker processes as the machine has usable cores
-(`bench.attribution.parallel.rate_in_workers`), measured in the same round. The figure per path is the ceiling's
+(`bench.attribution.parallel.rate_in_workers`), measured in the same round. dali's run without the transform would
+decode with DALI's own engine, another path: its reference run is the transform's path (DALI's Python operator
+feeding loadopt's workers) with a transform that changes nothing (`unchanged`, handed the decoded array).
+The figure per path is the ceiling's
 time per sample over the path's cost: 1.0 when the path runs the transform as fast as processes running nothing
 else can, lower where it serialises it (threads of one process take turns: its generators are the process's).
 
@@ -53,6 +56,11 @@ def rand_ops(image: Image.Image) -> Image.Image:
     for operation in random.sample(OPERATIONS, 2):
         image = operation(image, float(np.random.uniform()))
     return image
+
+
+def unchanged(pixels: np.ndarray) -> np.ndarray:
+    """A transform that changes nothing: dali's reference run, on the path a transform takes."""
+    return pixels
 
 
 # The paths that run a per-sample transform: (label, backend, settings), their parallelism the usable cores.
@@ -125,9 +133,16 @@ def main() -> int:
         for label, backend, settings in chosen:
             measured = {}
             for with_transform in (round_index % 2 == 0, round_index % 2 == 1):
-                loader = build_loader(config if with_transform else load_config(args.config), backend, **settings)
+                # dali without a transform decodes with its own engine: its reference run keeps the path the
+                # transform takes (loadopt's workers) with a transform that changes nothing, on the array as decoded
+                same_path = backend == "dali" and not with_transform
+                loader = build_loader(config if with_transform or same_path else load_config(args.config), backend,
+                                      **settings)
                 if with_transform:
                     loader.sample_transform = transform
+                elif same_path:
+                    loader.sample_transform = SampleTransform(unchanged, "user_transform:unchanged",
+                                                              pipeline.image_size, "array")
                 result = harness_run(loader, args.batches, epoch=round_index)
                 measured[with_transform] = result.metrics["samples_per_s"]
                 rates.setdefault((label, with_transform), []).append(measured[with_transform])

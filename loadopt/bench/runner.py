@@ -265,6 +265,9 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
         if request.attribute and any(s.status == RunStatus.OK for s in plan):
             # The decode ceiling runs as many worker processes as the busiest setting.
             workers = max(backend_class(s.backend).cpu_demand(s.settings) for s in plan if s.status == RunStatus.OK)
+            if ranks.lead:  # a few seconds with nothing else to show: said, so a terminal is not silent
+                request.reporter.line("measuring this machine's ceilings (decode, crop + resize, memory copy, "
+                                      "storage read) before the runs")
             done.ceilings = ranks.alone(lambda: ceiling_measures.measure_ceilings(config, dataset, ranks.device,
                                                                                   ranks.decode_workers(workers)))
         for repeat in range(workload.repeats):
@@ -278,6 +281,7 @@ def _run_plan(request: BenchRequest, ranks: distributed.Ranks, plan: list[Settin
                     progress.write(done.cache_note)
                 _honour_stop(request)  # a stop that landed in the loader's close (or a finaliser) and was lost
         if done.ceilings is not None and ranks.lead:  # measured again after the runs: the higher one is kept
+            request.reporter.line("measuring the ceilings again after the runs (the higher of the two is kept)")
             done.ceilings = ceiling_measures.keep_best(done.ceilings, config, dataset)
         _honour_stop(request)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where the caller made it one (errors.Terminated)
