@@ -42,8 +42,9 @@ app = typer.Typer()  # this module's commands; loadopt.cli joins it to the `load
 def bench(
     config: str = typer.Argument(..., help="A config YAML, or a bundled config by name (imagenet, serve, ...: "
                                            "`loadopt init --list`)."),
-    loaders: str = typer.Option(None, "--loaders", help="Comma-separated backends to run (default: all configured)."),
-    out: str = typer.Option(None, "--out", help="Output folder (default: report.out of the config)."),
+    loaders: str = typer.Option(None, "--loaders", help="Comma-separated backends to run.",
+                                show_default="all configured"),
+    out: str = typer.Option(None, "--out", help="Output folder.", show_default="report.out of the config"),
     quick: bool = typer.Option(False, "--quick", help="One short repeat per setting: a first look in < 2 minutes."),
     set_: list[str] = SetOption,
     no_convert: bool = typer.Option(False, "--no-convert", help="Fail instead of converting the dataset to a "

@@ -57,7 +57,7 @@ def make_dataset(
 @app.command()
 def init(
     name: str = typer.Argument("imagenet", help="The bundled config to start from (`loadopt init --list` names them)."),
-    out: str = typer.Option(None, "--out", "-o", help="Where to write it (default: NAME.yaml in this folder)."),
+    out: str = typer.Option(None, "--out", "-o", help="Where to write it.", show_default="NAME.yaml in this folder"),
     list_: bool = typer.Option(False, "--list", help="Name the bundled configs and stop."),
 ) -> None:
     """Write a bundled config into this folder, to edit and then bench (`loadopt bench NAME.yaml`).
@@ -106,7 +106,7 @@ def convert(
     config: str = typer.Argument(..., help="The config YAML whose dataset to convert."),
     to: str = typer.Option(..., "--to", help="The format: arrow or raw (4 KiB-aligned shards)."),
     decoded: bool = typer.Option(False, "--decoded", help="Store decoded uint8 pixels instead of the JPEG bytes."),
-    size: int = typer.Option(None, "--size", help="Decoded centre square (default: pipeline.image_size / 0.875)."),
+    size: int = typer.Option(None, "--size", help="Decoded centre square.", show_default="pipeline.image_size / 0.875"),
     frame: str = typer.Option("auto", "--frame", help="Decoded: whole (longer side <= pipeline.max_side), centre, "
                               "or auto (whole for augment: train)."),
     shard_mib: float = typer.Option(256.0, "--shard-mib", help="Shard file size, MiB (raw, Arrow)."),
@@ -118,8 +118,8 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Rebuild the conversion even when a finished one exists."),
     engine: str = typer.Option("local", "--engine", help="Who writes the shards: local (this machine's cores) or "
                                "ray (a Ray task per shard; pip install 'loadopt\\[ray]')."),
-    address: str = typer.Option(None, "--address", help="Ray: the cluster to join (default: start Ray here)."),
-    num_cpus: int = typer.Option(None, "--num-cpus", help="Ray started here: its CPUs (default: all)."),
+    address: str = typer.Option(None, "--address", help="Ray: the cluster to join.", show_default="start Ray here"),
+    num_cpus: int = typer.Option(None, "--num-cpus", help="Ray started here: its CPUs.", show_default="all"),
     set_: list[str] = SetOption,
     relist: bool = RelistOption,
 ) -> None:
@@ -174,7 +174,7 @@ def convert(
 def recompress(
     source: str = typer.Argument(..., help="A folder of WebDataset .tar shards."),
     destination: str = typer.Argument(..., help="The folder to write the recompressed shards to (same names)."),
-    workers: int = typer.Option(None, "--workers", help="Shards recompressed at once (default: the cores)."),
+    workers: int = typer.Option(None, "--workers", help="Shards recompressed at once.", show_default="the cores"),
     force: bool = typer.Option(False, "--force", help="Write every shard again, even one already written."),
 ) -> None:
     """Rewrite tar shards with each JPEG losslessly recompressed as JPEG XL (pip install 'loadopt\\[jxl]'): about a

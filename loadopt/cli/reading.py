@@ -30,8 +30,8 @@ def auto_report(results_path: Any) -> None:
 def report(
     results: list[str] = typer.Argument(..., help="results.json / measure.json files (or their folders); "
                                                   "several are compared side by side, against the first."),
-    out: str = typer.Option(None, "--out", help="Output file (default: report.html beside the first results file; "
-                                                "markdown: printed)."),
+    out: str = typer.Option(None, "--out", help="Output file.",
+                            show_default="report.html beside the first results file; markdown: printed"),
     format_: str = typer.Option("html", "--format", help="html (one self-contained page) or markdown (a table and "
                                                          "the verdict, for a pull request)."),
 ) -> None:

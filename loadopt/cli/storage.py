@@ -202,15 +202,16 @@ def _stop_code(stopped: str) -> int:
 @app.command()
 def tiers(
     config: str = typer.Argument(..., help="The config YAML whose workload (batch size, samples, step time) to serve."),
-    tier_names: str = typer.Option(None, "--tiers", help="Comma-separated tier profiles (default: the config's "
-                                                         "storage.tier when it is not local, else every profile)."),
+    tier_names: str = typer.Option(None, "--tiers", help="Comma-separated tier profiles.",
+                                   show_default="the config's storage.tier when it is not local, else every profile"),
     au: float = typer.Option(0.9, "--au", help="The mean accelerator utilisation each tier must keep."),
     max_accelerators: int = typer.Option(64, "--max-accelerators", help="Upper bound of the search."),
     readers: int = typer.Option(4, "--readers", help="Reader threads of each consumer."),
     measure: float = typer.Option(3.0, "--measure", help="Seconds measured per trial (after --warmup)."),
     warmup: float = typer.Option(1.0, "--warmup", help="Seconds of warm-up per trial."),
     budget: float = typer.Option(300.0, "--budget", help="Seconds of search per tier."),
-    capacity_tb: float = typer.Option(None, "--capacity-tb", help="TB stored, for the cost (default: the dataset's)."),
+    capacity_tb: float = typer.Option(None, "--capacity-tb", help="TB stored, for the cost.",
+                                      show_default="the dataset's"),
     out: str = typer.Option("results/tiers", "--out", help="Output folder of tiers.json."),
     backends: bool = typer.Option(True, "--backends/--no-backends", help="Also run every configured backend "
                                   "(arrow and posix decoded and encoded) through each tier, cold: the decision "
