@@ -486,9 +486,46 @@ done:
 #endif
 }
 
+/* mirror(out, height, width): each of the `height` rows of `width` HWC uint8 pixels in the C-contiguous buffer
+ * `out` mirrored left-right in place (a flipped crop resized into its slot): each row copied aside, then written
+ * back mirrored by `copy_row`, 16 pixels a step where SIMD is built. Releases the GIL. */
+static PyObject *mirror(PyObject *self, PyObject *args) {
+    PyObject *out_obj;
+    Py_ssize_t height, width;
+    if (!PyArg_ParseTuple(args, "Onn", &out_obj, &height, &width)) return NULL;
+    if (height < 0 || width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "mirror: bad height or width");
+        return NULL;
+    }
+    Py_buffer out = {0};
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    Py_ssize_t row = 3 * width;
+    if (out.len < height * row) {
+        PyErr_Format(PyExc_ValueError, "mirror: out holds %zd bytes, need %zd", out.len, height * row);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    uint8_t *aside = PyMem_RawMalloc((size_t)row);
+    if (aside == NULL) {
+        PyBuffer_Release(&out);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t y = 0; y < height; y++) {
+        uint8_t *line = (uint8_t *)out.buf + y * row;
+        memcpy(aside, line, (size_t)row);
+        copy_row(line, aside, width, 1, 0);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(aside);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"normalise", normalise, METH_VARARGS, "uint8 HWC -> float32 (x * scale + shift per channel), one pass."},
     {"crop_batch", crop_batch, METH_VARARGS, "Crop (and mirror) stored HWC uint8 images into a batch."},
+    {"mirror", mirror, METH_VARARGS, "Mirror each row of HWC uint8 pixels left-right, in place."},
     {"uncached", uncached, METH_VARARGS, "How many samples of mapped files are not all in the page cache."},
     {"read_crops", read_crops, METH_VARARGS, "Crop samples from mapped files where cached, else read through a scratch buffer."},
     {NULL, NULL, 0, NULL},

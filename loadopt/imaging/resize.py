@@ -14,10 +14,29 @@ from PIL import Image
 
 from loadopt.imaging.geometry import Box, whole_pixels
 
-try:  # OpenCV's SIMD mirror of a resized crop into its slot
+try:  # a 16-pixel SIMD row mirror, built at install where a C compiler is
+    from loadopt import _native as native
+except ImportError:  # pragma: no cover - built by `pip install`; OpenCV's mirror, else a copy, stands in
+    native = None  # type: ignore[assignment]  # None where the optional module is absent
+
+try:  # OpenCV's mirror, where the user has OpenCV (the `opencv` extra): used where the native module is not built
     import cv2
-except ImportError:  # pragma: no cover - a dependency; torch's flip (a copy) stays for installs without it
+except ImportError:
     cv2 = None  # type: ignore[assignment]  # None where the optional module is absent
+
+# Whether a resized crop can be mirrored where it lies (else the flip is one reversed strided copy into its slot).
+MIRROR_IN_PLACE = native is not None or cv2 is not None
+
+
+def mirror_in_place(pixels: np.ndarray) -> None:
+    """Mirror C-contiguous HWC uint8 pixels left-right where they lie: the native module's row mirror (8 us for
+    224 px), else OpenCV's (4 us), else a reversed copy."""
+    if native is not None:
+        native.mirror(pixels, pixels.shape[0], pixels.shape[1])
+    elif cv2 is not None:
+        cv2.flip(pixels, 1, dst=pixels)
+    else:
+        pixels[...] = pixels[:, ::-1].copy()
 
 
 def crop_resize_flip(image: Image.Image, box: Box, flip: bool, size: int) -> np.ndarray:
@@ -44,8 +63,8 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     flipped, written into `out` (CHW-shaped uint8: a slot of a batch, or the CHW view of an HWC one).
 
     `fused` (the default): an unflipped crop is resized straight into `out`; a flipped one too where
-    `out` is a view of HWC pixels (every batch ring's layout), then mirrored there in place by OpenCV
-    (it swaps each row's pixel pairs); elsewhere resized into a new tensor and mirrored into `out` by
+    `out` is a view of HWC pixels (every batch ring's layout), then mirrored there in place
+    (`mirror_in_place`); elsewhere resized into a new tensor and mirrored into `out` by
     one reversed strided copy. The same pixels as resizing into a new tensor, flipping that (a copy)
     and copying it into `out`, which `fused` False does (benchmarks/levers.py). The kernel reads the HWC
     crop as channels-last, so an HWC `out` takes its output as computed, where CHW memory costs the
@@ -54,11 +73,10 @@ def crop_resize_flip_into(pixels: np.ndarray, box: Box, flip: bool, out: torch.T
     crop = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)[:, :, top:bottom, left:right]
     size = list(out.shape[-2:])
     hwc_out = out.permute(1, 2, 0)
-    if fused and (not flip or (cv2 is not None and out.device.type == "cpu" and hwc_out.is_contiguous())):
+    if fused and (not flip or (MIRROR_IN_PLACE and out.device.type == "cpu" and hwc_out.is_contiguous())):
         resize_aa(crop, size, out.unsqueeze(0))
         if flip:
-            mirrored = hwc_out.numpy()
-            cv2.flip(mirrored, 1, dst=mirrored)
+            mirror_in_place(hwc_out.numpy())
         return
     resized = resize_aa(crop, size)[0]
     if fused and out.device.type == "cpu":  # one strided copy, no flipped temporary

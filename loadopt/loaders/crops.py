@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from loadopt.imaging.resize import crop_resize_flip_into, resize_aa
+from loadopt.imaging.resize import MIRROR_IN_PLACE, crop_resize_flip_into, mirror_in_place, resize_aa
 from loadopt.loaders import transforms
 from loadopt.loaders.transforms import Augment
 
@@ -132,15 +132,14 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
     k's (height, width, 3) frame starts at byte `starts[k]` of `sources[which[k]]`, its dims in
     `frames[k]` (see `frame_boxes`). torch's antialiased bilinear uint8 kernel (`imaging.resize`, the
     `torch` tuned path's), the GIL released; the samples split over `threads` threads of `pool`.
-    `fused`: each crop resized straight into its slot (`crop_resize_flip_into`); a flipped one resized into
-    an HWC scratch of the thread's and mirrored from there into its slot by OpenCV. The scratch is HWC
-    because torch's kernel writes an HWC target faster than a new tensor (it returns NCHW), which then
-    costs a transposing copy into the HWC slot: otherwise the flipped half of the samples would take the
-    unfused path's time. `planned`: the batch's `frame_boxes`, drawn beforehand (a producer draws the next
+    `fused`: each crop resized straight into its HWC slot, a flipped one then mirrored where it lies
+    (`mirror_in_place`): torch's kernel writes an HWC target faster than a new tensor (it returns NCHW,
+    which then costs a transposing copy into the HWC slot), so the flipped half of the samples does not take
+    the unfused path's time. `planned`: the batch's `frame_boxes`, drawn beforehand (a producer draws the next
     batch's while this one is cropped)."""
     boxes, flips = planned if planned is not None else frame_boxes(indices, frames, augment, seed, epoch)
     slots = torch.from_numpy(out).permute(0, 3, 1, 2)  # CHW views of the HWC slots
-    mirror = fused and cv2 is not None and out.flags.c_contiguous  # cv2.flip writes into a contiguous slot only
+    mirror = fused and MIRROR_IN_PLACE and out.flags.c_contiguous  # a contiguous slot is mirrored where it lies
     # Memory-mapped frames are read-only; torch only reads them here (its warning would say otherwise).
     warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
     # Python values once per batch, not numpy scalars per sample: with 2 threads sharing one GIL, every
@@ -152,8 +151,6 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
     def run(positions: np.ndarray) -> None:
         if ONE_TORCH_THREAD_EACH:  # each pool thread is one core's worth: no OpenMP team of its own per resize
             torch.set_num_threads(1)
-        scratch = np.empty(out.shape[1:], np.uint8)  # HWC, as a slot: a flipped crop resized here, then mirrored
-        scratch_nchw = torch.from_numpy(scratch).permute(2, 0, 1).unsqueeze(0)
         flat: dict[int, torch.Tensor] = {}  # each source's bytes, as a tensor the crops are strided views of
         for k in positions.tolist():
             (height, width), (left, top, right, bottom), source = dims[k], box_rows[k], sourced[k]
@@ -167,11 +164,9 @@ def crop_frames(out: np.ndarray, indices: np.ndarray, sources: Sequence[np.ndarr
             # The crop's NCHW view in one call (bounds checked against the source by torch).
             crop = torch.as_strided(flat[source], (1, 3, bottom - top, right - left),
                                     (height * width * 3, 1, width * 3, 3), places[k] + (top * width + left) * 3)
-            if flip_rows[k]:  # the same pixels: resized unflipped, then mirrored
-                resize_aa(crop, size, scratch_nchw)
-                cv2.flip(scratch, 1, dst=out[k])
-            else:
-                resize_aa(crop, size, slot_views[k])
+            resize_aa(crop, size, slot_views[k])
+            if flip_rows[k]:  # the same pixels: resized unflipped, then mirrored where they lie
+                mirror_in_place(out[k])
 
     chunks = [c for c in np.array_split(np.arange(len(indices)), min(threads, len(indices))) if len(c)]
     list((pool.map if pool is not None else map)(run, chunks))  # no pool: in this thread (one request's crop)
