@@ -89,3 +89,17 @@ def test_native_read_crops_from_mapped_files_equal_numpy(tmp_path, check):
             mapping.close()
         for fd in fds:
             os.close(fd)
+
+
+@pytest.mark.parametrize("height, width", [(224, 224), (300, 333), (64, 17), (7, 5), (1, 1)])
+def test_the_native_mirror_flips_each_row_in_place(height, width):
+    from loadopt.imaging import resize
+
+    if resize.native is None:
+        pytest.skip("loadopt._native is not built (no C compiler when loadopt was installed)")
+    pixels = np.random.default_rng(height * width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    mirrored = pixels.copy()
+    resize.mirror_in_place(mirrored)
+    assert np.array_equal(mirrored, pixels[:, ::-1])
+    with pytest.raises(ValueError, match="mirror: out holds"):
+        resize.native.mirror(mirrored, height + 1, width)
