@@ -1,6 +1,6 @@
 """The manual renders as written: every page through the Markdown that MkDocs reads (its default extensions), with no
-list run into the paragraph above it, no code span showing an escaping backslash, and no path into files that are
-not in the repository."""
+list run into the paragraph above it, no code span showing an escaping backslash, and no file named that is not in
+the repository."""
 
 import re
 from pathlib import Path
@@ -23,3 +23,14 @@ def test_the_page_renders_as_written(page):
     assert not escaped, f"a code span shows its escaping backslash (a pipe in a code span needs none): {escaped[0]}"
     outside = re.findall(r"\.\./shared/|DESIGN\.md", page.read_text())
     assert not outside, f"points at a file that is not in the repository: {outside[0]}"
+    named = [path for path in FILE_NAMED.findall(page.read_text()) if not _in_repository(path)]
+    assert not named, f"names a file that is not in the repository: {named[0]}"
+
+
+# A file of the repository named in a code span: from its top (`benchmarks/x.py`) or within the package (`bench/x.py`).
+FILE_NAMED = re.compile(r"`((?:loadopt|benchmarks|tests|examples|tools|configs|docs|bench|storage|loaders|serve|"
+                        r"measure|cli|report|procurement|imaging|schema)/[\w./-]+\.(?:py|md|yaml|c|sh|json))`")
+
+
+def _in_repository(path: str) -> bool:
+    return (ROOT / path).exists() or (ROOT / "loadopt" / path).exists()
