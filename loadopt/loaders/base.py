@@ -31,6 +31,7 @@ from loadopt.loaders.sample_transform import SampleTargets, SampleTransform
 from loadopt.loaders.sampler import EpochOrder, LoaderSampler, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
+from loadopt.recycled_memory import RecycledBuffers
 from loadopt.storage.dataset import Dataset, SampleFields
 from loadopt.storage.sources.shards import shard_table
 
@@ -185,6 +186,7 @@ class Loader(ABC, Generic[SettingsT]):
             raise DatasetError(f"{shown_name(dataset.path(index))}: {why} (set dataset.on_error: skip to skip it)")
         self._transfer = DeviceTransfer(self.device, emulate=False)
         self._intermediates: dict[tuple, torch.Tensor] = {}
+        self._handed_out = RecycledBuffers()  # the finished batches' memory on a CPU device
         self._windows: ShardWindows | None = None
         self.order()  # validates rank/world_size/batch_size now rather than at first iteration
 
@@ -400,18 +402,22 @@ class Loader(ABC, Generic[SettingsT]):
             out = finish_inputs(inputs, batch.layout, batch.normalised, self.pipeline, scratch)
         if batch.borrowed:
             if out.untyped_storage().data_ptr() == batch.inputs.untyped_storage().data_ptr():
-                out = out.clone()
+                out = self._intermediate(tuple(out.shape), out.dtype).copy_(out) if out.device.type == "cpu" \
+                    else out.clone()
             elif transfer.last.elapsed.events is not None:
                 batch.copy_done = transfer.last.elapsed.events[1]
         return out, labels
 
     def _intermediate(self, shape: tuple[int, ...], dtype: torch.dtype, purpose: str = "out") -> torch.Tensor:
         """Scratch for `finish_inputs` outside the emulated device: the transposed uint8 pixels ("nhwc"), which
-        never leave the finishing, in one buffer kept per shape; fresh memory for anything handed out.
+        never leave the finishing, in one buffer kept per shape; memory of the job's own for anything handed out
+        (on the CPU recycled once the job drops it: fresh pages cost more than the finishing).
         A fresh 9.6 MB transpose every batch (64 x 224 px) made glibc raise its mmap threshold and serve
         them from a heap that fragmented: the consumer's memory, and that of the workers forked from it
         each epoch, grew 2-3x over the first epochs of benchmarks/soak.py (not a leak: freed, not returned)."""
         if purpose != "nhwc":
+            if self.device.type == "cpu":
+                return self._handed_out.empty(shape, dtype)
             return torch.empty(shape, dtype=dtype, device=self.device)
         key = (shape, dtype)
         if key not in self._intermediates:
