@@ -52,7 +52,7 @@ class RecycledBuffers:
             buffer = free.pop()
         except IndexError:
             buffer = np.empty(nbytes, np.uint8)
-        lease: Any = self._lease_type(nbytes).from_buffer(memoryview(buffer))
+        lease: Any = self._lease_type(nbytes).from_buffer(buffer.data)
         lease.buffer, lease.home = buffer, weakref.ref(free)
         # The tensor's storage holds the NumPy array, which holds the lease: the lease dies with the last view.
         return torch.from_numpy(np.frombuffer(lease, np.uint8)).view(dtype).view(shape)
