@@ -163,7 +163,7 @@ def finishing_seconds_per_sample(config, repeats: int = 30) -> float:
     from loadopt.device import finish_inputs
 
     try:
-        from loadopt.recycled_memory import RecycledBuffers
+        from loadopt.loaders.recycled_memory import RecycledBuffers
 
         memory = RecycledBuffers()
         scratch = lambda shape, dtype, purpose="out": memory.empty(shape, dtype)  # noqa: E731

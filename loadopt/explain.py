@@ -72,14 +72,17 @@ def _recipe_differences(found: dict, config, dataset) -> list[str]:
 
 def _run_sentence(run: Run) -> str:
     from loadopt.bench.metrics import median
+    from loadopt.schema.metrics import took_no_step
 
     if run.status != "ok" or not run.metrics:
         return f"{run.label}: {run.status}: {run.reason}"
     m = run.metrics
     rate, stall = median(m, "samples_per_s") or 0.0, median(m, "stall_fraction") or 0.0
     p99, wall, wait = median(m, "wait_p99_ms"), median(m, "wall_s"), median(m, "wait_s")
-    text = f"{run.label}: {rate:,.0f} samples/s, the accelerator idle {stall:.0%} of the time"
     tail = f", wait p99 {p99:,.1f} ms" if p99 is not None else ""
+    if took_no_step(m):
+        return f"{run.label}: {rate:,.0f} samples/s, batches taken as fast as they came (no step){tail}"
+    text = f"{run.label}: {rate:,.0f} samples/s, the accelerator idle {stall:.0%} of the time"
     if stall < 0.05:
         return text + ": compute-bound, the input path keeps up"
     waiting = wait / wall if wall and wait is not None else None

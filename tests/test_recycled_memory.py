@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from loadopt import make_loader
-from loadopt.recycled_memory import RecycledBuffers
+from loadopt.loaders.recycled_memory import RecycledBuffers
 
 from .conftest import tiny_config_dict
 

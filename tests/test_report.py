@@ -361,3 +361,25 @@ def test_log_to_an_unknown_tracker_is_one_line_before_any_work(tmp_path):
         "error: --log-to tensorbored:x: unknown tracker 'tensorbored' (known: tensorboard, wandb, mlflow; e.g. "
         "tensorboard:runs/loadopt)")
     assert not (tmp_path / "cache").exists()  # refused before the dataset was made
+
+
+def test_a_bench_with_no_step_takes_batches_as_they_come_and_says_so(tmp_path):
+    """`workload.step_time_ms: 0`: the rate is the input path's alone; no stall or utilisation is shown as a figure."""
+    config = tiny_config_dict(tmp_path / "out", loaders={"torch": {"variant": "tuned", "num_workers": 1}},
+                              workload={"step_time_ms": 0, "repeats": 1, "measure_batches": 3, "warmup_batches": 1})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = loadopt("bench", path, env_cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout + proc.stderr  # the progress lines go to stderr off a terminal
+    assert "samples/s, no step" in said and "stall 100%" not in said
+    row = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("1 "))
+    assert " - " in row and "100.0%" not in row  # the stall, loader and finish columns
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["runs"][0]["metrics"]["compute_s"]["median"] == 0  # the file keeps every raw figure
+    explained = loadopt("explain", tmp_path / "out")
+    assert "batches taken as fast as they came (no step)" in explained.stdout, explained.stdout + explained.stderr
+    assert "idle" not in explained.stdout
+    markdown = loadopt("report", tmp_path / "out" / "results.json", "--format", "markdown")
+    assert "no step: batches taken as fast as they come" in markdown.stdout
+    assert "100.0%" not in markdown.stdout

@@ -98,11 +98,11 @@ class RichReporter(Reporter):
             self.progress.console.print(f"[red]{escape(label)}: failed: {escape(error)}[/]", highlight=False)
         elif metrics is not None:
             from loadopt.bench.metrics import median
+            from loadopt.schema.metrics import took_no_step
 
-            self.progress.console.print(
-                f"  {label}: {median(metrics, 'samples_per_s') or 0.0:,.0f} samples/s, "
-                f"stall {median(metrics, 'stall_fraction') or 0.0:.0%}",
-                highlight=False)
+            idle = "no step" if took_no_step(metrics) else f"stall {median(metrics, 'stall_fraction') or 0.0:.0%}"
+            self.progress.console.print(f"  {label}: {median(metrics, 'samples_per_s') or 0.0:,.0f} samples/s, {idle}",
+                                        highlight=False)
 
     def line(self, text: str) -> None:
         self.progress.console.print(escape(text), highlight=False)

@@ -20,9 +20,11 @@ if TYPE_CHECKING:  # the CLI's help stays light: the types only
 
 
 def _fmt(metrics: RunMetrics, key: str, spec: str, scale: float = 1.0) -> str:
+    """A figure of the table ("-" where not measured, or an idle share of a run that had no step)."""
     from loadopt.bench.metrics import median
+    from loadopt.schema.metrics import IDLE_FIGURES, took_no_step
 
-    value = median(metrics, key)
+    value = None if key in IDLE_FIGURES and took_no_step(metrics) else median(metrics, key)
     return "-" if value is None else format(value * scale, spec)
 
 
@@ -76,6 +78,7 @@ def verdict_lines(results: ResultsFile) -> list[str]:
     results.json, the report and `loadopt explain`; the busy-machine note is said once, by the caller)."""
     from loadopt.bench.metrics import median
     from loadopt.cli.labels import short_labels
+    from loadopt.schema.metrics import took_no_step
 
     short = short_labels(results.runs)
     by_label = {r.label: r for r in results.runs}
@@ -88,6 +91,8 @@ def verdict_lines(results: ResultsFile) -> list[str]:
         metrics = (run.metrics if run else None) or {}
         ceiling = run.ceiling if run else None
         rate, stall = median(metrics, "samples_per_s"), median(metrics, "stall_fraction")
+        if took_no_step(metrics):
+            stall = None
         parts = [f"{rate:,.0f} samples/s" if rate is not None else "no rate"]
         fraction = run.fraction_of_ceiling if run else None
         if fraction is not None and ceiling is not None and ceiling.name:
@@ -104,9 +109,10 @@ def _stall_parts(metrics: RunMetrics) -> tuple[str, str]:
     """Whose the accelerator's idle share was: the loader's (batches late) and the host finishing's (batches
     there, their copy and finishing not done), where the harness split it (not on CUDA: `-`)."""
     from loadopt.bench.metrics import median
+    from loadopt.schema.metrics import took_no_step
 
     loader, finish = median(metrics, "loader_stall_fraction"), median(metrics, "finish_stall_fraction")
-    if loader is None or finish is None:
+    if loader is None or finish is None or took_no_step(metrics):
         return "-", "-"
     return f"{loader:.1%}", f"{finish:.1%}"
 

@@ -31,7 +31,7 @@ from loadopt.loaders.sample_transform import SampleTargets, SampleTransform
 from loadopt.loaders.sampler import EpochOrder, LoaderSampler, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
-from loadopt.recycled_memory import RecycledBuffers
+from loadopt.loaders.recycled_memory import RecycledBuffers
 from loadopt.storage.dataset import Dataset, SampleFields
 from loadopt.storage.sources.shards import shard_table
 

@@ -31,7 +31,7 @@ import numpy as np
 from loadopt.errors import LoadoptError
 from loadopt.schema.ceilings import RunCeiling
 from loadopt.schema.documents import ResultsFile, SchemaError, as_dict, parse_results
-from loadopt.schema.metrics import RepeatMetrics, RunMetrics
+from loadopt.schema.metrics import IDLE_FIGURES, RepeatMetrics, RunMetrics, took_no_step
 
 OVERSHOOT = 1.1  # a run above this fraction of its ceiling shows the ceiling was measured low
 
@@ -63,7 +63,10 @@ class Run:
         return f"{self.status}: {self.reason or 'no reason given'}"
 
     def value(self, key: str) -> float | None:
-        """The median of a metric over the repeats (None when the file lacks it)."""
+        """The median of a metric over the repeats (None when the file lacks it, or an idle share of a run that
+        had no step)."""
+        if key in IDLE_FIGURES and took_no_step(self.metrics):
+            return None
         raw = self.metrics.get(key)
         if isinstance(raw, dict):
             raw = raw.get("median")
@@ -212,6 +215,8 @@ class Results:
                          f"after {w.get('warmup_batches', '?')} warm-up")
             if w.get("model") and w["model"] != "none":
                 parts.append(f"model {w['model']}")
+            elif w.get("step_time_ms") == 0:
+                parts.append("no step: batches taken as fast as they come")
             elif w.get("step_time_ms") is not None:
                 parts.append(f"emulated step {w['step_time_ms']:g} ms")
         if self.doc.get("steps"):

@@ -21,6 +21,18 @@ class Spread(TypedDict):
 RepeatMetrics = dict[str, Figure]  # the flat metrics of one repeat (loadopt.bench.metrics.step_metrics)
 RunMetrics = dict[str, Spread | Figure]  # per metric its Spread over the repeats, or the one value
 
+# The accelerator's busy and idle shares: no figures of a run that had no step to be busy with (`took_no_step`).
+IDLE_FIGURES = ("accelerator_utilisation", "stall_fraction", "loader_stall_fraction", "finish_stall_fraction")
+
+
+def took_no_step(metrics: RunMetrics | RepeatMetrics) -> bool:
+    """Whether the run had no step (`workload.step_time_ms: 0` on the emulated accelerator): it took batches as
+    fast as they came, so its rate is the input path's alone and its "stall" (100%) says nothing."""
+    compute = metrics.get("compute_s")
+    if isinstance(compute, dict):
+        compute = compute.get("median")
+    return isinstance(compute, int | float) and not isinstance(compute, bool) and compute == 0
+
 
 class DeliveredEpoch(TypedDict):
     """Which samples a rank delivered in one epoch (results.json `runs[].ranks[].delivered`)."""

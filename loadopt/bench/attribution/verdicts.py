@@ -16,7 +16,7 @@ from loadopt.loaders.base import WorkKind
 from loadopt.machine import usable_cores
 from loadopt.schema.ceilings import DECODERS, Ceilings, DecodeRates, Job, RunCeiling
 from loadopt.schema.documents import Knobs, Recipe
-from loadopt.schema.metrics import RepeatMetrics, RunMetrics
+from loadopt.schema.metrics import RepeatMetrics, RunMetrics, took_no_step
 
 CEILING_OVERSHOOT = 1.1  # a run this far above its ceiling shows the ceiling was measured low
 STALL_COMPUTE_BOUND = 0.05  # below this stall the accelerator, not the input path, sets the pace
@@ -270,8 +270,9 @@ def attribute(run_metrics: RunMetrics | RepeatMetrics, backend_label: str, ceili
         bottleneck = "compute-bound"
         text = (f"compute-bound: the accelerator is busy {1 - stall:.0%} of the time; the loader delivers "
                 f"{rate:,.0f} {unit} ({cap}); a faster input path would not speed this job up")
-    elif finishing_stalls(median(run_metrics, "loader_stall_fraction"), median(run_metrics, "finish_stall_fraction"),
-                          wait_ms, finish_ms):  # the batches are there in time: finishing stalls
+    elif not took_no_step(run_metrics) and finishing_stalls(
+            median(run_metrics, "loader_stall_fraction"), median(run_metrics, "finish_stall_fraction"), wait_ms,
+            finish_ms):  # the batches are there in time: finishing stalls (with no step, nothing waits on them)
         bottleneck = "finish-bound"
         # On a CPU-only machine the "device" is emulated on the host: its finishing competes with the loader.
         where = " (emulated on the host CPU here, sharing its cores with the loader)" if job.device == "cpu" else ""
