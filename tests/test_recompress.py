@@ -144,3 +144,42 @@ def test_reading_a_jpeg_xl_without_imagecodecs_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "imagecodecs", None)
     with pytest.raises(ConfigError, match=r"pip install 'loadopt\[jxl\]'"):
         jxl.decodable(jxl.JXL_CODESTREAM + b"\0" * 32)
+
+
+def test_through_the_shard_cache_each_jpeg_is_rebuilt_once_per_cache(served, own_cache, monkeypatch):
+    """A recompressed shard read through the shard cache: its JPEG XL members' JPEGs are rebuilt once, kept beside
+    its copy (counted in the limit), and every later read, by any process, reads them; where they cannot be kept
+    (no room) each read rebuilds its member, as before. The same bytes either way."""
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e '.[remote]')")
+    import shutil
+
+    from loadopt.storage.open import open_dataset
+
+    from .cache_serving import cache_config, folder_bytes
+
+    url, root = served
+    samples = [(f"p{i:04d}", i % 2, _photo(100 + i)) for i in range(8)]
+    write_shards(root / "photos-plain", samples, per_shard=4)
+    recompress_shards(root / "photos-plain", root / "photos-jxl")
+    shutil.copytree(root / "photos-jxl", root / "photos-jxl-tight")  # the same tars, another location: its own cache
+    rebuilds = []
+    decode = jxl.decodable
+    monkeypatch.setattr(jxl, "decodable", lambda data: rebuilds.append(1) or decode(data))
+
+    limit = 10 << 20
+    dataset = open_dataset(cache_config(f"{url}/photos-jxl", limit))
+    order = [5, 0, 7, 2, 1, 6, 3, 4]
+    assert [dataset.read(i) for i in order] == [samples[i][2] for i in order]
+    assert len(rebuilds) == 8  # each member once: the first read of a shard rebuilt all four of its members
+    counts = dataset.fs.cache_counters()
+    assert counts.derived_files == 2 and counts.derived_bytes > sum(len(s[2]) for s in samples)
+    assert folder_bytes(dataset.fs.store.folder / "files") <= limit
+    rebuilds.clear()
+    again = open_dataset(cache_config(f"{url}/photos-jxl", limit))  # another job (or worker) on the same cache
+    assert [again.read(i) for i in range(8)] == [s[2] for s in samples] and rebuilds == []
+
+    copies = sum(p.stat().st_size for p in (root / "photos-jxl").glob("*.tar"))
+    tight = open_dataset(cache_config(f"{url}/photos-jxl-tight", copies + 4096))
+    rebuilds.clear()
+    assert [tight.read(i) for i in range(8)] == [s[2] for s in samples]
+    assert len(rebuilds) == 8 and tight.fs.cache_counters().derived_files == 0  # no room beside the copies

@@ -27,11 +27,11 @@ from loadopt.device import DeviceTransfer, HostCopyDone, finish_inputs
 from loadopt.errors import DatasetError, shown_name
 from loadopt.loaders.fields import Batch, collate_fields, fields_to_carry
 from loadopt.loaders.heap import TRIM_EVERY, release_free_heap
+from loadopt.loaders.recycled_memory import RecycledBuffers
 from loadopt.loaders.sample_transform import SampleTargets, SampleTransform
 from loadopt.loaders.sampler import EpochOrder, LoaderSampler, ShardWindows
 from loadopt.loaders.serving import RequestPath, Unservable
 from loadopt.recipe import Recipe
-from loadopt.loaders.recycled_memory import RecycledBuffers
 from loadopt.storage.dataset import Dataset, SampleFields
 from loadopt.storage.sources.shards import shard_table
 

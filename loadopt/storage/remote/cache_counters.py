@@ -35,6 +35,8 @@ class CacheCounters:
     evicted_files: int = 0
     evicted_bytes: int = 0
     dead_temps: int = 0  # temporary files of killed fetches removed
+    derived_files: int = 0  # forms made once from copies and kept beside them (`ShardCacheFileSystem.derived`)
+    derived_bytes: int = 0
 
     def as_counters(self) -> dict[str, float]:
         """Under `cache_` names, as a tier's counters are kept (merged into them by `tiers.tier_counters`)."""

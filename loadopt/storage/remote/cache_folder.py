@@ -136,9 +136,10 @@ class CacheFolder:
         """Bytes the folder holds or has promised: its files, and each live fetch's reserved size."""
         return self._used(self._live_temps())
 
-    def reserve(self, entry: str, size: int, keep: Collection[str] = ()) -> Reservation | Refused:
+    def reserve(self, entry: str, size: int, keep: Collection[str] = (), evict: bool = True) -> Reservation | Refused:
         """Room for the copy of `entry` (`size` bytes), evicting the least recently used copies other than
-        `keep` and those in use, all or none of them; dead fetches' temporary files are removed first."""
+        `keep` and those in use, all or none of them (`evict=False`: none, only room already free); dead fetches'
+        temporary files are removed first."""
         self.ensure()  # the folder may have been removed while the job ran (a cache cleaned by hand)
         with self.locked():
             live = self._live_temps()
@@ -150,7 +151,7 @@ class CacheFolder:
             if size > self.limit:
                 return Refused("too_large")
             need = self._used(live) + size - self.limit
-            if need > 0 and not self._evict(need, keep):
+            if need > 0 and not (evict and self._evict(need, keep)):
                 return Refused("no_room")
             temp = self.temp(entry, os.getpid(), size)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

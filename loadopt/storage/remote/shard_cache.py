@@ -27,7 +27,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,37 @@ class ShardCacheFileSystem(fsspec.AbstractFileSystem):
             return os.pread(fd, last - first, first) if last > first else b""
         finally:
             let_go(fd)  # the copy may be evicted from now on
+
+    def derived(self, path: str, kind: str, build: Callable[[int, int], None] | None, bound: int) -> int | None:
+        """A local file derived from `path`'s copy (its `kind`, e.g. the JPEGs of its JPEG XL members), open for
+        reading and share-locked (`let_go` it after the read): built once, by `build(copy_fd, out_fd)` writing at
+        most `bound` bytes, then kept beside the copies, counted in the limit and evicted as they are (made only in
+        room already free: never at the cost of a copy), so that a form costly to make from the copy is made once
+        per cache rather than once per read. None where it is not
+        there and is not built now: no copy of `path`, no room, another thread or process building it, or no
+        `build` given (only opened)."""
+        entry = f"{self.entry(path)}.{kind}"
+        fd = self.store.open_copy(entry)
+        if fd is not None or build is None:
+            return fd
+        source = self.store.open_copy(self.entry(path))
+        if source is None:
+            return None
+        try:
+            outcome = self.store.reserve(entry, bound, evict=False)
+            if not isinstance(outcome, Reservation):
+                return self.store.open_copy(entry) if outcome.why == "cached" else None
+            try:
+                build(source, outcome.fd)
+            except BaseException:
+                self.store.abandon(outcome)
+                raise
+            written = os.fstat(outcome.fd).st_size
+            self.store.publish(outcome)
+            self.shared.add(derived_files=1, derived_bytes=written)
+        finally:
+            let_go(source)
+        return self.store.open_copy(entry)
 
     def _remote_size(self, path: str) -> int | None:
         """The file's size on the storage (a request the first time this process asks; None: not known, so

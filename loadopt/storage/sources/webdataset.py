@@ -29,6 +29,7 @@ from loadopt.imaging import jxl
 from loadopt.storage.remote import listing as remote_listing
 from loadopt.storage.remote.access import display_name, is_local_fs, open_url, redact, storage_errors, why_missing
 from loadopt.storage.remote.listing import ListedFile, ListingKey, SavedListing
+from loadopt.storage.remote.rebuilt_jpegs import RebuiltJpegs
 from loadopt.storage.sources import manifest
 from loadopt.storage.sources.format import (
     BRACE,
@@ -74,6 +75,8 @@ class WebDataset:
     shard_bounds: np.ndarray | None = None  # where each shard's samples start (then their count): its shard table
     file_keys: list[str] | None = None  # each shard's size, modification time and ETag, as listed
     field_index: dict[str, np.ndarray] = field(default_factory=dict)  # the small members' bytes (`field_arrays`)
+    # Through a shard cache: the JPEGs of recompressed shards, rebuilt once per cache (made when first needed)
+    rebuilt_jpegs: RebuiltJpegs | None = field(default=None, repr=False, compare=False)
     kind: ClassVar[str] = "images"
     source_format: ClassVar[str] = "webdataset"
 
@@ -119,6 +122,9 @@ class WebDataset:
         else one byte-range request."""
         shard = self.shards[self.shard_of[index]].decode()
         start, length = int(self.offsets[index]), int(self.sizes[index])
+        rebuilt = self._rebuilt_jpegs()
+        if rebuilt is not None and (known := rebuilt.known(shard, start)) is not None:
+            return known
         if self.is_local():
             fd = os.open(shard, os.O_RDONLY)
             try:
@@ -141,7 +147,23 @@ class WebDataset:
                 raise DatasetError(f"{shown}: {what}")
         if len(data) != length:
             raise DatasetError(f"{redact(self.path(index))}: cut short ({len(data)} of {length} bytes)")
+        if rebuilt is not None and jxl.is_jxl(data):
+            shard_id = int(self.shard_of[index])
+            made = rebuilt.rebuilt(shard, start, lambda: self._members(shard_id))
+            if made is not None:
+                return made
         return jxl.decodable(data)
+
+    def _rebuilt_jpegs(self) -> RebuiltJpegs | None:
+        """The rebuilt JPEGs of the shards read through a shard cache (None for shards read directly)."""
+        if self.rebuilt_jpegs is None and not self.is_local() and RebuiltJpegs.applies(self.fs):
+            self.rebuilt_jpegs = RebuiltJpegs(self.fs)
+        return self.rebuilt_jpegs
+
+    def _members(self, shard_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """The offsets and lengths of shard `shard_id`'s image members."""
+        mine = np.flatnonzero(self.shard_of == shard_id)
+        return self.offsets[mine], self.sizes[mine]
 
 
 def _number(field_bytes: bytes) -> int:
