@@ -14,6 +14,7 @@ idle only when a step has to wait for it (the harness says whose wait that was).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -304,14 +305,21 @@ def _normalise_channels_last(inputs: torch.Tensor, pipeline: PipelineConfig, scr
     scalar loop), bit for bit the same.
     Needs H x W divisible by 16."""
     n, h, w, c = inputs.shape
-    scale = (1.0 / (torch.tensor(pipeline.std, device=inputs.device) * 255.0)).repeat(16)
-    shift = (-torch.tensor(pipeline.mean, device=inputs.device) / torch.tensor(pipeline.std, device=inputs.device)
-             ).repeat(16)
+    scale, shift = _channel_factors(tuple(pipeline.mean), tuple(pipeline.std))
     out = scratch((n, h, w, c), torch.float32) if scratch is not None else torch.empty((n, h, w, c),
                                                                                        device=inputs.device)
     if not (inputs.device.type == "cpu" and inputs.is_contiguous() and native is not None
             and native.normalise(out.numpy(), inputs.numpy(), scale[:3].tolist(), shift[:3].tolist())):
         out.copy_(inputs)
         rows = out.view(-1, 48)
-        torch.addcmul(shift, rows, scale, out=rows)
+        torch.addcmul(shift.to(inputs.device), rows, scale.to(inputs.device), out=rows)
     return out.permute(0, 3, 1, 2)
+
+
+@functools.lru_cache(maxsize=8)
+def _channel_factors(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel scale 1 / (255 std) and shift -mean / std in float32, tiled 16 times (48 floats): computed
+    once per normalisation rather than per batch (a few small tensors a batch cost the consumer ~0.2 ms)."""
+    scale = (1.0 / (torch.tensor(std) * 255.0)).repeat(16)
+    shift = (-torch.tensor(mean) / torch.tensor(std)).repeat(16)
+    return scale, shift

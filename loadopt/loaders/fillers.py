@@ -128,10 +128,14 @@ class Filler(ABC, Generic[BufferT]):
 
     def batch(self, slot: torch.Tensor, indices: np.ndarray, failures: Failures, bytes_read: int | None) -> HostBatch:
         """The host batch over a filled slot: its images but those that failed (their positions hold garbage)."""
+        labels = self.context.dataset.labels
+        if not failures:  # the common case, for every batch: no mask to build
+            return HostBatch(slot[: len(indices)], torch.from_numpy(labels[indices]), indices, self.layout,
+                             normalised=False, failures=failures, bytes_read=bytes_read, borrowed=True)
         failed = {index for index, _ in failures}
         kept = np.array([index not in failed for index in indices.tolist()], dtype=bool)
-        inputs = slot[: len(indices)] if kept.all() else slot[: len(indices)][torch.from_numpy(kept)]
-        return HostBatch(inputs, torch.from_numpy(self.context.dataset.labels[indices[kept]]), indices[kept],
+        inputs = slot[: len(indices)][torch.from_numpy(kept)]
+        return HostBatch(inputs, torch.from_numpy(labels[indices[kept]]), indices[kept],
                          self.layout, normalised=False, failures=failures, bytes_read=bytes_read, borrowed=True)
 
 

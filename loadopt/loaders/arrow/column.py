@@ -61,7 +61,8 @@ class ArrowColumn:
         self.dims: list[list[np.ndarray]] | None = [[b.column(name).to_numpy() for name in FRAME_FIELDS]
                                                     for b in batches] \
             if batches and all(n in names for n in FRAME_FIELDS) else None
-        self._pages: set[int] = set()  # the frame dims' pages located so far, by address
+        # the frame dims' pages located so far: per (record batch, column), a flag per page of the column
+        self._pages: dict[tuple[int, int], np.ndarray] = {}
         self._samples = int(self.first_rows[-1] + batches[-1].num_rows) if batches else 0
         cuts = self.first_rows if runs is None else np.union1d(self.first_rows, np.asarray(runs, np.int64))
         self.piece_first = np.asarray(cuts[cuts < self._samples], np.int64)  # each piece's first sample
@@ -122,21 +123,25 @@ class ArrowColumn:
         for b, mine in _by_batch(which):
             for f, column in enumerate(self.dims[b]):
                 out[mine, f] = column[rows[mine]]
-                self._touch(column, rows[mine], 0)
+                self._touch(b, f, column, rows[mine])
         return out
 
-    def _touch(self, array: np.ndarray, rows: np.ndarray, extra: int) -> None:
-        """Count the pages of `array` (a mapped index column) holding `rows` (and `extra` rows after each)."""
-        address, item = array.__array_interface__["data"][0], array.itemsize
-        pages = np.unique(np.r_[address + rows * item, address + (rows + extra) * item] // _PAGE)
-        self._pages.update(pages.tolist())
+    def _touch(self, batch: int, column: int, array: np.ndarray, rows: np.ndarray) -> None:
+        """Flag the pages of `array` (a mapped index column) holding `rows` (one vectorised store a batch: the
+        consumer's thread does this for every batch)."""
+        skew = array.__array_interface__["data"][0] % _PAGE  # where the column starts in its first page
+        flags = self._pages.get((batch, column))
+        if flags is None:
+            flags = self._pages[(batch, column)] = np.zeros((skew + array.nbytes) // _PAGE + 1, bool)
+        flags[(skew + rows * array.itemsize) // _PAGE] = True
 
     def index_bytes_read(self) -> int:
         """The index this reader holds: the offsets of the pieces it located (since `forget`), the 4 KiB pages of
         frame dims holding its rows, and its tables of record batches and pieces (what a rank of a web-scale
         dataset holds, against `index_bytes`)."""
         held = sum(offsets.nbytes for offsets in list(self._pieces.values()))
-        return held + len(self._pages) * _PAGE + self.first_rows.nbytes + self.piece_first.nbytes
+        pages = sum(int(flags.sum()) for flags in list(self._pages.values()))
+        return held + pages * _PAGE + self.first_rows.nbytes + self.piece_first.nbytes
 
     def index_bytes(self) -> int:
         """The whole conversion's index: every record batch's offsets and frame dims."""
