@@ -87,7 +87,9 @@ class RingBatch(TypedDict):
     """The tuned path's batch: its pixels are in ring slot `slot`; only this travels through the queue."""
 
     slot: int
-    labels: torch.Tensor
+    # int64 class ids: an array pickled with the batch, not a tensor, which torch hands between processes through
+    # a shared-memory file and a socket (a connection accepted by the consumer's thread for every batch)
+    labels: np.ndarray
     indices: np.ndarray  # int64 dataset indices of the samples written, in order
     failures: list[tuple[int, str]]  # (index, reason) of the samples that failed
     targets: Made | None  # what a transform of (image, target) made of its samples' targets
@@ -151,7 +153,7 @@ class _Samples(torch.utils.data.Dataset):
             except Exception as exc:  # noqa: BLE001 - reported by policy in the consumer
                 failures.append((item[1], _describe_error(exc)))
         indices = np.asarray(kept, dtype=np.int64)
-        return {"slot": items[0][2], "labels": torch.from_numpy(self.dataset.labels[indices]), "indices": indices,
+        return {"slot": items[0][2], "labels": np.asarray(self.dataset.labels[indices]), "indices": indices,
                 "failures": failures, "targets": self.made_targets()}
 
     def made_targets(self) -> Made | None:
@@ -369,8 +371,8 @@ class TorchLoader(Loader[TorchSettings]):
                     ringed: RingBatch = out
                     self._give_targets(ringed["targets"])
                     inputs = ring[ringed["slot"]][: len(ringed["indices"])]
-                    previous = HostBatch(inputs, ringed["labels"], ringed["indices"], "NHWC", normalised=False,
-                                         failures=ringed["failures"], borrowed=True)
+                    previous = HostBatch(inputs, torch.from_numpy(ringed["labels"]), ringed["indices"], "NHWC",
+                                         normalised=False, failures=ringed["failures"], borrowed=True)
                     yield previous
                 else:
                     batch: WorkerBatch = out
