@@ -274,4 +274,28 @@ def _measure_remote(folder: Path, samples: int, rate_mbit: float, first_byte_ms:
             ratios.append(epoch1[ours] / epoch1[best])
     if ratios:
         results.append(ratio_result(f"remote_vs_best_peer{suffix}", ratios, ">=", 1.2))
+    for epochs in (1, 2, JOB_EPOCHS):  # a job of many epochs: its first from the tier, the others from its cache
+        jobs = {mode: [_job_seconds(run, epochs) for run in runs[mode]] for mode in SHOWN if runs.get(mode)}
+        print(f"a job of {epochs} epoch{'s' if epochs > 1 else ''}, s from its start (epoch 1 as measured, each "
+              "later one as its epoch 2): " + "; ".join(f"{mode} {spread(values, '.1f')}"
+                                                         for mode, values in jobs.items()))
+    second = []
+    for round_ in range(rounds):
+        epoch2 = {mode: run["epochs"][1]["mb_per_s"] for mode in ("loadopt", "loadopt_jxl")
+                  for run in runs.get(mode, []) if run["round"] == round_ and len(run["epochs"]) > 1}
+        if len(epoch2) == 2:
+            second.append(epoch2["loadopt_jxl"] / epoch2["loadopt"])
+    if second:  # the JPEGs given back per second from the shard cache: the recompressed tars against the plain ones
+        results.append(ratio_result(f"recompressed_epoch2_vs_plain{suffix}", second, ">=", 0.9))
     return results
+
+
+JOB_EPOCHS = 10
+
+
+def _job_seconds(run: dict, epochs: int) -> float:
+    """A job's seconds from its start to the end of epoch `epochs`: epoch 1 as measured (from its start), each later
+    epoch as long as the run's epoch 2 (from the cache)."""
+    first = run["epochs"][0]
+    later = run["epochs"][1]["seconds"] if len(run["epochs"]) > 1 else first["seconds"]
+    return first["from_start_s"] + (epochs - 1) * later
