@@ -51,6 +51,7 @@ class UserPath:
     settings: dict[str, Any] = field(default_factory=dict)
     rates: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    consumer: list[float] = field(default_factory=list)  # the training process's own CPU, us per sample
     loader: Any = None  # kept across rounds, as a training script keeps one loader over its epochs
     error: str | None = None
     ceiling: str = ""  # the key of the ceiling that bounds it (see `ceiling_of`)
@@ -130,29 +131,37 @@ def user_batches(path: UserPath):
         epoch += 1
 
 
-def tight_loop(path: UserPath, batches: int) -> tuple[float, float]:
-    """(samples/s, CPU s per 1,000 samples of the process tree) over `batches` batches after `WARMUP`."""
+def tight_loop(path: UserPath, batches: int) -> tuple[float, float, float]:
+    """(samples/s, CPU s per 1,000 samples of the process tree, the training process's own CPU us per sample: its
+    threads, the finishing among them) over `batches` batches after `WARMUP`."""
+    import resource
+
     from loadopt.bench.monitor import ProcessTreeMonitor
 
     monitor = ProcessTreeMonitor()
     stream = user_batches(path)
-    samples, start = 0, 0.0
+    samples, start, own = 0, 0.0, 0.0
     try:
         for n, inputs in enumerate(stream):
             if n == WARMUP - 1:  # the window opens when batch WARMUP is asked for
                 monitor.start()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                own = usage.ru_utime + usage.ru_stime
                 start = time.perf_counter()
             elif n >= WARMUP:
                 samples += len(inputs)
                 if n == WARMUP + batches - 1:
                     break
         wall = time.perf_counter() - start
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        own = usage.ru_utime + usage.ru_stime - own
     finally:
         stream.close()
         if monitor.running:
             monitor.stop()
-    usage = monitor.usage
-    return samples / wall, (usage.cpu_seconds / samples * 1000 if usage and samples else float("nan"))
+    tree = monitor.usage
+    return (samples / wall, tree.cpu_seconds / samples * 1000 if tree and samples else float("nan"),
+            own / samples * 1e6 if samples else float("nan"))
 
 
 def finishing_seconds_per_sample(config, repeats: int = 30) -> float:
@@ -224,12 +233,13 @@ def main() -> int:
     for round_index in range(args.rounds):
         for path in usable[round_index % len(usable):] + usable[: round_index % len(usable)]:
             try:
-                rate, cpu = tight_loop(path, args.batches)
+                rate, cpu, consumer = tight_loop(path, args.batches)
             except Exception as exc:  # noqa: BLE001 - a path that failed is a row that says why
                 path.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 continue
             path.rates.append(rate)
             path.cpu.append(cpu)
+            path.consumer.append(consumer)
         loads.append(os.getloadavg()[0])
         print(f"round {round_index + 1}/{args.rounds} done (load {loads[-1]:.1f})", flush=True)
     measured.append(ceilings(config))
@@ -240,8 +250,8 @@ def main() -> int:
     print(f"\nCeilings over {cores} cores (samples/s, the higher of before and after the rounds): "
           + ", ".join(f"{k} {v:,.0f}" for k, v in best.items())
           + f"; finishing {finish_s * 1e6:.0f} us a sample on one thread")
-    print(f"\n{'path':26} {'kind':10} {'samples/s (median, spread)':30} {'CPU s/1k':>8} {'ceiling+fin':>11} "
-          f"{'of it':>6}")
+    print(f"\n{'path':26} {'kind':10} {'samples/s (median, spread)':30} {'CPU s/1k':>8} {'loop us':>7} "
+          f"{'ceiling+fin':>11} {'of it':>6}")
     lines: list[str] = []
     for path in chosen:
         if path.error or not path.rates:
@@ -251,11 +261,14 @@ def main() -> int:
         rate = statistics.median(path.rates)
         share = rate / bound if bound else float("nan")
         print(f"{path.label:26} {path.kind:10} {rate:8,.0f} ({min(path.rates):,.0f}-{max(path.rates):,.0f}){'':8}"
-              f" {statistics.median(path.cpu):8.2f} {bound:11,.0f} {share:6.2f}")
+              f" {statistics.median(path.cpu):8.2f} {statistics.median(path.consumer):7.0f} {bound:11,.0f}"
+              f" {share:6.2f}")
     print(f"\n{args.batches} batches of {config.pipeline.batch_size} after {WARMUP} warm-up batches, second epoch, "
           f"{WORKERS} workers or threads, {args.rounds} interleaved rounds; load average {min(loads):.1f}-"
           f"{max(loads):.1f}; ceiling+fin: the path's bounding ceiling "
-          f"({', '.join(sorted({p.ceiling for p in usable}))}) with the finishing included.")
+          f"({', '.join(sorted({p.ceiling for p in usable}))}) with the finishing included; CPU s/1k: the process "
+          "tree's per 1,000 samples; loop us: the training process's own CPU per sample (its threads: the finishing, "
+          "the backend's consumer side).")
     for kind, name, peers_allowed in (("jpeg", "userloop_jpeg_vs_best_peer", None),
                                       ("predecoded", "userloop_predecoded_vs_best_peer", {"ffcv raw"})):
         ours = [p for p in usable if p.kind == kind and not p.peer and p.rates]
