@@ -383,3 +383,57 @@ def test_a_bench_with_no_step_takes_batches_as_they_come_and_says_so(tmp_path):
     markdown = loadopt("report", tmp_path / "out" / "results.json", "--format", "markdown")
     assert "no step: batches taken as fast as they come" in markdown.stdout
     assert "100.0%" not in markdown.stdout
+
+
+def test_log_to_mlflow_records_the_table_the_ceilings_the_timeline_and_the_files(real_bench, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'loadopt[mlflow]')")
+    from mlflow.tracking import MlflowClient
+
+    # a folder store: no server here (MLflow 3 asks for this to accept one; a database store needs SQLAlchemy)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+    from loadopt.report.trackers import _mlflow_key, log_results
+
+    out, _ = real_bench
+    uri = (tmp_path / "mlruns").as_uri()
+    said = log_results(out / "results.json", f"mlflow:{uri}")
+    run_id = said.rsplit(" ", 1)[-1]
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    results = json.loads((out / "results.json").read_text())
+    for setting in results["runs"]:
+        if setting["status"] == "ok":
+            key = _mlflow_key(f"samples_per_s/{setting['label']}")
+            assert run.data.metrics[key] == pytest.approx(setting["metrics"]["samples_per_s"]["median"], rel=1e-6)
+            timeline = client.get_metric_history(run_id, _mlflow_key(f"timeline/{setting['label']}/wait_ms"))
+            assert len(timeline) == sum(1 for r in pq_rows(out) if r["label"] == setting["label"] and r["measured"])
+    assert any(key.startswith("ceilings/") for key in run.data.metrics)
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"results.json", "results.md"}
+
+
+def test_log_to_wandb_offline_records_the_table_the_ceilings_the_timeline_and_the_results(real_bench, tmp_path,
+                                                                                         monkeypatch):
+    """The real W&B library, offline (no account, no network: the run is written where `wandb sync` reads it); what
+    reached its `log` is read back from the calls, its own run files for the results.json it keeps."""
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install 'loadopt[wandb]')")
+    from loadopt.report.trackers import log_results
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged: list[dict] = []
+    real_log = wandb.sdk.wandb_run.Run.log
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
+                        lambda self, data, *a, **k: (logged.append(dict(data)), real_log(self, data, *a, **k))[1])
+    out, _ = real_bench
+    files = Path(log_results(out / "results.json", "wandb:loadopt-test"))
+    assert files.is_dir() and str(files).startswith(str(tmp_path)) and list(files.parent.glob("run-*.wandb"))
+    results = json.loads((out / "results.json").read_text())
+    assert json.loads((files / "results.json").read_text()) == results
+    measured = [r for r in results["runs"] if r["status"] == "ok"]
+    table = logged[0]["table"]
+    assert isinstance(table, wandb.Table) and [row[0] for row in table.data] == [r["label"] for r in measured]
+    assert any(key.startswith("ceilings/") for key in logged[0])
+    for run in measured:
+        steps = [entry for entry in logged if f"timeline/{run['label']}/wait_ms" in entry]
+        assert len(steps) == sum(1 for r in pq_rows(out) if r["label"] == run["label"] and r["measured"])
