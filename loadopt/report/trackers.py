@@ -103,7 +103,7 @@ def _wandb(run: TrackedRun, where: str) -> str:
 
     session = wandb.init(project=where or "loadopt", name=run.name, reinit=True)
     try:
-        columns = ["setting", *TABLE_METRICS]
+        columns: list[str | int] = ["setting", *TABLE_METRICS]
         session.log({"table": wandb.Table(columns=columns, data=[[label, *(values.get(m) for m in TABLE_METRICS)]
                                                                for label, values in run.scalars.items()]),
                      **{f"ceilings/{name}": rate for name, rate in run.ceilings.items()}})

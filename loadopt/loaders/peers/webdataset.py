@@ -40,7 +40,8 @@ from loadopt.loaders.peers.base import (
 )
 from loadopt.loaders.peers.batches import CroppedSample, PeerBatch, collate
 from loadopt.storage.forms import placement
-from loadopt.storage.sources.webdataset import IMAGE_MEMBER_EXTENSIONS, WebDataset
+from loadopt.storage.sources.tar_members import IMAGE_MEMBER_EXTENSIONS
+from loadopt.storage.sources.webdataset import WebDataset
 
 
 class WebDatasetSettings(PeerSettings):

@@ -12,7 +12,6 @@ times): a second open reads no shard. A sample is then one byte-range read.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -42,16 +41,13 @@ from loadopt.storage.sources.format import (
 )
 from loadopt.storage.sources.request import IndexThrough, SourceRequest
 from loadopt.storage.sources.shards import ShardTable
-from loadopt.storage.sources.tar_fields import FIELD_MAX_BYTES, FIELDS_RULE, field_arrays, field_value
+from loadopt.storage.sources.tar_fields import FIELDS_RULE, field_arrays, field_value
+from loadopt.storage.sources.tar_members import BLOCK, ShardSamples, index_shard, is_member_header
 
 log = logging.getLogger(__name__)
 
-IMAGE_MEMBER_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "jxl")
-
-BLOCK = 512
 INDEX_BLOCK_BYTES = 8 << 20  # a remote shard's reads while it is indexed
 INDEX_STREAMS = 4  # remote shards indexed at once
-REGULAR_FILES = (b"0", b"\0", b"7")
 
 
 @dataclass
@@ -139,7 +135,7 @@ class WebDataset:
             data = remote_listing.read_listed(self.fs, shard, shown, self.listed_at, length + BLOCK, start - BLOCK,
                                               start + length)
             header, data = data[:BLOCK], data[BLOCK:]
-            if not _is_member_header(header, length):
+            if not is_member_header(header, length):
                 key = self.keys[index].decode()
                 what = f"no tar header of a {length:,}-byte member at byte {start - BLOCK:,} (sample {key})"
                 if self.listed_at is not None:
@@ -164,142 +160,6 @@ class WebDataset:
         """The offsets and lengths of shard `shard_id`'s image members."""
         mine = np.flatnonzero(self.shard_of == shard_id)
         return self.offsets[mine], self.sizes[mine]
-
-
-def _number(field_bytes: bytes) -> int:
-    """A tar header's numeric field: octal text, or GNU's base-256 (high bit set) for large values."""
-    if field_bytes[0] & 0x80:
-        return int.from_bytes(field_bytes[1:], "big")
-    text = field_bytes.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
-
-
-def _is_member_header(header: bytes, size: int) -> bool:
-    """Whether `header` is a valid tar header (its checksum) of a regular member of `size` bytes."""
-    if len(header) != BLOCK or header.count(0) == BLOCK:
-        return False
-    try:
-        checksum, stored = sum(header[:148]) + 8 * 32 + sum(header[156:]), _number(header[148:156])
-        return stored == checksum and _number(header[124:136]) == size and header[156:157] in REGULAR_FILES
-    except ValueError:  # not octal: not a header
-        return False
-
-
-def _pax_path(data: bytes) -> str | None:
-    """The `path` record of a pax extended header (`<length> <key>=<value>\\n` records)."""
-    position = 0
-    while position < len(data):
-        space = data.index(b" ", position)
-        length = int(data[position:space])
-        key, _, value = data[space + 1 : position + length - 1].partition(b"=")
-        if key == b"path":
-            return value.decode("utf-8", "surrogateescape")
-        position += length
-    return None
-
-
-def _header_name(header: bytes) -> str:
-    name = header[:100].split(b"\0", 1)[0]
-    if header[257:263] == b"ustar\0":  # POSIX ustar: a prefix field (GNU's header uses those bytes otherwise)
-        prefix = header[345:500].split(b"\0", 1)[0]
-        if prefix:
-            name = prefix + b"/" + name
-    return name.decode("utf-8", "surrogateescape")
-
-
-def tar_members(read: Callable[[int, int], bytes], total: int, shown: str) -> list[tuple[str, int, int]]:
-    """(name, data offset, size) of each regular member of a tar of `total` bytes, read header by header
-    (GNU `././@LongLink` and pax long names applied to the member they precede)."""
-    members: list[tuple[str, int, int]] = []
-    offset, long_name = 0, None
-    while offset + BLOCK <= total:
-        header = read(offset, BLOCK)
-        if header.count(0) == BLOCK:  # the end-of-archive blocks
-            return members
-        checksum = sum(header[:148]) + 8 * 32 + sum(header[156:])
-        if len(header) < BLOCK or _number(header[148:156]) != checksum:
-            raise DatasetError(f"{shown}: not a tar header at offset {offset} (damaged or not a tar shard)")
-        size, kind = _number(header[124:136]), header[156:157]
-        data = offset + BLOCK
-        if data + size > total:
-            raise DatasetError(f"{shown}: truncated at offset {offset} (a member of {size} bytes; the file ends "
-                               f"at {total})")
-        if kind == b"L":
-            long_name = read(data, size).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        elif kind == b"x":
-            long_name = _pax_path(read(data, size)) or long_name
-        elif kind in REGULAR_FILES:
-            members.append((long_name or _header_name(header), data, size))
-            long_name = None
-        elif kind != b"K" and kind != b"g":  # folders, links: no sample data
-            long_name = None
-        offset = data + -(-size // BLOCK) * BLOCK
-    if offset < total:
-        raise DatasetError(f"{shown}: truncated at offset {offset} (a partial tar header)")
-    return members
-
-
-def _sample_key(name: str) -> tuple[str, str]:
-    """(key, extension) of a member name: WebDataset's split at the first dot of the base name."""
-    folder, _, base = name.rpartition("/")
-    stem, _, extension = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), extension.lower()
-
-
-def _label(members: dict[str, tuple[int, int]], read: Callable[[int, int], bytes], label_key: str | None,
-           where: str) -> object:
-    """The sample's label as written: its `cls` member's text, or the `label_key` field of its `json` member
-    (`class_numbers` makes it a class number)."""
-    if label_key is None:
-        if "cls" not in members:
-            raise DatasetError(f"{where}: no `cls` member (members: {', '.join(members)}); set dataset.label_key "
-                               "to the field of its `json` member that holds the label")
-        return read(*members["cls"]).strip().decode("utf-8", "replace")
-    if "json" not in members:
-        raise DatasetError(f"{where}: no `json` member for dataset.label_key {label_key!r} (members: "
-                           f"{', '.join(members)})")
-    try:
-        value = json.loads(read(*members["json"]))[label_key]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"{where}: its `json` member has no field {label_key!r} ({type(exc).__name__})") from None
-    return value
-
-
-@dataclass
-class _ShardSamples:
-    offsets: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
-    labels: list[object] = field(default_factory=list)  # as written (`_label`)
-    label_members: list[str] = field(default_factory=list)  # the member each label was read from, for messages
-    left_out: list[str] = field(default_factory=list)
-    fields: list[dict[str, bytes]] = field(default_factory=list)  # each sample's small other members, by extension
-
-
-def index_shard(read: Callable[[int, int], bytes], total: int, shown: str, label_key: str | None) -> _ShardSamples:
-    """The samples of one shard: the members of each key run, its image member and its label."""
-    found = _ShardSamples()
-    runs: list[tuple[str, dict[str, tuple[int, int]]]] = []
-    for name, offset, size in tar_members(read, total, shown):
-        key, extension = _sample_key(name)
-        if not runs or runs[-1][0] != key:
-            runs.append((key, {}))
-        runs[-1][1][extension] = (offset, size)
-    for key, members in runs:
-        image = next((m for m in members if m.rsplit(".", 1)[-1] in IMAGE_MEMBER_EXTENSIONS), None)
-        if image is None:
-            found.left_out.append(f"{shown} (sample {key}: no image member; members: {', '.join(members)})")
-            continue
-        found.labels.append(_label(members, lambda start, size: read(start, size), label_key,
-                                   f"{shown} (sample {key})"))
-        found.label_members.append(f"{key}.{'cls' if label_key is None else 'json'}")
-        found.offsets.append(members[image][0])
-        found.sizes.append(members[image][1])
-        found.keys.append(key)
-        label_member = "cls" if label_key is None else None
-        found.fields.append({extension: read(*place) for extension, place in members.items()
-                             if extension not in (image, label_member) and place[1] <= FIELD_MAX_BYTES})
-    return found
 
 
 def _reader(fs: fsspec.AbstractFileSystem, name: str) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
@@ -361,7 +221,7 @@ def _index_shards(fs: fsspec.AbstractFileSystem, names: list[str], sizes: list[i
     shard_of, offsets, lengths, keys, labels, label_members, left_out = [], [], [], [], [], [], []
     fields: list[dict[str, bytes]] = []
 
-    def one(name: str, total: int) -> _ShardSamples | str:
+    def one(name: str, total: int) -> ShardSamples | str:
         shown = display_name(fs, name)
         if total == 0:  # an upload that failed part way, or a writer killed before its first sample
             return f"{shown} (an empty file: 0 bytes, no tar header)"
