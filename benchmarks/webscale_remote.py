@@ -60,7 +60,7 @@ def open_remote_part(samples: int, rounds: int) -> str:
 
 _REMOTE = """
 import json, os, sys, time
-sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 from loadopt.config import load_config
 mode, path, url = sys.argv[1:4]
 config = load_config(path, [f"dataset.path={url}", *sys.argv[4:]])
