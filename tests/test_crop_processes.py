@@ -183,8 +183,8 @@ def test_where_worker_processes_cannot_start_threads_crop_instead(tmp_path, monk
 
 
 def test_arrow_encoded_jpegs_are_decoded_by_workers_as_threads_decode_them(tmp_path):
-    """The Arrow encoded form's JPEGs go to the worker processes too (the same pixels); posix's encoded form
-    stays on its threads (read into staging buffers of its own, not mapped)."""
+    """The Arrow encoded form's JPEGs go to the worker processes too (the same pixels), and so do posix's (read into
+    staging buffers in shared memory), unless `crop_in: threads` keeps them in the loader's threads."""
     raw = tiny_config_dict(tmp_path / "out", pipeline={"augment": "train", "dtype": "uint8"})
     cfg = config_from_dict(raw, "encoded.yaml")
     dataset = open_dataset(cfg)
@@ -196,10 +196,12 @@ def test_arrow_encoded_jpegs_are_decoded_by_workers_as_threads_decode_them(tmp_p
         processes.set_epoch(epoch)
         assert_same(batches(processes), batches(threads))
     assert processes.croppers is not None and processes.croppers.alive() and len(children() - before) == 2
-    posix = PosixLoader(dataset, cfg.pipeline, PosixSettings(form="encoded", shard_mib=0.05), seed=4)
-    batches(posix)
-    assert posix.croppers is None
-    for each in (threads, processes, posix):
+    posix_threads, posix = (PosixLoader(dataset, cfg.pipeline, PosixSettings(form="encoded", shard_mib=0.05,
+                                                                             crop_in=crop_in), seed=4)
+                            for crop_in in ("threads", "processes"))
+    assert_same(batches(posix), batches(posix_threads))
+    assert posix.croppers is not None and posix_threads.croppers is None
+    for each in (threads, processes, posix_threads, posix):
         each.close()
     assert children() <= before
 
