@@ -148,6 +148,11 @@ class KvikioLoader(PosixLoader):
         self.mode = ""
         self._decoder_name = ""
 
+    def decodes_in_workers(self) -> bool:
+        """Never: its batches are read whole into device memory and decoded there (`fillers`), not by posix's crop
+        worker processes."""
+        return False
+
     @classmethod
     def available(cls) -> tuple[bool, str]:
         try:
